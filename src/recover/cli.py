@@ -1,0 +1,64 @@
+"""The ``recover`` command.
+
+Each sub-command lives next to the code it drives, in a module exposing ``register(subparsers)``
+that adds its parser and sets ``func(args) -> int``. This file only lists those modules, so the
+command stays cheap to start (torch is imported by a sub-command only when it runs).
+"""
+
+from __future__ import annotations
+
+import argparse
+import importlib
+import sys
+
+from recover import __version__
+from recover.errors import RecoverError
+
+# Modules that register sub-commands, in the order `recover --help` lists them.
+COMMAND_MODULES = (
+    "recover.train.cli",  # train, demo
+    "recover.data.cli",  # prepare
+    "recover.coord.cli",  # coordinator
+    "recover.bench.cli",  # bench ...
+)
+
+
+def build_parser() -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(
+        prog="recover",
+        description="Resilient LLM pre-training: keep the training trajectory through replica failures.",
+    )
+    parser.add_argument("--version", action="version", version=f"recover {__version__}")
+    sub = parser.add_subparsers(dest="command", metavar="COMMAND")
+    for name in COMMAND_MODULES:
+        try:
+            module = importlib.import_module(name)
+        except ModuleNotFoundError as exc:
+            if exc.name != name:
+                raise
+            continue  # a layer not built yet
+        module.register(sub)
+    return parser
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = build_parser()
+    args, extra = parser.parse_known_args(argv)
+    if args.command is None:
+        parser.print_help()
+        return 2
+    if extra and not getattr(args, "accepts_overrides", False):
+        parser.error(f"unrecognized arguments: {' '.join(extra)}")
+    args.overrides = extra
+    try:
+        return int(args.func(args) or 0)
+    except RecoverError as exc:
+        print(f"recover: error: {exc}", file=sys.stderr)
+        return 2
+    except KeyboardInterrupt:
+        print("recover: interrupted", file=sys.stderr)
+        return 130
+
+
+if __name__ == "__main__":
+    sys.exit(main())

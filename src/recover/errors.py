@@ -1,0 +1,44 @@
+"""Typed errors shared by every layer.
+
+User-facing errors derive from :class:`RecoverError`; the CLI prints them as one line
+(``recover: error: ...``) and exits with status 2, never with a traceback. Errors that are part
+of the step protocol (:class:`PeerFailure`) are caught in exactly one place, the recovery loop.
+"""
+
+from __future__ import annotations
+
+
+class RecoverError(Exception):
+    """A problem the user can fix; the message names what is wrong and how to fix it."""
+
+
+class ConfigError(RecoverError, ValueError):
+    """An invalid configuration field, preset or command-line override."""
+
+
+class DataError(RecoverError):
+    """A bad token shard, tokenizer or corpus."""
+
+
+class CheckpointError(RecoverError):
+    """A missing, incomplete or incompatible checkpoint."""
+
+
+class QuorumLost(RecoverError):
+    """Fewer live replicas than ``fault_tolerance.min_replicas``: the job stops with a checkpoint."""
+
+
+class PeerFailure(Exception):
+    """One or more replicas of ``generation`` died; raised by a fault-tolerant collective.
+
+    Attributes:
+        generation: the membership generation whose process group is now broken.
+        dead: the replica ids known to be dead (sorted, may be empty if only the backend noticed).
+    """
+
+    def __init__(self, generation: int, dead: tuple[int, ...] | list[int], reason: str = "") -> None:
+        self.generation = int(generation)
+        self.dead = tuple(sorted(int(r) for r in dead))
+        self.reason = reason
+        detail = f": {reason}" if reason else ""
+        super().__init__(f"peer failure in generation {self.generation}, dead replicas {list(self.dead)}{detail}")

@@ -1,0 +1,1 @@
+"""Observability: JSONL metrics and events, the live progress display, and plots."""

@@ -1,0 +1,63 @@
+"""Append-only JSON-lines logs (``metrics.jsonl``, ``events.jsonl``).
+
+Contract: one JSON object per line, each with ``t`` (unix time, seconds) first; lines are written
+whole and flushed at once, so a reader (the launcher, a plot, a test) never sees half a record
+and a killed writer loses at most the record it was writing. Thread-safe.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import threading
+import time
+from collections.abc import Iterator
+from pathlib import Path
+from typing import Any
+
+
+class JsonlWriter:
+    """Appends JSON objects to ``path``, one per line, flushed after each write."""
+
+    def __init__(self, path: str | os.PathLike[str]) -> None:
+        self.path = Path(path)
+        self.path.parent.mkdir(parents=True, exist_ok=True)
+        self._lock = threading.Lock()
+        self._file = open(self.path, "a", encoding="utf-8")  # noqa: SIM115 - closed in close()
+
+    def write(self, record: dict[str, Any]) -> dict[str, Any]:
+        line = json.dumps({"t": round(time.time(), 6), **record}, separators=(",", ":"))
+        with self._lock:
+            self._file.write(line + "\n")
+            self._file.flush()
+        return record
+
+    def close(self) -> None:
+        with self._lock:
+            self._file.close()
+
+    def __enter__(self) -> JsonlWriter:
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.close()
+
+
+class EventLog(JsonlWriter):
+    """``events.jsonl``: membership changes, failures, detections, recoveries, joins."""
+
+    def event(self, kind: str, **fields: Any) -> dict[str, Any]:
+        return self.write({"kind": kind, **fields})
+
+
+def read_jsonl(path: str | os.PathLike[str]) -> Iterator[dict[str, Any]]:
+    """Yields the complete records of a JSONL file; a torn last line (killed writer) is skipped."""
+    with open(path, encoding="utf-8") as f:
+        for line in f:
+            line = line.strip()
+            if not line:
+                continue
+            try:
+                yield json.loads(line)
+            except json.JSONDecodeError:
+                continue
