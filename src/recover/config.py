@@ -1,0 +1,437 @@
+"""Typed, frozen configuration: dataclasses, TOML presets and dotted command-line overrides.
+
+Contract:
+- A :class:`Config` is immutable and valid once constructed: every section checks its fields in
+  ``__post_init__`` and :class:`Config` checks the relations between sections.
+- Every problem is a :class:`~recover.errors.ConfigError` with a one-line message naming the
+  field, the value given and what is allowed (and, for a misspelt key, the closest known key).
+- Presets are TOML files (``configs/NAME.toml``); overrides are ``--section.field VALUE`` or
+  ``--section.field=VALUE`` and are applied on top of the preset, with the field's type.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import difflib
+import os
+import sys
+import types
+import typing
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+from recover.errors import ConfigError
+
+if sys.version_info >= (3, 11):
+    import tomllib
+else:  # pragma: no cover - exercised on Python 3.10 only
+    import tomli as tomllib
+
+
+def _require(ok: bool, name: str, value: Any, allowed: str) -> None:
+    if not ok:
+        raise ConfigError(f"{name} = {value!r} is not allowed: {allowed}")
+
+
+@dataclass(frozen=True)
+class ModelConfig:
+    """A Llama-style decoder-only transformer."""
+
+    vocab_size: int = 320
+    """Embedding rows; must exceed every token id in the data (byte tokenizer: 257)."""
+    dim: int = 128
+    """Residual stream width."""
+    n_layers: int = 4
+    """Transformer blocks."""
+    n_heads: int = 4
+    """Query heads; must divide ``dim``."""
+    n_kv_heads: int = 0
+    """Key/value heads for grouped-query attention; 0 means ``n_heads``."""
+    ffn_dim: int = 0
+    """SwiGLU hidden width; 0 means 8/3 * dim rounded up to ``ffn_multiple_of``."""
+    ffn_multiple_of: int = 32
+    """Rounding for the derived SwiGLU width."""
+    max_seq_len: int = 256
+    """Longest sequence the rotary table covers."""
+    rope_theta: float = 10000.0
+    """Rotary embedding base."""
+    norm_eps: float = 1e-5
+    """RMSNorm epsilon."""
+    tie_embeddings: bool = True
+    """Share the input embedding and the output projection."""
+    init_std: float = 0.02
+    """Standard deviation of the normal initialisation (output projections are scaled by depth)."""
+
+    def __post_init__(self) -> None:
+        for name in ("vocab_size", "dim", "n_layers", "n_heads", "max_seq_len", "ffn_multiple_of"):
+            value = getattr(self, name)
+            _require(isinstance(value, int) and value > 0, f"model.{name}", value, "a positive integer")
+        _require(self.dim % self.n_heads == 0, "model.n_heads", self.n_heads,
+                 f"must divide model.dim = {self.dim}")
+        _require((self.dim // self.n_heads) % 2 == 0, "model.n_heads", self.n_heads,
+                 f"head size model.dim / model.n_heads = {self.dim // self.n_heads} must be even (rotary)")
+        _require(self.n_kv_heads >= 0 and (self.n_kv_heads == 0 or self.n_heads % self.n_kv_heads == 0),
+                 "model.n_kv_heads", self.n_kv_heads, f"0 or a divisor of model.n_heads = {self.n_heads}")
+        _require(self.ffn_dim >= 0, "model.ffn_dim", self.ffn_dim, "0 (derived) or a positive integer")
+        _require(self.rope_theta > 0, "model.rope_theta", self.rope_theta, "a positive number")
+        _require(self.norm_eps > 0, "model.norm_eps", self.norm_eps, "a positive number")
+        _require(self.init_std > 0, "model.init_std", self.init_std, "a positive number")
+
+    @property
+    def kv_heads(self) -> int:
+        return self.n_kv_heads or self.n_heads
+
+    @property
+    def hidden_dim(self) -> int:
+        if self.ffn_dim:
+            return self.ffn_dim
+        hidden = int(8 * self.dim / 3)
+        return self.ffn_multiple_of * -(-hidden // self.ffn_multiple_of)
+
+
+@dataclass(frozen=True)
+class DataConfig:
+    """Where tokens come from and how a microbatch is cut."""
+
+    path: str = "builtin:stdlib"
+    """A directory of prepared shards (``recover prepare``), or ``builtin:stdlib`` (prepared on demand)."""
+    cache_dir: str = "data"
+    """Where ``builtin:`` corpora are prepared."""
+    train_pattern: str = "train_*.bin"
+    """Glob of training shards inside ``path``."""
+    val_pattern: str = "val_*.bin"
+    """Glob of validation shards inside ``path``."""
+    format: str = "auto"
+    """Shard format: ``auto``, ``llmc`` (256 x int32 header) or ``nanogpt`` (raw uint16)."""
+    seq_len: int = 128
+    """Tokens per sequence."""
+    microbatch_size: int = 4
+    """Sequences per microbatch; one microbatch is the unit of work a replica is assigned."""
+
+    def __post_init__(self) -> None:
+        _require(self.format in ("auto", "llmc", "nanogpt"), "data.format", self.format,
+                 "one of 'auto', 'llmc', 'nanogpt'")
+        _require(isinstance(self.seq_len, int) and self.seq_len > 0, "data.seq_len", self.seq_len,
+                 "a positive integer")
+        _require(isinstance(self.microbatch_size, int) and self.microbatch_size > 0,
+                 "data.microbatch_size", self.microbatch_size, "a positive integer")
+        _require(bool(self.path), "data.path", self.path, "a shard directory or 'builtin:stdlib'")
+
+
+@dataclass(frozen=True)
+class TrainingConfig:
+    """Optimisation, schedule, evaluation and checkpointing."""
+
+    steps: int = 100
+    """Committed optimizer steps to run."""
+    global_microbatches: int = 8
+    """M: microbatches in every committed step; the gradient is always divided by M."""
+    lr: float = 3e-3
+    """Peak learning rate."""
+    min_lr: float = 3e-4
+    """Learning rate at the end of the cosine decay."""
+    warmup_steps: int = 10
+    """Linear warm-up steps from 0 to ``lr``."""
+    weight_decay: float = 0.1
+    """AdamW decoupled weight decay (not applied to norms and biases)."""
+    beta1: float = 0.9
+    """AdamW beta1."""
+    beta2: float = 0.95
+    """AdamW beta2."""
+    grad_clip: float = 1.0
+    """Clip the global gradient norm to this value; 0 disables clipping."""
+    seed: int = 1234
+    """Seeds the initialisation and the data order."""
+    eval_every: int = 25
+    """Validation loss every this many steps (and at the end); 0 disables."""
+    eval_batches: int = 4
+    """Validation microbatches per evaluation."""
+    checkpoint_every: int = 0
+    """Save a checkpoint every this many steps (and at the end when > 0); 0 disables."""
+    threads: int = 0
+    """torch intra-op threads per process; 0 means cores / local processes."""
+    deterministic: bool = False
+    """Accumulate and reduce gradients in float64 so a step does not depend on who computed what."""
+    assignment: str = "blocks"
+    """Failure-free ids -> replicas: ``blocks``, ``strided`` or ``shuffled`` (the trajectory is the same)."""
+
+    def __post_init__(self) -> None:
+        for name in ("steps", "global_microbatches", "eval_batches"):
+            value = getattr(self, name)
+            _require(isinstance(value, int) and value > 0, f"training.{name}", value, "a positive integer")
+        for name in ("warmup_steps", "eval_every", "checkpoint_every", "threads", "seed"):
+            value = getattr(self, name)
+            _require(isinstance(value, int) and value >= 0, f"training.{name}", value,
+                     "a non-negative integer")
+        _require(self.lr > 0, "training.lr", self.lr, "a positive number")
+        _require(0 <= self.min_lr <= self.lr, "training.min_lr", self.min_lr,
+                 f"between 0 and training.lr = {self.lr}")
+        _require(self.weight_decay >= 0, "training.weight_decay", self.weight_decay, "a number >= 0")
+        _require(0 <= self.beta1 < 1, "training.beta1", self.beta1, "a number in [0, 1)")
+        _require(0 <= self.beta2 < 1, "training.beta2", self.beta2, "a number in [0, 1)")
+        _require(self.grad_clip >= 0, "training.grad_clip", self.grad_clip, "a number >= 0 (0 disables)")
+        _require(self.assignment in ("blocks", "strided", "shuffled"), "training.assignment", self.assignment,
+                 "one of 'blocks', 'strided', 'shuffled'")
+        _require(self.warmup_steps <= self.steps, "training.warmup_steps", self.warmup_steps,
+                 f"at most training.steps = {self.steps}")
+
+
+@dataclass(frozen=True)
+class ParallelConfig:
+    """How many replicas, and how the ranks inside one replica split the model."""
+
+    replicas: int = 1
+    """Data-parallel replicas (the failure unit); the fault-tolerant axis across them is layer 1's."""
+    pp: int = 1
+    """Pipeline stages inside a replica."""
+    tp: int = 1
+    """Tensor-parallel degree inside a replica."""
+    fsdp: int = 1
+    """FSDP2 shard degree inside a replica (HSDP when replicas > 1)."""
+    backend: str = "auto"
+    """Collective backend: ``auto`` (NCCL on GPU, gloo on CPU), ``gloo`` or ``nccl``."""
+
+    def __post_init__(self) -> None:
+        for name in ("replicas", "pp", "tp", "fsdp"):
+            value = getattr(self, name)
+            _require(isinstance(value, int) and value > 0, f"parallel.{name}", value, "a positive integer")
+        _require(self.backend in ("auto", "gloo", "nccl"), "parallel.backend", self.backend,
+                 "one of 'auto', 'gloo', 'nccl'")
+
+    @property
+    def procs_per_replica(self) -> int:
+        return self.pp * self.tp * self.fsdp
+
+
+@dataclass(frozen=True)
+class FaultToleranceConfig:
+    """Failure detection and recovery limits."""
+
+    min_replicas: int = 1
+    """Below this many live replicas the job saves a checkpoint and stops."""
+    heartbeat_interval_s: float = 0.1
+    """How often a worker tells the coordinator it is alive."""
+    heartbeat_timeout_s: float = 1.0
+    """Silence after which a worker counts as frozen (SIGSTOP, livelock)."""
+    collective_timeout_s: float = 60.0
+    """Backend timeout of a generation's process group (a last resort: failures end waits first)."""
+    intra_replica_timeout_s: float = 30.0
+    """Backend timeout of the groups inside a replica (pipeline sends, TP and FSDP collectives)."""
+
+    def __post_init__(self) -> None:
+        _require(isinstance(self.min_replicas, int) and self.min_replicas >= 1,
+                 "fault_tolerance.min_replicas", self.min_replicas, "an integer >= 1")
+        for name in ("heartbeat_interval_s", "heartbeat_timeout_s", "collective_timeout_s",
+                     "intra_replica_timeout_s"):
+            value = getattr(self, name)
+            _require(value > 0, f"fault_tolerance.{name}", value, "a positive number of seconds")
+        _require(self.heartbeat_interval_s < self.heartbeat_timeout_s, "fault_tolerance.heartbeat_interval_s",
+                 self.heartbeat_interval_s,
+                 f"less than fault_tolerance.heartbeat_timeout_s = {self.heartbeat_timeout_s}")
+
+
+@dataclass(frozen=True)
+class Config:
+    """The whole job."""
+
+    name: str = "custom"
+    """Preset name, for logs."""
+    model: ModelConfig = field(default_factory=ModelConfig)
+    data: DataConfig = field(default_factory=DataConfig)
+    training: TrainingConfig = field(default_factory=TrainingConfig)
+    parallel: ParallelConfig = field(default_factory=ParallelConfig)
+    fault_tolerance: FaultToleranceConfig = field(default_factory=FaultToleranceConfig)
+
+    def __post_init__(self) -> None:
+        m, p = self.training.global_microbatches, self.parallel
+        balanced = p.replicas * p.fsdp
+        _require(m % balanced == 0, "training.global_microbatches", m,
+                 f"a multiple of parallel.replicas x parallel.fsdp = {balanced}, so the failure-free "
+                 "step gives every rank the same number of microbatches")
+        _require(self.data.seq_len <= self.model.max_seq_len, "data.seq_len", self.data.seq_len,
+                 f"at most model.max_seq_len = {self.model.max_seq_len}")
+        _require(self.model.n_heads % p.tp == 0 and self.model.kv_heads % p.tp == 0, "parallel.tp", p.tp,
+                 f"must divide model.n_heads = {self.model.n_heads} and the kv heads = {self.model.kv_heads}")
+        _require(self.model.n_layers >= p.pp, "parallel.pp", p.pp,
+                 f"at most model.n_layers = {self.model.n_layers}")
+        _require(self.fault_tolerance.min_replicas <= p.replicas, "fault_tolerance.min_replicas",
+                 self.fault_tolerance.min_replicas, f"at most parallel.replicas = {p.replicas}")
+
+    def to_dict(self) -> dict[str, Any]:
+        return dataclasses.asdict(self)
+
+    def replace(self, overrides: dict[str, Any]) -> Config:
+        """A copy with ``{"section.field": value}`` overrides applied (values already typed)."""
+        return from_dict(_merge(self.to_dict(), _nest(overrides)))
+
+
+_SECTION_TYPES = {
+    "model": ModelConfig,
+    "data": DataConfig,
+    "training": TrainingConfig,
+    "parallel": ParallelConfig,
+    "fault_tolerance": FaultToleranceConfig,
+}
+
+
+def _field_types(cls: type) -> dict[str, Any]:
+    hints = typing.get_type_hints(cls)
+    return {f.name: hints[f.name] for f in dataclasses.fields(cls)}
+
+
+def _coerce(name: str, value: Any, typ: Any) -> Any:
+    """Checks (TOML) or parses (CLI strings) ``value`` as ``typ``; ConfigError on mismatch."""
+    origin = typing.get_origin(typ)
+    if origin in (typing.Union, types.UnionType):
+        args = [a for a in typing.get_args(typ) if a is not type(None)]
+        if value is None or (isinstance(value, str) and value.lower() in ("none", "null")):
+            return None
+        typ = args[0]
+    from_cli = isinstance(value, str) and typ is not str
+    try:
+        if typ is bool:
+            if isinstance(value, bool):
+                return value
+            if from_cli and value.lower() in ("true", "1", "yes", "on"):
+                return True
+            if from_cli and value.lower() in ("false", "0", "no", "off"):
+                return False
+            raise ValueError
+        if typ is int:
+            if isinstance(value, bool) or not (isinstance(value, int) or from_cli):
+                raise ValueError
+            return int(value.replace("_", "")) if from_cli else value
+        if typ is float:
+            if isinstance(value, bool) or not (isinstance(value, (int, float)) or from_cli):
+                raise ValueError
+            return float(value)
+        if typ is str:
+            if not isinstance(value, str):
+                raise ValueError
+            return value
+    except ValueError:
+        pass
+    else:
+        return value
+    raise ConfigError(f"{name} = {value!r} is not allowed: expected {getattr(typ, '__name__', typ)}")
+
+
+def _unknown(name: str, known: list[str]) -> ConfigError:
+    close = difflib.get_close_matches(name, known, n=1)
+    hint = f"; did you mean {close[0]!r}?" if close else f"; known: {', '.join(sorted(known))}"
+    return ConfigError(f"unknown config key {name!r}{hint}")
+
+
+def from_dict(raw: dict[str, Any]) -> Config:
+    """Builds a validated Config from nested plain data (a parsed TOML file)."""
+    known_top = ["name", *_SECTION_TYPES]
+    kwargs: dict[str, Any] = {}
+    for key, value in raw.items():
+        if key == "name":
+            kwargs["name"] = _coerce("name", value, str)
+            continue
+        if key not in _SECTION_TYPES:
+            raise _unknown(key, known_top)
+        if not isinstance(value, dict):
+            raise ConfigError(f"[{key}] must be a table of fields, got {value!r}")
+        cls = _SECTION_TYPES[key]
+        types_ = _field_types(cls)
+        fields_ = {}
+        for fname, fvalue in value.items():
+            full = f"{key}.{fname}"
+            if fname not in types_:
+                raise _unknown(full, [f"{key}.{n}" for n in types_])
+            fields_[fname] = _coerce(full, fvalue, types_[fname])
+        kwargs[key] = cls(**fields_)
+    return Config(**kwargs)
+
+
+def _nest(flat: dict[str, Any]) -> dict[str, Any]:
+    nested: dict[str, Any] = {}
+    for key, value in flat.items():
+        section, _, fname = key.partition(".")
+        if not fname:
+            nested[section] = value
+        else:
+            nested.setdefault(section, {})[fname] = value
+    return nested
+
+
+def _merge(base: dict[str, Any], over: dict[str, Any]) -> dict[str, Any]:
+    out = dict(base)
+    for key, value in over.items():
+        if isinstance(value, dict) and isinstance(out.get(key), dict):
+            out[key] = _merge(out[key], value)
+        else:
+            out[key] = value
+    return out
+
+
+def parse_overrides(args: list[str]) -> dict[str, str]:
+    """``["--training.steps", "50", "--model.dim=64"]`` -> ``{"training.steps": "50", "model.dim": "64"}``."""
+    out: dict[str, str] = {}
+    i = 0
+    while i < len(args):
+        arg = args[i]
+        if not arg.startswith("--") or "." not in arg:
+            raise ConfigError(f"unexpected argument {arg!r}: overrides look like --section.field VALUE "
+                              "(e.g. --training.steps 50)")
+        key = arg[2:]
+        if "=" in key:
+            key, value = key.split("=", 1)
+        else:
+            if i + 1 >= len(args):
+                raise ConfigError(f"override --{key} has no value: write --{key} VALUE")
+            i += 1
+            value = args[i]
+        out[key] = value
+        i += 1
+    return out
+
+
+def preset_dirs() -> list[Path]:
+    """Where presets are looked up: $RECOVER_CONFIGS, ./configs, and the source tree's configs/."""
+    dirs = []
+    if os.environ.get("RECOVER_CONFIGS"):
+        dirs.append(Path(os.environ["RECOVER_CONFIGS"]))
+    dirs.append(Path.cwd() / "configs")
+    dirs.append(Path(__file__).resolve().parents[2] / "configs")
+    return dirs
+
+
+def available_presets() -> list[str]:
+    names = {p.stem for d in preset_dirs() if d.is_dir() for p in d.glob("*.toml")}
+    return sorted(names)
+
+
+def resolve_preset(name_or_path: str) -> Path:
+    path = Path(name_or_path)
+    if path.suffix == ".toml" or os.sep in name_or_path:
+        if not path.is_file():
+            raise ConfigError(f"config file {name_or_path!r} does not exist")
+        return path
+    for d in preset_dirs():
+        candidate = d / f"{name_or_path}.toml"
+        if candidate.is_file():
+            return candidate
+    raise ConfigError(f"unknown preset {name_or_path!r}; available: {', '.join(available_presets()) or 'none'} "
+                      "(or give a path to a .toml file)")
+
+
+def load_config(preset: str, overrides: list[str] | dict[str, str] | None = None) -> Config:
+    """Loads a preset (name or .toml path) and applies dotted overrides (CLI strings or typed values)."""
+    path = resolve_preset(preset)
+    try:
+        raw = tomllib.loads(path.read_text(encoding="utf-8"))
+    except tomllib.TOMLDecodeError as exc:
+        raise ConfigError(f"config file {path} is not valid TOML: {exc}") from None
+    raw.setdefault("name", path.stem)
+    if overrides:
+        flat = parse_overrides(overrides) if isinstance(overrides, list) else dict(overrides)
+        for key in flat:
+            section, _, fname = key.partition(".")
+            if section not in _SECTION_TYPES:
+                raise _unknown(section if not fname else key, [*_SECTION_TYPES, "name"])
+        raw = _merge(raw, _nest(flat))
+    return from_dict(raw)

@@ -1,0 +1,73 @@
+"""``recover prepare``: tokenise text (or the built-in stdlib corpus) into train/val token shards.
+
+Contract: exactly one source, positional inputs or ``--builtin``; writes shards and ``meta.json``
+under ``--out`` (see :mod:`recover.data.prepare`) and prints a one-paragraph summary. A re-run with
+the same inputs and options skips the work. Heavy imports happen only when the command runs.
+"""
+
+from __future__ import annotations
+
+import argparse
+from pathlib import Path
+
+from recover.errors import DataError
+
+BUILTINS = ("stdlib",)  # mirrors recover.data.prepare.BUILTIN_CORPORA without importing numpy
+
+
+def register(sub: argparse._SubParsersAction) -> None:
+    """Add the ``prepare`` sub-command to ``sub``."""
+    p = sub.add_parser(
+        "prepare",
+        help="tokenise text files (or a built-in corpus) into train/val token shards",
+        description="Tokenise text files or directories (or --builtin stdlib, which needs no network) into "
+        "train/val token shards plus meta.json. Files are split into train/val by a stable hash of "
+        "their relative path.",
+    )
+    p.add_argument("inputs", nargs="*", type=Path, help="text files or directories (searched recursively)")
+    p.add_argument("--builtin", choices=BUILTINS, help="an embedded corpus instead of inputs")
+    p.add_argument("--out", required=True, type=Path, help="output directory for shards and meta.json")
+    p.add_argument("--tokenizer", default="byte", help="'byte' (default) or a HuggingFace tokenizer.json")
+    p.add_argument("--val-fraction", type=float, default=0.05, help="share of files for validation (0.05)")
+    p.add_argument("--format", dest="fmt", choices=("llmc", "nanogpt"), default="llmc", help="shard format")
+    p.add_argument("--shard-tokens", type=int, default=50_000_000, help="tokens per shard (50000000)")
+    p.add_argument("--max-bytes", type=int, default=None, help="read at most this many bytes of text")
+    p.add_argument("--quiet", action="store_true", help="no progress bar")
+    p.set_defaults(func=run)
+
+
+def summary(meta: dict, out_dir: Path) -> str:
+    """One paragraph describing what ``meta`` (from prepare) holds."""
+    train, val = meta["train"], meta["val"]
+    head = "Already prepared (meta.json matches, nothing redone)" if meta.get("skipped") else "Prepared"
+    return (
+        f"{head}: {train['tokens']:,} train tokens from {train['files']} file(s) in {len(train['shards'])} "
+        f"shard(s) and {val['tokens']:,} val tokens from {val['files']} file(s) in {len(val['shards'])} "
+        f"shard(s), tokenizer {meta['tokenizer']} (vocab {meta['vocab_size']}), {meta['format']} format, "
+        f"source {meta['source']}, written to {out_dir}/."
+    )
+
+
+def run(args: argparse.Namespace) -> int:
+    if bool(args.inputs) == bool(args.builtin):
+        which = "both inputs and --builtin" if args.inputs else "neither inputs nor --builtin"
+        raise DataError(
+            f"recover prepare got {which}; give text files/directories, or --builtin stdlib "
+            "(e.g. `recover prepare --builtin stdlib --out data/stdlib`)"
+        )
+    from recover.data.prepare import prepare_builtin, prepare_files
+
+    options = dict(
+        tokenizer=args.tokenizer,
+        val_fraction=args.val_fraction,
+        fmt=args.fmt,
+        shard_tokens=args.shard_tokens,
+        max_bytes=args.max_bytes,
+        quiet=args.quiet,
+    )
+    if args.builtin:
+        meta = prepare_builtin(args.builtin, args.out, **options)
+    else:
+        meta = prepare_files(args.inputs, args.out, **options)
+    print(summary(meta, args.out))
+    return 0

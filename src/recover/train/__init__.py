@@ -1,0 +1,1 @@
+"""The trainer: composes model, data, optimizer, checkpoints and (later) the protocol layers."""

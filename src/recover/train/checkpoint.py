@@ -1,0 +1,156 @@
+"""Checkpoints with ``torch.distributed.checkpoint`` (DCP), visible only once complete.
+
+Layout: ``CKPT_ROOT/step_000010/`` holds the DCP files (model, optimizer, RNG) and ``meta.json``
+(step, data cursor, model config, tokens). It is written as ``step_000010.partial/`` first; the
+``COMMITTED`` marker is written and fsynced last and the directory renamed into place, so a
+checkpoint directory without the marker (a save killed halfway) is never loaded and never
+replaces an older complete one.
+
+Contract:
+- :func:`save_checkpoint` is called by every rank that holds a shard of the state (with the
+  group they share), or by one rank with ``process_group=None`` when every rank holds a full copy.
+- :func:`latest_checkpoint` returns the newest complete checkpoint or None.
+- :func:`load_checkpoint` restores model and optimizer in place and returns the metadata; a
+  checkpoint written for another model shape is refused with a :class:`CheckpointError`.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+import os
+import re
+import shutil
+import warnings
+from pathlib import Path
+from typing import Any
+
+import torch
+import torch.distributed.checkpoint as dcp
+from torch import nn
+from torch.distributed.checkpoint.state_dict import get_state_dict, set_state_dict
+
+from recover.config import ModelConfig
+from recover.errors import CheckpointError
+
+MARKER = "COMMITTED"
+_NAME = re.compile(r"^step_(\d{6,})$")
+
+
+def checkpoint_path(root: str | os.PathLike[str], step: int) -> Path:
+    return Path(root) / f"step_{step:06d}"
+
+
+def _state(model: nn.Module, optimizer: torch.optim.Optimizer) -> dict[str, Any]:
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore", FutureWarning)
+        model_sd, optim_sd = get_state_dict(model, optimizer)
+    return {"model": model_sd, "optim": optim_sd, "rng": {"cpu": torch.get_rng_state()}}
+
+
+def save_checkpoint(root: str | os.PathLike[str], step: int, model: nn.Module,
+                    optimizer: torch.optim.Optimizer, meta: dict[str, Any], model_cfg: ModelConfig,
+                    process_group: Any = None, is_writer: bool = True) -> Path:
+    """Saves the state after ``step`` committed steps; returns the final directory.
+
+    Args:
+        meta: JSON-serialisable extras (data cursor, tokens, ...), stored in ``meta.json``.
+        process_group: the group whose ranks share the state's shards; None saves from this rank alone.
+        is_writer: the one rank that writes ``meta.json``, the marker and renames the directory.
+    """
+    final = checkpoint_path(root, step)
+    partial = final.with_name(final.name + ".partial")
+    if is_writer:
+        shutil.rmtree(partial, ignore_errors=True)
+        partial.mkdir(parents=True)
+    if process_group is not None:
+        torch.distributed.barrier(group=process_group)
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore", FutureWarning)
+        dcp.save(_state(model, optimizer), checkpoint_id=str(partial), process_group=process_group,
+                 no_dist=process_group is None)
+    if is_writer:
+        record = {"step": step, "model": dataclasses.asdict(model_cfg), **meta}
+        (partial / "meta.json").write_text(json.dumps(record, indent=1))
+        _write_synced(partial / MARKER, json.dumps({"step": step}))
+        if final.exists():  # an older save of the same step: replace it only now
+            shutil.rmtree(final)
+        os.replace(partial, final)
+        _fsync_dir(final.parent)
+    return final
+
+
+def _write_synced(path: Path, text: str) -> None:
+    with open(path, "w", encoding="utf-8") as f:
+        f.write(text)
+        f.flush()
+        os.fsync(f.fileno())
+
+
+def _fsync_dir(path: Path) -> None:
+    fd = os.open(path, os.O_RDONLY)
+    try:
+        os.fsync(fd)
+    finally:
+        os.close(fd)
+
+
+def list_checkpoints(root: str | os.PathLike[str]) -> list[tuple[int, Path]]:
+    """Complete checkpoints under ``root`` as (step, path), oldest first."""
+    root = Path(root)
+    if not root.is_dir():
+        return []
+    found = []
+    for child in root.iterdir():
+        match = _NAME.match(child.name)
+        if match and (child / MARKER).is_file():
+            found.append((int(match.group(1)), child))
+    return sorted(found)
+
+
+def latest_checkpoint(root: str | os.PathLike[str]) -> Path | None:
+    found = list_checkpoints(root)
+    return found[-1][1] if found else None
+
+
+def read_meta(path: str | os.PathLike[str]) -> dict[str, Any]:
+    path = Path(path)
+    if not (path / MARKER).is_file():
+        raise CheckpointError(f"{path} is not a complete checkpoint (no {MARKER} marker): it was "
+                              "interrupted while saving; resume from an older one or start afresh")
+    try:
+        return json.loads((path / "meta.json").read_text())
+    except (OSError, json.JSONDecodeError) as exc:
+        raise CheckpointError(f"{path}/meta.json is unreadable ({exc}); the checkpoint is damaged") from None
+
+
+def check_compatible(meta: dict[str, Any], model_cfg: ModelConfig, path: Path) -> None:
+    saved = meta.get("model", {})
+    current = dataclasses.asdict(model_cfg)
+    diffs = [f"model.{k}: checkpoint {saved.get(k)!r}, this run {v!r}" for k, v in current.items()
+             if saved.get(k) != v]
+    if diffs:
+        raise CheckpointError(f"checkpoint {path} was written for another model ({'; '.join(diffs)}); "
+                              "resume with the same model config, or use a new --out directory")
+
+
+def load_checkpoint(path: str | os.PathLike[str], model: nn.Module, optimizer: torch.optim.Optimizer,
+                    model_cfg: ModelConfig, process_group: Any = None) -> dict[str, Any]:
+    """Restores model, optimizer and RNG from a complete checkpoint; returns its ``meta.json``."""
+    path = Path(path)
+    meta = read_meta(path)
+    check_compatible(meta, model_cfg, path)
+    state = _state(model, optimizer)
+    try:
+        with warnings.catch_warnings():
+            warnings.simplefilter("ignore", FutureWarning)
+            dcp.load(state, checkpoint_id=str(path), process_group=process_group,
+                     no_dist=process_group is None)
+    except Exception as exc:  # DCP raises a variety of errors on damaged files
+        raise CheckpointError(f"checkpoint {path} could not be read ({type(exc).__name__}: "
+                              f"{str(exc).splitlines()[0] if str(exc) else ''}); it is damaged") from None
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore", FutureWarning)
+        set_state_dict(model, optimizer, model_state_dict=state["model"], optim_state_dict=state["optim"])
+    torch.set_rng_state(state["rng"]["cpu"])
+    return meta

@@ -1,0 +1,222 @@
+"""The trainer: plain PyTorch training with the step expressed in microbatch ids.
+
+One step, failure-free:
+    ids = the ids this replica owns at ``step``       (a static assignment here; layer 3 later)
+    for id in ids: forward, backward, fold into the accumulator and the ledger
+    reduced = reducer.allreduce(accumulator.payload())  (on copies; layer 1 later)
+    check the reduced microbatch count == M, then grad = sum / M, clip, AdamW step
+
+Contract: the samples of microbatch ``id`` at ``step`` are a pure function of (seed, step, id),
+the gradient is always divided by the constant M, and the learning rate and data cursor are
+functions of the committed step: so any assignment of ids to ranks, and any resume from a
+checkpoint, follows the same trajectory up to floating-point summation order (and bitwise in
+deterministic mode).
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import time
+from dataclasses import asdict
+from pathlib import Path
+from typing import Any
+
+import torch
+
+from recover.config import Config, DataConfig
+from recover.data import EvalSampler, Sampler, TokenDataset, prepare_builtin
+from recover.errors import ConfigError, RecoverError
+from recover.model import build_model, lm_loss, model_stats
+from recover.observe.events import JsonlWriter
+from recover.observe.progress import ProgressDisplay
+from recover.recovery.accumulator import GradAccumulator
+from recover.train import checkpoint as ckpt
+from recover.train.dist import DistContext, DistReducer, LocalReducer
+from recover.train.optim import build_optimizer, lr_at, set_lr
+from recover.workload import static_assignment
+
+BUILTIN_PREFIX = "builtin:"
+
+
+def resolve_data_dir(cfg: DataConfig, prepare: bool = True, quiet: bool = False) -> Path:
+    """The shard directory of ``cfg.path``; ``builtin:NAME`` is prepared on first use."""
+    if cfg.path.startswith(BUILTIN_PREFIX):
+        name = cfg.path[len(BUILTIN_PREFIX):]
+        out = Path(cfg.cache_dir) / name
+        if prepare:
+            prepare_builtin(name, out, quiet=quiet)
+        return out
+    path = Path(cfg.path)
+    if not path.is_dir():
+        raise ConfigError(f"data.path = {cfg.path!r} is not a directory; prepare one with "
+                          "`recover prepare FILES --out DIR` or use 'builtin:stdlib'")
+    return path
+
+
+def open_datasets(cfg: DataConfig, data_dir: Path, vocab_size: int) -> tuple[TokenDataset, TokenDataset]:
+    train = TokenDataset(str(data_dir / cfg.train_pattern), fmt=cfg.format)
+    val = TokenDataset(str(data_dir / cfg.val_pattern), fmt=cfg.format)
+    for ds in (train, val):
+        ds.check_vocab(vocab_size)
+    return train, val
+
+
+def default_threads(cfg: Config, local_procs: int) -> int:
+    if cfg.training.threads:
+        return cfg.training.threads
+    return max(1, (os.cpu_count() or 1) // max(1, local_procs))
+
+
+class Trainer:
+    """Trains ``cfg`` in this process as data-parallel rank ``ctx.rank`` of ``ctx.world_size``."""
+
+    def __init__(self, cfg: Config, out_dir: str | os.PathLike[str], ctx: DistContext | None = None,
+                 resume: bool = False, quiet: bool = False) -> None:
+        self.cfg = cfg
+        self.ctx = ctx or DistContext()
+        self.out = Path(out_dir)
+        self.main = self.ctx.is_main
+        tc = cfg.training
+        if tc.global_microbatches % self.ctx.world_size:
+            raise ConfigError(f"training.global_microbatches = {tc.global_microbatches} is not allowed: "
+                              f"must be a multiple of the {self.ctx.world_size} data-parallel processes")
+        torch.set_num_threads(default_threads(cfg, self.ctx.local_world_size))
+        # Unseen vocabulary rows get ~1e-20 gradients whose squares are subnormal in AdamW's state:
+        # on CPUs subnormal arithmetic is ~100x slower, so flush them to zero (no effect on GPUs).
+        torch.set_flush_denormal(True)
+        data_dir = resolve_data_dir(cfg.data, prepare=self.ctx.local_rank == 0, quiet=quiet or not self.main)
+        if self.ctx.world_size > 1:
+            torch.distributed.barrier()
+        self.train_data, self.val_data = open_datasets(cfg.data, data_dir, cfg.model.vocab_size)
+        self.sampler = Sampler(self.train_data, cfg.data.seq_len, cfg.data.microbatch_size,
+                               tc.global_microbatches, tc.seed)
+        self.eval_sampler = EvalSampler(self.val_data, cfg.data.seq_len, cfg.data.microbatch_size)
+        self.model = build_model(cfg.model, tc.seed, self.ctx.device)
+        self.optimizer = build_optimizer(self.model, tc)
+        self.acc = GradAccumulator(self.model, deterministic=tc.deterministic)
+        self.reducer = DistReducer() if self.ctx.world_size > 1 else LocalReducer()
+        self.stats = model_stats(cfg.model, cfg.data.seq_len)
+        self.tokens_per_step = tc.global_microbatches * cfg.data.microbatch_size * cfg.data.seq_len
+        self.start_step = 0
+        self.total_tokens = 0
+        if resume:
+            self._resume()
+
+    # ---- state -----------------------------------------------------------------------------
+    @property
+    def checkpoint_dir(self) -> Path:
+        return self.out / "checkpoints"
+
+    def _resume(self) -> None:
+        path = ckpt.latest_checkpoint(self.checkpoint_dir)
+        if path is None:
+            raise RecoverError(f"--resume: no complete checkpoint under {self.checkpoint_dir}; "
+                               "run without --resume to start afresh")
+        meta = ckpt.load_checkpoint(path, self.model, self.optimizer, self.cfg.model)
+        self.start_step = int(meta["step"])
+        self.total_tokens = int(meta.get("total_tokens", self.start_step * self.tokens_per_step))
+        if self.main:
+            print(f"resumed from {path} (step {self.start_step})", flush=True)
+
+    def save(self, step: int) -> Path:
+        """Checkpoint after ``step`` committed steps (every rank holds a full copy: rank 0 writes)."""
+        meta = {"total_tokens": self.total_tokens, "data_cursor": {"step": step, "epoch": self.sampler.epoch_of(step)},
+                "seed": self.cfg.training.seed}
+        path = ckpt.checkpoint_path(self.checkpoint_dir, step)
+        if self.main:
+            path = ckpt.save_checkpoint(self.checkpoint_dir, step, self.model, self.optimizer, meta,
+                                        self.cfg.model)
+        if self.ctx.world_size > 1:
+            torch.distributed.barrier()
+        return path
+
+    # ---- one step --------------------------------------------------------------------------
+    def my_ids(self, step: int) -> list[int]:
+        tc = self.cfg.training
+        plan = static_assignment(tc.global_microbatches, self.ctx.world_size, step, tc.assignment, tc.seed)
+        return plan[self.ctx.rank]
+
+    def compute(self, step: int, ids: list[int]) -> None:
+        """Forward and backward of microbatches ``ids`` of ``step`` into the accumulator."""
+        for mb in ids:
+            inputs, targets = self.sampler.microbatch(step, mb)
+            loss = lm_loss(self.model(inputs.to(self.ctx.device)), targets.to(self.ctx.device))
+            self.acc.add(mb, loss)
+
+    def train_step(self, step: int) -> dict[str, Any]:
+        t0 = time.perf_counter()
+        M = self.cfg.training.global_microbatches
+        lr = lr_at(step, self.cfg.training)
+        set_lr(self.optimizer, lr)
+        self.acc.reset()
+        self.compute(step, self.my_ids(step))
+        reduced = self.reducer.allreduce(self.acc.payload())
+        loss_sum, count = GradAccumulator.totals(reduced)
+        if count != M:
+            raise RuntimeError(f"step {step}: reduced gradient holds {count} microbatches, expected M = {M}")
+        grad_norm = self.acc.apply(reduced, M, self.optimizer, self.cfg.training.grad_clip)
+        self.total_tokens += self.tokens_per_step
+        dt = time.perf_counter() - t0
+        return {"step": step, "loss": loss_sum / M, "microbatches": count, "tokens": self.tokens_per_step,
+                "total_tokens": self.total_tokens, "time_s": round(dt, 6), "lr": lr, "grad_norm": grad_norm,
+                "tokens_per_s": self.tokens_per_step / dt, "live_replicas": self.ctx.world_size,
+                "generation": 0}
+
+    @torch.no_grad()
+    def evaluate(self) -> float:
+        """Mean validation loss over ``training.eval_batches`` fixed microbatches (same on every rank)."""
+        self.model.eval()
+        losses = []
+        for i in range(self.cfg.training.eval_batches):
+            inputs, targets = self.eval_sampler.batch(i)
+            losses.append(float(lm_loss(self.model(inputs.to(self.ctx.device)), targets.to(self.ctx.device))))
+        self.model.train()
+        return sum(losses) / len(losses)
+
+    # ---- the loop --------------------------------------------------------------------------
+    def run(self, stop_at_step: int | None = None, progress: bool = True) -> dict[str, Any]:
+        """Trains from the current step to ``training.steps`` (or ``stop_at_step``); returns the summary."""
+        tc = self.cfg.training
+        end = min(tc.steps, stop_at_step) if stop_at_step else tc.steps
+        metrics = JsonlWriter(self.out / "metrics.jsonl") if self.main else None
+        if self.main:
+            self.out.mkdir(parents=True, exist_ok=True)
+            (self.out / "config.json").write_text(json.dumps(asdict(self.cfg), indent=1))
+        display = ProgressDisplay(tc.steps, self.start_step, title=self.cfg.name, enabled=progress and self.main)
+        display.message(f"[bold]{self.cfg.name}[/]: {self.stats.describe()}; {self.ctx.world_size} data-parallel "
+                        f"process(es), M = {tc.global_microbatches} microbatches x {self.cfg.data.microbatch_size} "
+                        f"x {self.cfg.data.seq_len} tokens per step; {self.train_data.num_tokens:,} training tokens")
+        t_start = time.perf_counter()
+        val_loss = None
+        try:
+            for step in range(self.start_step, end):
+                record = self.train_step(step)
+                record["elapsed_s"] = round(time.perf_counter() - t_start, 3)
+                last = step + 1 == end
+                if (tc.eval_every and (step + 1) % tc.eval_every == 0) or last:
+                    val_loss = record["val_loss"] = self.evaluate()
+                if metrics is not None:
+                    metrics.write(record)
+                display.update(record)
+                if tc.checkpoint_every and ((step + 1) % tc.checkpoint_every == 0 or last):
+                    self.save(step + 1)
+        finally:
+            display.close()
+            if metrics is not None:
+                metrics.close()
+        wall = time.perf_counter() - t_start
+        done = max(0, end - self.start_step)
+        summary = {"name": self.cfg.name, "steps": end, "steps_run": done, "wall_s": round(wall, 3),
+                   "final_val_loss": val_loss, "total_tokens": self.total_tokens,
+                   "tokens_per_s": done * self.tokens_per_step / wall if wall > 0 else 0.0,
+                   "params": self.stats.params, "world_size": self.ctx.world_size}
+        if self.main:
+            (self.out / "summary.json").write_text(json.dumps(summary, indent=1))
+            try:
+                from recover.observe.plots import plot_loss
+
+                plot_loss(self.out)
+            except Exception as exc:  # a plot must never fail a run
+                print(f"warning: loss plot not written: {exc}", flush=True)
+        return summary
