@@ -242,9 +242,12 @@ def _tokenize_splits(
                 writer.add(tok.encode(data).astype(dtype, copy=False))
                 progress.advance(task)
             writer.close()
-            nbytes = sum(p.stop - p.start for p in splits[split])
-            stats[split] = {"tokens": writer.tokens, "files": len(splits[split]), "bytes": nbytes}
-            stats[split]["shards"] = writer.names
+            stats[split] = {
+                "tokens": writer.tokens,
+                "files": len(splits[split]),
+                "bytes": sum(p.stop - p.start for p in splits[split]),
+                "shards": writer.names,
+            }
     return stats, content.hexdigest()
 
 

@@ -133,6 +133,8 @@ class Transformer(nn.Module):
                 param.fill_(1.0)
                 continue
             std = depth_std if name.endswith(("wo.weight", "w2.weight")) else self.cfg.init_std
+            if name == "output.weight" and self.cfg.tie_embeddings:
+                name = "tok_embeddings.weight"  # a last pipeline stage holds the tied matrix alone
             gen = torch.Generator().manual_seed(param_seed(seed, name))
             values = torch.randn(param.shape, generator=gen, dtype=torch.float32) * std
             param.copy_(values.to(param.dtype))

@@ -1,5 +1,15 @@
 """LAYER 3: the workload policy (pure Python, no process group; shared with the simulator)."""
 
-from recover.workload.policy import even_split, static_assignment
+from recover.workload.policy import (
+    assign,
+    check_assignment,
+    even_split,
+    makespan,
+    quotas,
+    replan,
+    split_within_replica,
+    static_assignment,
+)
 
-__all__ = ["even_split", "static_assignment"]
+__all__ = ["assign", "check_assignment", "even_split", "makespan", "quotas", "replan", "split_within_replica",
+           "static_assignment"]

@@ -1,0 +1,71 @@
+"""Shared fixtures: a small prepared corpus and a runner for `recover` subprocesses.
+
+Every subprocess is started in its own session and, if it outlives its timeout, killed with its
+whole process group by PID (never by name), so no test leaves processes behind.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import signal
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+ROOT = Path(__file__).resolve().parents[1]
+SRC = ROOT / "src"
+
+
+def subprocess_env() -> dict[str, str]:
+    env = dict(os.environ)
+    env["PYTHONPATH"] = str(SRC) + os.pathsep + env.get("PYTHONPATH", "")
+    env.setdefault("OMP_NUM_THREADS", "1")
+    return env
+
+
+def run_recover(args: list[str], nproc: int | None = None, timeout: float = 240,
+                check: bool = True) -> subprocess.CompletedProcess[str]:
+    """Runs ``recover ARGS`` (under torchrun with ``nproc`` ranks when given) and returns the result."""
+    if nproc:
+        cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", f"--nproc-per-node={nproc}",
+               "-m", "recover", *args]
+    else:
+        cmd = [sys.executable, "-m", "recover", *args]
+    proc = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, env=subprocess_env(),
+                            cwd=ROOT, start_new_session=True)
+    try:
+        out, err = proc.communicate(timeout=timeout)
+    except subprocess.TimeoutExpired:
+        os.killpg(proc.pid, signal.SIGKILL)
+        out, err = proc.communicate()
+        raise AssertionError(f"`recover {' '.join(args)}` timed out after {timeout} s\n{out}\n{err}") from None
+    result = subprocess.CompletedProcess(cmd, proc.returncode, out, err)
+    if check and proc.returncode != 0:
+        raise AssertionError(f"`recover {' '.join(args)}` exited {proc.returncode}\n{out}\n{err}")
+    return result
+
+
+def losses(run_dir: Path) -> dict[int, float]:
+    out = {}
+    for line in (Path(run_dir) / "metrics.jsonl").read_text().splitlines():
+        rec = json.loads(line)
+        out[int(rec["step"])] = float(rec["loss"])
+    return out
+
+
+def max_rel_diff(a: dict[int, float], b: dict[int, float]) -> float:
+    assert a.keys() == b.keys(), f"different steps: {sorted(a)} vs {sorted(b)}"
+    return max(abs(a[s] - b[s]) / abs(a[s]) for s in a)
+
+
+@pytest.fixture(scope="session")
+def corpus(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    """A 1.5 MB slice of the stdlib corpus, prepared once per test session."""
+    from recover.data import prepare_builtin
+
+    out = tmp_path_factory.mktemp("corpus") / "stdlib"
+    prepare_builtin("stdlib", out, max_bytes=1_500_000, quiet=True)
+    return out
