@@ -151,7 +151,8 @@ def even_split(ids: Sequence[int], replicas: Iterable[int]) -> Assignment:
     return assign(ids, replicas)
 
 
-def static_assignment(M: int, replicas: int, step: int, how: str = "blocks", seed: int = 0) -> list[list[int]]:
+def static_assignment(M: int, replicas: int, step: int, how: str = "blocks",
+                      seed: int = 0) -> list[list[int]]:
     """The failure-free assignment of ids ``0..M-1`` to replicas ``0..replicas-1`` at ``step``.
 
     ``blocks`` gives contiguous blocks, ``strided`` gives ``ids[r::replicas]`` and ``shuffled``
