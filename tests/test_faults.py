@@ -1,0 +1,180 @@
+"""Failure specs, schedules and the injector (with a recording kill: real kills are end-to-end tests)."""
+
+from __future__ import annotations
+
+import os
+import signal
+
+import pytest
+
+from recover.errors import ConfigError
+from recover.faults import PHASES, FailureSchedule, FailureSpec, FaultInjector, parse_failure, random_schedule
+
+
+# ---- parsing ------------------------------------------------------------------------------------
+@pytest.mark.parametrize("text, spec", [
+    ("1@5:backward", FailureSpec(1, 5, "backward")),
+    ("0@0:idle", FailureSpec(0, 0, "idle")),
+    ("3@12", FailureSpec(3, 12, "forward")),  # the phase defaults to forward
+    (" 2 @ 7 : Reduce ", FailureSpec(2, 7, "reduce")),
+])
+def test_parse_good(text: str, spec: FailureSpec) -> None:
+    assert parse_failure(text) == spec
+    assert parse_failure(str(spec)) == spec  # str() is the command-line form
+
+
+def test_parse_rank() -> None:
+    assert parse_failure("1@5:commit", rank=2) == FailureSpec(1, 5, "commit", 2)
+    with pytest.raises(ConfigError, match="rank"):
+        parse_failure("1@5", rank=-1)
+
+
+@pytest.mark.parametrize("text, match", [
+    ("1-5", r"bad failure '1-5': write REPLICA@STEP\[:PHASE\], e.g. 1@5:backward"),
+    ("", "write REPLICA@STEP"),
+    ("1@5:backward:x", "write REPLICA@STEP"),
+    ("a@5", r"bad failure 'a@5': REPLICA 'a' is not an integer; use an integer >= 0"),
+    ("@5", "REPLICA '' is not an integer"),
+    ("1@", "STEP '' is not an integer"),
+    ("1@2.5", r"STEP '2.5' is not an integer"),
+    ("-1@5", r"REPLICA '-1' is negative; use an integer >= 0 and write REPLICA@STEP"),
+    ("1@-5:reduce", "STEP '-5' is negative"),
+    ("1@5:backwrd", r"phase 'backwrd' is not a phase \(did you mean 'backward'\?\); use one of forward, "
+                    "backward, reduce, commit, optimizer, idle"),
+    ("1@5:explode", r"phase 'explode' is not a phase; use one of forward"),
+    ("1@5:", "phase '' is not a phase"),
+])
+def test_parse_bad(text: str, match: str) -> None:
+    with pytest.raises(ValueError, match=match) as info:
+        parse_failure(text)
+    assert isinstance(info.value, ConfigError) and "\n" not in str(info.value)
+
+
+def test_spec_checks_its_fields() -> None:
+    with pytest.raises(ConfigError, match="did you mean 'optimizer'"):
+        FailureSpec(0, 1, "optimiser")
+    with pytest.raises(ConfigError, match="step = -1"):
+        FailureSpec(0, -1)
+    assert FailureSpec.from_dict(FailureSpec(2, 3, "idle", 1).to_dict()) == FailureSpec(2, 3, "idle", 1)
+
+
+# ---- validation -------------------------------------------------------------------------------
+def test_validate_accepts_possible_schedules() -> None:
+    s = FailureSchedule(["1@5:backward", "2@5:reduce", "3@1"])
+    assert s.validate(replicas=4, steps=10) is s
+    assert [str(x) for x in s] == ["3@1:forward", "1@5:backward", "2@5:reduce"]  # sorted by step, phase
+    FailureSchedule(["1@2", "1@6", "2@6"]).validate(4, 10, min_replicas=2, rejoin=True)
+    FailureSchedule([]).validate(1, 1)
+
+
+@pytest.mark.parametrize("specs, kwargs, match", [
+    (["4@1"], {}, r"failure 4@1:forward: replica 4 does not exist; replicas are 0\.\.3"),
+    (["1@10:idle"], {}, r"failure 1@10:idle: step 10 is beyond the run; steps are 0\.\.9"),
+    (["1@2", "1@6"], {}, r"failure 1@6:forward: replica 1 is already killed by 1@2:forward; let it rejoin"),
+    (["1@2:forward", "1@2:reduce"], {"rejoin": True}, "killed by 1@2:forward; kill it at another step"),
+    (["0@1", "1@2", "2@3", "3@4"], {}, r"leaving 0 of 4 \(min_replicas = 1\); kill at most 3"),
+    (["0@1", "1@2"], {"min_replicas": 3}, r"kill at most 1, lower min_replicas"),
+    (["0@1", "1@1", "2@1", "3@1"], {"rejoin": True}, r"failures at step 1 kill replicas \[0, 1, 2, 3\]"),
+    ([FailureSpec(0, 1, rank=2)], {"ranks": 2}, r"rank 2 does not exist; a replica has ranks 0\.\.1"),
+    ([], {"min_replicas": 5}, "min_replicas = 5 exceeds replicas = 4"),
+])
+def test_validate_refusals(specs: list, kwargs: dict, match: str) -> None:
+    with pytest.raises(ConfigError, match=match):
+        FailureSchedule(specs).validate(replicas=4, steps=10, **kwargs)
+
+
+def test_at_and_for_replica() -> None:
+    s = FailureSchedule(["1@5:backward", "2@3", "1@8:idle"])
+    assert s.at(1, 5, "backward") and s.at(2, 3, "forward")
+    assert not s.at(1, 5, "forward") and not s.at(0, 5, "backward") and not s.at(1, 6, "backward")
+    assert s.for_replica(1) == [FailureSpec(1, 5, "backward"), FailureSpec(1, 8, "idle")]
+    assert s.for_replica(0) == []
+    assert FailureSchedule.from_json(s.to_json()) == s
+
+
+# ---- random schedules -------------------------------------------------------------------------
+def test_random_schedule_is_deterministic_and_keeps_min_replicas() -> None:
+    total = 0
+    for seed in range(200):
+        kw = dict(replicas=6, steps=50, mtbf_s=8.0, step_time_s=1.0, seed=seed, min_replicas=2)
+        s = random_schedule(**kw)
+        assert s == random_schedule(**kw)
+        s.validate(6, 50, min_replicas=2)  # each replica at most once, at least 2 left
+        assert len({x.replica for x in s}) <= 4 and all(0 <= x.step < 50 for x in s)
+        total += len(s)
+    assert total > 600  # ~6 expected failures per run, capped at 4: the cap binds
+    assert random_schedule(6, 50, 8.0, 1.0, seed=1) != random_schedule(6, 50, 8.0, 1.0, seed=2)
+
+
+def test_random_schedule_rate_and_phases() -> None:
+    n = sum(len(random_schedule(100, 100, 20.0, 1.0, seed=s, phases=("reduce",))) for s in range(50))
+    assert 200 <= n <= 300  # 100 s / 20 s = 5 per run on average
+    assert {x.phase for s in range(20) for x in random_schedule(4, 100, 5.0, 1.0, seed=s)} == set(PHASES)
+    assert {x.phase for x in random_schedule(100, 100, 5.0, 1.0, seed=0, phases=["commit"])} == {"commit"}
+    assert len(random_schedule(4, 10, 1e6, 1.0, seed=0)) == 0
+
+
+def test_random_schedule_with_rejoin() -> None:
+    for seed in range(100):
+        s = random_schedule(4, 60, 3.0, 1.0, seed=seed, min_replicas=2, rejoin_after_steps=5)
+        s.validate(4, 60, min_replicas=2, rejoin=True)
+        back: dict[int, int] = {}
+        for x in s:  # never more than 2 down at once, under the rejoin assumption
+            assert back.get(x.replica, -1) <= x.step
+            back[x.replica] = x.step + 5
+            assert sum(1 for b in back.values() if b > x.step) <= 2
+    assert max(len(random_schedule(4, 60, 3.0, 1.0, seed=s, rejoin_after_steps=5)) for s in range(10)) > 4
+
+
+def test_random_schedule_refusals() -> None:
+    with pytest.raises(ConfigError, match="mtbf_s"):
+        random_schedule(4, 10, 0.0, 1.0, seed=0)
+    with pytest.raises(ConfigError, match="did you mean 'reduce'"):
+        random_schedule(4, 10, 5.0, 1.0, seed=0, phases=["reduc"])
+    with pytest.raises(ConfigError, match="too small"):
+        random_schedule(4, 10**6, 1e-3, 1.0, seed=0, rejoin_after_steps=1)
+
+
+# ---- the injector -----------------------------------------------------------------------------
+class Recorder:
+    def __init__(self) -> None:
+        self.calls: list[tuple[int, int]] = []
+
+    def __call__(self, pid: int, sig: int) -> None:
+        self.calls.append((pid, sig))
+
+
+def drive(inj: FaultInjector, steps: int = 10) -> list[tuple[int, str]]:
+    fired = []
+    for step in range(steps):
+        for phase in PHASES:
+            if inj.maybe_fail(step, phase):
+                fired.append((step, phase))
+    return fired
+
+
+def test_injector_kills_exactly_at_the_matching_step_and_phase() -> None:
+    specs = FailureSchedule(["1@5:backward", "2@3:reduce", "1@7:idle"]).specs
+    rec = Recorder()
+    inj = FaultInjector(specs, replica=1, kill=rec)
+    assert drive(inj) == [(5, "backward"), (7, "idle")]
+    assert rec.calls == [(os.getpid(), signal.SIGKILL)] * 2
+    assert inj.pending == [] and drive(inj) == []  # each spec fires once
+    assert drive(FaultInjector(specs, replica=0, kill=rec)) == []
+
+
+def test_injector_rank_rule() -> None:
+    specs = [FailureSpec(0, 2, "reduce"), FailureSpec(0, 4, "commit", rank=1)]
+    fired = {rank: drive(FaultInjector(specs, 0, rank=rank, ranks=3, kill=Recorder())) for rank in range(3)}
+    assert fired == {0: [], 1: [(4, "commit")], 2: [(2, "reduce")]}  # rank None -> the last rank
+    with pytest.raises(ValueError, match="rank = 3"):
+        FaultInjector(specs, 0, rank=3, ranks=3)
+
+
+def test_injector_calls_before_kill_first_and_checks_phases() -> None:
+    order: list[str] = []
+    inj = FaultInjector([FailureSpec(0, 1, "optimizer")], 0, kill=lambda pid, sig: order.append("kill"),
+                        before_kill=lambda spec: order.append(f"event {spec}"))
+    assert inj.maybe_fail(1, "optimizer") and order == ["event 0@1:optimizer", "kill"]
+    with pytest.raises(ValueError, match="did you mean 'backward'"):
+        inj.maybe_fail(1, "backwards")
