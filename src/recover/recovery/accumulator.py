@@ -39,7 +39,7 @@ class GradAccumulator:
         for p in self.params:
             p.grad = None
         loss.backward()
-        for buf, p in zip(self.buffers, self.params):
+        for buf, p in zip(self.buffers, self.params, strict=False):
             if p.grad is not None:
                 buf.add_(p.grad.to(self.dtype))
         self.loss_sum += float(loss.detach())
@@ -60,7 +60,7 @@ class GradAccumulator:
     def apply(self, reduced: list[torch.Tensor], M: int, optimizer: torch.optim.Optimizer,
               grad_clip: float) -> float:
         """Sets grad = reduced sum / M, clips to ``grad_clip`` (0: no clip), steps; returns the norm."""
-        for p, g in zip(self.params, reduced[: len(self.params)]):
+        for p, g in zip(self.params, reduced[: len(self.params)], strict=False):
             p.grad = (g / M).to(p.dtype)
         max_norm = grad_clip if grad_clip > 0 else float("inf")
         norm = torch.nn.utils.clip_grad_norm_(self.params, max_norm)

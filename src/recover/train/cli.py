@@ -18,7 +18,8 @@ def register(sub: argparse._SubParsersAction) -> None:
                     "(e.g. --training.steps 50 --model.dim 64). Under torchrun every rank runs this "
                     "command and the ranks split each step's microbatches (data parallel).",
     )
-    p.add_argument("--config", default="tiny", help=f"preset name or .toml path (presets: {', '.join(available_presets())})")
+    presets = ", ".join(available_presets())
+    p.add_argument("--config", default="tiny", help=f"preset name or .toml path (presets: {presets})")
     p.add_argument("--out", required=True, help="run directory: metrics.jsonl, summary.json, loss.png, checkpoints/")
     p.add_argument("--resume", action="store_true", help="continue from the newest complete checkpoint in --out")
     p.add_argument("--stop-at-step", type=int, default=None, help="stop after this many committed steps "
