@@ -18,6 +18,7 @@ from recover.errors import RecoverError
 COMMAND_MODULES = (
     "recover.train.cli",  # train, demo
     "recover.data.cli",  # prepare
+    "recover.launch.cli",  # launch, compare, worker
     "recover.coord.cli",  # coordinator
     "recover.bench.cli",  # bench ...
 )

@@ -33,9 +33,36 @@ def load_metrics(run_dir: str | os.PathLike[str]) -> list[dict[str, Any]]:
     return [by_step[s] for s in sorted(by_step)]
 
 
+def load_events(run_dir: str | os.PathLike[str]) -> list[dict[str, Any]]:
+    path = Path(run_dir) / "events.jsonl"
+    return list(read_jsonl(path)) if path.is_file() else []
+
+
+def _markers(ax: Any, events: list[dict[str, Any]], by: str) -> None:
+    """Dashed lines at replica kills (red) and rejoins (green), placed by step or by elapsed seconds."""
+    t0 = min((e["t"] for e in events if e.get("kind") == "launch"), default=None)
+    styles = {"kill": ("tab:red", "replica killed"), "rejoined": ("tab:green", "replica rejoined")}
+    for e in events:
+        kind = "rejoined" if e.get("kind") == "started" and e.get("joined") else e.get("kind")
+        if kind not in styles:
+            continue
+        pos = (e.get("step") or 0) + 1 if by == "step" else (e["t"] - t0 if t0 is not None else None)
+        if pos is not None:
+            color, label = styles[kind]
+            ax.axvline(pos, color=color, ls="--", lw=1, alpha=0.8, label=label)
+
+
+def _legend(ax: Any) -> None:
+    handles, labels = ax.get_legend_handles_labels()
+    unique = dict(zip(labels, handles, strict=False))
+    if unique:
+        ax.legend(unique.values(), unique.keys(), fontsize=8)
+
+
 def plot_loss(run_dir: str | os.PathLike[str], out: str | os.PathLike[str] | None = None,
               reference: str | os.PathLike[str] | None = None, title: str | None = None) -> Path:
-    """``loss.png``: training loss per step (and validation points), optionally over a reference run."""
+    """``loss.png``: training loss per step (and validation points), optionally over a reference run,
+    with failure and rejoin markers from ``events.jsonl`` when there are any."""
     plt = _pyplot()
     run_dir = Path(run_dir)
     out = Path(out) if out else run_dir / "loss.png"
@@ -54,7 +81,33 @@ def plot_loss(run_dir: str | os.PathLike[str], out: str | os.PathLike[str] | Non
     ax.set_ylabel("loss (nats/token)")
     ax.set_title(title or f"{run_dir.name}: loss")
     ax.grid(alpha=0.3)
-    ax.legend()
+    _markers(ax, load_events(run_dir), "step")
+    _legend(ax)
+    fig.tight_layout()
+    fig.savefig(out)
+    plt.close(fig)
+    return out
+
+
+def plot_throughput(run_dir: str | os.PathLike[str], out: str | os.PathLike[str] | None = None) -> Path:
+    """``throughput.png``: tokens/s per step and live replicas over elapsed time, with event markers."""
+    plt = _pyplot()
+    run_dir = Path(run_dir)
+    out = Path(out) if out else run_dir / "throughput.png"
+    rows = load_metrics(run_dir)
+    events = load_events(run_dir)
+    elapsed = [r.get("elapsed_s", 0.0) for r in rows]
+    fig, (ax1, ax2) = plt.subplots(2, 1, figsize=(8, 6), dpi=110, sharex=True)
+    ax1.plot(elapsed, [r["tokens_per_s"] for r in rows], color="C0", lw=1, label="tokens/s (per step)")
+    ax1.set_ylabel("tokens/s")
+    ax1.set_title(f"{run_dir.name}: throughput and live replicas")
+    ax1.grid(alpha=0.3)
+    _markers(ax1, events, "time")
+    _legend(ax1)
+    ax2.step(elapsed, [r["live_replicas"] for r in rows], where="post", color="C2")
+    ax2.set_ylabel("live replicas")
+    ax2.set_xlabel("elapsed time (s)")
+    ax2.grid(alpha=0.3)
     fig.tight_layout()
     fig.savefig(out)
     plt.close(fig)

@@ -19,6 +19,7 @@ import json
 import os
 import time
 from dataclasses import asdict
+from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
@@ -137,11 +138,18 @@ class Trainer:
         plan = static_assignment(tc.global_microbatches, self.ctx.world_size, step, tc.assignment, tc.seed)
         return plan[self.ctx.rank]
 
-    def compute(self, step: int, ids: list[int]) -> None:
-        """Forward and backward of microbatches ``ids`` of ``step`` into the accumulator."""
+    def compute(self, step: int, ids: list[int], hook: Callable[[int, str], Any] | None = None) -> None:
+        """Forward and backward of microbatches ``ids`` of ``step`` into the accumulator.
+
+        ``hook(step, phase)`` runs before each forward and each backward (fault injection points).
+        """
         for mb in ids:
             inputs, targets = self.sampler.microbatch(step, mb)
+            if hook:
+                hook(step, "forward")
             loss = lm_loss(self.model(inputs.to(self.ctx.device)), targets.to(self.ctx.device))
+            if hook:
+                hook(step, "backward")
             self.acc.add(mb, loss)
 
     def train_step(self, step: int) -> dict[str, Any]:

@@ -1,0 +1,63 @@
+"""``recover coordinator``: run the coordinator service (and the c10d store) in the foreground.
+
+Contract: start it before the replicas; it binds 127.0.0.1 unless ``--host`` says otherwise, reads
+the shared token from ``--token-file`` (never from the command line, which other users can see),
+prints one ``ready`` line with both ports, and serves until interrupted.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+from pathlib import Path
+
+from recover.errors import ConfigError
+
+
+def register(subparsers: argparse._SubParsersAction) -> None:
+    p = subparsers.add_parser("coordinator", help="run the membership coordinator and rendezvous store",
+                              description=__doc__)
+    p.add_argument("--host", default="127.0.0.1", help="address to bind (default 127.0.0.1)")
+    p.add_argument("--port", type=int, default=29400, help="service port (0 picks a free one)")
+    p.add_argument("--store-port", type=int, default=0, help="c10d TCPStore port (0 picks a free one)")
+    p.add_argument("--token-file", required=True, help="file holding the shared registration token")
+    p.add_argument("--events", default=None, help="events.jsonl to append membership changes to")
+    p.add_argument("--replicas", type=int, default=1, help="replicas that form the first generation")
+    p.add_argument("--min-replicas", type=int, default=1, help="quorum; fewer live replicas is logged")
+    p.add_argument("--heartbeat-interval", type=float, default=0.1, help="seconds between heartbeats")
+    p.add_argument("--heartbeat-timeout", type=float, default=1.0, help="silence (s) that marks a replica dead")
+    p.set_defaults(func=run)
+
+
+def read_token(path: str) -> str:
+    """The token in ``path`` (surrounding whitespace stripped). Raises ConfigError if unusable."""
+    try:
+        token = Path(path).read_text(encoding="utf-8").strip()
+    except OSError as exc:
+        raise ConfigError(f"--token-file {path!r} cannot be read ({exc.strerror}); "
+                          "write a secret into it, e.g. `openssl rand -hex 16 > token`") from None
+    if not token:
+        raise ConfigError(f"--token-file {path!r} is empty; write a secret into it")
+    return token
+
+
+def run(args: argparse.Namespace) -> int:
+    from recover.coord.server import Coordinator
+
+    if args.replicas < 1:
+        raise ConfigError(f"--replicas must be >= 1, got {args.replicas}")
+    if args.heartbeat_timeout <= args.heartbeat_interval:
+        raise ConfigError(f"--heartbeat-timeout ({args.heartbeat_timeout}) must exceed "
+                          f"--heartbeat-interval ({args.heartbeat_interval})")
+    coord = Coordinator(args.host, args.port, token=read_token(args.token_file), events_path=args.events,
+                        heartbeat_interval_s=args.heartbeat_interval, heartbeat_timeout_s=args.heartbeat_timeout,
+                        store_port=args.store_port, min_members=args.min_replicas,
+                        expected_replicas=args.replicas)
+    try:
+        coord.start()
+    except (OSError, RuntimeError) as exc:
+        raise ConfigError(f"cannot bind {args.host}:{args.port} or store port {args.store_port}: {exc}") from None
+    print(json.dumps({"ready": True, "host": args.host, "port": coord.port, "store_port": coord.store_port}),
+          flush=True)
+    coord.serve_forever()
+    return 0

@@ -1,0 +1,311 @@
+"""A worker's connection to the coordinator: registration, heartbeats, notices, reports, commit votes.
+
+Contract: one :class:`CoordinatorClient` per replica process, created before any process group.
+``register()`` opens one persistent TCP connection; from then on a background reader thread receives
+pushed notices (``failing``, ``membership``) and acks ``failing`` at once, and a heartbeat thread
+sends a heartbeat every ``heartbeat_interval_s``. Everything else is a request from the caller's
+thread that waits for its reply.
+
+Invariants:
+  * ``failure_notice(g)`` is a lock-free read of two integers, cheap enough for a poll loop; it
+    turns true as soon as the coordinator has declared generation g failing or formed a later one.
+  * Membership history only grows and generations only rise; ``dead_since(g)`` is computed from
+    that history, so every survivor names the same dead replicas for g.
+  * A lost coordinator connection (or being fenced) is never silent: every waiting call raises
+    :class:`CoordinatorLost`.
+
+Commit vote: ``vote_commit(g, step, ids)`` returns ``None`` when every member of g voted the same
+(step, ids) and the step is committed; it returns a new :class:`Membership` when the step is
+committed *and* joiners were admitted at this step boundary (the caller then calls
+``group.next_generation()`` and sends state to ``membership.joined``); it raises
+:class:`~recover.errors.PeerFailure` when a member died or the votes disagreed (the step is then
+committed by nobody and the caller recovers).
+"""
+
+from __future__ import annotations
+
+import itertools
+import os
+import socket
+import threading
+import time
+from typing import Any
+
+from recover.coord.protocol import SCHEMAS, FrameDecoder, Membership, ProtocolError, encode
+from recover.errors import PeerFailure, QuorumLost, RecoverError
+
+_SERVER_TYPES = frozenset(SCHEMAS) - frozenset({"register", "hb", "ack", "report", "vote", "bye"})
+
+
+class CoordinatorLost(RecoverError):
+    """The coordinator connection closed, or the coordinator fenced this replica off."""
+
+
+class CoordinatorRefused(RecoverError):
+    """The coordinator refused a request (``code`` says why, e.g. ``unauthorized``)."""
+
+    def __init__(self, code: str, message: str) -> None:
+        super().__init__(f"coordinator refused the request: {code}: {message}")
+        self.code = code
+
+
+class Expelled(RecoverError):
+    """This replica is not a member of the newest generation (it was declared dead)."""
+
+
+class CoordinatorClient:
+    """See the module docstring. Thread-safe."""
+
+    def __init__(self, host: str, port: int, token: str, replica_id: int, heartbeat_interval_s: float = 0.1,
+                 connect_timeout_s: float = 10.0, request_timeout_s: float = 60.0) -> None:
+        self.host, self.port, self.replica_id = host, int(port), int(replica_id)
+        self._token = token
+        self.heartbeat_interval_s = heartbeat_interval_s
+        self.connect_timeout_s = connect_timeout_s
+        self.request_timeout_s = request_timeout_s
+        self._sock: socket.socket | None = None
+        self._send_lock = threading.Lock()
+        self._cond = threading.Condition()
+        self._ids = itertools.count(1)
+        self._replies: dict[int, dict[str, Any]] = {}
+        self._history: dict[int, Membership] = {}
+        self._latest_gen = 0
+        self._failing_max = 0
+        self._notice_t: dict[int, float] = {}
+        self._lost: str | None = None
+        self._closing = False
+        self._stop = threading.Event()
+        self._threads: list[threading.Thread] = []
+
+    # ------------------------------------------------------------- public API
+
+    def register(self, join: bool = False, timeout: float = 120.0) -> Membership:
+        """Connects, registers and blocks until a generation includes this replica; returns it.
+
+        With ``join=False`` before the first generation, this replica counts towards the initial
+        ``expected`` replicas. Otherwise (or with ``join=True``) it waits for admission at the next
+        commit (step boundary); the returned membership lists it in ``joined``.
+
+        Raises:
+            CoordinatorRefused: wrong token, duplicate replica id, ...
+            CoordinatorLost, TimeoutError.
+        """
+        if self._sock is not None:
+            raise RuntimeError("register() was already called on this client")
+        sock = socket.create_connection((self.host, self.port), timeout=self.connect_timeout_s)
+        sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
+        sock.settimeout(None)
+        self._sock = sock
+        self._spawn(self._reader, "recover-coord-reader")
+        self._request({"type": "register", "token": self._token, "replica": self.replica_id, "join": join,
+                       "pid": os.getpid()}, timeout)
+        self._spawn(self._heartbeat, "recover-coord-heartbeat")
+        return self._wait(lambda: self._admitted(), timeout, "admission to a generation")
+
+    @property
+    def membership(self) -> Membership | None:
+        """The newest generation this client knows of (None before the first)."""
+        return self._history.get(self._latest_gen)
+
+    def membership_of(self, generation: int) -> Membership:
+        return self._history[generation]
+
+    def failure_notice(self, generation: int) -> bool:
+        """True once the coordinator has declared ``generation`` failing or formed a later one."""
+        return generation <= self._failing_max or self._latest_gen > generation
+
+    def notice_time(self, generation: int) -> float | None:
+        """``time.monotonic()`` when this process first learnt that ``generation`` failed."""
+        return self._notice_t.get(generation)
+
+    @property
+    def lost(self) -> str | None:
+        """Why the coordinator connection is gone, or None while it is up."""
+        return self._lost
+
+    def report_failure(self, generation: int, suspects: tuple[int, ...] | list[int] = ()) -> None:
+        """Tells the coordinator that a collective of ``generation`` failed (idempotent)."""
+        try:
+            self._request({"type": "report", "generation": generation, "suspects": sorted(suspects)})
+        except CoordinatorRefused as exc:
+            if exc.code != "bad_generation":
+                raise
+
+    def wait_for_generation(self, after: int, timeout: float) -> Membership:
+        """Blocks until a generation newer than ``after`` exists; returns the newest one.
+
+        Raises:
+            QuorumLost: the new generation has fewer members than the job's ``min_members``.
+            Expelled: this replica is not in it. CoordinatorLost, TimeoutError.
+        """
+        m = self._wait(lambda: self._history.get(self._latest_gen) if self._latest_gen > after else None,
+                       timeout, f"a generation after {after}")
+        if self.replica_id not in m.members:
+            raise Expelled(f"replica {self.replica_id} is not a member of generation {m.generation} "
+                           f"(members {list(m.members)}): it was declared dead")
+        if len(m.members) < m.min_members:
+            raise QuorumLost(f"generation {m.generation} has {len(m.members)} live replicas "
+                             f"{list(m.members)}, fewer than min_members={m.min_members}")
+        return m
+
+    def dead_since(self, generation: int) -> tuple[int, ...]:
+        """Members of ``generation`` that are not in the newest known generation."""
+        old = self._history.get(generation)
+        new = self.membership
+        if old is None or new is None:
+            return ()
+        return tuple(sorted(set(old.members) - set(new.members)))
+
+    def vote_commit(self, generation: int, step: int, ids: list[int] | tuple[int, ...],
+                    timeout: float | None = None) -> Membership | None:
+        """Commit vote for ``step`` of ``generation`` with the microbatch ``ids`` in the reduced gradient.
+
+        Returns:
+            None when all members agreed and the step is committed; a new Membership when the step
+            is committed and joiners were admitted (a new generation starts at ``step + 1``).
+        Raises:
+            PeerFailure: a member died or the votes disagreed; nothing was committed.
+        """
+        try:
+            reply = self._request({"type": "vote", "generation": generation, "step": step,
+                                   "ids": [int(i) for i in ids]}, timeout)
+        except CoordinatorRefused as exc:
+            if exc.code != "stale_generation":
+                raise
+            reply = {"type": "aborted", "reason": exc.code}
+        if reply["type"] == "committed":
+            new = reply.get("new_generation")
+            return None if new is None else self._history[new]
+        self.wait_for_generation(generation, timeout or self.request_timeout_s)
+        raise PeerFailure(generation, self.dead_since(generation), f"commit vote aborted: {reply['reason']}")
+
+    def close(self) -> None:
+        """Says goodbye (the coordinator marks this replica as left) and stops the threads."""
+        self._closing = True
+        self._stop.set()
+        if self._sock is not None and self._lost is None:
+            try:
+                self._send({"type": "bye"})
+            except OSError:
+                pass
+        if self._sock is not None:
+            try:
+                self._sock.shutdown(socket.SHUT_RDWR)
+            except OSError:
+                pass
+            self._sock.close()
+        for t in self._threads:
+            if t is not threading.current_thread():
+                t.join(2.0)
+
+    def __enter__(self) -> CoordinatorClient:
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.close()
+
+    # ------------------------------------------------------------- internals
+
+    def _admitted(self) -> Membership | None:
+        for g in range(self._latest_gen, 0, -1):
+            m = self._history.get(g)
+            if m is not None and self.replica_id in m.members:
+                return m
+        return None
+
+    def _spawn(self, target: Any, name: str) -> None:
+        t = threading.Thread(target=target, name=f"{name}-{self.replica_id}", daemon=True)
+        self._threads.append(t)
+        t.start()
+
+    def _send(self, msg: dict[str, Any]) -> None:
+        assert self._sock is not None
+        data = encode(msg)
+        with self._send_lock:
+            self._sock.sendall(data)
+
+    def _request(self, msg: dict[str, Any], timeout: float | None = None) -> dict[str, Any]:
+        rid = next(self._ids)
+        try:
+            self._send({**msg, "id": rid})
+        except OSError as exc:
+            self._mark_lost(f"send failed: {exc}")
+        reply = self._wait(lambda: self._replies.pop(rid, None), timeout or self.request_timeout_s,
+                           f"the reply to {msg['type']}")
+        if reply["type"] == "error":
+            raise CoordinatorRefused(reply["code"], reply["message"])
+        return reply
+
+    def _wait(self, ready: Any, timeout: float, what: str) -> Any:
+        deadline = time.monotonic() + timeout
+        with self._cond:
+            while True:
+                value = ready()
+                if value is not None:
+                    return value
+                if self._lost is not None:
+                    raise CoordinatorLost(f"replica {self.replica_id} lost the coordinator at "
+                                          f"{self.host}:{self.port} while waiting for {what}: {self._lost}")
+                left = deadline - time.monotonic()
+                if left <= 0:
+                    raise TimeoutError(f"replica {self.replica_id}: no {what} from the coordinator "
+                                       f"within {timeout:g} s")
+                self._cond.wait(left)
+
+    def _mark_lost(self, why: str) -> None:
+        with self._cond:
+            if self._lost is None:
+                self._lost = why
+            self._cond.notify_all()
+
+    def _reader(self) -> None:
+        decoder = FrameDecoder(_SERVER_TYPES)
+        assert self._sock is not None
+        try:
+            while True:
+                data = self._sock.recv(1 << 16)
+                if not data:
+                    break
+                for msg in decoder.feed(data):
+                    if isinstance(msg, ProtocolError):
+                        raise msg
+                    self._on_message(msg)
+        except (OSError, ProtocolError) as exc:
+            if not self._closing:
+                self._mark_lost(f"{type(exc).__name__}: {exc}")
+        self._mark_lost("coordinator closed the connection" if not self._closing else "closed")
+
+    def _on_message(self, msg: dict[str, Any]) -> None:
+        kind = msg["type"]
+        if kind == "failing":
+            g = msg["generation"]
+            self._notice_t.setdefault(g, time.monotonic())
+            self._failing_max = max(self._failing_max, g)
+            try:
+                self._send({"type": "ack", "generation": g})
+            except OSError as exc:
+                self._mark_lost(f"ack failed: {exc}")
+        elif kind == "membership" and msg["membership"] is not None:
+            m = Membership.from_wire(msg["membership"])
+            with self._cond:
+                self._history[m.generation] = m
+                for g in range(self._latest_gen, m.generation):
+                    self._notice_t.setdefault(g, time.monotonic())
+                self._latest_gen = max(self._latest_gen, m.generation)
+                self._cond.notify_all()
+        elif kind == "error" and msg.get("re") is None:
+            self._mark_lost(f"{msg['code']}: {msg['message']}")
+        elif msg.get("re") is not None:
+            with self._cond:
+                self._replies[msg["re"]] = msg
+                self._cond.notify_all()
+
+    def _heartbeat(self) -> None:
+        while not self._stop.wait(self.heartbeat_interval_s):
+            if self._lost is not None:
+                return
+            try:
+                self._send({"type": "hb"})
+            except OSError as exc:
+                self._mark_lost(f"heartbeat failed: {exc}")
+                return

@@ -1,0 +1,210 @@
+"""Coordinator wire protocol: versioned, length-prefixed JSON frames. Never pickle.
+
+Frame: ``b"RCVR"`` magic, a 4-byte big-endian body length, then a UTF-8 JSON object whose ``v``
+is :data:`PROTOCOL_VERSION` and whose ``type`` names the message. Bodies above
+:data:`MAX_FRAME_BYTES` are refused before they are read. Every message received is checked
+against :data:`SCHEMAS` (field names and types, bools never pass as ints) before anyone acts on it.
+
+Invariant: a byte stream either decodes into schema-valid messages or raises :class:`ProtocolError`
+with a stable ``code`` (``bad_magic``, ``oversized``, ``malformed``, ``bad_version``,
+``unknown_type``); after ``bad_magic`` or ``oversized`` the stream cannot be resynchronised and the
+connection must be closed.
+
+Messages (client -> coordinator): ``register`` (token, replica, join), ``hb`` (heartbeat),
+``ack`` (of a ``failing`` notice), ``report`` (a collective failed), ``vote`` (commit vote),
+``bye``. Coordinator -> client: ``ok`` / ``error`` / ``committed`` / ``aborted`` replies (``re``
+names the request ``id``), and the pushes ``failing`` (generation g is being replaced) and
+``membership`` (a new generation).
+"""
+
+from __future__ import annotations
+
+import json
+import socket
+import struct
+from dataclasses import dataclass, field
+from typing import Any
+
+PROTOCOL_VERSION = 1
+MAGIC = b"RCVR"
+HEADER = struct.Struct(">4sI")
+MAX_FRAME_BYTES = 1 << 20
+
+# Fields each message type must carry (beyond ``v`` and ``type``), with their JSON types.
+_INT, _STR, _BOOL, _INTS, _OPT_INT, _OPT_DICT = "int", "str", "bool", "ints", "int?", "dict?"
+SCHEMAS: dict[str, dict[str, str]] = {
+    "register": {"id": _INT, "token": _STR, "replica": _INT, "join": _BOOL},
+    "hb": {},
+    "ack": {"generation": _INT},
+    "report": {"id": _INT, "generation": _INT, "suspects": _INTS},
+    "vote": {"id": _INT, "generation": _INT, "step": _INT, "ids": _INTS},
+    "bye": {},
+    "ok": {"re": _INT},
+    "error": {"re": _OPT_INT, "code": _STR, "message": _STR},
+    "committed": {"re": _INT, "generation": _INT, "step": _INT, "new_generation": _OPT_INT},
+    "aborted": {"re": _INT, "generation": _INT, "reason": _STR},
+    "failing": {"generation": _INT, "dead": _INTS, "reason": _STR},
+    "membership": {"membership": _OPT_DICT},
+}
+CLIENT_TYPES = frozenset({"register", "hb", "ack", "report", "vote", "bye"})
+
+
+class ProtocolError(Exception):
+    """A message that breaks the protocol; ``code`` is stable and sent back in the error reply."""
+
+    def __init__(self, code: str, message: str) -> None:
+        super().__init__(f"{code}: {message}")
+        self.code = code
+        self.message = message
+
+    @property
+    def fatal(self) -> bool:
+        """True when the byte stream is out of sync and the connection must be closed."""
+        return self.code in ("bad_magic", "oversized")
+
+
+@dataclass(frozen=True)
+class Membership:
+    """One membership generation, decided by the coordinator alone.
+
+    Attributes:
+        generation: epoch number, >= 1; its process group rendezvouses under ``gen{generation}``.
+        members: live replica ids, sorted; a replica's rank is its index here.
+        store_host, store_port: the coordinator's c10d TCPStore.
+        step: the first step this generation runs (last committed step + 1).
+        dead: replicas of the previous generation that are not in this one.
+        joined: replicas admitted in this generation (they need state from a peer).
+        min_members: the quorum; fewer members than this means the job must stop.
+        reason: why the generation was formed (``initial``, ``failure``, ``join``, ...).
+    """
+
+    generation: int
+    members: tuple[int, ...]
+    store_host: str
+    store_port: int
+    step: int
+    dead: tuple[int, ...] = ()
+    joined: tuple[int, ...] = ()
+    min_members: int = 1
+    reason: str = ""
+    extra: dict[str, Any] = field(default_factory=dict, compare=False, repr=False)
+
+    def rank_of(self, replica: int) -> int:
+        """The rank of ``replica`` in this generation's process group."""
+        return self.members.index(replica)
+
+    @property
+    def size(self) -> int:
+        return len(self.members)
+
+    def to_wire(self) -> dict[str, Any]:
+        return {
+            "generation": self.generation, "members": list(self.members), "store_host": self.store_host,
+            "store_port": self.store_port, "step": self.step, "dead": list(self.dead),
+            "joined": list(self.joined), "min_members": self.min_members, "reason": self.reason,
+        }
+
+    @classmethod
+    def from_wire(cls, d: dict[str, Any]) -> Membership:
+        spec = {"generation": _INT, "members": _INTS, "store_host": _STR, "store_port": _INT, "step": _INT,
+                "dead": _INTS, "joined": _INTS, "min_members": _INT, "reason": _STR}
+        _check_fields(d, spec, "membership")
+        return cls(
+            generation=d["generation"], members=tuple(sorted(d["members"])), store_host=d["store_host"],
+            store_port=d["store_port"], step=d["step"], dead=tuple(sorted(d["dead"])),
+            joined=tuple(sorted(d["joined"])), min_members=d["min_members"], reason=d["reason"],
+        )
+
+
+def _is_int(x: Any) -> bool:
+    return isinstance(x, int) and not isinstance(x, bool)
+
+
+def _check_fields(msg: dict[str, Any], spec: dict[str, str], what: str) -> None:
+    for name, kind in spec.items():
+        if name not in msg:
+            if kind.endswith("?"):
+                continue
+            raise ProtocolError("malformed", f"{what} message lacks field {name!r}")
+        val = msg[name]
+        ok = {
+            _INT: _is_int(val),
+            _STR: isinstance(val, str),
+            _BOOL: isinstance(val, bool),
+            _INTS: isinstance(val, list) and all(_is_int(x) for x in val),
+            _OPT_INT: val is None or _is_int(val),
+            _OPT_DICT: val is None or isinstance(val, dict),
+        }[kind]
+        if not ok:
+            raise ProtocolError("malformed", f"{what} field {name!r} must be {kind}, got {type(val).__name__}")
+
+
+def validate(msg: Any, allowed: frozenset[str] | None = None) -> dict[str, Any]:
+    """Checks a decoded body: a JSON object of a known version and type with well-typed fields."""
+    if not isinstance(msg, dict):
+        raise ProtocolError("malformed", "message body must be a JSON object")
+    if msg.get("v") != PROTOCOL_VERSION:
+        raise ProtocolError("bad_version", f"protocol version {msg.get('v')!r} is not {PROTOCOL_VERSION}")
+    kind = msg.get("type")
+    if not isinstance(kind, str) or kind not in SCHEMAS or (allowed is not None and kind not in allowed):
+        raise ProtocolError("unknown_type", f"unknown message type {kind!r}")
+    _check_fields(msg, SCHEMAS[kind], kind)
+    return msg
+
+
+def encode(msg: dict[str, Any]) -> bytes:
+    """One frame for ``msg`` (``v`` is added). Raises ProtocolError if the body is too large."""
+    body = json.dumps({"v": PROTOCOL_VERSION, **msg}, separators=(",", ":"), allow_nan=False).encode()
+    if len(body) > MAX_FRAME_BYTES:
+        raise ProtocolError("oversized", f"message of {len(body)} bytes exceeds {MAX_FRAME_BYTES}")
+    return HEADER.pack(MAGIC, len(body)) + body
+
+
+def _reject_constant(name: str) -> None:
+    raise ValueError(f"non-finite number {name}")
+
+
+class FrameDecoder:
+    """Incremental decoder: ``feed`` bytes, get complete messages in arrival order.
+
+    A well-framed but invalid body comes back as a :class:`ProtocolError` item (the stream is still
+    in sync, the caller refuses that message and carries on); a broken frame (``bad_magic``,
+    ``oversized``) raises, and the caller must close the connection.
+    """
+
+    def __init__(self, allowed: frozenset[str] | None = None, max_bytes: int = MAX_FRAME_BYTES) -> None:
+        self._buf = bytearray()
+        self._allowed = allowed
+        self._max = max_bytes
+
+    def feed(self, data: bytes) -> list[dict[str, Any] | ProtocolError]:
+        self._buf += data
+        out: list[dict[str, Any] | ProtocolError] = []
+        while len(self._buf) >= HEADER.size:
+            magic, length = HEADER.unpack_from(self._buf)
+            if magic != MAGIC:
+                raise ProtocolError("bad_magic", "stream does not start with the RCVR frame magic")
+            if length > self._max:
+                raise ProtocolError("oversized", f"frame of {length} bytes exceeds {self._max}")
+            if len(self._buf) < HEADER.size + length:
+                break
+            body = bytes(self._buf[HEADER.size:HEADER.size + length])
+            del self._buf[:HEADER.size + length]
+            out.append(decode_body(body, self._allowed))
+        return out
+
+
+def decode_body(body: bytes, allowed: frozenset[str] | None = None) -> dict[str, Any] | ProtocolError:
+    """A validated message, or the ProtocolError saying why the body is refused."""
+    try:
+        msg = json.loads(body.decode("utf-8"), parse_constant=_reject_constant)
+        return validate(msg, allowed)
+    except ProtocolError as exc:
+        return exc
+    except (UnicodeDecodeError, ValueError, RecursionError) as exc:
+        return ProtocolError("malformed", f"body is not valid JSON ({exc})")
+
+
+def send_msg(sock: socket.socket, msg: dict[str, Any]) -> None:
+    """Blocking send of one frame (the caller serialises writers)."""
+    sock.sendall(encode(msg))

@@ -1,0 +1,144 @@
+"""``recover launch``, ``recover compare`` and the hidden ``recover worker`` (one replica process)."""
+
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+from pathlib import Path
+
+from recover.config import Config, load_config
+from recover.errors import ConfigError, RecoverError
+
+
+def register(sub: argparse._SubParsersAction) -> None:
+    p = sub.add_parser(
+        "launch", help="run a multi-replica job on this machine, with real failures",
+        description="Start a coordinator and N replica processes and train with in-step recovery. "
+                    "Failures are real SIGKILLs: --fail R@STEP:PHASE (phases: forward, backward, reduce, commit, "
+                    "optimizer, idle; steps are 0-based) or --random-failures MTBF_S. Config overrides: "
+                    "--section.field VALUE.",
+    )
+    p.add_argument("--config", default="tiny", help="preset name or .toml path")
+    p.add_argument("--replicas", type=int, default=None, help="replicas (default: parallel.replicas of the config)")
+    p.add_argument("--steps", type=int, default=None, help="committed steps (default: training.steps)")
+    p.add_argument("--out", required=True, help="run directory")
+    p.add_argument("--fail", action="append", default=[], metavar="R@STEP:PHASE",
+                   help="kill replica R at STEP (0-based) and PHASE; repeatable")
+    p.add_argument("--random-failures", type=float, default=None, metavar="MTBF_S",
+                   help="also SIGKILL a random live replica at exponential intervals with this mean (seconds)")
+    p.add_argument("--rejoin-after", type=float, default=None, metavar="SECONDS",
+                   help="restart a killed replica after this delay; it joins back at the next step boundary")
+    p.add_argument("--deterministic", action="store_true",
+                   help="float64 accumulation: every committed step bitwise equal to the failure-free run's")
+    p.add_argument("--seed", type=int, default=0, help="seed of --random-failures")
+    p.add_argument("--reference", default=None, help="a failure-free run directory to draw under loss.png")
+    p.add_argument("--no-progress", action="store_true", help="no live progress display")
+    p.set_defaults(func=run_launch, accepts_overrides=True)
+
+    c = sub.add_parser("compare", help="per-step loss difference of a run against a reference run",
+                       description="Print the largest per-step relative loss difference of RUN against REF and "
+                                   "both final validation losses; exit 1 when it exceeds --tol.")
+    c.add_argument("ref")
+    c.add_argument("run")
+    c.add_argument("--tol", type=float, default=1e-5, help="allowed relative difference (default 1e-5)")
+    c.add_argument("--json", default=None, help="also write the comparison to this file")
+    c.set_defaults(func=run_compare)
+
+    w = sub.add_parser("worker", help=argparse.SUPPRESS)
+    w.add_argument("--config", required=True)
+    w.add_argument("--out", required=True)
+    w.add_argument("--replica", type=int, required=True)
+    w.add_argument("--coordinator", required=True, help="HOST:PORT")
+    w.add_argument("--token-file", required=True)
+    w.add_argument("--procs", type=int, default=1, help="replica processes sharing this machine (threads)")
+    w.add_argument("--fail", action="append", default=[])
+    w.add_argument("--join", action="store_true")
+    w.set_defaults(func=run_worker, accepts_overrides=True)
+
+
+def launch_config(args: argparse.Namespace) -> tuple[Config, list[str]]:
+    """The job's config and the overrides every worker gets (flags folded into dotted overrides)."""
+    overrides = list(args.overrides)
+    if args.replicas is not None:
+        if args.replicas < 1:
+            raise ConfigError(f"--replicas {args.replicas} is not allowed: at least 1")
+        overrides += [f"--parallel.replicas={args.replicas}"]
+    if args.steps is not None:
+        overrides += [f"--training.steps={args.steps}"]
+    if args.deterministic:
+        overrides += ["--training.deterministic=true"]
+    return load_config(args.config, overrides), overrides
+
+
+def run_launch(args: argparse.Namespace) -> int:
+    from recover.faults import FailureSchedule, parse_failure
+    from recover.launch.launcher import LaunchOptions, Launcher
+    from recover.launch.report import plot_run, summarize
+    from recover.train.trainer import resolve_data_dir
+
+    cfg, overrides = launch_config(args)
+    ft = cfg.fault_tolerance
+    schedule = FailureSchedule([parse_failure(f) for f in args.fail])
+    schedule.validate(cfg.parallel.replicas, cfg.training.steps, ft.min_replicas,
+                      rejoin=args.rejoin_after is not None)
+    if args.random_failures is not None and args.random_failures <= 0:
+        raise ConfigError(f"--random-failures {args.random_failures} is not allowed: a positive MTBF in seconds")
+    if args.rejoin_after is not None and args.rejoin_after < 0:
+        raise ConfigError(f"--rejoin-after {args.rejoin_after} is not allowed: seconds >= 0")
+    if cfg.parallel.procs_per_replica != 1:
+        raise ConfigError("parallel.pp/tp/fsdp > 1 inside a replica is not supported by `recover launch` yet")
+    out = Path(args.out)
+    out.mkdir(parents=True, exist_ok=True)
+    resolve_data_dir(cfg.data, quiet=args.no_progress)
+    opts = LaunchOptions(config=cfg, config_arg=args.config, overrides=overrides, out=out, failures=schedule,
+                         random_mtbf_s=args.random_failures, rejoin_after_s=args.rejoin_after, seed=args.seed,
+                         progress=not args.no_progress, title=f"{cfg.name} x{cfg.parallel.replicas}")
+    launcher = Launcher(opts)
+    code = launcher.run()
+    summary = summarize(out, cfg.name, launcher.wall_s)
+    try:
+        plot_run(out, Path(args.reference) if args.reference else None)
+    except Exception as exc:  # a plot never fails a run
+        print(f"warning: plots not written: {exc}", file=sys.stderr)
+    for text in launcher.failed_logs():
+        print(text, file=sys.stderr)
+    lat = summary["recovery_latency_ms_median"]
+    print(f"{summary['committed_steps']} steps committed in {summary['wall_s']:.1f} s; microbatches per step "
+          f"{summary['min_microbatches']}..{summary['max_microbatches']}; kills {summary['kills']}, rejoins "
+          f"{summary['rejoins']}; median recovery {lat if lat is not None else '-'} ms; "
+          f"final val loss {summary['final_val_loss']}; outputs in {out}", flush=True)
+    if code == 3:
+        print("recover: the job stopped because too few replicas survived; a complete checkpoint was saved "
+              f"under {out / 'checkpoints'}", file=sys.stderr)
+    return code
+
+
+def run_compare(args: argparse.Namespace) -> int:
+    from recover.launch.report import compare
+
+    res = compare(Path(args.ref), Path(args.run))
+    if args.json:
+        Path(args.json).write_text(json.dumps(res, indent=1))
+    ok = res["max_rel_loss_diff"] <= args.tol and res["steps_compared"] == res["steps_ref"]
+    print(f"steps compared: {res['steps_compared']} (reference {res['steps_ref']}, run {res['steps_run']})")
+    print(f"max relative loss difference: {res['max_rel_loss_diff']:.3e} at step {res['worst_step']} "
+          f"(tolerance {args.tol:.1e}){'; bitwise equal' if res['bitwise_equal'] else ''}")
+    print(f"final validation loss: reference {res['final_val_loss_ref']}, run {res['final_val_loss_run']}")
+    print(f"min microbatches per step in run: {res['min_microbatches_run']}")
+    print("OK" if ok else "DIFFERENT: above tolerance or steps missing")
+    return 0 if ok else 1
+
+
+def run_worker(args: argparse.Namespace) -> int:
+    from recover.faults import parse_failure
+    from recover.train.worker import ReplicaWorker
+
+    cfg = load_config(args.config, args.overrides)
+    host, _, port = args.coordinator.rpartition(":")
+    if not host or not port.isdigit():
+        raise RecoverError(f"--coordinator {args.coordinator!r}: expected HOST:PORT")
+    token = Path(args.token_file).read_text().strip()
+    worker = ReplicaWorker(cfg, args.out, args.replica, host, int(port), token,
+                           failures=[parse_failure(f) for f in args.fail], join=args.join, procs=args.procs)
+    return worker.run()

@@ -1,0 +1,274 @@
+"""``recover launch``: one coordinator and N replica processes on this machine, with real failures.
+
+Contract:
+- Everything is validated before any process starts (config, failure schedule, flags).
+- The coordinator starts first, as its own process (a worker's death never takes it down).
+- Replica processes are started in their own sessions and tracked by PID; on exit, error or
+  Ctrl-C every process the launcher started is killed by PID, never by name.
+- Failures are real: ``--fail`` specs make a replica SIGKILL itself at (step, phase);
+  ``--random-failures MTBF`` makes the launcher SIGKILL a random live replica at exponentially
+  distributed times (never below ``min_replicas``). ``--rejoin-after S`` restarts a killed
+  replica S seconds later; it joins back at the next step boundary.
+- The launcher is the single writer of ``metrics.jsonl``: one record per committed step, merged
+  from the replicas' own logs (``replicas/replica_R.jsonl``), plus ``summary.json`` and the plots.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import random
+import secrets
+import signal
+import socket
+import subprocess
+import sys
+import time
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+from recover.config import Config
+from recover.faults import FailureSchedule
+from recover.observe.events import EventLog, JsonlWriter, read_jsonl
+from recover.observe.progress import ProgressDisplay
+from recover.train.worker import EXIT_QUORUM_LOST, replica_log_path
+
+POLL_S = 0.05
+
+
+def free_port(host: str = "127.0.0.1") -> int:
+    with socket.socket() as s:
+        s.bind((host, 0))
+        return s.getsockname()[1]
+
+
+@dataclass
+class LaunchOptions:
+    config: Config
+    config_arg: str
+    overrides: list[str]
+    out: Path
+    failures: FailureSchedule = field(default_factory=FailureSchedule)
+    random_mtbf_s: float | None = None
+    rejoin_after_s: float | None = None
+    seed: int = 0
+    host: str = "127.0.0.1"
+    progress: bool = True
+    title: str = "launch"
+
+
+@dataclass
+class Replica:
+    rid: int
+    proc: subprocess.Popen[bytes]
+    log: Any
+    started: float
+    joined: bool
+    exit_code: int | None = None
+
+
+class Launcher:
+    def __init__(self, opts: LaunchOptions) -> None:
+        self.o = opts
+        self.cfg = opts.config
+        self.n = self.cfg.parallel.replicas
+        self.out = opts.out
+        self.rng = random.Random(opts.seed)
+        self.replicas: dict[int, Replica] = {}
+        self.rejoin_at: dict[int, float] = {}
+        self.coordinator: subprocess.Popen[bytes] | None = None
+        self.records: dict[int, dict[str, Any]] = {}
+        self.offsets: dict[Path, int] = {}
+        self.written = -1
+        self.kills = 0
+
+    # ---- processes -------------------------------------------------------------------------
+    def _python(self, *args: str) -> list[str]:
+        return [sys.executable, "-m", "recover", *args]
+
+    def _start_coordinator(self) -> None:
+        self.port = free_port(self.o.host)
+        token_file = self.out / "token"
+        token_file.write_text(secrets.token_hex(16))
+        token_file.chmod(0o600)
+        self.token_file = token_file
+        ft = self.cfg.fault_tolerance
+        cmd = self._python("coordinator", "--host", self.o.host, "--port", str(self.port), "--token-file",
+                           str(token_file), "--events", str(self.out / "events.jsonl"), "--replicas", str(self.n),
+                           "--heartbeat-interval", str(ft.heartbeat_interval_s),
+                           "--heartbeat-timeout", str(ft.heartbeat_timeout_s))
+        log = open(self.out / "logs" / "coordinator.log", "wb")  # noqa: SIM115 - lives with the process
+        self.coordinator = subprocess.Popen(cmd, stdout=log, stderr=subprocess.STDOUT, start_new_session=True)
+        deadline = time.time() + 30
+        while time.time() < deadline:
+            if self.coordinator.poll() is not None:
+                raise RuntimeError(f"the coordinator exited with {self.coordinator.returncode}; see "
+                                   f"{self.out / 'logs' / 'coordinator.log'}")
+            try:
+                socket.create_connection((self.o.host, self.port), timeout=0.2).close()
+                return
+            except OSError:
+                time.sleep(0.05)
+        raise RuntimeError("the coordinator did not start listening within 30 s")
+
+    def _start_replica(self, rid: int, join: bool) -> None:
+        cmd = self._python("worker", "--config", self.o.config_arg, "--out", str(self.out), "--replica", str(rid),
+                           "--coordinator", f"{self.o.host}:{self.port}", "--token-file", str(self.token_file),
+                           "--procs", str(self.n), *self.o.overrides)
+        for spec in self.o.failures.for_replica(rid):
+            cmd += ["--fail", str(spec)]
+        if join:
+            cmd.append("--join")
+        log = open(self.out / "logs" / f"replica_{rid}.log", "ab")  # noqa: SIM115
+        proc = subprocess.Popen(cmd, stdout=log, stderr=subprocess.STDOUT, start_new_session=True)
+        self.replicas[rid] = Replica(rid, proc, log, time.time(), join)
+        if join:
+            self.events.event("rejoin_started", replica=rid, pid=proc.pid)
+
+    def _kill_all(self) -> None:
+        procs = [r.proc for r in self.replicas.values()] + ([self.coordinator] if self.coordinator else [])
+        for proc in procs:
+            if proc.poll() is None:
+                try:
+                    os.killpg(proc.pid, signal.SIGKILL)
+                except ProcessLookupError:
+                    pass
+        for proc in procs:
+            try:
+                proc.wait(timeout=10)
+            except subprocess.TimeoutExpired:
+                pass
+
+    # ---- monitoring ------------------------------------------------------------------------
+    def _poll_replicas(self, now: float) -> None:
+        for rep in self.replicas.values():
+            if rep.exit_code is not None:
+                continue
+            code = rep.proc.poll()
+            if code is None:
+                continue
+            rep.exit_code = code
+            rep.log.close()
+            self.events.event("replica_exit", replica=rep.rid, code=code, pid=rep.proc.pid)
+            unfinished = self.written + 1 < self.cfg.training.steps
+            if code == -signal.SIGKILL and self.o.rejoin_after_s is not None and unfinished:
+                self.rejoin_at[rep.rid] = now + self.o.rejoin_after_s
+        for rid, when in list(self.rejoin_at.items()):
+            if now >= when:
+                del self.rejoin_at[rid]
+                self._start_replica(rid, join=True)
+
+    def _live(self) -> list[Replica]:
+        return [r for r in self.replicas.values() if r.exit_code is None]
+
+    def _random_kill(self, now: float) -> None:
+        if self.o.random_mtbf_s is None or now < self.next_random_kill:
+            return
+        self.next_random_kill = now + self.rng.expovariate(1.0 / self.o.random_mtbf_s)
+        live = [r for r in self._live() if now - r.started > 1.0]
+        if len(self._live()) - 1 < self.cfg.fault_tolerance.min_replicas or not live:
+            return
+        victim = self.rng.choice(sorted(live, key=lambda r: r.rid))
+        self.events.event("kill", replica=victim.rid, step=self.written + 1, phase="random", pid=victim.proc.pid,
+                          source="launcher")
+        os.killpg(victim.proc.pid, signal.SIGKILL)
+        self.kills += 1
+
+    def _collect(self) -> list[dict[str, Any]]:
+        """New per-replica records; merges them per step (first writer wins, val_loss from any)."""
+        fresh = []
+        for path in sorted((self.out / "replicas").glob("replica_*.jsonl")):
+            start = self.offsets.get(path, 0)
+            with open(path, "rb") as f:
+                f.seek(start)
+                data = f.read()
+            end = data.rfind(b"\n") + 1
+            self.offsets[path] = start + end
+            for line in data[:end].splitlines():
+                rec = json.loads(line)
+                prev = self.records.get(rec["step"])
+                if prev is None:
+                    self.records[rec["step"]] = rec
+                    fresh.append(rec)
+                elif "val_loss" in rec and "val_loss" not in prev:
+                    prev["val_loss"] = rec["val_loss"]
+        return fresh
+
+    def _flush_metrics(self, final: bool) -> None:
+        """Writes committed steps in order; a step waits for the next one (so its val_loss can merge)."""
+        while (self.written + 1) in self.records and (final or (self.written + 2) in self.records):
+            self.written += 1
+            rec = dict(self.records[self.written])
+            rec.pop("t", None)
+            self.metrics.write(rec)
+            self.display.update(rec)
+
+    # ---- the run ---------------------------------------------------------------------------
+    def run(self) -> int:
+        for sub in ("logs", "replicas"):
+            (self.out / sub).mkdir(parents=True, exist_ok=True)
+        for stale in ["metrics.jsonl", "events.jsonl", "summary.json", *(p.relative_to(self.out) for p in
+                                                                     (self.out / "replicas").glob("*.jsonl"))]:
+            (self.out / stale).unlink(missing_ok=True)
+        (self.out / "config.json").write_text(json.dumps(self.cfg.to_dict(), indent=1))
+        self.events = EventLog(self.out / "events.jsonl")
+        self.metrics = JsonlWriter(self.out / "metrics.jsonl")
+        steps = self.cfg.training.steps
+        self.display = ProgressDisplay(steps, title=self.o.title, enabled=self.o.progress)
+        self.next_random_kill = time.time() + (self.rng.expovariate(1.0 / self.o.random_mtbf_s)
+                                               if self.o.random_mtbf_s else 0)
+        t0 = time.time()
+        self.events.event("launch", replicas=self.n, steps=steps, failures=[str(s) for s in self.o.failures],
+                          random_mtbf_s=self.o.random_mtbf_s, rejoin_after_s=self.o.rejoin_after_s)
+        try:
+            self._start_coordinator()
+            for rid in range(self.n):
+                self._start_replica(rid, join=False)
+            while True:
+                now = time.time()
+                self._poll_replicas(now)
+                self._collect()
+                self._flush_metrics(final=False)
+                if not self._live() and not self.rejoin_at:
+                    break
+                self._random_kill(now)
+                time.sleep(POLL_S)
+            self._collect()
+            self._flush_metrics(final=True)
+        finally:
+            self.display.close()
+            self._kill_all()
+            self.metrics.close()
+        wall = time.time() - t0
+        return self._exit_status(wall)
+
+    def _exit_status(self, wall: float) -> int:
+        codes = {r.rid: r.exit_code for r in self.replicas.values()}
+        self.events.event("end", wall_s=round(wall, 3), exit_codes=codes)
+        self.events.close()
+        self.wall_s = wall
+        if self.written + 1 >= self.cfg.training.steps:
+            return 0
+        if any(c == EXIT_QUORUM_LOST for c in codes.values()):
+            return EXIT_QUORUM_LOST
+        return 1
+
+    def failed_logs(self) -> list[str]:
+        """Tails of logs of replicas that exited with an error (not a SIGKILL or quorum loss)."""
+        out = []
+        for rep in self.replicas.values():
+            if rep.exit_code not in (0, -signal.SIGKILL, EXIT_QUORUM_LOST, None):
+                text = (self.out / "logs" / f"replica_{rep.rid}.log").read_text(errors="replace")
+                out.append(f"replica {rep.rid} exited with {rep.exit_code}:\n" + "\n".join(text.splitlines()[-15:]))
+        return out
+
+
+def replica_records(out: Path) -> list[dict[str, Any]]:
+    records = []
+    for path in sorted((out / "replicas").glob("replica_*.jsonl")):
+        records.extend(read_jsonl(path))
+    return records
+
+
+__all__ = ["LaunchOptions", "Launcher", "free_port", "replica_log_path", "replica_records"]

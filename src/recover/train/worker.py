@@ -1,0 +1,167 @@
+"""One replica of a fault-tolerant job (``recover worker``, started by ``recover launch``).
+
+The loop reads like plain PyTorch with the layers as wrappers:
+
+    membership = client.register()                    # layer 1: coordinator
+    group = FaultTolerantGroup.create(...)            # layer 1: this generation's collectives
+    for step in steps:
+        outcome = resilient_step.run(step)            # layers 2+3: compute, reduce, recover, commit
+        accumulator.apply(outcome.reduced, M, ...)    # divide by M, clip, AdamW: only after commit
+        if outcome.admitted: grow the group and send our state to the joiners
+
+Contract: every committed step this replica applies holds exactly M microbatches; a joiner starts
+from state bitwise equal to the live replicas' at a step boundary; if fewer than
+``fault_tolerance.min_replicas`` survive, the lowest live replica saves a complete checkpoint
+and every survivor exits with status 3 and a message saying so.
+"""
+
+from __future__ import annotations
+
+import os
+import sys
+import time
+from pathlib import Path
+from typing import Any
+
+from recover.config import Config
+from recover.errors import QuorumLost
+from recover.faults import FailureSpec, FaultInjector
+from recover.observe.events import EventLog, JsonlWriter
+from recover.recovery.protocol import ResilientStep, StepOutcome
+from recover.recovery.state import flat_state, load_flat_state
+from recover.train.dist import DistContext
+from recover.train.optim import lr_at, set_lr
+from recover.train.trainer import Trainer
+
+EXIT_QUORUM_LOST = 3
+
+
+def replica_log_path(out: Path, replica: int) -> Path:
+    return out / "replicas" / f"replica_{replica}.jsonl"
+
+
+class ReplicaWorker:
+    """Trains ``cfg`` as replica ``replica`` of a job whose coordinator listens at ``host:port``."""
+
+    def __init__(self, cfg: Config, out: str | os.PathLike[str], replica: int, host: str, port: int, token: str,
+                 failures: list[FailureSpec] = (), join: bool = False, procs: int = 1) -> None:
+        self.cfg, self.out, self.replica = cfg, Path(out), replica
+        self.host, self.port, self.token, self.join = host, port, token, join
+        self.trainer = Trainer(cfg, self.out, DistContext(local_world_size=procs), quiet=True)
+        self.events = EventLog(self.out / "events.jsonl")
+        self.log = JsonlWriter(replica_log_path(self.out, replica))
+        self.injector = FaultInjector(failures, replica, before_kill=self._before_kill)
+
+    def _before_kill(self, spec: FailureSpec) -> None:
+        self.events.event("kill", replica=self.replica, step=spec.step, phase=spec.phase, pid=os.getpid())
+
+    def _event(self, kind: str, **fields: Any) -> None:
+        self.events.event(kind, replica=self.replica, **fields)
+
+    # ---- membership and state ------------------------------------------------------------
+    def _connect(self) -> tuple[Any, Any, int]:
+        from recover.comm import FaultTolerantGroup
+        from recover.coord.client import CoordinatorClient
+
+        ft = self.cfg.fault_tolerance
+        client = CoordinatorClient(self.host, self.port, self.token, self.replica,
+                                   heartbeat_interval_s=ft.heartbeat_interval_s)
+        membership = client.register(join=self.join)
+        group = FaultTolerantGroup.create(client, membership, backend=self.cfg.parallel.backend,
+                                          timeout_s=ft.collective_timeout_s)
+        step = 0
+        if self.join:
+            step = self._receive_state(group)
+        self._event("started", generation=group.generation, members=list(group.members), step=step,
+                    joined=self.join)
+        return client, group, step
+
+    def _counters(self, step: int) -> dict[str, int]:
+        return {"step": step, "total_tokens": self.trainer.total_tokens}
+
+    def _receive_state(self, group: Any) -> int:
+        from recover.comm.transfer import receive_state
+
+        t0 = time.perf_counter()
+        t = self.trainer
+        state = receive_state(group, src_rank=0)
+        counters = load_flat_state(t.model, t.optimizer, state)
+        t.total_tokens = counters["total_tokens"]
+        self._event("state_received", step=counters["step"], ms=round((time.perf_counter() - t0) * 1000, 2),
+                    tensors=len(state))
+        return counters["step"]
+
+    def _grow(self, group: Any, membership: Any, next_step: int) -> Any:
+        """Builds the generation that admits joiners and sends them our state (lowest member sends)."""
+        from recover.comm import FaultTolerantGroup
+        from recover.comm.transfer import send_state
+
+        new = FaultTolerantGroup.create(group.client, membership, backend=self.cfg.parallel.backend,
+                                        timeout_s=self.cfg.fault_tolerance.collective_timeout_s)
+        group.close()
+        t = self.trainer
+        send_state(new, flat_state(t.model, t.optimizer, self._counters(next_step)), src_rank=0)
+        self._event("grew", generation=new.generation, members=list(new.members), step=next_step)
+        return new
+
+    # ---- the loop --------------------------------------------------------------------------
+    def run(self) -> int:
+        t = self.trainer
+        tc = self.cfg.training
+        client, group, step = self._connect()
+        protocol = ResilientStep(self.replica, group, client, t.acc,
+                                 lambda s, ids: t.compute(s, ids, self.injector.maybe_fail),
+                                 tc.global_microbatches, self.cfg.fault_tolerance.min_replicas,
+                                 hook=self.injector.maybe_fail, on_event=self._event)
+        try:
+            while step < tc.steps:
+                t0 = time.perf_counter()
+                set_lr(t.optimizer, lr_at(step, tc))
+                outcome = protocol.run(step)
+                self.injector.maybe_fail(step, "optimizer")
+                grad_norm = t.acc.apply(outcome.reduced, tc.global_microbatches, t.optimizer, tc.grad_clip)
+                t.total_tokens += t.tokens_per_step
+                self._record(step, outcome, grad_norm, time.perf_counter() - t0)
+                if outcome.admitted is not None:
+                    protocol.group = self._grow(protocol.group, outcome.admitted, step + 1)
+                self.injector.maybe_fail(step, "idle")
+                step += 1
+        except QuorumLost as exc:
+            return self._stop_on_quorum_loss(protocol.group, step, exc)
+        finally:
+            self.log.close()
+        self._event("finished", step=step, generation=protocol.group.generation)
+        protocol.group.close()
+        client.close()
+        return 0
+
+    def _is_leader(self, group: Any) -> bool:
+        return self.replica == min(group.members)
+
+    def _record(self, step: int, outcome: StepOutcome, grad_norm: float, dt: float) -> None:
+        t, tc = self.trainer, self.cfg.training
+        record: dict[str, Any] = {
+            "step": step, "replica": self.replica, "loss": outcome.loss_sum / tc.global_microbatches,
+            "microbatches": outcome.microbatches, "computed": outcome.computed, "tokens": t.tokens_per_step,
+            "total_tokens": t.total_tokens, "time_s": round(dt, 6), "lr": lr_at(step, tc), "grad_norm": grad_norm,
+            "live_replicas": len(outcome.live), "generation": outcome.generation,
+            "tokens_per_s": t.tokens_per_step / dt,
+        }
+        if outcome.recoveries:
+            record["recovery_ms"] = sum(r["regroup_ms"] for r in outcome.recoveries)
+            record["failures"] = [r["dead"] for r in outcome.recoveries]
+        last = step + 1 == tc.steps
+        leader = self.replica == min(outcome.live)
+        if leader and ((tc.eval_every and (step + 1) % tc.eval_every == 0) or last):
+            record["val_loss"] = t.evaluate()
+        self.log.write(record)
+        if leader and tc.checkpoint_every and ((step + 1) % tc.checkpoint_every == 0 or last):
+            t.save(step + 1)
+
+    def _stop_on_quorum_loss(self, group: Any, step: int, exc: QuorumLost) -> int:
+        if self._is_leader(group):
+            path = self.trainer.save(step)
+            self._event("quorum_lost", step=step, checkpoint=str(path), message=str(exc))
+            print(f"recover: replica {self.replica}: {exc}. Saved a complete checkpoint of step {step} at {path}; "
+                  "resume with more replicas.", file=sys.stderr, flush=True)
+        return EXIT_QUORUM_LOST
