@@ -16,7 +16,8 @@ from recover.errors import RecoverError
 
 # Modules that register sub-commands, in the order `recover --help` lists them.
 COMMAND_MODULES = (
-    "recover.train.cli",  # train, demo
+    "recover.launch.demo",  # demo
+    "recover.train.cli",  # train
     "recover.data.cli",  # prepare
     "recover.launch.cli",  # launch, compare, worker
     "recover.coord.cli",  # coordinator

@@ -29,6 +29,8 @@ def register(sub: argparse._SubParsersAction) -> None:
                    help="also SIGKILL a random live replica at exponential intervals with this mean (seconds)")
     p.add_argument("--rejoin-after", type=float, default=None, metavar="SECONDS",
                    help="restart a killed replica after this delay; it joins back at the next step boundary")
+    p.add_argument("--rejoin-replicas", default=None, metavar="R[,R...]",
+                   help="with --rejoin-after: only these replicas rejoin (default: every killed one)")
     p.add_argument("--deterministic", action="store_true",
                    help="float64 accumulation: every committed step bitwise equal to the failure-free run's")
     p.add_argument("--seed", type=int, default=0, help="seed of --random-failures")
@@ -73,7 +75,7 @@ def launch_config(args: argparse.Namespace) -> tuple[Config, list[str]]:
 
 def run_launch(args: argparse.Namespace) -> int:
     from recover.faults import FailureSchedule, parse_failure
-    from recover.launch.launcher import LaunchOptions, Launcher
+    from recover.launch.launcher import Launcher, LaunchOptions
     from recover.launch.report import plot_run, summarize
     from recover.train.trainer import resolve_data_dir
 
@@ -86,13 +88,20 @@ def run_launch(args: argparse.Namespace) -> int:
         raise ConfigError(f"--random-failures {args.random_failures} is not allowed: a positive MTBF in seconds")
     if args.rejoin_after is not None and args.rejoin_after < 0:
         raise ConfigError(f"--rejoin-after {args.rejoin_after} is not allowed: seconds >= 0")
+    rejoin_replicas = None
+    if args.rejoin_replicas:
+        try:
+            rejoin_replicas = frozenset(int(r) for r in args.rejoin_replicas.split(","))
+        except ValueError:
+            raise ConfigError(f"--rejoin-replicas {args.rejoin_replicas!r}: expected replica ids like 1,3") from None
     if cfg.parallel.procs_per_replica != 1:
         raise ConfigError("parallel.pp/tp/fsdp > 1 inside a replica is not supported by `recover launch` yet")
     out = Path(args.out)
     out.mkdir(parents=True, exist_ok=True)
     resolve_data_dir(cfg.data, quiet=args.no_progress)
     opts = LaunchOptions(config=cfg, config_arg=args.config, overrides=overrides, out=out, failures=schedule,
-                         random_mtbf_s=args.random_failures, rejoin_after_s=args.rejoin_after, seed=args.seed,
+                         random_mtbf_s=args.random_failures, rejoin_after_s=args.rejoin_after,
+                         rejoin_replicas=rejoin_replicas, seed=args.seed,
                          progress=not args.no_progress, title=f"{cfg.name} x{cfg.parallel.replicas}")
     launcher = Launcher(opts)
     code = launcher.run()

@@ -52,6 +52,8 @@ class LaunchOptions:
     failures: FailureSchedule = field(default_factory=FailureSchedule)
     random_mtbf_s: float | None = None
     rejoin_after_s: float | None = None
+    rejoin_replicas: frozenset[int] | None = None
+    """Which killed replicas rejoin (None: all)."""
     seed: int = 0
     host: str = "127.0.0.1"
     progress: bool = True
@@ -96,7 +98,7 @@ class Launcher:
         ft = self.cfg.fault_tolerance
         cmd = self._python("coordinator", "--host", self.o.host, "--port", str(self.port), "--token-file",
                            str(token_file), "--events", str(self.out / "events.jsonl"), "--replicas", str(self.n),
-                           "--heartbeat-interval", str(ft.heartbeat_interval_s),
+                           "--min-replicas", str(ft.min_replicas), "--heartbeat-interval", str(ft.heartbeat_interval_s),
                            "--heartbeat-timeout", str(ft.heartbeat_timeout_s))
         log = open(self.out / "logs" / "coordinator.log", "wb")  # noqa: SIM115 - lives with the process
         self.coordinator = subprocess.Popen(cmd, stdout=log, stderr=subprocess.STDOUT, start_new_session=True)
@@ -152,7 +154,8 @@ class Launcher:
             rep.log.close()
             self.events.event("replica_exit", replica=rep.rid, code=code, pid=rep.proc.pid)
             unfinished = self.written + 1 < self.cfg.training.steps
-            if code == -signal.SIGKILL and self.o.rejoin_after_s is not None and unfinished:
+            wanted = self.o.rejoin_replicas is None or rep.rid in self.o.rejoin_replicas
+            if code == -signal.SIGKILL and self.o.rejoin_after_s is not None and unfinished and wanted:
                 self.rejoin_at[rep.rid] = now + self.o.rejoin_after_s
         for rid, when in list(self.rejoin_at.items()):
             if now >= when:

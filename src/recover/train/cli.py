@@ -1,12 +1,8 @@
-"""``recover train`` (one process, or one rank under torchrun) and ``recover demo``."""
+"""``recover train``: one process, or one rank under torchrun (failure-free data parallelism)."""
 
 from __future__ import annotations
 
 import argparse
-import subprocess
-import sys
-import time
-from pathlib import Path
 
 from recover.config import available_presets, load_config
 
@@ -27,14 +23,6 @@ def register(sub: argparse._SubParsersAction) -> None:
     p.add_argument("--no-progress", action="store_true", help="no progress display")
     p.set_defaults(func=run_train, accepts_overrides=True)
 
-    d = sub.add_parser("demo", help="the main job on the embedded default: tiny model, stdlib corpus, 2 processes",
-                       description="Prepare the stdlib corpus (no download) and pre-train the tiny preset with "
-                                   "2 data-parallel processes under torchrun; the loss falls within a few dozen steps.")
-    d.add_argument("--out", default="runs/demo", help="run directory (default runs/demo)")
-    d.add_argument("--procs", type=int, default=2, help="data-parallel processes (default 2)")
-    d.add_argument("--steps", type=int, default=None, help="override training.steps")
-    d.set_defaults(func=run_demo)
-
 
 def run_train(args: argparse.Namespace) -> int:
     from recover.train.dist import init_from_env, shutdown
@@ -53,32 +41,4 @@ def run_train(args: argparse.Namespace) -> int:
         print(f"done: {summary['steps_run']} steps in {summary['wall_s']:.1f} s, "
               f"{summary['tokens_per_s']:,.0f} tokens/s, final validation loss {val_text}", flush=True)
         print(f"run directory: {args.out} (metrics.jsonl, summary.json, loss.png)", flush=True)
-    return 0
-
-
-def run_demo(args: argparse.Namespace) -> int:
-    from recover.observe.plots import load_metrics
-    from recover.train.trainer import resolve_data_dir
-
-    cfg = load_config("tiny")
-    print("preparing the embedded corpus (Python standard library sources; no download) ...", flush=True)
-    resolve_data_dir(cfg.data)
-    out = Path(args.out)
-    (out / "metrics.jsonl").unlink(missing_ok=True)
-    cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", f"--nproc-per-node={args.procs}",
-           "-m", "recover", "train", "--config", "tiny", "--out", str(out),
-           f"--parallel.replicas={args.procs}"]
-    if args.steps:
-        cmd.append(f"--training.steps={args.steps}")
-    print("$ " + " ".join(cmd[1:]), flush=True)
-    t0 = time.time()
-    rc = subprocess.call(cmd)
-    if rc != 0:
-        print(f"demo: training exited with status {rc}", file=sys.stderr)
-        return rc
-    rows = load_metrics(out)
-    if rows:
-        first, last = rows[0]["loss"], rows[-1]["loss"]
-        print(f"demo finished in {time.time() - t0:.0f} s: loss {first:.3f} -> {last:.3f} over {len(rows)} steps; "
-              f"plot: {out / 'loss.png'}")
     return 0

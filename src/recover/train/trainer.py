@@ -18,8 +18,8 @@ from __future__ import annotations
 import json
 import os
 import time
-from dataclasses import asdict
 from collections.abc import Callable
+from dataclasses import asdict
 from pathlib import Path
 from typing import Any
 

@@ -91,14 +91,11 @@ class ReplicaWorker:
                     tensors=len(state))
         return counters["step"]
 
-    def _grow(self, group: Any, membership: Any, next_step: int) -> Any:
-        """Builds the generation that admits joiners and sends them our state (lowest member sends)."""
-        from recover.comm import FaultTolerantGroup
+    def _grow(self, group: Any, next_step: int) -> Any:
+        """Moves to the generation that admits joiners and sends them our state (its rank 0 sends)."""
         from recover.comm.transfer import send_state
 
-        new = FaultTolerantGroup.create(group.client, membership, backend=self.cfg.parallel.backend,
-                                        timeout_s=self.cfg.fault_tolerance.collective_timeout_s)
-        group.close()
+        new = group.next_generation()
         t = self.trainer
         send_state(new, flat_state(t.model, t.optimizer, self._counters(next_step)), src_rank=0)
         self._event("grew", generation=new.generation, members=list(new.members), step=next_step)
@@ -123,7 +120,7 @@ class ReplicaWorker:
                 t.total_tokens += t.tokens_per_step
                 self._record(step, outcome, grad_norm, time.perf_counter() - t0)
                 if outcome.admitted is not None:
-                    protocol.group = self._grow(protocol.group, outcome.admitted, step + 1)
+                    protocol.group = self._grow(protocol.group, step + 1)
                 self.injector.maybe_fail(step, "idle")
                 step += 1
         except QuorumLost as exc:
