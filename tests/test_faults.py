@@ -40,7 +40,7 @@ def test_parse_rank() -> None:
     ("-1@5", r"REPLICA '-1' is negative; use an integer >= 0 and write REPLICA@STEP"),
     ("1@-5:reduce", "STEP '-5' is negative"),
     ("1@5:backwrd", r"phase 'backwrd' is not a phase \(did you mean 'backward'\?\); use one of forward, "
-                    "backward, reduce, commit, optimizer, idle"),
+                    "backward, reduce, commit, optimizer, idle, recover"),
     ("1@5:explode", r"phase 'explode' is not a phase; use one of forward"),
     ("1@5:", "phase '' is not a phase"),
 ])

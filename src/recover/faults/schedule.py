@@ -15,6 +15,8 @@ passes of the step that ``metrics.jsonl`` records as ``step: 5``. Phases, in ste
 * ``commit``    at the commit vote
 * ``optimizer`` after the commit, at the optimizer step
 * ``idle``      after the step, before the next one begins
+* ``recover``   while this replica recovers from another's failure (the new generation forming):
+                a second failure during recovery
 
 Which rank of a replica dies: a spec's ``rank``, or the replica's LAST rank when it is ``None``
 (the ``--fail-rank`` default); the replica's other ranks go down with it (its torchrun job, or
@@ -36,7 +38,9 @@ from typing import Any
 
 from recover.errors import ConfigError
 
-PHASES: tuple[str, ...] = ("forward", "backward", "reduce", "commit", "optimizer", "idle")
+PHASES: tuple[str, ...] = ("forward", "backward", "reduce", "commit", "optimizer", "idle", "recover")
+STEP_PHASES: tuple[str, ...] = PHASES[:6]
+"""The phases every step passes through (``recover`` happens only when another replica fails)."""
 DEFAULT_PHASE = "forward"
 FORM = "REPLICA@STEP[:PHASE], e.g. 1@5:backward"
 _SPEC = re.compile(r"^\s*([^@:]*)@([^@:]*)(?::([^@:]*))?\s*$")
@@ -195,7 +199,7 @@ def _positive(name: str, value: int) -> None:
 
 
 def random_schedule(replicas: int, steps: int, mtbf_s: float, step_time_s: float, seed: int,
-                    min_replicas: int = 1, phases: Iterable[str] = PHASES,
+                    min_replicas: int = 1, phases: Iterable[str] = STEP_PHASES,
                     rejoin_after_steps: int | None = None) -> FailureSchedule:
     """Random failures: exponential inter-arrival times of mean ``mtbf_s`` (for the whole job).
 

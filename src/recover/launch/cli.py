@@ -47,7 +47,8 @@ def register(sub: argparse._SubParsersAction) -> None:
     c.add_argument("--json", default=None, help="also write the comparison to this file")
     c.set_defaults(func=run_compare)
 
-    w = sub.add_parser("worker", help=argparse.SUPPRESS)
+    w = sub.add_parser("worker", help="(internal) one replica process of `recover launch`")
+    sub._choices_actions.pop()  # internal: keep it out of `recover --help`
     w.add_argument("--config", required=True)
     w.add_argument("--out", required=True)
     w.add_argument("--replica", type=int, required=True)

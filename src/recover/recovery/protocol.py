@@ -112,6 +112,7 @@ class ResilientStep:
         """New generation, orphans re-planned over the survivors; returns (plan, this replica's new ids)."""
         t0 = time.perf_counter()
         old = self.group
+        self.hook(step, "recover")
         while True:
             try:
                 self.group = self.group.next_generation()

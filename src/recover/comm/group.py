@@ -1,0 +1,283 @@
+"""Fault-tolerant collectives over one membership generation (LAYER 1).
+
+Contract: a :class:`FaultTolerantGroup` wraps the c10d process group of exactly one generation g.
+Every collective
+  1. works on a COPY (flattened into per-dtype buckets): the caller's tensors are never written,
+     so a collective that fails half-way (gloo had already modified 20-80% of an in-place buffer)
+     corrupts nothing;
+  2. is launched async and polled (``work.is_completed()``) while watching
+     ``client.failure_notice(g)``: a gloo rank blocked on a dead peer that is not its ring
+     neighbour would otherwise wait for the backend timeout;
+  3. on a coordinator notice or a backend error, stops waiting at once, reports to the coordinator,
+     waits for its decision and raises ``PeerFailure(g, dead)`` naming exactly the replicas that
+     are not in the next generation. The broken group is parked in a :class:`Graveyard`.
+Call order after a failure: ``group = group.next_generation()``; every collective of a broken group
+raises. ``next_generation`` survives further failures while the new group forms by moving on to the
+generation after (the returned group's ``members`` say who is left).
+
+Invariants: one process group per generation, rendezvoused under ``PrefixStore(f"gen{g}")`` on the
+coordinator's store; no global default group; nothing blocks for a backend timeout on the hot path.
+"""
+
+from __future__ import annotations
+
+import threading
+import time
+from collections.abc import Sequence
+from datetime import timedelta
+from typing import Any
+
+import torch
+from torch import Tensor
+
+from recover.comm.backends import default_device, detect_backend, make_process_group
+from recover.comm.graveyard import Graveyard
+from recover.coord.client import CoordinatorClient, CoordinatorLost
+from recover.coord.protocol import Membership
+from recover.errors import PeerFailure
+
+DEFAULT_BUCKET_BYTES = 16 << 20
+_POLL_MIN_S, _POLL_MAX_S = 50e-6, 1e-3
+
+
+def plan_buckets(tensors: Sequence[Tensor], bucket_bytes: int) -> list[list[int]]:
+    """Consecutive runs of tensors with one (device, dtype), each at most ``bucket_bytes`` (a larger
+    tensor gets a bucket of its own). Pure; the same on every rank for the same shapes."""
+    buckets: list[list[int]] = []
+    key, size = None, 0
+    for i, t in enumerate(tensors):
+        nbytes = t.numel() * t.element_size()
+        k = (t.device, t.dtype)
+        if not buckets or k != key or size + nbytes > bucket_bytes:
+            buckets.append([])
+            key, size = k, 0
+        buckets[-1].append(i)
+        size += nbytes
+    return buckets
+
+
+def _flatten(ts: list[Tensor]) -> Tensor:
+    return torch.cat([t.detach().reshape(-1) for t in ts])  # always a fresh buffer
+
+
+def _unflatten(like: Sequence[Tensor], buckets: list[list[int]], flats: list[Tensor]) -> list[Tensor]:
+    out: list[Tensor | None] = [None] * len(like)
+    for idx, flat in zip(buckets, flats, strict=True):
+        off = 0
+        for i in idx:
+            n = like[i].numel()
+            out[i] = flat[off:off + n].view(like[i].shape)
+            off += n
+    return out  # type: ignore[return-value]
+
+
+class FaultTolerantGroup:
+    """Collectives over generation ``membership.generation`` (see the module docstring)."""
+
+    def __init__(self, client: CoordinatorClient, membership: Membership, pg: Any, *, backend: str,
+                 device: torch.device, timeout_s: float, bucket_bytes: int, graveyard: Graveyard,
+                 store: Any) -> None:
+        self.client = client
+        self.membership = membership
+        self.generation = membership.generation
+        self.members = membership.members
+        self.rank = membership.rank_of(client.replica_id)
+        self.size = len(membership.members)
+        self.backend = backend
+        self.device = device
+        self.timeout_s = timeout_s
+        self.bucket_bytes = bucket_bytes
+        self.graveyard = graveyard
+        self.store = store
+        self._pg = pg
+        self._broken = False
+
+    # ------------------------------------------------------------- forming
+
+    @classmethod
+    def create(cls, client: CoordinatorClient, membership: Membership, backend: str = "auto",
+               timeout_s: float = 60.0, *, bucket_bytes: int = DEFAULT_BUCKET_BYTES,
+               graveyard: Graveyard | None = None, device: torch.device | None = None) -> FaultTolerantGroup:
+        """Builds the process group of ``membership`` on ``PrefixStore(f"gen{g}")``.
+
+        Raises:
+            PeerFailure: the generation was declared failed (or the rendezvous broke) while forming.
+            ValueError: this replica is not a member.
+        """
+        if client.replica_id not in membership.members:
+            raise ValueError(f"replica {client.replica_id} is not in generation {membership.generation} "
+                             f"(members {list(membership.members)})")
+        resolved = detect_backend(backend)
+        dev = device if device is not None else default_device(resolved)
+        yard = graveyard if graveyard is not None else Graveyard()
+        pg, store = _rendezvous(client, membership, resolved, dev, timeout_s, yard)
+        return cls(client, membership, pg, backend=resolved, device=dev, timeout_s=timeout_s,
+                   bucket_bytes=bucket_bytes, graveyard=yard, store=store)
+
+    def next_generation(self, timeout_s: float | None = None) -> FaultTolerantGroup:
+        """Retires this group and returns one for the coordinator's next generation.
+
+        Waits for a generation newer than this one; if that one fails while forming, moves on to
+        the next. Raises QuorumLost, Expelled, CoordinatorLost or TimeoutError (no group can form).
+        """
+        self._retire()
+        deadline = time.monotonic() + (timeout_s if timeout_s is not None else self.timeout_s)
+        after = self.generation
+        while True:
+            m = self.client.wait_for_generation(after, max(0.0, deadline - time.monotonic()))
+            try:
+                return FaultTolerantGroup.create(self.client, m, self.backend, self.timeout_s,
+                                                 bucket_bytes=self.bucket_bytes, graveyard=self.graveyard,
+                                                 device=self.device)
+            except PeerFailure:
+                after = m.generation
+
+    def close(self) -> None:
+        """Retires the group (released on the graveyard's thread). Idempotent."""
+        self._retire()
+
+    @property
+    def broken(self) -> bool:
+        return self._broken
+
+    # ------------------------------------------------------------- collectives
+
+    def allreduce(self, tensors: Sequence[Tensor]) -> list[Tensor]:
+        """SUM over members of each tensor, returned as new tensors (views into reduced buckets).
+
+        The inputs are never modified. Raises PeerFailure if a member fails meanwhile.
+        """
+        self._check("all-reduce")
+        if not tensors:
+            return []
+        buckets = plan_buckets(tensors, self.bucket_bytes)
+        flats: list[Tensor] = []
+        works = []
+        for idx in buckets:
+            flats.append(_flatten([tensors[i] for i in idx]))
+            works.append(self._launch("all-reduce", lambda f=flats[-1]: self._pg.allreduce([f])))
+        self._wait(works, "all-reduce")
+        return _unflatten(tensors, buckets, flats)
+
+    def broadcast(self, tensors: Sequence[Tensor], src_rank: int) -> list[Tensor]:
+        """Copies of rank ``src_rank``'s ``tensors`` on every rank (others pass tensors of the same
+        shapes and dtypes; their values are ignored and never modified)."""
+        self._check("broadcast")
+        if not 0 <= src_rank < self.size:
+            raise ValueError(f"src_rank {src_rank} is outside 0..{self.size - 1}")
+        if not tensors:
+            return []
+        buckets = plan_buckets(tensors, self.bucket_bytes)
+        flats = []
+        for idx in buckets:
+            ts = [tensors[i] for i in idx]
+            flats.append(_flatten(ts) if self.rank == src_rank else
+                         torch.empty(sum(t.numel() for t in ts), dtype=ts[0].dtype, device=ts[0].device))
+        self.broadcast_into(flats, src_rank)
+        return _unflatten(tensors, buckets, flats)
+
+    def broadcast_into(self, buffers: Sequence[Tensor], src_rank: int) -> None:
+        """In-place broadcast of caller-owned contiguous buffers (no copy; for bulk state transfer).
+        On failure the buffers hold garbage and PeerFailure is raised."""
+        self._check("broadcast")
+        works = []
+        for buf in buffers:
+            opts = torch.distributed.BroadcastOptions()
+            opts.rootRank = src_rank
+            works.append(self._launch("broadcast", lambda b=buf, o=opts: self._pg.broadcast([b], o)))
+        self._wait(works, "broadcast")
+
+    def barrier(self) -> None:
+        """Returns once every member reached it; raises PeerFailure if one fails first."""
+        self.allreduce([torch.zeros(1, device=self.device)])
+
+    # ------------------------------------------------------------- internals
+
+    def _check(self, what: str) -> None:
+        if self._pg is None or self._broken:
+            raise RuntimeError(f"{what} on a retired or broken group of generation {self.generation}; "
+                               "call next_generation() after a PeerFailure")
+        if self.client.failure_notice(self.generation):
+            raise self._fail(f"generation {self.generation} was declared failed before the {what}", False)
+
+    def _launch(self, what: str, start: Any) -> Any:
+        try:
+            return start()
+        except RuntimeError as exc:
+            raise self._fail(f"backend error launching {what}: {exc}", True) from None
+
+    def _wait(self, works: list[Any], what: str) -> None:
+        deadline = time.monotonic() + self.timeout_s
+        pause = _POLL_MIN_S
+        pending = list(works)
+        while True:
+            pending = [w for w in pending if not w.is_completed()]
+            if not pending:
+                break
+            if self.client.failure_notice(self.generation):
+                raise self._fail(f"coordinator notice during {what}", False)
+            if self.client.lost is not None:
+                self._retire(broken=True)
+                raise CoordinatorLost(f"coordinator lost during {what}: {self.client.lost}")
+            if time.monotonic() > deadline:
+                raise self._fail(f"{what} exceeded {self.timeout_s:g} s", True)
+            time.sleep(pause)
+            pause = min(pause * 1.5, _POLL_MAX_S)
+        for w in works:
+            try:
+                w.wait()
+            except RuntimeError as exc:
+                raise self._fail(f"backend error during {what}: {str(exc).splitlines()[0][:200]}", True) from None
+
+    def _fail(self, reason: str, report: bool) -> PeerFailure:
+        """Retires this broken group, waits for the coordinator's decision, builds the PeerFailure."""
+        self._retire(broken=True)
+        return _peer_failure(self.client, self.generation, reason, report, self.timeout_s)
+
+    def _retire(self, broken: bool = False) -> None:
+        self._broken = self._broken or broken
+        pg, self._pg = self._pg, None
+        if pg is not None:
+            self.graveyard.park(self.generation, pg, abort=self.backend == "nccl" and self._broken)
+
+
+def _peer_failure(client: CoordinatorClient, generation: int, reason: str, report: bool,
+                  timeout_s: float) -> PeerFailure:
+    if report and not client.failure_notice(generation):
+        client.report_failure(generation)
+    client.wait_for_generation(generation, timeout_s)
+    return PeerFailure(generation, client.dead_since(generation), reason)
+
+
+def _rendezvous(client: CoordinatorClient, m: Membership, backend: str, device: torch.device,
+                timeout_s: float, yard: Graveyard) -> tuple[Any, Any]:
+    """Builds generation ``m``'s process group on a helper thread while watching for notices."""
+    from torch.distributed import PrefixStore, TCPStore
+
+    g = m.generation
+    # A fresh store client per generation: a construction abandoned mid-rendezvous keeps its own.
+    store = PrefixStore(f"gen{g}", TCPStore(m.store_host, m.store_port, None, False,
+                                            timedelta(seconds=timeout_s)))
+    box: dict[str, Any] = {}
+
+    def build() -> None:
+        try:
+            box["pg"] = make_process_group(backend, store, m.rank_of(client.replica_id), m.size, timeout_s, device)
+        except BaseException as exc:  # noqa: BLE001 - handed to the caller below
+            box["error"] = exc
+
+    t = threading.Thread(target=build, name=f"recover-rendezvous-gen{g}", daemon=True)
+    t.start()
+    pause = _POLL_MIN_S
+    while t.is_alive():
+        if client.failure_notice(g):
+            yard.park(g, t, box)
+            raise _peer_failure(client, g, f"generation {g} failed while forming", False, timeout_s)
+        if client.lost is not None:
+            yard.park(g, t, box)
+            raise CoordinatorLost(f"coordinator lost while forming generation {g}: {client.lost}")
+        t.join(pause)
+        pause = min(pause * 1.5, _POLL_MAX_S)
+    if "error" in box:
+        raise _peer_failure(client, g, f"rendezvous of generation {g} failed: {box['error']}", True, timeout_s)
+    return box["pg"], store
