@@ -9,6 +9,7 @@ import pytest
 
 from recover.errors import ConfigError
 from recover.faults import PHASES, FailureSchedule, FailureSpec, FaultInjector, parse_failure, random_schedule
+from recover.faults.schedule import STEP_PHASES
 
 
 # ---- parsing ------------------------------------------------------------------------------------
@@ -109,7 +110,7 @@ def test_random_schedule_is_deterministic_and_keeps_min_replicas() -> None:
 def test_random_schedule_rate_and_phases() -> None:
     n = sum(len(random_schedule(100, 100, 20.0, 1.0, seed=s, phases=("reduce",))) for s in range(50))
     assert 200 <= n <= 300  # 100 s / 20 s = 5 per run on average
-    assert {x.phase for s in range(20) for x in random_schedule(4, 100, 5.0, 1.0, seed=s)} == set(PHASES)
+    assert {x.phase for s in range(20) for x in random_schedule(4, 100, 5.0, 1.0, seed=s)} == set(STEP_PHASES)
     assert {x.phase for x in random_schedule(100, 100, 5.0, 1.0, seed=0, phases=["commit"])} == {"commit"}
     assert len(random_schedule(4, 10, 1e6, 1.0, seed=0)) == 0
 

@@ -118,19 +118,33 @@ class FaultTolerantGroup:
         """Retires this group and returns one for the coordinator's next generation.
 
         Waits for a generation newer than this one; if that one fails while forming, moves on to
-        the next. Raises QuorumLost, Expelled, CoordinatorLost or TimeoutError (no group can form).
+        the next. On NCCL, a direct successor with no joiners is made by shrinking this group's
+        communicator where supported (see :mod:`recover.comm.nccl`), else by a new communicator.
+        Raises QuorumLost, Expelled, CoordinatorLost or TimeoutError (no group can form).
         """
+        old_pg, self._pg = (self._pg, None) if self.backend == "nccl" else (None, self._pg)
         self._retire()
         deadline = time.monotonic() + (timeout_s if timeout_s is not None else self.timeout_s)
         after = self.generation
-        while True:
-            m = self.client.wait_for_generation(after, max(0.0, deadline - time.monotonic()))
-            try:
-                return FaultTolerantGroup.create(self.client, m, self.backend, self.timeout_s,
-                                                 bucket_bytes=self.bucket_bytes, graveyard=self.graveyard,
-                                                 device=self.device)
-            except PeerFailure:
-                after = m.generation
+        try:
+            while True:
+                m = self.client.wait_for_generation(after, max(0.0, deadline - time.monotonic()))
+                try:
+                    if old_pg is not None and m.generation == self.generation + 1:
+                        pg = _try_shrink(self, old_pg, m)
+                        if pg is not None:
+                            return FaultTolerantGroup(
+                                self.client, m, pg, backend=self.backend, device=self.device,
+                                timeout_s=self.timeout_s, bucket_bytes=self.bucket_bytes,
+                                graveyard=self.graveyard, store=self.store)
+                    return FaultTolerantGroup.create(self.client, m, self.backend, self.timeout_s,
+                                                     bucket_bytes=self.bucket_bytes, graveyard=self.graveyard,
+                                                     device=self.device)
+                except PeerFailure:
+                    after = m.generation
+        finally:
+            if old_pg is not None:
+                self.graveyard.park(self.generation, old_pg, abort=True)
 
     def close(self) -> None:
         """Retires the group (released on the graveyard's thread). Idempotent."""
@@ -249,6 +263,49 @@ def _peer_failure(client: CoordinatorClient, generation: int, reason: str, repor
     return PeerFailure(generation, client.dead_since(generation), reason)
 
 
+def _try_shrink(old: FaultTolerantGroup, old_pg: Any, m: Membership) -> Any | None:
+    """NCCL only: the shrunk communicator for ``m``, or None to rebuild instead."""
+    from recover.comm.nccl import choose_strategy, excluded_ranks, has_shrink_api, nccl_version, \
+        shrink_nccl_group, shrink_supported
+
+    ok = shrink_supported(nccl_version(), has_shrink_api())
+    if choose_strategy(old.members, m.members, backend=old.backend, shrink_ok=ok) != "shrink":
+        return None
+    excluded = excluded_ranks(old.members, m.members)
+    pg = _on_helper_thread(old.client, m.generation, old.graveyard, old.timeout_s,
+                           lambda: shrink_nccl_group(old_pg, excluded), "shrink")
+    if pg is None or pg.rank() != m.rank_of(old.client.replica_id) or pg.size() != m.size:
+        return None
+    return pg
+
+
+def _on_helper_thread(client: CoordinatorClient, g: int, yard: Graveyard, timeout_s: float, fn: Any,
+                      what: str) -> Any | None:
+    """Runs ``fn`` on a helper thread, watching for notices. Returns its result, None if it raised;
+    raises PeerFailure / CoordinatorLost (parking the thread) if generation ``g`` fails meanwhile."""
+    box: dict[str, Any] = {}
+
+    def run() -> None:
+        try:
+            box["value"] = fn()
+        except BaseException as exc:  # noqa: BLE001 - handed to the caller
+            box["error"] = exc
+
+    t = threading.Thread(target=run, name=f"recover-{what}-gen{g}", daemon=True)
+    t.start()
+    pause = _POLL_MIN_S
+    while t.is_alive():
+        if client.failure_notice(g):
+            yard.park(g, t, box)
+            raise _peer_failure(client, g, f"generation {g} failed during {what}", False, timeout_s)
+        if client.lost is not None:
+            yard.park(g, t, box)
+            raise CoordinatorLost(f"coordinator lost during {what} of generation {g}: {client.lost}")
+        t.join(pause)
+        pause = min(pause * 1.5, _POLL_MAX_S)
+    return box.get("value")
+
+
 def _rendezvous(client: CoordinatorClient, m: Membership, backend: str, device: torch.device,
                 timeout_s: float, yard: Graveyard) -> tuple[Any, Any]:
     """Builds generation ``m``'s process group on a helper thread while watching for notices."""
@@ -258,26 +315,18 @@ def _rendezvous(client: CoordinatorClient, m: Membership, backend: str, device: 
     # A fresh store client per generation: a construction abandoned mid-rendezvous keeps its own.
     store = PrefixStore(f"gen{g}", TCPStore(m.store_host, m.store_port, None, False,
                                             timedelta(seconds=timeout_s)))
-    box: dict[str, Any] = {}
+    rank = m.rank_of(client.replica_id)
+    err: list[BaseException] = []
 
-    def build() -> None:
+    def build() -> Any:
         try:
-            box["pg"] = make_process_group(backend, store, m.rank_of(client.replica_id), m.size, timeout_s, device)
-        except BaseException as exc:  # noqa: BLE001 - handed to the caller below
-            box["error"] = exc
+            return make_process_group(backend, store, rank, m.size, timeout_s, device)
+        except BaseException as exc:
+            err.append(exc)
+            raise
 
-    t = threading.Thread(target=build, name=f"recover-rendezvous-gen{g}", daemon=True)
-    t.start()
-    pause = _POLL_MIN_S
-    while t.is_alive():
-        if client.failure_notice(g):
-            yard.park(g, t, box)
-            raise _peer_failure(client, g, f"generation {g} failed while forming", False, timeout_s)
-        if client.lost is not None:
-            yard.park(g, t, box)
-            raise CoordinatorLost(f"coordinator lost while forming generation {g}: {client.lost}")
-        t.join(pause)
-        pause = min(pause * 1.5, _POLL_MAX_S)
-    if "error" in box:
-        raise _peer_failure(client, g, f"rendezvous of generation {g} failed: {box['error']}", True, timeout_s)
-    return box["pg"], store
+    pg = _on_helper_thread(client, g, yard, timeout_s, build, "rendezvous")
+    if pg is None:
+        reason = f"rendezvous of generation {g} failed: {err[0] if err else 'unknown error'}"
+        raise _peer_failure(client, g, reason, True, timeout_s)
+    return pg, store
