@@ -1,0 +1,132 @@
+"""End to end: `recover launch` with real SIGKILLs, compared with a failure-free reference run.
+
+Every run uses 4 replicas of the `debug` preset for 40 steps. Each case checks that every committed
+step holds all M microbatches and that the per-step loss stays within 1e-5 relative of the
+failure-free run (bitwise equal in deterministic mode).
+"""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import pytest
+
+from conftest import losses, max_rel_diff, run_recover
+
+STEPS = 40
+M = 8
+
+
+def launch(out: Path, corpus: Path, *extra: str, check: bool = True):
+    return run_recover(["launch", "--config", "debug", "--replicas", "4", "--steps", str(STEPS), "--out", str(out),
+                        "--no-progress", "--data.path", str(corpus), "--training.eval_every=20", *extra],
+                       timeout=300, check=check)
+
+
+def rows(run: Path) -> list[dict]:
+    return [json.loads(line) for line in (run / "metrics.jsonl").read_text().splitlines()]
+
+
+def events(run: Path) -> list[dict]:
+    return [json.loads(line) for line in (run / "events.jsonl").read_text().splitlines()]
+
+
+@pytest.fixture(scope="module")
+def reference(tmp_path_factory: pytest.TempPathFactory, corpus: Path) -> Path:
+    out = tmp_path_factory.mktemp("launch-ref")
+    launch(out, corpus)
+    return out
+
+
+@pytest.fixture(scope="module")
+def reference_det(tmp_path_factory: pytest.TempPathFactory, corpus: Path) -> Path:
+    out = tmp_path_factory.mktemp("launch-ref-det")
+    launch(out, corpus, "--deterministic")
+    return out
+
+
+def check_run(run: Path, ref: Path, bitwise: bool, kills: int) -> dict:
+    recs = rows(run)
+    assert [r["step"] for r in recs] == list(range(STEPS))
+    assert all(r["microbatches"] == M for r in recs)
+    run_losses, ref_losses = losses(run), losses(ref)
+    if bitwise:
+        assert run_losses == ref_losses
+    else:
+        assert max_rel_diff(ref_losses, run_losses) <= 1e-5
+    ev = events(run)
+    assert sum(e["kind"] == "kill" for e in ev) == kills
+    summary = json.loads((run / "summary.json").read_text())
+    assert summary["committed_steps"] == STEPS and summary["min_microbatches"] == M
+    assert len(summary["recoveries"]) >= 1
+    assert (run / "loss.png").is_file() and (run / "throughput.png").is_file()
+    return summary
+
+
+def test_reference_runs_agree(reference: Path, reference_det: Path) -> None:
+    assert all(r["live_replicas"] == 4 and r["microbatches"] == M for r in rows(reference))
+    assert max_rel_diff(losses(reference), losses(reference_det)) <= 1e-5
+
+
+def test_compute_phase_failures_down_to_one_replica_deterministic(reference_det: Path, corpus: Path,
+                                                                   tmp_path: Path) -> None:
+    launch(tmp_path, corpus, "--deterministic", "--fail", "1@2:forward", "--fail", "2@5:backward",
+           "--fail", "3@8:reduce")
+    check_run(tmp_path, reference_det, bitwise=True, kills=3)
+    live = {r["step"]: r["live_replicas"] for r in rows(tmp_path)}
+    assert live[1] == 4 and live[2] == 3 and live[5] == 2 and live[8] == 1 and live[STEPS - 1] == 1
+
+
+def test_commit_optimizer_idle_failures(reference: Path, corpus: Path, tmp_path: Path) -> None:
+    launch(tmp_path, corpus, "--fail", "1@2:commit", "--fail", "2@5:optimizer", "--fail", "3@8:idle")
+    check_run(tmp_path, reference, bitwise=False, kills=3)
+    live = {r["step"]: r["live_replicas"] for r in rows(tmp_path)}
+    assert live[STEPS - 1] == 1
+
+
+def test_two_at_once_then_a_failure_during_recovery(reference_det: Path, corpus: Path, tmp_path: Path) -> None:
+    launch(tmp_path, corpus, "--deterministic", "--fail", "1@3:backward", "--fail", "2@3:backward",
+           "--fail", "3@3:recover")
+    check_run(tmp_path, reference_det, bitwise=True, kills=3)
+    recs = rows(tmp_path)
+    assert recs[3]["live_replicas"] == 1 and recs[2]["live_replicas"] == 4
+
+
+def test_kill_then_rejoin(reference_det: Path, corpus: Path, tmp_path: Path) -> None:
+    launch(tmp_path, corpus, "--deterministic", "--fail", "2@3:forward", "--rejoin-after", "0")
+    summary = check_run(tmp_path, reference_det, bitwise=True, kills=1)
+    assert summary["rejoins"] == 1
+    live = [r["live_replicas"] for r in rows(tmp_path)]
+    assert live[3] == 3 and live[-1] == 4  # the replica came back and took quotas again
+    ev = events(tmp_path)
+    assert any(e["kind"] == "state_received" and e["replica"] == 2 for e in ev)
+
+
+@pytest.mark.parametrize(
+    ("flags", "message"),
+    [
+        (["--fail", "1@3:lunch"], "phase 'lunch' is not a phase"),
+        (["--fail", "1@99:forward"], "step 99 is beyond the run"),
+        (["--fail", "7@3:forward"], "replica 7 does not exist; replicas are 0..3"),
+        (["--fail", "0@1", "--fail", "1@2", "--fail", "2@3", "--fail", "3@4"], "kill at most 3"),
+    ],
+)
+def test_impossible_requests_are_refused_before_starting(corpus: Path, tmp_path: Path, flags: list[str],
+                                                         message: str) -> None:
+    res = launch(tmp_path / "run", corpus, *flags, check=False)
+    assert res.returncode == 2
+    assert message in res.stderr and "Traceback" not in res.stderr
+    assert not (tmp_path / "run" / "events.jsonl").exists()  # nothing was started
+
+
+def test_compare_exits_nonzero_above_tolerance(reference: Path, reference_det: Path, tmp_path: Path) -> None:
+    ok = run_recover(["compare", str(reference), str(reference_det), "--tol", "1e-5"])
+    assert "max relative loss difference" in ok.stdout and "OK" in ok.stdout
+    other = tmp_path / "other"
+    other.mkdir()
+    recs = rows(reference)
+    recs[5]["loss"] *= 1.01
+    (other / "metrics.jsonl").write_text("".join(json.dumps(r) + "\n" for r in recs))
+    bad = run_recover(["compare", str(reference), str(other), "--tol", "1e-5"], check=False)
+    assert bad.returncode == 1 and "at step 5" in bad.stdout
