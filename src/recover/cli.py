@@ -22,6 +22,7 @@ COMMAND_MODULES = (
     "recover.launch.cli",  # launch, compare, worker
     "recover.coord.cli",  # coordinator
     "recover.bench.cli",  # bench ...
+    "recover.sim.cli",  # simulate
 )
 
 

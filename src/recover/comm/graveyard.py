@@ -7,14 +7,25 @@ then drops the references, so a process-group destructor that blocks on a stuck 
 until that operation's timeout, ~30 s) blocks only the reaper, which holds no lock the caller needs.
 Measured on torch 2.13 CPU: such a destructor releases the GIL, so the caller keeps running.
 
+The reaper releases an object only once it holds the last reference (CPython reference counts),
+so the destructor cannot end up running on the caller's thread when the caller's locals go away.
+
 Invariant: nothing parked is ever used again; parking is the only way a group leaves service.
+The reaper drops an object only once it holds the last reference: a caller that parks a group
+still has it in a local variable for a moment, and if the reaper dropped its reference first,
+the caller's own release would run the blocking destructor on the hot path (seen: a survivor
+stalled for the full 60 s backend timeout).
 """
 
 from __future__ import annotations
 
 import queue
+import sys
 import threading
+import time
 from typing import Any
+
+SOLE_OWNER_WAIT_S = 120.0
 
 
 class Graveyard:
@@ -38,8 +49,10 @@ class Graveyard:
 
     def _reap(self) -> None:
         while True:
-            _, objs, abort = self._queue.get()
-            obj: Any = None
+            _, parked, abort = self._queue.get()
+            objs = list(parked)
+            del parked
+            self._wait_sole_owner(objs)
             for obj in objs:
                 if isinstance(obj, threading.Thread):
                     obj.join()
@@ -48,6 +61,26 @@ class Graveyard:
                         obj.abort()
                     except Exception:  # noqa: BLE001 - an already-broken communicator may refuse
                         pass
-            obj = objs = None  # the destructors run here, on the reaper
+            obj = None
+            objs.clear()  # the destructors run here, on the reaper
             with self._lock:
                 self.released += 1
+
+    @staticmethod
+    def _wait_sole_owner(objs: list[Any]) -> None:
+        """Waits until the parker has dropped its references (it does so right after ``park``), so
+        that the last reference, and with it a possibly blocking destructor, is the reaper's."""
+        deadline = time.monotonic() + SOLE_OWNER_WAIT_S
+        while time.monotonic() < deadline:
+            # references we hold: the list slot and getrefcount's own argument (no loop variable)
+            if all(sys.getrefcount(objs[i]) <= 2 for i in range(len(objs))):
+                return
+            time.sleep(0.005)
+
+
+def _wait_until_sole_owner(objs: tuple[Any, ...]) -> None:
+    """Waits (bounded) until the tuple ``objs`` holds the only reference to each object in it."""
+    deadline = time.monotonic() + SOLE_OWNER_WAIT_S
+    # references: the tuple, the loop variable and getrefcount's own argument
+    while any(sys.getrefcount(o) > 3 for o in objs) and time.monotonic() < deadline:
+        time.sleep(0.005)

@@ -229,30 +229,38 @@ class FaultTolerantGroup:
             if not pending:
                 break
             if self.client.failure_notice(self.generation):
-                raise self._fail(f"coordinator notice during {what}", False)
+                raise self._fail(f"coordinator notice during {what}", False, works, pending)
             if self.client.lost is not None:
-                self._retire(broken=True)
+                self._retire(True, works, pending)
                 raise CoordinatorLost(f"coordinator lost during {what}: {self.client.lost}")
             if time.monotonic() > deadline:
-                raise self._fail(f"{what} exceeded {self.timeout_s:g} s", True)
+                raise self._fail(f"{what} exceeded {self.timeout_s:g} s", True, works, pending)
             time.sleep(pause)
             pause = min(pause * 1.5, _POLL_MAX_S)
         for w in works:
             try:
                 w.wait()
             except RuntimeError as exc:
-                raise self._fail(f"backend error during {what}: {str(exc).splitlines()[0][:200]}", True) from None
+                first = str(exc).splitlines()[0][:200]
+                del w
+                raise self._fail(f"backend error during {what}: {first}", True, works) from None
 
-    def _fail(self, reason: str, report: bool) -> PeerFailure:
+    def _fail(self, reason: str, report: bool, *work_lists: list[Any]) -> PeerFailure:
         """Retires this broken group, waits for the coordinator's decision, builds the PeerFailure."""
-        self._retire(broken=True)
+        self._retire(True, *work_lists)
         return _peer_failure(self.client, self.generation, reason, report, self.timeout_s)
 
-    def _retire(self, broken: bool = False) -> None:
+    def _retire(self, broken: bool = False, *work_lists: list[Any]) -> None:
+        """Parks the process group and any pending work (emptying the caller's lists): a group
+        with a stuck operation must be released on the graveyard's thread, never on ours."""
         self._broken = self._broken or broken
         pg, self._pg = self._pg, None
-        if pg is not None:
-            self.graveyard.park(self.generation, pg, abort=self.backend == "nccl" and self._broken)
+        works = [w for ws in work_lists for w in ws]
+        for ws in work_lists:
+            ws.clear()
+        if pg is not None or works:
+            self.graveyard.park(self.generation, *([pg] if pg is not None else []), *works,
+                                abort=self.backend == "nccl" and self._broken)
 
 
 def _peer_failure(client: CoordinatorClient, generation: int, reason: str, report: bool,
@@ -265,15 +273,14 @@ def _peer_failure(client: CoordinatorClient, generation: int, reason: str, repor
 
 def _try_shrink(old: FaultTolerantGroup, old_pg: Any, m: Membership) -> Any | None:
     """NCCL only: the shrunk communicator for ``m``, or None to rebuild instead."""
-    from recover.comm.nccl import choose_strategy, excluded_ranks, has_shrink_api, nccl_version, \
-        shrink_nccl_group, shrink_supported
+    from recover.comm import nccl
 
-    ok = shrink_supported(nccl_version(), has_shrink_api())
-    if choose_strategy(old.members, m.members, backend=old.backend, shrink_ok=ok) != "shrink":
+    ok = nccl.shrink_supported(nccl.nccl_version(), nccl.has_shrink_api())
+    if nccl.choose_strategy(old.members, m.members, backend=old.backend, shrink_ok=ok) != "shrink":
         return None
-    excluded = excluded_ranks(old.members, m.members)
+    excluded = nccl.excluded_ranks(old.members, m.members)
     pg = _on_helper_thread(old.client, m.generation, old.graveyard, old.timeout_s,
-                           lambda: shrink_nccl_group(old_pg, excluded), "shrink")
+                           lambda: nccl.shrink_nccl_group(old_pg, excluded), "shrink")
     if pg is None or pg.rank() != m.rank_of(old.client.replica_id) or pg.size() != m.size:
         return None
     return pg
@@ -295,12 +302,12 @@ def _on_helper_thread(client: CoordinatorClient, g: int, yard: Graveyard, timeou
     t.start()
     pause = _POLL_MIN_S
     while t.is_alive():
-        if client.failure_notice(g):
+        if client.failure_notice(g) or client.lost is not None:
             yard.park(g, t, box)
+            del t, box  # no reference may outlive this frame in a traceback
+            if client.lost is not None:
+                raise CoordinatorLost(f"coordinator lost during {what} of generation {g}: {client.lost}")
             raise _peer_failure(client, g, f"generation {g} failed during {what}", False, timeout_s)
-        if client.lost is not None:
-            yard.park(g, t, box)
-            raise CoordinatorLost(f"coordinator lost during {what} of generation {g}: {client.lost}")
         t.join(pause)
         pause = min(pause * 1.5, _POLL_MAX_S)
     return box.get("value")

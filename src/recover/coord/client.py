@@ -294,7 +294,8 @@ class CoordinatorClient:
                 self._latest_gen = max(self._latest_gen, m.generation)
                 self._cond.notify_all()
         elif kind == "error" and msg.get("re") is None:
-            self._mark_lost(f"{msg['code']}: {msg['message']}")
+            if msg["code"] == "fenced":  # otherwise a refused frame; a fatal one is followed by EOF
+                self._mark_lost(f"fenced by the coordinator: {msg['message']}")
         elif msg.get("re") is not None:
             with self._cond:
                 self._replies[msg["re"]] = msg

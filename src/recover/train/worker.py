@@ -80,11 +80,11 @@ class ReplicaWorker:
         return {"step": step, "total_tokens": self.trainer.total_tokens}
 
     def _receive_state(self, group: Any) -> int:
-        from recover.comm.transfer import receive_state
+        from recover.comm.transfer import receive_state, source_rank
 
         t0 = time.perf_counter()
         t = self.trainer
-        state = receive_state(group, src_rank=0)
+        state = receive_state(group, source_rank(group))
         counters = load_flat_state(t.model, t.optimizer, state)
         t.total_tokens = counters["total_tokens"]
         self._event("state_received", step=counters["step"], ms=round((time.perf_counter() - t0) * 1000, 2),
@@ -92,12 +92,16 @@ class ReplicaWorker:
         return counters["step"]
 
     def _grow(self, group: Any, next_step: int) -> Any:
-        """Moves to the generation that admits joiners and sends them our state (its rank 0 sends)."""
-        from recover.comm.transfer import send_state
+        """Moves to the generation that admits joiners; its lowest old member sends them our state."""
+        from recover.comm.transfer import receive_state, send_state, source_rank
 
         new = group.next_generation()
         t = self.trainer
-        send_state(new, flat_state(t.model, t.optimizer, self._counters(next_step)), src_rank=0)
+        src = source_rank(new)
+        if new.rank == src:
+            send_state(new, flat_state(t.model, t.optimizer, self._counters(next_step)))
+        else:
+            receive_state(new, src)  # every member takes part in the broadcast; ours is already identical
         self._event("grew", generation=new.generation, members=list(new.members), step=next_step)
         return new
 

@@ -1,0 +1,1 @@
+"""Subprocess workers and their harness for the multi-process layer-1 tests."""

@@ -1,0 +1,172 @@
+"""Layer-1 pieces without killing anything: buckets, backend/NCCL strategy choice, the graveyard,
+and a 2-replica gloo group in one process (threads) for dtypes, broadcast and state transfer."""
+
+from __future__ import annotations
+
+import json
+import threading
+from collections.abc import Iterator
+from typing import Any
+
+import pytest
+import torch
+
+from recover.comm import (
+    FaultTolerantGroup,
+    Graveyard,
+    StateTransferError,
+    nccl,
+    plan_buckets,
+    receive_state,
+    send_state,
+)
+from recover.comm.backends import resolve_backend
+from recover.comm.transfer import FORMAT, _broadcast_bytes
+from recover.coord import Coordinator, CoordinatorClient
+from recover.errors import ConfigError
+
+
+def test_plan_buckets_groups_by_dtype_and_size() -> None:
+    ts = [torch.zeros(10), torch.zeros(10), torch.zeros(3, dtype=torch.float64), torch.zeros(100), torch.zeros(1)]
+    assert plan_buckets(ts, bucket_bytes=80) == [[0, 1], [2], [3], [4]]
+    assert plan_buckets(ts, bucket_bytes=1 << 20) == [[0, 1], [2], [3, 4]]
+    assert plan_buckets([], 10) == []
+
+
+def test_resolve_backend() -> None:
+    assert resolve_backend("auto", cuda_available=False, nccl_available=False) == "gloo"
+    assert resolve_backend("auto", cuda_available=True, nccl_available=True) == "nccl"
+    assert resolve_backend("gloo", cuda_available=True, nccl_available=True) == "gloo"
+    with pytest.raises(ConfigError, match="backend='nccl' needs CUDA"):
+        resolve_backend("nccl", cuda_available=False, nccl_available=False)
+    with pytest.raises(ConfigError, match="not one of"):
+        resolve_backend("mpi", cuda_available=False, nccl_available=False)
+
+
+def test_nccl_strategy_selection_without_a_gpu() -> None:
+    assert nccl.shrink_supported((2, 27, 3), True) and nccl.shrink_supported((2, 28, 0), True)
+    assert not nccl.shrink_supported((2, 26, 5), True)
+    assert not nccl.shrink_supported((2, 27, 3), False) and not nccl.shrink_supported(None, True)
+    kw: dict[str, Any] = {"backend": "nccl", "shrink_ok": True}
+    assert nccl.choose_strategy([0, 1, 2, 3], [0, 2, 3], **kw) == "shrink"
+    assert nccl.choose_strategy([0, 1, 2], [0, 1, 2, 5], **kw) == "rebuild"  # a joiner: cannot shrink
+    assert nccl.choose_strategy([0, 1, 2], [0, 1, 2], **kw) == "rebuild"  # same members (vote disagreement)
+    assert nccl.choose_strategy([0, 1], [], **kw) == "rebuild"
+    assert nccl.choose_strategy([0, 1, 2], [0, 2], backend="nccl", shrink_ok=False) == "rebuild"
+    assert nccl.choose_strategy([0, 1, 2], [0, 2], backend="gloo", shrink_ok=True) == "rebuild"
+    assert nccl.excluded_ranks([2, 5, 7, 9], [2, 7]) == [1, 3]
+    env: dict[str, str] = {"TORCH_NCCL_ASYNC_ERROR_HANDLING": "1"}
+    assert nccl.apply_env_defaults(env) == {"TORCH_NCCL_ASYNC_ERROR_HANDLING": "1"}  # the user's choice wins
+    assert nccl.apply_env_defaults({})["TORCH_NCCL_ASYNC_ERROR_HANDLING"] == "2"
+    assert nccl.nccl_version() is None or len(nccl.nccl_version() or ()) == 3
+    assert isinstance(nccl.has_shrink_api(), bool)
+
+
+class _Probe:
+    """Records which thread ran its destructor."""
+
+    ran_on: list[str] = []
+
+    def __del__(self) -> None:
+        _Probe.ran_on.append(threading.current_thread().name)
+
+
+def test_graveyard_releases_off_the_callers_thread() -> None:
+    yard = Graveyard()
+    gate = threading.Event()
+    stuck = threading.Thread(target=gate.wait, daemon=True)  # like an abandoned rendezvous
+    stuck.start()
+    yard.park(1, stuck)
+    del stuck
+    yard.park(2, _Probe())  # its last reference is the caller's until park() returns
+    assert yard.parked == 2 and yard.released == 0  # park() returned although the thread is stuck
+    gate.set()
+    for _ in range(1000):
+        if yard.released == 2:
+            break
+        threading.Event().wait(0.01)
+    assert yard.released == 2
+    assert _Probe.ran_on == ["recover-graveyard"]
+
+
+@pytest.fixture
+def pair() -> Iterator[list[FaultTolerantGroup]]:
+    """Two replicas of one generation, each a thread of this process, on a real gloo group."""
+    coord = Coordinator(token="t", expected_replicas=2).start()
+    cs = [CoordinatorClient("127.0.0.1", coord.port, "t", r) for r in (0, 1)]
+    groups = run_pair([lambda c=c: FaultTolerantGroup.create(c, c.register(), backend="gloo", timeout_s=20,
+                                                              bucket_bytes=64) for c in cs])
+    try:
+        yield groups
+    finally:
+        for g in groups:
+            g.close()
+        for c in cs:
+            c.close()
+        coord.stop()
+
+
+def run_pair(fns: list[Any]) -> list[Any]:
+    out: list[Any] = [None, None]
+
+    def run(i: int) -> None:
+        try:
+            out[i] = fns[i]()
+        except BaseException as exc:  # noqa: BLE001 - re-raised below
+            out[i] = exc
+
+    ts = [threading.Thread(target=run, args=(i,), daemon=True) for i in range(2)]
+    for t in ts:
+        t.start()
+    for t in ts:
+        t.join(30)
+        assert not t.is_alive()
+    for o in out:
+        if isinstance(o, BaseException):
+            raise o
+    return out
+
+
+def test_allreduce_broadcast_barrier_on_copies(pair: list[FaultTolerantGroup]) -> None:
+    def inputs(r: int) -> list[torch.Tensor]:
+        return [torch.full((4, 5), float(r + 1)), torch.arange(30, dtype=torch.float64).view(2, 15) * (r + 1),
+                torch.tensor([r, 10 * r]), torch.ones(3).t()]
+
+    ins = [inputs(0), inputs(1)]
+    copies = [[t.clone() for t in x] for x in ins]
+    outs = run_pair([lambda g=g, x=x: g.allreduce(x) for g, x in zip(pair, ins, strict=True)])
+    for out in outs:
+        for got, a, b in zip(out, ins[0], ins[1], strict=True):
+            assert got.shape == a.shape and got.dtype == a.dtype and torch.equal(got, a + b)
+    for x, c in zip(ins, copies, strict=True):
+        assert all(torch.equal(a, b) for a, b in zip(x, c, strict=True))  # inputs untouched
+    outs = run_pair([lambda g=g, x=x: g.broadcast(x, src_rank=1) for g, x in zip(pair, ins, strict=True)])
+    assert all(torch.equal(o, s) for out in outs for o, s in zip(out, ins[1], strict=True))
+    run_pair([g.barrier for g in pair])
+    assert pair[0].rank == 0 and pair[1].rank == 1 and pair[0].size == 2 and pair[0].generation == 1
+
+
+def test_state_transfer_is_bitwise_and_checked(pair: list[FaultTolerantGroup]) -> None:
+    state = {"w": torch.randn(17, 3), "h": torch.randn(5).to(torch.bfloat16), "n": torch.tensor(7),
+             "m": torch.tensor([True, False, True]), "e": torch.empty(0, 2), "c": torch.randn(2, dtype=torch.complex64)}
+    digest, got = run_pair([lambda: send_state(pair[0], state), lambda: receive_state(pair[1], 0)])
+    assert list(got) == list(state) and len(digest) == 64
+    for k in state:
+        assert got[k].dtype == state[k].dtype and got[k].shape == state[k].shape
+        assert torch.equal(got[k].reshape(-1).view(torch.uint8), state[k].reshape(-1).view(torch.uint8))
+
+    def bad_sender(header: dict[str, Any], payload: torch.Tensor | None) -> None:
+        _broadcast_bytes(pair[0], json.dumps(header).encode(), 0)
+        if payload is not None:
+            pair[0].broadcast_into([payload], 0)
+
+    entry = {"name": "w", "dtype": "float32", "shape": [2], "offset": 0, "nbytes": 8}
+    header = {"format": FORMAT, "total_bytes": 16, "sha256": "0" * 64, "tensors": [entry]}
+    with pytest.raises(StateTransferError, match="checksum mismatch"):
+        run_pair([lambda: bad_sender(header, torch.zeros(16, dtype=torch.uint8)), lambda: receive_state(pair[1], 0)])
+    evil = {**header, "tensors": [{**entry, "dtype": "object"}]}
+    with pytest.raises(StateTransferError, match="bad state header entry"):
+        run_pair([lambda: bad_sender(evil, None), lambda: receive_state(pair[1], 0)])
+    lying = {**header, "tensors": [{**entry, "nbytes": 4000}]}
+    with pytest.raises(StateTransferError, match="inconsistent size"):
+        run_pair([lambda: bad_sender(lying, None), lambda: receive_state(pair[1], 0)])

@@ -1,0 +1,122 @@
+"""The coordinator's membership state machine, driven directly (pure, milliseconds)."""
+
+from __future__ import annotations
+
+import pytest
+
+from recover.coord.state import Fence, Log, MembershipState, Refused, Send
+
+
+def make(n: int = 3, ack_timeout: float = 1.0) -> MembershipState:
+    st = MembershipState(expected=n, min_members=2, store_host="h", store_port=1, ack_timeout_s=ack_timeout)
+    for r in range(n):
+        st.on_register(r, False, 1, 0.0)
+    return st
+
+
+def sent(acts: list, kind: str) -> dict[int, dict]:
+    return {a.replica: a.msg for a in acts if isinstance(a, Send) and a.msg["type"] == kind}
+
+
+def logs(acts: list, kind: str) -> list[dict]:
+    return [a.fields for a in acts if isinstance(a, Log) and a.kind == kind]
+
+
+def test_initial_generation_forms_when_expected_replicas_registered() -> None:
+    st = MembershipState(expected=2, min_members=1, store_host="h", store_port=1, ack_timeout_s=1)
+    assert st.on_register(1, False, 1, 0.0)[0].msg["type"] == "ok"
+    assert st.current is None
+    acts = st.on_register(0, False, 1, 0.0)
+    assert st.current is not None and st.current.members == (0, 1) and st.current.generation == 1
+    assert set(sent(acts, "membership")) == {0, 1}
+    with pytest.raises(Refused, match="duplicate_replica"):
+        st.on_register(0, False, 2, 0.0)
+
+
+def test_death_runs_a_failure_round_and_names_exactly_the_dead() -> None:
+    st = make(4)
+    acts = st.on_dead(3, "connection_closed", 1.0)
+    assert set(sent(acts, "failing")) == {0, 1, 2}
+    acts = st.on_dead(1, "connection_closed", 1.001)  # a second death inside the round
+    assert set(sent(acts, "failing")) == set()  # one round, one notice
+    st.on_ack(0, 1, 1.002)
+    acts = st.on_ack(2, 1, 1.003)
+    assert st.current.generation == 2 and st.current.members == (0, 2) and st.current.dead == (1, 3)
+    assert set(sent(acts, "membership")) == {0, 2}
+    assert logs(acts, "quorum_lost") == []
+
+
+def test_member_that_never_acks_is_fenced_at_the_deadline() -> None:
+    st = make(3, ack_timeout=0.5)
+    st.on_dead(2, "connection_closed", 0.0)
+    st.on_ack(0, 1, 0.01)
+    assert st.on_tick(0.3) == [] and st.current.generation == 1
+    acts = st.on_tick(0.6)
+    assert [a.replica for a in acts if isinstance(a, Fence)] == [1]
+    assert st.current.members == (0,) and logs(acts, "quorum_lost")
+
+
+def test_report_without_death_rebuilds_with_everyone() -> None:
+    st = make(3)
+    acts = st.on_report(1, 7, 1, [2], 0.0)
+    assert sent(acts, "ok")[1]["re"] == 7 and set(sent(acts, "failing")) == {0, 1, 2}
+    for r in range(3):
+        st.on_ack(r, 1, 0.01)
+    assert st.current.generation == 2 and st.current.members == (0, 1, 2) and st.current.dead == ()
+    # a late report about the old generation is acknowledged, not acted on
+    assert st.on_report(0, 8, 1, [], 0.02)[0].fields["superseded"] is True
+    assert st.current.generation == 2
+    with pytest.raises(Refused, match="bad_generation"):
+        st.on_report(0, 9, 5, [], 0.03)
+
+
+def test_commit_needs_every_member_and_identical_ids() -> None:
+    st = make(3)
+    assert st.on_vote(0, 1, 1, 0, [0, 1, 2, 3], 0.0) == []
+    assert st.on_vote(1, 1, 1, 0, [3, 2, 1, 0], 0.0) == []  # order does not matter
+    acts = st.on_vote(2, 1, 1, 0, [0, 1, 2, 3], 0.0)
+    assert set(sent(acts, "committed")) == {0, 1, 2} and st.committed_step == 0
+    assert all(m["new_generation"] is None for m in sent(acts, "committed").values())
+    with pytest.raises(Refused, match="stale_step"):
+        st.on_vote(0, 2, 1, 0, [0], 0.0)
+    with pytest.raises(Refused, match="stale_generation"):
+        st.on_vote(0, 2, 0, 1, [0], 0.0)
+    st.on_vote(0, 3, 1, 1, [0, 1], 0.0)
+    st.on_vote(1, 3, 1, 1, [0, 1], 0.0)
+    acts = st.on_vote(2, 3, 1, 1, [0], 0.0)  # disagreement: nobody commits, generation is rebuilt
+    assert set(sent(acts, "aborted")) == {0, 1, 2} and st.committed_step == 0
+    assert set(sent(acts, "failing")) == {0, 1, 2}
+
+
+def test_death_during_vote_aborts_pending_votes() -> None:
+    st = make(3)
+    st.on_vote(0, 5, 1, 0, [0, 1], 0.0)
+    st.on_dead(2, "heartbeat_timeout", 0.1)
+    st.on_ack(1, 1, 0.1)
+    acts = st.on_ack(0, 1, 0.1)
+    assert sent(acts, "aborted")[0]["re"] == 5 and st.committed_step == -1
+    assert st.current.members == (0, 1)
+
+
+def test_joiner_is_admitted_only_at_a_commit() -> None:
+    st = make(2)
+    st.on_dead(1, "connection_closed", 0.0)
+    st.on_ack(0, 1, 0.0)
+    assert st.current.members == (0,)
+    acts = st.on_register(1, True, 1, 0.1)
+    assert logs(acts, "join_request") and st.current.members == (0,)
+    acts = st.on_vote(0, 2, 2, 0, [0, 1], 0.2)
+    assert st.current.generation == 3 and st.current.members == (0, 1) and st.current.joined == (1,)
+    assert st.current.step == 1
+    assert sent(acts, "committed")[0]["new_generation"] == 3
+    assert set(sent(acts, "membership")) == {0, 1}
+    kinds = [a.msg["type"] for a in acts if isinstance(a, Send) and a.replica == 0]
+    assert kinds.index("membership") < kinds.index("committed")  # the client knows it before the reply
+
+
+def test_joiner_with_nobody_left_is_admitted_at_once() -> None:
+    st = make(1)
+    st.on_dead(0, "connection_closed", 0.0)
+    assert st.current.members == ()
+    st.on_register(5, True, 1, 0.1)
+    assert st.current.members == (5,) and st.current.joined == (5,)
