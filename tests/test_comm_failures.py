@@ -71,7 +71,7 @@ def test_sigkill_during_and_between_collectives_then_rejoin(tmp_path: Path) -> N
         c.close()
 
 
-def test_two_killed_at_once_then_another_while_forming(tmp_path: Path) -> None:
+def test_two_killed_at_once_then_another_while_forming_then_two_between(tmp_path: Path) -> None:
     c = Cluster(8, tmp_path / "events.jsonl")
     try:
         survivors = [0, 1, 2, 3, 4, 5]
@@ -93,9 +93,15 @@ def test_two_killed_at_once_then_another_while_forming(tmp_path: Path) -> None:
             check_recovered(rep, dead=[6, 7], members=[0, 1, 2, 3, 4], t_kill=t_kill)
             assert rep["failure"]["new_generation"] == 3
             assert rep["failure"]["t_ready"] - t_kill2 < FAST_S
+        # two more at once, between collectives
+        t_kill = c.procs[3].kill()
+        c.procs[4].kill()
+        c.send_all([0, 1, 2], op="allreduce", n=1000, seed=2)
+        for rep in c.expect_all([0, 1, 2], "reply", "allreduce").values():
+            check_recovered(rep, dead=[3, 4], members=[0, 1, 2], t_kill=t_kill)
         gens = c.events_of("generation")
-        assert [g["members"] for g in gens] == [list(range(8)), survivors, [0, 1, 2, 3, 4]]
-        assert [g["dead"] for g in gens[1:]] == [[6, 7], [5]]
+        assert [g["members"] for g in gens] == [list(range(8)), survivors, [0, 1, 2, 3, 4], [0, 1, 2]]
+        assert [g["dead"] for g in gens[1:]] == [[6, 7], [5], [3, 4]]
     finally:
         c.close()
 

@@ -229,3 +229,9 @@ def test_cli_overrides_trace_and_errors(tmp_path: Path, capsys: pytest.CaptureFi
     assert main(argv) == 2
     assert "t.txt:2: gpu 640 is out of range" in capsys.readouterr().err
     assert main(["simulate", "--preset", "paper-512", "--strategies", "magic"]) == 2
+    _write_run(tmp_path / "run")  # calibrated latency, but the explicit --step-time wins
+    assert main([*argv[:-2], "--calibrate", str(tmp_path / "run"), "--json", str(out)]) == 2  # trace still bad
+    trace.write_text("100 0\n")
+    assert main([*argv[:-2], "--calibrate", str(tmp_path / "run"), "--json", str(out)]) == 0
+    job = json.loads(out.read_text())["job"]
+    assert job["step_time_s"] == 2.0 and job["recovery_latency_s"] == pytest.approx(0.3)

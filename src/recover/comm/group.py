@@ -154,6 +154,12 @@ class FaultTolerantGroup:
     def broken(self) -> bool:
         return self._broken
 
+    @property
+    def process_group(self) -> Any:
+        """The raw c10d backend of this generation (None once retired). For measurements and
+        debugging only: work issued on it directly has none of this class's guarantees."""
+        return self._pg
+
     # ------------------------------------------------------------- collectives
 
     def allreduce(self, tensors: Sequence[Tensor]) -> list[Tensor]:

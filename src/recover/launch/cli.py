@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import os
 import sys
 from pathlib import Path
 
@@ -51,7 +52,9 @@ def register(sub: argparse._SubParsersAction) -> None:
     sub._choices_actions.pop()  # internal: keep it out of `recover --help`
     w.add_argument("--config", required=True)
     w.add_argument("--out", required=True)
-    w.add_argument("--replica", type=int, required=True)
+    w.add_argument("--replica", type=int, default=None)
+    w.add_argument("--spare", action="store_true",
+                   help="start up, then wait on stdin for one JSON line {replica, fail} and join as that replica")
     w.add_argument("--coordinator", required=True, help="HOST:PORT")
     w.add_argument("--token-file", required=True)
     w.add_argument("--procs", type=int, default=1, help="replica processes sharing this machine (threads)")
@@ -142,13 +145,28 @@ def run_compare(args: argparse.Namespace) -> int:
 
 def run_worker(args: argparse.Namespace) -> int:
     from recover.faults import parse_failure
-    from recover.train.worker import ReplicaWorker
+    from recover.train.worker import ReplicaWorker, build_trainer
 
     cfg = load_config(args.config, args.overrides)
     host, _, port = args.coordinator.rpartition(":")
     if not host or not port.isdigit():
         raise RecoverError(f"--coordinator {args.coordinator!r}: expected HOST:PORT")
     token = Path(args.token_file).read_text().strip()
-    worker = ReplicaWorker(cfg, args.out, args.replica, host, int(port), token,
-                           failures=[parse_failure(f) for f in args.fail], join=args.join, procs=args.procs)
-    return worker.run()
+    replica, fails, join, trainer = args.replica, args.fail, args.join, None
+    if args.spare:  # a hot spare: pay the start-up cost now, learn who to be when a replica dies
+        trainer = build_trainer(cfg, Path(args.out), args.procs)
+        line = sys.stdin.readline()
+        if not line.strip():
+            os._exit(0)  # the launcher closed our stdin: not needed
+        order = json.loads(line)
+        replica, fails, join = int(order["replica"]), list(order.get("fail", [])), True
+    if replica is None:
+        raise RecoverError("recover worker needs --replica R (or --spare)")
+    worker = ReplicaWorker(cfg, args.out, replica, host, int(port), token,
+                           failures=[parse_failure(f) for f in fails], join=join, procs=args.procs, trainer=trainer)
+    code = worker.run()
+    # Skip interpreter teardown: a retired gloo group still held by the graveyard's daemon thread
+    # would be destroyed mid-shutdown (std::terminate, SIGABRT). Everything is written and flushed.
+    sys.stdout.flush()
+    sys.stderr.flush()
+    os._exit(code)

@@ -65,6 +65,7 @@ class Replica:
     rid: int
     proc: subprocess.Popen[bytes]
     log: Any
+    log_path: Path
     started: float
     joined: bool
     exit_code: int | None = None
@@ -80,6 +81,8 @@ class Launcher:
         self.replicas: dict[int, Replica] = {}
         self.rejoin_at: dict[int, float] = {}
         self.coordinator: subprocess.Popen[bytes] | None = None
+        self.spare: tuple[subprocess.Popen[bytes], Any, Path] | None = None
+        self.spares_started = 0
         self.records: dict[int, dict[str, Any]] = {}
         self.offsets: dict[Path, int] = {}
         self.written = -1
@@ -114,22 +117,45 @@ class Launcher:
                 time.sleep(0.05)
         raise RuntimeError("the coordinator did not start listening within 30 s")
 
+    def _worker_cmd(self) -> list[str]:
+        return self._python("worker", "--config", self.o.config_arg, "--out", str(self.out), "--coordinator",
+                            f"{self.o.host}:{self.port}", "--token-file", str(self.token_file), "--procs",
+                            str(self.n), *self.o.overrides)
+
+    def _fails(self, rid: int) -> list[str]:
+        return [str(spec) for spec in self.o.failures.for_replica(rid)]
+
+    def _start_spare(self) -> None:
+        """A hot spare: a worker that has started up (torch, model, data) and waits to be told who to be."""
+        path = self.out / "logs" / f"spare_{self.spares_started}.log"
+        self.spares_started += 1
+        log = open(path, "ab")  # noqa: SIM115 - lives with the process
+        proc = subprocess.Popen([*self._worker_cmd(), "--spare"], stdin=subprocess.PIPE, stdout=log,
+                                stderr=subprocess.STDOUT, start_new_session=True)
+        self.spare = (proc, log, path)
+
     def _start_replica(self, rid: int, join: bool) -> None:
-        cmd = self._python("worker", "--config", self.o.config_arg, "--out", str(self.out), "--replica", str(rid),
-                           "--coordinator", f"{self.o.host}:{self.port}", "--token-file", str(self.token_file),
-                           "--procs", str(self.n), *self.o.overrides)
-        for spec in self.o.failures.for_replica(rid):
-            cmd += ["--fail", str(spec)]
+        if join and self.spare is not None and self.spare[0].poll() is None:
+            proc, log, path = self.spare
+            self.spare = None
+            assert proc.stdin is not None
+            proc.stdin.write((json.dumps({"replica": rid, "fail": self._fails(rid)}) + "\n").encode())
+            proc.stdin.close()
+            self._start_spare()
+        else:
+            path = self.out / "logs" / f"replica_{rid}.log"
+            log = open(path, "ab")  # noqa: SIM115 - lives with the process
+            cmd = [*self._worker_cmd(), "--replica", str(rid), *(a for f in self._fails(rid) for a in ("--fail", f))]
+            if join:
+                cmd.append("--join")
+            proc = subprocess.Popen(cmd, stdout=log, stderr=subprocess.STDOUT, start_new_session=True)
+        self.replicas[rid] = Replica(rid, proc, log, path, time.time(), join)
         if join:
-            cmd.append("--join")
-        log = open(self.out / "logs" / f"replica_{rid}.log", "ab")  # noqa: SIM115
-        proc = subprocess.Popen(cmd, stdout=log, stderr=subprocess.STDOUT, start_new_session=True)
-        self.replicas[rid] = Replica(rid, proc, log, time.time(), join)
-        if join:
-            self.events.event("rejoin_started", replica=rid, pid=proc.pid)
+            self.events.event("rejoin_started", replica=rid, pid=proc.pid, log=path.name)
 
     def _kill_all(self) -> None:
         procs = [r.proc for r in self.replicas.values()] + ([self.coordinator] if self.coordinator else [])
+        procs += [self.spare[0]] if self.spare else []
         for proc in procs:
             if proc.poll() is None:
                 try:
@@ -158,7 +184,9 @@ class Launcher:
             if code == -signal.SIGKILL and self.o.rejoin_after_s is not None and unfinished and wanted:
                 self.rejoin_at[rep.rid] = now + self.o.rejoin_after_s
         for rid, when in list(self.rejoin_at.items()):
-            if now >= when:
+            if not self._live():  # the job ended (or lost everyone): nobody to join
+                del self.rejoin_at[rid]
+            elif now >= when:
                 del self.rejoin_at[rid]
                 self._start_replica(rid, join=True)
 
@@ -228,6 +256,8 @@ class Launcher:
             self._start_coordinator()
             for rid in range(self.n):
                 self._start_replica(rid, join=False)
+            if self.o.rejoin_after_s is not None:
+                self._start_spare()
             while True:
                 now = time.time()
                 self._poll_replicas(now)
@@ -235,6 +265,8 @@ class Launcher:
                 self._flush_metrics(final=False)
                 if not self._live() and not self.rejoin_at:
                     break
+                if all(s in self.records for s in range(steps)) and all(r.joined for r in self._live()):
+                    break  # every step committed; only late joiners are left, with nothing to join
                 self._random_kill(now)
                 time.sleep(POLL_S)
             self._collect()
@@ -262,7 +294,7 @@ class Launcher:
         out = []
         for rep in self.replicas.values():
             if rep.exit_code not in (0, -signal.SIGKILL, EXIT_QUORUM_LOST, None):
-                text = (self.out / "logs" / f"replica_{rep.rid}.log").read_text(errors="replace")
+                text = rep.log_path.read_text(errors="replace")
                 out.append(f"replica {rep.rid} exited with {rep.exit_code}:\n" + "\n".join(text.splitlines()[-15:]))
         return out
 

@@ -20,6 +20,7 @@ from __future__ import annotations
 import math
 import os
 import statistics
+from collections.abc import Collection
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -43,13 +44,17 @@ class Calibration:
     tokens_per_step: int | None
     notes: tuple[str, ...]
 
-    def apply(self, spec: JobSpec) -> JobSpec:
-        """``spec`` with the measured step time (overhead scaled with it) and recovery latency."""
-        changes: dict[str, Any] = {
-            "step_time_s": self.step_time_s,
-            "step_overhead_s": spec.step_overhead_s * self.step_time_s / spec.step_time_s,
-        }
-        if self.recovery_latency_s is not None:
+    def apply(self, spec: JobSpec, keep: Collection[str] = ()) -> JobSpec:
+        """``spec`` with the measured step time (overhead scaled with it) and recovery latency.
+
+        Fields named in ``keep`` (e.g. given explicitly on the command line) are left alone.
+        """
+        changes: dict[str, Any] = {}
+        if "step_time_s" not in keep:
+            changes["step_time_s"] = self.step_time_s
+            if "step_overhead_s" not in keep:
+                changes["step_overhead_s"] = spec.step_overhead_s * self.step_time_s / spec.step_time_s
+        if self.recovery_latency_s is not None and "recovery_latency_s" not in keep:
             changes["recovery_latency_s"] = self.recovery_latency_s
         return spec.replace(**changes, notes=spec.notes + (self.summary(),))
 

@@ -1,7 +1,8 @@
 """``recover simulate``: the cluster-scale discrete-event simulator from the command line.
 
 Contract: builds a :class:`~recover.sim.model.JobSpec` from ``--preset`` (or the defaults), then
-the job flags (each overrides one field), then ``--trace`` and ``--calibrate``; runs
+the job flags (each overrides one field), then ``--trace`` and ``--calibrate`` (which never
+overrides a field given by a flag); runs
 :func:`~recover.sim.engine.simulate`; prints the tables, the recover ratios (next to the paper's
 for ``paper-512``) and the simulation's wall time; writes ``--json`` and the plots of ``--out``.
 Bad input raises :class:`~recover.errors.ConfigError` (one line, exit status 2).
@@ -105,7 +106,7 @@ def build_spec(args: argparse.Namespace) -> Any:
     if args.trace is not None:
         spec = spec.replace(failures="trace", trace=read_trace(args.trace, spec.gpus))
     if args.calibrate is not None:
-        spec = calibrate(args.calibrate).apply(spec)
+        spec = calibrate(args.calibrate).apply(spec, keep=overrides)
     return spec
 
 

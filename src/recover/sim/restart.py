@@ -62,7 +62,10 @@ def run_checkpoint_restart(sm: StepModel, m: Members, track: Track) -> None:
         m.pop_failure()
         if not m.is_live(r):
             continue
-        track.hold(t_f - track.t, m.n * G)
+        moved = track.hold(t_f - track.t, m.n * G)
+        if track.done:  # the run ended before this failure
+            track.lost["unfinished"] += moved
+            break
         track.lost["lost_work"] += t_f - t_safe
         track.rollback(*durable)
         m.kill(r, t_f, spec.rejoin)

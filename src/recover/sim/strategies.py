@@ -39,6 +39,20 @@ from recover.sim.track import Track, whole_steps
 _EPS = 1e-9
 
 
+def pause(m: Members, track: Track, dt: float, cause: str) -> None:
+    """``dt`` seconds without steps (``cause``); replicas whose GPUs fail meanwhile die."""
+    end = track.t + dt
+    while not track.done:
+        t_f, r = m.next_failure(before=end)
+        if t_f >= end:
+            break
+        m.pop_failure()
+        if m.is_live(r):
+            track.idle(max(0.0, t_f - track.t), cause, m.n * m.spec.replica_gpus)
+            m.kill(r, track.t, m.spec.rejoin)
+    track.idle(max(0.0, end - track.t), cause, m.n * m.spec.replica_gpus)
+
+
 def wait_for_quorum(m: Members, track: Track) -> bool:
     """Waits (``waiting``) until ``min_replicas`` are live; False once the run cannot go on."""
     spec = m.spec
@@ -50,14 +64,14 @@ def wait_for_quorum(m: Members, track: Track) -> bool:
         t_ready = m.next_ready()
         t_f, r = m.next_failure(t_ready)
         if t_f < t_ready:
-            track.idle(t_f - track.t, "waiting", m.n * G)
+            track.idle(max(0.0, t_f - track.t), "waiting", m.n * G)
             m.pop_failure()
             if m.is_live(r):
-                m.kill(r, t_f, spec.rejoin)
+                m.kill(r, track.t, spec.rejoin)
             continue
-        track.idle(t_ready - track.t, "waiting", m.n * G)
-        m.admit(track.t)
-        track.idle(spec.rejoin_cost_s, "rejoin", m.n * G)
+        track.idle(max(0.0, t_ready - track.t), "waiting", m.n * G)
+        m.admit(t_ready)
+        pause(m, track, spec.rejoin_cost_s, "rejoin")
     return not track.done
 
 
@@ -96,13 +110,12 @@ def _run(m: Members, track: Track, step_time: float, tokens: int, microbatches: 
 def run_recover(sm: StepModel, m: Members, track: Track) -> None:
     """Plays ``recover`` over the failures of ``m`` into ``track`` (see the module docstring)."""
     spec = m.spec
-    G = spec.replica_gpus
     while not track.done:
         if m.n < spec.min_replicas and not wait_for_quorum(m, track):
             break
         what = _run(m, track, sm.step_time(m.n), spec.tokens_per_step, sm.M)
         if what == "join":
-            track.idle(spec.rejoin_cost_s, "rejoin", m.n * G)
+            pause(m, track, spec.rejoin_cost_s, "rejoin")
         elif what == "failure":
             _recover_failed_step(sm, m, track)
 
@@ -129,8 +142,8 @@ def _recover_failed_step(sm: StepModel, m: Members, track: Track) -> None:
         m.kill(r, t_f, spec.rejoin)
         dead_gpu_s += G * (t_f - t0)
         if m.n < max(1, spec.min_replicas):  # the step cannot finish: its work so far is lost
-            track.hold(t_f - t0, n * G)
-            track.lost["lost_work"] += t_f - t0
+            moved = track.hold(t_f - t0, n * G)
+            track.lost["unfinished" if track.done else "lost_work"] += moved
             return
         rounds = sm.failed_step(n, positions)
         end = t0 + compute + len(rounds) * spec.recovery_latency_s + sum(rounds)
@@ -141,7 +154,6 @@ def _recover_failed_step(sm: StepModel, m: Members, track: Track) -> None:
 def run_shrink_drop(sm: StepModel, m: Members, track: Track) -> None:
     """Plays ``shrink-drop`` over the failures of ``m`` into ``track`` (see the module docstring)."""
     spec = m.spec
-    G = spec.replica_gpus
     version = -1
     while not track.done:
         if m.n < spec.min_replicas and not wait_for_quorum(m, track):
@@ -153,7 +165,7 @@ def run_shrink_drop(sm: StepModel, m: Members, track: Track) -> None:
             step_time = sm.compute_time(int(live_quotas.max()))
         what = _run(m, track, step_time, mb * spec.tokens_per_microbatch, mb)
         if what == "join":
-            track.idle(spec.rejoin_cost_s, "rejoin", m.n * G)
+            pause(m, track, spec.rejoin_cost_s, "rejoin")
         elif what == "failure":
             _drop_failed_step(m, track, step_time)
 

@@ -26,9 +26,7 @@ from pathlib import Path
 from typing import Any
 
 import torch
-import torch.distributed.checkpoint as dcp
 from torch import nn
-from torch.distributed.checkpoint.state_dict import get_state_dict, set_state_dict
 
 from recover.config import ModelConfig
 from recover.errors import CheckpointError
@@ -42,6 +40,8 @@ def checkpoint_path(root: str | os.PathLike[str], step: int) -> Path:
 
 
 def _state(model: nn.Module, optimizer: torch.optim.Optimizer) -> dict[str, Any]:
+    from torch.distributed.checkpoint.state_dict import get_state_dict  # imported on use: ~1 s
+
     with warnings.catch_warnings():
         warnings.simplefilter("ignore", FutureWarning)
         model_sd, optim_sd = get_state_dict(model, optimizer)
@@ -58,6 +58,8 @@ def save_checkpoint(root: str | os.PathLike[str], step: int, model: nn.Module,
         process_group: the group whose ranks share the state's shards; None saves from this rank alone.
         is_writer: the one rank that writes ``meta.json``, the marker and renames the directory.
     """
+    import torch.distributed.checkpoint as dcp
+
     final = checkpoint_path(root, step)
     partial = final.with_name(final.name + ".partial")
     if is_writer:
@@ -137,6 +139,9 @@ def check_compatible(meta: dict[str, Any], model_cfg: ModelConfig, path: Path) -
 def load_checkpoint(path: str | os.PathLike[str], model: nn.Module, optimizer: torch.optim.Optimizer,
                     model_cfg: ModelConfig, process_group: Any = None) -> dict[str, Any]:
     """Restores model, optimizer and RNG from a complete checkpoint; returns its ``meta.json``."""
+    import torch.distributed.checkpoint as dcp
+    from torch.distributed.checkpoint.state_dict import set_state_dict
+
     path = Path(path)
     meta = read_meta(path)
     check_compatible(meta, model_cfg, path)

@@ -36,6 +36,11 @@ from recover.train.trainer import Trainer
 EXIT_QUORUM_LOST = 3
 
 
+def build_trainer(cfg: Config, out: Path, procs: int) -> Trainer:
+    """The model, optimizer and data of one replica (the slow part of starting: done before joining)."""
+    return Trainer(cfg, out, DistContext(local_world_size=procs), quiet=True)
+
+
 def replica_log_path(out: Path, replica: int) -> Path:
     return out / "replicas" / f"replica_{replica}.jsonl"
 
@@ -44,10 +49,11 @@ class ReplicaWorker:
     """Trains ``cfg`` as replica ``replica`` of a job whose coordinator listens at ``host:port``."""
 
     def __init__(self, cfg: Config, out: str | os.PathLike[str], replica: int, host: str, port: int, token: str,
-                 failures: list[FailureSpec] = (), join: bool = False, procs: int = 1) -> None:
+                 failures: list[FailureSpec] = (), join: bool = False, procs: int = 1,
+                 trainer: Trainer | None = None) -> None:
         self.cfg, self.out, self.replica = cfg, Path(out), replica
         self.host, self.port, self.token, self.join = host, port, token, join
-        self.trainer = Trainer(cfg, self.out, DistContext(local_world_size=procs), quiet=True)
+        self.trainer = trainer or build_trainer(cfg, self.out, procs)
         self.events = EventLog(self.out / "events.jsonl")
         self.log = JsonlWriter(replica_log_path(self.out, replica))
         self.injector = FaultInjector(failures, replica, before_kill=self._before_kill)
