@@ -182,6 +182,6 @@ def _drop_failed_step(m: Members, track: Track, step_time: float) -> None:
                 break
             m.pop_failure()
             if m.is_live(r):
-                track.idle(t_f - track.t, cause, m.n * G)
+                track.idle(max(0.0, t_f - track.t), cause, m.n * G)
                 m.kill(r, t_f, spec.rejoin)
-        track.idle(until - track.t, cause, m.n * G)
+        track.idle(max(0.0, until - track.t), cause, m.n * G)

@@ -5,8 +5,8 @@ Contract: a strategy only moves the clock through :class:`Track`, which stops th
 true and every later call is a no-op). Progress is the token count of the model state: it grows
 by whole committed steps (:meth:`steps`, :meth:`step`) and may fall back on a rollback
 (:meth:`rollback`). Time is either committed compute or lost to a named cause; :meth:`finish`
-adds ``fewer_replicas`` (the time committed compute took beyond the failure-free rate: slower steps on
-fewer replicas, or smaller steps), so that for every run
+adds ``fewer_replicas`` (the time committed compute took beyond the failure-free rate: slower
+steps on fewer replicas, or smaller steps), so that for every run
 
     elapsed = tokens / failure_free_throughput + sum(lost.values())
 
