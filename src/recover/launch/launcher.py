@@ -231,7 +231,7 @@ class Launcher:
         while (self.written + 1) in self.records and (final or (self.written + 2) in self.records):
             self.written += 1
             rec = dict(self.records[self.written])
-            rec.pop("t", None)
+            rec["elapsed_s"] = round(rec.pop("t") - self.t0, 3)
             self.metrics.write(rec)
             self.display.update(rec)
 
@@ -249,7 +249,7 @@ class Launcher:
         self.display = ProgressDisplay(steps, title=self.o.title, enabled=self.o.progress)
         self.next_random_kill = time.time() + (self.rng.expovariate(1.0 / self.o.random_mtbf_s)
                                                if self.o.random_mtbf_s else 0)
-        t0 = time.time()
+        t0 = self.t0 = time.time()
         self.events.event("launch", replicas=self.n, steps=steps, failures=[str(s) for s in self.o.failures],
                           random_mtbf_s=self.o.random_mtbf_s, rejoin_after_s=self.o.rejoin_after_s)
         try:

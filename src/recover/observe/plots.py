@@ -98,7 +98,11 @@ def plot_throughput(run_dir: str | os.PathLike[str], out: str | os.PathLike[str]
     events = load_events(run_dir)
     elapsed = [r.get("elapsed_s", 0.0) for r in rows]
     fig, (ax1, ax2) = plt.subplots(2, 1, figsize=(8, 6), dpi=110, sharex=True)
-    ax1.plot(elapsed, [r["tokens_per_s"] for r in rows], color="C0", lw=1, label="tokens/s (per step)")
+    tps = [r["tokens_per_s"] for r in rows]
+    ax1.plot(elapsed, tps, color="C0", lw=0.8, alpha=0.4, label="tokens/s (per step)")
+    window = max(1, len(rows) // 20)
+    smooth = [sum(tps[max(0, i - window + 1):i + 1]) / len(tps[max(0, i - window + 1):i + 1]) for i in range(len(tps))]
+    ax1.plot(elapsed, smooth, color="C0", lw=1.8, label=f"tokens/s ({window}-step mean)")
     ax1.set_ylabel("tokens/s")
     ax1.set_title(f"{run_dir.name}: throughput and live replicas")
     ax1.grid(alpha=0.3)
@@ -106,6 +110,7 @@ def plot_throughput(run_dir: str | os.PathLike[str], out: str | os.PathLike[str]
     _legend(ax1)
     ax2.step(elapsed, [r["live_replicas"] for r in rows], where="post", color="C2")
     ax2.set_ylabel("live replicas")
+    ax2.yaxis.get_major_locator().set_params(integer=True)
     ax2.set_xlabel("elapsed time (s)")
     ax2.grid(alpha=0.3)
     fig.tight_layout()
