@@ -32,6 +32,9 @@ def register(sub: argparse._SubParsersAction) -> None:
                    help="restart a killed replica after this delay; it joins back at the next step boundary")
     p.add_argument("--rejoin-replicas", default=None, metavar="R[,R...]",
                    help="with --rejoin-after: only these replicas rejoin (default: every killed one)")
+    p.add_argument("--baseline", choices=("shrink", "restart"), default=None,
+                   help="run a baseline instead of recover on the same model, data and failures: shrink "
+                        "(shrink-and-drop, torchft's semantics) or restart (checkpoint-and-restart)")
     p.add_argument("--deterministic", action="store_true",
                    help="float64 accumulation: every committed step bitwise equal to the failure-free run's")
     p.add_argument("--seed", type=int, default=0, help="seed of --random-failures")
@@ -60,6 +63,8 @@ def register(sub: argparse._SubParsersAction) -> None:
     w.add_argument("--procs", type=int, default=1, help="replica processes sharing this machine (threads)")
     w.add_argument("--fail", action="append", default=[])
     w.add_argument("--join", action="store_true")
+    w.add_argument("--baseline", choices=("shrink", "restart"), default=None)
+    w.add_argument("--resume", action="store_true", help="start from the newest complete checkpoint in --out")
     w.set_defaults(func=run_worker, accepts_overrides=True)
 
 
@@ -98,6 +103,11 @@ def run_launch(args: argparse.Namespace) -> int:
             rejoin_replicas = frozenset(int(r) for r in args.rejoin_replicas.split(","))
         except ValueError:
             raise ConfigError(f"--rejoin-replicas {args.rejoin_replicas!r}: expected replica ids like 1,3") from None
+    if args.baseline == "restart" and cfg.training.checkpoint_every == 0:
+        raise ConfigError("--baseline restart needs periodic checkpoints: set --training.checkpoint_every K "
+                          "(`recover bench failures` picks K by Young/Daly)")
+    if args.baseline and args.rejoin_after is not None:
+        raise ConfigError("--rejoin-after applies to recover; the baselines run on the survivors")
     if cfg.parallel.procs_per_replica != 1:
         raise ConfigError("parallel.pp/tp/fsdp > 1 inside a replica is not supported by `recover launch` yet")
     out = Path(args.out)
@@ -105,7 +115,7 @@ def run_launch(args: argparse.Namespace) -> int:
     resolve_data_dir(cfg.data, quiet=args.no_progress)
     opts = LaunchOptions(config=cfg, config_arg=args.config, overrides=overrides, out=out, failures=schedule,
                          random_mtbf_s=args.random_failures, rejoin_after_s=args.rejoin_after,
-                         rejoin_replicas=rejoin_replicas, seed=args.seed,
+                         rejoin_replicas=rejoin_replicas, seed=args.seed, baseline=args.baseline,
                          progress=not args.no_progress, title=f"{cfg.name} x{cfg.parallel.replicas}")
     launcher = Launcher(opts)
     code = launcher.run()
@@ -154,7 +164,7 @@ def run_worker(args: argparse.Namespace) -> int:
     token = Path(args.token_file).read_text().strip()
     replica, fails, join, trainer = args.replica, args.fail, args.join, None
     if args.spare:  # a hot spare: pay the start-up cost now, learn who to be when a replica dies
-        trainer = build_trainer(cfg, Path(args.out), args.procs)
+        trainer = build_trainer(cfg, Path(args.out), args.procs, args.resume)
         line = sys.stdin.readline()
         if not line.strip():
             os._exit(0)  # the launcher closed our stdin: not needed
@@ -163,7 +173,8 @@ def run_worker(args: argparse.Namespace) -> int:
     if replica is None:
         raise RecoverError("recover worker needs --replica R (or --spare)")
     worker = ReplicaWorker(cfg, args.out, replica, host, int(port), token,
-                           failures=[parse_failure(f) for f in fails], join=join, procs=args.procs, trainer=trainer)
+                           failures=[parse_failure(f) for f in fails], join=join, procs=args.procs, trainer=trainer,
+                           baseline=args.baseline, resume=args.resume)
     code = worker.run()
     # Skip interpreter teardown: a retired gloo group still held by the graveyard's daemon thread
     # would be destroyed mid-shutdown (std::terminate, SIGABRT). Everything is written and flushed.

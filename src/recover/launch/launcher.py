@@ -32,7 +32,7 @@ from recover.config import Config
 from recover.faults import FailureSchedule
 from recover.observe.events import EventLog, JsonlWriter, read_jsonl
 from recover.observe.progress import ProgressDisplay
-from recover.train.worker import EXIT_QUORUM_LOST, replica_log_path
+from recover.train.worker import EXIT_JOB_FAILED, EXIT_QUORUM_LOST, replica_log_path
 
 POLL_S = 0.05
 
@@ -52,6 +52,8 @@ class LaunchOptions:
     failures: FailureSchedule = field(default_factory=FailureSchedule)
     random_mtbf_s: float | None = None
     rejoin_after_s: float | None = None
+    baseline: str | None = None
+    """None (recover), ``shrink`` (shrink-and-drop) or ``restart`` (checkpoint-and-restart)."""
     rejoin_replicas: frozenset[int] | None = None
     """Which killed replicas rejoin (None: all)."""
     seed: int = 0
@@ -83,6 +85,8 @@ class Launcher:
         self.coordinator: subprocess.Popen[bytes] | None = None
         self.spare: tuple[subprocess.Popen[bytes], Any, Path] | None = None
         self.spares_started = 0
+        self.resume = False
+        self.restarts = 0
         self.records: dict[int, dict[str, Any]] = {}
         self.offsets: dict[Path, int] = {}
         self.written = -1
@@ -92,7 +96,7 @@ class Launcher:
     def _python(self, *args: str) -> list[str]:
         return [sys.executable, "-m", "recover", *args]
 
-    def _start_coordinator(self) -> None:
+    def _start_coordinator(self, expected: int) -> None:
         self.port = free_port(self.o.host)
         token_file = self.out / "token"
         token_file.write_text(secrets.token_hex(16))
@@ -100,7 +104,7 @@ class Launcher:
         self.token_file = token_file
         ft = self.cfg.fault_tolerance
         cmd = self._python("coordinator", "--host", self.o.host, "--port", str(self.port), "--token-file",
-                           str(token_file), "--events", str(self.out / "events.jsonl"), "--replicas", str(self.n),
+                           str(token_file), "--events", str(self.out / "events.jsonl"), "--replicas", str(expected),
                            "--min-replicas", str(ft.min_replicas), "--heartbeat-interval", str(ft.heartbeat_interval_s),
                            "--heartbeat-timeout", str(ft.heartbeat_timeout_s))
         log = open(self.out / "logs" / "coordinator.log", "wb")  # noqa: SIM115 - lives with the process
@@ -118,9 +122,14 @@ class Launcher:
         raise RuntimeError("the coordinator did not start listening within 30 s")
 
     def _worker_cmd(self) -> list[str]:
-        return self._python("worker", "--config", self.o.config_arg, "--out", str(self.out), "--coordinator",
-                            f"{self.o.host}:{self.port}", "--token-file", str(self.token_file), "--procs",
-                            str(self.n), *self.o.overrides)
+        cmd = self._python("worker", "--config", self.o.config_arg, "--out", str(self.out), "--coordinator",
+                           f"{self.o.host}:{self.port}", "--token-file", str(self.token_file), "--procs",
+                           str(self.n), *self.o.overrides)
+        if self.o.baseline:
+            cmd += ["--baseline", self.o.baseline]
+        if self.resume:
+            cmd.append("--resume")
+        return cmd
 
     def _fails(self, rid: int) -> list[str]:
         return [str(spec) for spec in self.o.failures.for_replica(rid)]
@@ -180,6 +189,9 @@ class Launcher:
             rep.log.close()
             self.events.event("replica_exit", replica=rep.rid, code=code, pid=rep.proc.pid)
             unfinished = self.written + 1 < self.cfg.training.steps
+            if self.o.baseline == "restart" and code in (-signal.SIGKILL, EXIT_JOB_FAILED) and unfinished:
+                self._restart()
+                return
             wanted = self.o.rejoin_replicas is None or rep.rid in self.o.rejoin_replicas
             if code == -signal.SIGKILL and self.o.rejoin_after_s is not None and unfinished and wanted:
                 self.rejoin_at[rep.rid] = now + self.o.rejoin_after_s
@@ -189,6 +201,35 @@ class Launcher:
             elif now >= when:
                 del self.rejoin_at[rid]
                 self._start_replica(rid, join=True)
+
+    def _restart(self) -> None:
+        """Checkpoint-and-restart: stop everything, relaunch the survivors from the last checkpoint."""
+        from recover.train.checkpoint import list_checkpoints
+
+        time.sleep(0.2)  # let the survivors notice and exit on their own, as a failed torchrun job does
+        survivors = sorted(r.rid for r in self.replicas.values()
+                           if r.exit_code != -signal.SIGKILL and r.proc.poll() != -signal.SIGKILL)
+        self._kill_all()
+        for rep in self.replicas.values():
+            if rep.exit_code is None:
+                rep.exit_code = rep.proc.poll()
+                rep.log.close()
+        self._collect()
+        found = list_checkpoints(self.out / "checkpoints")
+        resume_step = found[-1][0] if found else 0
+        lost = [s for s in self.records if s >= resume_step]
+        for s in lost:
+            del self.records[s]
+        self.written = min(self.written, resume_step - 1)
+        self.restarts += 1
+        self.events.event("job_restart", survivors=survivors, resume_step=resume_step, lost_steps=len(lost),
+                          restart=self.restarts)
+        if len(survivors) < self.cfg.fault_tolerance.min_replicas:
+            return
+        self.resume = resume_step > 0
+        self._start_coordinator(len(survivors))
+        for rid in survivors:
+            self._start_replica(rid, join=False)
 
     def _live(self) -> list[Replica]:
         return [r for r in self.replicas.values() if r.exit_code is None]
@@ -253,7 +294,7 @@ class Launcher:
         self.events.event("launch", replicas=self.n, steps=steps, failures=[str(s) for s in self.o.failures],
                           random_mtbf_s=self.o.random_mtbf_s, rejoin_after_s=self.o.rejoin_after_s)
         try:
-            self._start_coordinator()
+            self._start_coordinator(self.n)
             for rid in range(self.n):
                 self._start_replica(rid, join=False)
             if self.o.rejoin_after_s is not None:
@@ -275,6 +316,12 @@ class Launcher:
             self.display.close()
             self._kill_all()
             self.metrics.close()
+        # the final record of every committed step, in order (a restart redid some of them)
+        with open(self.out / "metrics.jsonl", "w", encoding="utf-8") as f:
+            for step in sorted(self.records):
+                rec = dict(self.records[step])
+                rec["elapsed_s"] = round(rec.pop("t") - self.t0, 3)
+                f.write(json.dumps(rec, separators=(",", ":")) + "\n")
         wall = time.time() - t0
         return self._exit_status(wall)
 
@@ -293,7 +340,7 @@ class Launcher:
         """Tails of logs of replicas that exited with an error (not a SIGKILL or quorum loss)."""
         out = []
         for rep in self.replicas.values():
-            if rep.exit_code not in (0, -signal.SIGKILL, EXIT_QUORUM_LOST, None):
+            if rep.exit_code not in (0, -signal.SIGKILL, EXIT_QUORUM_LOST, EXIT_JOB_FAILED, None):
                 text = rep.log_path.read_text(errors="replace")
                 out.append(f"replica {rep.rid} exited with {rep.exit_code}:\n" + "\n".join(text.splitlines()[-15:]))
         return out

@@ -78,19 +78,30 @@ class ResilientStep:
         self.hook = hook or (lambda step, phase: None)
         self.on_event = on_event or (lambda kind, **fields: None)
 
-    def run(self, step: int) -> StepOutcome:
-        plan = assign(list(range(self.M)), self.group.members)
+    def plan(self) -> dict[int, list[int]]:
+        """Ids of this step per live replica: all M, evenly over the current members (layer 3)."""
+        return assign(list(range(self.M)), self.group.members)
+
+    def run(self, step: int, data_step: int | None = None) -> StepOutcome:
+        """Computes, reduces and commits optimizer step ``step``; its samples are those of ``data_step``
+        (the same by default; a baseline that drops steps consumes data faster than it commits)."""
+        data_step = step if data_step is None else data_step
+        plan = self.plan()
         todo = plan[self.replica]
         self.acc.reset()
         recoveries: list[dict[str, Any]] = []
         computed = 0
         while True:
-            self.compute(step, todo)
+            self.compute(data_step, todo)
             computed += len(todo)
             try:
                 return self._reduce_and_commit(step, plan, recoveries, computed)
             except PeerFailure as failure:
-                plan, todo = self._recover(step, plan, failure, recoveries)
+                plan, todo = self.on_failure(step, plan, failure, recoveries)
+
+    def expected_ids(self, plan: dict[int, list[int]]) -> list[int]:
+        """The ids a committed step must hold: all M (a shrinking baseline expects fewer)."""
+        return list(range(self.M))
 
     def _reduce_and_commit(self, step: int, plan: dict[int, list[int]], recoveries: list[dict[str, Any]],
                            computed: int) -> StepOutcome:
@@ -98,20 +109,23 @@ class ResilientStep:
         reduced = self.group.allreduce(self.acc.payload())
         loss_sum, count = GradAccumulator.totals(reduced)
         ids = sorted(i for ids in plan.values() for i in ids)
-        if count != self.M or ids != list(range(self.M)):
+        expected = self.expected_ids(plan)
+        if count != len(expected) or ids != expected:
             raise RuntimeError(f"step {step}: reduced gradient holds {count} microbatches and the plan covers "
-                               f"{len(ids)}, expected M = {self.M}: the ledger is inconsistent")
+                               f"{len(ids)}, expected {len(expected)}: the ledger is inconsistent")
         self.hook(step, "commit")
         admitted = self.client.vote_commit(self.group.generation, step, ids)
         return StepOutcome(reduced=reduced, loss_sum=loss_sum, microbatches=count,
                            generation=self.group.generation, live=tuple(self.group.members),
                            recoveries=recoveries, computed=computed, admitted=admitted)
 
-    def _recover(self, step: int, plan: dict[int, list[int]], failure: PeerFailure,
-                 recoveries: list[dict[str, Any]]) -> tuple[dict[int, list[int]], list[int]]:
-        """New generation, orphans re-planned over the survivors; returns (plan, this replica's new ids)."""
-        t0 = time.perf_counter()
-        old = self.group
+    def regroup(self, step: int) -> int:
+        """Moves to the coordinator's next generation (surviving failures while it forms); returns the old one.
+
+        Raises:
+            QuorumLost: fewer than ``min_replicas`` replicas are left.
+        """
+        old = self.group.generation
         self.hook(step, "recover")
         while True:
             try:
@@ -119,16 +133,26 @@ class ResilientStep:
                 break
             except PeerFailure:  # a second failure while the new generation forms
                 continue
+        if len(self.group.members) < self.min_replicas:
+            raise QuorumLost(f"only {len(self.group.members)} replica(s) {list(self.group.members)} left at step "
+                             f"{step}; fault_tolerance.min_replicas = {self.min_replicas}")
+        return old
+
+    def on_failure(self, step: int, plan: dict[int, list[int]], failure: PeerFailure,
+                   recoveries: list[dict[str, Any]]) -> tuple[dict[int, list[int]], list[int]]:
+        """In-step recovery: a new generation, the orphans of the dead re-planned over the survivors.
+
+        Returns the merged plan and this replica's new ids (baselines override this).
+        """
+        t0 = time.perf_counter()
+        old_generation = self.regroup(step)
         live = set(self.group.members)
         dead = set(plan) - live
-        if len(live) < self.min_replicas:
-            raise QuorumLost(f"only {len(live)} replica(s) {sorted(live)} left after losing {sorted(dead)} at step "
-                             f"{step}; fault_tolerance.min_replicas = {self.min_replicas}")
         new_work = replan(plan, None, dead, live) if dead else {}
         merged = {r: list(ids) + list(new_work.get(r, [])) for r, ids in plan.items() if r in live}
         todo = list(new_work.get(self.replica, []))
         latency_ms = (time.perf_counter() - t0) * 1000
-        info = {"step": step, "from_generation": old.generation, "generation": self.group.generation,
+        info = {"step": step, "from_generation": old_generation, "generation": self.group.generation,
                 "dead": sorted(dead), "reported_dead": list(failure.dead), "live": sorted(live),
                 "orphans": sorted(i for r in dead for i in plan[r]), "my_orphans": todo,
                 "regroup_ms": round(latency_ms, 3)}

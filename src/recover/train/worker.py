@@ -23,22 +23,25 @@ import time
 from pathlib import Path
 from typing import Any
 
+from recover.baselines import JobFailed, StepDropped, step_class
 from recover.config import Config
 from recover.errors import QuorumLost
 from recover.faults import FailureSpec, FaultInjector
 from recover.observe.events import EventLog, JsonlWriter
-from recover.recovery.protocol import ResilientStep, StepOutcome
+from recover.recovery.protocol import StepOutcome
 from recover.recovery.state import flat_state, load_flat_state
 from recover.train.dist import DistContext
 from recover.train.optim import lr_at, set_lr
 from recover.train.trainer import Trainer
 
 EXIT_QUORUM_LOST = 3
+EXIT_JOB_FAILED = 4
+"""checkpoint-and-restart baseline: a replica failed and this survivor stopped for the relaunch."""
 
 
-def build_trainer(cfg: Config, out: Path, procs: int) -> Trainer:
+def build_trainer(cfg: Config, out: Path, procs: int, resume: bool = False) -> Trainer:
     """The model, optimizer and data of one replica (the slow part of starting: done before joining)."""
-    return Trainer(cfg, out, DistContext(local_world_size=procs), quiet=True)
+    return Trainer(cfg, out, DistContext(local_world_size=procs), resume=resume, quiet=True)
 
 
 def replica_log_path(out: Path, replica: int) -> Path:
@@ -50,10 +53,12 @@ class ReplicaWorker:
 
     def __init__(self, cfg: Config, out: str | os.PathLike[str], replica: int, host: str, port: int, token: str,
                  failures: list[FailureSpec] = (), join: bool = False, procs: int = 1,
-                 trainer: Trainer | None = None) -> None:
+                 trainer: Trainer | None = None, baseline: str | None = None, resume: bool = False) -> None:
         self.cfg, self.out, self.replica = cfg, Path(out), replica
         self.host, self.port, self.token, self.join = host, port, token, join
-        self.trainer = trainer or build_trainer(cfg, self.out, procs)
+        self.baseline = baseline
+        self.trainer = trainer or build_trainer(cfg, self.out, procs, resume)
+        self.data_step = self.trainer.start_step
         self.events = EventLog(self.out / "events.jsonl")
         self.log = JsonlWriter(replica_log_path(self.out, replica))
         self.injector = FaultInjector(failures, replica, before_kill=self._before_kill)
@@ -75,7 +80,7 @@ class ReplicaWorker:
         membership = client.register(join=self.join)
         group = FaultTolerantGroup.create(client, membership, backend=self.cfg.parallel.backend,
                                           timeout_s=ft.collective_timeout_s)
-        step = 0
+        step = self.trainer.start_step
         if self.join:
             step = self._receive_state(group)
         self._event("started", generation=group.generation, members=list(group.members), step=step,
@@ -83,7 +88,7 @@ class ReplicaWorker:
         return client, group, step
 
     def _counters(self, step: int) -> dict[str, int]:
-        return {"step": step, "total_tokens": self.trainer.total_tokens}
+        return {"step": step, "data_step": self.data_step, "total_tokens": self.trainer.total_tokens}
 
     def _receive_state(self, group: Any) -> int:
         from recover.comm.transfer import receive_state, source_rank
@@ -93,6 +98,7 @@ class ReplicaWorker:
         state = receive_state(group, source_rank(group))
         counters = load_flat_state(t.model, t.optimizer, state)
         t.total_tokens = counters["total_tokens"]
+        self.data_step = counters["data_step"]
         self._event("state_received", step=counters["step"], ms=round((time.perf_counter() - t0) * 1000, 2),
                     tensors=len(state))
         return counters["step"]
@@ -115,26 +121,36 @@ class ReplicaWorker:
     def run(self) -> int:
         t = self.trainer
         tc = self.cfg.training
+        M = tc.global_microbatches
         client, group, step = self._connect()
-        protocol = ResilientStep(self.replica, group, client, t.acc,
-                                 lambda s, ids: t.compute(s, ids, self.injector.maybe_fail),
-                                 tc.global_microbatches, self.cfg.fault_tolerance.min_replicas,
-                                 hook=self.injector.maybe_fail, on_event=self._event)
+        kwargs = {"initial_replicas": self.cfg.parallel.replicas} if self.baseline == "shrink" else {}
+        protocol = step_class(self.baseline)(
+            self.replica, group, client, t.acc, lambda s, ids: t.compute(s, ids, self.injector.maybe_fail), M,
+            self.cfg.fault_tolerance.min_replicas, hook=self.injector.maybe_fail, on_event=self._event, **kwargs)
         try:
             while step < tc.steps:
                 t0 = time.perf_counter()
                 set_lr(t.optimizer, lr_at(step, tc))
-                outcome = protocol.run(step)
+                try:
+                    outcome = protocol.run(step, self.data_step)
+                except StepDropped:
+                    self.data_step += 1  # shrink-and-drop: the step's samples are lost
+                    continue
                 self.injector.maybe_fail(step, "optimizer")
-                grad_norm = t.acc.apply(outcome.reduced, tc.global_microbatches, t.optimizer, tc.grad_clip)
-                t.total_tokens += t.tokens_per_step
+                # recover always divides by M; shrink-and-drop by the (smaller) count it committed
+                grad_norm = t.acc.apply(outcome.reduced, M if self.baseline != "shrink" else outcome.microbatches,
+                                        t.optimizer, tc.grad_clip)
+                t.total_tokens += outcome.microbatches * t.sampler.tokens_per_microbatch
                 self._record(step, outcome, grad_norm, time.perf_counter() - t0)
-                if outcome.admitted is not None:
-                    protocol.group = self._grow(protocol.group, step + 1)
-                self.injector.maybe_fail(step, "idle")
                 step += 1
+                self.data_step += 1
+                if outcome.admitted is not None:
+                    protocol.group = self._grow(protocol.group, step)
+                self.injector.maybe_fail(step - 1, "idle")
         except QuorumLost as exc:
             return self._stop_on_quorum_loss(protocol.group, step, exc)
+        except JobFailed:
+            return EXIT_JOB_FAILED
         finally:
             self.log.close()
         self._event("finished", step=step, generation=protocol.group.generation)
@@ -148,11 +164,12 @@ class ReplicaWorker:
     def _record(self, step: int, outcome: StepOutcome, grad_norm: float, dt: float) -> None:
         t, tc = self.trainer, self.cfg.training
         record: dict[str, Any] = {
-            "step": step, "replica": self.replica, "loss": outcome.loss_sum / tc.global_microbatches,
-            "microbatches": outcome.microbatches, "computed": outcome.computed, "tokens": t.tokens_per_step,
+            "step": step, "replica": self.replica, "loss": outcome.loss_sum / outcome.microbatches,
+            "microbatches": outcome.microbatches, "computed": outcome.computed,
+            "tokens": outcome.microbatches * t.sampler.tokens_per_microbatch, "data_step": self.data_step,
             "total_tokens": t.total_tokens, "time_s": round(dt, 6), "lr": lr_at(step, tc), "grad_norm": grad_norm,
             "live_replicas": len(outcome.live), "generation": outcome.generation,
-            "tokens_per_s": t.tokens_per_step / dt,
+            "tokens_per_s": outcome.microbatches * t.sampler.tokens_per_microbatch / dt,
         }
         if outcome.recoveries:
             record["recovery_ms"] = sum(r["regroup_ms"] for r in outcome.recoveries)
