@@ -12,6 +12,7 @@ import pytest
 import torch
 
 from recover.comm import (
+    BufferPool,
     FaultTolerantGroup,
     Graveyard,
     StateTransferError,
@@ -31,6 +32,21 @@ def test_plan_buckets_groups_by_dtype_and_size() -> None:
     assert plan_buckets(ts, bucket_bytes=80) == [[0, 1], [2], [3], [4]]
     assert plan_buckets(ts, bucket_bytes=1 << 20) == [[0, 1], [2], [3, 4]]
     assert plan_buckets([], 10) == []
+
+
+def test_buffer_pool_reuses_only_unused_buffers() -> None:
+    pool = BufferPool(per_key=2)
+    cpu = torch.device("cpu")
+    a = pool.take(8, torch.float32, cpu)
+    assert pool.take(8, torch.float32, cpu) is a  # nobody holds a view of it
+    b = pool.take(8, torch.float32, cpu, busy=[a])  # two buckets of one collective never share
+    assert b is not a
+    view = a[2:4]
+    assert pool.take(8, torch.float32, cpu) is b  # a view of ``a`` is alive: ``a`` is in use
+    del view
+    pool.evict([a])  # a broken collective may still write into ``a``
+    assert pool.take(8, torch.float32, cpu) is b and pool.take(8, torch.float32, cpu, busy=[b]) is not a
+    assert pool.take(8, torch.float64, cpu).dtype == torch.float64
 
 
 def test_resolve_backend() -> None:

@@ -114,6 +114,26 @@ def test_joiner_is_admitted_only_at_a_commit() -> None:
     assert kinds.index("membership") < kinds.index("committed")  # the client knows it before the reply
 
 
+def test_joined_is_carried_until_the_next_commit() -> None:
+    st = make(3)
+    st.on_dead(2, "connection_closed", 0.0)
+    st.on_ack(0, 1, 0.0)
+    st.on_ack(1, 1, 0.0)
+    st.on_register(2, True, 1, 0.1)
+    st.on_vote(0, 2, 2, 0, [0], 0.2)
+    st.on_vote(1, 2, 2, 0, [0], 0.2)
+    assert st.current.generation == 3 and st.current.joined == (2,)
+    st.on_dead(1, "connection_closed", 0.3)  # dies before the state transfer completed
+    st.on_ack(0, 3, 0.3)
+    st.on_ack(2, 3, 0.3)
+    assert st.current.generation == 4 and st.current.members == (0, 2) and st.current.joined == (2,)
+    st.on_vote(0, 3, 4, 1, [0], 0.4)
+    st.on_vote(2, 3, 4, 1, [0], 0.4)  # the first commit with the joiner: it has the state now
+    st.on_dead(0, "connection_closed", 0.5)
+    st.on_ack(2, 4, 0.5)
+    assert st.current.members == (2,) and st.current.joined == ()
+
+
 def test_joiner_with_nobody_left_is_admitted_at_once() -> None:
     st = make(1)
     st.on_dead(0, "connection_closed", 0.0)

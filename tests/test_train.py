@@ -13,6 +13,7 @@ import numpy as np
 import pytest
 
 from conftest import losses, max_rel_diff, run_recover
+from recover.cli import main
 from recover.data import write_shard
 
 STEPS = 20
@@ -58,47 +59,52 @@ def test_resume_from_step_10_reproduces_steps_11_to_20(reference: Path, corpus: 
     assert max_rel_diff({s: ref[s] for s in range(10, STEPS)}, {s: resumed[s] for s in range(10, STEPS)}) <= 1e-6
 
 
-def test_an_interrupted_checkpoint_is_never_loaded(corpus: Path, tmp_path: Path) -> None:
+def in_process(args: list[str], capsys: pytest.CaptureFixture[str]) -> tuple[int, str, str]:
+    """Runs `recover ARGS` in this process (error paths need no fresh interpreter)."""
+    code = main(args)
+    captured = capsys.readouterr()
+    return code, captured.out, captured.err
+
+
+def test_an_interrupted_checkpoint_is_never_loaded(corpus: Path, tmp_path: Path, capsys) -> None:
     args = train_args(tmp_path, corpus, "--training.checkpoint_every=5")
-    run_recover([*args, "--stop-at-step", "10"])
+    assert in_process([*args, "--stop-at-step", "10"], capsys)[0] == 0
     ckpts = tmp_path / "checkpoints"
     shutil.copytree(ckpts / "step_000010", ckpts / "step_000015.partial")  # a save killed halfway
     torn = ckpts / "step_000020"
     shutil.copytree(ckpts / "step_000010", torn)
     (torn / "COMMITTED").unlink()
-    out = run_recover([*args, "--resume", "--stop-at-step", "11"]).stdout
-    assert "(step 10)" in out
+    code, out, _ = in_process([*args, "--resume", "--stop-at-step", "11"], capsys)
+    assert code == 0 and "(step 10)" in out
 
 
-def test_resume_refuses_a_checkpoint_of_another_model(corpus: Path, tmp_path: Path) -> None:
-    run_recover([*train_args(tmp_path, corpus, "--training.checkpoint_every=5"), "--stop-at-step", "5"])
-    res = run_recover([*train_args(tmp_path, corpus, "--model.dim=32"), "--resume"], check=False)
-    assert res.returncode == 2
-    assert "was written for another model (model.dim: checkpoint 64, this run 32" in res.stderr
-    assert "Traceback" not in res.stderr
+def test_resume_refuses_a_checkpoint_of_another_model(corpus: Path, tmp_path: Path, capsys) -> None:
+    assert in_process([*train_args(tmp_path, corpus, "--training.checkpoint_every=5"), "--stop-at-step", "5"],
+                      capsys)[0] == 0
+    code, _, err = in_process([*train_args(tmp_path, corpus, "--model.dim=32"), "--resume"], capsys)
+    assert code == 2
+    assert "was written for another model (model.dim: checkpoint 64, this run 32" in err
 
 
-def test_resume_without_checkpoint_says_so(corpus: Path, tmp_path: Path) -> None:
-    res = run_recover([*train_args(tmp_path, corpus), "--resume"], check=False)
-    assert res.returncode == 2
-    assert "no complete checkpoint under" in res.stderr
+def test_resume_without_checkpoint_says_so(corpus: Path, tmp_path: Path, capsys) -> None:
+    code, _, err = in_process([*train_args(tmp_path, corpus), "--resume"], capsys)
+    assert code == 2 and "no complete checkpoint under" in err
 
 
-def test_token_id_beyond_the_vocabulary_is_a_clear_error(tmp_path: Path) -> None:
+def test_token_id_beyond_the_vocabulary_is_a_clear_error(tmp_path: Path, capsys) -> None:
     data = tmp_path / "data"
     data.mkdir()
     rng = np.random.default_rng(0)
     write_shard(data / "train_000000.bin", rng.integers(0, 300, 50_000))
     write_shard(data / "val_000000.bin", rng.integers(0, 300, 5_000))
-    res = run_recover(["train", "--config", "debug", "--out", str(tmp_path / "run"), "--data.path", str(data),
-                       "--model.vocab_size=256"], check=False)
-    assert res.returncode == 2
-    assert "train_000000.bin" in res.stderr and "256" in res.stderr
-    assert "Traceback" not in res.stderr
+    code, _, err = in_process(["train", "--config", "debug", "--out", str(tmp_path / "run"), "--data.path", str(data),
+                               "--model.vocab_size=256"], capsys)
+    assert code == 2
+    assert "train_000000.bin" in err and "256" in err
 
 
-def test_missing_data_directory_is_a_clear_error(tmp_path: Path) -> None:
-    res = run_recover(["train", "--config", "debug", "--out", str(tmp_path), "--data.path", str(tmp_path / "nope")],
-                      check=False)
-    assert res.returncode == 2
-    assert "is not a directory; prepare one with `recover prepare" in res.stderr
+def test_missing_data_directory_is_a_clear_error(tmp_path: Path, capsys) -> None:
+    code, _, err = in_process(["train", "--config", "debug", "--out", str(tmp_path), "--data.path",
+                               str(tmp_path / "nope")], capsys)
+    assert code == 2
+    assert "is not a directory; prepare one with `recover prepare" in err

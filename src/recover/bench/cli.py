@@ -54,7 +54,9 @@ def run_collectives(args: argparse.Namespace) -> int:
 
     if args.replicas < 2:
         raise ConfigError(f"--replicas must be >= 2 to kill one, got {args.replicas}")
-    for name in ("kills", "floats", "kill_floats", "iters"):
+    if args.kills < 0:
+        raise ConfigError(f"--kills must be >= 0, got {args.kills}")
+    for name in ("floats", "kill_floats", "iters"):
         if getattr(args, name) < 1:
             raise ConfigError(f"--{name.replace('_', '-')} must be >= 1, got {getattr(args, name)}")
     res = collectives.run(kills=args.kills, replicas=args.replicas, floats=args.floats, kill_floats=args.kill_floats,

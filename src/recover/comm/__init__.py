@@ -16,9 +16,10 @@ Typical use (one replica)::
             group = group.next_generation()            # re-plan their work, reduce again
 """
 
+from recover.comm.buffers import BufferPool
 from recover.comm.graveyard import Graveyard
 from recover.comm.group import FaultTolerantGroup, plan_buckets
 from recover.comm.transfer import StateTransferError, receive_state, send_state, source_rank
 
-__all__ = ["FaultTolerantGroup", "Graveyard", "StateTransferError", "plan_buckets", "receive_state",
+__all__ = ["BufferPool", "FaultTolerantGroup", "Graveyard", "StateTransferError", "plan_buckets", "receive_state",
            "send_state", "source_rank"]

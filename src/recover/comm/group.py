@@ -2,12 +2,12 @@
 
 Contract: a :class:`FaultTolerantGroup` wraps the c10d process group of exactly one generation g.
 Every collective
-  1. works on a COPY (flattened into per-dtype buckets): the caller's tensors are never written,
-     so a collective that fails half-way (gloo had already modified 20-80% of an in-place buffer)
-     corrupts nothing;
-  2. is launched async and polled (``work.is_completed()``) while watching
-     ``client.failure_notice(g)``: a gloo rank blocked on a dead peer that is not its ring
-     neighbour would otherwise wait for the backend timeout;
+  1. works on a COPY (flattened into per-dtype buckets of reusable buffers): the caller's tensors
+     are never written, so a collective that fails half-way (gloo had already modified 20-80% of
+     an in-place buffer) corrupts nothing;
+  2. is launched async and waited on while watching ``client.failure_notice(g)`` (gloo: a helper
+     thread blocks in ``work.wait()``; NCCL: ``work.is_completed()`` is polled): a gloo rank blocked
+     on a dead peer that is not its ring neighbour would otherwise wait for the backend timeout;
   3. on a coordinator notice or a backend error, stops waiting at once, reports to the coordinator,
      waits for its decision and raises ``PeerFailure(g, dead)`` naming exactly the replicas that
      are not in the next generation. The broken group is parked in a :class:`Graveyard`.
@@ -17,6 +17,7 @@ generation after (the returned group's ``members`` say who is left).
 
 Invariants: one process group per generation, rendezvoused under ``PrefixStore(f"gen{g}")`` on the
 coordinator's store; no global default group; nothing blocks for a backend timeout on the hot path.
+A group is used by one thread at a time (the training loop's).
 """
 
 from __future__ import annotations
@@ -31,13 +32,14 @@ import torch
 from torch import Tensor
 
 from recover.comm.backends import default_device, detect_backend, make_process_group
+from recover.comm.buffers import BufferPool
 from recover.comm.graveyard import Graveyard
+from recover.comm.watch import POLL_MAX_S, POLL_MIN_S, Waiter, peer_failure, run_watched
 from recover.coord.client import CoordinatorClient, CoordinatorLost
 from recover.coord.protocol import Membership
 from recover.errors import PeerFailure
 
 DEFAULT_BUCKET_BYTES = 16 << 20
-_POLL_MIN_S, _POLL_MAX_S = 50e-6, 1e-3
 
 
 def plan_buckets(tensors: Sequence[Tensor], bucket_bytes: int) -> list[list[int]]:
@@ -56,8 +58,10 @@ def plan_buckets(tensors: Sequence[Tensor], bucket_bytes: int) -> list[list[int]
     return buckets
 
 
-def _flatten(ts: list[Tensor]) -> Tensor:
-    return torch.cat([t.detach().reshape(-1) for t in ts])  # always a fresh buffer
+def _flatten_into(buf: Tensor, ts: list[Tensor]) -> Tensor:
+    if len(ts) == 1:
+        return buf.copy_(ts[0].detach().reshape(-1))
+    return torch.cat([t.detach().reshape(-1) for t in ts], out=buf)
 
 
 def _unflatten(like: Sequence[Tensor], buckets: list[list[int]], flats: list[Tensor]) -> list[Tensor]:
@@ -76,7 +80,7 @@ class FaultTolerantGroup:
 
     def __init__(self, client: CoordinatorClient, membership: Membership, pg: Any, *, backend: str,
                  device: torch.device, timeout_s: float, bucket_bytes: int, graveyard: Graveyard,
-                 store: Any) -> None:
+                 store: Any, pool: BufferPool | None = None) -> None:
         self.client = client
         self.membership = membership
         self.generation = membership.generation
@@ -89,7 +93,10 @@ class FaultTolerantGroup:
         self.bucket_bytes = bucket_bytes
         self.graveyard = graveyard
         self.store = store
+        self.pool = pool if pool is not None else BufferPool()
         self._pg = pg
+        self._shrinkable: Any = None  # NCCL: a broken communicator kept for next_generation's shrink
+        self._waiter = Waiter(membership.generation)
         self._broken = False
 
     # ------------------------------------------------------------- forming
@@ -97,12 +104,16 @@ class FaultTolerantGroup:
     @classmethod
     def create(cls, client: CoordinatorClient, membership: Membership, backend: str = "auto",
                timeout_s: float = 60.0, *, bucket_bytes: int = DEFAULT_BUCKET_BYTES,
-               graveyard: Graveyard | None = None, device: torch.device | None = None) -> FaultTolerantGroup:
+               graveyard: Graveyard | None = None, device: torch.device | None = None,
+               pool: BufferPool | None = None) -> FaultTolerantGroup:
         """Builds the process group of ``membership`` on ``PrefixStore(f"gen{g}")``.
 
+        If that generation fails while forming (a member died during the rendezvous), follows on
+        to the coordinator's next one: the returned group's ``membership`` may be newer than the
+        one passed in (its ``members`` and ``joined`` are what count).
+
         Raises:
-            PeerFailure: the generation was declared failed (or the rendezvous broke) while forming.
-            ValueError: this replica is not a member.
+            ValueError: this replica is not a member. QuorumLost, Expelled, CoordinatorLost.
         """
         if client.replica_id not in membership.members:
             raise ValueError(f"replica {client.replica_id} is not in generation {membership.generation} "
@@ -110,38 +121,44 @@ class FaultTolerantGroup:
         resolved = detect_backend(backend)
         dev = device if device is not None else default_device(resolved)
         yard = graveyard if graveyard is not None else Graveyard()
-        pg, store = _rendezvous(client, membership, resolved, dev, timeout_s, yard)
-        return cls(client, membership, pg, backend=resolved, device=dev, timeout_s=timeout_s,
-                   bucket_bytes=bucket_bytes, graveyard=yard, store=store)
+        m, deadline = membership, time.monotonic() + timeout_s
+        while True:
+            try:
+                pg, store = _rendezvous(client, m, resolved, dev, timeout_s, yard)
+                break
+            except PeerFailure:  # bounded: each retry needs a newer generation within the deadline
+                m = client.wait_for_generation(m.generation, max(0.0, deadline - time.monotonic()))
+        return cls(client, m, pg, backend=resolved, device=dev, timeout_s=timeout_s,
+                   bucket_bytes=bucket_bytes, graveyard=yard, store=store, pool=pool)
 
     def next_generation(self, timeout_s: float | None = None) -> FaultTolerantGroup:
         """Retires this group and returns one for the coordinator's next generation.
 
         Waits for a generation newer than this one; if that one fails while forming, moves on to
-        the next. On NCCL, a direct successor with no joiners is made by shrinking this group's
-        communicator where supported (see :mod:`recover.comm.nccl`), else by a new communicator.
+        the next (see :meth:`create`). On NCCL, a direct successor with no joiners is made by
+        shrinking this group's communicator where supported (see :mod:`recover.comm.nccl`), else
+        by a new communicator.
         Raises QuorumLost, Expelled, CoordinatorLost or TimeoutError (no group can form).
         """
-        old_pg, self._pg = (self._pg, None) if self.backend == "nccl" else (None, self._pg)
+        old_pg, self._shrinkable = self._shrinkable, None
+        if old_pg is None and self.backend == "nccl":
+            old_pg, self._pg = self._pg, None
         self._retire()
-        deadline = time.monotonic() + (timeout_s if timeout_s is not None else self.timeout_s)
-        after = self.generation
+        wait_s = timeout_s if timeout_s is not None else self.timeout_s
         try:
-            while True:
-                m = self.client.wait_for_generation(after, max(0.0, deadline - time.monotonic()))
+            m = self.client.wait_for_generation(self.generation, wait_s)
+            if old_pg is not None and m.generation == self.generation + 1:
                 try:
-                    if old_pg is not None and m.generation == self.generation + 1:
-                        pg = _try_shrink(self, old_pg, m)
-                        if pg is not None:
-                            return FaultTolerantGroup(
-                                self.client, m, pg, backend=self.backend, device=self.device,
-                                timeout_s=self.timeout_s, bucket_bytes=self.bucket_bytes,
-                                graveyard=self.graveyard, store=self.store)
-                    return FaultTolerantGroup.create(self.client, m, self.backend, self.timeout_s,
-                                                     bucket_bytes=self.bucket_bytes, graveyard=self.graveyard,
-                                                     device=self.device)
+                    pg = _try_shrink(self, old_pg, m)
                 except PeerFailure:
-                    after = m.generation
+                    pg, m = None, self.client.wait_for_generation(m.generation, wait_s)
+                if pg is not None:
+                    return FaultTolerantGroup(self.client, m, pg, backend=self.backend, device=self.device,
+                                              timeout_s=self.timeout_s, bucket_bytes=self.bucket_bytes,
+                                              graveyard=self.graveyard, store=self.store, pool=self.pool)
+            return FaultTolerantGroup.create(self.client, m, self.backend, self.timeout_s,
+                                             bucket_bytes=self.bucket_bytes, graveyard=self.graveyard,
+                                             device=self.device, pool=self.pool)
         finally:
             if old_pg is not None:
                 self.graveyard.park(self.generation, old_pg, abort=True)
@@ -149,6 +166,9 @@ class FaultTolerantGroup:
     def close(self) -> None:
         """Retires the group (released on the graveyard's thread). Idempotent."""
         self._retire()
+        old, self._shrinkable = self._shrinkable, None
+        if old is not None:
+            self.graveyard.park(self.generation, old, abort=True)
 
     @property
     def broken(self) -> bool:
@@ -165,18 +185,21 @@ class FaultTolerantGroup:
     def allreduce(self, tensors: Sequence[Tensor]) -> list[Tensor]:
         """SUM over members of each tensor, returned as new tensors (views into reduced buckets).
 
-        The inputs are never modified. Raises PeerFailure if a member fails meanwhile.
+        The inputs are never modified. The results own their memory until dropped; after that it
+        is reused by a later collective of this group chain. Raises PeerFailure if a member fails.
         """
         self._check("all-reduce")
         if not tensors:
             return []
         buckets = plan_buckets(tensors, self.bucket_bytes)
         flats: list[Tensor] = []
-        works = []
+        works: list[Any] = []
         for idx in buckets:
-            flats.append(_flatten([tensors[i] for i in idx]))
-            works.append(self._launch("all-reduce", lambda f=flats[-1]: self._pg.allreduce([f])))
-        self._wait(works, "all-reduce")
+            ts = [tensors[i] for i in idx]
+            flat = self.pool.take(sum(t.numel() for t in ts), ts[0].dtype, ts[0].device, flats)
+            flats.append(_flatten_into(flat, ts))
+            works.append(self._launch("all-reduce", lambda f=flat: self._pg.allreduce([f]), flats))
+        self._wait(works, "all-reduce", flats)
         return _unflatten(tensors, buckets, flats)
 
     def broadcast(self, tensors: Sequence[Tensor], src_rank: int) -> list[Tensor]:
@@ -188,11 +211,11 @@ class FaultTolerantGroup:
         if not tensors:
             return []
         buckets = plan_buckets(tensors, self.bucket_bytes)
-        flats = []
+        flats: list[Tensor] = []
         for idx in buckets:
             ts = [tensors[i] for i in idx]
-            flats.append(_flatten(ts) if self.rank == src_rank else
-                         torch.empty(sum(t.numel() for t in ts), dtype=ts[0].dtype, device=ts[0].device))
+            flat = self.pool.take(sum(t.numel() for t in ts), ts[0].dtype, ts[0].device, flats)
+            flats.append(_flatten_into(flat, ts) if self.rank == src_rank else flat)
         self.broadcast_into(flats, src_rank)
         return _unflatten(tensors, buckets, flats)
 
@@ -204,8 +227,8 @@ class FaultTolerantGroup:
         for buf in buffers:
             opts = torch.distributed.BroadcastOptions()
             opts.rootRank = src_rank
-            works.append(self._launch("broadcast", lambda b=buf, o=opts: self._pg.broadcast([b], o)))
-        self._wait(works, "broadcast")
+            works.append(self._launch("broadcast", lambda b=buf, o=opts: self._pg.broadcast([b], o), buffers))
+        self._wait(works, "broadcast", buffers)
 
     def barrier(self) -> None:
         """Returns once every member reached it; raises PeerFailure if one fails first."""
@@ -220,61 +243,84 @@ class FaultTolerantGroup:
         if self.client.failure_notice(self.generation):
             raise self._fail(f"generation {self.generation} was declared failed before the {what}", False)
 
-    def _launch(self, what: str, start: Any) -> Any:
+    def _launch(self, what: str, start: Any, buffers: Sequence[Tensor]) -> Any:
         try:
             return start()
         except RuntimeError as exc:
+            self.pool.evict(buffers)
             raise self._fail(f"backend error launching {what}: {exc}", True) from None
 
-    def _wait(self, works: list[Any], what: str) -> None:
+    def _wait(self, works: list[Any], what: str, buffers: Sequence[Tensor]) -> None:
+        """Waits for ``works`` while watching for notices; on a notice or an error, evicts
+        ``buffers`` from the pool (the parked work may still write into them), raises PeerFailure.
+
+        gloo: a helper thread blocks in ``work.wait()`` and sets an event that the coordinator
+        client also sets on every notice, so this thread sleeps until one of them happens (no
+        polling wake-ups competing with gloo for the CPU). NCCL, whose ``wait()`` does not block the
+        host, is polled with ``is_completed()`` at 50 us .. 1 ms intervals.
+        """
         deadline = time.monotonic() + self.timeout_s
-        pause = _POLL_MIN_S
+        pause = POLL_MIN_S
         pending = list(works)
-        while True:
-            pending = [w for w in pending if not w.is_completed()]
-            if not pending:
-                break
-            if self.client.failure_notice(self.generation):
-                raise self._fail(f"coordinator notice during {what}", False, works, pending)
-            if self.client.lost is not None:
-                self._retire(True, works, pending)
-                raise CoordinatorLost(f"coordinator lost during {what}: {self.client.lost}")
-            if time.monotonic() > deadline:
-                raise self._fail(f"{what} exceeded {self.timeout_s:g} s", True, works, pending)
-            time.sleep(pause)
-            pause = min(pause * 1.5, _POLL_MAX_S)
+        wake = threading.Event() if self.backend == "gloo" else None
+        if wake is not None:
+            self.client.add_waker(wake)
+            self._waiter.watch(works, wake)
+        try:
+            while True:
+                if wake is not None:
+                    wake.clear()
+                pending = [w for w in pending if not w.is_completed()]
+                if not pending:
+                    break
+                if self.client.failure_notice(self.generation):
+                    self.pool.evict(buffers)
+                    raise self._fail(f"coordinator notice during {what}", False, works, pending)
+                if self.client.lost is not None:
+                    self.pool.evict(buffers)
+                    self._retire(True, works, pending)
+                    raise CoordinatorLost(f"coordinator lost during {what}: {self.client.lost}")
+                left = deadline - time.monotonic()
+                if left < 0:
+                    self.pool.evict(buffers)
+                    raise self._fail(f"{what} exceeded {self.timeout_s:g} s", True, works, pending)
+                if wake is not None:
+                    wake.wait(min(left, 0.5))
+                else:
+                    time.sleep(pause)
+                    pause = min(pause * 1.5, POLL_MAX_S)
+        finally:
+            if wake is not None:
+                self.client.remove_waker(wake)
         for w in works:
             try:
                 w.wait()
             except RuntimeError as exc:
                 first = str(exc).splitlines()[0][:200]
                 del w
+                self.pool.evict(buffers)
                 raise self._fail(f"backend error during {what}: {first}", True, works) from None
 
     def _fail(self, reason: str, report: bool, *work_lists: list[Any]) -> PeerFailure:
         """Retires this broken group, waits for the coordinator's decision, builds the PeerFailure."""
         self._retire(True, *work_lists)
-        return _peer_failure(self.client, self.generation, reason, report, self.timeout_s)
+        return peer_failure(self.client, self.generation, reason, report, self.timeout_s)
 
     def _retire(self, broken: bool = False, *work_lists: list[Any]) -> None:
         """Parks the process group and any pending work (emptying the caller's lists): a group
-        with a stuck operation must be released on the graveyard's thread, never on ours."""
+        with a stuck operation must be released on the graveyard's thread, never on ours. A broken
+        NCCL communicator is kept aside instead, for ``next_generation`` to shrink."""
         self._broken = self._broken or broken
         pg, self._pg = self._pg, None
+        self._waiter.stop()
         works = [w for ws in work_lists for w in ws]
         for ws in work_lists:
             ws.clear()
+        if pg is not None and self.backend == "nccl" and broken:
+            self._shrinkable, pg = pg, None
         if pg is not None or works:
             self.graveyard.park(self.generation, *([pg] if pg is not None else []), *works,
                                 abort=self.backend == "nccl" and self._broken)
-
-
-def _peer_failure(client: CoordinatorClient, generation: int, reason: str, report: bool,
-                  timeout_s: float) -> PeerFailure:
-    if report and not client.failure_notice(generation):
-        client.report_failure(generation)
-    client.wait_for_generation(generation, timeout_s)
-    return PeerFailure(generation, client.dead_since(generation), reason)
 
 
 def _try_shrink(old: FaultTolerantGroup, old_pg: Any, m: Membership) -> Any | None:
@@ -285,38 +331,11 @@ def _try_shrink(old: FaultTolerantGroup, old_pg: Any, m: Membership) -> Any | No
     if nccl.choose_strategy(old.members, m.members, backend=old.backend, shrink_ok=ok) != "shrink":
         return None
     excluded = nccl.excluded_ranks(old.members, m.members)
-    pg = _on_helper_thread(old.client, m.generation, old.graveyard, old.timeout_s,
-                           lambda: nccl.shrink_nccl_group(old_pg, excluded), "shrink")
+    pg = run_watched(old.client, m.generation, old.graveyard, old.timeout_s,
+                     lambda: nccl.shrink_nccl_group(old_pg, excluded), "shrink")
     if pg is None or pg.rank() != m.rank_of(old.client.replica_id) or pg.size() != m.size:
         return None
     return pg
-
-
-def _on_helper_thread(client: CoordinatorClient, g: int, yard: Graveyard, timeout_s: float, fn: Any,
-                      what: str) -> Any | None:
-    """Runs ``fn`` on a helper thread, watching for notices. Returns its result, None if it raised;
-    raises PeerFailure / CoordinatorLost (parking the thread) if generation ``g`` fails meanwhile."""
-    box: dict[str, Any] = {}
-
-    def run() -> None:
-        try:
-            box["value"] = fn()
-        except BaseException as exc:  # noqa: BLE001 - handed to the caller
-            box["error"] = exc
-
-    t = threading.Thread(target=run, name=f"recover-{what}-gen{g}", daemon=True)
-    t.start()
-    pause = _POLL_MIN_S
-    while t.is_alive():
-        if client.failure_notice(g) or client.lost is not None:
-            yard.park(g, t, box)
-            del t, box  # no reference may outlive this frame in a traceback
-            if client.lost is not None:
-                raise CoordinatorLost(f"coordinator lost during {what} of generation {g}: {client.lost}")
-            raise _peer_failure(client, g, f"generation {g} failed during {what}", False, timeout_s)
-        t.join(pause)
-        pause = min(pause * 1.5, _POLL_MAX_S)
-    return box.get("value")
 
 
 def _rendezvous(client: CoordinatorClient, m: Membership, backend: str, device: torch.device,
@@ -338,8 +357,8 @@ def _rendezvous(client: CoordinatorClient, m: Membership, backend: str, device: 
             err.append(exc)
             raise
 
-    pg = _on_helper_thread(client, g, yard, timeout_s, build, "rendezvous")
+    pg = run_watched(client, g, yard, timeout_s, build, "rendezvous")
     if pg is None:
         reason = f"rendezvous of generation {g} failed: {err[0] if err else 'unknown error'}"
-        raise _peer_failure(client, g, reason, True, timeout_s)
+        raise peer_failure(client, g, reason, True, timeout_s)
     return pg, store

@@ -9,17 +9,25 @@ thread that waits for its reply.
 Invariants:
   * ``failure_notice(g)`` is a lock-free read of two integers, cheap enough for a poll loop; it
     turns true as soon as the coordinator has declared generation g failing or formed a later one.
-  * Membership history only grows and generations only rise; ``dead_since(g)`` is computed from
-    that history, so every survivor names the same dead replicas for g.
+  * Membership history only grows and generations only rise; ``dead_since(g)`` is the members of g
+    missing from the newest generation this client knows (the coordinator forms g+1 only after
+    every survivor acked the notice, so survivors asking right after g+1 name the same set).
   * A lost coordinator connection (or being fenced) is never silent: every waiting call raises
     :class:`CoordinatorLost`.
 
 Commit vote: ``vote_commit(g, step, ids)`` returns ``None`` when every member of g voted the same
 (step, ids) and the step is committed; it returns a new :class:`Membership` when the step is
-committed *and* joiners were admitted at this step boundary (the caller then calls
-``group.next_generation()`` and sends state to ``membership.joined``); it raises
-:class:`~recover.errors.PeerFailure` when a member died or the votes disagreed (the step is then
-committed by nobody and the caller recovers).
+committed *and* joiners were admitted at this step boundary (the new generation starts at
+``step + 1``); it raises :class:`~recover.errors.PeerFailure` when a member died or the votes
+disagreed: then nothing was committed, and the caller recovers on the next generation and votes
+the same step again there.
+
+Join flow: the replacement calls ``register(join=True)``, which returns once a commit admitted it
+(``membership.joined`` lists it); it builds its group with ``FaultTolerantGroup.create`` and calls
+``recover.comm.transfer.receive_state(group, source_rank(group))``. The old members, on getting a
+Membership back from ``vote_commit``, finish the committed step (optimizer), then call
+``group.next_generation()``; the one at ``source_rank`` calls ``send_state``, the others
+``receive_state`` (every member takes part in the broadcast).
 """
 
 from __future__ import annotations
@@ -76,10 +84,11 @@ class CoordinatorClient:
         self._closing = False
         self._stop = threading.Event()
         self._threads: list[threading.Thread] = []
+        self._wakers: set[threading.Event] = set()
 
     # ------------------------------------------------------------- public API
 
-    def register(self, join: bool = False, timeout: float = 120.0) -> Membership:
+    def register(self, join: bool = False, timeout: float = 600.0) -> Membership:
         """Connects, registers and blocks until a generation includes this replica; returns it.
 
         With ``join=False`` before the first generation, this replica counts towards the initial
@@ -92,7 +101,11 @@ class CoordinatorClient:
         """
         if self._sock is not None:
             raise RuntimeError("register() was already called on this client")
-        sock = socket.create_connection((self.host, self.port), timeout=self.connect_timeout_s)
+        try:
+            sock = socket.create_connection((self.host, self.port), timeout=self.connect_timeout_s)
+        except OSError as exc:
+            raise CoordinatorLost(f"replica {self.replica_id} cannot reach the coordinator at "
+                                  f"{self.host}:{self.port}: {exc}; is `recover coordinator` running?") from None
         sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
         sock.settimeout(None)
         self._sock = sock
@@ -117,6 +130,22 @@ class CoordinatorClient:
     def notice_time(self, generation: int) -> float | None:
         """``time.monotonic()`` when this process first learnt that ``generation`` failed."""
         return self._notice_t.get(generation)
+
+    def add_waker(self, event: threading.Event) -> None:
+        """``event`` is set whenever a notice or membership arrives or the connection is lost."""
+        with self._cond:
+            self._wakers.add(event)
+            if self._lost is not None:
+                event.set()
+
+    def remove_waker(self, event: threading.Event) -> None:
+        with self._cond:
+            self._wakers.discard(event)
+
+    def _wake(self) -> None:
+        with self._cond:
+            for event in self._wakers:
+                event.set()
 
     @property
     def lost(self) -> str | None:
@@ -257,6 +286,8 @@ class CoordinatorClient:
             if self._lost is None:
                 self._lost = why
             self._cond.notify_all()
+            for event in self._wakers:
+                event.set()
 
     def _reader(self) -> None:
         decoder = FrameDecoder(_SERVER_TYPES)
@@ -281,6 +312,7 @@ class CoordinatorClient:
             g = msg["generation"]
             self._notice_t.setdefault(g, time.monotonic())
             self._failing_max = max(self._failing_max, g)
+            self._wake()
             try:
                 self._send({"type": "ack", "generation": g})
             except OSError as exc:
@@ -293,6 +325,8 @@ class CoordinatorClient:
                     self._notice_t.setdefault(g, time.monotonic())
                 self._latest_gen = max(self._latest_gen, m.generation)
                 self._cond.notify_all()
+                for event in self._wakers:
+                    event.set()
         elif kind == "error" and msg.get("re") is None:
             if msg["code"] == "fenced":  # otherwise a refused frame; a fatal one is followed by EOF
                 self._mark_lost(f"fenced by the coordinator: {msg['message']}")

@@ -22,7 +22,7 @@ from __future__ import annotations
 import json
 import socket
 import struct
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from typing import Any
 
 PROTOCOL_VERSION = 1
@@ -73,7 +73,8 @@ class Membership:
         store_host, store_port: the coordinator's c10d TCPStore.
         step: the first step this generation runs (last committed step + 1).
         dead: replicas of the previous generation that are not in this one.
-        joined: replicas admitted in this generation (they need state from a peer).
+        joined: replicas admitted since the last commit (they need state from a peer); carried
+            on to a generation formed by a failure before that commit.
         min_members: the quorum; fewer members than this means the job must stop.
         reason: why the generation was formed (``initial``, ``failure``, ``join``, ...).
     """
@@ -87,7 +88,6 @@ class Membership:
     joined: tuple[int, ...] = ()
     min_members: int = 1
     reason: str = ""
-    extra: dict[str, Any] = field(default_factory=dict, compare=False, repr=False)
 
     def rank_of(self, replica: int) -> int:
         """The rank of ``replica`` in this generation's process group."""

@@ -16,6 +16,8 @@ Invariants:
     ``(step, ids)``; then all of them are told ``committed``, otherwise all are told ``aborted``.
     A failure round aborts every pending vote: never half-committed.
   * Joiners are admitted only at a commit (a step boundary), or at once when no member is left.
+    ``Membership.joined`` lists the members admitted since the last commit: a generation formed
+    by a failure before that commit carries them on, so the state transfer is done again on it.
 """
 
 from __future__ import annotations
@@ -85,6 +87,7 @@ class MembershipState:
         self.live: set[int] = set()
         self.initial: set[int] = set()
         self.pending_join: set[int] = set()
+        self.fresh: set[int] = set()  # admitted since the last commit: may still need state
         self.round: _Round | None = None
         self.votes: dict[int, tuple[int, int, tuple[int, ...]]] = {}
 
@@ -179,6 +182,7 @@ class MembershipState:
                               "reason": "commit vote disagreement"}) for r, (rid, _, _) in votes.items()]
             return acts + self._start_round("commit vote disagreement", now) + self._check_round(now)
         self.committed_step = step
+        self.fresh.clear()
         acts = [Log("commit", {"generation": generation, "step": step, "ids": len(ids)})]
         new_gen = None
         if self.pending_join:
@@ -230,12 +234,15 @@ class MembershipState:
         self.pending_join.clear()
         if not joiners:
             return []
+        self.fresh |= set(joiners)
         members = sorted(set(self.current.members if self.current else ()) | set(joiners))
-        return self._form(members, "join", now, joined=tuple(joiners))
+        return self._form(members, "join", now)
 
-    def _form(self, members: list[int], reason: str, now: float, *, joined: tuple[int, ...] = (),
-              detail: str = "", latency_s: float | None = None) -> list[Action]:
+    def _form(self, members: list[int], reason: str, now: float, *, detail: str = "",
+              latency_s: float | None = None) -> list[Action]:
         old = self.current
+        self.fresh &= set(members)
+        joined = tuple(sorted(self.fresh))
         dead = tuple(sorted(set(old.members) - set(members))) if old else ()
         m = Membership(generation=self.generation + 1, members=tuple(members), store_host=self.store_host,
                        store_port=self.store_port, step=self.committed_step + 1, dead=dead, joined=joined,

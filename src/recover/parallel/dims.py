@@ -20,7 +20,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 from datetime import timedelta
 from enum import Enum
-from typing import NamedTuple
+from typing import Any, NamedTuple
 
 import torch
 import torch.distributed as dist
@@ -161,8 +161,15 @@ class ParallelDims:
         return DeviceMesh(device_type, mesh, mesh_dim_names=tuple(a.value for a in AXES),
                           backend_override=((backend, options),) * len(AXES))
 
+    def build_group(self, timeout_s: float = 30.0, ranks: list[int] | None = None) -> dist.ProcessGroup:
+        """A process group of all the replica's ranks with the intra-replica timeout (collective like
+        :meth:`build_mesh`); the engine's loss and grad-norm all-reduces run on it."""
+        ranks = list(range(dist.get_world_size())) if ranks is None else [int(r) for r in ranks]
+        self.check_world(len(ranks))
+        return dist.new_group(ranks, timeout=timedelta(seconds=timeout_s))
 
-def _options(backend: str, timeout: timedelta) -> dist.Backend.Options:
+
+def _options(backend: str, timeout: timedelta) -> Any:
     """Backend options that carry the timeout (DeviceMesh reads ``options._timeout``)."""
     if backend == "nccl":
         opts = dist.ProcessGroupNCCL.Options()

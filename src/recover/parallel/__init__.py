@@ -1,0 +1,53 @@
+"""Inside a replica: ParallelDims, the TP plan, pipeline stages and schedules, FSDP2 shard groups.
+
+A replica (the failure unit) is any group of ``pp * fsdp * tp`` ranks running PyTorch's own
+parallelism; the data-parallel axis ACROSS replicas is not a mesh axis here, it is layer 1's
+fault-tolerant reduction. Typical use on every rank of a replica::
+
+    dims = ParallelDims(pp=2, tp=2)
+    mesh = dims.build_mesh("cpu", timeout_s=cfg.fault_tolerance.intra_replica_timeout_s)
+    engine = ReplicaEngine(cfg.model, seed, dims, mesh, group=replica_group)
+    optimizer = build_optimizer(engine.model, cfg.training)
+    engine.reset(); engine.compute(step, ids, sampler)     # the replica's ids, same on every rank
+    reduced = cross_replica_sum(engine.payload())          # layer 1, same-rank groups
+    engine.apply(reduced, M, optimizer, cfg.training.grad_clip)
+
+Names are imported lazily (``torch.distributed.pipelining`` is loaded only for ``pp > 1``).
+"""
+
+from __future__ import annotations
+
+import importlib
+from typing import TYPE_CHECKING, Any
+
+_EXPORTS = {
+    "AXES": "recover.parallel.dims",
+    "Coord": "recover.parallel.dims",
+    "MeshAxis": "recover.parallel.dims",
+    "ParallelDims": "recover.parallel.dims",
+    "ReplicaEngine": "recover.parallel.engine",
+    "apply_activation_checkpointing": "recover.parallel.apply",
+    "apply_fsdp": "recover.parallel.apply",
+    "parallelize": "recover.parallel.apply",
+    "SCHEDULES": "recover.parallel.pipeline",
+    "PipelineRunner": "recover.parallel.pipeline",
+    "split_stage": "recover.parallel.pipeline",
+    "apply_tp": "recover.parallel.tp",
+    "block_plan": "recover.parallel.tp",
+}
+
+__all__ = sorted(_EXPORTS)
+
+if TYPE_CHECKING:
+    from recover.parallel.dims import AXES, Coord, MeshAxis, ParallelDims
+    from recover.parallel.engine import ReplicaEngine
+    from recover.parallel.apply import apply_activation_checkpointing, apply_fsdp, parallelize
+    from recover.parallel.pipeline import SCHEDULES, PipelineRunner, split_stage
+    from recover.parallel.tp import apply_tp, block_plan
+
+
+def __getattr__(name: str) -> Any:
+    """Imports lazily: ``torch.distributed.pipelining`` alone costs ~1 s, so only a user pays for it."""
+    if name not in _EXPORTS:
+        raise AttributeError(f"module 'recover.parallel' has no attribute {name!r}")
+    return getattr(importlib.import_module(_EXPORTS[name]), name)

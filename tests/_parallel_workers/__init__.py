@@ -1,0 +1,1 @@
+"""torchrun entry scripts and shared set-up for the multi-process tests of ``recover.parallel``."""

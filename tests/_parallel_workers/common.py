@@ -1,0 +1,86 @@
+"""What the parallel tests and their torchrun workers share: the model, the data, the reference.
+
+The reference is one process doing plain data parallelism's arithmetic: every step it runs all M
+microbatches through :class:`~recover.recovery.accumulator.GradAccumulator`, divides by M, clips
+and steps AdamW. A replica engine run must reproduce its per-step losses and final parameters.
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import numpy as np
+import torch
+
+from recover.config import ModelConfig, TrainingConfig
+from recover.data.sampler import Sampler
+from recover.data.shards import TokenDataset, write_shard
+from recover.model import build_model, lm_loss
+from recover.recovery.accumulator import GradAccumulator
+from recover.train.optim import build_optimizer, lr_at, set_lr
+
+M = 8
+SEQ_LEN = 32
+MICROBATCH = 2
+SEED = 1234
+
+
+def model_cfg(tied: bool) -> ModelConfig:
+    """The ``debug`` model with 4 layers (so pp = 2 gives each stage two blocks)."""
+    return ModelConfig(vocab_size=320, dim=64, n_layers=4, n_heads=4, max_seq_len=64, tie_embeddings=tied)
+
+
+def train_cfg(steps: int) -> TrainingConfig:
+    return TrainingConfig(steps=steps, global_microbatches=M, lr=3e-3, min_lr=3e-4, warmup_steps=1,
+                          grad_clip=1.0, seed=SEED)
+
+
+def write_corpus(directory: Path) -> Path:
+    """A small learnable corpus (noisy arithmetic sequences over 257 byte-like ids)."""
+    rng = np.random.default_rng(0)
+    n = 40_000
+    base = (np.arange(n) * 7 + np.repeat(rng.integers(0, 257, n // 50), 50)) % 257
+    noise = rng.random(n) < 0.1
+    tokens = np.where(noise, rng.integers(0, 257, n), base).astype(np.int64)
+    directory.mkdir(parents=True, exist_ok=True)
+    write_shard(directory / "train_000.bin", tokens, fmt="nanogpt")
+    return directory
+
+
+def make_sampler(directory: Path) -> Sampler:
+    return Sampler(TokenDataset(Path(directory) / "train_*.bin"), SEQ_LEN, MICROBATCH, M, SEED)
+
+
+def reference(directory: Path, tied: bool, steps: int) -> tuple[list[float], list[float], dict[str, torch.Tensor]]:
+    """(per-step mean losses, per-step grad norms, final parameters) of one process."""
+    torch.manual_seed(0)
+    tc = train_cfg(steps)
+    sampler = make_sampler(directory)
+    model = build_model(model_cfg(tied), SEED)
+    optimizer = build_optimizer(model, tc)
+    acc = GradAccumulator(model)
+    losses, norms = [], []
+    for step in range(steps):
+        set_lr(optimizer, lr_at(step, tc))
+        acc.reset()
+        for mb in range(M):
+            inputs, targets = sampler.microbatch(step, mb)
+            acc.add(mb, lm_loss(model(inputs), targets))
+        reduced = acc.payload()
+        loss_sum, count = GradAccumulator.totals(reduced)
+        assert count == M
+        norms.append(acc.apply(reduced, M, optimizer, tc.grad_clip))
+        losses.append(loss_sum / M)
+    return losses, norms, {n: p.detach().clone() for n, p in model.named_parameters()}
+
+
+# Which microbatch ids each of the 2 replicas computes at each step, as a list of compute() calls:
+# an even split; a 1 / 7 split (a pipeline quota below pp: the 1F1B -> GPipe fallback; FSDP padding);
+# a quota of 0; and a second compute() call in a step (orphans taken over after a failure).
+PLANS: list[tuple[list[list[int]], list[list[int]]]] = [
+    ([[0, 1, 2, 3]], [[4, 5, 6, 7]]),
+    ([[0]], [[1, 2, 3, 4, 5, 6, 7]]),
+    ([[]], [[0, 1, 2, 3, 4, 5, 6, 7]]),
+    ([[0, 1, 2], [6, 7]], [[3, 4, 5]]),
+]
+STEPS = len(PLANS)
