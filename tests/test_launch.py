@@ -1,8 +1,9 @@
 """End to end: `recover launch` with real SIGKILLs, compared with a failure-free reference run.
 
-Every run uses 4 replicas of the `debug` preset for 40 steps. Each case checks that every committed
+Every run uses 4 replicas of the `debug` preset for 30 steps. Each case checks that every committed
 step holds all M microbatches and that the per-step loss stays within 1e-5 relative of the
-failure-free run (bitwise equal in deterministic mode).
+failure-free run, and bitwise equal to it when both run in deterministic mode. (The failure-free
+reference runs in deterministic mode; a default-mode run of the same job differs from it by ~1e-8.)
 """
 
 from __future__ import annotations
@@ -14,7 +15,7 @@ import pytest
 
 from conftest import losses, max_rel_diff, run_recover
 
-STEPS = 40
+STEPS = 30
 M = 8
 
 
@@ -30,13 +31,6 @@ def rows(run: Path) -> list[dict]:
 
 def events(run: Path) -> list[dict]:
     return [json.loads(line) for line in (run / "events.jsonl").read_text().splitlines()]
-
-
-@pytest.fixture(scope="module")
-def reference(tmp_path_factory: pytest.TempPathFactory, corpus: Path) -> Path:
-    out = tmp_path_factory.mktemp("launch-ref")
-    launch(out, corpus)
-    return out
 
 
 @pytest.fixture(scope="module")
@@ -64,9 +58,12 @@ def check_run(run: Path, ref: Path, bitwise: bool, kills: int) -> dict:
     return summary
 
 
-def test_reference_runs_agree(reference: Path, reference_det: Path) -> None:
-    assert all(r["live_replicas"] == 4 and r["microbatches"] == M for r in rows(reference))
-    assert max_rel_diff(losses(reference), losses(reference_det)) <= 1e-5
+def test_reference_is_failure_free_and_matches_plain_training(reference_det: Path, corpus: Path,
+                                                               tmp_path: Path) -> None:
+    assert all(r["live_replicas"] == 4 and r["microbatches"] == M for r in rows(reference_det))
+    run_recover(["train", "--config", "debug", "--out", str(tmp_path), "--no-progress", "--data.path", str(corpus),
+                 f"--training.steps={STEPS}", "--training.eval_every=20"])
+    assert max_rel_diff(losses(tmp_path), losses(reference_det)) <= 1e-5
 
 
 def test_compute_phase_failures_down_to_one_replica_deterministic(reference_det: Path, corpus: Path,
@@ -78,9 +75,9 @@ def test_compute_phase_failures_down_to_one_replica_deterministic(reference_det:
     assert live[1] == 4 and live[2] == 3 and live[5] == 2 and live[8] == 1 and live[STEPS - 1] == 1
 
 
-def test_commit_optimizer_idle_failures(reference: Path, corpus: Path, tmp_path: Path) -> None:
+def test_commit_optimizer_idle_failures(reference_det: Path, corpus: Path, tmp_path: Path) -> None:
     launch(tmp_path, corpus, "--fail", "1@2:commit", "--fail", "2@5:optimizer", "--fail", "3@8:idle")
-    check_run(tmp_path, reference, bitwise=False, kills=3)
+    check_run(tmp_path, reference_det, bitwise=False, kills=3)
     live = {r["step"]: r["live_replicas"] for r in rows(tmp_path)}
     assert live[STEPS - 1] == 1
 
@@ -94,11 +91,11 @@ def test_two_at_once_then_a_failure_during_recovery(reference_det: Path, corpus:
 
 
 def test_kill_then_rejoin(reference_det: Path, corpus: Path, tmp_path: Path) -> None:
-    launch(tmp_path, corpus, "--deterministic", "--fail", "2@3:forward", "--rejoin-after", "0")
+    launch(tmp_path, corpus, "--deterministic", "--fail", "2@10:forward", "--rejoin-after", "0")
     summary = check_run(tmp_path, reference_det, bitwise=True, kills=1)
     assert summary["rejoins"] == 1
     live = [r["live_replicas"] for r in rows(tmp_path)]
-    assert live[3] == 3 and live[-1] == 4  # the replica came back and took quotas again
+    assert live[10] == 3 and live[-1] == 4  # the replica came back and took quotas again
     ev = events(tmp_path)
     assert any(e["kind"] == "state_received" and e["replica"] == 2 for e in ev)
 
@@ -120,13 +117,13 @@ def test_impossible_requests_are_refused_before_starting(corpus: Path, tmp_path:
     assert not (tmp_path / "run" / "events.jsonl").exists()  # nothing was started
 
 
-def test_compare_exits_nonzero_above_tolerance(reference: Path, reference_det: Path, tmp_path: Path) -> None:
-    ok = run_recover(["compare", str(reference), str(reference_det), "--tol", "1e-5"])
-    assert "max relative loss difference" in ok.stdout and "OK" in ok.stdout
+def test_compare_exits_nonzero_above_tolerance(reference_det: Path, tmp_path: Path) -> None:
+    ok = run_recover(["compare", str(reference_det), str(reference_det), "--tol", "1e-5"])
+    assert "bitwise equal" in ok.stdout and "OK" in ok.stdout
     other = tmp_path / "other"
     other.mkdir()
-    recs = rows(reference)
+    recs = rows(reference_det)
     recs[5]["loss"] *= 1.01
     (other / "metrics.jsonl").write_text("".join(json.dumps(r) + "\n" for r in recs))
-    bad = run_recover(["compare", str(reference), str(other), "--tol", "1e-5"], check=False)
+    bad = run_recover(["compare", str(reference_det), str(other), "--tol", "1e-5"], check=False)
     assert bad.returncode == 1 and "at step 5" in bad.stdout

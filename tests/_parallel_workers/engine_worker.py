@@ -23,8 +23,7 @@ import torch.distributed as dist
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
-from _parallel_workers.common import M, PLANS, SEED, make_sampler, model_cfg, train_cfg  # noqa: E402
-
+from _parallel_workers.common import PLANS, SEED, M, make_sampler, model_cfg, train_cfg  # noqa: E402
 from recover.parallel import MeshAxis, ParallelDims, ReplicaEngine  # noqa: E402
 from recover.recovery.accumulator import GradAccumulator  # noqa: E402
 from recover.train.dist import DistReducer  # noqa: E402

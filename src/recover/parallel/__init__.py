@@ -36,12 +36,26 @@ _EXPORTS = {
     "block_plan": "recover.parallel.tp",
 }
 
-__all__ = sorted(_EXPORTS)
+__all__ = [
+    "AXES",
+    "SCHEDULES",
+    "Coord",
+    "MeshAxis",
+    "ParallelDims",
+    "PipelineRunner",
+    "ReplicaEngine",
+    "apply_activation_checkpointing",
+    "apply_fsdp",
+    "apply_tp",
+    "block_plan",
+    "parallelize",
+    "split_stage",
+]
 
 if TYPE_CHECKING:
+    from recover.parallel.apply import apply_activation_checkpointing, apply_fsdp, parallelize
     from recover.parallel.dims import AXES, Coord, MeshAxis, ParallelDims
     from recover.parallel.engine import ReplicaEngine
-    from recover.parallel.apply import apply_activation_checkpointing, apply_fsdp, parallelize
     from recover.parallel.pipeline import SCHEDULES, PipelineRunner, split_stage
     from recover.parallel.tp import apply_tp, block_plan
 

@@ -38,8 +38,8 @@ from torch.distributed.tensor import DTensor
 
 from recover.config import ModelConfig
 from recover.model import build_model, lm_loss
-from recover.parallel.dims import Coord, MeshAxis, ParallelDims
 from recover.parallel.apply import clean_name, parallelize
+from recover.parallel.dims import Coord, MeshAxis, ParallelDims
 from recover.workload.policy import split_within_replica
 
 if TYPE_CHECKING:
@@ -125,7 +125,7 @@ class ReplicaEngine:
         shards = 1
         if isinstance(p, DTensor):
             for i, placement in enumerate(p.placements):
-                if placement.is_shard():
+                if not placement.is_replicate():  # Shard and FSDP-over-TP's _StridedShard (not is_shard())
                     shards *= p.device_mesh.size(i)
         return self.dims.tp * self.dims.fsdp // shards
 
@@ -274,6 +274,7 @@ class ReplicaEngine:
         for name, p in zip(self.names, self.params, strict=True):
             local(p).copy_(state[f"model.{name}"])
             prefix = f"optim.{name}."
-            moments = {k[len(prefix):]: v for k, v in state.items() if k.startswith(prefix) and "." not in k[len(prefix):]}
-            if moments:
-                optimizer.state[p] = {k: (self._like(p, v.clone()) if v.dim() else v.clone()) for k, v in moments.items()}
+            moments = {k[len(prefix):]: v.clone() for k, v in state.items()
+                       if k.startswith(prefix) and "." not in k[len(prefix):]}
+            if moments:  # moments are shaped like the parameter; AdamW's "step" is a scalar
+                optimizer.state[p] = {k: self._like(p, v) if v.dim() else v for k, v in moments.items()}
