@@ -1,11 +1,12 @@
-"""Multi-process tests of ``recover.parallel``: 2 replicas x (PP | TP | FSDP | PP x TP) under torchrun/gloo.
+"""Multi-process tests of ``recover.parallel`` under torchrun/gloo: 2 replicas x (PP | TP | FSDP | PP x TP),
+and one replica of FSDP x TP with sequence parallelism (the 2-D FSDP-over-TP layout).
 
-Each test launches one torchrun job holding two replicas (layer 1 emulated by a plain all-reduce
-per replica-local rank) that follow ``common.PLANS`` (an even split, a 1/7 split, a quota of 0, two
-compute calls in one step), and compares every replica with a single-process reference of the same
-global batch: per-step losses within 1e-5 relative, grad norms, final parameters, ledgers, and
-the intra-replica timeout on every group. Processes are started in their own session and killed by
-PID on timeout.
+The runs of one process count share one torchrun job (each torch import costs seconds on 2 cores).
+In a run the replicas (layer 1 emulated by a plain all-reduce per replica-local rank) follow
+``common.plan`` (an even split, a 1/7 split, a quota of 0, two compute calls in one step); each
+test compares every replica of its run with a single-process reference of the same global batch:
+per-step losses within 1e-5 relative, grad norms, final parameters, ledgers, and the
+intra-replica timeout on every group. Jobs run in their own session, killed by PID on timeout.
 """
 
 from __future__ import annotations
@@ -15,13 +16,13 @@ import os
 import signal
 import subprocess
 import sys
+from collections.abc import Callable
 from pathlib import Path
-from typing import Any
 
 import pytest
 import torch
 
-from _parallel_workers.common import PLANS, STEPS, reference, write_corpus
+from _parallel_workers.common import STEPS, plan, reference, write_corpus
 
 pytestmark = pytest.mark.slow
 ROOT = Path(__file__).resolve().parents[1]
@@ -41,13 +42,14 @@ def ref(data: Path, tied: bool) -> tuple[list[float], list[float], dict[str, tor
     return _REFERENCES[tied]
 
 
-def torchrun(nproc: int, args: list[str], out: Path, timeout: float = 150.0) -> list[dict[str, Any]]:
-    """Runs the worker under torchrun; returns both replicas' reports. Kills its session on timeout."""
+def torchrun(nproc: int, runs: list[str], data: Path, out: Path, timeout: float = 200.0) -> None:
+    """Runs the worker's ``runs`` in one torchrun job of ``nproc`` processes; kills its session on timeout."""
     env = dict(os.environ)
     env["PYTHONPATH"] = os.pathsep.join([str(ROOT / "src"), str(ROOT / "tests"), env.get("PYTHONPATH", "")])
     env["OMP_NUM_THREADS"] = "1"
     cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", f"--nproc-per-node={nproc}",
-           str(WORKER), "--out", str(out), "--timeout", str(INTRA_TIMEOUT_S), *args]
+           str(WORKER), "--data", str(data), "--out", str(out), "--timeout", str(INTRA_TIMEOUT_S)]
+    cmd += [arg for run in runs for arg in ("--spec", run)]
     proc = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, env=env, cwd=ROOT,
                             start_new_session=True)
     try:
@@ -55,9 +57,8 @@ def torchrun(nproc: int, args: list[str], out: Path, timeout: float = 150.0) -> 
     except subprocess.TimeoutExpired:
         os.killpg(proc.pid, signal.SIGKILL)
         log, _ = proc.communicate()
-        raise AssertionError(f"torchrun {args} timed out after {timeout} s\n{log[-6000:]}") from None
-    assert proc.returncode == 0, f"torchrun {args} exited {proc.returncode}\n{log[-6000:]}"
-    return [json.loads((out / f"replica{q}.json").read_text()) for q in range(2)]
+        raise AssertionError(f"torchrun {runs} timed out after {timeout} s\n{log[-6000:]}") from None
+    assert proc.returncode == 0, f"torchrun {runs} exited {proc.returncode}\n{log[-6000:]}"
 
 
 def replica_params(out: Path, q: int) -> dict[str, torch.Tensor]:
@@ -69,26 +70,45 @@ def replica_params(out: Path, q: int) -> dict[str, torch.Tensor]:
     return params
 
 
-CASES = [
-    pytest.param(4, ["--pp", "2", "--schedule", "1f1b"], False, id="2x_pp2_1f1b"),
-    pytest.param(4, ["--tp", "2", "--tied", "1", "--sp", "1"], True, id="2x_tp2_tied_sequence_parallel"),
-    pytest.param(4, ["--fsdp", "2", "--tied", "1"], True, id="2x_fsdp2_hsdp"),
-    pytest.param(8, ["--pp", "2", "--tp", "2", "--schedule", "gpipe", "--ac", "1"], False, id="2x_pp2_tp2_gpipe_ac"),
-]
+# name -> (processes, replicas, worker options, tied embeddings). The 4-process runs share one torchrun job.
+RUNS: dict[str, tuple[int, int, str, bool]] = {
+    "2x_pp2_1f1b": (4, 2, "pp=2,schedule=1f1b", False),
+    "2x_tp2_tied_ac": (4, 2, "tp=2,tied=1,ac=1", True),
+    "2x_fsdp2_hsdp": (4, 2, "fsdp=2,tied=1", True),
+    "1x_fsdp2_tp2_sp": (4, 1, "fsdp=2,tp=2,sp=1,tied=1,replicas=1", True),
+    "2x_pp2_tp2_gpipe": (8, 2, "pp=2,tp=2,schedule=gpipe", False),
+}
 
 
-@pytest.mark.parametrize(("nproc", "args", "tied"), CASES)
-def test_replicas_match_single_process(nproc: int, args: list[str], tied: bool, data: Path, tmp_path: Path) -> None:
-    reports = torchrun(nproc, ["--data", str(data), *args], tmp_path)
+@pytest.fixture(scope="module")
+def jobs(data: Path, tmp_path_factory: pytest.TempPathFactory) -> Callable[[int], Path]:
+    """Process count -> output directory of the one job that ran all runs of that size (launched on first use)."""
+    launched: dict[int, Path] = {}
+
+    def get(nproc: int) -> Path:
+        if nproc not in launched:
+            out = tmp_path_factory.mktemp(f"parallel_{nproc}procs")
+            torchrun(nproc, [f"{n}:{opts}" for n, (p, _, opts, _) in RUNS.items() if p == nproc], data, out)
+            launched[nproc] = out
+        return launched[nproc]
+
+    return get
+
+
+@pytest.mark.parametrize("name", list(RUNS))
+def test_replicas_match_single_process(name: str, jobs: Callable[[int], Path], data: Path) -> None:
+    nproc, replicas, _, tied = RUNS[name]
+    out = jobs(nproc) / name
+    reports = [json.loads((out / f"replica{q}.json").read_text()) for q in range(replicas)]
     ref_losses, ref_norms, ref_params = ref(data, tied)
     for q, rep in enumerate(reports):
         assert rep["timeouts"] == [INTRA_TIMEOUT_S] * 4, "every intra-replica group must carry the timeout"
-        assert rep["ledgers"] == [sum(plan[q], []) for plan in PLANS]
+        assert rep["ledgers"] == [sum(plan(step, q, replicas), []) for step in range(STEPS)]
         for step, (got, want) in enumerate(zip(rep["losses"], ref_losses, strict=True)):
             assert abs(got - want) <= 1e-5 * abs(want), f"replica {q} step {step}: loss {got} vs {want}"
         for got, want in zip(rep["norms"], ref_norms, strict=True):
-            assert abs(got - want) <= 1e-4 * abs(want)
-        params = replica_params(tmp_path, q)
+            assert abs(got - want) <= 1e-4 * abs(want), f"replica {q}: grad norm {got} vs {want}"
+        params = replica_params(out, q)
         assert params.keys() == ref_params.keys()
         # AdamW turns float-rounding-sized gradient differences of near-zero entries into steps of up
         # to ~lr, so compare the whole model (relative norm) and bound the worst entry separately
@@ -96,7 +116,8 @@ def test_replicas_match_single_process(nproc: int, args: list[str], tied: bool, 
         whole = torch.cat([w.flatten() for w in ref_params.values()])
         print(f"replica {q}: max |dp| {diff.abs().max():.2e}, |dp|/|p| {diff.norm() / whole.norm():.2e}")
         assert diff.norm() <= 1e-5 * whole.norm() and diff.abs().max() <= 1e-4
-    first, second = replica_params(tmp_path, 0), replica_params(tmp_path, 1)
-    assert all(torch.equal(first[n], second[n]) for n in first), "the replicas diverged"
+    if replicas == 2:
+        first, second = replica_params(out, 0), replica_params(out, 1)
+        assert all(torch.equal(first[n], second[n]) for n in first), "the replicas diverged"
     times = reports[0]["times"]
-    print(f"{' '.join(args)}: step times {', '.join(f'{t:.2f}' for t in times)} s")
+    print(f"{name}: step times {', '.join(f'{t:.2f}' for t in times)} s")

@@ -177,6 +177,17 @@ class TrainingConfig:
                  f"at most training.steps = {self.steps}")
 
 
+    def eval_due(self, step: int, end: int | None = None) -> bool:
+        """Whether validation runs after (0-based) ``step``: every ``eval_every`` steps and at the end."""
+        last = step + 1 == (end or self.steps)
+        return bool(self.eval_every and (step + 1) % self.eval_every == 0) or last
+
+    def checkpoint_due(self, step: int, end: int | None = None) -> bool:
+        """Whether a checkpoint is saved after ``step``: every ``checkpoint_every`` steps and at the end."""
+        last = step + 1 == (end or self.steps)
+        return bool(self.checkpoint_every) and ((step + 1) % self.checkpoint_every == 0 or last)
+
+
 @dataclass(frozen=True)
 class ParallelConfig:
     """How many replicas, and how the ranks inside one replica split the model."""

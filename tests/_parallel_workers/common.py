@@ -84,3 +84,8 @@ PLANS: list[tuple[list[list[int]], list[list[int]]]] = [
     ([[0, 1, 2], [6, 7]], [[3, 4, 5]]),
 ]
 STEPS = len(PLANS)
+
+
+def plan(step: int, replica: int, replicas: int) -> list[list[int]]:
+    """The compute() calls of ``replica`` at ``step``; a lone replica makes both replicas' calls."""
+    return PLANS[step][replica] if replicas == 2 else PLANS[step][0] + PLANS[step][1]

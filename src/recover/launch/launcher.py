@@ -91,6 +91,8 @@ class Launcher:
         self.offsets: dict[Path, int] = {}
         self.written = -1
         self.kills = 0
+        self.active: dict[int, float] = {}
+        """replica -> when a step record of it was last seen (it is a training member)."""
 
     # ---- processes -------------------------------------------------------------------------
     def _python(self, *args: str) -> list[str]:
@@ -235,15 +237,24 @@ class Launcher:
         return [r for r in self.replicas.values() if r.exit_code is None]
 
     def _random_kill(self, now: float) -> None:
-        if self.o.random_mtbf_s is None or now < self.next_random_kill:
+        """SIGKILLs a random replica that is training right now (it committed a step in the last 2 s).
+
+        The clock starts with the first committed step; replicas still starting up or waiting to
+        be admitted are not targets, and a kill never leaves fewer than ``min_replicas``.
+        """
+        if self.o.random_mtbf_s is None or not self.active:
+            return
+        if self.next_random_kill is None:
+            self.next_random_kill = now + self.rng.expovariate(1.0 / self.o.random_mtbf_s)
+        if now < self.next_random_kill:
             return
         self.next_random_kill = now + self.rng.expovariate(1.0 / self.o.random_mtbf_s)
-        live = [r for r in self._live() if now - r.started > 1.0]
-        if len(self._live()) - 1 < self.cfg.fault_tolerance.min_replicas or not live:
+        training = [r for r in self._live() if now - self.active.get(r.rid, 0.0) < 2.0]
+        if len(training) - 1 < self.cfg.fault_tolerance.min_replicas:
             return
-        victim = self.rng.choice(sorted(live, key=lambda r: r.rid))
-        self.events.event("kill", replica=victim.rid, step=self.written + 1, phase="random", pid=victim.proc.pid,
-                          source="launcher")
+        victim = self.rng.choice(sorted(training, key=lambda r: r.rid))
+        self.events.event("kill", replica=victim.rid, step=max(self.records, default=-1) + 1, phase="random",
+                          pid=victim.proc.pid, source="launcher")
         os.killpg(victim.proc.pid, signal.SIGKILL)
         self.kills += 1
 
@@ -259,6 +270,7 @@ class Launcher:
             self.offsets[path] = start + end
             for line in data[:end].splitlines():
                 rec = json.loads(line)
+                self.active[rec["replica"]] = time.time()
                 prev = self.records.get(rec["step"])
                 if prev is None:
                     self.records[rec["step"]] = rec
@@ -288,8 +300,7 @@ class Launcher:
         self.metrics = JsonlWriter(self.out / "metrics.jsonl")
         steps = self.cfg.training.steps
         self.display = ProgressDisplay(steps, title=self.o.title, enabled=self.o.progress)
-        self.next_random_kill = time.time() + (self.rng.expovariate(1.0 / self.o.random_mtbf_s)
-                                               if self.o.random_mtbf_s else 0)
+        self.next_random_kill: float | None = None
         t0 = self.t0 = time.time()
         self.events.event("launch", replicas=self.n, steps=steps, failures=[str(s) for s in self.o.failures],
                           random_mtbf_s=self.o.random_mtbf_s, rejoin_after_s=self.o.rejoin_after_s)

@@ -4,12 +4,13 @@ A replica (the failure unit) is any group of ``pp * fsdp * tp`` ranks running Py
 parallelism; the data-parallel axis ACROSS replicas is not a mesh axis here, it is layer 1's
 fault-tolerant reduction. Typical use on every rank of a replica::
 
-    dims = ParallelDims(pp=2, tp=2)
-    mesh = dims.build_mesh("cpu", timeout_s=cfg.fault_tolerance.intra_replica_timeout_s)
-    engine = ReplicaEngine(cfg.model, seed, dims, mesh, group=replica_group)
+    dims = ParallelDims.from_config(cfg.parallel)          # pp x fsdp x tp = this torchrun job's world
+    timeout = cfg.fault_tolerance.intra_replica_timeout_s
+    mesh, group = dims.build_mesh("cpu", timeout), dims.build_group(timeout)
+    engine = ReplicaEngine(cfg.model, cfg.training.seed, dims, mesh, group)
     optimizer = build_optimizer(engine.model, cfg.training)
     engine.reset(); engine.compute(step, ids, sampler)     # the replica's ids, same on every rank
-    reduced = cross_replica_sum(engine.payload())          # layer 1, same-rank groups
+    reduced = cross_replica_sum(engine.payload())          # layer 1: rank k of every live replica
     engine.apply(reduced, M, optimizer, cfg.training.grad_clip)
 
 Names are imported lazily (``torch.distributed.pipelining`` is loaded only for ``pp > 1``).

@@ -39,7 +39,7 @@ from torch.distributed.tensor import DTensor
 from recover.config import ModelConfig
 from recover.model import build_model, lm_loss
 from recover.parallel.apply import clean_name, parallelize
-from recover.parallel.dims import Coord, MeshAxis, ParallelDims
+from recover.parallel.dims import AXES, Coord, MeshAxis, ParallelDims
 from recover.workload.policy import split_within_replica
 
 if TYPE_CHECKING:
@@ -92,6 +92,9 @@ class ReplicaEngine:
             raise ValueError(f"a replica of {dims.world} ranks needs its mesh and its process group")
         if mesh is not None:
             dims.check_world(mesh.size())
+            if mesh.mesh_dim_names != tuple(a.value for a in AXES) or tuple(mesh.shape) != dims.shape:
+                raise ValueError(f"mesh {mesh.mesh_dim_names} {tuple(mesh.shape)} is not this replica's "
+                                 f"(pp, fsdp, tp) = {dims.shape}; build it with ParallelDims.build_mesh")
         self.cfg, self.dims, self.mesh, self.group = model_cfg, dims, mesh, group
         self.device = torch.device(device)
         self.coord = Coord(*mesh.get_coordinate()) if mesh is not None else Coord(0, 0, 0)

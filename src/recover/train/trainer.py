@@ -155,8 +155,7 @@ class Trainer:
     def train_step(self, step: int) -> dict[str, Any]:
         t0 = time.perf_counter()
         M = self.cfg.training.global_microbatches
-        lr = lr_at(step, self.cfg.training)
-        set_lr(self.optimizer, lr)
+        set_lr(self.optimizer, lr_at(step, self.cfg.training))
         self.acc.reset()
         self.compute(step, self.my_ids(step))
         reduced = self.reducer.allreduce(self.acc.payload())
@@ -164,12 +163,17 @@ class Trainer:
         if count != M:
             raise RuntimeError(f"step {step}: reduced gradient holds {count} microbatches, expected M = {M}")
         grad_norm = self.acc.apply(reduced, M, self.optimizer, self.cfg.training.grad_clip)
-        self.total_tokens += self.tokens_per_step
-        dt = time.perf_counter() - t0
-        return {"step": step, "loss": loss_sum / M, "microbatches": count, "tokens": self.tokens_per_step,
-                "total_tokens": self.total_tokens, "time_s": round(dt, 6), "lr": lr, "grad_norm": grad_norm,
-                "tokens_per_s": self.tokens_per_step / dt, "live_replicas": self.ctx.world_size,
-                "generation": 0}
+        return self.record(step, loss_sum, count, grad_norm, time.perf_counter() - t0, self.ctx.world_size, 0)
+
+    def record(self, step: int, loss_sum: float, microbatches: int, grad_norm: float, dt: float,
+               live_replicas: int, generation: int) -> dict[str, Any]:
+        """Counts a committed step's tokens and returns its ``metrics.jsonl`` record."""
+        tokens = microbatches * self.sampler.tokens_per_microbatch
+        self.total_tokens += tokens
+        return {"step": step, "loss": loss_sum / microbatches, "microbatches": microbatches, "tokens": tokens,
+                "total_tokens": self.total_tokens, "time_s": round(dt, 6), "lr": lr_at(step, self.cfg.training),
+                "grad_norm": grad_norm, "tokens_per_s": tokens / dt, "live_replicas": live_replicas,
+                "generation": generation}
 
     @torch.no_grad()
     def evaluate(self) -> float:
@@ -201,13 +205,12 @@ class Trainer:
             for step in range(self.start_step, end):
                 record = self.train_step(step)
                 record["elapsed_s"] = round(time.perf_counter() - t_start, 3)
-                last = step + 1 == end
-                if (tc.eval_every and (step + 1) % tc.eval_every == 0) or last:
+                if tc.eval_due(step, end):
                     val_loss = record["val_loss"] = self.evaluate()
                 if metrics is not None:
                     metrics.write(record)
                 display.update(record)
-                if tc.checkpoint_every and ((step + 1) % tc.checkpoint_every == 0 or last):
+                if tc.checkpoint_due(step, end):
                     self.save(step + 1)
         finally:
             display.close()

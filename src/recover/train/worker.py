@@ -140,7 +140,6 @@ class ReplicaWorker:
                 # recover always divides by M; shrink-and-drop by the (smaller) count it committed
                 grad_norm = t.acc.apply(outcome.reduced, M if self.baseline != "shrink" else outcome.microbatches,
                                         t.optimizer, tc.grad_clip)
-                t.total_tokens += outcome.microbatches * t.sampler.tokens_per_microbatch
                 self._record(step, outcome, grad_norm, time.perf_counter() - t0)
                 step += 1
                 self.data_step += 1
@@ -163,23 +162,17 @@ class ReplicaWorker:
 
     def _record(self, step: int, outcome: StepOutcome, grad_norm: float, dt: float) -> None:
         t, tc = self.trainer, self.cfg.training
-        record: dict[str, Any] = {
-            "step": step, "replica": self.replica, "loss": outcome.loss_sum / outcome.microbatches,
-            "microbatches": outcome.microbatches, "computed": outcome.computed,
-            "tokens": outcome.microbatches * t.sampler.tokens_per_microbatch, "data_step": self.data_step,
-            "total_tokens": t.total_tokens, "time_s": round(dt, 6), "lr": lr_at(step, tc), "grad_norm": grad_norm,
-            "live_replicas": len(outcome.live), "generation": outcome.generation,
-            "tokens_per_s": outcome.microbatches * t.sampler.tokens_per_microbatch / dt,
-        }
+        record = t.record(step, outcome.loss_sum, outcome.microbatches, grad_norm, dt, len(outcome.live),
+                          outcome.generation)
+        record.update(replica=self.replica, computed=outcome.computed, data_step=self.data_step)
         if outcome.recoveries:
             record["recovery_ms"] = sum(r["regroup_ms"] for r in outcome.recoveries)
             record["failures"] = [r["dead"] for r in outcome.recoveries]
-        last = step + 1 == tc.steps
         leader = self.replica == min(outcome.live)
-        if leader and ((tc.eval_every and (step + 1) % tc.eval_every == 0) or last):
+        if leader and tc.eval_due(step):
             record["val_loss"] = t.evaluate()
         self.log.write(record)
-        if leader and tc.checkpoint_every and ((step + 1) % tc.checkpoint_every == 0 or last):
+        if leader and tc.checkpoint_due(step):
             t.save(step + 1)
 
     def _stop_on_quorum_loss(self, group: Any, step: int, exc: QuorumLost) -> int:

@@ -1,0 +1,176 @@
+"""Shared helpers of the side-by-side benchmarks (``recover bench failures`` and ``bench overhead``).
+
+Contract:
+- Every system runs as its own child process tree (``python -m recover ...``), started in a new
+  session and, if it outlives its time limit, killed by its process-group id (never by name).
+- A run directory is read only through :mod:`recover.observe.plots` loaders and ``summary.json``;
+  the benchmarks never change one except to add files of their own.
+- Timing windows are defined here, once, for every system:
+
+  * ``startup_s``: from the ``launch`` event to the start of training (the first ``generation``
+    event of the job, i.e. every replica registered, or a runner's ``train_start`` event);
+  * ``train_s``: from the start of training to the last committed step's record. It contains
+    every recovery, relaunch, redone step, checkpoint save and evaluation of the run, and not
+    the one-off start-up that every system pays identically at the beginning.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import signal
+import statistics
+import subprocess
+import sys
+import time
+from collections.abc import Callable, Iterable, Sequence
+from pathlib import Path
+from typing import Any
+
+from recover.observe.plots import load_events, load_metrics
+
+SRC_DIR = str(Path(__file__).resolve().parents[2])
+START_KINDS = ("generation", "train_start")
+Log = Callable[[str], None]
+
+
+def stderr_log(msg: str) -> None:
+    print(msg, file=sys.stderr, flush=True)
+
+
+def child_env(extra: dict[str, str] | None = None) -> dict[str, str]:
+    """This environment with recover's source directory first on ``PYTHONPATH``."""
+    env = dict(os.environ)
+    env["PYTHONPATH"] = os.pathsep.join(p for p in (SRC_DIR, env.get("PYTHONPATH", "")) if p)
+    env.update(extra or {})
+    return env
+
+
+def recover_cmd(*args: str, python: str | None = None) -> list[str]:
+    return [python or sys.executable, "-m", "recover", *args]
+
+
+def run_child(cmd: Sequence[str], log_path: Path, timeout_s: float, env: dict[str, str] | None = None) -> int:
+    """Runs ``cmd`` with its output in ``log_path``; kills its process group past ``timeout_s``.
+
+    Returns:
+        the exit status, or 124 when the time limit was reached.
+    """
+    log_path.parent.mkdir(parents=True, exist_ok=True)
+    with open(log_path, "ab") as log:
+        proc = subprocess.Popen(list(cmd), stdout=log, stderr=subprocess.STDOUT, start_new_session=True,
+                                env=env or child_env())
+        try:
+            return proc.wait(timeout=timeout_s)
+        except subprocess.TimeoutExpired:
+            kill_group(proc)
+            return 124
+        except BaseException:
+            kill_group(proc)
+            raise
+
+
+def kill_group(proc: subprocess.Popen[Any]) -> None:
+    """SIGKILLs the process group that ``proc`` leads (it was started with a new session)."""
+    if proc.poll() is None:
+        try:
+            os.killpg(proc.pid, signal.SIGKILL)
+        except ProcessLookupError:
+            pass
+    try:
+        proc.wait(timeout=10)
+    except subprocess.TimeoutExpired:
+        pass
+
+
+def launch_run(out: Path, config: str, replicas: int, steps: int, fails: Iterable[str] = (),
+               baseline: str | None = None, overrides: Sequence[str] = (), timeout_s: float = 1800.0) -> int:
+    """``recover launch`` of one system into ``out`` (its console output in ``out.log``)."""
+    cmd = recover_cmd("launch", "--config", config, "--replicas", str(replicas), "--steps", str(steps),
+                      "--out", str(out), "--no-progress")
+    for spec in fails:
+        cmd += ["--fail", str(spec)]
+    if baseline:
+        cmd += ["--baseline", baseline]
+    cmd += list(overrides)
+    return run_child(cmd, out.with_name(out.name + ".log"), timeout_s)
+
+
+def windows(run_dir: Path) -> dict[str, float]:
+    """``launch_t``, ``start_t``, ``end_t`` (unix seconds), ``startup_s`` and ``train_s`` of a run.
+
+    Raises:
+        ValueError: the run directory has no ``launch`` event or no committed step.
+    """
+    events = load_events(run_dir)
+    rows = load_metrics(run_dir)
+    launch = next((e["t"] for e in events if e.get("kind") == "launch"), None)
+    if launch is None or not rows:
+        raise ValueError(f"{run_dir}: no launch event or no committed step; see {run_dir}.log")
+    start = next((e["t"] for e in events if e.get("kind") in START_KINDS), launch)
+    end = launch + max(r["elapsed_s"] for r in rows)
+    return {"launch_t": launch, "start_t": start, "end_t": end, "startup_s": start - launch,
+            "train_s": max(end - start, 1e-9)}
+
+
+def step_intervals(rows: Sequence[dict[str, Any]], skip: int = 0) -> list[float]:
+    """Wall time between consecutive committed steps (by ``elapsed_s``), after the first ``skip`` steps."""
+    ordered = sorted(rows, key=lambda r: r["step"])
+    return [b["elapsed_s"] - a["elapsed_s"] for a, b in zip(ordered, ordered[1:], strict=False)
+            if a["step"] >= skip and b["step"] == a["step"] + 1]
+
+
+def median(xs: Sequence[float]) -> float | None:
+    return statistics.median(xs) if xs else None
+
+
+def machine_load() -> list[float]:
+    """The 1, 5 and 15 minute load averages (``uptime``), rounded."""
+    try:
+        return [round(x, 2) for x in os.getloadavg()]
+    except OSError:
+        return []
+
+
+def write_json(path: str | os.PathLike[str], obj: Any) -> None:
+    Path(path).parent.mkdir(parents=True, exist_ok=True)
+    Path(path).write_text(json.dumps(obj, indent=1), encoding="utf-8")
+
+
+def fmt(value: Any, spec: str = ".3g", none: str = "-") -> str:
+    """``value`` formatted with ``spec``; ``None`` as ``none``."""
+    if value is None:
+        return none
+    if isinstance(value, float):
+        return format(value, spec)
+    return str(value)
+
+
+def print_rich_table(title: str, columns: Sequence[str], rows: Sequence[Sequence[str]],
+                     notes: Sequence[str] = ()) -> None:
+    """A rich table on stdout (plain text when stdout is not a terminal), then one line per note."""
+    from rich.console import Console
+    from rich.table import Table
+
+    table = Table(title=title, title_justify="left")
+    for i, col in enumerate(columns):
+        table.add_column(col, justify="left" if i == 0 else "right")
+    for row in rows:
+        table.add_row(*row)
+    console = Console(width=max(120, sum(len(c) + 3 for c in columns)))
+    console.print(table)
+    for note in notes:
+        console.print(note, highlight=False)
+
+
+def wait_for(predicate: Callable[[], bool], timeout_s: float, what: str, poll_s: float = 0.05) -> None:
+    """Polls ``predicate`` until it holds.
+
+    Raises:
+        TimeoutError: naming ``what`` when it does not hold within ``timeout_s``.
+    """
+    deadline = time.monotonic() + timeout_s
+    while not predicate():
+        if time.monotonic() > deadline:
+            raise TimeoutError(f"{what} did not happen within {timeout_s:.0f} s")
+        time.sleep(poll_s)
