@@ -21,14 +21,14 @@ STEPS = 20
 
 def train_args(out: Path, corpus: Path, *extra: str) -> list[str]:
     return ["train", "--config", "debug", "--out", str(out), "--no-progress", "--data.path", str(corpus),
-            f"--training.steps={STEPS}", "--training.eval_every=10", *extra]
+            f"--training.steps={STEPS}", "--training.eval_every=10", "--training.threads=1", *extra]
 
 
 @pytest.fixture(scope="module")
 def reference(tmp_path_factory: pytest.TempPathFactory, corpus: Path) -> Path:
-    """1 process x M microbatches: the run every other layout must reproduce."""
+    """1 process x M microbatches (run in this process): the run every other layout must reproduce."""
     out = tmp_path_factory.mktemp("ref")
-    run_recover(train_args(out, corpus))
+    assert main(train_args(out, corpus)) == 0
     return out
 
 
@@ -47,12 +47,14 @@ def test_data_parallel_matches_single_process(reference: Path, corpus: Path, tmp
     assert json.loads((tmp_path / "summary.json").read_text())["final_val_loss"] > 0
 
 
-def test_resume_from_step_10_reproduces_steps_11_to_20(reference: Path, corpus: Path, tmp_path: Path) -> None:
+def test_resume_from_step_10_reproduces_steps_11_to_20(reference: Path, corpus: Path, tmp_path: Path,
+                                                       capsys: pytest.CaptureFixture[str]) -> None:
     args = train_args(tmp_path, corpus, "--training.checkpoint_every=10")
-    run_recover([*args, "--stop-at-step", "10"])
+    assert main([*args, "--stop-at-step", "10"]) == 0
     assert sorted(losses(tmp_path)) == list(range(10))
     assert (tmp_path / "checkpoints" / "step_000010" / "COMMITTED").is_file()
-    out = run_recover([*args, "--resume"], nproc=2).stdout
+    capsys.readouterr()
+    out = run_recover([*args, "--resume"], nproc=2).stdout  # resumed by 2 fresh processes
     assert "resumed from" in out and "(step 10)" in out
     resumed = losses(tmp_path)
     ref = losses(reference)

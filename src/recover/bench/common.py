@@ -154,7 +154,7 @@ def print_rich_table(title: str, columns: Sequence[str], rows: Sequence[Sequence
 
     table = Table(title=title, title_justify="left")
     for i, col in enumerate(columns):
-        table.add_column(col, justify="left" if i == 0 else "right")
+        table.add_column(col, justify="left" if i == 0 else "right", no_wrap=i == 0)
     for row in rows:
         table.add_row(*row)
     console = Console(width=max(120, sum(len(c) + 3 for c in columns)))

@@ -36,6 +36,7 @@ import statistics
 import sys
 import tempfile
 import time
+import warnings
 from collections.abc import Sequence
 from pathlib import Path
 from typing import Any
@@ -56,12 +57,14 @@ from recover.observe.plots import load_events, load_metrics
 
 SYSTEMS = ("recover", "restart", "shrink", "torchft")
 LABELS = {
-    "reference": "failure-free reference (recover)",
+    "reference": "failure-free reference (recover, no failure)",
     "recover": "recover",
     "restart": "checkpoint-and-restart",
-    "shrink": "shrink-and-drop (torchft semantics, recover's code)",
-    "torchft": "torchft 0.2.0 DDP + Lighthouse",
+    "shrink": "shrink-and-drop (recover's implementation of torchft semantics)",
+    "torchft": "torchft 0.2.0 DDP + Lighthouse (real torchft)",
 }
+SHORT = {"reference": "reference", "recover": "recover", "restart": "ckpt-restart", "shrink": "shrink-and-drop",
+         "torchft": "torchft"}
 SUCCESSIVE_PHASES = ("backward", "reduce")
 
 
@@ -185,7 +188,8 @@ def table_rows(rows: Sequence[dict[str, Any]]) -> list[list[str]]:
     out = []
     for r in rows:
         out.append([
-            r["label"] + ("" if r["completed"] else " (INCOMPLETE)"), fmt(r["wall_s"], ".1f"),
+            SHORT.get(r["name"], r["name"]) + (f" K={r['checkpoint_every']}" if r.get("checkpoint_every") else "")
+            + ("" if r["completed"] else " (INCOMPLETE)"), fmt(r["wall_s"], ".1f"),
             fmt(r["train_s"], ".1f"), fmt(r["effective_tokens_per_s"], ",.0f"), fmt(r.get("ratio_vs_recover"), ".3f"),
             fmt(r["vs_failure_free"], ".3f"), fmt(r["time_lost_per_failure_s"], ".2f"), str(r["min_microbatches"]),
             fmt(r["max_rel_loss_dev"], ".2e"), fmt(r["final_val_loss"], ".4f"),
@@ -199,7 +203,8 @@ COLUMNS = ("system", "wall s", "train s", "eff. tok/s", "x recover", "x failure-
 
 def print_result(res: dict[str, Any]) -> None:
     ideal, yd, sched = res["ideal"], res["young_daly"], res["schedule"]
-    notes = [
+    notes = [f"{SHORT.get(r['name'], r['name'])}: {r['label']}" for r in res["systems"]]
+    notes += [
         f"schedule {sched['kind']}: {' '.join(sched['fails']) or '(none)'}"
         + (f" (MTBF {sched['mtbf_s']:.1f} s)" if sched.get("mtbf_s") else ""),
         f"checkpoint-and-restart: save cost C = {yd['save_cost_s'] * 1000:.0f} ms, MTBF {yd['mtbf_s']:.1f} s, "
@@ -207,8 +212,8 @@ def print_result(res: dict[str, Any]) -> None:
         + (" (overridden)" if yd.get("overridden") else ""),
     ]
     if ideal["tokens_per_s"]:
-        notes.append(f"ideal (surviving replicas' share of failure-free throughput): {ideal['tokens_per_s']:,.0f} tok/s;"
-                     f" recover = {fmt(ideal['recover_fraction'], '.3f')} of ideal, "
+        notes.append(f"ideal (surviving replicas' share of failure-free throughput): "
+                     f"{ideal['tokens_per_s']:,.0f} tok/s; recover = {fmt(ideal['recover_fraction'], '.3f')} of ideal, "
                      f"{fmt(ideal['recover_vs_failure_free'], '.3f')} of failure-free")
     for name, why in res.get("skipped", {}).items():
         notes.append(f"{name}: not run ({why})")
@@ -298,7 +303,8 @@ def measure_save_cost(config: str, overrides: Sequence[str], replicas: int, repe
     from recover.train.trainer import Trainer
 
     cfg = load_config(config, [*overrides, f"--parallel.replicas={replicas}"])
-    with tempfile.TemporaryDirectory(prefix="recover-save-cost-") as tmp:
+    with tempfile.TemporaryDirectory(prefix="recover-save-cost-") as tmp, warnings.catch_warnings():
+        warnings.simplefilter("ignore", UserWarning)  # DCP: "assuming the intent is to save in a single process"
         trainer = Trainer(cfg, tmp, DistContext(local_world_size=replicas), quiet=True)
         trainer.save(0)
         times = []
@@ -391,9 +397,11 @@ def run_bench(config: str = "tiny", replicas: int = 4, steps: int = 60, schedule
         extra = [f"--training.checkpoint_every={k}"] if name == "restart" else []
         baseline = {"restart": "restart", "shrink": "shrink"}.get(name)
         code = run_one(name, fails, baseline, extra)
-        label = f"{LABELS['restart']} (K = {k})" if name == "restart" else None
+        label = f"{LABELS['restart']}, DCP checkpoint every K = {k} steps" if name == "restart" else None
         try:
             rows.append(system_row(name, out / name, ref, code, label))
+            if name == "restart":
+                rows[-1]["checkpoint_every"] = k
         except ValueError as exc:
             skipped[name] = f"no result: {exc}"
     ideal = assemble(rows, schedule, replicas, steps)

@@ -25,8 +25,8 @@ trajectory as ``recover launch`` up to float summation order.
 Settings are those of torchft's example: gloo timeout 5 s, Manager timeout 10 s, Lighthouse
 ``min_replicas`` 1, ``join_timeout_ms`` 10000, ``quorum_tick_ms`` 100 (heartbeat timeout: torchft's
 default); ``init_sync=False``, as torchft advises when every replica initialises its model from the
-same seed (so step 0 is not spent healing replicas that are already identical). Replicas start training only once all N have a Manager (a file barrier), so the first
-quorum holds all of them.
+same seed (so step 0 is not spent healing replicas that are already identical). Replicas start
+training only once all N have a Manager (a file barrier), so the first quorum holds all of them.
 
 Failures: ``--fail R@STEP:PHASE`` as in ``recover launch`` (STEP = committed step, 0-based): the
 replica SIGKILLs itself before a microbatch's forward or backward, in DDP's reduction hook

@@ -69,6 +69,7 @@ def save_checkpoint(root: str | os.PathLike[str], step: int, model: nn.Module,
         torch.distributed.barrier(group=process_group)
     with warnings.catch_warnings():
         warnings.simplefilter("ignore", FutureWarning)
+        warnings.filterwarnings("ignore", message="torch.distributed is disabled")  # no_dist is intended
         dcp.save(_state(model, optimizer), checkpoint_id=str(partial), process_group=process_group,
                  no_dist=process_group is None)
     if is_writer:
@@ -149,6 +150,7 @@ def load_checkpoint(path: str | os.PathLike[str], model: nn.Module, optimizer: t
     try:
         with warnings.catch_warnings():
             warnings.simplefilter("ignore", FutureWarning)
+            warnings.filterwarnings("ignore", message="torch.distributed is disabled")
             dcp.load(state, checkpoint_id=str(path), process_group=process_group,
                      no_dist=process_group is None)
     except Exception as exc:  # DCP raises a variety of errors on damaged files

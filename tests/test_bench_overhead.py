@@ -1,0 +1,91 @@
+"""`recover bench overhead` and the torchft runner: the pure parts, on synthetic run directories."""
+
+from __future__ import annotations
+
+import argparse
+import json
+from pathlib import Path
+
+import pytest
+
+from recover.bench import overhead, torchft_runner
+from recover.errors import ConfigError
+
+
+def write_metrics(run: Path, elapsed: list[float], val_loss: float = 3.0) -> Path:
+    run.mkdir(parents=True)
+    rows = [{"step": s, "loss": 4.0, "microbatches": 8, "tokens": 1024, "time_s": 0.1, "elapsed_s": e,
+             "live_replicas": 4, "generation": 1} for s, e in enumerate(elapsed)]
+    rows[-1]["val_loss"] = val_loss
+    (run / "metrics.jsonl").write_text("".join(json.dumps(r) + "\n" for r in rows))
+    return run
+
+
+def test_round_orders_alternate() -> None:
+    assert overhead.round_orders(["a", "b", "c"], 3) == [["a", "b", "c"], ["c", "b", "a"], ["a", "b", "c"]]
+    assert overhead.round_orders(["a"], 1) == [["a"]]
+
+
+def test_step_time_is_the_pooled_median_after_warmup(tmp_path: Path) -> None:
+    # round 0: a 5 s warm-up step, then 1.0 s steps; round 1: 1.2 s steps
+    r0 = write_metrics(tmp_path / "r0", [5.0, 10.0, 11.0, 12.0, 13.0])
+    r1 = write_metrics(tmp_path / "r1", [5.0, 10.0, 11.2, 12.4, 13.6], val_loss=2.5)
+    st = overhead.system_stats("recover", [r0, r1], warmup=1)
+    assert st["intervals"] == 6
+    assert st["step_time_s"] == pytest.approx(1.1)
+    assert st["step_time_s_per_round"] == pytest.approx([1.0, 1.2])
+    assert st["final_val_loss"] == 2.5
+    assert overhead.system_stats("x", [r0], warmup=0)["step_time_s"] == pytest.approx(1.0)  # the 5 s gap is one
+
+
+def test_ratios_against_recover(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    rec = overhead.system_stats("recover", [write_metrics(tmp_path / "a", [0.0, 1.03, 2.06, 3.09])], 0)
+    ddp = overhead.system_stats("ddp", [write_metrics(tmp_path / "b", [0.0, 1.0, 2.0, 3.0])], 0)
+    tft = overhead.system_stats("torchft", [write_metrics(tmp_path / "c", [0.0, 1.5, 3.0, 4.5])], 0)
+    rows = [rec, ddp, tft]
+    result = overhead.assemble(rows)
+    assert rec["ratio_vs_recover"] == 1.0
+    assert ddp["ratio_vs_recover"] == pytest.approx(1 / 1.03, rel=1e-3)
+    assert result == {"ddp": pytest.approx(1.03), "torchft": pytest.approx(1.03 / 1.5, rel=1e-3)}
+    res = {"config": "debug", "replicas": 4, "steps": 4, "microbatches": 8, "warmup": 0, "rounds": 1,
+           "systems": rows, "recover_overhead": result, "skipped": {}, "load": {"before": [1.0], "after": [1.0]},
+           "bench_wall_s": 12.0}
+    overhead.print_result(res)
+    text = capsys.readouterr().out
+    assert "1030.0" in text and "1.030" in text and "torch DistributedDataParallel" in text
+
+
+def test_overhead_arguments(tmp_path: Path) -> None:
+    parser = argparse.ArgumentParser()
+    overhead.add_parser(parser.add_subparsers())
+    args = parser.parse_args(["overhead", "--steps", "12", "--rounds", "1", "--json", "x.json"])
+    assert (args.steps, args.rounds, args.warmup, args.json) == (12, 1, 5, "x.json")
+    assert args.func is overhead.run_from_args
+    with pytest.raises(ConfigError, match="must include recover"):
+        overhead.run_bench(systems=["ddp"], out=tmp_path)
+    with pytest.raises(ConfigError, match="warmup"):
+        overhead.run_bench(config="debug", steps=5, warmup=4, out=tmp_path)
+
+
+def test_torchft_runner_commands_and_merge(tmp_path: Path) -> None:
+    cmd = torchft_runner._replica_cmd("py", 1, "http://lh:1", "debug", 4, 10, tmp_path,
+                                      ["1@2:backward", "2@5:reduce", "1@7:idle"], ["--training.lr=0.01"])
+    assert cmd[cmd.index("--replica") + 1] == "1"
+    assert [cmd[i + 1] for i, a in enumerate(cmd) if a == "--fail"] == ["1@2:backward", "1@7:idle"]
+    assert cmd[-1] == "--training.lr=0.01"
+    reps = tmp_path / "replicas"
+    reps.mkdir()
+    (reps / "replica_0.jsonl").write_text(
+        json.dumps({"t": 105.0, "step": 0, "loss": 4.0, "tokens": 1, "microbatches": 8}) + "\n"
+        + json.dumps({"t": 106.0, "step": 1, "loss": 3.0, "tokens": 1, "microbatches": 6, "val_loss": 2.9}) + "\n")
+    (reps / "replica_3.jsonl").write_text(
+        json.dumps({"t": 105.5, "step": 0, "loss": 4.0, "tokens": 1, "microbatches": 8}) + "\n")
+    assert torchft_runner._merge_metrics(tmp_path, 100.0) == 2
+    rows = [json.loads(line) for line in (tmp_path / "metrics.jsonl").read_text().splitlines()]
+    assert [(r["step"], r["elapsed_s"], r["microbatches"]) for r in rows] == [(0, 5.0, 8), (1, 6.0, 6)]
+    assert rows[1]["val_loss"] == 2.9 and "t" not in rows[0]
+
+
+def test_torchft_availability_names_the_reason(tmp_path: Path) -> None:
+    ok, why = torchft_runner.torchft_available(str(tmp_path / "no-such-python"))
+    assert not ok and "no-such-python" in why
