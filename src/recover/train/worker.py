@@ -82,7 +82,7 @@ class ReplicaWorker:
                                           timeout_s=ft.collective_timeout_s)
         step = self.trainer.start_step
         if self.join:
-            step = self._receive_state(group)
+            group, step = self._receive_state(group)
         self._event("started", generation=group.generation, members=list(group.members), step=step,
                     joined=self.join)
         return client, group, step
@@ -90,32 +90,50 @@ class ReplicaWorker:
     def _counters(self, step: int) -> dict[str, int]:
         return {"step": step, "data_step": self.data_step, "total_tokens": self.trainer.total_tokens}
 
-    def _receive_state(self, group: Any) -> int:
+    def _receive_state(self, group: Any) -> tuple[Any, int]:
+        """A joiner takes the live replicas' state (again on the next generation if a peer dies meanwhile)."""
         from recover.comm.transfer import receive_state, source_rank
+        from recover.errors import PeerFailure
 
         t0 = time.perf_counter()
         t = self.trainer
-        state = receive_state(group, source_rank(group))
+        while True:
+            try:
+                state = receive_state(group, source_rank(group))
+                break
+            except PeerFailure:
+                group = group.next_generation()
         counters = load_flat_state(t.model, t.optimizer, state)
         t.total_tokens = counters["total_tokens"]
         self.data_step = counters["data_step"]
         self._event("state_received", step=counters["step"], ms=round((time.perf_counter() - t0) * 1000, 2),
                     tensors=len(state))
-        return counters["step"]
+        return group, counters["step"]
 
     def _grow(self, group: Any, next_step: int) -> Any:
-        """Moves to the generation that admits joiners; its lowest old member sends them our state."""
-        from recover.comm.transfer import receive_state, send_state, source_rank
+        """Moves to the generation that admits joiners; its lowest old member sends them our state.
 
-        new = group.next_generation()
+        A failure during the transfer moves everyone to the next generation, which still lists the
+        joiners until the next commit, and the transfer is redone (or skipped if they died)."""
+        from recover.comm.transfer import receive_state, send_state, source_rank
+        from recover.errors import PeerFailure
+
         t = self.trainer
-        src = source_rank(new)
-        if new.rank == src:
-            send_state(new, flat_state(t.model, t.optimizer, self._counters(next_step)))
-        else:
-            receive_state(new, src)  # every member takes part in the broadcast; ours is already identical
-        self._event("grew", generation=new.generation, members=list(new.members), step=next_step)
-        return new
+        while True:
+            group = group.next_generation()
+            if not group.membership.joined:
+                return group
+            src = source_rank(group)
+            try:
+                if group.rank == src:
+                    send_state(group, flat_state(t.model, t.optimizer, self._counters(next_step)))
+                else:
+                    receive_state(group, src)  # every member takes part; ours is already identical
+                break
+            except PeerFailure:
+                continue
+        self._event("grew", generation=group.generation, members=list(group.members), step=next_step)
+        return group
 
     # ---- the loop --------------------------------------------------------------------------
     def run(self) -> int:
