@@ -86,6 +86,7 @@ def run_launch(args: argparse.Namespace) -> int:
     from recover.faults import FailureSchedule, parse_failure
     from recover.launch.launcher import Launcher, LaunchOptions
     from recover.launch.report import plot_run, summarize
+    from recover.observe.events import EventLog
     from recover.train.trainer import resolve_data_dir
 
     cfg, overrides = launch_config(args)
@@ -120,6 +121,9 @@ def run_launch(args: argparse.Namespace) -> int:
     launcher = Launcher(opts)
     code = launcher.run()
     summary = summarize(out, cfg.name, launcher.wall_s)
+    with EventLog(out / "events.jsonl") as events:  # kill -> all survivors computing again, per kill
+        for rec in summary["recoveries"]:
+            events.event("recovery", **rec)
     try:
         plot_run(out, Path(args.reference) if args.reference else None)
     except Exception as exc:  # a plot never fails a run
