@@ -15,7 +15,7 @@ def test_every_preset_loads_and_is_valid() -> None:
     for name in names:
         cfg = load_config(name)
         assert cfg.name == name
-        assert cfg.training.global_microbatches % (cfg.parallel.replicas * cfg.parallel.fsdp) == 0
+        assert cfg.training.global_microbatches % (cfg.parallel.replicas * cfg.parallel.fsdp) == 0  # balanced
 
 
 def test_overrides_are_typed() -> None:
@@ -35,8 +35,8 @@ def test_overrides_are_typed() -> None:
         (["--trainin.steps", "5"], "unknown config key 'trainin.steps'"),
         (["--training.steps", "many"], "training.steps = 'many' is not allowed: expected int"),
         (["--training.lr", "-0.1"], "training.lr = -0.1 is not allowed: a positive number"),
-        (["--training.global_microbatches", "7", "--parallel.replicas", "2"],
-         "training.global_microbatches = 7 is not allowed: a multiple of parallel.replicas x parallel.fsdp = 2"),
+        (["--training.global_microbatches", "3", "--parallel.replicas", "2", "--parallel.fsdp", "2"],
+         "training.global_microbatches = 3 is not allowed: at least parallel.replicas x parallel.fsdp = 4"),
         (["--model.n_heads", "3"], "model.n_heads = 3 is not allowed: must divide model.dim = 64"),
         (["--data.seq_len", "1000"], "data.seq_len = 1000 is not allowed: at most model.max_seq_len = 64"),
         (["--model.tie_embeddings", "maybe"], "model.tie_embeddings = 'maybe' is not allowed: expected bool"),

@@ -257,9 +257,9 @@ class Config:
     def __post_init__(self) -> None:
         m, p = self.training.global_microbatches, self.parallel
         balanced = p.replicas * p.fsdp
-        _require(m % balanced == 0, "training.global_microbatches", m,
-                 f"a multiple of parallel.replicas x parallel.fsdp = {balanced}, so the failure-free "
-                 "step gives every rank the same number of microbatches")
+        _require(m >= balanced, "training.global_microbatches", m,
+                 f"at least parallel.replicas x parallel.fsdp = {balanced}, so every rank has a microbatch "
+                 "in the failure-free step")
         _require(self.data.seq_len <= self.model.max_seq_len, "data.seq_len", self.data.seq_len,
                  f"at most model.max_seq_len = {self.model.max_seq_len}")
         _require(self.model.n_heads % p.tp == 0 and self.model.kv_heads % p.tp == 0, "parallel.tp", p.tp,
