@@ -1,7 +1,7 @@
 """``recover bench``: one parser with a sub-command per benchmark (``bench collectives``, ...).
 
-Contract: each benchmark module listed in :data:`BENCH_MODULES` exposes ``register(bench_subparsers)``
-adding its own sub-command (a module not built yet is skipped); ``collectives`` is defined here.
+Contract: each benchmark module listed in :data:`BENCH_MODULES` exposes ``add_parser(bench_subparsers)``
+adding its own sub-command and setting ``func``; ``collectives`` is defined here.
 Nothing heavy is imported until a benchmark runs.
 """
 
@@ -14,8 +14,8 @@ import sys
 
 from recover.errors import ConfigError
 
-# Modules that add `recover bench NAME` sub-commands, e.g. "recover.bench.failures".
-BENCH_MODULES: tuple[str, ...] = ()
+# Modules that add `recover bench NAME` sub-commands.
+BENCH_MODULES: tuple[str, ...] = ("recover.bench.failures", "recover.bench.overhead")
 
 
 def register(subparsers: argparse._SubParsersAction) -> None:
@@ -24,13 +24,7 @@ def register(subparsers: argparse._SubParsersAction) -> None:
     sub = p.add_subparsers(dest="benchmark", metavar="BENCHMARK", required=True)
     _register_collectives(sub)
     for name in BENCH_MODULES:
-        try:
-            module = importlib.import_module(name)
-        except ModuleNotFoundError as exc:
-            if exc.name != name:
-                raise
-            continue
-        module.register(sub)
+        importlib.import_module(name).add_parser(sub)
 
 
 def _register_collectives(sub: argparse._SubParsersAction) -> None:
