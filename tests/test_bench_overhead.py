@@ -46,6 +46,7 @@ def test_ratios_against_recover(tmp_path: Path, capsys: pytest.CaptureFixture[st
     result = overhead.assemble(rows)
     assert rec["ratio_vs_recover"] == 1.0
     assert ddp["ratio_vs_recover"] == pytest.approx(1 / 1.03, rel=1e-3)
+    assert ddp["paired_ratio_vs_recover"] == pytest.approx(1 / 1.03, rel=1e-3)
     assert result == {"ddp": pytest.approx(1.03), "torchft": pytest.approx(1.03 / 1.5, rel=1e-3)}
     res = {"config": "debug", "replicas": 4, "steps": 4, "microbatches": 8, "warmup": 0, "rounds": 1,
            "systems": rows, "recover_overhead": result, "skipped": {}, "load": {"before": [1.0], "after": [1.0]},

@@ -20,8 +20,9 @@ Contract:
   optimizer and clipping, and evaluates at the same steps.
 - Step time of a system = median over all its rounds of the wall time between consecutive
   committed steps (``elapsed_s`` of ``metrics.jsonl``), skipping the first ``warmup`` steps.
-  ``ratio_vs_recover`` = a system's step time / recover's; ``recover_overhead`` = recover's
-  step time / each other system's (the target is <= 1.03 against plain DDP).
+  ``ratio_vs_recover`` = a system's step time / recover's; ``paired_ratio_vs_recover`` = the
+  median over rounds of the same ratio within each round; ``recover_overhead`` = recover's step
+  time / each other system's (the target is <= 1.03 against plain DDP).
 - ``--json FILE`` writes the result object; ``systems`` holds one object per system.
 """
 
@@ -91,6 +92,9 @@ def assemble(rows: list[dict[str, Any]]) -> dict[str, float | None]:
     for r in rows:
         st = r["step_time_s"]
         r["ratio_vs_recover"] = round(st / base, 4) if st and base else None
+        pairs = [a / b for a, b in zip(r["step_time_s_per_round"], rec["step_time_s_per_round"] if rec else [],
+                                       strict=False) if a and b]
+        r["paired_ratio_vs_recover"] = round(median(pairs), 4) if pairs else None
         if r["name"] != "recover":
             overhead[r["name"]] = round(base / st, 4) if st and base else None
     return overhead
@@ -99,7 +103,7 @@ def assemble(rows: list[dict[str, Any]]) -> dict[str, float | None]:
 def print_result(res: dict[str, Any]) -> None:
     rows = [[r["name"], fmt(r["step_time_s"] * 1000 if r["step_time_s"] else None, ".1f"),
              " ".join(fmt(x * 1000 if x else None, ".0f") for x in r["step_time_s_per_round"]),
-             fmt(r["ratio_vs_recover"], ".3f"),
+             fmt(r["ratio_vs_recover"], ".3f"), fmt(r.get("paired_ratio_vs_recover"), ".3f"),
              fmt(res["recover_overhead"].get(r["name"]), ".3f") if r["name"] != "recover" else "-",
              str(r["intervals"]), fmt(r["final_val_loss"], ".4f")] for r in res["systems"]]
     notes = [f"{r['name']}: {r['label']}" for r in res["systems"]]
@@ -109,7 +113,7 @@ def print_result(res: dict[str, Any]) -> None:
                  f"{res['load']['before']} / {res['load']['after']}; benchmark wall {res['bench_wall_s']:.0f} s")
     title = (f"bench overhead: {res['config']} x{res['replicas']} replicas, {res['steps']} steps, "
              f"M = {res['microbatches']}, failure-free")
-    print_rich_table(title, ("system", "step ms", "per round ms", "x recover", "recover / it", "steps timed",
+    print_rich_table(title, ("system", "step ms", "per round ms", "x recover", "paired", "recover / it", "steps timed",
                              "final val loss"), rows, notes)
 
 
