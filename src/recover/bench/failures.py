@@ -456,7 +456,6 @@ def add_parser(bench_subparsers: argparse._SubParsersAction) -> argparse.Argumen
     return p
 
 
-register = add_parser  # the name bench/cli.py's BENCH_MODULES loader calls
 
 
 def run_from_args(args: argparse.Namespace) -> int:
