@@ -208,7 +208,9 @@ class Launcher:
         """Checkpoint-and-restart: stop everything, relaunch the survivors from the last checkpoint."""
         from recover.train.checkpoint import list_checkpoints
 
-        time.sleep(0.2)  # let the survivors notice and exit on their own, as a failed torchrun job does
+        deadline = time.time() + 5.0  # survivors notice and exit on their own, as a failed torchrun job does
+        while time.time() < deadline and any(r.proc.poll() is None for r in self.replicas.values()):
+            time.sleep(POLL_S)
         survivors = sorted(r.rid for r in self.replicas.values()
                            if r.exit_code != -signal.SIGKILL and r.proc.poll() != -signal.SIGKILL)
         self._kill_all()
