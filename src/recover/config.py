@@ -202,6 +202,12 @@ class ParallelConfig:
     """FSDP2 shard degree inside a replica (HSDP when replicas > 1)."""
     backend: str = "auto"
     """Collective backend: ``auto`` (NCCL on GPU, gloo on CPU), ``gloo`` or ``nccl``."""
+    schedule: str = "1f1b"
+    """Pipeline schedule when ``pp > 1``: ``1f1b`` (GPipe for a quota below ``pp``) or ``gpipe``."""
+    activation_checkpointing: bool = False
+    """Recompute each block's activations in backward (inside a replica of several ranks)."""
+    sequence_parallel: bool = False
+    """Sequence-parallel norms and residual stream (needs ``tp > 1`` and ``pp = 1``)."""
 
     def __post_init__(self) -> None:
         for name in ("replicas", "pp", "tp", "fsdp"):
@@ -209,6 +215,10 @@ class ParallelConfig:
             _require(isinstance(value, int) and value > 0, f"parallel.{name}", value, "a positive integer")
         _require(self.backend in ("auto", "gloo", "nccl"), "parallel.backend", self.backend,
                  "one of 'auto', 'gloo', 'nccl'")
+        _require(self.schedule in ("1f1b", "gpipe"), "parallel.schedule", self.schedule, "one of '1f1b', 'gpipe'")
+        _require(not self.sequence_parallel or (self.tp > 1 and self.pp == 1), "parallel.sequence_parallel",
+                 self.sequence_parallel, f"false unless parallel.tp > 1 and parallel.pp = 1 (tp = {self.tp}, "
+                 f"pp = {self.pp})")
 
     @property
     def procs_per_replica(self) -> int:
@@ -266,6 +276,9 @@ class Config:
                  f"must divide model.n_heads = {self.model.n_heads} and the kv heads = {self.model.kv_heads}")
         _require(self.model.n_layers >= p.pp, "parallel.pp", p.pp,
                  f"at most model.n_layers = {self.model.n_layers}")
+        _require(p.pp == 1 or not self.model.tie_embeddings, "model.tie_embeddings", self.model.tie_embeddings,
+                 f"false with parallel.pp = {p.pp} (the embedding lives on the first stage, the output "
+                 "projection on the last): set --model.tie_embeddings false")
         _require(self.fault_tolerance.min_replicas <= p.replicas, "fault_tolerance.min_replicas",
                  self.fault_tolerance.min_replicas, f"at most parallel.replicas = {p.replicas}")
 

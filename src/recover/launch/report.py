@@ -5,7 +5,7 @@ change a run directory except to write ``summary.json`` and PNGs.
 
 Recovery latency of a kill = time from the kill (``kind: kill``) to the moment the LAST survivor
 has re-formed its group and re-planned the orphans (``kind: recovered`` naming the dead replica),
-i.e. kill -> all survivors computing again.
+i.e. kill -> all survivors computing again; in a replica of several ranks, every rank counts.
 """
 
 from __future__ import annotations
@@ -27,13 +27,13 @@ def recovery_latencies(events: list[dict[str, Any]]) -> list[dict[str, Any]]:
     recovered = [e for e in events if e.get("kind") == "recovered"]
     for kill in kills:
         after = [e for e in recovered if e["t"] >= kill["t"] and kill["replica"] in e.get("dead", [])]
-        firsts: dict[int, float] = {}
+        firsts: dict[tuple[int, int], float] = {}  # (replica, rank) -> first recovery after the kill
         for e in after:
-            firsts.setdefault(e["replica"], e["t"])
+            firsts.setdefault((e["replica"], e.get("rank", 0)), e["t"])
         if firsts:
             out.append({"replica": kill["replica"], "step": kill.get("step"), "phase": kill.get("phase"),
                         "latency_ms": round((max(firsts.values()) - kill["t"]) * 1000, 2),
-                        "survivors": sorted(firsts)})
+                        "survivors": sorted({r for r, _ in firsts})})
     return out
 
 
@@ -55,7 +55,7 @@ def summarize(run_dir: Path, name: str, wall_s: float) -> dict[str, Any]:
         "min_microbatches": min((r["microbatches"] for r in rows), default=0),
         "max_microbatches": max((r["microbatches"] for r in rows), default=0),
         "kills": sum(1 for e in events if e.get("kind") == "kill"),
-        "rejoins": sum(1 for e in events if e.get("kind") == "started" and e.get("joined")),
+        "rejoins": sum(1 for e in events if e.get("kind") == "started" and e.get("joined") and not e.get("rank")),
         "recoveries": lat,
         "recovery_latency_ms_median": _median([x["latency_ms"] for x in lat]),
         "recovery_latency_ms_max": max((x["latency_ms"] for x in lat), default=None),

@@ -255,6 +255,39 @@ class ReplicaEngine:
                                       stride=p.stride())
         return t
 
+    # ---- evaluation ----------------------------------------------------------------------------
+    @torch.no_grad()
+    def evaluate(self, batches: list[tuple[torch.Tensor, torch.Tensor]]) -> float:
+        """(collective) Mean loss of ``batches`` under the replica's current parameters (same on every rank).
+
+        The stages' whole parameters are gathered on the replica's rank 0, which evaluates a plain
+        copy of the whole model (built once). Meant for the small periodic validation of a run;
+        the gather is over the intra-replica group, so it is bounded by its timeout.
+        """
+        params = self.full_parameters()
+        mine = params if self.coord.fsdp == 0 and self.coord.tp == 0 else {}
+        value = torch.zeros(1, dtype=torch.float64)
+        if self.group is None:
+            gathered: list[Any] = [mine]
+        else:
+            root = dist.get_global_rank(self.group, 0)
+            leader = dist.get_rank() == root
+            gathered = [None] * self.dims.world if leader else []
+            dist.gather_object(mine, gathered if leader else None, dst=root, group=self.group)
+        if gathered:
+            whole: dict[str, torch.Tensor] = {}
+            for part in gathered:
+                whole.update(part or {})
+            if getattr(self, "_eval_model", None) is None:
+                self._eval_model = build_model(self.cfg, 0, self.device).eval()
+            for name, p in self._eval_model.named_parameters():
+                p.copy_(whole[name])
+            losses = [float(lm_loss(self._eval_model(x.to(self.device)), y.to(self.device))) for x, y in batches]
+            value[0] = sum(losses) / len(losses)
+        if self.group is not None:
+            dist.all_reduce(value, group=self.group)  # only rank 0 holds a value: a broadcast
+        return float(value)
+
     # ---- state ---------------------------------------------------------------------------------
     @torch.no_grad()
     def full_parameters(self) -> dict[str, torch.Tensor]:

@@ -21,7 +21,7 @@ import time
 from collections.abc import Callable
 from dataclasses import asdict
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import torch
 
@@ -32,10 +32,14 @@ from recover.model import build_model, lm_loss, model_stats
 from recover.observe.events import JsonlWriter
 from recover.observe.progress import ProgressDisplay
 from recover.recovery.accumulator import GradAccumulator
+from recover.recovery.state import flat_state, load_flat_state
 from recover.train import checkpoint as ckpt
 from recover.train.dist import DistContext, DistReducer, LocalReducer
 from recover.train.optim import build_optimizer, lr_at, set_lr
 from recover.workload import static_assignment
+
+if TYPE_CHECKING:
+    from recover.parallel import ReplicaEngine
 
 BUILTIN_PREFIX = "builtin:"
 
@@ -70,7 +74,13 @@ def default_threads(cfg: Config, local_procs: int) -> int:
 
 
 class Trainer:
-    """Trains ``cfg`` in this process as data-parallel rank ``ctx.rank`` of ``ctx.world_size``."""
+    """Trains ``cfg`` in this process as data-parallel rank ``ctx.rank`` of ``ctx.world_size``.
+
+    With ``parallel.pp x parallel.fsdp x parallel.tp > 1`` the processes of ``ctx`` are instead the
+    ranks of ONE replica (a torchrun job of that many processes): the model is split by
+    :class:`~recover.parallel.ReplicaEngine`, which also takes the accumulator's place, every rank
+    runs the replica's ids, and checkpoints are sharded DCP saves over the replica's group.
+    """
 
     def __init__(self, cfg: Config, out_dir: str | os.PathLike[str], ctx: DistContext | None = None,
                  resume: bool = False, quiet: bool = False) -> None:
@@ -79,9 +89,12 @@ class Trainer:
         self.out = Path(out_dir)
         self.main = self.ctx.is_main
         tc = cfg.training
-        if tc.global_microbatches % self.ctx.world_size:
+        sharded = cfg.parallel.procs_per_replica > 1
+        self.dp_world = 1 if sharded else self.ctx.world_size
+        """Data-parallel processes in this job (1 when the processes are one replica's ranks)."""
+        if tc.global_microbatches % self.dp_world:
             raise ConfigError(f"training.global_microbatches = {tc.global_microbatches} is not allowed: "
-                              f"must be a multiple of the {self.ctx.world_size} data-parallel processes")
+                              f"must be a multiple of the {self.dp_world} data-parallel processes")
         torch.set_num_threads(default_threads(cfg, self.ctx.local_world_size))
         # Unseen vocabulary rows get ~1e-20 gradients whose squares are subnormal in AdamW's state:
         # on CPUs subnormal arithmetic is ~100x slower, so flush them to zero (no effect on GPUs).
@@ -93,16 +106,34 @@ class Trainer:
         self.sampler = Sampler(self.train_data, cfg.data.seq_len, cfg.data.microbatch_size,
                                tc.global_microbatches, tc.seed)
         self.eval_sampler = EvalSampler(self.val_data, cfg.data.seq_len, cfg.data.microbatch_size)
-        self.model = build_model(cfg.model, tc.seed, self.ctx.device)
+        self.engine: ReplicaEngine | None = self._build_engine() if sharded else None
+        if self.engine is not None:
+            self.model = self.engine.model
+            self.acc: GradAccumulator | ReplicaEngine = self.engine
+        else:
+            self.model = build_model(cfg.model, tc.seed, self.ctx.device)
+            self.acc = GradAccumulator(self.model, deterministic=tc.deterministic)
         self.optimizer = build_optimizer(self.model, tc)
-        self.acc = GradAccumulator(self.model, deterministic=tc.deterministic)
-        self.reducer = DistReducer() if self.ctx.world_size > 1 else LocalReducer()
+        self.reducer = DistReducer() if self.dp_world > 1 else LocalReducer()
         self.stats = model_stats(cfg.model, cfg.data.seq_len)
         self.tokens_per_step = tc.global_microbatches * cfg.data.microbatch_size * cfg.data.seq_len
         self.start_step = 0
         self.total_tokens = 0
         if resume:
             self._resume()
+
+    def _build_engine(self) -> ReplicaEngine:
+        """This rank's part of a replica of ``pp x fsdp x tp`` ranks (the processes of ``ctx``)."""
+        from recover.parallel import ParallelDims, ReplicaEngine
+
+        p, tc = self.cfg.parallel, self.cfg.training
+        dims = ParallelDims.from_config(p)
+        dims.check_world(self.ctx.world_size)
+        timeout = self.cfg.fault_tolerance.intra_replica_timeout_s
+        mesh = dims.build_mesh(self.ctx.device.type, timeout)
+        group = dims.build_group(timeout)
+        return ReplicaEngine(self.cfg.model, tc.seed, dims, mesh, group, self.ctx.device, tc.deterministic,
+                             p.schedule, p.activation_checkpointing, p.sequence_parallel)
 
     # ---- state -----------------------------------------------------------------------------
     @property
@@ -114,16 +145,21 @@ class Trainer:
         if path is None:
             raise RecoverError(f"--resume: no complete checkpoint under {self.checkpoint_dir}; "
                                "run without --resume to start afresh")
-        meta = ckpt.load_checkpoint(path, self.model, self.optimizer, self.cfg.model)
+        meta = ckpt.load_checkpoint(path, self.model, self.optimizer, self.cfg.model,
+                                    process_group=self.engine.group if self.engine else None)
         self.start_step = int(meta["step"])
         self.total_tokens = int(meta.get("total_tokens", self.start_step * self.tokens_per_step))
         if self.main:
             print(f"resumed from {path} (step {self.start_step})", flush=True)
 
     def save(self, step: int) -> Path:
-        """Checkpoint after ``step`` committed steps (every rank holds a full copy: rank 0 writes)."""
+        """Checkpoint after ``step`` committed steps (every rank holds a full copy: rank 0 writes;
+        a replica of several ranks saves its shards together, collectively)."""
         meta = {"total_tokens": self.total_tokens, "data_cursor": {"step": step, "epoch": self.sampler.epoch_of(step)},
                 "seed": self.cfg.training.seed}
+        if self.engine is not None:
+            return ckpt.save_checkpoint(self.checkpoint_dir, step, self.model, self.optimizer, meta, self.cfg.model,
+                                        process_group=self.engine.group, is_writer=self.main)
         path = ckpt.checkpoint_path(self.checkpoint_dir, step)
         if self.main:
             path = ckpt.save_checkpoint(self.checkpoint_dir, step, self.model, self.optimizer, meta,
@@ -132,17 +168,37 @@ class Trainer:
             torch.distributed.barrier()
         return path
 
+    def transfer_state(self, counters: dict[str, int]) -> dict[str, torch.Tensor]:
+        """This rank's parameters and optimizer state, plus ``counters``, as flat tensors for a joiner
+        (the same rank of a replica built the same way takes them with :meth:`load_transfer_state`)."""
+        if self.engine is None:
+            return flat_state(self.model, self.optimizer, counters)
+        out = self.engine.local_state(self.optimizer)
+        out.update({f"counter.{k}": torch.tensor(int(v), dtype=torch.int64) for k, v in sorted(counters.items())})
+        return out
+
+    def load_transfer_state(self, state: dict[str, torch.Tensor]) -> dict[str, int]:
+        """Inverse of :meth:`transfer_state`; returns the counters."""
+        if self.engine is None:
+            return load_flat_state(self.model, self.optimizer, state)
+        self.engine.load_local_state(self.optimizer, state)
+        return {k[len("counter."):]: int(v) for k, v in state.items() if k.startswith("counter.")}
+
     # ---- one step --------------------------------------------------------------------------
     def my_ids(self, step: int) -> list[int]:
         tc = self.cfg.training
-        plan = static_assignment(tc.global_microbatches, self.ctx.world_size, step, tc.assignment, tc.seed)
-        return plan[self.ctx.rank]
+        plan = static_assignment(tc.global_microbatches, self.dp_world, step, tc.assignment, tc.seed)
+        return plan[self.ctx.rank if self.dp_world > 1 else 0]
 
     def compute(self, step: int, ids: list[int], hook: Callable[[int, str], Any] | None = None) -> None:
         """Forward and backward of microbatches ``ids`` of ``step`` into the accumulator.
 
         ``hook(step, phase)`` runs before each forward and each backward (fault injection points).
+        With a replica engine this is collective over the replica's ranks.
         """
+        if self.engine is not None:
+            self.engine.compute(step, ids, self.sampler, hook)
+            return
         for mb in ids:
             inputs, targets = self.sampler.microbatch(step, mb)
             if hook:
@@ -163,7 +219,7 @@ class Trainer:
         if count != M:
             raise RuntimeError(f"step {step}: reduced gradient holds {count} microbatches, expected M = {M}")
         grad_norm = self.acc.apply(reduced, M, self.optimizer, self.cfg.training.grad_clip)
-        return self.record(step, loss_sum, count, grad_norm, time.perf_counter() - t0, self.ctx.world_size, 0)
+        return self.record(step, loss_sum, count, grad_norm, time.perf_counter() - t0, self.dp_world, 0)
 
     def record(self, step: int, loss_sum: float, microbatches: int, grad_norm: float, dt: float,
                live_replicas: int, generation: int) -> dict[str, Any]:
@@ -177,7 +233,10 @@ class Trainer:
 
     @torch.no_grad()
     def evaluate(self) -> float:
-        """Mean validation loss over ``training.eval_batches`` fixed microbatches (same on every rank)."""
+        """Mean validation loss over ``training.eval_batches`` fixed microbatches (same on every rank;
+        collective over a replica's ranks)."""
+        if self.engine is not None:
+            return self.engine.evaluate([self.eval_sampler.batch(i) for i in range(self.cfg.training.eval_batches)])
         self.model.eval()
         losses = []
         for i in range(self.cfg.training.eval_batches):
@@ -196,9 +255,10 @@ class Trainer:
             self.out.mkdir(parents=True, exist_ok=True)
             (self.out / "config.json").write_text(json.dumps(asdict(self.cfg), indent=1))
         display = ProgressDisplay(tc.steps, self.start_step, title=self.cfg.name, enabled=progress and self.main)
-        display.message(f"[bold]{self.cfg.name}[/]: {self.stats.describe()}; {self.ctx.world_size} data-parallel "
-                        f"process(es), M = {tc.global_microbatches} microbatches x {self.cfg.data.microbatch_size} "
-                        f"x {self.cfg.data.seq_len} tokens per step; {self.train_data.num_tokens:,} training tokens")
+        display.message(f"[bold]{self.cfg.name}[/]: {self.stats.describe()}; {self.dp_world} data-parallel "
+                        f"process(es) of {self.cfg.parallel.procs_per_replica} rank(s), M = {tc.global_microbatches} "
+                        f"microbatches x {self.cfg.data.microbatch_size} x {self.cfg.data.seq_len} tokens per step; "
+                        f"{self.train_data.num_tokens:,} training tokens")
         t_start = time.perf_counter()
         val_loss = None
         try:
