@@ -1,6 +1,10 @@
 """A worker's connection to the coordinator: registration, heartbeats, notices, reports, commit votes.
 
 Contract: one :class:`CoordinatorClient` per replica process, created before any process group.
+A replica of P processes has one client per process: ``CoordinatorClient(..., rank=k, ranks=P)``
+for k in 0..P-1, all with the same ``replica_id``; each acks, heartbeats, reports and votes on its
+own (the coordinator acts for the replica once all P did), and the death of any one rank (closed
+connection, missed heartbeats) fences the others: their waiting calls raise CoordinatorLost.
 ``register()`` opens one persistent TCP connection; from then on a background reader thread receives
 pushed notices (``failing``, ``membership``) and acks ``failing`` at once, and a heartbeat thread
 sends a heartbeat every ``heartbeat_interval_s``. Everything else is a request from the caller's
@@ -65,8 +69,10 @@ class CoordinatorClient:
     """See the module docstring. Thread-safe."""
 
     def __init__(self, host: str, port: int, token: str, replica_id: int, heartbeat_interval_s: float = 0.1,
-                 connect_timeout_s: float = 10.0, request_timeout_s: float = 60.0) -> None:
+                 connect_timeout_s: float = 10.0, request_timeout_s: float = 60.0, *, rank: int = 0,
+                 ranks: int = 1) -> None:
         self.host, self.port, self.replica_id = host, int(port), int(replica_id)
+        self.rank, self.ranks = int(rank), int(ranks)  # this process within its replica (checked at register)
         self._token = token
         self.heartbeat_interval_s = heartbeat_interval_s
         self.connect_timeout_s = connect_timeout_s
@@ -93,10 +99,12 @@ class CoordinatorClient:
 
         With ``join=False`` before the first generation, this replica counts towards the initial
         ``expected`` replicas. Otherwise (or with ``join=True``) it waits for admission at the next
-        commit (step boundary); the returned membership lists it in ``joined``.
+        commit (step boundary); the returned membership lists it in ``joined``. A replica of several
+        ranks is registered once all its ranks are (every rank passes the same ``join``).
 
         Raises:
-            CoordinatorRefused: wrong token, duplicate replica id, ...
+            CoordinatorRefused: wrong token, duplicate replica id, ``bad_rank``, ``duplicate_rank``,
+                ``rank_mismatch`` (another rank declared a different ``ranks`` or ``join``), ...
             CoordinatorLost, TimeoutError.
         """
         if self._sock is not None:
@@ -104,14 +112,14 @@ class CoordinatorClient:
         try:
             sock = socket.create_connection((self.host, self.port), timeout=self.connect_timeout_s)
         except OSError as exc:
-            raise CoordinatorLost(f"replica {self.replica_id} cannot reach the coordinator at "
+            raise CoordinatorLost(f"{self._who} cannot reach the coordinator at "
                                   f"{self.host}:{self.port}: {exc}; is `recover coordinator` running?") from None
         sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
         sock.settimeout(None)
         self._sock = sock
         self._spawn(self._reader, "recover-coord-reader")
         self._request({"type": "register", "token": self._token, "replica": self.replica_id, "join": join,
-                       "pid": os.getpid()}, timeout)
+                       "rank": self.rank, "ranks": self.ranks, "pid": os.getpid()}, timeout)
         self._spawn(self._heartbeat, "recover-coord-heartbeat")
         return self._wait(lambda: self._admitted(), timeout, "admission to a generation")
 
@@ -235,6 +243,10 @@ class CoordinatorClient:
 
     # ------------------------------------------------------------- internals
 
+    @property
+    def _who(self) -> str:
+        return f"replica {self.replica_id}" + (f" rank {self.rank}/{self.ranks}" if self.ranks > 1 else "")
+
     def _admitted(self) -> Membership | None:
         for g in range(self._latest_gen, 0, -1):
             m = self._history.get(g)
@@ -273,11 +285,11 @@ class CoordinatorClient:
                 if value is not None:
                     return value
                 if self._lost is not None:
-                    raise CoordinatorLost(f"replica {self.replica_id} lost the coordinator at "
+                    raise CoordinatorLost(f"{self._who} lost the coordinator at "
                                           f"{self.host}:{self.port} while waiting for {what}: {self._lost}")
                 left = deadline - time.monotonic()
                 if left <= 0:
-                    raise TimeoutError(f"replica {self.replica_id}: no {what} from the coordinator "
+                    raise TimeoutError(f"{self._who}: no {what} from the coordinator "
                                        f"within {timeout:g} s")
                 self._cond.wait(left)
 

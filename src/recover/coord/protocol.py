@@ -10,11 +10,17 @@ with a stable ``code`` (``bad_magic``, ``oversized``, ``malformed``, ``bad_versi
 ``unknown_type``); after ``bad_magic`` or ``oversized`` the stream cannot be resynchronised and the
 connection must be closed.
 
-Messages (client -> coordinator): ``register`` (token, replica, join), ``hb`` (heartbeat),
+Messages (client -> coordinator): ``register`` (token, replica, join; optional ``rank`` of ``ranks``,
+default 0 of 1, for a replica made of several processes), ``hb`` (heartbeat),
 ``ack`` (of a ``failing`` notice), ``report`` (a collective failed), ``vote`` (commit vote),
 ``bye``. Coordinator -> client: ``ok`` / ``error`` / ``committed`` / ``aborted`` replies (``re``
 names the request ``id``), and the pushes ``failing`` (generation g is being replaced) and
 ``membership`` (a new generation).
+
+Replicas of several ranks: each rank (process) of a replica keeps its own connection and numbers
+its own requests 1, 2, 3...; ``re`` always names the id *that connection* sent. Every rank of a
+replica declares the same ``ranks`` and ``join``; :func:`register_ranks` checks ``0 <= rank < ranks``
+(the coordinator refuses anything else with ``bad_rank``).
 """
 
 from __future__ import annotations
@@ -31,9 +37,13 @@ HEADER = struct.Struct(">4sI")
 MAX_FRAME_BYTES = 1 << 20
 
 # Fields each message type must carry (beyond ``v`` and ``type``), with their JSON types.
+# A kind ending in "?" may be absent; "int?" and "dict?" may also be null, "int|absent?" may not.
 _INT, _STR, _BOOL, _INTS, _OPT_INT, _OPT_DICT = "int", "str", "bool", "ints", "int?", "dict?"
+_ABSENT_INT = "int|absent?"
+MAX_RANKS = 1 << 16
 SCHEMAS: dict[str, dict[str, str]] = {
-    "register": {"id": _INT, "token": _STR, "replica": _INT, "join": _BOOL},
+    "register": {"id": _INT, "token": _STR, "replica": _INT, "join": _BOOL, "rank": _ABSENT_INT,
+                 "ranks": _ABSENT_INT},
     "hb": {},
     "ack": {"generation": _INT},
     "report": {"id": _INT, "generation": _INT, "suspects": _INTS},
@@ -68,7 +78,8 @@ class Membership:
     """One membership generation, decided by the coordinator alone.
 
     Attributes:
-        generation: epoch number, >= 1; its process group rendezvouses under ``gen{generation}``.
+        generation: epoch number, >= 1; its process group rendezvouses under ``gen{generation}``
+            (lane k of replicas of several ranks: ``gen{generation}/lane{k}``).
         members: live replica ids, sorted; a replica's rank is its index here.
         store_host, store_port: the coordinator's c10d TCPStore.
         step: the first step this generation runs (last committed step + 1).
@@ -133,6 +144,7 @@ def _check_fields(msg: dict[str, Any], spec: dict[str, str], what: str) -> None:
             _BOOL: isinstance(val, bool),
             _INTS: isinstance(val, list) and all(_is_int(x) for x in val),
             _OPT_INT: val is None or _is_int(val),
+            _ABSENT_INT: _is_int(val),
             _OPT_DICT: val is None or isinstance(val, dict),
         }[kind]
         if not ok:
@@ -150,6 +162,19 @@ def validate(msg: Any, allowed: frozenset[str] | None = None) -> dict[str, Any]:
         raise ProtocolError("unknown_type", f"unknown message type {kind!r}")
     _check_fields(msg, SCHEMAS[kind], kind)
     return msg
+
+
+def register_ranks(msg: dict[str, Any]) -> tuple[int, int]:
+    """``(rank, ranks)`` of a validated ``register`` message (defaults 0 and 1).
+
+    Raises ProtocolError ``bad_rank`` unless ``1 <= ranks <= MAX_RANKS`` and ``0 <= rank < ranks``.
+    """
+    rank, ranks = msg.get("rank", 0), msg.get("ranks", 1)
+    if not 1 <= ranks <= MAX_RANKS:
+        raise ProtocolError("bad_rank", f"ranks (processes per replica) must be in 1..{MAX_RANKS}, got {ranks}")
+    if not 0 <= rank < ranks:
+        raise ProtocolError("bad_rank", f"rank must be in 0..{ranks - 1} for a replica of {ranks} ranks, got {rank}")
+    return rank, ranks
 
 
 def encode(msg: dict[str, Any]) -> bytes:
