@@ -26,6 +26,14 @@ def register(sub: argparse._SubParsersAction) -> None:
     p.add_argument("--out", required=True, help="run directory")
     p.add_argument("--fail", action="append", default=[], metavar="R@STEP:PHASE",
                    help="kill replica R at STEP (0-based) and PHASE; repeatable")
+    p.add_argument("--fail-rank", type=int, default=None, metavar="K",
+                   help="which rank of a replica --fail kills (default: its last rank); the replica's other "
+                        "ranks go down with it")
+    p.add_argument("--procs-per-replica", type=int, default=None, metavar="P",
+                   help="processes per replica, P = pp x tp x fsdp (default: that product)")
+    p.add_argument("--pp", type=int, default=None, help="pipeline stages inside a replica (parallel.pp)")
+    p.add_argument("--tp", type=int, default=None, help="tensor-parallel degree inside a replica (parallel.tp)")
+    p.add_argument("--fsdp", type=int, default=None, help="FSDP2 shard degree inside a replica (parallel.fsdp)")
     p.add_argument("--random-failures", type=float, default=None, metavar="MTBF_S",
                    help="also SIGKILL a random live replica at exponential intervals with this mean (seconds)")
     p.add_argument("--rejoin-after", type=float, default=None, metavar="SECONDS",
@@ -77,6 +85,9 @@ def launch_config(args: argparse.Namespace) -> tuple[Config, list[str]]:
         overrides += [f"--parallel.replicas={args.replicas}"]
     if args.steps is not None:
         overrides += [f"--training.steps={args.steps}"]
+    for axis in ("pp", "tp", "fsdp"):
+        if getattr(args, axis, None) is not None:
+            overrides += [f"--parallel.{axis}={getattr(args, axis)}"]
     if args.deterministic:
         overrides += ["--training.deterministic=true"]
     return load_config(args.config, overrides), overrides
@@ -90,10 +101,16 @@ def run_launch(args: argparse.Namespace) -> int:
     from recover.train.trainer import resolve_data_dir
 
     cfg, overrides = launch_config(args)
-    ft = cfg.fault_tolerance
-    schedule = FailureSchedule([parse_failure(f) for f in args.fail])
+    ft, P = cfg.fault_tolerance, cfg.parallel.procs_per_replica
+    if args.procs_per_replica is not None and args.procs_per_replica != P:
+        p = cfg.parallel
+        raise ConfigError(f"--procs-per-replica {args.procs_per_replica} does not match pp x tp x fsdp = {p.pp} x "
+                          f"{p.tp} x {p.fsdp} = {P}; give the degrees with --pp/--tp/--fsdp so their product is P")
+    if args.fail_rank is not None and not 0 <= args.fail_rank < P:
+        raise ConfigError(f"--fail-rank {args.fail_rank} is not allowed: a replica has ranks 0..{P - 1}")
+    schedule = FailureSchedule([parse_failure(f, args.fail_rank) for f in args.fail])
     schedule.validate(cfg.parallel.replicas, cfg.training.steps, ft.min_replicas,
-                      rejoin=args.rejoin_after is not None)
+                      rejoin=args.rejoin_after is not None, ranks=P)
     if args.random_failures is not None and args.random_failures <= 0:
         raise ConfigError(f"--random-failures {args.random_failures} is not allowed: a positive MTBF in seconds")
     if args.rejoin_after is not None and args.rejoin_after < 0:
@@ -109,15 +126,17 @@ def run_launch(args: argparse.Namespace) -> int:
                           "(`recover bench failures` picks K by Young/Daly)")
     if args.baseline and args.rejoin_after is not None:
         raise ConfigError("--rejoin-after applies to recover; the baselines run on the survivors")
-    if cfg.parallel.procs_per_replica != 1:
-        raise ConfigError("parallel.pp/tp/fsdp > 1 inside a replica is not supported by `recover launch` yet")
+    if args.baseline and P > 1:
+        raise ConfigError(f"--baseline {args.baseline} runs one process per replica; drop --pp/--tp/--fsdp "
+                          f"(this replica has {P} ranks)")
     out = Path(args.out)
     out.mkdir(parents=True, exist_ok=True)
     resolve_data_dir(cfg.data, quiet=args.no_progress)
     opts = LaunchOptions(config=cfg, config_arg=args.config, overrides=overrides, out=out, failures=schedule,
                          random_mtbf_s=args.random_failures, rejoin_after_s=args.rejoin_after,
                          rejoin_replicas=rejoin_replicas, seed=args.seed, baseline=args.baseline,
-                         progress=not args.no_progress, title=f"{cfg.name} x{cfg.parallel.replicas}")
+                         progress=not args.no_progress,
+                         title=f"{cfg.name} x{cfg.parallel.replicas}" + (f" (x{P} ranks)" if P > 1 else ""))
     launcher = Launcher(opts)
     code = launcher.run()
     summary = summarize(out, cfg.name, launcher.wall_s)
@@ -176,8 +195,12 @@ def run_worker(args: argparse.Namespace) -> int:
         replica, fails, join = int(order["replica"]), list(order.get("fail", [])), True
     if replica is None:
         raise RecoverError("recover worker needs --replica R (or --spare)")
+    specs = []
+    for text in fails:  # R@STEP:PHASE, with #RANK when the launcher was given --fail-rank
+        spec, _, rank = text.partition("#")
+        specs.append(parse_failure(spec, int(rank) if rank else None))
     worker = ReplicaWorker(cfg, args.out, replica, host, int(port), token,
-                           failures=[parse_failure(f) for f in fails], join=join, procs=args.procs, trainer=trainer,
+                           failures=specs, join=join, procs=args.procs, trainer=trainer,
                            baseline=args.baseline, resume=args.resume)
     code = worker.run()
     # Skip interpreter teardown: a retired gloo group still held by the graveyard's daemon thread

@@ -5,6 +5,10 @@ Contract:
 - The coordinator starts first, as its own process (a worker's death never takes it down).
 - Replica processes are started in their own sessions and tracked by PID; on exit, error or
   Ctrl-C every process the launcher started is killed by PID, never by name.
+- A replica of P = pp x fsdp x tp ranks is P processes given torchrun's environment (RANK,
+  LOCAL_RANK, WORLD_SIZE, MASTER_ADDR, MASTER_PORT on a port of its own); the launcher acts as
+  their torchrun agent: when one rank exits abnormally it SIGKILLs the replica's other ranks at
+  once (by PID), and the replica counts as lost if any rank died by SIGKILL or was fenced.
 - Failures are real: ``--fail`` specs make a replica SIGKILL itself at (step, phase);
   ``--random-failures MTBF`` makes the launcher SIGKILL a random live replica at exponentially
   distributed times (never below ``min_replicas``). ``--rejoin-after S`` restarts a killed
@@ -32,7 +36,7 @@ from recover.config import Config
 from recover.faults import FailureSchedule
 from recover.observe.events import EventLog, JsonlWriter, read_jsonl
 from recover.observe.progress import ProgressDisplay
-from recover.train.worker import EXIT_JOB_FAILED, EXIT_QUORUM_LOST, replica_log_path
+from recover.train.worker import EXIT_FENCED, EXIT_JOB_FAILED, EXIT_QUORUM_LOST, replica_log_path
 
 POLL_S = 0.05
 
@@ -62,15 +66,65 @@ class LaunchOptions:
     title: str = "launch"
 
 
+LOST = -signal.SIGKILL
+"""A replica's exit code when it was lost to a failure (a rank SIGKILLed, or the replica fenced)."""
+
+
 @dataclass
 class Replica:
+    """The P processes (ranks) of one replica; rank 0 first."""
+
     rid: int
-    proc: subprocess.Popen[bytes]
-    log: Any
-    log_path: Path
+    procs: list[subprocess.Popen[bytes]]
+    logs: list[Any]
+    log_paths: list[Path]
     started: float
     joined: bool
     exit_code: int | None = None
+    codes: dict[int, int] = field(default_factory=dict)
+    """rank -> exit code, for ranks that ended on their own (not reaped by the launcher)."""
+
+    @property
+    def pid(self) -> int:
+        return self.procs[0].pid
+
+    def poll(self) -> int | None:
+        """None while the replica runs; else its exit code (:data:`LOST` when a rank was killed or fenced).
+
+        Like a torchrun agent: once any rank ends abnormally, the others are SIGKILLed at once.
+        """
+        if self.exit_code is not None:
+            return self.exit_code
+        for k, proc in enumerate(self.procs):
+            if k not in self.codes and (code := proc.poll()) is not None:
+                self.codes[k] = code
+        if not self.codes:
+            return None
+        bad = [c for c in self.codes.values() if c != 0]
+        if bad:
+            self.kill()
+        elif len(self.codes) < len(self.procs):
+            return None  # some ranks finished, the others are finishing
+        self.exit_code = LOST if any(c in (-signal.SIGKILL, EXIT_FENCED) for c in bad) else (bad[0] if bad else 0)
+        return self.exit_code
+
+    def kill(self) -> None:
+        """SIGKILLs every rank still running (by PID, its own session) and reaps it."""
+        for proc in self.procs:
+            if proc.poll() is None:
+                try:
+                    os.killpg(proc.pid, signal.SIGKILL)
+                except ProcessLookupError:
+                    pass
+        for proc in self.procs:
+            try:
+                proc.wait(timeout=10)
+            except subprocess.TimeoutExpired:
+                pass
+
+    def close_logs(self) -> None:
+        for log in self.logs:
+            log.close()
 
 
 class Launcher:
@@ -82,8 +136,9 @@ class Launcher:
         self.rng = random.Random(opts.seed)
         self.replicas: dict[int, Replica] = {}
         self.rejoin_at: dict[int, float] = {}
+        self.P = self.cfg.parallel.procs_per_replica
         self.coordinator: subprocess.Popen[bytes] | None = None
-        self.spare: tuple[subprocess.Popen[bytes], Any, Path] | None = None
+        self.spare: list[tuple[subprocess.Popen[bytes], Any, Path]] | None = None
         self.spares_started = 0
         self.resume = False
         self.restarts = 0
@@ -126,7 +181,7 @@ class Launcher:
     def _worker_cmd(self) -> list[str]:
         cmd = self._python("worker", "--config", self.o.config_arg, "--out", str(self.out), "--coordinator",
                            f"{self.o.host}:{self.port}", "--token-file", str(self.token_file), "--procs",
-                           str(self.n), *self.o.overrides)
+                           str(self.n * self.P), *self.o.overrides)
         if self.o.baseline:
             cmd += ["--baseline", self.o.baseline]
         if self.resume:
@@ -134,39 +189,53 @@ class Launcher:
         return cmd
 
     def _fails(self, rid: int) -> list[str]:
-        return [str(spec) for spec in self.o.failures.for_replica(rid)]
+        """Failure specs of replica ``rid`` as the worker reads them: ``R@STEP:PHASE[#RANK]``."""
+        return [str(spec) if spec.rank is None else f"{spec}#{spec.rank}" for spec in self.o.failures.for_replica(rid)]
+
+    def _spawn(self, cmd: list[str], name: str, stdin: Any = None) -> list[tuple[subprocess.Popen[bytes], Any, Path]]:
+        """The P processes of one replica, each in its own session; P > 1 get torchrun's environment."""
+        port = free_port(self.o.host) if self.P > 1 else 0
+        out = []
+        for k in range(self.P):
+            path = self.out / "logs" / (f"{name}.log" if self.P == 1 else f"{name}_rank{k}.log")
+            log = open(path, "ab")  # noqa: SIM115 - lives with the process
+            env = None
+            if self.P > 1:
+                env = {**os.environ, "RANK": str(k), "LOCAL_RANK": str(k), "WORLD_SIZE": str(self.P),
+                       "LOCAL_WORLD_SIZE": str(self.P), "MASTER_ADDR": self.o.host, "MASTER_PORT": str(port)}
+            proc = subprocess.Popen(cmd, stdin=stdin, stdout=log, stderr=subprocess.STDOUT, start_new_session=True,
+                                    env=env)
+            out.append((proc, log, path))
+        return out
 
     def _start_spare(self) -> None:
-        """A hot spare: a worker that has started up (torch, model, data) and waits to be told who to be."""
-        path = self.out / "logs" / f"spare_{self.spares_started}.log"
+        """A hot spare: a replica's workers that have started up (torch, model, data) and wait to be told who to be."""
+        name = f"spare_{self.spares_started}"
         self.spares_started += 1
-        log = open(path, "ab")  # noqa: SIM115 - lives with the process
-        proc = subprocess.Popen([*self._worker_cmd(), "--spare"], stdin=subprocess.PIPE, stdout=log,
-                                stderr=subprocess.STDOUT, start_new_session=True)
-        self.spare = (proc, log, path)
+        self.spare = self._spawn([*self._worker_cmd(), "--spare"], name, stdin=subprocess.PIPE)
 
     def _start_replica(self, rid: int, join: bool) -> None:
-        if join and self.spare is not None and self.spare[0].poll() is None:
-            proc, log, path = self.spare
-            self.spare = None
-            assert proc.stdin is not None
-            proc.stdin.write((json.dumps({"replica": rid, "fail": self._fails(rid)}) + "\n").encode())
-            proc.stdin.close()
+        if join and self.spare is not None and all(p.poll() is None for p, _, _ in self.spare):
+            ranks, self.spare = self.spare, None
+            order = (json.dumps({"replica": rid, "fail": self._fails(rid)}) + "\n").encode()
+            for proc, _, _ in ranks:
+                assert proc.stdin is not None
+                proc.stdin.write(order)
+                proc.stdin.close()
             self._start_spare()
         else:
-            path = self.out / "logs" / f"replica_{rid}.log"
-            log = open(path, "ab")  # noqa: SIM115 - lives with the process
             cmd = [*self._worker_cmd(), "--replica", str(rid), *(a for f in self._fails(rid) for a in ("--fail", f))]
             if join:
                 cmd.append("--join")
-            proc = subprocess.Popen(cmd, stdout=log, stderr=subprocess.STDOUT, start_new_session=True)
-        self.replicas[rid] = Replica(rid, proc, log, path, time.time(), join)
+            ranks = self._spawn(cmd, f"replica_{rid}")
+        self.replicas[rid] = Replica(rid, [p for p, _, _ in ranks], [lg for _, lg, _ in ranks],
+                                     [path for _, _, path in ranks], time.time(), join)
         if join:
-            self.events.event("rejoin_started", replica=rid, pid=proc.pid, log=path.name)
+            self.events.event("rejoin_started", replica=rid, pid=ranks[0][0].pid, log=ranks[0][2].name)
 
     def _kill_all(self) -> None:
-        procs = [r.proc for r in self.replicas.values()] + ([self.coordinator] if self.coordinator else [])
-        procs += [self.spare[0]] if self.spare else []
+        procs = [p for r in self.replicas.values() for p in r.procs] + ([self.coordinator] if self.coordinator else [])
+        procs += [p for p, _, _ in self.spare] if self.spare else []
         for proc in procs:
             if proc.poll() is None:
                 try:
@@ -184,12 +253,12 @@ class Launcher:
         for rep in self.replicas.values():
             if rep.exit_code is not None:
                 continue
-            code = rep.proc.poll()
+            code = rep.poll()
             if code is None:
                 continue
-            rep.exit_code = code
-            rep.log.close()
-            self.events.event("replica_exit", replica=rep.rid, code=code, pid=rep.proc.pid)
+            rep.close_logs()
+            self.events.event("replica_exit", replica=rep.rid, code=code, pid=rep.pid,
+                              **({"rank_codes": rep.codes} if self.P > 1 else {}))
             unfinished = self.written + 1 < self.cfg.training.steps
             if self.o.baseline == "restart" and code in (-signal.SIGKILL, EXIT_JOB_FAILED) and unfinished:
                 self._restart()
@@ -209,15 +278,14 @@ class Launcher:
         from recover.train.checkpoint import list_checkpoints
 
         deadline = time.time() + 5.0  # survivors notice and exit on their own, as a failed torchrun job does
-        while time.time() < deadline and any(r.proc.poll() is None for r in self.replicas.values()):
+        while time.time() < deadline and any(p.poll() is None for r in self.replicas.values() for p in r.procs):
             time.sleep(POLL_S)
-        survivors = sorted(r.rid for r in self.replicas.values()
-                           if r.exit_code != -signal.SIGKILL and r.proc.poll() != -signal.SIGKILL)
+        survivors = sorted(r.rid for r in self.replicas.values() if r.poll() != LOST)
         self._kill_all()
         for rep in self.replicas.values():
             if rep.exit_code is None:
-                rep.exit_code = rep.proc.poll()
-                rep.log.close()
+                rep.poll()
+                rep.close_logs()
         self._collect()
         found = list_checkpoints(self.out / "checkpoints")
         resume_step = found[-1][0] if found else 0
@@ -255,9 +323,11 @@ class Launcher:
         if len(training) - 1 < self.cfg.fault_tolerance.min_replicas:
             return
         victim = self.rng.choice(sorted(training, key=lambda r: r.rid))
-        self.events.event("kill", replica=victim.rid, step=max(self.records, default=-1) + 1, phase="random",
-                          pid=victim.proc.pid, source="launcher")
-        os.killpg(victim.proc.pid, signal.SIGKILL)
+        rank = self.rng.randrange(self.P)
+        pid = victim.procs[rank].pid
+        self.events.event("kill", replica=victim.rid, rank=rank, step=max(self.records, default=-1) + 1,
+                          phase="random", pid=pid, source="launcher")
+        os.killpg(pid, signal.SIGKILL)
         self.kills += 1
 
     def _collect(self) -> list[dict[str, Any]]:
@@ -353,9 +423,12 @@ class Launcher:
         """Tails of logs of replicas that exited with an error (not a SIGKILL or quorum loss)."""
         out = []
         for rep in self.replicas.values():
-            if rep.exit_code not in (0, -signal.SIGKILL, EXIT_QUORUM_LOST, EXIT_JOB_FAILED, None):
-                text = rep.log_path.read_text(errors="replace")
-                out.append(f"replica {rep.rid} exited with {rep.exit_code}:\n" + "\n".join(text.splitlines()[-15:]))
+            if rep.exit_code not in (0, LOST, EXIT_QUORUM_LOST, EXIT_JOB_FAILED, None):
+                for k, path in enumerate(rep.log_paths):
+                    if rep.codes.get(k, 0) != 0:
+                        text = path.read_text(errors="replace")
+                        who = f"replica {rep.rid}" + (f" rank {k}" if len(rep.procs) > 1 else "")
+                        out.append(f"{who} exited with {rep.codes[k]}:\n" + "\n".join(text.splitlines()[-15:]))
         return out
 
 

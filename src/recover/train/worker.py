@@ -13,6 +13,15 @@ Contract: every committed step this replica applies holds exactly M microbatches
 from state bitwise equal to the live replicas' at a step boundary; if fewer than
 ``fault_tolerance.min_replicas`` survive, the lowest live replica saves a complete checkpoint
 and every survivor exits with status 3 and a message saying so.
+
+A replica of several ranks (``parallel.pp x fsdp x tp > 1``) is one torchrun-style job: every rank
+runs this same loop with the same control flow. Rank k holds its own coordinator connection and
+its own fault-tolerant group, *lane* k (rank k of every live replica), on which it sums its shard
+of the gradient; the coordinator treats the replica's connections as one member (registered,
+acked and voted only when all ranks have), so a step commits only if every rank of every live
+replica voted for it, and the death of any rank fences the whole replica: its other ranks leave
+with :data:`EXIT_FENCED` (or fail fast on the bounded intra-replica groups) and the launcher
+reaps them. Only rank 0 writes the replica's step records.
 """
 
 from __future__ import annotations
@@ -25,23 +34,37 @@ from typing import Any
 
 from recover.baselines import JobFailed, StepDropped, step_class
 from recover.config import Config
-from recover.errors import QuorumLost
+from recover.coord.client import CoordinatorLost
+from recover.errors import QuorumLost, RecoverError
 from recover.faults import FailureSpec, FaultInjector
 from recover.observe.events import EventLog, JsonlWriter
 from recover.recovery.protocol import StepOutcome
-from recover.recovery.state import flat_state, load_flat_state
-from recover.train.dist import DistContext
+from recover.train.dist import DistContext, init_from_env
 from recover.train.optim import lr_at, set_lr
 from recover.train.trainer import Trainer
 
 EXIT_QUORUM_LOST = 3
 EXIT_JOB_FAILED = 4
 """checkpoint-and-restart baseline: a replica failed and this survivor stopped for the relaunch."""
+EXIT_FENCED = 5
+"""the coordinator declared this replica dead (one of its ranks died, or it stopped heartbeating)."""
 
 
 def build_trainer(cfg: Config, out: Path, procs: int, resume: bool = False) -> Trainer:
-    """The model, optimizer and data of one replica (the slow part of starting: done before joining)."""
-    return Trainer(cfg, out, DistContext(local_world_size=procs), resume=resume, quiet=True)
+    """The model, optimizer and data of one replica (the slow part of starting: done before joining).
+
+    A replica of several ranks reads its torchrun environment (RANK, WORLD_SIZE, MASTER_ADDR,
+    MASTER_PORT) and forms its own process group with the intra-replica timeout first.
+    """
+    ctx = DistContext(local_world_size=procs)
+    if cfg.parallel.procs_per_replica > 1:
+        if "RANK" not in os.environ or "WORLD_SIZE" not in os.environ:
+            raise RecoverError(f"a replica of {cfg.parallel.procs_per_replica} ranks (parallel.pp x fsdp x tp) "
+                               "runs as a torchrun job: start `recover worker` with torchrun --nproc-per-node "
+                               f"{cfg.parallel.procs_per_replica}, or let `recover launch` start it")
+        ctx = init_from_env(cfg.parallel.backend, cfg.fault_tolerance.intra_replica_timeout_s)
+        ctx.local_world_size = procs
+    return Trainer(cfg, out, ctx, resume=resume, quiet=True)
 
 
 def replica_log_path(out: Path, replica: int) -> Path:
@@ -58,15 +81,20 @@ class ReplicaWorker:
         self.host, self.port, self.token, self.join = host, port, token, join
         self.baseline = baseline
         self.trainer = trainer or build_trainer(cfg, self.out, procs, resume)
+        sharded = self.trainer.engine is not None
+        self.rank, self.ranks = (self.trainer.ctx.rank, self.trainer.ctx.world_size) if sharded else (0, 1)
         self.data_step = self.trainer.start_step
         self.events = EventLog(self.out / "events.jsonl")
-        self.log = JsonlWriter(replica_log_path(self.out, replica))
-        self.injector = FaultInjector(failures, replica, before_kill=self._before_kill)
+        self.log = JsonlWriter(replica_log_path(self.out, replica)) if self.rank == 0 else None
+        self.injector = FaultInjector(failures, replica, self.rank, self.ranks, before_kill=self._before_kill)
 
     def _before_kill(self, spec: FailureSpec) -> None:
-        self.events.event("kill", replica=self.replica, step=spec.step, phase=spec.phase, pid=os.getpid())
+        self.events.event("kill", replica=self.replica, rank=self.rank, step=spec.step, phase=spec.phase,
+                          pid=os.getpid())
 
     def _event(self, kind: str, **fields: Any) -> None:
+        if self.ranks > 1:
+            fields["rank"] = self.rank
         self.events.event(kind, replica=self.replica, **fields)
 
     # ---- membership and state ------------------------------------------------------------
@@ -76,7 +104,7 @@ class ReplicaWorker:
 
         ft = self.cfg.fault_tolerance
         client = CoordinatorClient(self.host, self.port, self.token, self.replica,
-                                   heartbeat_interval_s=ft.heartbeat_interval_s)
+                                   heartbeat_interval_s=ft.heartbeat_interval_s, rank=self.rank, ranks=self.ranks)
         membership = client.register(join=self.join)
         group = FaultTolerantGroup.create(client, membership, backend=self.cfg.parallel.backend,
                                           timeout_s=ft.collective_timeout_s)
@@ -103,7 +131,7 @@ class ReplicaWorker:
                 break
             except PeerFailure:
                 group = group.next_generation()
-        counters = load_flat_state(t.model, t.optimizer, state)
+        counters = t.load_transfer_state(state)
         t.total_tokens = counters["total_tokens"]
         self.data_step = counters["data_step"]
         self._event("state_received", step=counters["step"], ms=round((time.perf_counter() - t0) * 1000, 2),
@@ -126,7 +154,7 @@ class ReplicaWorker:
             src = source_rank(group)
             try:
                 if group.rank == src:
-                    send_state(group, flat_state(t.model, t.optimizer, self._counters(next_step)))
+                    send_state(group, t.transfer_state(self._counters(next_step)))
                 else:
                     receive_state(group, src)  # every member takes part; ours is already identical
                 break
@@ -168,8 +196,13 @@ class ReplicaWorker:
             return self._stop_on_quorum_loss(protocol.group, step, exc)
         except JobFailed:
             return EXIT_JOB_FAILED
+        except CoordinatorLost as exc:
+            print(f"recover: replica {self.replica} rank {self.rank}: {exc}; stopping (the launcher restarts the "
+                  "replica if --rejoin-after is set)", file=sys.stderr, flush=True)
+            return EXIT_FENCED
         finally:
-            self.log.close()
+            if self.log is not None:
+                self.log.close()
         self._event("finished", step=step, generation=protocol.group.generation)
         protocol.group.close()
         client.close()
@@ -189,7 +222,8 @@ class ReplicaWorker:
         leader = self.replica == min(outcome.live)
         if leader and tc.eval_due(step):
             record["val_loss"] = t.evaluate()
-        self.log.write(record)
+        if self.log is not None:
+            self.log.write(record)
         if leader and tc.checkpoint_due(step):
             t.save(step + 1)
 
@@ -197,6 +231,7 @@ class ReplicaWorker:
         if self._is_leader(group):
             path = self.trainer.save(step)
             self._event("quorum_lost", step=step, checkpoint=str(path), message=str(exc))
-            print(f"recover: replica {self.replica}: {exc}. Saved a complete checkpoint of step {step} at {path}; "
-                  "resume with more replicas.", file=sys.stderr, flush=True)
+            if self.rank == 0:
+                print(f"recover: replica {self.replica}: {exc}. Saved a complete checkpoint of step {step} at "
+                      f"{path}; resume with more replicas.", file=sys.stderr, flush=True)
         return EXIT_QUORUM_LOST
