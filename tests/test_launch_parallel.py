@@ -1,8 +1,9 @@
 """End to end: replicas of several ranks (pipeline, tensor parallel, FSDP2 shards) under `recover launch`.
 
 Each configuration runs 2 replicas of a 2-layer untied `debug` model (M = 8) twice: failure-free,
-and with the LAST rank of replica 1 SIGKILLed mid-step (its replica's other rank is reaped, the
-surviving replica's ranks recover in-step on their lanes). Checks: every step commits all M
+and with the LAST rank of replica 1 SIGKILLed mid-step (its replica's other ranks are reaped, the
+surviving replica's ranks recover in-step on their lanes); in the pipeline case the whole replica
+then rejoins from a hot spare and takes its state, rank by rank, from the survivor. Checks: every step commits all M
 microbatches; the failure run's per-step losses are within 1e-5 relative of the failure-free run
 of the same configuration; the failure-free run is within 1e-5 of a plain one-process run with
 the same global batch; and recovery took far less than the intra-replica timeout (no rank of the
@@ -18,7 +19,7 @@ import pytest
 
 from conftest import losses, max_rel_diff, run_recover
 
-STEPS = 6
+STEPS = 12
 M = 8
 INTRA_TIMEOUT_S = 20.0
 MODEL = ["--model.n_layers=2", "--model.tie_embeddings=false", "--training.eval_every=0",
@@ -53,13 +54,15 @@ CONFIGS = {
     "fsdp2": ["--fsdp", "2"],
     "pp2xtp2": ["--pp", "2", "--tp", "2", "--procs-per-replica", "4"],
 }
+REJOIN = {"pp2"}
 
 
 @pytest.mark.parametrize("name", list(CONFIGS))
 def test_kill_one_rank_of_a_replica(name: str, plain: Path, corpus: Path, tmp_path: Path) -> None:
     ref, run = tmp_path / "failure-free", tmp_path / "killed"
     launch(ref, corpus, *CONFIGS[name])
-    launch(run, corpus, *CONFIGS[name], "--fail", "1@2:backward")
+    rejoin = ["--rejoin-after", "0.2"] if name in REJOIN else []
+    launch(run, corpus, *CONFIGS[name], "--fail", "1@2:backward", *rejoin)
 
     assert max_rel_diff(losses(plain), losses(ref)) <= 1e-5
     for recs in (rows(ref), rows(run)):
@@ -67,14 +70,18 @@ def test_kill_one_rank_of_a_replica(name: str, plain: Path, corpus: Path, tmp_pa
         assert all(r["microbatches"] == M for r in recs)
     assert max_rel_diff(losses(ref), losses(run)) <= 1e-5
     live = {r["step"]: r["live_replicas"] for r in rows(run)}
-    assert live[1] == 2 and live[2] == 1 and live[STEPS - 1] == 1
+    assert live[1] == 2 and live[2] == 1 and live[STEPS - 1] == (2 if rejoin else 1)
 
     ev = events(run)
     ranks = 4 if name == "pp2xtp2" else 2
     kills = [e for e in ev if e["kind"] == "kill"]
     assert [(k["replica"], k["rank"]) for k in kills] == [(1, ranks - 1)]
-    exits = {e["replica"]: e for e in ev if e["kind"] == "replica_exit"}
-    assert exits[1]["code"] == -9 and exits[0]["code"] == 0
+    exits = [(e["replica"], e["code"]) for e in ev if e["kind"] == "replica_exit"]
+    assert (1, -9) in exits and (0, 0) in exits
+    if rejoin:  # every rank of the new replica 1 took its shard of the state, then trained to the end
+        received = [e for e in ev if e["kind"] == "state_received" and e["replica"] == 1]
+        assert sorted(e["rank"] for e in received) == list(range(ranks))
+        assert exits.count((1, 0)) == 1
     recovered = [e for e in ev if e["kind"] == "recovered" and e["replica"] == 0]
     assert sorted(e["rank"] for e in recovered) == list(range(ranks))  # every rank of the survivor recovered
     summary = json.loads((run / "summary.json").read_text())

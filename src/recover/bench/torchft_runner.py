@@ -90,8 +90,8 @@ def run_torchft(out: Path, config: str, replicas: int, steps: int, fails: Sequen
         RuntimeError: the Lighthouse did not start.
     """
     from recover.config import load_config
+    from recover.data.prepare import resolve_data_dir
     from recover.launch.report import summarize
-    from recover.train.trainer import resolve_data_dir
 
     python = python or sys.executable
     cfg = load_config(config, [*overrides, f"--parallel.replicas={replicas}", f"--training.steps={steps}"])

@@ -32,9 +32,10 @@ from pathlib import Path
 import numpy as np
 from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn
 
+from recover.config import DataConfig
 from recover.data.shards import META_NAME, UINT16_LIMIT, read_shard, write_shard
 from recover.data.tokenizer import Tokenizer, load_tokenizer
-from recover.errors import DataError
+from recover.errors import ConfigError, DataError
 
 META_VERSION = 1
 SPLITS = ("train", "val")
@@ -402,3 +403,21 @@ def prepare_builtin(
         raise DataError(f"unknown builtin corpus {name!r}; available: {', '.join(BUILTIN_CORPORA)}")
     pieces, source = stdlib_files()
     return _prepare(pieces, out_dir, source, tokenizer, val_fraction, fmt, shard_tokens, max_bytes, quiet)
+
+
+BUILTIN_PREFIX = "builtin:"
+
+
+def resolve_data_dir(cfg: DataConfig, prepare: bool = True, quiet: bool = False) -> Path:
+    """The shard directory of ``cfg.path``; ``builtin:NAME`` is prepared on first use."""
+    if cfg.path.startswith(BUILTIN_PREFIX):
+        name = cfg.path[len(BUILTIN_PREFIX):]
+        out = Path(cfg.cache_dir) / name
+        if prepare:
+            prepare_builtin(name, out, quiet=quiet)
+        return out
+    path = Path(cfg.path)
+    if not path.is_dir():
+        raise ConfigError(f"data.path = {cfg.path!r} is not a directory; prepare one with "
+                          "`recover prepare FILES --out DIR` or use 'builtin:stdlib'")
+    return path

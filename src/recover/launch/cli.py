@@ -94,11 +94,11 @@ def launch_config(args: argparse.Namespace) -> tuple[Config, list[str]]:
 
 
 def run_launch(args: argparse.Namespace) -> int:
+    from recover.data.prepare import resolve_data_dir
     from recover.faults import FailureSchedule, parse_failure
     from recover.launch.launcher import Launcher, LaunchOptions
     from recover.launch.report import plot_run, summarize
     from recover.observe.events import EventLog
-    from recover.train.trainer import resolve_data_dir
 
     cfg, overrides = launch_config(args)
     ft, P = cfg.fault_tolerance, cfg.parallel.procs_per_replica

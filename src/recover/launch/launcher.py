@@ -36,7 +36,7 @@ from recover.config import Config
 from recover.faults import FailureSchedule
 from recover.observe.events import EventLog, JsonlWriter, read_jsonl
 from recover.observe.progress import ProgressDisplay
-from recover.train.worker import EXIT_FENCED, EXIT_JOB_FAILED, EXIT_QUORUM_LOST, replica_log_path
+from recover.train.exits import EXIT_FENCED, EXIT_JOB_FAILED, EXIT_QUORUM_LOST, replica_log_path
 
 POLL_S = 0.05
 

@@ -40,14 +40,9 @@ from recover.faults import FailureSpec, FaultInjector
 from recover.observe.events import EventLog, JsonlWriter
 from recover.recovery.protocol import StepOutcome
 from recover.train.dist import DistContext, init_from_env
+from recover.train.exits import EXIT_FENCED, EXIT_JOB_FAILED, EXIT_QUORUM_LOST, replica_log_path
 from recover.train.optim import lr_at, set_lr
 from recover.train.trainer import Trainer
-
-EXIT_QUORUM_LOST = 3
-EXIT_JOB_FAILED = 4
-"""checkpoint-and-restart baseline: a replica failed and this survivor stopped for the relaunch."""
-EXIT_FENCED = 5
-"""the coordinator declared this replica dead (one of its ranks died, or it stopped heartbeating)."""
 
 
 def build_trainer(cfg: Config, out: Path, procs: int, resume: bool = False) -> Trainer:
@@ -65,10 +60,6 @@ def build_trainer(cfg: Config, out: Path, procs: int, resume: bool = False) -> T
         ctx = init_from_env(cfg.parallel.backend, cfg.fault_tolerance.intra_replica_timeout_s)
         ctx.local_world_size = procs
     return Trainer(cfg, out, ctx, resume=resume, quiet=True)
-
-
-def replica_log_path(out: Path, replica: int) -> Path:
-    return out / "replicas" / f"replica_{replica}.jsonl"
 
 
 class ReplicaWorker:

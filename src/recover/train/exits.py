@@ -1,0 +1,21 @@
+"""What a replica worker and its launcher agree on without importing torch: exit statuses and paths.
+
+The launcher (and ``recover launch``) only reads these; keeping them here keeps the launcher
+process free of the multi-second torch import.
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+EXIT_QUORUM_LOST = 3
+"""fewer than ``fault_tolerance.min_replicas`` replicas survived; a complete checkpoint was saved."""
+EXIT_JOB_FAILED = 4
+"""checkpoint-and-restart baseline: a replica failed and this survivor stopped for the relaunch."""
+EXIT_FENCED = 5
+"""the coordinator declared this replica dead (one of its ranks died, or it stopped heartbeating)."""
+
+
+def replica_log_path(out: Path, replica: int) -> Path:
+    """A replica's own step records (written by its rank 0; the launcher merges them)."""
+    return Path(out) / "replicas" / f"replica_{replica}.jsonl"
