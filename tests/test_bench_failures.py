@@ -1,10 +1,11 @@
 """`recover bench failures`: the pure parts on synthetic run directories, and one small end-to-end run.
 
 The end-to-end run uses the debug preset, 3 replicas and 6 steps with the successive schedule
-(replica 1 dies at step 3) for the reference, recover, checkpoint-and-restart and shrink-and-drop
-(3 replicas rather than 4 keep it near a minute: each system's start-up dominates), and checks
-what the benchmark is for: recover keeps M microbatches in every step and the reference's losses,
-shrink-and-drop drops below M, and restarting costs wall time.
+(replica 1 dies at step 3) for the reference, recover, checkpoint-and-restart with synchronous and
+with asynchronous saves, and shrink-and-drop (3 replicas rather than 4 keep it short: each
+system's start-up dominates), and checks what the benchmark is for: recover keeps M microbatches
+in every step and the reference's losses, shrink-and-drop drops below M, restarting costs wall
+time, and an asynchronous save blocks training for less than a synchronous one.
 """
 
 from __future__ import annotations
@@ -133,13 +134,17 @@ def test_assemble_ratios_ideal_table_and_json(synthetic: list[dict], tmp_path: P
     assert ideal["recover_fraction"] == pytest.approx(rec["effective_tokens_per_s"] / ideal["tokens_per_s"], rel=1e-3)
     res = {"config": "debug", "replicas": 4, "steps": 10, "microbatches": 8, "systems": synthetic, "ideal": ideal,
            "schedule": {"kind": "successive", "fails": [str(s) for s in sched], "mtbf_s": 5.0},
-           "young_daly": {"save_cost_s": 0.05, "mtbf_s": 5.0, "step_time_s": 1.0, "checkpoint_every": 1},
+           "young_daly": {"save_cost_s": 0.05, "save_total_s": 0.05, "mtbf_s": 5.0, "step_time_s": 1.0,
+                          "checkpoint_every": 1, "async": {"save_cost_s": 0.004, "save_total_s": 0.06,
+                                                           "checkpoint_every": 1}},
            "skipped": {"torchft": "torchft does not import"}, "load": {"before": [1.0], "after": [1.5]},
            "bench_wall_s": 99.0, "out": str(tmp_path)}
     failures.print_result(res)
     text = capsys.readouterr().out
     for expected in ("reference", "recover", "ckpt-restart", "shrink-and-drop", "1@3:backward 2@6:reduce",
-                     "torchft: not run (torchft does not import)", "Young/Daly K = 1"):
+                     "torchft: not run (torchft does not import)", "Young/Daly K = 1",
+                     "checkpoint-and-restart (sync): save blocks C = 50 ms",
+                     "checkpoint-and-restart (async): save blocks C = 4 ms (whole save 60 ms)"):
         assert expected in text
     rows = failures.table_rows(synthetic)
     assert [r[7] for r in rows] == ["8", "8", "8", "4"]  # min microbatches column
@@ -165,14 +170,15 @@ def test_bench_failures_end_to_end(tmp_path: Path, corpus: Path) -> None:
     failures.add_parser(parser.add_subparsers())
     json_path = tmp_path / "bench.json"
     args, extra = parser.parse_known_args(
-        ["failures", "--config", "debug", "--replicas", "3", "--steps", "6", "--systems", "recover,restart,shrink",
+        ["failures", "--config", "debug", "--replicas", "3", "--steps", "6", "--systems",
+         "recover,restart,restart-async,shrink",
          "--out", str(tmp_path / "out"), "--json", str(json_path), "--timeout", "240",
          "--data.path", str(corpus), "--training.eval_every=3"])
     args.overrides = extra
     assert args.func(args) == 0
     res = json.loads(json_path.read_text())
     by = {s["name"]: s for s in res["systems"]}
-    assert set(by) == {"reference", "recover", "restart", "shrink"}
+    assert set(by) == {"reference", "recover", "restart", "restart-async", "shrink"}
     for s in by.values():
         for key in ("name", "wall_s", "effective_tokens_per_s", "max_rel_loss_dev", "min_microbatches",
                     "ratio_vs_recover", "final_val_loss"):
@@ -182,9 +188,14 @@ def test_bench_failures_end_to_end(tmp_path: Path, corpus: Path) -> None:
     assert by["recover"]["failures"] == 1 and by["recover"]["min_microbatches"] == 8
     assert by["recover"]["max_rel_loss_dev"] < 1e-5
     assert by["shrink"]["min_microbatches"] < 8 and by["shrink"]["dropped_steps"] >= 1
-    assert by["restart"]["min_microbatches"] == 8 and by["restart"]["restarts"] == 1
+    for name in ("restart", "restart-async"):
+        assert by[name]["min_microbatches"] == 8 and by[name]["restarts"] == 1
+        assert by[name]["max_rel_loss_dev"] < 1e-5  # resumed from a complete checkpoint
+        assert by[name]["effective_tokens_per_s"] < by["recover"]["effective_tokens_per_s"]
     assert by["restart"]["wall_s"] > by["recover"]["wall_s"]
-    assert by["restart"]["effective_tokens_per_s"] < by["recover"]["effective_tokens_per_s"]
-    assert res["young_daly"]["checkpoint_every"] >= 1 and res["young_daly"]["save_cost_s"] > 0
+    assert by["restart-async"]["checkpoint_async"] and not by["restart"]["checkpoint_async"]
+    yd = res["young_daly"]
+    assert yd["checkpoint_every"] >= 1 and yd["save_cost_s"] > 0
+    assert 0 < yd["async"]["save_cost_s"] < yd["save_cost_s"] and yd["async"]["checkpoint_every"] >= 1
     assert res["ideal"]["tokens_per_s"] > 0 and res["ideal"]["recover_fraction"] > 0
     assert (tmp_path / "out" / "loss.png").is_file() and (tmp_path / "out" / "throughput.png").is_file()

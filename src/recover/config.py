@@ -149,6 +149,11 @@ class TrainingConfig:
     """Validation microbatches per evaluation."""
     checkpoint_every: int = 0
     """Save a checkpoint every this many steps (and at the end when > 0); 0 disables."""
+    checkpoint_async: bool = False
+    """Periodic checkpoints with ``torch.distributed.checkpoint.async_save``: the step blocks only while
+    the state is copied to CPU memory; a background thread writes it, and it becomes visible (loadable)
+    only once complete. The next save, the final one and the end of the run wait for it. A replica of
+    several ranks (pp x fsdp x tp > 1) always saves synchronously."""
     threads: int = 0
     """torch intra-op threads per process; 0 means cores / local processes."""
     deterministic: bool = False

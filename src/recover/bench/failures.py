@@ -4,15 +4,19 @@ side by side in one run, on the same seed, model, data and failure schedule.
 Contract:
 - The systems run one after another, each as its own job on this machine (``recover launch``, or
   the torchft runner), into ``OUT/<name>/``: first the failure-free ``reference`` (recover with no
-  failure), then ``recover``, ``restart`` (checkpoint-and-restart), ``shrink`` (shrink-and-drop,
-  torchft's semantics in recover's code) and ``torchft`` (torchft 0.2.0 DDP + Lighthouse, when an
-  interpreter with torchft is found). Every system gets the exact same ``--fail R@STEP:PHASE``
+  failure), then ``recover``, ``restart`` and ``restart-async`` (checkpoint-and-restart with
+  synchronous and with asynchronous DCP saves, ``training.checkpoint_async``), ``shrink``
+  (shrink-and-drop, torchft's semantics in recover's code) and ``torchft`` (torchft 0.2.0 DDP +
+  Lighthouse, when an interpreter with torchft is found). Every system gets the exact same ``--fail R@STEP:PHASE``
   specs: the ``successive`` schedule (lose half the replicas at evenly spaced steps, 2 of 4 by
   default) or a ``random`` MTBF schedule drawn once by :func:`recover.faults.random_schedule` from
   the reference's step time.
 - Checkpoint-and-restart saves every K steps, K by Young/Daly from the measured save cost C of
-  this model (``Trainer.save``, median of 3 after a warm-up) and the schedule's MTBF:
+  this model in the mode it runs (:func:`measure_save_cost`: the time ``Trainer.save`` blocks
+  training, median of 3 after a warm-up; synchronous: the whole DCP save; asynchronous: the state
+  dict and its copy to CPU memory, the write runs in the background) and the schedule's MTBF:
   ``K_s = sqrt(2 C MTBF)``, ``K = max(1, round(K_s / step_time))`` (:func:`young_daly_steps`).
+  A cheaper blocking cost gives the asynchronous mode a smaller K, hence less work to redo.
 - Per system (:func:`system_row`): wall time (whole job), start-up and training time (see
   :mod:`recover.bench.common`), effective throughput = committed training tokens / training
   time, its ratio to recover's and to the failure-free reference's, time lost per failure =
@@ -55,16 +59,19 @@ from recover.errors import ConfigError
 from recover.faults import FailureSchedule, FailureSpec, random_schedule
 from recover.observe.plots import load_events, load_metrics
 
-SYSTEMS = ("recover", "restart", "shrink", "torchft")
+SYSTEMS = ("recover", "restart", "restart-async", "shrink", "torchft")
+RESTARTS = {"restart": False, "restart-async": True}
+"""The checkpoint-and-restart systems and whether their DCP saves are asynchronous."""
 LABELS = {
     "reference": "failure-free reference (recover, no failure)",
     "recover": "recover",
-    "restart": "checkpoint-and-restart",
+    "restart": "checkpoint-and-restart (sync DCP saves)",
+    "restart-async": "checkpoint-and-restart (async DCP saves)",
     "shrink": "shrink-and-drop (recover's implementation of torchft semantics)",
     "torchft": "torchft 0.2.0 DDP + Lighthouse (real torchft)",
 }
-SHORT = {"reference": "reference", "recover": "recover", "restart": "ckpt-restart", "shrink": "shrink-and-drop",
-         "torchft": "torchft"}
+SHORT = {"reference": "reference", "recover": "recover", "restart": "ckpt-restart (sync)",
+         "restart-async": "ckpt-restart (async)", "shrink": "shrink-and-drop", "torchft": "torchft"}
 SUCCESSIVE_PHASES = ("backward", "reduce")
 
 
@@ -207,10 +214,13 @@ def print_result(res: dict[str, Any]) -> None:
     notes += [
         f"schedule {sched['kind']}: {' '.join(sched['fails']) or '(none)'}"
         + (f" (MTBF {sched['mtbf_s']:.1f} s)" if sched.get("mtbf_s") else ""),
-        f"checkpoint-and-restart: save cost C = {yd['save_cost_s'] * 1000:.0f} ms, MTBF {yd['mtbf_s']:.1f} s, "
-        f"step {yd['step_time_s']:.3f} s -> Young/Daly K = {yd['checkpoint_every']} steps"
-        + (" (overridden)" if yd.get("overridden") else ""),
     ]
+    for mode, m in (("sync", yd), ("async", yd.get("async"))):
+        if m and m.get("save_cost_s") is not None:
+            notes.append(f"checkpoint-and-restart ({mode}): save blocks C = {m['save_cost_s'] * 1000:.0f} ms"
+                         + (f" (whole save {m['save_total_s'] * 1000:.0f} ms)" if m.get("save_total_s") else "")
+                         + f", MTBF {yd['mtbf_s']:.1f} s, step {yd['step_time_s']:.3f} s -> Young/Daly K = "
+                         f"{m['checkpoint_every']} steps" + (" (overridden)" if yd.get("overridden") else ""))
     if ideal["tokens_per_s"]:
         notes.append(f"ideal (surviving replicas' share of failure-free throughput): "
                      f"{ideal['tokens_per_s']:,.0f} tok/s; recover = {fmt(ideal['recover_fraction'], '.3f')} of ideal, "
@@ -231,7 +241,8 @@ def plot_results(out: Path, rows: Sequence[dict[str, Any]]) -> list[Path]:
     from recover.observe.plots import _pyplot
 
     plt = _pyplot()
-    colors = {"reference": "0.55", "recover": "C0", "restart": "C3", "shrink": "C1", "torchft": "C2"}
+    colors = {"reference": "0.55", "recover": "C0", "restart": "C3", "restart-async": "C4", "shrink": "C1",
+              "torchft": "C2"}
     fig, ax = plt.subplots(figsize=(9, 5), dpi=110)
     for r in rows:
         m = load_metrics(r["run_dir"])
@@ -296,23 +307,33 @@ def throughput_series(run_dir: Path, window: int | None = None) -> tuple[list[fl
 
 # ---------------------------------------------------------------- measurement
 
-def measure_save_cost(config: str, overrides: Sequence[str], replicas: int, repeats: int = 3) -> float:
-    """Median seconds of ``Trainer.save`` (a DCP checkpoint) of this model, after one warm-up save."""
+def measure_save_cost(config: str, overrides: Sequence[str], replicas: int, repeats: int = 3,
+                      asynchronous: bool = False) -> tuple[float, float]:
+    """(blocking, whole) median seconds of ``Trainer.save`` (a DCP checkpoint) of this model, after a warm-up save.
+
+    ``blocking`` is how long the call holds training: the whole save when synchronous; with
+    ``asynchronous`` the state dict, its copy to CPU memory and starting the writer thread.
+    ``whole`` runs until the checkpoint is committed (equal to ``blocking`` when synchronous).
+    Each asynchronous save is awaited before the next one starts, outside the blocking time.
+    """
     from recover.config import load_config
     from recover.train.dist import DistContext
     from recover.train.trainer import Trainer
 
-    cfg = load_config(config, [*overrides, f"--parallel.replicas={replicas}"])
+    cfg = load_config(config, [*overrides, f"--parallel.replicas={replicas}",
+                               f"--training.checkpoint_async={str(asynchronous).lower()}"])
     with tempfile.TemporaryDirectory(prefix="recover-save-cost-") as tmp, warnings.catch_warnings():
         warnings.simplefilter("ignore", UserWarning)  # DCP: "assuming the intent is to save in a single process"
         trainer = Trainer(cfg, tmp, DistContext(local_world_size=replicas), quiet=True)
-        trainer.save(0)
-        times = []
+        trainer.save(0, blocking=True)
+        blocking, whole = [], []
         for i in range(repeats):
             t0 = time.perf_counter()
-            trainer.save(i + 1)
-            times.append(time.perf_counter() - t0)
-    return statistics.median(times)
+            trainer.save(i + 1, blocking=False)
+            blocking.append(time.perf_counter() - t0)
+            trainer.wait_checkpoint()
+            whole.append(time.perf_counter() - t0)
+    return statistics.median(blocking), statistics.median(whole)
 
 
 def find_torchft_python(explicit: str | None) -> tuple[str | None, str]:
@@ -388,20 +409,38 @@ def run_bench(config: str = "tiny", replicas: int = 4, steps: int = 60, schedule
         schedule = random_schedule(replicas, steps, mtbf, step_time, seed, min_rep)
     fails = [str(s) for s in schedule]
     log(f"schedule {schedule_kind}: {' '.join(fails) or '(no failure drawn)'}")
-    save_cost = measure_save_cost(config, overrides, replicas)
-    k = checkpoint_every or young_daly_steps(save_cost, mtbf, step_time)
+    young_daly: dict[str, Any] = {"save_cost_s": None, "save_total_s": None, "mtbf_s": round(mtbf, 3),
+                                  "step_time_s": round(step_time, 4), "interval_s": None, "checkpoint_every": None,
+                                  "overridden": checkpoint_every is not None}
+    ks: dict[str, int] = {}
+    for name, asynchronous in RESTARTS.items():
+        if name not in systems:
+            continue
+        cost, whole = measure_save_cost(config, overrides, replicas, asynchronous=asynchronous)
+        ks[name] = checkpoint_every or young_daly_steps(cost, mtbf, step_time)
+        mode = {"save_cost_s": round(cost, 4), "save_total_s": round(whole, 4),
+                "interval_s": round(math.sqrt(2 * cost * mtbf), 3), "checkpoint_every": ks[name]}
+        if asynchronous:
+            young_daly["async"] = mode
+        else:
+            young_daly.update(mode)
+        log(f"{name}: save blocks {cost * 1000:.0f} ms (whole save {whole * 1000:.0f} ms) -> K = {ks[name]}")
     rows = [ref]
     for name in systems:
         if name in skipped:
             continue
-        extra = [f"--training.checkpoint_every={k}"] if name == "restart" else []
-        baseline = {"restart": "restart", "shrink": "shrink"}.get(name)
+        extra, label = [], None
+        if name in RESTARTS:
+            extra = [f"--training.checkpoint_every={ks[name]}",
+                     f"--training.checkpoint_async={str(RESTARTS[name]).lower()}"]
+            label = f"{LABELS[name]}, checkpoint every K = {ks[name]} steps"
+        baseline = "restart" if name in RESTARTS else {"shrink": "shrink"}.get(name)
         code = run_one(name, fails, baseline, extra)
-        label = f"{LABELS['restart']}, DCP checkpoint every K = {k} steps" if name == "restart" else None
         try:
             rows.append(system_row(name, out / name, ref, code, label))
-            if name == "restart":
-                rows[-1]["checkpoint_every"] = k
+            if name in RESTARTS:
+                rows[-1]["checkpoint_every"] = ks[name]
+                rows[-1]["checkpoint_async"] = RESTARTS[name]
         except ValueError as exc:
             skipped[name] = f"no result: {exc}"
     ideal = assemble(rows, schedule, replicas, steps)
@@ -409,9 +448,7 @@ def run_bench(config: str = "tiny", replicas: int = 4, steps: int = 60, schedule
         "benchmark": "failures", "config": config, "replicas": replicas, "steps": steps,
         "microbatches": cfg.training.global_microbatches, "overrides": list(overrides),
         "schedule": {"kind": schedule_kind, "fails": fails, "mtbf_s": round(mtbf, 3), "seed": seed},
-        "young_daly": {"save_cost_s": round(save_cost, 4), "mtbf_s": round(mtbf, 3), "step_time_s": round(step_time, 4),
-                       "interval_s": round(math.sqrt(2 * save_cost * mtbf), 3), "checkpoint_every": k,
-                       "overridden": checkpoint_every is not None},
+        "young_daly": young_daly,
         "ideal": ideal, "systems": rows, "skipped": skipped,
         "load": {"before": load_before, "after": machine_load()}, "bench_wall_s": round(time.time() - t_bench, 1),
         "out": str(out),
@@ -430,7 +467,8 @@ def add_parser(bench_subparsers: argparse._SubParsersAction) -> argparse.Argumen
     """Adds ``recover bench failures`` (sets ``func`` to :func:`run_from_args`)."""
     p = bench_subparsers.add_parser(
         "failures", help="recover vs checkpoint-and-restart vs shrink-and-drop vs torchft, same failures",
-        description="Runs a failure-free reference, recover, checkpoint-and-restart (K by Young/Daly), "
+        description="Runs a failure-free reference, recover, checkpoint-and-restart with synchronous and with "
+                    "asynchronous DCP saves (K by Young/Daly from each mode's blocking save cost), "
                     "shrink-and-drop and torchft (if importable) on the same seed, model and failure schedule; "
                     "prints wall time, effective throughput, time lost per failure, min microbatches per step, "
                     "loss deviation from the reference and final validation loss. Config overrides: "

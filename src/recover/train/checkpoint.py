@@ -4,11 +4,20 @@ Layout: ``CKPT_ROOT/step_000010/`` holds the DCP files (model, optimizer, RNG) a
 (step, data cursor, model config, tokens). It is written as ``step_000010.partial/`` first; the
 ``COMMITTED`` marker is written and fsynced last and the directory renamed into place, so a
 checkpoint directory without the marker (a save killed halfway) is never loaded and never
-replaces an older complete one.
+replaces an older complete one. An older complete save of the same step is first renamed aside
+(``.replaced``), never deleted in place, so a crash between the renames leaves no torn
+``step_*`` directory either.
 
 Contract:
 - :func:`save_checkpoint` is called by every rank that holds a shard of the state (with the
   group they share), or by one rank with ``process_group=None`` when every rank holds a full copy.
+- :func:`save_checkpoint_async` (one rank, full copy) returns once the state is copied (staged)
+  to CPU memory; ``torch.distributed.checkpoint.async_save`` writes it from a background thread
+  and the same commit (``meta.json``, fsynced marker, rename) runs only after the write succeeded,
+  from that thread. Until then the checkpoint is invisible: a process killed during the write
+  leaves only a ``.partial`` directory. :meth:`AsyncSave.wait` blocks until it is committed (or
+  raises :class:`CheckpointError` if the write failed); the caller must wait before the next save
+  and before the process exits.
 - :func:`latest_checkpoint` returns the newest complete checkpoint or None.
 - :func:`load_checkpoint` restores model and optimizer in place and returns the metadata; a
   checkpoint written for another model shape is refused with a :class:`CheckpointError`.
@@ -21,7 +30,10 @@ import json
 import os
 import re
 import shutil
+import time
 import warnings
+from concurrent import futures
+from concurrent.futures import Future
 from pathlib import Path
 from typing import Any
 
@@ -63,8 +75,7 @@ def save_checkpoint(root: str | os.PathLike[str], step: int, model: nn.Module,
     final = checkpoint_path(root, step)
     partial = final.with_name(final.name + ".partial")
     if is_writer:
-        shutil.rmtree(partial, ignore_errors=True)
-        partial.mkdir(parents=True)
+        _begin(root, step)
     if process_group is not None:
         torch.distributed.barrier(group=process_group)
     with warnings.catch_warnings():
@@ -73,14 +84,104 @@ def save_checkpoint(root: str | os.PathLike[str], step: int, model: nn.Module,
         dcp.save(_state(model, optimizer), checkpoint_id=str(partial), process_group=process_group,
                  no_dist=process_group is None)
     if is_writer:
-        record = {"step": step, "model": dataclasses.asdict(model_cfg), **meta}
-        (partial / "meta.json").write_text(json.dumps(record, indent=1))
-        _write_synced(partial / MARKER, json.dumps({"step": step}))
-        if final.exists():  # an older save of the same step: replace it only now
-            shutil.rmtree(final)
-        os.replace(partial, final)
-        _fsync_dir(final.parent)
+        _commit(partial, final, step, meta, model_cfg)
     return final
+
+
+def _begin(root: str | os.PathLike[str], step: int) -> tuple[Path, Path]:
+    """(final, partial) directories of a save of ``step``; a stale partial one is cleared."""
+    final = checkpoint_path(root, step)
+    partial = final.with_name(final.name + ".partial")
+    shutil.rmtree(partial, ignore_errors=True)
+    partial.mkdir(parents=True)
+    return final, partial
+
+
+def _commit(partial: Path, final: Path, step: int, meta: dict[str, Any], model_cfg: ModelConfig) -> None:
+    """Makes a fully written ``partial`` directory the checkpoint of ``step`` (the last act of a save)."""
+    record = {"step": step, "model": dataclasses.asdict(model_cfg), **meta}
+    _write_synced(partial / "meta.json", json.dumps(record, indent=1))
+    _write_synced(partial / MARKER, json.dumps({"step": step}))
+    aside = final.with_name(final.name + ".replaced")
+    if final.exists():  # an older save of the same step: move it aside (atomic), delete it only afterwards
+        shutil.rmtree(aside, ignore_errors=True)
+        os.replace(final, aside)
+    os.replace(partial, final)
+    _fsync_dir(final.parent)
+    shutil.rmtree(aside, ignore_errors=True)
+
+
+class AsyncSave:
+    """A checkpoint being written in the background by :func:`save_checkpoint_async`.
+
+    Attributes:
+        step: the checkpoint's step.
+        path: its final directory (it exists, complete, only once :meth:`done` is true and no error).
+        blocking_s: seconds the caller was blocked (state dict + staging copy + starting the writer).
+    """
+
+    def __init__(self, step: int, path: Path, partial: Path, blocking_s: float) -> None:
+        self.step, self.path, self.partial, self.blocking_s = step, path, partial, blocking_s
+        self.committed: Future[Path] = Future()
+        """Resolves to ``path`` once committed, or to the write's or commit's error."""
+
+    def _finish(self, upload: Future[Any], meta: dict[str, Any], model_cfg: ModelConfig) -> None:
+        """Runs when DCP's write finished (in its writer thread): commit only a successful write."""
+        try:
+            upload.result()
+            _commit(self.partial, self.path, self.step, meta, model_cfg)
+        except BaseException as exc:  # handed to whoever waits
+            self.committed.set_exception(exc)
+        else:
+            self.committed.set_result(self.path)
+
+    def done(self) -> bool:
+        return self.committed.done()
+
+    def wait(self, timeout: float | None = None) -> Path:
+        """Blocks until the checkpoint is committed; returns its path.
+
+        Raises:
+            CheckpointError: the background write or commit failed (nothing was committed; older
+                checkpoints are untouched).
+            TimeoutError: still writing after ``timeout`` seconds (``concurrent.futures.TimeoutError``).
+        """
+        try:
+            return self.committed.result(timeout)
+        except futures.TimeoutError:
+            raise
+        except Exception as exc:
+            raise CheckpointError(f"the asynchronous checkpoint of step {self.step} failed while writing "
+                                  f"{self.partial} ({type(exc).__name__}: {exc}); it was not committed") from exc
+
+
+def save_checkpoint_async(root: str | os.PathLike[str], step: int, model: nn.Module,
+                          optimizer: torch.optim.Optimizer, meta: dict[str, Any],
+                          model_cfg: ModelConfig) -> AsyncSave:
+    """Like :func:`save_checkpoint` from one rank holding the full state, but the write runs in the background.
+
+    Returns as soon as the state is copied to CPU memory (training may then change the model and
+    optimizer freely); the checkpoint is committed, with the same atomic protocol, by the writer
+    thread after the write succeeded. Call :meth:`AsyncSave.wait` before the next save and before
+    the process exits: a process that dies first leaves only a ``.partial`` directory, never a
+    loadable checkpoint.
+    """
+    import torch.distributed.checkpoint as dcp
+
+    t0 = time.perf_counter()
+    # DCP's writer thread warns that it saves from one process, which is intended; catch_warnings
+    # here would be left before that thread warns, so this one message is silenced for good.
+    warnings.filterwarnings("ignore", message="torch.distributed is disabled.*save in a single process",
+                            category=UserWarning)
+    final, partial = _begin(root, step)
+    meta = json.loads(json.dumps(meta))  # the values of now, not of when the write ends
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore", FutureWarning)
+        warnings.filterwarnings("ignore", message="torch.distributed is disabled")  # no_dist is intended
+        upload = dcp.async_save(_state(model, optimizer), checkpoint_id=str(partial), no_dist=True)
+    pending = AsyncSave(step, final, partial, time.perf_counter() - t0)
+    upload.add_done_callback(lambda fut: pending._finish(fut, meta, model_cfg))
+    return pending
 
 
 def _write_synced(path: Path, text: str) -> None:

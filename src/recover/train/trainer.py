@@ -17,6 +17,7 @@ from __future__ import annotations
 
 import json
 import os
+import sys
 import time
 from collections.abc import Callable
 from dataclasses import asdict
@@ -119,6 +120,10 @@ class Trainer:
         self.tokens_per_step = tc.global_microbatches * cfg.data.microbatch_size * cfg.data.seq_len
         self.start_step = 0
         self.total_tokens = 0
+        self._pending_save: ckpt.AsyncSave | None = None
+        """The asynchronous checkpoint being written (``training.checkpoint_async``), if any."""
+        self.last_save_blocking_s = 0.0
+        """Seconds the last :meth:`save` blocked training (with an asynchronous save: staging only)."""
         if resume:
             self._resume()
 
@@ -152,21 +157,53 @@ class Trainer:
         if self.main:
             print(f"resumed from {path} (step {self.start_step})", flush=True)
 
-    def save(self, step: int) -> Path:
+    def save(self, step: int, blocking: bool | None = None) -> Path:
         """Checkpoint after ``step`` committed steps (every rank holds a full copy: rank 0 writes;
-        a replica of several ranks saves its shards together, collectively)."""
+        a replica of several ranks saves its shards together, collectively).
+
+        With ``training.checkpoint_async`` (one writer: not for a replica of several ranks) a periodic
+        save returns once the state is copied to CPU memory and DCP writes it in the background; the
+        checkpoint becomes loadable only when complete (:func:`~recover.train.checkpoint.save_checkpoint_async`).
+        Every save first waits for the previous asynchronous one (and raises its error, if any). A save
+        blocks until committed when ``blocking`` is true, or, by default, at the end of training
+        (``step >= training.steps``) and when made while an exception is being handled (a stop, such as
+        a lost quorum, after which the process exits). :attr:`last_save_blocking_s` is how long the
+        call blocked; :meth:`wait_checkpoint` waits for the one in flight.
+        """
+        t0 = time.perf_counter()
+        self.wait_checkpoint()
         meta = {"total_tokens": self.total_tokens, "data_cursor": {"step": step, "epoch": self.sampler.epoch_of(step)},
                 "seed": self.cfg.training.seed}
         if self.engine is not None:
-            return ckpt.save_checkpoint(self.checkpoint_dir, step, self.model, self.optimizer, meta, self.cfg.model,
+            path = ckpt.save_checkpoint(self.checkpoint_dir, step, self.model, self.optimizer, meta, self.cfg.model,
                                         process_group=self.engine.group, is_writer=self.main)
+            self.last_save_blocking_s = time.perf_counter() - t0
+            return path
         path = ckpt.checkpoint_path(self.checkpoint_dir, step)
         if self.main:
-            path = ckpt.save_checkpoint(self.checkpoint_dir, step, self.model, self.optimizer, meta,
-                                        self.cfg.model)
+            if blocking is None:
+                blocking = step >= self.cfg.training.steps or sys.exc_info()[0] is not None
+            if self.cfg.training.checkpoint_async:
+                self._pending_save = ckpt.save_checkpoint_async(self.checkpoint_dir, step, self.model,
+                                                                self.optimizer, meta, self.cfg.model)
+                if blocking:
+                    self.wait_checkpoint()
+            else:
+                path = ckpt.save_checkpoint(self.checkpoint_dir, step, self.model, self.optimizer, meta,
+                                            self.cfg.model)
         if self.ctx.world_size > 1:
             torch.distributed.barrier()
+        self.last_save_blocking_s = time.perf_counter() - t0
         return path
+
+    def wait_checkpoint(self) -> Path | None:
+        """Waits until the asynchronous save in flight (if any) is committed; returns its path.
+
+        Raises:
+            CheckpointError: its background write failed (nothing of it was committed).
+        """
+        pending, self._pending_save = self._pending_save, None
+        return pending.wait() if pending is not None else None
 
     def transfer_state(self, counters: dict[str, int]) -> dict[str, torch.Tensor]:
         """This rank's parameters and optimizer state, plus ``counters``, as flat tensors for a joiner
@@ -276,6 +313,7 @@ class Trainer:
             display.close()
             if metrics is not None:
                 metrics.close()
+        self.wait_checkpoint()  # an asynchronous save still writing is part of the run
         wall = time.perf_counter() - t_start
         done = max(0, end - self.start_step)
         summary = {"name": self.cfg.name, "steps": end, "steps_run": done, "wall_s": round(wall, 3),

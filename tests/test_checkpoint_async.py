@@ -1,0 +1,202 @@
+"""Asynchronous DCP checkpoints (``training.checkpoint_async``): visible only once complete.
+
+- an async save returns once the state is staged; the checkpoint is invisible (only a
+  ``.partial`` directory) until its background write finished and the commit ran, and it holds
+  the state of the moment it was started even if training changes the model meanwhile;
+- a failed background write commits nothing and is reported by ``wait``;
+- a process SIGKILLed while async saves are being written leaves no loadable torn checkpoint;
+- a training run with async saves resumes from one and reproduces the trajectory.
+"""
+
+from __future__ import annotations
+
+import os
+import signal
+import subprocess
+import sys
+import threading
+import time
+from concurrent.futures import Future
+from pathlib import Path
+
+import pytest
+import torch
+from torch import nn
+
+from conftest import losses, max_rel_diff, subprocess_env
+from recover.cli import main
+from recover.config import ModelConfig
+from recover.errors import CheckpointError
+from recover.train import checkpoint as ckpt
+
+CFG = ModelConfig()  # only stored in meta.json here: the modules below are plain nn.Linear
+
+
+def small(value: float) -> tuple[nn.Module, torch.optim.Optimizer]:
+    """A model whose parameters are all ``value``, with an AdamW state (one step taken)."""
+    model = nn.Sequential(nn.Linear(16, 16), nn.Linear(16, 4))
+    opt = torch.optim.AdamW(model.parameters(), lr=0.1)
+    model(torch.ones(2, 16)).sum().backward()
+    opt.step()
+    fill(model, value)
+    return model, opt
+
+
+def fill(model: nn.Module, value: float) -> None:
+    with torch.no_grad():
+        for p in model.parameters():
+            p.fill_(value)
+
+
+def params_equal(model: nn.Module, value: float) -> bool:
+    return all(torch.all(p == value) for p in model.parameters())
+
+
+@pytest.fixture
+def gate(monkeypatch: pytest.MonkeyPatch) -> threading.Event:
+    """Holds every ``dcp.async_save``'s completion until the event is set (the files are written)."""
+    import torch.distributed.checkpoint as dcp
+
+    real = dcp.async_save
+    release = threading.Event()
+
+    def gated(*args, **kwargs) -> Future:
+        inner, outer = real(*args, **kwargs), Future()
+
+        def relay() -> None:
+            release.wait(60)
+            try:
+                outer.set_result(inner.result())
+            except Exception as exc:  # relayed to the waiter
+                outer.set_exception(exc)
+
+        threading.Thread(target=relay, daemon=True).start()
+        return outer
+
+    monkeypatch.setattr(dcp, "async_save", gated)
+    return release
+
+
+def test_async_save_is_loadable_only_once_complete_and_holds_the_staged_state(tmp_path: Path,
+                                                                             gate: threading.Event) -> None:
+    model, opt = small(1.0)
+    ckpt.save_checkpoint(tmp_path, 1, model, opt, {"tag": "old"}, CFG)
+    fill(model, 2.0)
+    pending = ckpt.save_checkpoint_async(tmp_path, 2, model, opt, {"tag": "new"}, CFG)
+    fill(model, 3.0)  # training goes on while the write is in flight
+    time.sleep(0.2)
+    assert not pending.done()
+    assert [s for s, _ in ckpt.list_checkpoints(tmp_path)] == [1]
+    assert (tmp_path / "step_000002.partial").is_dir() and not (tmp_path / "step_000002").exists()
+    with pytest.raises(CheckpointError, match="not a complete checkpoint"):
+        ckpt.read_meta(tmp_path / "step_000002.partial")
+    gate.set()
+    assert pending.wait(60) == tmp_path / "step_000002"
+    assert ckpt.latest_checkpoint(tmp_path) == tmp_path / "step_000002"
+    assert not (tmp_path / "step_000002.partial").exists()
+    fresh, fresh_opt = small(0.0)
+    meta = ckpt.load_checkpoint(tmp_path / "step_000002", fresh, fresh_opt, CFG)
+    assert meta["step"] == 2 and meta["tag"] == "new"
+    assert params_equal(fresh, 2.0)  # the state when the save started, not the 3.0 of afterwards
+    ref = opt.state_dict()["state"][0]["exp_avg"]
+    assert torch.equal(fresh_opt.state_dict()["state"][0]["exp_avg"], ref)
+
+
+def test_a_failed_async_write_commits_nothing(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    import torch.distributed.checkpoint as dcp
+
+    def broken(*args, **kwargs) -> Future:
+        fut: Future = Future()
+        fut.set_exception(OSError("disk full"))
+        return fut
+
+    monkeypatch.setattr(dcp, "async_save", broken)
+    model, opt = small(1.0)
+    pending = ckpt.save_checkpoint_async(tmp_path, 5, model, opt, {}, CFG)
+    with pytest.raises(CheckpointError, match="step 5 failed.*disk full"):
+        pending.wait(10)
+    assert ckpt.list_checkpoints(tmp_path) == []
+
+
+def test_replacing_a_checkpoint_of_the_same_step_never_exposes_a_torn_one(tmp_path: Path) -> None:
+    model, opt = small(1.0)
+    ckpt.save_checkpoint(tmp_path, 3, model, opt, {}, CFG)
+    fill(model, 4.0)
+    ckpt.save_checkpoint_async(tmp_path, 3, model, opt, {}, CFG).wait(60)
+    assert [p.name for p in tmp_path.iterdir()] == ["step_000003"]
+    fresh, fresh_opt = small(0.0)
+    ckpt.load_checkpoint(tmp_path / "step_000003", fresh, fresh_opt, CFG)
+    assert params_equal(fresh, 4.0)
+
+
+SAVER = """
+import sys, torch
+from torch import nn
+from recover.config import ModelConfig
+from recover.train import checkpoint as ckpt
+root = sys.argv[1]
+model = nn.Sequential(*[nn.Linear(512, 512) for _ in range(4)])  # ~1 M floats: ~12 MB with AdamW state
+opt = torch.optim.AdamW(model.parameters())
+model(torch.ones(1, 512)).sum().backward()
+opt.step()
+pending = None
+for step in range(1, 1000):
+    with torch.no_grad():
+        for p in model.parameters():
+            p.fill_(float(step))
+    if pending is not None:
+        pending.wait()
+    pending = ckpt.save_checkpoint_async(root, step, model, opt, {"value": step}, ModelConfig())
+    print(step, flush=True)
+"""
+
+
+def test_a_process_killed_during_async_saves_leaves_no_loadable_torn_checkpoint(tmp_path: Path) -> None:
+    """SIGKILL 30 ms after an async save started: its write is in flight (here a save takes ~100 ms and
+    the kill finds a half-written ``.distcp`` file in ``step_000004.partial``); whatever the timing,
+    every visible checkpoint is complete and holds the state of its own step."""
+    root = tmp_path / "ckpts"
+    proc = subprocess.Popen([sys.executable, "-c", SAVER, str(root)], stdout=subprocess.PIPE, text=True,
+                            env=subprocess_env(), start_new_session=True)
+    try:
+        for line in proc.stdout:
+            if int(line) == 4:  # steps 1..3 are committed (3 was awaited), 4's write has just started
+                time.sleep(0.03)
+                os.kill(proc.pid, signal.SIGKILL)
+                break
+    finally:
+        if proc.poll() is None:
+            os.killpg(proc.pid, signal.SIGKILL)
+        proc.wait(30)
+    assert proc.returncode == -signal.SIGKILL
+    found = ckpt.list_checkpoints(root)
+    assert [s for s, _ in found][:3] == [1, 2, 3]
+    assert [s for s, _ in found] in ([1, 2, 3], [1, 2, 3, 4])
+    for step, path in found:
+        model = nn.Sequential(*[nn.Linear(512, 512) for _ in range(4)])
+        opt = torch.optim.AdamW(model.parameters())
+        assert ckpt.load_checkpoint(path, model, opt, ModelConfig())["value"] == step
+        assert params_equal(model, float(step))
+    leftovers = {p.name for p in root.iterdir()} - {p.name for _, p in found}
+    assert leftovers <= {"step_000004.partial"}
+
+
+def train_args(out: Path, corpus: Path, *extra: str) -> list[str]:
+    return ["train", "--config", "debug", "--out", str(out), "--no-progress", "--data.path", str(corpus),
+            "--training.steps=12", "--training.eval_every=6", "--training.threads=1",
+            "--training.checkpoint_every=3", *extra]
+
+
+def test_resume_from_an_async_checkpoint_reproduces_the_trajectory(corpus: Path, tmp_path: Path,
+                                                                   capsys: pytest.CaptureFixture[str]) -> None:
+    ref, run = tmp_path / "sync", tmp_path / "async"
+    assert main(train_args(ref, corpus)) == 0
+    assert main([*train_args(run, corpus, "--training.checkpoint_async=true"), "--stop-at-step", "8"]) == 0
+    # saves after steps 3 and 6 were async, the one at the stop (8) too: the run waited for it at its end
+    assert [s for s, _ in ckpt.list_checkpoints(run / "checkpoints")] == [3, 6, 8]
+    assert not list((run / "checkpoints").glob("*.partial"))
+    capsys.readouterr()
+    assert main([*train_args(run, corpus, "--training.checkpoint_async=true"), "--resume"]) == 0
+    assert "(step 8)" in capsys.readouterr().out
+    assert [s for s, _ in ckpt.list_checkpoints(run / "checkpoints")] == [3, 6, 8, 9, 12]
+    assert max_rel_diff(losses(ref), losses(run)) <= 1e-6
