@@ -150,6 +150,7 @@ def print_rich_table(title: str, columns: Sequence[str], rows: Sequence[Sequence
                      notes: Sequence[str] = ()) -> None:
     """A rich table on stdout (plain text when stdout is not a terminal), then one line per note."""
     from rich.console import Console
+    from rich.markup import escape
     from rich.table import Table
 
     table = Table(title=title, title_justify="left")
@@ -160,7 +161,7 @@ def print_rich_table(title: str, columns: Sequence[str], rows: Sequence[Sequence
     console = Console(width=max(120, sum(len(c) + 3 for c in columns)))
     console.print(table)
     for note in notes:
-        console.print(note, highlight=False)
+        console.print(escape(note), highlight=False)  # '[bench]' in a note is text, not rich markup
 
 
 def wait_for(predicate: Callable[[], bool], timeout_s: float, what: str, poll_s: float = 0.05) -> None:
