@@ -25,7 +25,7 @@ demo: $(STAMP)
 	$(VENV)/bin/recover demo
 
 test: $(STAMP)
-	$(PY) -m pytest -q
+	$(PY) -m pytest -q --durations=15
 
 lint: $(STAMP)
 	$(VENV)/bin/ruff check src tests

@@ -27,7 +27,8 @@ from typing import TYPE_CHECKING, Any
 import torch
 
 from recover.config import Config, DataConfig
-from recover.data import EvalSampler, Sampler, TokenDataset, prepare_builtin
+from recover.data import EvalSampler, Sampler, TokenDataset
+from recover.data.prepare import resolve_data_dir
 from recover.errors import ConfigError, RecoverError
 from recover.model import build_model, lm_loss, model_stats
 from recover.observe.events import JsonlWriter
@@ -41,23 +42,6 @@ from recover.workload import static_assignment
 
 if TYPE_CHECKING:
     from recover.parallel import ReplicaEngine
-
-BUILTIN_PREFIX = "builtin:"
-
-
-def resolve_data_dir(cfg: DataConfig, prepare: bool = True, quiet: bool = False) -> Path:
-    """The shard directory of ``cfg.path``; ``builtin:NAME`` is prepared on first use."""
-    if cfg.path.startswith(BUILTIN_PREFIX):
-        name = cfg.path[len(BUILTIN_PREFIX):]
-        out = Path(cfg.cache_dir) / name
-        if prepare:
-            prepare_builtin(name, out, quiet=quiet)
-        return out
-    path = Path(cfg.path)
-    if not path.is_dir():
-        raise ConfigError(f"data.path = {cfg.path!r} is not a directory; prepare one with "
-                          "`recover prepare FILES --out DIR` or use 'builtin:stdlib'")
-    return path
 
 
 def open_datasets(cfg: DataConfig, data_dir: Path, vocab_size: int) -> tuple[TokenDataset, TokenDataset]:
