@@ -66,6 +66,21 @@ class LaunchOptions:
     title: str = "launch"
 
 
+def kill_processes(procs: list[subprocess.Popen[bytes]]) -> None:
+    """SIGKILLs each process still running (by PID: each leads its own session), then reaps them all."""
+    for proc in procs:
+        if proc.poll() is None:
+            try:
+                os.killpg(proc.pid, signal.SIGKILL)
+            except ProcessLookupError:
+                pass
+    for proc in procs:
+        try:
+            proc.wait(timeout=10)
+        except subprocess.TimeoutExpired:
+            pass
+
+
 LOST = -signal.SIGKILL
 """A replica's exit code when it was lost to a failure (a rank SIGKILLed, or the replica fenced)."""
 
@@ -109,18 +124,8 @@ class Replica:
         return self.exit_code
 
     def kill(self) -> None:
-        """SIGKILLs every rank still running (by PID, its own session) and reaps it."""
-        for proc in self.procs:
-            if proc.poll() is None:
-                try:
-                    os.killpg(proc.pid, signal.SIGKILL)
-                except ProcessLookupError:
-                    pass
-        for proc in self.procs:
-            try:
-                proc.wait(timeout=10)
-            except subprocess.TimeoutExpired:
-                pass
+        """SIGKILLs every rank still running and reaps it."""
+        kill_processes(self.procs)
 
     def close_logs(self) -> None:
         for log in self.logs:
@@ -235,18 +240,7 @@ class Launcher:
 
     def _kill_all(self) -> None:
         procs = [p for r in self.replicas.values() for p in r.procs] + ([self.coordinator] if self.coordinator else [])
-        procs += [p for p, _, _ in self.spare] if self.spare else []
-        for proc in procs:
-            if proc.poll() is None:
-                try:
-                    os.killpg(proc.pid, signal.SIGKILL)
-                except ProcessLookupError:
-                    pass
-        for proc in procs:
-            try:
-                proc.wait(timeout=10)
-            except subprocess.TimeoutExpired:
-                pass
+        kill_processes(procs + ([p for p, _, _ in self.spare] if self.spare else []))
 
     # ---- monitoring ------------------------------------------------------------------------
     def _poll_replicas(self, now: float) -> None:

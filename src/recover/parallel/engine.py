@@ -117,6 +117,7 @@ class ReplicaEngine:
         self.ledger: list[int] = []
         self.losses: dict[int, float] = {}
         self.loss_sum = 0.0
+        self._eval_model: torch.nn.Module | None = None  # the whole model, built on first evaluate (rank 0)
 
     @property
     def owns_loss(self) -> bool:
@@ -278,7 +279,7 @@ class ReplicaEngine:
             whole: dict[str, torch.Tensor] = {}
             for part in gathered:
                 whole.update(part or {})
-            if getattr(self, "_eval_model", None) is None:
+            if self._eval_model is None:
                 self._eval_model = build_model(self.cfg, 0, self.device).eval()
             for name, p in self._eval_model.named_parameters():
                 p.copy_(whole[name])
