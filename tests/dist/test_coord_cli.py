@@ -15,7 +15,7 @@ import pytest
 from recover.coord import CoordinatorClient, CoordinatorRefused
 from recover.observe.events import read_jsonl
 
-ROOT = Path(__file__).resolve().parents[1]
+ROOT = Path(__file__).resolve().parents[2]
 
 
 def env() -> dict[str, str]:

@@ -20,7 +20,7 @@ SEQ_LEN = 16
 SHARD0 = np.arange(0, 1000)  # (1000 - 1) // 16 = 62 windows
 SHARD1 = np.arange(5000, 5700)  # (700 - 1) // 16 = 43 windows; a jump of 4000 marks the shard boundary
 W = 62 + 43
-SRC = str(Path(__file__).resolve().parents[1] / "src")
+SRC = str(Path(__file__).resolve().parents[2] / "src")
 
 HASH_SCRIPT = """
 import hashlib, sys

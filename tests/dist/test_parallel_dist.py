@@ -25,7 +25,7 @@ import torch
 from _parallel_workers.common import STEPS, plan, reference, write_corpus
 
 pytestmark = pytest.mark.slow
-ROOT = Path(__file__).resolve().parents[1]
+ROOT = Path(__file__).resolve().parents[2]
 WORKER = ROOT / "tests" / "_parallel_workers" / "engine_worker.py"
 INTRA_TIMEOUT_S = 20.0
 _REFERENCES: dict[bool, tuple[list[float], list[float], dict[str, torch.Tensor]]] = {}

@@ -1,0 +1,62 @@
+"""Names shared by several layers, from one source: step phases and baselines.
+
+Contract: every other module (fault injection, the step protocol, the launcher's flags and help
+texts, error messages, config choices) takes these names from here; nothing spells them out again.
+Both are ``str`` enums, so a member compares equal to its plain name (``Phase.REDUCE == "reduce"``)
+and JSON logs keep writing plain strings. Each member carries a one-line ``help``.
+"""
+
+from __future__ import annotations
+
+from enum import Enum
+
+
+class _Named(str, Enum):
+    """A ``str`` enum whose members are ``NAME = "value", "one-line help"``."""
+
+    help: str
+
+    def __new__(cls, value: str, help: str = "") -> _Named:
+        member = str.__new__(cls, value)
+        member._value_ = value
+        member.help = help
+        return member
+
+    def __str__(self) -> str:
+        return str(self.value)
+
+    @classmethod
+    def values(cls) -> tuple[str, ...]:
+        return tuple(m.value for m in cls)
+
+    @classmethod
+    def describe(cls) -> str:
+        """``"value (help), ..."`` of every member: for help texts."""
+        return ", ".join(f"{m.value} ({m.help})" for m in cls)
+
+
+class Phase(_Named):
+    """Points of a step at which a fault can be injected, in step order."""
+
+    FORWARD = "forward", "while the step's microbatches run forward; the default"
+    BACKWARD = "backward", "while they run backward"
+    REDUCE = "reduce", "while the cross-replica reduction is in flight"
+    COMMIT = "commit", "at the commit vote"
+    OPTIMIZER = "optimizer", "after the commit, at the optimizer step"
+    IDLE = "idle", "after the step, before the next one begins"
+    RECOVER = "recover", "while recovering from another replica's failure"
+
+
+PHASES: tuple[str, ...] = Phase.values()
+STEP_PHASES: tuple[str, ...] = tuple(p.value for p in Phase if p is not Phase.RECOVER)
+"""The phases every step passes through (``recover`` happens only when another replica fails)."""
+
+
+class Baseline(_Named):
+    """What a job runs instead of recover's in-step recovery, for comparison on the same failures."""
+
+    SHRINK = "shrink", "shrink-and-drop, torchft's semantics: a failed step is dropped, the batch shrinks"
+    RESTART = "restart", "checkpoint-and-restart: a failure stops the job, relaunched from the last checkpoint"
+
+
+BASELINES: tuple[str, ...] = Baseline.values()
