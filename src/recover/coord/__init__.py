@@ -3,6 +3,8 @@
 ``recover.coord.server.Coordinator`` runs outside every worker and hosts the c10d store;
 ``recover.coord.client.CoordinatorClient`` is each worker's persistent connection to it.
 The wire protocol (``recover.coord.protocol``) is versioned length-prefixed JSON, never pickle.
+The server only moves bytes; its rules are pure and unit-tested: ``recover.coord.ranks`` (connections,
+timeouts, aggregation of a replica's ranks) drives ``recover.coord.state`` (membership per replica).
 This package imports no torch at module level (only ``Coordinator.start`` does, for the store).
 """
 

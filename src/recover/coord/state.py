@@ -95,6 +95,30 @@ class MembershipState:
     def generation(self) -> int:
         return self.current.generation if self.current else 0
 
+    # ------------------------------------------------------- read-only views
+
+    @property
+    def failing(self) -> bool:
+        """True while a failure round is open (the current generation is being replaced)."""
+        return self.round is not None
+
+    def is_live(self, replica: int) -> bool:
+        """True if ``replica`` registered and has not been declared dead since."""
+        return replica in self.live
+
+    def accepts_vote(self, replica: int, generation: int, step: int) -> bool:
+        """True when ``on_vote(replica, _, generation, step, ...)`` would record the vote and wait
+        for the other members; False when it would refuse it or answer ``aborted`` at once."""
+        cur = self.current
+        return (cur is not None and generation == cur.generation and replica in cur.members
+                and self.round is None and step > self.committed_step and replica not in self.votes)
+
+    def summary(self) -> dict[str, Any]:
+        """Generation, members, committed step, live and pending replicas, and ``failing``: copies."""
+        return {"generation": self.generation, "members": list(self.current.members) if self.current else [],
+                "committed_step": self.committed_step, "live": sorted(self.live),
+                "pending_join": sorted(self.pending_join), "failing": self.failing}
+
     # ----------------------------------------------------------------- events
 
     def on_register(self, replica: int, join: bool, req_id: int, now: float) -> list[Action]:

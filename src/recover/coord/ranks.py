@@ -1,0 +1,415 @@
+"""The coordinator's connection logic: authentication, timeouts and per-replica rank aggregation.
+
+Pure: no sockets, no threads, no clock (every event carries ``now``). The server owns the sockets
+and names each connection by an opaque hashable key; it feeds one :class:`RankAggregator` from one
+thread, in the order it observes them, with these events:
+
+  ``on_open(conn, peer, now)``           a connection was accepted (``peer`` is only for logs);
+  ``on_heard(conn, now)``                bytes arrived on it (any bytes count as a heartbeat);
+  ``on_message(conn, msg, now)``         a schema-valid client message was decoded;
+  ``on_bad_frame(conn, error, now)``     a :class:`~recover.coord.protocol.ProtocolError` instead;
+  ``on_closed(conn, cause, now)``        the connection is gone (EOF, a slow consumer, ...);
+  ``on_tick(now)``                       time passed: register and heartbeat timeouts, ack deadlines;
+
+and carries out the actions each returns, in order: :class:`SendTo` (queue a message on a
+connection), :class:`Close` (close it; a fenced connection gets its ``error`` first) and
+:class:`~recover.coord.state.Log` (an ``events.jsonl`` record). The membership itself stays per
+replica, in the :class:`~recover.coord.state.MembershipState` this object wraps and alone drives.
+
+Invariants:
+  * A connection's first message must be a ``register`` with the right token; anything else is
+    refused (``error`` reply, ``refused`` log) and the connection closed. So is a connection that
+    does not register within ``register_timeout_s``, or one whose stream is out of sync. A bad
+    message on a registered connection is refused and the connection stays.
+  * Each rank k of replica R registers on its own connection with ``rank=k, ranks=P``. R reaches the
+    state once, when all P ranks have (same P and ``join``); a duplicate rank, a different P or
+    ``join``, or an R already alive is refused and that connection closed.
+  * Every request forwarded to the state gets a unique id; the state's reply goes back to exactly
+    the connection(s) that asked, each with its own request id. Pushes go to all P ranks.
+  * ``ack`` of g reaches the state once all P acked g; ``report`` at once (reply to that rank);
+    ``vote`` once all P voted the same (generation, step, ids) (the reply goes to all P), unless the
+    state would refuse or abort it anyway (then at once, for that rank alone). Ranks that vote
+    differently fence the replica. ``failing`` and ``membership`` pushes answer the votes still
+    buffered for the generations they end ``aborted``.
+  * Any rank's connection closing, its silence beyond ``heartbeat_timeout_s`` (counted from the
+    replica's registration), or its fencing fences all the replica's other ranks (each gets the
+    ``fenced`` error, then is closed) and tells the state once that R is dead. A replica the state
+    never heard of (not all ranks registered yet) is only logged as ``register_abandoned``.
+"""
+
+from __future__ import annotations
+
+import hmac
+import itertools
+from collections.abc import Callable, Hashable, Mapping
+from dataclasses import dataclass, field
+from types import MappingProxyType
+from typing import Any
+
+from recover.coord.protocol import ProtocolError, register_ranks
+from recover.coord.state import Action, Fence, Log, MembershipState, Refused, Send
+
+Ballot = tuple[int, int, tuple[int, ...]]  # (generation, step, sorted ids)
+
+
+@dataclass(frozen=True)
+class SendTo:
+    """Queue ``msg`` on connection ``conn``."""
+
+    conn: Hashable
+    msg: dict[str, Any]
+
+
+@dataclass(frozen=True)
+class Close:
+    """Close connection ``conn``; the logic will not address it again."""
+
+    conn: Hashable
+
+
+Out = SendTo | Close | Log
+
+
+@dataclass(eq=False)
+class _Link:
+    """One connection as the logic knows it."""
+
+    conn: Hashable
+    peer: str
+    opened: float
+    last_seen: float
+    replica: int | None = None  # set once its register is accepted (its replica may still wait for ranks)
+    rank: int = 0
+    closed: bool = False
+
+
+@dataclass(eq=False)
+class Slot:
+    """The connections of one replica, by rank. The state hears of the replica (``registered``)
+    once all ``ranks`` ranks registered; the slot is dropped as a whole when any of them goes."""
+
+    replica: int
+    ranks: int
+    join: bool
+    links: dict[int, _Link] = field(default_factory=dict)
+    reg_ids: dict[int, int] = field(default_factory=dict)  # rank -> its register request id
+    registered: bool = False
+    acks: dict[int, set[int]] = field(default_factory=dict)  # generation -> ranks that acked it
+    votes: dict[int, tuple[int, Ballot]] = field(default_factory=dict)  # rank -> (its request id, ballot)
+    routes: dict[int, list[tuple[_Link, int]]] = field(default_factory=dict)  # forwarded id -> who asked
+
+    def who(self, rank: int) -> str:
+        return f"replica {self.replica}" + (f" rank {rank}" if self.ranks > 1 else "")
+
+
+class RankAggregator:
+    """Connections and ranks in, actions out (see the module docstring).
+
+    Args:
+        state: the membership state machine; only this object calls it from now on.
+        token: the shared secret a ``register`` must carry.
+        heartbeat_timeout_s: silence after which a rank of a registered replica is fenced.
+        register_timeout_s: a connection that has not registered after this long is closed.
+    """
+
+    def __init__(self, state: MembershipState, *, token: str, heartbeat_timeout_s: float,
+                 register_timeout_s: float) -> None:
+        if not token:
+            raise ValueError("token must be a non-empty string")
+        self.state = state
+        self._token = token.encode()
+        self.heartbeat_timeout_s = heartbeat_timeout_s
+        self.register_timeout_s = register_timeout_s
+        self._links: dict[Hashable, _Link] = {}
+        self._slots: dict[int, Slot] = {}
+        self._ids = itertools.count(1)  # ids of forwarded requests: those of different ranks collide
+        self._out: list[Out] = []
+
+    @property
+    def slots(self) -> Mapping[int, Slot]:
+        """Read-only view of the replicas that have at least one rank registered, by replica id."""
+        return MappingProxyType(self._slots)
+
+    def snapshot(self) -> dict[str, Any]:
+        """The state's :meth:`~MembershipState.summary` plus ``registering``: each replica still
+        waiting for some of its ranks, mapped to the ranks in so far."""
+        return {**self.state.summary(),
+                "registering": {r: sorted(s.links) for r, s in sorted(self._slots.items()) if not s.registered}}
+
+    # ----------------------------------------------------------------- events
+
+    def on_open(self, conn: Hashable, peer: str, now: float) -> None:
+        """A new connection ``conn`` from ``peer``; it must register within ``register_timeout_s``."""
+        self._links[conn] = _Link(conn, peer, now, now)
+
+    def on_heard(self, conn: Hashable, now: float) -> None:
+        """Bytes arrived on ``conn``: it is not silent."""
+        link = self._links.get(conn)
+        if link is not None:
+            link.last_seen = now
+
+    def on_message(self, conn: Hashable, msg: dict[str, Any], now: float) -> list[Out]:
+        """A schema-valid client message on ``conn``."""
+        link = self._links.get(conn)
+        if link is not None:
+            if link.replica is None:
+                self._authenticate(link, msg, now)
+            else:
+                self._handle(link, msg, now)
+        return self._take()
+
+    def on_bad_frame(self, conn: Hashable, error: ProtocolError, now: float) -> list[Out]:
+        """``conn`` sent something that is not a valid message: refused; closed if the stream is out
+        of sync or the connection has not registered."""
+        link = self._links.get(conn)
+        if link is not None:
+            self._refuse(link, error.code, error.message, None, error.fatal or link.replica is None, now)
+        return self._take()
+
+    def on_closed(self, conn: Hashable, cause: str, now: float) -> list[Out]:
+        """``conn`` is gone (``cause`` goes to the log): its replica, if any, is dead."""
+        link = self._links.get(conn)
+        if link is not None:
+            self._drop(link, cause, now)
+        return self._take()
+
+    def on_tick(self, now: float) -> list[Out]:
+        """Register and heartbeat timeouts, then the state's own deadlines."""
+        for link in list(self._links.values()):
+            if link.closed:
+                continue  # fenced with a replica-mate earlier in this loop
+            if link.replica is None:
+                if now - link.opened > self.register_timeout_s:
+                    self._refuse(link, "register_timeout", "no valid register message in time", None, True, now)
+                continue
+            slot = self._slots.get(link.replica)
+            # a rank waiting for its replica's other ranks does not heartbeat yet
+            if slot is not None and slot.registered and now - link.last_seen > self.heartbeat_timeout_s:
+                self._fence(link, f"no heartbeat for {now - link.last_seen:.3f} s", "heartbeat_timeout", now)
+        self._apply(self.state.on_tick(now), now)
+        return self._take()
+
+    # ------------------------------------------------------------- requests
+
+    def _authenticate(self, link: _Link, msg: dict[str, Any], now: float) -> None:
+        req = msg.get("id")
+        if msg["type"] != "register":
+            self._refuse(link, "unauthenticated", "the first message must be register", req, True, now)
+        elif not hmac.compare_digest(msg["token"].encode(), self._token):
+            self._refuse(link, "unauthorized", "wrong token", req, True, now)
+        else:
+            self._register(link, msg, now)
+
+    def _handle(self, link: _Link, msg: dict[str, Any], now: float) -> None:
+        assert link.replica is not None
+        slot = self._slots.get(link.replica)
+        if slot is None or slot.links.get(link.rank) is not link:
+            return  # its replica is gone; the connection is being closed
+        kind = msg["type"]
+        try:
+            if kind == "hb":
+                return
+            if kind == "bye":
+                self._drop(link, "left", now)
+                return
+            if kind == "register":
+                raise Refused("already_registered", f"this connection is already {slot.who(link.rank)}")
+            if not slot.registered:
+                raise Refused("not_registered", f"replica {slot.replica} waits for its other ranks "
+                                                f"({len(slot.links)} of {slot.ranks} registered)")
+            if kind == "ack":
+                self._ack(slot, link, msg["generation"], now)
+            elif kind == "report":
+                self._forward(slot, [(link, msg["id"])], False, now, lambda i: self.state.on_report(
+                    slot.replica, i, msg["generation"], msg["suspects"], now))
+            else:
+                self._vote(slot, link, msg, now)
+        except Refused as ref:
+            self._refuse(link, ref.code, ref.message, msg.get("id"), False, now)
+
+    def _register(self, link: _Link, msg: dict[str, Any], now: float) -> None:
+        """Rank ``rank`` of replica ``r`` registers; the state hears of ``r`` once all its ranks did."""
+        r, join, req = msg["replica"], msg["join"], msg["id"]
+        try:
+            rank, ranks = self._check_register(r, join, msg)
+        except Refused as ref:
+            self._refuse(link, ref.code, ref.message, req, True, now)
+            return
+        slot = self._slots.setdefault(r, Slot(r, ranks, join))
+        link.replica, link.rank = r, rank
+        slot.links[rank] = link
+        slot.reg_ids[rank] = req
+        if ranks > 1:
+            self._log("rank_register", replica=r, rank=rank, ranks=ranks, registered=len(slot.links))
+        if len(slot.links) < ranks:
+            return
+        for other in slot.links.values():
+            other.last_seen = now  # the heartbeats start with the ok reply
+        asked = [(slot.links[k], slot.reg_ids[k]) for k in sorted(slot.links)]
+        self._forward(slot, asked, True, now, lambda i: self.state.on_register(r, join, i, now))
+
+    def _check_register(self, r: int, join: bool, msg: dict[str, Any]) -> tuple[int, int]:
+        """``(rank, ranks)`` of a register of replica ``r``. Raises Refused."""
+        if r < 0:
+            raise Refused("bad_replica", f"replica id must be >= 0, got {r}")
+        try:
+            rank, ranks = register_ranks(msg)
+        except ProtocolError as exc:
+            raise Refused(exc.code, f"replica {r}: {exc.message}") from None
+        slot = self._slots.get(r)
+        if self.state.is_live(r) or (slot is not None and slot.registered):
+            raise Refused("duplicate_replica", f"replica {r} is already registered and alive")
+        if slot is not None and (slot.ranks != ranks or slot.join != join):
+            raise Refused("rank_mismatch", f"rank {rank} of replica {r} declares ranks={ranks} join={join}, "
+                                           f"but its rank(s) {sorted(slot.links)} declared ranks={slot.ranks} "
+                                           f"join={slot.join}")
+        if slot is not None and rank in slot.links:
+            raise Refused("duplicate_rank", f"rank {rank} of replica {r} is already registered")
+        return rank, ranks
+
+    def _forward(self, slot: Slot, asked: list[tuple[_Link, int]], fatal: bool, now: float,
+                 call: Callable[[int], list[Action]]) -> None:
+        """Calls the state with a fresh request id whose reply goes to ``asked`` (each connection
+        with its own id); a refusal goes to each of them (and closes them if ``fatal``)."""
+        fid = next(self._ids)
+        slot.routes[fid] = asked
+        try:
+            acts = call(fid)
+        except Refused as ref:
+            slot.routes.pop(fid, None)
+            for link, cid in asked:
+                self._refuse(link, ref.code, ref.message, cid, fatal, now)
+            return
+        slot.registered = True  # the state accepted a request of it: its ok and pushes go out now
+        self._apply(acts, now)
+
+    def _ack(self, slot: Slot, link: _Link, generation: int, now: float) -> None:
+        got = slot.acks.setdefault(generation, set())
+        got.add(link.rank)
+        if len(got) < slot.ranks:
+            return
+        for g in [g for g in slot.acks if g <= generation]:
+            del slot.acks[g]
+        self._apply(self.state.on_ack(slot.replica, generation, now), now)
+
+    def _vote(self, slot: Slot, link: _Link, msg: dict[str, Any], now: float) -> None:
+        """Buffers a rank's vote until all ranks of the replica voted; then one vote to the state."""
+        r, cid = slot.replica, msg["id"]
+        g, step, ids = msg["generation"], msg["step"], msg["ids"]
+        forward = lambda i: self.state.on_vote(r, i, g, step, ids, now)
+        if slot.ranks == 1 or not self.state.accepts_vote(r, g, step):
+            self._forward(slot, [(link, cid)], False, now, forward)  # P = 1, or settled at once: this rank alone
+            return
+        if link.rank in slot.votes:
+            raise Refused("duplicate_vote", f"{slot.who(link.rank)} already voted in generation {g}")
+        slot.votes[link.rank] = (cid, (g, step, tuple(sorted(ids))))
+        if len({b for _, b in slot.votes.values()}) > 1:
+            self._log("rank_vote_disagreement", replica=r, generation=g, ballots={
+                str(k): {"generation": b[0], "step": b[1], "ids": len(b[2])} for k, (_, b) in slot.votes.items()})
+            self._kill(slot, "rank_disagreement", f"the ranks of replica {r} voted differently in generation {g}",
+                       now)
+            return
+        if len(slot.votes) < slot.ranks:
+            return
+        votes, slot.votes = slot.votes, {}
+        self._forward(slot, [(slot.links[k], votes[k][0]) for k in sorted(votes)], False, now, forward)
+
+    # ---------------------------------------------------------- the state's actions
+
+    def _apply(self, actions: list[Action], now: float) -> None:
+        for act in actions:
+            if isinstance(act, Send):
+                slot = self._slots.get(act.replica)
+                if slot is not None and slot.registered:
+                    self._deliver(slot, act.msg)
+            elif isinstance(act, Fence):
+                slot = self._slots.get(act.replica)
+                if slot is not None:
+                    self._kill(slot, "fenced", act.reason, now)
+            elif isinstance(act, Log):
+                self._out.append(act)
+
+    def _deliver(self, slot: Slot, msg: dict[str, Any]) -> None:
+        """A reply to the connection(s) whose request it answers (with their own ids); anything
+        else to every rank of the replica."""
+        re = msg.get("re")
+        if re is not None and re in slot.routes:
+            for link, cid in slot.routes.pop(re):
+                self._send(link, {**msg, "re": cid})
+            return
+        for link in list(slot.links.values()):
+            self._send(link, msg)
+        if msg["type"] == "failing":  # the votes a replica's ranks are still collecting can't commit
+            self._abort_votes(slot, msg["generation"] + 1, "generation is failing")
+        elif msg["type"] == "membership" and msg["membership"] is not None:
+            self._abort_votes(slot, msg["membership"]["generation"], "generation replaced")
+
+    def _abort_votes(self, slot: Slot, below: int, reason: str) -> None:
+        """Answers ``aborted`` to buffered rank votes for generations before ``below``."""
+        for k, (cid, (g, _, _)) in list(slot.votes.items()):
+            if g < below:
+                del slot.votes[k]
+                self._send(slot.links[k], {"type": "aborted", "re": cid, "generation": g, "reason": reason})
+
+    # --------------------------------------------------------------- endings
+
+    def _fence(self, link: _Link, reason: str, cause: str, now: float) -> None:
+        self._send(link, _fenced(reason))
+        self._drop(link, cause, now, detail=reason)
+
+    def _drop(self, link: _Link, cause: str, now: float, detail: str = "") -> None:
+        """Closes ``link``; if it belonged to a replica, that whole replica is dead (see ``_kill``)."""
+        if link.closed:
+            return
+        self._close(link)
+        slot = self._slots.get(link.replica) if link.replica is not None else None
+        if slot is not None and slot.links.get(link.rank) is link:
+            self._kill(slot, cause, detail, now, first=link)
+
+    def _kill(self, slot: Slot, cause: str, detail: str, now: float, first: _Link | None = None) -> None:
+        """Replica ``slot`` is dead: fences every connection of it (but ``first``, already gone) and
+        tells the state once (unless it never heard of the replica)."""
+        r = slot.replica
+        if self._slots.get(r) is not slot:
+            return
+        del self._slots[r]
+        why = detail if first is None else f"{slot.who(first.rank)} is gone ({cause}{': ' + detail if detail else ''})"
+        for link in list(slot.links.values()):
+            if link is not first and not link.closed:
+                self._send(link, _fenced(why))
+                self._close(link)
+        if not slot.registered:
+            self._log("register_abandoned", replica=r, ranks=slot.ranks, registered=sorted(slot.links), cause=cause)
+            return
+        if detail:
+            self._log("fenced", replica=r, reason=detail)
+        self._apply(self.state.on_dead(r, cause, now), now)
+
+    def _refuse(self, link: _Link, code: str, message: str, re: Any, fatal: bool, now: float) -> None:
+        self._log("refused", peer=link.peer, replica=link.replica, code=code, message=message, closed=fatal)
+        self._send(link, {"type": "error", "re": re if isinstance(re, int) else None, "code": code,
+                          "message": message})
+        if fatal:
+            self._drop(link, "refused", now)
+
+    # ----------------------------------------------------------------- output
+
+    def _send(self, link: _Link, msg: dict[str, Any]) -> None:
+        if not link.closed:
+            self._out.append(SendTo(link.conn, msg))
+
+    def _close(self, link: _Link) -> None:
+        link.closed = True
+        self._links.pop(link.conn, None)
+        self._out.append(Close(link.conn))
+
+    def _log(self, kind: str, **fields: Any) -> None:
+        self._out.append(Log(kind, fields))
+
+    def _take(self) -> list[Out]:
+        out, self._out = self._out, []
+        return out
+
+
+def _fenced(reason: str) -> dict[str, Any]:
+    return {"type": "error", "re": None, "code": "fenced", "message": reason}

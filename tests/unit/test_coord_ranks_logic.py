@@ -1,0 +1,309 @@
+"""The coordinator's connection and rank-aggregation logic, driven directly (pure, no sockets, ms).
+
+Connection keys are plain strings: ``"a1"`` is rank 1 of replica 0 (``a``), ``"b0"`` rank 0 of
+replica 1 (``b``), and so on.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+from recover.coord.protocol import ProtocolError
+from recover.coord.ranks import Close, Out, RankAggregator, SendTo
+from recover.coord.state import Log, MembershipState
+
+TOKEN = "t0ken"
+IDS = [0, 1, 2, 3]
+
+
+def make(expected: int = 2, hb: float = 1.0, register_timeout: float = 10.0) -> RankAggregator:
+    st = MembershipState(expected=expected, min_members=1, store_host="h", store_port=1, ack_timeout_s=hb)
+    return RankAggregator(st, token=TOKEN, heartbeat_timeout_s=hb, register_timeout_s=register_timeout)
+
+
+def register(agg: RankAggregator, conn: str, replica: int, rank: int = 0, ranks: int = 1, *, join: bool = False,
+             rid: int = 1, now: float = 0.0, token: str = TOKEN) -> list[Out]:
+    agg.on_open(conn, f"peer-{conn}", now)
+    return agg.on_message(conn, {"type": "register", "id": rid, "token": token, "replica": replica, "join": join,
+                                 "rank": rank, "ranks": ranks}, now)
+
+
+def replica(agg: RankAggregator, name: str, rid: int, ranks: int, now: float = 0.0, **kw: Any) -> list[Out]:
+    """Registers every rank of replica ``rid`` (connections ``name0``, ``name1``...); the last output."""
+    out: list[Out] = []
+    for k in range(ranks):
+        out = register(agg, f"{name}{k}", rid, k, ranks, now=now, **kw)
+    return out
+
+
+def msg(kind: str, **fields: Any) -> dict[str, Any]:
+    return {"type": kind, **fields}
+
+
+def vote(agg: RankAggregator, conn: str, rid: int, ids: list[int] = IDS, generation: int = 1, step: int = 0,
+         now: float = 0.0) -> list[Out]:
+    return agg.on_message(conn, msg("vote", id=rid, generation=generation, step=step, ids=ids), now)
+
+
+def sent(out: list[Out], kind: str) -> dict[Any, dict[str, Any]]:
+    """Connection -> the message of type ``kind`` queued on it (each connection gets at most one here)."""
+    got = [(a.conn, a.msg) for a in out if isinstance(a, SendTo) and a.msg["type"] == kind]
+    assert len({c for c, _ in got}) == len(got), f"a connection got two {kind} messages: {got}"
+    return dict(got)
+
+
+def closed(out: list[Out]) -> list[Any]:
+    return [a.conn for a in out if isinstance(a, Close)]
+
+
+def logs(out: list[Out], kind: str) -> list[dict[str, Any]]:
+    return [a.fields for a in out if isinstance(a, Log) and a.kind == kind]
+
+
+def two_replicas(agg: RankAggregator) -> None:
+    """Replica 0 of two ranks (a0, a1) and replica 1 of one rank (b0): generation 1 = [0, 1]."""
+    replica(agg, "a", 0, 2)
+    out = replica(agg, "b", 1, 1)
+    assert set(sent(out, "membership")) == {"a0", "a1", "b0"}
+
+
+# ------------------------------------------------------------------ register
+
+
+def test_single_rank_replicas_register_at_once_and_get_the_generation() -> None:
+    agg = make(expected=2)
+    out = register(agg, "a0", 0, rid=7)
+    assert sent(out, "ok") == {"a0": {"type": "ok", "re": 7, "generation": 0}}
+    assert logs(out, "register") == [{"replica": 0, "join": False}] and logs(out, "rank_register") == []
+    out = register(agg, "b0", 1)
+    wire = sent(out, "membership")
+    assert set(wire) == {"a0", "b0"}
+    assert wire["a0"]["membership"]["generation"] == 1 and wire["a0"]["membership"]["members"] == [0, 1]
+    assert agg.snapshot()["live"] == [0, 1] and agg.snapshot()["registering"] == {}
+
+
+def test_register_waits_for_every_rank_and_replies_with_each_ranks_own_id() -> None:
+    agg = make(expected=2)
+    out = register(agg, "a0", 0, 0, 2, rid=5)
+    assert [a for a in out if not isinstance(a, Log)] == []  # no reply until rank 1 is in
+    assert logs(out, "rank_register") == [{"replica": 0, "rank": 0, "ranks": 2, "registered": 1}]
+    assert agg.snapshot()["registering"] == {0: [0]} and agg.snapshot()["live"] == []
+    out = register(agg, "a1", 0, 1, 2, rid=9)
+    assert {c: m["re"] for c, m in sent(out, "ok").items()} == {"a0": 5, "a1": 9}
+    assert logs(out, "register") == [{"replica": 0, "join": False}]  # the state heard of it once
+    assert agg.snapshot()["live"] == [0] and agg.snapshot()["registering"] == {}
+    out = replica(agg, "b", 1, 2)
+    assert set(sent(out, "membership")) == {"a0", "a1", "b0", "b1"}
+    assert agg.snapshot()["generation"] == 1 and agg.snapshot()["members"] == [0, 1]
+
+
+def test_three_rank_replica_gets_the_membership_push_on_every_rank() -> None:
+    agg = make(expected=2)
+    replica(agg, "a", 0, 3)
+    out = replica(agg, "b", 1, 1)
+    assert set(sent(out, "membership")) == {"a0", "a1", "a2", "b0"}
+    assert set(sent(out, "ok")) == {"b0"}
+
+
+def test_mismatched_or_duplicate_ranks_are_refused_and_closed() -> None:
+    agg = make(expected=2)
+    register(agg, "a0", 0, 0, 2)
+    cases = [("x1", dict(rank=1, ranks=3), "rank_mismatch"), ("x2", dict(rank=1, ranks=2, join=True), "rank_mismatch"),
+             ("x3", dict(rank=0, ranks=2), "duplicate_rank"), ("x4", dict(rank=2, ranks=2), "bad_rank")]
+    for conn, kw, code in cases:
+        out = register(agg, conn, 0, rid=4, **kw)
+        assert sent(out, "error")[conn]["code"] == code and sent(out, "error")[conn]["re"] == 4
+        assert closed(out) == [conn]
+        assert [(e["code"], e["closed"], e["peer"]) for e in logs(out, "refused")] == [(code, True, f"peer-{conn}")]
+    assert agg.snapshot()["registering"] == {0: [0]}  # the refusals left replica 0 waiting
+    out = register(agg, "a1", 0, 1, 2)
+    assert set(sent(out, "ok")) == {"a0", "a1"}
+    out = register(agg, "y0", 0, 0, 1)
+    assert sent(out, "error")["y0"]["code"] == "duplicate_replica" and closed(out) == ["y0"]
+
+
+def test_unauthenticated_connections_are_refused_and_closed() -> None:
+    agg = make()
+    out = register(agg, "w", 0, token="wrong")
+    assert sent(out, "error")["w"]["code"] == "unauthorized" and closed(out) == ["w"]
+    agg.on_open("h", "peer-h", 0.0)
+    out = agg.on_message("h", msg("hb"), 0.0)
+    assert sent(out, "error")["h"]["code"] == "unauthenticated" and closed(out) == ["h"]
+    agg.on_open("g", "peer-g", 0.0)
+    out = agg.on_bad_frame("g", ProtocolError("malformed", "not JSON"), 0.0)
+    assert sent(out, "error")["g"]["code"] == "malformed" and closed(out) == ["g"]
+    agg.on_open("slow", "peer-slow", 0.0)
+    assert agg.on_tick(5.0) == []
+    out = agg.on_tick(10.5)
+    assert sent(out, "error")["slow"]["code"] == "register_timeout" and closed(out) == ["slow"]
+    assert agg.snapshot()["live"] == []
+
+
+def test_bad_frames_from_a_registered_rank_are_refused_without_closing_unless_out_of_sync() -> None:
+    agg = make()
+    two_replicas(agg)
+    out = agg.on_bad_frame("a0", ProtocolError("malformed", "bad field"), 0.1)
+    assert sent(out, "error")["a0"]["code"] == "malformed" and closed(out) == []
+    out = agg.on_bad_frame("a1", ProtocolError("bad_magic", "garbage"), 0.2)
+    assert closed(out)[0] == "a1" and sent(out, "error")["a0"]["code"] == "fenced"
+    assert logs(out, "failure_detected") == [{"replica": 0, "cause": "refused", "generation": 1}]
+
+
+def test_requests_of_a_replica_still_waiting_for_ranks_are_refused() -> None:
+    agg = make()
+    register(agg, "a0", 0, 0, 2)
+    out = vote(agg, "a0", 3)
+    assert sent(out, "error") == {"a0": {"type": "error", "re": 3, "code": "not_registered",
+                                         "message": "replica 0 waits for its other ranks (1 of 2 registered)"}}
+    assert closed(out) == []
+    out = agg.on_message("a0", msg("register", id=4, token=TOKEN, replica=0, join=False), 0.0)
+    assert sent(out, "error")["a0"]["code"] == "already_registered"
+
+
+# -------------------------------------------------------------- ack, vote
+
+
+def test_ack_reaches_the_state_once_every_rank_acked() -> None:
+    agg = make()
+    two_replicas(agg)
+    out = agg.on_message("b0", msg("report", id=8, generation=1, suspects=[0]), 0.1)
+    assert sent(out, "ok") == {"b0": {"type": "ok", "re": 8, "generation": 1}}
+    assert set(sent(out, "failing")) == {"a0", "a1", "b0"}  # a push goes to every rank
+    assert agg.on_message("a0", msg("ack", generation=1), 0.2) == []
+    assert agg.on_message("b0", msg("ack", generation=1), 0.3) == []  # a1 has not acked yet
+    assert agg.snapshot()["generation"] == 1 and agg.snapshot()["failing"]
+    out = agg.on_message("a1", msg("ack", generation=1), 0.4)
+    wire = sent(out, "membership")
+    assert set(wire) == {"a0", "a1", "b0"}
+    assert wire["a1"]["membership"]["generation"] == 2 and wire["a1"]["membership"]["members"] == [0, 1]
+
+
+def test_vote_reaches_the_state_once_all_ranks_voted_and_replies_carry_each_ranks_id() -> None:
+    agg = make()
+    two_replicas(agg)
+    assert vote(agg, "a0", 11) == []
+    assert agg.slots[0].votes == {0: (11, (1, 0, tuple(IDS)))}
+    assert vote(agg, "a1", 22) == []  # replica 0 voted; the state waits for replica 1
+    out = vote(agg, "b0", 33)
+    assert {c: m["re"] for c, m in sent(out, "committed").items()} == {"a0": 11, "a1": 22, "b0": 33}
+    assert all(m["step"] == 0 and m["new_generation"] is None for m in sent(out, "committed").values())
+    assert logs(out, "commit") == [{"generation": 1, "step": 0, "ids": 4}]
+    assert agg.snapshot()["committed_step"] == 0 and agg.slots[0].votes == {}
+
+
+def test_single_rank_and_stale_votes_go_to_the_state_at_once_for_that_rank_alone() -> None:
+    agg = make()
+    two_replicas(agg)
+    out = vote(agg, "a1", 5, generation=0)
+    assert sent(out, "error") == {"a1": {"type": "error", "re": 5, "code": "stale_generation",
+                                         "message": "vote of replica 0 for generation 0; current is 1"}}
+    assert closed(out) == [] and agg.slots[0].votes == {}
+    assert vote(agg, "b0", 6) == []  # P = 1: straight to the state, which waits for replica 0
+    out = vote(agg, "b0", 7)
+    assert sent(out, "error")["b0"]["code"] == "duplicate_vote"
+
+
+def test_ranks_voting_differently_fence_their_replica() -> None:
+    agg = make()
+    two_replicas(agg)
+    vote(agg, "a0", 1)
+    out = vote(agg, "a1", 2, ids=IDS[:-1])
+    assert logs(out, "rank_vote_disagreement")[0]["replica"] == 0
+    reason = "the ranks of replica 0 voted differently in generation 1"
+    assert sent(out, "error") == {c: {"type": "error", "re": None, "code": "fenced", "message": reason}
+                                  for c in ("a0", "a1")}
+    assert closed(out) == ["a0", "a1"]
+    assert logs(out, "failure_detected") == [{"replica": 0, "cause": "rank_disagreement", "generation": 1}]
+    assert set(sent(out, "failing")) == {"b0"}
+    assert agg.snapshot()["live"] == [1]
+
+
+def test_failing_push_answers_buffered_rank_votes_aborted() -> None:
+    agg = make()
+    two_replicas(agg)
+    vote(agg, "a0", 41)
+    out = agg.on_closed("b0", "connection_closed", 0.5)
+    assert closed(out) == ["b0"]
+    assert set(sent(out, "failing")) == {"a0", "a1"}
+    assert sent(out, "aborted") == {"a0": {"type": "aborted", "re": 41, "generation": 1,
+                                           "reason": "generation is failing"}}
+    kinds = [a.msg["type"] for a in out if isinstance(a, SendTo) and a.conn == "a0"]
+    assert kinds == ["failing", "aborted"]
+    assert agg.slots[0].votes == {}
+    out = vote(agg, "a1", 42)  # a1 never voted on generation 1: the state aborts it at once
+    assert sent(out, "aborted") == {"a1": {"type": "aborted", "re": 42, "generation": 1,
+                                           "reason": "generation is failing"}}
+
+
+# ----------------------------------------------------------- losing ranks
+
+
+def test_one_rank_lost_fences_the_others_first_and_marks_the_replica_dead_once() -> None:
+    agg = make()
+    replica(agg, "a", 0, 3)
+    replica(agg, "b", 1, 1)
+    out = agg.on_closed("a1", "connection_closed", 1.0)
+    why = "replica 0 rank 1 is gone (connection_closed)"
+    assert out[0] == Close("a1")
+    assert out[1:5] == [SendTo("a0", {"type": "error", "re": None, "code": "fenced", "message": why}), Close("a0"),
+                        SendTo("a2", {"type": "error", "re": None, "code": "fenced", "message": why}), Close("a2")]
+    assert logs(out, "failure_detected") == [{"replica": 0, "cause": "connection_closed", "generation": 1}]
+    assert set(sent(out, "failing")) == {"b0"}
+    assert agg.on_closed("a0", "connection_closed", 1.1) == []  # already fenced: nothing more
+    assert agg.on_message("a2", msg("ack", generation=1), 1.1) == []
+    out = agg.on_message("b0", msg("ack", generation=1), 1.2)
+    assert sent(out, "membership")["b0"]["membership"]["members"] == [1]
+    assert agg.snapshot()["live"] == [1]
+
+
+def test_silent_rank_is_fenced_with_its_replica_after_the_heartbeat_timeout() -> None:
+    agg = make(hb=1.0)
+    two_replicas(agg)
+    for conn in ("a0", "b0"):
+        agg.on_heard(conn, 0.9)
+    assert agg.on_tick(0.9) == []
+    out = agg.on_tick(1.5)  # a1 silent since it registered at 0.0
+    assert sent(out, "error") == {
+        "a1": {"type": "error", "re": None, "code": "fenced", "message": "no heartbeat for 1.500 s"},
+        "a0": {"type": "error", "re": None, "code": "fenced",
+               "message": "replica 0 rank 1 is gone (heartbeat_timeout: no heartbeat for 1.500 s)"}}
+    assert closed(out) == ["a1", "a0"]
+    assert logs(out, "fenced") == [{"replica": 0, "reason": "no heartbeat for 1.500 s"}]
+    assert logs(out, "failure_detected") == [{"replica": 0, "cause": "heartbeat_timeout", "generation": 1}]
+
+
+def test_ranks_waiting_for_their_replica_do_not_time_out_on_heartbeats() -> None:
+    agg = make(hb=1.0)
+    register(agg, "a0", 0, 0, 2)
+    assert agg.on_tick(5.0) == []
+    out = register(agg, "a1", 0, 1, 2, now=5.0)
+    assert set(sent(out, "ok")) == {"a0", "a1"}
+    assert agg.on_tick(5.9) == []  # the heartbeat clock starts with the ok reply
+
+
+def test_replica_losing_a_rank_before_all_registered_is_abandoned_quietly() -> None:
+    agg = make()
+    register(agg, "a0", 0, 0, 3)
+    register(agg, "a1", 0, 1, 3)
+    out = agg.on_message("a0", msg("bye"), 0.1)
+    assert out[0] == Close("a0") and closed(out) == ["a0", "a1"]
+    assert sent(out, "error")["a1"]["message"] == "replica 0 rank 0 is gone (left)"
+    assert logs(out, "register_abandoned") == [{"replica": 0, "ranks": 3, "registered": [0, 1], "cause": "left"}]
+    assert logs(out, "failure_detected") == []
+    assert agg.snapshot()["registering"] == {}
+    out = replica(agg, "c", 0, 3)  # it can come back whole
+    assert set(sent(out, "ok")) == {"c0", "c1", "c2"}
+
+
+def test_a_joining_replica_of_two_ranks_is_admitted_at_the_next_commit() -> None:
+    agg = make()
+    two_replicas(agg)
+    out = replica(agg, "j", 2, 2, join=True)
+    assert set(sent(out, "ok")) == {"j0", "j1"} and agg.snapshot()["pending_join"] == [2]
+    vote(agg, "a0", 1)
+    vote(agg, "a1", 2)
+    out = vote(agg, "b0", 3)
+    assert {c: m["new_generation"] for c, m in sent(out, "committed").items()} == {"a0": 2, "a1": 2, "b0": 2}
+    wire = sent(out, "membership")
+    assert set(wire) == {"a0", "a1", "b0", "j0", "j1"}
+    assert wire["j1"]["membership"]["members"] == [0, 1, 2] and wire["j1"]["membership"]["joined"] == [2]
