@@ -3,6 +3,10 @@
 Each sub-command lives next to the code it drives, in a module exposing ``register(subparsers)``
 that adds its parser and sets ``func(args) -> int``. This file only lists those modules, so the
 command stays cheap to start (torch is imported by a sub-command only when it runs).
+
+Bad input never ends in a traceback: a :class:`~recover.errors.RecoverError` (a config error
+among them) and a malformed command line are both one line on stderr, ``recover: error: ...``,
+with exit status 2.
 """
 
 from __future__ import annotations
@@ -10,6 +14,7 @@ from __future__ import annotations
 import argparse
 import importlib
 import sys
+import typing
 
 from recover import __version__
 from recover.errors import RecoverError
@@ -26,22 +31,28 @@ COMMAND_MODULES = (
 )
 
 
+class _Parser(argparse.ArgumentParser):
+    """An ArgumentParser whose usage errors are one line (sub-command parsers inherit the class)."""
+
+    def error(self, message: str) -> typing.NoReturn:
+        self.exit(2, f"{self.prog}: error: {message} (see {self.prog} --help)\n")
+
+
 def build_parser() -> argparse.ArgumentParser:
-    parser = argparse.ArgumentParser(
+    parser = _Parser(
         prog="recover",
         description="Resilient LLM pre-training: keep the training trajectory through replica failures.",
     )
     parser.add_argument("--version", action="version", version=f"recover {__version__}")
     sub = parser.add_subparsers(dest="command", metavar="COMMAND")
     for name in COMMAND_MODULES:
-        try:
-            module = importlib.import_module(name)
-        except ModuleNotFoundError as exc:
-            if exc.name is None or not name.startswith(exc.name):
-                raise
-            continue  # a layer not built yet
-        module.register(sub)
+        importlib.import_module(name).register(sub)
     return parser
+
+
+def one_line(text: str) -> str:
+    """``text`` with its lines joined by ``; ``: an error message is always one line."""
+    return "; ".join(line.strip() for line in text.splitlines() if line.strip())
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -56,7 +67,7 @@ def main(argv: list[str] | None = None) -> int:
     try:
         return int(args.func(args) or 0)
     except RecoverError as exc:
-        print(f"recover: error: {exc}", file=sys.stderr)
+        print(f"recover: error: {one_line(str(exc))}", file=sys.stderr)
         return 2
     except KeyboardInterrupt:
         print("recover: interrupted", file=sys.stderr)

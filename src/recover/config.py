@@ -2,7 +2,13 @@
 
 Contract:
 - A :class:`Config` is immutable and valid once constructed: every section checks its fields in
-  ``__post_init__`` and :class:`Config` checks the relations between sections.
+  ``__post_init__`` and :class:`Config` checks the relations between sections, including every
+  layout constraint of the replica (:func:`check_layout`: heads, kv heads and MLP width by
+  ``tp``; layers and tied embeddings by ``pp``). This is the one place these rules live:
+  ``recover launch`` refuses a bad job before it starts anything, and
+  :meth:`recover.parallel.ParallelDims.check_model` calls :func:`check_layout` too.
+- Choice fields are ``Literal`` types from :mod:`recover.names`; a value is checked against the
+  type's arguments, so the allowed values and the message come from the type.
 - Every problem is a :class:`~recover.errors.ConfigError` with a one-line message naming the
   field, the value given and what is allowed (and, for a misspelt key, the closest known key).
 - Presets are TOML files (``configs/NAME.toml``); overrides are ``--section.field VALUE`` or
@@ -13,15 +19,18 @@ from __future__ import annotations
 
 import dataclasses
 import difflib
+import functools
+import math
 import os
 import sys
 import types
 import typing
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any
+from typing import Any, ClassVar, Literal
 
 from recover.errors import ConfigError
+from recover.names import Assignment, Backend, Schedule, ShardFormat
 
 if sys.version_info >= (3, 11):
     import tomllib
@@ -34,9 +43,26 @@ def _require(ok: bool, name: str, value: Any, allowed: str) -> None:
         raise ConfigError(f"{name} = {value!r} is not allowed: {allowed}")
 
 
+def _choice_error(name: str, value: Any, choices: tuple[Any, ...]) -> ConfigError:
+    close = difflib.get_close_matches(value, [str(c) for c in choices], n=1) if isinstance(value, str) else []
+    hint = f" (did you mean {close[0]!r}?)" if close else ""
+    return ConfigError(f"{name} = {value!r} is not allowed: one of {', '.join(map(repr, choices))}{hint}")
+
+
+def _check_choices(section: Any) -> None:
+    """Checks every ``Literal`` field of a section dataclass against the type's arguments."""
+    for fname, typ in _field_types(type(section)).items():
+        if typing.get_origin(typ) is Literal:
+            value, choices = getattr(section, fname), typing.get_args(typ)
+            if not any(type(value) is type(c) and value == c for c in choices):
+                raise _choice_error(f"{section.SECTION}.{fname}", value, choices)
+
+
 @dataclass(frozen=True)
 class ModelConfig:
     """A Llama-style decoder-only transformer."""
+
+    SECTION: ClassVar[str] = "model"
 
     vocab_size: int = 320
     """Embedding rows; must exceed every token id in the data (byte tokenizer: 257)."""
@@ -80,10 +106,12 @@ class ModelConfig:
 
     @property
     def kv_heads(self) -> int:
+        """Key/value heads: ``n_kv_heads``, or ``n_heads`` when it is 0."""
         return self.n_kv_heads or self.n_heads
 
     @property
     def hidden_dim(self) -> int:
+        """The SwiGLU width: ``ffn_dim``, or 8/3 * ``dim`` rounded up to ``ffn_multiple_of`` when it is 0."""
         if self.ffn_dim:
             return self.ffn_dim
         hidden = int(8 * self.dim / 3)
@@ -94,6 +122,8 @@ class ModelConfig:
 class DataConfig:
     """Where tokens come from and how a microbatch is cut."""
 
+    SECTION: ClassVar[str] = "data"
+
     path: str = "builtin:stdlib"
     """A directory of prepared shards (``recover prepare``), or ``builtin:stdlib`` (prepared on demand)."""
     cache_dir: str = "data"
@@ -102,7 +132,7 @@ class DataConfig:
     """Glob of training shards inside ``path``."""
     val_pattern: str = "val_*.bin"
     """Glob of validation shards inside ``path``."""
-    format: str = "auto"
+    format: ShardFormat = "auto"
     """Shard format: ``auto``, ``llmc`` (256 x int32 header) or ``nanogpt`` (raw uint16)."""
     seq_len: int = 128
     """Tokens per sequence."""
@@ -110,8 +140,7 @@ class DataConfig:
     """Sequences per microbatch; one microbatch is the unit of work a replica is assigned."""
 
     def __post_init__(self) -> None:
-        _require(self.format in ("auto", "llmc", "nanogpt"), "data.format", self.format,
-                 "one of 'auto', 'llmc', 'nanogpt'")
+        _check_choices(self)
         _require(isinstance(self.seq_len, int) and self.seq_len > 0, "data.seq_len", self.seq_len,
                  "a positive integer")
         _require(isinstance(self.microbatch_size, int) and self.microbatch_size > 0,
@@ -122,6 +151,8 @@ class DataConfig:
 @dataclass(frozen=True)
 class TrainingConfig:
     """Optimisation, schedule, evaluation and checkpointing."""
+
+    SECTION: ClassVar[str] = "training"
 
     steps: int = 100
     """Committed optimizer steps to run."""
@@ -158,10 +189,11 @@ class TrainingConfig:
     """torch intra-op threads per process; 0 means cores / local processes."""
     deterministic: bool = False
     """Accumulate and reduce gradients in float64 so a step does not depend on who computed what."""
-    assignment: str = "blocks"
+    assignment: Assignment = "blocks"
     """Failure-free ids -> replicas: ``blocks``, ``strided`` or ``shuffled`` (the trajectory is the same)."""
 
     def __post_init__(self) -> None:
+        _check_choices(self)
         for name in ("steps", "global_microbatches", "eval_batches"):
             value = getattr(self, name)
             _require(isinstance(value, int) and value > 0, f"training.{name}", value, "a positive integer")
@@ -176,11 +208,8 @@ class TrainingConfig:
         _require(0 <= self.beta1 < 1, "training.beta1", self.beta1, "a number in [0, 1)")
         _require(0 <= self.beta2 < 1, "training.beta2", self.beta2, "a number in [0, 1)")
         _require(self.grad_clip >= 0, "training.grad_clip", self.grad_clip, "a number >= 0 (0 disables)")
-        _require(self.assignment in ("blocks", "strided", "shuffled"), "training.assignment", self.assignment,
-                 "one of 'blocks', 'strided', 'shuffled'")
         _require(self.warmup_steps <= self.steps, "training.warmup_steps", self.warmup_steps,
                  f"at most training.steps = {self.steps}")
-
 
     def eval_due(self, step: int, end: int | None = None) -> bool:
         """Whether validation runs after (0-based) ``step``: every ``eval_every`` steps and at the end."""
@@ -197,6 +226,8 @@ class TrainingConfig:
 class ParallelConfig:
     """How many replicas, and how the ranks inside one replica split the model."""
 
+    SECTION: ClassVar[str] = "parallel"
+
     replicas: int = 1
     """Data-parallel replicas (the failure unit); the fault-tolerant axis across them is layer 1's."""
     pp: int = 1
@@ -205,9 +236,9 @@ class ParallelConfig:
     """Tensor-parallel degree inside a replica."""
     fsdp: int = 1
     """FSDP2 shard degree inside a replica (HSDP when replicas > 1)."""
-    backend: str = "auto"
+    backend: Backend = "auto"
     """Collective backend: ``auto`` (NCCL on GPU, gloo on CPU), ``gloo`` or ``nccl``."""
-    schedule: str = "1f1b"
+    schedule: Schedule = "1f1b"
     """Pipeline schedule when ``pp > 1``: ``1f1b`` (GPipe for a quota below ``pp``) or ``gpipe``."""
     activation_checkpointing: bool = False
     """Recompute each block's activations in backward (inside a replica of several ranks)."""
@@ -218,21 +249,22 @@ class ParallelConfig:
         for name in ("replicas", "pp", "tp", "fsdp"):
             value = getattr(self, name)
             _require(isinstance(value, int) and value > 0, f"parallel.{name}", value, "a positive integer")
-        _require(self.backend in ("auto", "gloo", "nccl"), "parallel.backend", self.backend,
-                 "one of 'auto', 'gloo', 'nccl'")
-        _require(self.schedule in ("1f1b", "gpipe"), "parallel.schedule", self.schedule, "one of '1f1b', 'gpipe'")
+        _check_choices(self)
         _require(not self.sequence_parallel or (self.tp > 1 and self.pp == 1), "parallel.sequence_parallel",
                  self.sequence_parallel, f"false unless parallel.tp > 1 and parallel.pp = 1 (tp = {self.tp}, "
                  f"pp = {self.pp})")
 
     @property
     def procs_per_replica(self) -> int:
+        """Processes in one replica: ``pp * tp * fsdp``."""
         return self.pp * self.tp * self.fsdp
 
 
 @dataclass(frozen=True)
 class FaultToleranceConfig:
     """Failure detection and recovery limits."""
+
+    SECTION: ClassVar[str] = "fault_tolerance"
 
     min_replicas: int = 1
     """Below this many live replicas the job saves a checkpoint and stops."""
@@ -270,20 +302,18 @@ class Config:
     fault_tolerance: FaultToleranceConfig = field(default_factory=FaultToleranceConfig)
 
     def __post_init__(self) -> None:
+        """Every constraint between sections, checked before anything starts."""
         m, p = self.training.global_microbatches, self.parallel
+        check_layout(self.model, p.pp, p.tp)
         balanced = p.replicas * p.fsdp
         _require(m >= balanced, "training.global_microbatches", m,
                  f"at least parallel.replicas x parallel.fsdp = {balanced}, so every rank has a microbatch "
                  "in the failure-free step")
         _require(self.data.seq_len <= self.model.max_seq_len, "data.seq_len", self.data.seq_len,
                  f"at most model.max_seq_len = {self.model.max_seq_len}")
-        _require(self.model.n_heads % p.tp == 0 and self.model.kv_heads % p.tp == 0, "parallel.tp", p.tp,
-                 f"must divide model.n_heads = {self.model.n_heads} and the kv heads = {self.model.kv_heads}")
-        _require(self.model.n_layers >= p.pp, "parallel.pp", p.pp,
-                 f"at most model.n_layers = {self.model.n_layers}")
-        _require(p.pp == 1 or not self.model.tie_embeddings, "model.tie_embeddings", self.model.tie_embeddings,
-                 f"false with parallel.pp = {p.pp} (the embedding lives on the first stage, the output "
-                 "projection on the last): set --model.tie_embeddings false")
+        _require(not p.sequence_parallel or self.data.seq_len % p.tp == 0, "data.seq_len", self.data.seq_len,
+                 f"a multiple of parallel.tp = {p.tp} with parallel.sequence_parallel (the sequence is split "
+                 "over the TP ranks)")
         _require(self.fault_tolerance.min_replicas <= p.replicas, "fault_tolerance.min_replicas",
                  self.fault_tolerance.min_replicas, f"at most parallel.replicas = {p.replicas}")
 
@@ -295,15 +325,39 @@ class Config:
         return from_dict(_merge(self.to_dict(), _nest(overrides)))
 
 
-_SECTION_TYPES = {
-    "model": ModelConfig,
-    "data": DataConfig,
-    "training": TrainingConfig,
-    "parallel": ParallelConfig,
-    "fault_tolerance": FaultToleranceConfig,
+def check_layout(model: ModelConfig, pp: int = 1, tp: int = 1) -> None:
+    """Raises ConfigError unless ``model`` splits into ``pp`` pipeline stages and ``tp`` TP shards.
+
+    The one implementation of the replica's layout rules (:class:`Config` and
+    :meth:`recover.parallel.ParallelDims.check_model` both call it): ``tp`` divides the query
+    heads, the kv heads and the SwiGLU width (each TP rank holds whole heads and ``hidden / tp``
+    MLP columns); ``pp`` is at most the number of blocks; embeddings are untied when ``pp > 1``.
+    """
+    _require(model.n_heads % tp == 0 and model.kv_heads % tp == 0, "parallel.tp", tp,
+             f"must divide model.n_heads = {model.n_heads} and the kv heads = {model.kv_heads} (each TP rank "
+             "holds whole heads); choose a tp that divides both")
+    if model.hidden_dim % tp:
+        if model.ffn_dim:
+            width, fix = f"model.ffn_dim = {model.ffn_dim}", f"set --model.ffn_dim {-(-model.ffn_dim // tp) * tp}"
+        else:
+            step = math.lcm(model.ffn_multiple_of, tp)
+            width = (f"the SwiGLU width {model.hidden_dim} (derived from model.dim = {model.dim}: 8/3 x dim rounded "
+                     f"up to model.ffn_multiple_of = {model.ffn_multiple_of})")
+            fix = f"set --model.ffn_multiple_of {step} (width {-(-model.hidden_dim // step) * step}) or --model.ffn_dim"
+        raise ConfigError(f"parallel.tp = {tp} is not allowed: must divide {width}; {fix}, or choose another tp")
+    _require(pp <= model.n_layers, "parallel.pp", pp,
+             f"at most model.n_layers = {model.n_layers} (every stage holds at least one block)")
+    _require(pp == 1 or not model.tie_embeddings, "model.tie_embeddings", model.tie_embeddings,
+             f"false with parallel.pp = {pp} (the embedding lives on the first stage, the output projection on "
+             "the last): set model.tie_embeddings = false (--model.tie_embeddings false)")
+
+
+_SECTION_TYPES: dict[str, type] = {
+    cls.SECTION: cls for cls in (ModelConfig, DataConfig, TrainingConfig, ParallelConfig, FaultToleranceConfig)
 }
 
 
+@functools.cache
 def _field_types(cls: type) -> dict[str, Any]:
     hints = typing.get_type_hints(cls)
     return {f.name: hints[f.name] for f in dataclasses.fields(cls)}
@@ -312,6 +366,11 @@ def _field_types(cls: type) -> dict[str, Any]:
 def _coerce(name: str, value: Any, typ: Any) -> Any:
     """Checks (TOML) or parses (CLI strings) ``value`` as ``typ``; ConfigError on mismatch."""
     origin = typing.get_origin(typ)
+    if origin is Literal:
+        choices = typing.get_args(typ)
+        if any(type(value) is type(c) and value == c for c in choices):
+            return value
+        raise _choice_error(name, value, choices)
     if origin in (typing.Union, types.UnionType):
         args = [a for a in typing.get_args(typ) if a is not type(None)]
         if value is None or (isinstance(value, str) and value.lower() in ("none", "null")):

@@ -1,14 +1,17 @@
-"""Names shared by several layers, from one source: step phases and baselines.
+"""Names shared by several layers, from one source: step phases, baselines and config choices.
 
 Contract: every other module (fault injection, the step protocol, the launcher's flags and help
 texts, error messages, config choices) takes these names from here; nothing spells them out again.
-Both are ``str`` enums, so a member compares equal to its plain name (``Phase.REDUCE == "reduce"``)
-and JSON logs keep writing plain strings. Each member carries a one-line ``help``.
+Phases and baselines are ``str`` enums, so a member compares equal to its plain name
+(``Phase.REDUCE == "reduce"``) and JSON logs keep writing plain strings; each member carries a
+one-line ``help``. The config's choice fields are ``Literal`` types: the config checks a value
+against the type's arguments, so the allowed values and the error message come from the type.
 """
 
 from __future__ import annotations
 
 from enum import Enum
+from typing import Literal, get_args
 
 
 class _Named(str, Enum):
@@ -60,3 +63,19 @@ class Baseline(_Named):
 
 
 BASELINES: tuple[str, ...] = Baseline.values()
+
+
+# ---- config choices (recover.config checks values against these types) --------------------------
+Backend = Literal["auto", "gloo", "nccl"]
+"""Collective backend: ``auto`` (NCCL on GPU, gloo on CPU), ``gloo`` or ``nccl``."""
+Schedule = Literal["1f1b", "gpipe"]
+"""Pipeline schedule: ``1f1b`` (GPipe for a quota below ``pp``) or ``gpipe``."""
+Assignment = Literal["blocks", "strided", "shuffled"]
+"""Failure-free ids -> replicas: contiguous blocks, strided, or shuffled by (seed, step)."""
+ShardFormat = Literal["auto", "llmc", "nanogpt"]
+"""Token shard format: ``auto`` (from the header), ``llmc`` (256 x int32 header) or ``nanogpt``."""
+
+BACKENDS: tuple[str, ...] = get_args(Backend)
+SCHEDULES: tuple[str, ...] = get_args(Schedule)
+ASSIGNMENTS: tuple[str, ...] = get_args(Assignment)
+SHARD_FORMATS: tuple[str, ...] = get_args(ShardFormat)

@@ -2,11 +2,22 @@
 
 from __future__ import annotations
 
+import typing
+
 import pytest
 
 from recover.cli import main
-from recover.config import available_presets, load_config, parse_overrides
+from recover.config import (
+    ModelConfig,
+    ParallelConfig,
+    TrainingConfig,
+    available_presets,
+    check_layout,
+    load_config,
+    parse_overrides,
+)
 from recover.errors import ConfigError
+from recover.workload.policy import ASSIGNMENTS
 
 
 def test_every_preset_loads_and_is_valid() -> None:
@@ -43,12 +54,59 @@ def test_overrides_are_typed() -> None:
         (["--training.steps"], "override --training.steps has no value"),
         (["--fault_tolerance.min_replicas", "3"],
          "fault_tolerance.min_replicas = 3 is not allowed: at most parallel.replicas = 1"),
+        # the replica's layout, checked with the config (not when the workers start)
+        (["--parallel.tp", "3", "--model.dim", "96", "--model.n_heads", "6", "--model.n_kv_heads", "6"],
+         "parallel.tp = 3 is not allowed: must divide the SwiGLU width 256 (derived from model.dim = 96"),
+        (["--parallel.tp", "2", "--model.ffn_dim", "129"],
+         "parallel.tp = 2 is not allowed: must divide model.ffn_dim = 129; set --model.ffn_dim 130"),
+        (["--parallel.tp", "4", "--model.n_kv_heads", "2"],
+         "parallel.tp = 4 is not allowed: must divide model.n_heads = 4 and the kv heads = 2"),
+        (["--parallel.pp", "3", "--model.tie_embeddings", "false"],
+         "parallel.pp = 3 is not allowed: at most model.n_layers = 2"),
+        (["--parallel.pp", "2"], "model.tie_embeddings = True is not allowed: false with parallel.pp = 2"),
+        (["--parallel.tp", "2", "--parallel.sequence_parallel", "true", "--data.seq_len", "63"],
+         "data.seq_len = 63 is not allowed: a multiple of parallel.tp = 2 with parallel.sequence_parallel"),
+        (["--parallel.sequence_parallel", "true"], "parallel.sequence_parallel = True is not allowed"),
+        # choices come from the fields' Literal types
+        (["--parallel.backend", "glo"],
+         "parallel.backend = 'glo' is not allowed: one of 'auto', 'gloo', 'nccl' (did you mean 'gloo'?)"),
+        (["--parallel.schedule", "zb"], "parallel.schedule = 'zb' is not allowed: one of '1f1b', 'gpipe'"),
+        (["--training.assignment", "random"],
+         "training.assignment = 'random' is not allowed: one of 'blocks', 'strided', 'shuffled'"),
+        (["--data.format", "bin"], "data.format = 'bin' is not allowed: one of 'auto', 'llmc', 'nanogpt'"),
     ],
 )
 def test_bad_values_name_field_value_and_rule(overrides: list[str], expected: str) -> None:
     with pytest.raises(ConfigError) as info:
         load_config("debug", overrides)
     assert expected in str(info.value)
+
+
+def test_the_suggested_mlp_width_fix_works() -> None:
+    layout = ["--parallel.tp", "3", "--model.dim", "96", "--model.n_heads", "6", "--model.n_kv_heads", "6"]
+    cfg = load_config("debug", [*layout, "--model.ffn_multiple_of", "96"])
+    assert cfg.model.hidden_dim == 288 and cfg.model.hidden_dim % cfg.parallel.tp == 0
+    assert load_config("debug", [*layout, "--model.ffn_dim", "258"]).model.hidden_dim == 258
+
+
+def test_check_layout_is_the_one_rule_for_a_replica() -> None:
+    model = ModelConfig(dim=96, n_heads=6, n_layers=2)  # SwiGLU width 256
+    check_layout(model, pp=1, tp=2)
+    with pytest.raises(ConfigError, match=r"^parallel\.tp = 3 is not allowed: must divide the SwiGLU width 256"):
+        check_layout(model, tp=3)
+    with pytest.raises(ConfigError, match=r"^parallel\.pp = 3 is not allowed"):
+        check_layout(model, pp=3)
+
+
+def test_choices_are_checked_from_the_literal_type_everywhere(tmp_path) -> None:
+    with pytest.raises(ConfigError, match=r"^parallel\.backend = 'mpi' is not allowed: one of 'auto', 'gloo', 'nccl'$"):
+        ParallelConfig(backend="mpi")  # type: ignore[arg-type]
+    path = tmp_path / "bad.toml"
+    path.write_text('[parallel]\nschedule = 3\n')
+    with pytest.raises(ConfigError, match=r"^parallel\.schedule = 3 is not allowed: one of '1f1b', 'gpipe'$"):
+        load_config(str(path))
+    assert load_config("debug", ["--parallel.schedule", "gpipe"]).parallel.schedule == "gpipe"
+    assert typing.get_args(typing.get_type_hints(TrainingConfig)["assignment"]) == ASSIGNMENTS
 
 
 def test_bad_toml_types_are_refused(tmp_path) -> None:

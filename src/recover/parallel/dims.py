@@ -9,8 +9,10 @@ Contract:
 - The cross-replica data-parallel axis is NOT a mesh axis: layer 1 owns it (it must survive the
   loss of a replica; a DeviceMesh group cannot).
 - :class:`ParallelDims` is validated once, at construction (sizes), and against the replica's
-  process count and the model by :meth:`check_world` / :meth:`check_model`; every problem is a
-  :class:`~recover.errors.ConfigError` naming the field, the value and the fix.
+  process count and the model by :meth:`check_world` / :meth:`check_model` (the latter is
+  :func:`recover.config.check_layout`, the rules a :class:`~recover.config.Config` already
+  passed); every problem is a :class:`~recover.errors.ConfigError` naming the field, the value
+  and the fix.
 - :meth:`ParallelDims.build_mesh` gives every group of the mesh the intra-replica timeout, so a
   rank whose peer died never waits longer than that in a TP collective or a pipeline send.
 """
@@ -26,7 +28,7 @@ import torch
 import torch.distributed as dist
 from torch.distributed.device_mesh import DeviceMesh
 
-from recover.config import ModelConfig, ParallelConfig
+from recover.config import ModelConfig, ParallelConfig, check_layout
 from recover.errors import ConfigError
 
 
@@ -112,20 +114,9 @@ class ParallelDims:
                 f"(--procs-per-replica {self.world}) or change the degrees")
 
     def check_model(self, cfg: ModelConfig) -> None:
-        """Raises ConfigError if the model cannot be split this way (heads, layers, tied embeddings)."""
-        if cfg.n_heads % self.tp or cfg.kv_heads % self.tp:
-            raise ConfigError(f"parallel.tp = {self.tp} is not allowed: it must divide model.n_heads = {cfg.n_heads} "
-                              f"and the kv heads = {cfg.kv_heads}")
-        if cfg.hidden_dim % self.tp:
-            raise ConfigError(f"parallel.tp = {self.tp} is not allowed: it must divide the MLP width "
-                              f"{cfg.hidden_dim} (model.ffn_dim / model.ffn_multiple_of)")
-        if self.pp > cfg.n_layers:
-            raise ConfigError(f"parallel.pp = {self.pp} is not allowed: at most model.n_layers = {cfg.n_layers} "
-                              "(every stage holds at least one block)")
-        if self.pp > 1 and cfg.tie_embeddings:
-            raise ConfigError(
-                f"model.tie_embeddings = true is not allowed with parallel.pp = {self.pp}: the embedding lives "
-                "on the first stage and the output projection on the last; set model.tie_embeddings = false")
+        """Raises ConfigError if the model cannot be split this way (heads, MLP width, layers, tied
+        embeddings): the rules of :func:`recover.config.check_layout`, the one implementation."""
+        check_layout(cfg, pp=self.pp, tp=self.tp)
 
     def stage_layers(self, n_layers: int, stage: int) -> list[int]:
         """Block indices of pipeline ``stage``: contiguous, even split, earlier stages take the extra ones."""

@@ -24,7 +24,7 @@ import math
 import random
 from collections.abc import Iterable, Mapping, Sequence
 
-ASSIGNMENTS = ("blocks", "strided", "shuffled")
+from recover.names import ASSIGNMENTS  # the choices of training.assignment, from one source
 
 Assignment = dict[int, list[int]]
 
