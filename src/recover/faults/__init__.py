@@ -1,4 +1,7 @@
-"""Failure schedules and injection by (replica, step, phase); random MTBF schedules."""
+"""Failure schedules and injection by (replica, step, phase); random MTBF schedules.
+
+The phases are :class:`recover.names.Phase`; ``PHASES`` is re-exported from there.
+"""
 
 from recover.faults.schedule import (
     PHASES,

@@ -7,16 +7,9 @@ process builds a :class:`FaultInjector` from the specs of its replica and calls
 itself, so the failure is as abrupt as a lost GPU (no cleanup, no goodbye to the peers).
 
 Steps are 0-based, as in ``metrics.jsonl``: ``1@5:backward`` kills replica 1 during the backward
-passes of the step that ``metrics.jsonl`` records as ``step: 5``. Phases, in step order:
-
-* ``forward``   while the step's microbatches run forward (the default when a spec omits it)
-* ``backward``  while they run backward
-* ``reduce``    while the cross-replica reduction is in flight
-* ``commit``    at the commit vote
-* ``optimizer`` after the commit, at the optimizer step
-* ``idle``      after the step, before the next one begins
-* ``recover``   while this replica recovers from another's failure (the new generation forming):
-                a second failure during recovery
+passes of the step that ``metrics.jsonl`` records as ``step: 5``. The phases, in step order, are
+the members of :class:`recover.names.Phase` (``forward`` is the default when a spec omits it;
+``recover`` is a second failure while the replica recovers from another's).
 
 Which rank of a replica dies: a spec's ``rank``, or the replica's LAST rank when it is ``None``
 (the ``--fail-rank`` default); the replica's other ranks go down with it (its torchrun job, or
@@ -37,11 +30,9 @@ from dataclasses import asdict, dataclass
 from typing import Any
 
 from recover.errors import ConfigError
+from recover.names import PHASES, STEP_PHASES, Phase
 
-PHASES: tuple[str, ...] = ("forward", "backward", "reduce", "commit", "optimizer", "idle", "recover")
-STEP_PHASES: tuple[str, ...] = PHASES[:6]
-"""The phases every step passes through (``recover`` happens only when another replica fails)."""
-DEFAULT_PHASE = "forward"
+DEFAULT_PHASE = Phase.FORWARD
 FORM = "REPLICA@STEP[:PHASE], e.g. 1@5:backward"
 _SPEC = re.compile(r"^\s*([^@:]*)@([^@:]*)(?::([^@:]*))?\s*$")
 MAX_DRAWS = 1_000_000
@@ -54,7 +45,7 @@ class FailureSpec:
 
     replica: int
     step: int
-    phase: str = DEFAULT_PHASE
+    phase: Phase = DEFAULT_PHASE
     rank: int | None = None
 
     def __post_init__(self) -> None:
@@ -64,6 +55,7 @@ class FailureSpec:
                 raise ConfigError(f"failure {name} = {value!r} must be an integer >= 0")
         if self.phase not in PHASES:
             raise ConfigError(f"failure phase {self.phase!r} {_phase_hint(self.phase)}")
+        object.__setattr__(self, "phase", Phase(self.phase))  # a plain name becomes its member
 
     def __str__(self) -> str:
         """The command-line form ``R@STEP:PHASE`` (the rank travels separately, as ``--fail-rank``)."""
@@ -74,7 +66,7 @@ class FailureSpec:
         return (self.step, PHASES.index(self.phase), self.replica)
 
     def to_dict(self) -> dict[str, Any]:
-        return asdict(self)
+        return {**asdict(self), "phase": self.phase.value}
 
     @classmethod
     def from_dict(cls, d: dict[str, Any]) -> FailureSpec:
@@ -103,7 +95,7 @@ def parse_failure(text: str, rank: int | None = None) -> FailureSpec:
         raise ConfigError(f"bad failure {text!r}: phase {phase!r} {_phase_hint(phase)}")
     if rank is not None and (not isinstance(rank, int) or rank < 0):
         raise ConfigError(f"bad failure rank {rank!r} for {text!r}: use an integer >= 0")
-    return FailureSpec(int(rep), int(step), phase, rank)
+    return FailureSpec(int(rep), int(step), Phase(phase), rank)
 
 
 def _phase_hint(phase: str) -> str:
@@ -177,7 +169,7 @@ class FailureSchedule:
                               "lower min_replicas or let replicas rejoin")
         return self
 
-    def at(self, replica: int, step: int, phase: str) -> bool:
+    def at(self, replica: int, step: int, phase: Phase | str) -> bool:
         """Whether ``replica`` is scheduled to die at ``phase`` of ``step``."""
         return any(s.replica == replica and s.step == step and s.phase == phase for s in self.specs)
 
@@ -199,7 +191,7 @@ def _positive(name: str, value: int) -> None:
 
 
 def random_schedule(replicas: int, steps: int, mtbf_s: float, step_time_s: float, seed: int,
-                    min_replicas: int = 1, phases: Iterable[str] = STEP_PHASES,
+                    min_replicas: int = 1, phases: Iterable[Phase | str] = STEP_PHASES,
                     rejoin_after_steps: int | None = None) -> FailureSchedule:
     """Random failures: exponential inter-arrival times of mean ``mtbf_s`` (for the whole job).
 
@@ -274,7 +266,7 @@ class FaultInjector:
     def _mine(self, spec: FailureSpec) -> bool:
         return (self.ranks - 1 if spec.rank is None else spec.rank) == self.rank
 
-    def maybe_fail(self, step: int, phase: str) -> bool:
+    def maybe_fail(self, step: int, phase: Phase | str) -> bool:
         """Kills the process if a pending spec matches ``(step, phase)``; returns whether it fired.
 
         A spec fires once. With the real ``os.kill`` this never returns when it fires.

@@ -1,4 +1,11 @@
-"""``recover launch``, ``recover compare`` and the hidden ``recover worker`` (one replica process)."""
+"""``recover launch``, ``recover compare`` and the hidden ``recover worker`` (one replica process).
+
+Contract: a launch is a :class:`LaunchRequest` (typed; ``recover launch``'s flags map onto it one
+to one) run by :func:`launch`. :func:`check_launch` does every check first, with no side effect:
+the config (whose ``__post_init__`` holds every layout rule), the flags and the failure schedule.
+Only then does :func:`launch` create the run directory, prepare the data and start processes, so
+a bad request is refused in well under a second with one line and exit status 2.
+"""
 
 from __future__ import annotations
 
@@ -6,26 +13,31 @@ import argparse
 import json
 import os
 import sys
+from dataclasses import dataclass
 from pathlib import Path
+from typing import TYPE_CHECKING
 
 from recover.config import Config, load_config
 from recover.errors import ConfigError, RecoverError
+from recover.names import BASELINES, Baseline, Phase
+
+if TYPE_CHECKING:
+    from recover.launch.launcher import Launcher, LaunchOptions
 
 
 def register(sub: argparse._SubParsersAction) -> None:
     p = sub.add_parser(
         "launch", help="run a multi-replica job on this machine, with real failures",
         description="Start a coordinator and N replica processes and train with in-step recovery. "
-                    "Failures are real SIGKILLs: --fail R@STEP:PHASE (phases: forward, backward, reduce, commit, "
-                    "optimizer, idle; steps are 0-based) or --random-failures MTBF_S. Config overrides: "
-                    "--section.field VALUE.",
+                    "Failures are real SIGKILLs: --fail R@STEP:PHASE (steps are 0-based) or --random-failures "
+                    "MTBF_S. Config overrides: --section.field VALUE. Everything is checked before anything starts.",
     )
     p.add_argument("--config", default="tiny", help="preset name or .toml path")
     p.add_argument("--replicas", type=int, default=None, help="replicas (default: parallel.replicas of the config)")
     p.add_argument("--steps", type=int, default=None, help="committed steps (default: training.steps)")
     p.add_argument("--out", required=True, help="run directory")
     p.add_argument("--fail", action="append", default=[], metavar="R@STEP:PHASE",
-                   help="kill replica R at STEP (0-based) and PHASE; repeatable")
+                   help=f"kill replica R at STEP (0-based) and PHASE; repeatable. Phases: {Phase.describe()}")
     p.add_argument("--fail-rank", type=int, default=None, metavar="K",
                    help="which rank of a replica --fail kills (default: its last rank); the replica's other "
                         "ranks go down with it")
@@ -40,9 +52,9 @@ def register(sub: argparse._SubParsersAction) -> None:
                    help="restart a killed replica after this delay; it joins back at the next step boundary")
     p.add_argument("--rejoin-replicas", default=None, metavar="R[,R...]",
                    help="with --rejoin-after: only these replicas rejoin (default: every killed one)")
-    p.add_argument("--baseline", choices=("shrink", "restart"), default=None,
-                   help="run a baseline instead of recover on the same model, data and failures: shrink "
-                        "(shrink-and-drop, torchft's semantics) or restart (checkpoint-and-restart)")
+    p.add_argument("--baseline", choices=BASELINES, default=None,
+                   help=f"run a baseline instead of recover on the same model, data and failures: "
+                        f"{Baseline.describe()}")
     p.add_argument("--deterministic", action="store_true",
                    help="float64 accumulation: every committed step bitwise equal to the failure-free run's")
     p.add_argument("--seed", type=int, default=0, help="seed of --random-failures")
@@ -69,82 +81,136 @@ def register(sub: argparse._SubParsersAction) -> None:
     w.add_argument("--coordinator", required=True, help="HOST:PORT")
     w.add_argument("--token-file", required=True)
     w.add_argument("--procs", type=int, default=1, help="replica processes sharing this machine (threads)")
-    w.add_argument("--fail", action="append", default=[])
+    w.add_argument("--fail", action="append", default=[], metavar="R@STEP:PHASE[#RANK]",
+                   help=f"die at STEP and PHASE (on RANK, default the last); phases: {Phase.describe()}")
     w.add_argument("--join", action="store_true")
-    w.add_argument("--baseline", choices=("shrink", "restart"), default=None)
+    w.add_argument("--baseline", choices=BASELINES, default=None, help=Baseline.describe())
     w.add_argument("--resume", action="store_true", help="start from the newest complete checkpoint in --out")
     w.set_defaults(func=run_worker, accepts_overrides=True)
 
 
-def launch_config(args: argparse.Namespace) -> tuple[Config, list[str]]:
+@dataclass(frozen=True)
+class LaunchRequest:
+    """What ``recover launch`` is asked to run; every field is one of its flags (None: the config's)."""
+
+    out: Path
+    """The run directory."""
+    config: str = "tiny"
+    """Preset name or ``.toml`` path."""
+    overrides: tuple[str, ...] = ()
+    """Config overrides, ``--section.field VALUE`` (every worker gets them too)."""
+    replicas: int | None = None
+    steps: int | None = None
+    pp: int | None = None
+    tp: int | None = None
+    fsdp: int | None = None
+    procs_per_replica: int | None = None
+    """Must equal pp x tp x fsdp when given."""
+    deterministic: bool = False
+    failures: tuple[str, ...] = ()
+    """Failure specs ``R@STEP[:PHASE]``."""
+    fail_rank: int | None = None
+    """Which rank of a replica the failures kill (None: its last)."""
+    random_mtbf_s: float | None = None
+    rejoin_after_s: float | None = None
+    rejoin_replicas: frozenset[int] | None = None
+    """With ``rejoin_after_s``: only these replicas rejoin (None: every killed one)."""
+    baseline: Baseline | None = None
+    seed: int = 0
+    """Seed of the random failures."""
+    reference: Path | None = None
+    """A failure-free run directory to draw under ``loss.png``."""
+    progress: bool = True
+
+
+def launch_config(req: LaunchRequest) -> tuple[Config, list[str]]:
     """The job's config and the overrides every worker gets (flags folded into dotted overrides)."""
-    overrides = list(args.overrides)
-    if args.replicas is not None:
-        if args.replicas < 1:
-            raise ConfigError(f"--replicas {args.replicas} is not allowed: at least 1")
-        overrides += [f"--parallel.replicas={args.replicas}"]
-    if args.steps is not None:
-        overrides += [f"--training.steps={args.steps}"]
-    for axis in ("pp", "tp", "fsdp"):
-        if getattr(args, axis, None) is not None:
-            overrides += [f"--parallel.{axis}={getattr(args, axis)}"]
-    if args.deterministic:
-        overrides += ["--training.deterministic=true"]
-    return load_config(args.config, overrides), overrides
+    flags = {"parallel.replicas": req.replicas, "training.steps": req.steps, "parallel.pp": req.pp,
+             "parallel.tp": req.tp, "parallel.fsdp": req.fsdp,
+             "training.deterministic": "true" if req.deterministic else None}
+    overrides = [*req.overrides, *(f"--{key}={value}" for key, value in flags.items() if value is not None)]
+    return load_config(req.config, overrides), overrides
 
 
-def run_launch(args: argparse.Namespace) -> int:
+def check_launch(req: LaunchRequest) -> LaunchOptions:
+    """Every check of a launch, with no side effect; returns the launcher's options.
+
+    Raises:
+        ConfigError: the first problem found (config, flags or failure schedule), one line with the fix.
+    """
     from recover.data.prepare import resolve_data_dir
     from recover.faults import FailureSchedule, parse_failure
-    from recover.launch.launcher import Launcher, LaunchOptions
+    from recover.launch.launcher import LaunchOptions
+
+    cfg, overrides = launch_config(req)
+    p, ft = cfg.parallel, cfg.fault_tolerance
+    P = p.procs_per_replica
+    if req.procs_per_replica is not None and req.procs_per_replica != P:
+        raise ConfigError(f"--procs-per-replica {req.procs_per_replica} does not match pp x tp x fsdp = {p.pp} x "
+                          f"{p.tp} x {p.fsdp} = {P}; give the degrees with --pp/--tp/--fsdp so their product is P")
+    if req.fail_rank is not None and not 0 <= req.fail_rank < P:
+        raise ConfigError(f"--fail-rank {req.fail_rank} is not allowed: a replica has ranks 0..{P - 1}")
+    schedule = FailureSchedule([parse_failure(f, req.fail_rank) for f in req.failures])
+    schedule.validate(p.replicas, cfg.training.steps, ft.min_replicas, rejoin=req.rejoin_after_s is not None, ranks=P)
+    if req.random_mtbf_s is not None and req.random_mtbf_s <= 0:
+        raise ConfigError(f"--random-failures {req.random_mtbf_s} is not allowed: a positive MTBF in seconds")
+    if req.rejoin_after_s is not None and req.rejoin_after_s < 0:
+        raise ConfigError(f"--rejoin-after {req.rejoin_after_s} is not allowed: seconds >= 0")
+    if req.rejoin_replicas is not None and not req.rejoin_replicas <= set(range(p.replicas)):
+        raise ConfigError(f"--rejoin-replicas {','.join(map(str, sorted(req.rejoin_replicas)))} is not allowed: "
+                          f"replicas are 0..{p.replicas - 1}")
+    if req.baseline == Baseline.RESTART and cfg.training.checkpoint_every == 0:
+        raise ConfigError(f"--baseline {Baseline.RESTART} needs periodic checkpoints: set --training.checkpoint_every "
+                          "K (`recover bench failures` picks K by Young/Daly)")
+    if req.baseline and req.rejoin_after_s is not None:
+        raise ConfigError("--rejoin-after applies to recover; the baselines run on the survivors")
+    if req.baseline and P > 1:
+        raise ConfigError(f"--baseline {req.baseline} runs one process per replica; drop --pp/--tp/--fsdp "
+                          f"(this replica has {P} ranks)")
+    resolve_data_dir(cfg.data, prepare=False)  # a missing shard directory is refused here, not by the workers
+    return LaunchOptions(config=cfg, config_arg=req.config, overrides=overrides, out=Path(req.out),
+                         failures=schedule, random_mtbf_s=req.random_mtbf_s, rejoin_after_s=req.rejoin_after_s,
+                         rejoin_replicas=req.rejoin_replicas, seed=req.seed, baseline=req.baseline,
+                         progress=req.progress,
+                         title=f"{cfg.name} x{p.replicas}" + (f" (x{P} ranks)" if P > 1 else ""))
+
+
+def launch(req: LaunchRequest) -> int:
+    """Runs a job: checks everything, then creates the run directory, prepares the data and starts it.
+
+    Returns:
+        The launcher's exit status: 0 when every step committed, 3 when too few replicas survived.
+
+    Raises:
+        ConfigError: from :func:`check_launch`, before anything is created or started.
+    """
+    from recover.data.prepare import resolve_data_dir
+    from recover.launch.launcher import Launcher
+
+    opts = check_launch(req)
+    opts.out.mkdir(parents=True, exist_ok=True)
+    resolve_data_dir(opts.config.data, quiet=not req.progress)
+    launcher = Launcher(opts)
+    code = launcher.run()
+    _report(launcher, opts, req.reference)
+    if code == 3:
+        print("recover: the job stopped because too few replicas survived; a complete checkpoint was saved "
+              f"under {opts.out / 'checkpoints'}", file=sys.stderr)
+    return code
+
+
+def _report(launcher: Launcher, opts: LaunchOptions, reference: Path | None) -> None:
+    """Summary, recovery events, plots and the one-line result of a finished run."""
     from recover.launch.report import plot_run, summarize
     from recover.observe.events import EventLog
 
-    cfg, overrides = launch_config(args)
-    ft, P = cfg.fault_tolerance, cfg.parallel.procs_per_replica
-    if args.procs_per_replica is not None and args.procs_per_replica != P:
-        p = cfg.parallel
-        raise ConfigError(f"--procs-per-replica {args.procs_per_replica} does not match pp x tp x fsdp = {p.pp} x "
-                          f"{p.tp} x {p.fsdp} = {P}; give the degrees with --pp/--tp/--fsdp so their product is P")
-    if args.fail_rank is not None and not 0 <= args.fail_rank < P:
-        raise ConfigError(f"--fail-rank {args.fail_rank} is not allowed: a replica has ranks 0..{P - 1}")
-    schedule = FailureSchedule([parse_failure(f, args.fail_rank) for f in args.fail])
-    schedule.validate(cfg.parallel.replicas, cfg.training.steps, ft.min_replicas,
-                      rejoin=args.rejoin_after is not None, ranks=P)
-    if args.random_failures is not None and args.random_failures <= 0:
-        raise ConfigError(f"--random-failures {args.random_failures} is not allowed: a positive MTBF in seconds")
-    if args.rejoin_after is not None and args.rejoin_after < 0:
-        raise ConfigError(f"--rejoin-after {args.rejoin_after} is not allowed: seconds >= 0")
-    rejoin_replicas = None
-    if args.rejoin_replicas:
-        try:
-            rejoin_replicas = frozenset(int(r) for r in args.rejoin_replicas.split(","))
-        except ValueError:
-            raise ConfigError(f"--rejoin-replicas {args.rejoin_replicas!r}: expected replica ids like 1,3") from None
-    if args.baseline == "restart" and cfg.training.checkpoint_every == 0:
-        raise ConfigError("--baseline restart needs periodic checkpoints: set --training.checkpoint_every K "
-                          "(`recover bench failures` picks K by Young/Daly)")
-    if args.baseline and args.rejoin_after is not None:
-        raise ConfigError("--rejoin-after applies to recover; the baselines run on the survivors")
-    if args.baseline and P > 1:
-        raise ConfigError(f"--baseline {args.baseline} runs one process per replica; drop --pp/--tp/--fsdp "
-                          f"(this replica has {P} ranks)")
-    out = Path(args.out)
-    out.mkdir(parents=True, exist_ok=True)
-    resolve_data_dir(cfg.data, quiet=args.no_progress)
-    opts = LaunchOptions(config=cfg, config_arg=args.config, overrides=overrides, out=out, failures=schedule,
-                         random_mtbf_s=args.random_failures, rejoin_after_s=args.rejoin_after,
-                         rejoin_replicas=rejoin_replicas, seed=args.seed, baseline=args.baseline,
-                         progress=not args.no_progress,
-                         title=f"{cfg.name} x{cfg.parallel.replicas}" + (f" (x{P} ranks)" if P > 1 else ""))
-    launcher = Launcher(opts)
-    code = launcher.run()
-    summary = summarize(out, cfg.name, launcher.wall_s)
+    out = opts.out
+    summary = summarize(out, opts.config.name, launcher.wall_s)
     with EventLog(out / "events.jsonl") as events:  # kill -> all survivors computing again, per kill
         for rec in summary["recoveries"]:
             events.event("recovery", **rec)
     try:
-        plot_run(out, Path(args.reference) if args.reference else None)
+        plot_run(out, reference)
     except Exception as exc:  # a plot never fails a run
         print(f"warning: plots not written: {exc}", file=sys.stderr)
     for text in launcher.failed_logs():
@@ -154,10 +220,27 @@ def run_launch(args: argparse.Namespace) -> int:
           f"{summary['min_microbatches']}..{summary['max_microbatches']}; kills {summary['kills']}, rejoins "
           f"{summary['rejoins']}; median recovery {lat if lat is not None else '-'} ms; "
           f"final val loss {summary['final_val_loss']}; outputs in {out}", flush=True)
-    if code == 3:
-        print("recover: the job stopped because too few replicas survived; a complete checkpoint was saved "
-              f"under {out / 'checkpoints'}", file=sys.stderr)
-    return code
+
+
+def _ids(flag: str, text: str | None) -> frozenset[int] | None:
+    if not text:
+        return None
+    try:
+        return frozenset(int(r) for r in text.split(","))
+    except ValueError:
+        raise ConfigError(f"{flag} {text!r}: expected replica ids like 1,3") from None
+
+
+def run_launch(args: argparse.Namespace) -> int:
+    """``recover launch``: the flags as a :class:`LaunchRequest`, run by :func:`launch`."""
+    return launch(LaunchRequest(
+        out=Path(args.out), config=args.config, overrides=tuple(args.overrides), replicas=args.replicas,
+        steps=args.steps, pp=args.pp, tp=args.tp, fsdp=args.fsdp, procs_per_replica=args.procs_per_replica,
+        deterministic=args.deterministic, failures=tuple(args.fail), fail_rank=args.fail_rank,
+        random_mtbf_s=args.random_failures, rejoin_after_s=args.rejoin_after,
+        rejoin_replicas=_ids("--rejoin-replicas", args.rejoin_replicas),
+        baseline=Baseline(args.baseline) if args.baseline else None, seed=args.seed,
+        reference=Path(args.reference) if args.reference else None, progress=not args.no_progress))
 
 
 def run_compare(args: argparse.Namespace) -> int:
@@ -178,16 +261,16 @@ def run_compare(args: argparse.Namespace) -> int:
 
 def run_worker(args: argparse.Namespace) -> int:
     from recover.faults import parse_failure
-    from recover.train.worker import ReplicaWorker, build_trainer
+    from recover.train.worker import ReplicaWorker, build
 
     cfg = load_config(args.config, args.overrides)
     host, _, port = args.coordinator.rpartition(":")
     if not host or not port.isdigit():
         raise RecoverError(f"--coordinator {args.coordinator!r}: expected HOST:PORT")
     token = Path(args.token_file).read_text().strip()
-    replica, fails, join, trainer = args.replica, args.fail, args.join, None
+    replica, fails, join, built = args.replica, args.fail, args.join, None
     if args.spare:  # a hot spare: pay the start-up cost now, learn who to be when a replica dies
-        trainer = build_trainer(cfg, Path(args.out), args.procs, args.resume)
+        built = build(cfg, args.procs)
         line = sys.stdin.readline()
         if not line.strip():
             os._exit(0)  # the launcher closed our stdin: not needed
@@ -200,8 +283,8 @@ def run_worker(args: argparse.Namespace) -> int:
         spec, _, rank = text.partition("#")
         specs.append(parse_failure(spec, int(rank) if rank else None))
     worker = ReplicaWorker(cfg, args.out, replica, host, int(port), token,
-                           failures=specs, join=join, procs=args.procs, trainer=trainer,
-                           baseline=args.baseline, resume=args.resume)
+                           failures=specs, join=join, procs=args.procs, built=built,
+                           baseline=Baseline(args.baseline) if args.baseline else None, resume=args.resume)
     code = worker.run()
     # Skip interpreter teardown: a retired gloo group still held by the graveyard's daemon thread
     # would be destroyed mid-shutdown (std::terminate, SIGABRT). Everything is written and flushed.

@@ -34,9 +34,10 @@ from typing import Any
 
 from recover.config import Config
 from recover.faults import FailureSchedule
-from recover.observe.events import EventLog, JsonlWriter, read_jsonl
+from recover.names import Baseline
+from recover.observe.events import EventLog, JsonlWriter
 from recover.observe.progress import ProgressDisplay
-from recover.train.exits import EXIT_FENCED, EXIT_JOB_FAILED, EXIT_QUORUM_LOST, replica_log_path
+from recover.train.exits import EXIT_FENCED, EXIT_JOB_FAILED, EXIT_QUORUM_LOST
 
 POLL_S = 0.05
 
@@ -56,8 +57,8 @@ class LaunchOptions:
     failures: FailureSchedule = field(default_factory=FailureSchedule)
     random_mtbf_s: float | None = None
     rejoin_after_s: float | None = None
-    baseline: str | None = None
-    """None (recover), ``shrink`` (shrink-and-drop) or ``restart`` (checkpoint-and-restart)."""
+    baseline: Baseline | None = None
+    """None (recover) or the baseline run instead (see :class:`recover.names.Baseline`)."""
     rejoin_replicas: frozenset[int] | None = None
     """Which killed replicas rejoin (None: all)."""
     seed: int = 0
@@ -188,7 +189,7 @@ class Launcher:
                            f"{self.o.host}:{self.port}", "--token-file", str(self.token_file), "--procs",
                            str(self.n * self.P), *self.o.overrides)
         if self.o.baseline:
-            cmd += ["--baseline", self.o.baseline]
+            cmd += ["--baseline", Baseline(self.o.baseline).value]
         if self.resume:
             cmd.append("--resume")
         return cmd
@@ -254,7 +255,7 @@ class Launcher:
             self.events.event("replica_exit", replica=rep.rid, code=code, pid=rep.pid,
                               **({"rank_codes": rep.codes} if self.P > 1 else {}))
             unfinished = self.written + 1 < self.cfg.training.steps
-            if self.o.baseline == "restart" and code in (-signal.SIGKILL, EXIT_JOB_FAILED) and unfinished:
+            if self.o.baseline == Baseline.RESTART and code in (-signal.SIGKILL, EXIT_JOB_FAILED) and unfinished:
                 self._restart()
                 return
             wanted = self.o.rejoin_replicas is None or rep.rid in self.o.rejoin_replicas
@@ -426,11 +427,4 @@ class Launcher:
         return out
 
 
-def replica_records(out: Path) -> list[dict[str, Any]]:
-    records = []
-    for path in sorted((out / "replicas").glob("replica_*.jsonl")):
-        records.extend(read_jsonl(path))
-    return records
-
-
-__all__ = ["LaunchOptions", "Launcher", "free_port", "replica_log_path", "replica_records"]
+__all__ = ["LaunchOptions", "Launcher", "free_port"]
