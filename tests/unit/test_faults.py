@@ -179,3 +179,14 @@ def test_injector_calls_before_kill_first_and_checks_phases() -> None:
     assert inj.maybe_fail(1, "optimizer") and order == ["event 0@1:optimizer", "kill"]
     with pytest.raises(ValueError, match="did you mean 'backward'"):
         inj.maybe_fail(1, "backwards")
+
+
+def test_phases_come_from_names() -> None:
+    import recover.faults
+    from recover.names import PHASES as NAMES_PHASES
+    from recover.names import Phase
+
+    assert recover.faults.PHASES is NAMES_PHASES and "recover" in NAMES_PHASES
+    spec = parse_failure("1@5:Backward")
+    assert spec.phase is Phase.BACKWARD and FailureSpec(1, 5, "backward") == spec
+    assert spec.to_dict()["phase"] == "backward" and type(spec.to_dict()["phase"]) is str  # JSON keeps plain names
