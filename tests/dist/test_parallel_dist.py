@@ -26,7 +26,7 @@ from _parallel_workers.common import STEPS, plan, reference, write_corpus
 
 pytestmark = pytest.mark.slow
 ROOT = Path(__file__).resolve().parents[2]
-WORKER = ROOT / "tests" / "_parallel_workers" / "engine_worker.py"
+WORKER = ROOT / "tests" / "dist" / "_parallel_workers" / "engine_worker.py"
 INTRA_TIMEOUT_S = 20.0
 _REFERENCES: dict[bool, tuple[list[float], list[float], dict[str, torch.Tensor]]] = {}
 
@@ -45,7 +45,7 @@ def ref(data: Path, tied: bool) -> tuple[list[float], list[float], dict[str, tor
 def torchrun(nproc: int, runs: list[str], data: Path, out: Path, timeout: float = 200.0) -> None:
     """Runs the worker's ``runs`` in one torchrun job of ``nproc`` processes; kills its session on timeout."""
     env = dict(os.environ)
-    env["PYTHONPATH"] = os.pathsep.join([str(ROOT / "src"), str(ROOT / "tests"), env.get("PYTHONPATH", "")])
+    env["PYTHONPATH"] = os.pathsep.join([str(ROOT / "src"), str(ROOT / "tests" / "dist"), env.get("PYTHONPATH", "")])
     env["OMP_NUM_THREADS"] = "1"
     cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", f"--nproc-per-node={nproc}",
            str(WORKER), "--data", str(data), "--out", str(out), "--timeout", str(INTRA_TIMEOUT_S)]

@@ -107,7 +107,7 @@ def test_kill_then_rejoin(reference_det: Path, corpus: Path, tmp_path: Path) -> 
         (["--fail", "1@99:forward"], "step 99 is beyond the run"),
         (["--fail", "7@3:forward"], "replica 7 does not exist; replicas are 0..3"),
         (["--fail", "0@1", "--fail", "1@2", "--fail", "2@3", "--fail", "3@4"], "kill at most 3"),
-        (["--pp", "2"], "set --model.tie_embeddings false"),
+        (["--pp", "2"], "(--model.tie_embeddings false)"),
         (["--tp", "2", "--procs-per-replica", "3"], "does not match pp x tp x fsdp = 1 x 2 x 1 = 2"),
         (["--fsdp", "2", "--fail", "1@3", "--fail-rank", "2"], "--fail-rank 2 is not allowed: a replica has ranks 0"),
         (["--tp", "3"], "parallel.tp = 3 is not allowed"),

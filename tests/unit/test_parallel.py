@@ -1,17 +1,18 @@
 """Pure tests of ``recover.parallel`` (no process group): the rank grid, validation, stage splits,
-and the one-process engine against the plain accumulator."""
+and a one-process replica against plain PyTorch gradient accumulation."""
 
 from __future__ import annotations
 
 import pytest
 import torch
 
-from recover.config import ModelConfig
+from recover.config import ModelConfig, TrainingConfig
 from recover.errors import ConfigError
 from recover.model import build_model, lm_loss
-from recover.parallel import MeshAxis, ParallelDims, ReplicaEngine, parallelize, split_stage
+from recover.parallel import MeshAxis, ParallelDims, parallelize, split_stage
 from recover.parallel.pipeline import PipelineRunner
-from recover.recovery.accumulator import GradAccumulator
+from recover.train.optim import build_optimizer, lr_at, set_lr
+from recover.train.replica import Replica
 
 CFG = ModelConfig(vocab_size=64, dim=32, n_layers=5, n_heads=4, max_seq_len=16, tie_embeddings=False)
 
@@ -103,7 +104,7 @@ def test_1f1b_falls_back_to_gpipe_below_pp_microbatches() -> None:
         PipelineRunner(torch.nn.Identity(), 0, 2, None, torch.device("cpu"), 8, 8, "zb")  # type: ignore[arg-type]
 
 
-# ---- the engine of a one-process replica ---------------------------------------------------
+# ---- a one-process replica --------------------------------------------------------------------
 class _Sampler:
     microbatch_size, seq_len = 2, 8
 
@@ -113,45 +114,59 @@ class _Sampler:
         return data[:, :-1], data[:, 1:]
 
 
-def test_one_process_engine_matches_the_accumulator() -> None:
+TC = TrainingConfig(steps=4, global_microbatches=4, lr=1e-2, warmup_steps=0, seed=3, grad_clip=0.5)
+
+
+def test_one_process_replica_is_plain_pytorch_gradient_accumulation() -> None:
+    """compute/payload/apply of the degenerate layout == a hand-written loop: backward per
+    microbatch, sum, divide by M, clip by the global norm, AdamW."""
     sampler, M = _Sampler(), 4
-    engine = ReplicaEngine(CFG, 3, ParallelDims(), None)
-    model = build_model(CFG, 3)
-    acc = GradAccumulator(model)
-    opt_e = torch.optim.AdamW(engine.model.parameters(), lr=1e-2)
-    opt_a = torch.optim.AdamW(model.parameters(), lr=1e-2)
+    replica = Replica(CFG, TC, sampler)
+    model = build_model(CFG, TC.seed)
+    opt = build_optimizer(model, TC)
     for step in range(2):
-        engine.reset()
-        acc.reset()
-        engine.compute(step, [2, 0], sampler)
-        engine.compute(step, [], sampler)  # a quota of 0 is a no-op
-        engine.compute(step, [3], sampler)
+        replica.reset()
+        replica.compute(step, [2, 0])
+        replica.compute(step, [])  # a quota of 0 is a no-op
+        replica.compute(step, [3])
+        losses, grads = [], [torch.zeros_like(p) for p in model.parameters()]
         for mb in (2, 0, 3):
             x, y = sampler.microbatch(step, mb)
-            acc.add(mb, lm_loss(model(x), y))
-        assert engine.ledger == acc.ledger == [2, 0, 3]
-        assert engine.loss_sum == pytest.approx(acc.loss_sum, rel=1e-6)
-        assert sorted(engine.losses) == [0, 2, 3]
-        got, want = engine.payload(), acc.payload()
-        assert len(got) == len(want)
-        for a, b in zip(got, want, strict=True):
-            torch.testing.assert_close(a, b, rtol=1e-6, atol=1e-7)
-        norm_e = engine.apply(got, M, opt_e, grad_clip=0.5)
-        norm_a = acc.apply(want, M, opt_a, grad_clip=0.5)
-        assert norm_e == pytest.approx(norm_a, rel=1e-5)
-    for (n, p), q in zip(engine.model.named_parameters(), model.parameters(), strict=True):
+            loss = lm_loss(model(x), y)
+            model.zero_grad()
+            loss.backward()
+            losses.append(float(loss.detach()))
+            for g, p in zip(grads, model.parameters(), strict=True):
+                g += p.grad
+        assert replica.ledger == [2, 0, 3]
+        assert replica.loss_sum == pytest.approx(sum(losses), rel=1e-6)
+        assert sorted(replica.losses) == [0, 2, 3]
+        payload = replica.payload()
+        assert Replica.totals(payload) == (pytest.approx(sum(losses), rel=1e-6), 3)
+        for a, b in zip(payload, grads, strict=False):
+            torch.testing.assert_close(a, b, rtol=1e-5, atol=1e-6)
+        norm = replica.apply(payload, M, step)
+        for p, g in zip(model.parameters(), grads, strict=True):
+            p.grad = g / M
+        set_lr(opt, lr_at(step, TC))
+        assert norm == pytest.approx(float(torch.nn.utils.clip_grad_norm_(model.parameters(), TC.grad_clip)),
+                                     rel=1e-5)
+        opt.step()
+    for (n, p), q in zip(replica.model.named_parameters(), model.parameters(), strict=True):
         torch.testing.assert_close(p, q, rtol=1e-5, atol=1e-6, msg=n)
 
 
-def test_local_state_round_trip() -> None:
+def test_transfer_state_round_trip() -> None:
     sampler = _Sampler()
-    src = ReplicaEngine(CFG, 3, ParallelDims(), None)
-    opt = torch.optim.AdamW(src.model.parameters(), lr=1e-2)
-    src.compute(0, [0], sampler)
-    src.apply(src.payload(), 1, opt, 1.0)
-    dst = ReplicaEngine(CFG, 4, ParallelDims(), None)
-    opt2 = torch.optim.AdamW(dst.model.parameters(), lr=1e-2)
-    dst.load_local_state(opt2, src.local_state(opt))
+    src = Replica(CFG, TC, sampler)
+    src.compute(0, [0])
+    src.apply(src.payload(), 1, 0)
+    dst = Replica(CFG, TrainingConfig(seed=4), sampler)
+    counters = dst.load_transfer_state(src.transfer_state({"step": 7, "data_step": 9}))
+    assert counters == {"step": 7, "data_step": 9}
     for p, q in zip(src.params, dst.params, strict=True):
         assert torch.equal(p, q)
-        assert all(torch.equal(opt.state[p][k], opt2.state[q][k]) for k in opt.state[p])
+        s, d = src.optimizer.state[p], dst.optimizer.state[q]
+        assert s.keys() == d.keys() and all(torch.equal(s[k], d[k]) for k in s)
+    with pytest.raises(ValueError, match="lacks parameters"):
+        dst.load_transfer_state({"counter.step": torch.tensor(1)})

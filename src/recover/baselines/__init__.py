@@ -6,8 +6,10 @@
 - ``restart``: checkpoint-and-restart, the way most jobs run today: any failure stops the whole
   job, which is relaunched (new processes, new rendezvous) from the last complete checkpoint with
   the surviving replicas, keeping M by gradient accumulation, and redoes the lost steps.
+
+The names come from :class:`recover.names.Baseline`.
 """
 
-from recover.baselines.steps import JobFailed, ShrinkStep, StepDropped, StopOnFailureStep, step_class
+from recover.baselines.steps import JobFailed, ShrinkStep, StopOnFailureStep, step_class
 
-__all__ = ["JobFailed", "ShrinkStep", "StepDropped", "StopOnFailureStep", "step_class"]
+__all__ = ["JobFailed", "ShrinkStep", "StopOnFailureStep", "step_class"]

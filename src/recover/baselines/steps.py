@@ -5,7 +5,8 @@ Contract: same compute, reduction and commit vote as ``recover``; only what happ
 
 - :class:`ShrinkStep` (shrink-and-drop, torchft's semantics): every replica always computes its
   own fixed share of the failure-free assignment (its "local batch"); a step whose all-reduce a
-  failure broke is discarded (:class:`StepDropped`: no optimizer update, its data is consumed) and
+  failure broke is discarded (no optimizer update, its data is consumed: :meth:`ShrinkStep.commit`
+  moves on to the next step's samples) and
   later steps hold only the survivors' shares, so they commit fewer than M microbatches and the
   gradient is divided by that smaller count.
 - :class:`StopOnFailureStep` (checkpoint-and-restart): a failure ends the job (:class:`JobFailed`);
@@ -57,19 +58,19 @@ from typing import Any
 import torch
 
 from recover.errors import PeerFailure
-from recover.recovery.accumulator import GradAccumulator
-from recover.recovery.protocol import ResilientStep, StepOutcome
+from recover.names import Baseline, Phase
+from recover.recovery.protocol import Committed, ResilientStep
 from recover.workload import assign
 
 COMMIT, RETRY, DROP = "commit", "retry", "drop"
 
 
-class StepDropped(Exception):
-    """Shrink-and-drop discarded this step after a failure; its data is consumed, nothing committed."""
-
-
 class JobFailed(Exception):
     """Checkpoint-and-restart: a replica failed, so the whole job stops and is relaunched."""
+
+
+class _Dropped(Exception):
+    """Shrink-and-drop discarded this step after a failure; its data is consumed, nothing committed."""
 
 
 class ShrinkStep(ResilientStep):
@@ -79,33 +80,43 @@ class ShrinkStep(ResilientStep):
         super().__init__(*args, **kwargs)
         self.shares = assign(list(range(self.M)), range(initial_replicas))
 
-    def plan(self) -> dict[int, list[int]]:
+    def plan(self, data_step: int) -> dict[int, list[int]]:
         return {r: list(self.shares[r]) for r in self.group.members}
 
     def expected_ids(self, plan: dict[int, list[int]]) -> list[int]:
         return sorted(i for ids in plan.values() for i in ids)
 
-    def run(self, step: int, data_step: int | None = None) -> StepOutcome:
-        """Quorum barrier, compute, all-reduce and commit of ``step``; survivors agree on its fate.
+    def divisor(self, microbatches: int) -> int:
+        """The survivors' (smaller) count: a shrunken step averages over fewer microbatches."""
+        return microbatches
+
+    def commit(self, step: int, data_step: int) -> Committed:
+        """Steps whose all-reduce a failure broke are dropped (their data consumed) until one commits.
 
         Raises:
-            StepDropped: a failure broke the step's all-reduce (on every survivor alike).
             QuorumLost: fewer than ``min_replicas`` replicas are left.
         """
-        data_step = step if data_step is None else data_step
+        while True:
+            try:
+                return self._attempt(step, self.progress.data_step)
+            except _Dropped:
+                self.progress.data_step += 1
+
+    def _attempt(self, step: int, data_step: int) -> Committed:
+        """Quorum barrier, compute, all-reduce and commit vote; on a failure, survivors agree on its fate."""
         recoveries: list[dict[str, Any]] = []
         while True:
-            plan = self.plan()
+            plan = self.plan(data_step)
             generation = self.group.generation
             in_quorum = reduced = None
             try:
                 self.group.barrier()  # the step's quorum: who is alive now takes part in this step
                 in_quorum = True
-                self.acc.reset()
-                self.compute(data_step, plan[self.replica])
-                self.hook(step, "reduce")
-                reduced = self.group.allreduce(self.acc.payload())
-                return self._vote(step, plan, reduced, recoveries)
+                self.replica.reset()
+                self.replica.compute(data_step, plan[self.me], self.hook)
+                self.hook(step, Phase.REDUCE)
+                reduced = self.group.allreduce(self.replica.payload())
+                return self.vote(step, plan, reduced, recoveries, len(plan[self.me]))
             except PeerFailure:
                 pass
             t0 = time.perf_counter()
@@ -117,31 +128,19 @@ class ShrinkStep(ResilientStep):
             if verdict == DROP:
                 self.on_event("step_dropped", step=step, from_generation=generation,
                               generation=self.group.generation, dead=dead)
-                raise StepDropped(f"step {step} dropped after losing replicas {dead}")
+                raise _Dropped(f"step {step} dropped after losing replicas {dead}")
             recoveries.append(info)
             if verdict == RETRY:  # the replica died before this step's quorum: start it over the survivors
                 self.on_event("quorum_reformed", **info)
                 continue
             self.on_event("step_kept", **info)  # the all-reduce had completed everywhere: commit it
+            assert reduced is not None
             while True:
                 try:
-                    return self._vote(step, plan, reduced, recoveries)
+                    return self.vote(step, plan, reduced, recoveries, len(plan[self.me]))
                 except PeerFailure:
                     if self._agree(step, True, True) != COMMIT:  # only survivors that hold it are left
                         raise RuntimeError(f"step {step}: survivors disagree after agreeing to commit") from None
-
-    def _vote(self, step: int, plan: dict[int, list[int]], reduced: list[torch.Tensor],
-              recoveries: list[dict[str, Any]]) -> StepOutcome:
-        loss_sum, count = GradAccumulator.totals(reduced)
-        ids = self.expected_ids(plan)
-        if count != len(ids):
-            raise RuntimeError(f"step {step}: reduced gradient holds {count} microbatches, the plan {len(ids)}: "
-                               "the ledger is inconsistent")
-        self.hook(step, "commit")
-        admitted = self.client.vote_commit(self.group.generation, step, ids)
-        return StepOutcome(reduced=reduced, loss_sum=loss_sum, microbatches=count,
-                           generation=self.group.generation, live=tuple(self.group.members),
-                           recoveries=recoveries, computed=len(plan[self.replica]), admitted=admitted)
 
     def _agree(self, step: int, in_quorum: bool, reduced: bool) -> str:
         """Moves to the next generation and agrees with every survivor on the step's fate (retried
@@ -163,12 +162,16 @@ class ShrinkStep(ResilientStep):
 
 
 class StopOnFailureStep(ResilientStep):
+    """Checkpoint-and-restart: the first failure ends the job (:class:`JobFailed`)."""
+
     def on_failure(self, step: int, plan: dict[int, list[int]], failure: PeerFailure,
                    recoveries: list[dict[str, Any]]) -> tuple[dict[int, list[int]], list[int]]:
         self.on_event("job_failed", step=step, generation=failure.generation, dead=list(failure.dead))
         raise JobFailed(f"replicas {list(failure.dead)} failed at step {step}: the job stops for a restart")
 
 
-def step_class(baseline: str | None) -> type[ResilientStep]:
-    return {None: ResilientStep, "recover": ResilientStep, "shrink": ShrinkStep,
-            "restart": StopOnFailureStep}[baseline]
+def step_class(baseline: Baseline | str | None) -> type[ResilientStep]:
+    """The step protocol of recover (``None``) or of a baseline."""
+    if baseline is None:
+        return ResilientStep
+    return {Baseline.SHRINK: ShrinkStep, Baseline.RESTART: StopOnFailureStep}[Baseline(baseline)]

@@ -12,7 +12,7 @@ Contract:
   default) or a ``random`` MTBF schedule drawn once by :func:`recover.faults.random_schedule` from
   the reference's step time.
 - Checkpoint-and-restart saves every K steps, K by Young/Daly from the measured save cost C of
-  this model in the mode it runs (:func:`measure_save_cost`: the time ``Trainer.save`` blocks
+  this model in the mode it runs (:func:`measure_save_cost`: the time ``Checkpointer.save`` blocks
   training, median of 3 after a warm-up; synchronous: the whole DCP save; asynchronous: the state
   dict and its copy to CPU memory, the write runs in the background) and the schedule's MTBF:
   ``K_s = sqrt(2 C MTBF)``, ``K = max(1, round(K_s / step_time))`` (:func:`young_daly_steps`).
@@ -309,7 +309,7 @@ def throughput_series(run_dir: Path, window: int | None = None) -> tuple[list[fl
 
 def measure_save_cost(config: str, overrides: Sequence[str], replicas: int, repeats: int = 3,
                       asynchronous: bool = False) -> tuple[float, float]:
-    """(blocking, whole) median seconds of ``Trainer.save`` (a DCP checkpoint) of this model, after a warm-up save.
+    """(blocking, whole) median seconds of ``Checkpointer.save`` (a DCP checkpoint) of this model, after a warm-up save.
 
     ``blocking`` is how long the call holds training: the whole save when synchronous; with
     ``asynchronous`` the state dict, its copy to CPU memory and starting the writer thread.
@@ -317,21 +317,25 @@ def measure_save_cost(config: str, overrides: Sequence[str], replicas: int, repe
     Each asynchronous save is awaited before the next one starts, outside the blocking time.
     """
     from recover.config import load_config
+    from recover.data.prepare import resolve_data_dir
+    from recover.train.checkpoint import Checkpointer
     from recover.train.dist import DistContext
-    from recover.train.trainer import Trainer
+    from recover.train.trainer import build_replica
 
     cfg = load_config(config, [*overrides, f"--parallel.replicas={replicas}",
                                f"--training.checkpoint_async={str(asynchronous).lower()}"])
     with tempfile.TemporaryDirectory(prefix="recover-save-cost-") as tmp, warnings.catch_warnings():
         warnings.simplefilter("ignore", UserWarning)  # DCP: "assuming the intent is to save in a single process"
-        trainer = Trainer(cfg, tmp, DistContext(local_world_size=replicas), quiet=True)
-        trainer.save(0, blocking=True)
+        replica, _ = build_replica(cfg, DistContext(local_world_size=replicas),
+                                   resolve_data_dir(cfg.data, quiet=True))
+        checkpointer = Checkpointer(tmp, replica, cfg)
+        checkpointer.save(0, 0, 0, blocking=True)
         blocking, whole = [], []
         for i in range(repeats):
             t0 = time.perf_counter()
-            trainer.save(i + 1, blocking=False)
+            checkpointer.save(i + 1, i + 1, 0, blocking=False)
             blocking.append(time.perf_counter() - t0)
-            trainer.wait_checkpoint()
+            checkpointer.wait()
             whole.append(time.perf_counter() - t0)
     return statistics.median(blocking), statistics.median(whole)
 

@@ -203,40 +203,42 @@ def ddp_worker(args: argparse.Namespace) -> int:
     from recover.observe.events import JsonlWriter
     from recover.train.dist import init_from_env, shutdown
     from recover.train.optim import lr_at, set_lr
-    from recover.train.trainer import Trainer
+    from recover.train.trainer import build_replica, prepare_data
+    from recover.workload import static_assignment
 
     cfg = load_config(args.config, args.overrides)
     tc = cfg.training
     ctx = init_from_env(cfg.parallel.backend)
     try:
-        trainer = Trainer(cfg, args.out, ctx, quiet=True)
+        replica, eval_data = build_replica(cfg, ctx, prepare_data(cfg, ctx, quiet=True))
+        optimizer, M = replica.optimizer, tc.global_microbatches
         # The only buffer is RoPE's constant table: broadcasting it before every forward (DDP's
         # default) would add a collective per microbatch that no LLM trainer pays.
-        model = DistributedDataParallel(trainer.model, broadcast_buffers=False)
+        model = DistributedDataParallel(replica.model, broadcast_buffers=False)
         metrics = JsonlWriter(Path(args.out) / "metrics.jsonl") if ctx.is_main else None
         t_start = time.perf_counter()
         for step in range(tc.steps):
             t0 = time.perf_counter()
-            set_lr(trainer.optimizer, lr_at(step, tc))
-            trainer.optimizer.zero_grad(set_to_none=True)
-            ids = trainer.my_ids(step)
+            set_lr(optimizer, lr_at(step, tc))
+            optimizer.zero_grad(set_to_none=True)
+            ids = static_assignment(M, ctx.world_size, step, tc.assignment, tc.seed)[ctx.rank]
             loss_sum = 0.0
             for i, mb in enumerate(ids):
-                inputs, targets = trainer.sampler.microbatch(step, mb)
+                inputs, targets = replica.data.microbatch(step, mb)
                 with model.no_sync() if i + 1 < len(ids) else nullcontext():
                     loss = lm_loss(model(inputs), targets)
                     (loss / len(ids)).backward()  # DDP averages over ranks: sum over all M / M
                 loss_sum += float(loss)
-            grad_norm = float(torch.nn.utils.clip_grad_norm_(trainer.model.parameters(), tc.grad_clip))
-            trainer.optimizer.step()
+            grad_norm = float(torch.nn.utils.clip_grad_norm_(replica.model.parameters(), tc.grad_clip))
+            optimizer.step()
             if metrics is not None:
                 rec: dict[str, Any] = {
                     "step": step, "loss": loss_sum / len(ids), "loss_scope": "rank 0 microbatches",
-                    "microbatches": tc.global_microbatches, "tokens": trainer.tokens_per_step,
+                    "microbatches": M, "tokens": M * replica.tokens_per_microbatch,
                     "time_s": round(time.perf_counter() - t0, 6), "grad_norm": grad_norm,
                     "live_replicas": ctx.world_size, "generation": 0}
                 if (tc.eval_every and (step + 1) % tc.eval_every == 0) or step + 1 == tc.steps:
-                    rec["val_loss"] = trainer.evaluate()
+                    rec["val_loss"] = replica.evaluate([eval_data.batch(i) for i in range(tc.eval_batches)])
                 rec["elapsed_s"] = round(time.perf_counter() - t_start, 3)
                 metrics.write(rec)
         if metrics is not None:

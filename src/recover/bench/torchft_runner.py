@@ -211,19 +211,24 @@ def replica_main(args: argparse.Namespace) -> int:
     from torchft import Manager, ProcessGroupGloo
 
     from recover.config import load_config
+    from recover.data.prepare import resolve_data_dir
     from recover.faults import FaultInjector, parse_failure
     from recover.launch.launcher import free_port
     from recover.model import lm_loss
     from recover.train.dist import DistContext
     from recover.train.optim import lr_at, set_lr
-    from recover.train.trainer import Trainer
+    from recover.train.trainer import build_replica
     from recover.workload import assign
 
     out, rid, n = Path(args.out), args.replica, args.replicas
     cfg = load_config(args.config, [*args.overrides, f"--parallel.replicas={n}", f"--training.steps={args.steps}"])
     tc = cfg.training
-    trainer = Trainer(cfg, out, DistContext(local_world_size=n), quiet=True)
-    model, optim = trainer.model, trainer.optimizer
+    replica, eval_data = build_replica(cfg, DistContext(local_world_size=n), resolve_data_dir(cfg.data, prepare=False))
+    model, optim = replica.model, replica.optimizer
+
+    def evaluate() -> float:
+        return replica.evaluate([eval_data.batch(i) for i in range(tc.eval_batches)])
+
     events = EventLog(out / "events.jsonl")
     log = JsonlWriter(out / "replicas" / f"replica_{rid}.jsonl")
     injector = FaultInjector([parse_failure(f) for f in args.fail], rid, before_kill=lambda s: events.event(
@@ -252,7 +257,7 @@ def replica_main(args: argparse.Namespace) -> int:
         manager.start_quorum()  # what torchft's OptimizerWrapper.zero_grad does
         loss_sum = 0.0
         for i, mb in enumerate(mine):
-            inputs, targets = trainer.sampler.microbatch(data_step, mb)
+            inputs, targets = replica.data.microbatch(data_step, mb)
             injector.maybe_fail(step, "forward")
             with ddp.no_sync() if i + 1 < len(mine) else nullcontext():
                 loss = lm_loss(ddp(inputs), targets)
@@ -270,7 +275,8 @@ def replica_main(args: argparse.Namespace) -> int:
             continue
         injector.maybe_fail(step, "optimizer")
         optim.step()
-        _record(log, trainer, manager, step, totals, grad_norm, time.perf_counter() - t0, data_step)
+        _record(log, cfg, replica.tokens_per_microbatch, evaluate, manager, step, totals, grad_norm,
+                time.perf_counter() - t0, data_step)
         injector.maybe_fail(step, "idle")
     log.close()
     events.event("finished", replica=rid, step=manager.current_step())
@@ -281,11 +287,11 @@ def replica_main(args: argparse.Namespace) -> int:
     os._exit(0)  # skip interpreter teardown of torchft's background threads
 
 
-def _record(log: JsonlWriter, trainer: Any, manager: Any, step: int, totals: Any, grad_norm: float, dt: float,
-            data_step: int) -> None:
-    tc = trainer.cfg.training
+def _record(log: JsonlWriter, cfg: Any, tokens_per_microbatch: int, evaluate: Any, manager: Any, step: int,
+            totals: Any, grad_norm: float, dt: float, data_step: int) -> None:
+    tc = cfg.training
     count = round(float(totals[1]))
-    tokens = count * trainer.sampler.tokens_per_microbatch
+    tokens = count * tokens_per_microbatch
     record: dict[str, Any] = {
         "step": step, "replica": manager.participating_rank(), "loss": float(totals[0]) / max(count, 1),
         "microbatches": count, "tokens": tokens, "data_step": data_step - 1, "time_s": round(dt, 6),
@@ -294,7 +300,7 @@ def _record(log: JsonlWriter, trainer: Any, manager: Any, step: int, totals: Any
     }
     last = step + 1 == tc.steps
     if manager.participating_rank() == 0 and ((tc.eval_every and (step + 1) % tc.eval_every == 0) or last):
-        record["val_loss"] = trainer.evaluate()
+        record["val_loss"] = evaluate()
     log.write(record)
 
 

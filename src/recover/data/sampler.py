@@ -13,16 +13,19 @@ whichever replica computes them, in a failure-free run or after any number of re
       no dependence on rank, world size, call order or process. Replaying ``(step, id)`` after a
       failure yields the very same tensors.
 
-:class:`EvalSampler` gives fixed, unshuffled validation batches.
+:class:`EvalSampler` gives fixed, unshuffled validation batches; :func:`open_samplers` opens both
+from a shard directory.
 """
 
 from __future__ import annotations
 
 import math
+from pathlib import Path
 
 import numpy as np
 import torch
 
+from recover.config import DataConfig
 from recover.data.shards import TokenDataset
 from recover.errors import DataError
 
@@ -165,3 +168,18 @@ class EvalSampler:
         B = self.microbatch_size
         windows = np.arange(i * B, i * B + B, dtype=np.int64) % self.num_windows
         return self.windows.gather(windows)
+
+
+def open_samplers(cfg: DataConfig, data_dir: Path, vocab_size: int, microbatches: int,
+                  seed: int) -> tuple[Sampler, EvalSampler]:
+    """The training sampler and the validation batches of a prepared shard directory.
+
+    Raises:
+        DataError: a shard is unreadable or holds a token id ``>= vocab_size``.
+    """
+    train = TokenDataset(str(data_dir / cfg.train_pattern), fmt=cfg.format)
+    val = TokenDataset(str(data_dir / cfg.val_pattern), fmt=cfg.format)
+    for ds in (train, val):
+        ds.check_vocab(vocab_size)
+    return (Sampler(train, cfg.seq_len, cfg.microbatch_size, microbatches, seed),
+            EvalSampler(val, cfg.seq_len, cfg.microbatch_size))

@@ -7,11 +7,7 @@ fault-tolerant reduction. Typical use on every rank of a replica::
     dims = ParallelDims.from_config(cfg.parallel)          # pp x fsdp x tp = this torchrun job's world
     timeout = cfg.fault_tolerance.intra_replica_timeout_s
     mesh, group = dims.build_mesh("cpu", timeout), dims.build_group(timeout)
-    engine = ReplicaEngine(cfg.model, cfg.training.seed, dims, mesh, group)
-    optimizer = build_optimizer(engine.model, cfg.training)
-    engine.reset(); engine.compute(step, ids, sampler)     # the replica's ids, same on every rank
-    reduced = cross_replica_sum(engine.payload())          # layer 1: rank k of every live replica
-    engine.apply(reduced, M, optimizer, cfg.training.grad_clip)
+    replica = Replica(cfg.model, cfg.training, sampler, dims, mesh, group)   # recover.train.replica
 
 Names are imported lazily (``torch.distributed.pipelining`` is loaded only for ``pp > 1``).
 """
@@ -26,7 +22,6 @@ _EXPORTS = {
     "Coord": "recover.parallel.dims",
     "MeshAxis": "recover.parallel.dims",
     "ParallelDims": "recover.parallel.dims",
-    "ReplicaEngine": "recover.parallel.engine",
     "apply_activation_checkpointing": "recover.parallel.apply",
     "apply_fsdp": "recover.parallel.apply",
     "parallelize": "recover.parallel.apply",
@@ -44,7 +39,6 @@ __all__ = [
     "MeshAxis",
     "ParallelDims",
     "PipelineRunner",
-    "ReplicaEngine",
     "apply_activation_checkpointing",
     "apply_fsdp",
     "apply_tp",
@@ -56,7 +50,6 @@ __all__ = [
 if TYPE_CHECKING:
     from recover.parallel.apply import apply_activation_checkpointing, apply_fsdp, parallelize
     from recover.parallel.dims import AXES, Coord, MeshAxis, ParallelDims
-    from recover.parallel.engine import ReplicaEngine
     from recover.parallel.pipeline import SCHEDULES, PipelineRunner, split_stage
     from recover.parallel.tp import apply_tp, block_plan
 

@@ -1,101 +1,163 @@
-"""LAYER 2: one step with in-step recovery (DESIGN 4.3).
+"""LAYER 2: one committed step with in-step recovery (DESIGN 4.3). The one path every step takes.
 
     plan      ids 0..M-1 -> live replicas (layer 3, deterministic: every survivor computes the same plan)
-    compute   this replica runs its ids; the accumulator's ledger records each finished id
-    reduce    all-reduce a COPY of the accumulator on generation g (layer 1)
+    compute   this replica runs its ids; the replica's ledger records each finished id
+    reduce    all-reduce a COPY of the replica's payload on generation g (layer 1)
       on PeerFailure: move to generation g+1; orphans = ids the dead replicas held in the plan;
                       re-plan the orphans over the survivors; compute ours; reduce again (repeat)
-    commit    the coordinator's vote on (g, step, ids == all M); only then may the optimizer step
+    commit    the coordinator's vote on (g, step, ids == all M)
+    apply     grad = sum / M, clip, optimizer step (only now: the LR and the data cursor advance)
+    admit     joiners admitted at the commit get the state from the lowest old member
 
 Invariants:
-- the accumulator only ever grows by whole microbatches, and a reduction never writes to it, so
-  the gradients survivors computed before a failure are kept and never corrupted;
-- a step returns only after the reduced payload holds exactly M microbatches and every live
-  replica voted to commit it; otherwise it keeps recovering or raises :class:`QuorumLost`.
+- the replica's gradient buffers only ever grow by whole microbatches, and a reduction never writes
+  to them, so the gradients survivors computed before a failure are kept and never corrupted;
+- :meth:`ResilientStep.run` returns only after the reduced payload held exactly M microbatches,
+  every live replica voted to commit it and the optimizer applied it divided by M; otherwise it
+  keeps recovering or raises :class:`~recover.errors.QuorumLost`.
 
-The caller (the worker) divides by M, clips and steps the optimizer, so the LR schedule and the
-data cursor advance only on commit.
+The same class runs ``recover train`` (a static group and a coordinator that commits every step)
+and each replica of ``recover launch``; the baselines (:mod:`recover.baselines.steps`) override
+only what a failure does and what a step is divided by.
 """
 
 from __future__ import annotations
 
 import time
-from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Any
 
 import torch
 
+from recover.comm.transfer import receive_state, send_state, source_rank
 from recover.errors import PeerFailure, QuorumLost
-from recover.recovery.accumulator import GradAccumulator
-from recover.workload import assign, replan
+from recover.names import Phase
+from recover.recovery.interfaces import Coordinator, Group, Hook, Membership, StepReplica
+from recover.workload import replan, static_assignment
 
-Compute = Callable[[int, list[int]], None]  # (step, ids) -> fold their gradients into the accumulator
-Hook = Callable[[int, str], Any]  # (step, phase) -> fault injection point
+
+def totals(reduced: list[torch.Tensor]) -> tuple[float, int]:
+    """(loss_sum, microbatch_count) of a reduced payload (its last tensor)."""
+    stats = reduced[-1]
+    return float(stats[0]), int(round(float(stats[1])))
+
+
+@dataclass
+class Progress:
+    """Where training stands: what a joiner receives and a checkpoint records."""
+
+    step: int = 0
+    """Committed optimizer steps."""
+    data_step: int = 0
+    """The step whose samples come next (ahead of ``step`` only when a baseline drops steps)."""
+    tokens: int = 0
+    """Tokens in committed steps."""
+
+    def counters(self) -> dict[str, int]:
+        return {"step": self.step, "data_step": self.data_step, "total_tokens": self.tokens}
+
+    @classmethod
+    def of(cls, counters: dict[str, int]) -> Progress:
+        return cls(counters["step"], counters["data_step"], counters["total_tokens"])
+
+
+@dataclass
+class Committed:
+    """A step the coordinator committed, before it is applied."""
+
+    reduced: list[torch.Tensor]
+    ids: list[int]
+    generation: int
+    live: tuple[int, ...]
+    computed: int
+    """Microbatches this replica computed in the step (its quota plus any orphans)."""
+    recoveries: list[dict[str, Any]] = field(default_factory=list)
+    admitted: Membership | None = None
+    """The membership that admits joiners at this commit, or None."""
 
 
 @dataclass
 class StepOutcome:
-    """What a committed step leaves: the reduced payload and how it got there."""
+    """What a committed and applied step leaves (for the step record)."""
 
-    reduced: list[torch.Tensor]
+    step: int
+    data_step: int
     loss_sum: float
     microbatches: int
+    tokens: int
+    grad_norm: float
     generation: int
     live: tuple[int, ...]
-    recoveries: list[dict[str, Any]] = field(default_factory=list)
-    computed: int = 0
-    """Microbatches this replica computed in the step (its quota plus any orphans)."""
-    admitted: Any = None
-    """A new membership decided at the commit (joiners admitted), or None."""
+    computed: int
+    recoveries: list[dict[str, Any]]
+
+    @property
+    def loss(self) -> float:
+        return self.loss_sum / self.microbatches
+
+
+def _no_hook(step: int, phase: str) -> None:
+    return None
+
+
+def _no_event(kind: str, **fields: Any) -> None:
+    return None
 
 
 class ResilientStep:
-    """Runs steps on a fault-tolerant group, recovering in-step from replica failures.
+    """Runs committed steps on a generation's group, recovering in-step from replica failures.
 
     Args:
-        replica: this replica's id.
-        group: the current generation's ``FaultTolerantGroup`` (replaced as generations change).
-        client: the coordinator client (commit vote).
-        acc: this replica's gradient accumulator.
-        compute: runs forward/backward of the given ids of a step into ``acc``.
+        replica: this replica's model, optimizer and step gradients.
+        group: the current generation's group (replaced as generations change: read ``self.group``).
+        coordinator: the commit vote.
         M: microbatches per step.
+        progress: where training starts (a resumed or joining replica's counters).
         min_replicas: below this many live replicas a step raises QuorumLost.
-        hook: called at each phase point (fault injection); ``(step, phase)``.
-        on_event: called with (kind, fields) for recovery events (logging).
+        hook: called at each phase point (fault injection) as ``(step, phase)``.
+        on_event: called as ``(kind, **fields)`` for recovery and membership events.
+        assignment: the failure-free ids -> replicas rule (``training.assignment``).
+        seed: seeds the ``shuffled`` assignment.
     """
 
-    def __init__(self, replica: int, group: Any, client: Any, acc: GradAccumulator, compute: Compute, M: int,
-                 min_replicas: int = 1, hook: Hook | None = None,
-                 on_event: Callable[..., Any] | None = None) -> None:
-        self.replica = replica
-        self.group = group
-        self.client = client
-        self.acc = acc
-        self.compute = compute
-        self.M = M
-        self.min_replicas = min_replicas
-        self.hook = hook or (lambda step, phase: None)
-        self.on_event = on_event or (lambda kind, **fields: None)
+    def __init__(self, replica: StepReplica, group: Group, coordinator: Coordinator, M: int,
+                 progress: Progress | None = None, min_replicas: int = 1, hook: Hook = _no_hook,
+                 on_event: Any = _no_event, assignment: str = "blocks", seed: int = 0) -> None:
+        self.replica, self.group, self.coordinator = replica, group, coordinator
+        self.me = group.members[group.rank]
+        self.M, self.min_replicas = M, min_replicas
+        self.progress = progress or Progress()
+        self.hook, self.on_event = hook, on_event
+        self.assignment, self.seed = assignment, seed
 
-    def plan(self) -> dict[int, list[int]]:
-        """Ids of this step per live replica: all M, evenly over the current members (layer 3)."""
-        return assign(list(range(self.M)), self.group.members)
+    # ---- one step --------------------------------------------------------------------------
+    def run(self) -> StepOutcome:
+        """Plans, computes, reduces, recovers, commits and applies the next step; admits joiners."""
+        step = self.progress.step
+        committed = self.commit(step, self.progress.data_step)
+        outcome = self.apply(step, committed)
+        if committed.admitted is not None:
+            self.admit()
+        return outcome
 
-    def run(self, step: int, data_step: int | None = None) -> StepOutcome:
-        """Computes, reduces and commits optimizer step ``step``; its samples are those of ``data_step``
-        (the same by default; a baseline that drops steps consumes data faster than it commits)."""
-        data_step = step if data_step is None else data_step
-        plan = self.plan()
-        todo = plan[self.replica]
-        self.acc.reset()
+    def plan(self, data_step: int) -> dict[int, list[int]]:
+        """Ids of the step per live replica: all M over the current members (layer 3)."""
+        members = list(self.group.members)
+        shares = static_assignment(self.M, len(members), data_step, self.assignment, self.seed)
+        return {r: shares[k] for k, r in enumerate(members)}
+
+    def commit(self, step: int, data_step: int) -> Committed:
+        """Computes this replica's ids of ``data_step``, reduces and votes until the step commits."""
+        plan = self.plan(data_step)
+        todo = plan[self.me]
+        self.replica.reset()
         recoveries: list[dict[str, Any]] = []
         computed = 0
         while True:
-            self.compute(data_step, todo)
+            self.replica.compute(data_step, todo, self.hook)
             computed += len(todo)
             try:
-                return self._reduce_and_commit(step, plan, recoveries, computed)
+                return self._reduce_and_vote(step, plan, recoveries, computed)
             except PeerFailure as failure:
                 plan, todo = self.on_failure(step, plan, failure, recoveries)
 
@@ -103,36 +165,53 @@ class ResilientStep:
         """The ids a committed step must hold: all M (a shrinking baseline expects fewer)."""
         return list(range(self.M))
 
-    def _reduce_and_commit(self, step: int, plan: dict[int, list[int]], recoveries: list[dict[str, Any]],
-                           computed: int) -> StepOutcome:
-        self.hook(step, "reduce")
-        reduced = self.group.allreduce(self.acc.payload())
-        loss_sum, count = GradAccumulator.totals(reduced)
-        ids = sorted(i for ids in plan.values() for i in ids)
+    def divisor(self, microbatches: int) -> int:
+        """What the reduced gradient sum is divided by: always M (the baseline that shrinks overrides)."""
+        return self.M
+
+    def _reduce_and_vote(self, step: int, plan: dict[int, list[int]], recoveries: list[dict[str, Any]],
+                         computed: int) -> Committed:
+        self.hook(step, Phase.REDUCE)
+        reduced = self.group.allreduce(self.replica.payload())
+        return self.vote(step, plan, reduced, recoveries, computed)
+
+    def vote(self, step: int, plan: dict[int, list[int]], reduced: list[torch.Tensor],
+             recoveries: list[dict[str, Any]], computed: int) -> Committed:
+        """Checks the reduced payload against the plan, then the coordinator's commit vote."""
+        _, count = totals(reduced)
+        ids = sorted(i for share in plan.values() for i in share)
         expected = self.expected_ids(plan)
         if count != len(expected) or ids != expected:
             raise RuntimeError(f"step {step}: reduced gradient holds {count} microbatches and the plan covers "
                                f"{len(ids)}, expected {len(expected)}: the ledger is inconsistent")
-        self.hook(step, "commit")
-        admitted = self.client.vote_commit(self.group.generation, step, ids)
-        return StepOutcome(reduced=reduced, loss_sum=loss_sum, microbatches=count,
-                           generation=self.group.generation, live=tuple(self.group.members),
-                           recoveries=recoveries, computed=computed, admitted=admitted)
+        self.hook(step, Phase.COMMIT)
+        admitted = self.coordinator.vote_commit(self.group.generation, step, ids)
+        return Committed(reduced, ids, self.group.generation, tuple(self.group.members), computed, recoveries,
+                         admitted)
 
+    def apply(self, step: int, c: Committed) -> StepOutcome:
+        """The optimizer update of a committed step; the progress advances."""
+        loss_sum, count = totals(c.reduced)
+        self.hook(step, Phase.OPTIMIZER)
+        grad_norm = self.replica.apply(c.reduced, self.divisor(count), step)
+        tokens = count * self.replica.tokens_per_microbatch
+        outcome = StepOutcome(step, self.progress.data_step, loss_sum, count, tokens, grad_norm, c.generation,
+                              c.live, c.computed, c.recoveries)
+        self.progress.step += 1
+        self.progress.data_step += 1
+        self.progress.tokens += tokens
+        return outcome
+
+    # ---- recovery --------------------------------------------------------------------------
     def regroup(self, step: int) -> int:
-        """Moves to the coordinator's next generation (surviving failures while it forms); returns the old one.
+        """Moves to the coordinator's next generation; returns the old one.
 
         Raises:
             QuorumLost: fewer than ``min_replicas`` replicas are left.
         """
         old = self.group.generation
-        self.hook(step, "recover")
-        while True:
-            try:
-                self.group = self.group.next_generation()
-                break
-            except PeerFailure:  # a second failure while the new generation forms
-                continue
+        self.hook(step, Phase.RECOVER)
+        self.group = self.group.next_generation()  # follows further failures while it forms
         if len(self.group.members) < self.min_replicas:
             raise QuorumLost(f"only {len(self.group.members)} replica(s) {list(self.group.members)} left at step "
                              f"{step}; fault_tolerance.min_replicas = {self.min_replicas}")
@@ -150,12 +229,47 @@ class ResilientStep:
         dead = set(plan) - live
         new_work = replan(plan, None, dead, live) if dead else {}
         merged = {r: list(ids) + list(new_work.get(r, [])) for r, ids in plan.items() if r in live}
-        todo = list(new_work.get(self.replica, []))
-        latency_ms = (time.perf_counter() - t0) * 1000
+        todo = list(new_work.get(self.me, []))
         info = {"step": step, "from_generation": old_generation, "generation": self.group.generation,
                 "dead": sorted(dead), "reported_dead": list(failure.dead), "live": sorted(live),
                 "orphans": sorted(i for r in dead for i in plan[r]), "my_orphans": todo,
-                "regroup_ms": round(latency_ms, 3)}
+                "regroup_ms": round((time.perf_counter() - t0) * 1000, 3)}
         recoveries.append(info)
         self.on_event("recovered", **info)
         return merged, todo
+
+    # ---- membership growth -----------------------------------------------------------------
+    def admit(self) -> None:
+        """Moves to the generation that admits joiners; its lowest old member sends them the state.
+
+        A failure during the transfer moves everyone to the next generation, which still lists the
+        joiners until the next commit, and the transfer is redone (or skipped if they died)."""
+        while True:
+            self.group = self.group.next_generation()
+            if not self.group.membership.joined:
+                return
+            src = source_rank(self.group)
+            try:
+                if self.group.rank == src:
+                    send_state(self.group, self.replica.transfer_state(self.progress.counters()))
+                else:
+                    receive_state(self.group, src)  # every member takes part; ours is already identical
+                break
+            except PeerFailure:
+                continue
+        self.on_event("grew", generation=self.group.generation, members=list(self.group.members),
+                      step=self.progress.step)
+
+    def join(self) -> None:
+        """A joiner takes the live replicas' state and progress (again on the next generation if a
+        peer dies meanwhile)."""
+        t0 = time.perf_counter()
+        while True:
+            try:
+                state = receive_state(self.group, source_rank(self.group))
+                break
+            except PeerFailure:
+                self.group = self.group.next_generation()
+        self.progress = Progress.of(self.replica.load_transfer_state(state))
+        self.on_event("state_received", step=self.progress.step, ms=round((time.perf_counter() - t0) * 1000, 2),
+                      tensors=len(state))

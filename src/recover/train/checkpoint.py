@@ -30,6 +30,7 @@ import json
 import os
 import re
 import shutil
+import sys
 import time
 import warnings
 from concurrent import futures
@@ -262,3 +263,80 @@ def load_checkpoint(path: str | os.PathLike[str], model: nn.Module, optimizer: t
         set_state_dict(model, optimizer, model_state_dict=state["model"], optim_state_dict=state["optim"])
     torch.set_rng_state(state["rng"]["cpu"])
     return meta
+
+
+class Checkpointer:
+    """Saves and resumes one replica's state under ``root``.
+
+    A one-process replica saves from this process alone (asynchronously with
+    ``training.checkpoint_async``); a replica of several ranks saves its shards together over its
+    group, collectively (every rank calls :meth:`save`; its rank 0 writes the metadata).
+
+    Args:
+        root: the run's checkpoint directory.
+        replica: whose model and optimizer are saved (``model``, ``optimizer``, ``group``, ``is_writer``).
+        cfg: the job's config (model shape check, seed, ``training.checkpoint_async``, ``training.steps``).
+        epoch_of: the data epoch of a step (recorded with the data cursor).
+    """
+
+    def __init__(self, root: str | os.PathLike[str], replica: Any, cfg: Any,
+                 epoch_of: Any = lambda step: 0) -> None:
+        self.root, self.replica, self.cfg, self.epoch_of = Path(root), replica, cfg, epoch_of
+        self._pending: AsyncSave | None = None
+        self.last_blocking_s = 0.0
+        """Seconds the last :meth:`save` blocked training (with an asynchronous save: staging only)."""
+
+    def save(self, step: int, data_step: int, total_tokens: int, blocking: bool | None = None) -> Path:
+        """Checkpoint after ``step`` committed steps.
+
+        An asynchronous save returns once the state is staged in CPU memory; it becomes loadable only
+        when complete. Every save first waits for the previous asynchronous one (and raises its error,
+        if any). A save blocks until committed when ``blocking`` is true, or, by default, at the end of
+        training (``step >= training.steps``) and when made while an exception is being handled (a stop,
+        such as a lost quorum, after which the process exits).
+        """
+        t0 = time.perf_counter()
+        self.wait()
+        r, tc = self.replica, self.cfg.training
+        meta = {"total_tokens": total_tokens, "seed": tc.seed,
+                "data_cursor": {"step": data_step, "epoch": self.epoch_of(data_step)}}
+        if blocking is None:
+            blocking = step >= tc.steps or sys.exc_info()[0] is not None
+        if tc.checkpoint_async and r.group is None:
+            self._pending = save_checkpoint_async(self.root, step, r.model, r.optimizer, meta, self.cfg.model)
+            path = self._pending.path
+            if blocking:
+                self.wait()
+        else:
+            path = save_checkpoint(self.root, step, r.model, r.optimizer, meta, self.cfg.model,
+                                   process_group=r.group, is_writer=r.is_writer)
+        self.last_blocking_s = time.perf_counter() - t0
+        return path
+
+    def wait(self) -> Path | None:
+        """Waits until the asynchronous save in flight (if any) is committed; returns its path.
+
+        Raises:
+            CheckpointError: its background write failed (nothing of it was committed).
+        """
+        pending, self._pending = self._pending, None
+        return pending.wait() if pending is not None else None
+
+    def resume(self) -> tuple[Path, dict[str, int]]:
+        """Loads the newest complete checkpoint into the replica; returns its path and the counters
+        ``step``, ``data_step``, ``total_tokens``.
+
+        Raises:
+            CheckpointError: there is none, or it does not fit this model.
+        """
+        path = latest_checkpoint(self.root)
+        if path is None:
+            raise CheckpointError(f"--resume: no complete checkpoint under {self.root}; "
+                                  "run without --resume to start afresh")
+        meta = load_checkpoint(path, self.replica.model, self.replica.optimizer, self.cfg.model,
+                               process_group=self.replica.group)
+        step = int(meta["step"])
+        tokens_per_step = (self.cfg.training.global_microbatches * self.cfg.data.microbatch_size
+                           * self.cfg.data.seq_len)
+        return path, {"step": step, "data_step": int(meta.get("data_cursor", {}).get("step", step)),
+                      "total_tokens": int(meta.get("total_tokens", step * tokens_per_step))}

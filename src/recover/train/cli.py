@@ -26,13 +26,13 @@ def register(sub: argparse._SubParsersAction) -> None:
 
 def run_train(args: argparse.Namespace) -> int:
     from recover.train.dist import init_from_env, shutdown
-    from recover.train.trainer import Trainer
+    from recover.train.trainer import train
 
     cfg = load_config(args.config, args.overrides)
     ctx = init_from_env(cfg.parallel.backend)
     try:
-        trainer = Trainer(cfg, args.out, ctx, resume=args.resume)
-        summary = trainer.run(stop_at_step=args.stop_at_step, progress=not args.no_progress)
+        summary = train(cfg, args.out, ctx, resume=args.resume, stop_at_step=args.stop_at_step,
+                        progress=not args.no_progress)
     finally:
         shutdown()
     if ctx.is_main:

@@ -3,12 +3,14 @@
 Contract: :func:`init_from_env` reads the ``torchrun`` environment (RANK, WORLD_SIZE, LOCAL_RANK,
 LOCAL_WORLD_SIZE), picks NCCL on GPU and gloo on CPU, and returns a :class:`DistContext`; with no
 such environment it returns a single-process context and creates no process group.
-:class:`DistReducer` sums tensors across the group on flattened copies (inputs are never changed).
+:class:`StaticGroup` and :class:`CommitAll` are what the step protocol runs on without a coordinator:
+one membership for good, sums on flattened copies (inputs are never changed), every vote commits.
 """
 
 from __future__ import annotations
 
 import os
+from collections.abc import Sequence
 from dataclasses import dataclass
 from datetime import timedelta
 
@@ -59,28 +61,68 @@ def shutdown() -> None:
         dist.destroy_process_group()
 
 
-class LocalReducer:
-    """The reducer of a single process: the sum over one replica is its own payload (copied)."""
+@dataclass(frozen=True)
+class StaticMembership:
+    """The one membership of a job without a coordinator: every process, from the start, for good."""
 
-    def allreduce(self, tensors: list[torch.Tensor]) -> list[torch.Tensor]:
-        return [t.clone() for t in tensors]
+    generation: int
+    members: tuple[int, ...]
+    joined: tuple[int, ...] = ()
 
 
-class DistReducer:
-    """SUM all-reduce over the default group on one flattened copy per dtype."""
+class StaticGroup:
+    """The :class:`~recover.recovery.interfaces.Group` of ``recover train``: the ranks of a plain
+    ``torch.distributed`` group (or this process alone), generation 0 for good.
 
-    def __init__(self, group: dist.ProcessGroup | None = None) -> None:
-        self.group = group
+    Collectives work on copies (SUM over one flattened buffer per dtype); a failure is the
+    backend's error, not a :class:`~recover.errors.PeerFailure`: there is no fault tolerance here
+    (``recover launch`` has it), so there is never a next generation.
+    """
 
-    def allreduce(self, tensors: list[torch.Tensor]) -> list[torch.Tensor]:
+    def __init__(self, world_size: int = 1, rank: int = 0, group: dist.ProcessGroup | None = None) -> None:
+        self.membership = StaticMembership(0, tuple(range(world_size)))
+        self.generation, self.members, self.rank = 0, self.membership.members, rank
+        self._group = group
+        self.device = torch.device("cpu")
+
+    def allreduce(self, tensors: Sequence[torch.Tensor]) -> list[torch.Tensor]:
+        if len(self.members) == 1:
+            return [t.clone() for t in tensors]
         out: list[torch.Tensor | None] = [None] * len(tensors)
         for dtype in sorted({t.dtype for t in tensors}, key=str):
             idx = [i for i, t in enumerate(tensors) if t.dtype == dtype]
             flat = torch.cat([tensors[i].reshape(-1) for i in idx])  # a copy: inputs stay untouched
-            dist.all_reduce(flat, op=dist.ReduceOp.SUM, group=self.group)
+            dist.all_reduce(flat, op=dist.ReduceOp.SUM, group=self._group)
             offset = 0
             for i in idx:
                 n = tensors[i].numel()
                 out[i] = flat[offset:offset + n].view_as(tensors[i])
                 offset += n
         return out  # type: ignore[return-value]
+
+    def barrier(self) -> None:
+        if len(self.members) > 1:
+            dist.barrier(group=self._group)
+
+    def broadcast(self, tensors: Sequence[torch.Tensor], src_rank: int) -> list[torch.Tensor]:
+        out = [t.clone() for t in tensors]
+        self.broadcast_into(out, src_rank)
+        return out
+
+    def broadcast_into(self, buffers: Sequence[torch.Tensor], src_rank: int) -> None:
+        if len(self.members) > 1:
+            for b in buffers:
+                dist.broadcast(b, group=self._group, group_src=src_rank)
+
+    def next_generation(self) -> StaticGroup:
+        raise RuntimeError("a static group has no next generation: membership changes need `recover launch`")
+
+    def close(self) -> None:
+        return None
+
+
+class CommitAll:
+    """The :class:`~recover.recovery.interfaces.Coordinator` of a job without one: every vote commits."""
+
+    def vote_commit(self, generation: int, step: int, ids: list[int] | tuple[int, ...]) -> None:
+        return None

@@ -1,13 +1,13 @@
 """One replica of a fault-tolerant job (``recover worker``, started by ``recover launch``).
 
-The loop reads like plain PyTorch with the layers as wrappers:
+It composes the layers and runs the loop shared with ``recover train``:
 
-    membership = client.register()                    # layer 1: coordinator
+    replica = Replica.from_config(...)                # model, optimizer, data (before joining: slow)
+    membership = client.register()                    # the coordinator
     group = FaultTolerantGroup.create(...)            # layer 1: this generation's collectives
-    for step in steps:
-        outcome = resilient_step.run(step)            # layers 2+3: compute, reduce, recover, commit
-        accumulator.apply(outcome.reduced, M, ...)    # divide by M, clip, AdamW: only after commit
-        if outcome.admitted: grow the group and send our state to the joiners
+    step = ResilientStep(replica, group, client, M)   # layers 2+3 (or a baseline's variant)
+    Loop(...).run(steps)                              # step.run(): plan, compute, reduce, recover,
+                                                      # commit, apply, admit; records; eval; checkpoints
 
 Contract: every committed step this replica applies holds exactly M microbatches; a joiner starts
 from state bitwise equal to the live replicas' at a step boundary; if fewer than
@@ -28,29 +28,37 @@ from __future__ import annotations
 
 import os
 import sys
-import time
 from pathlib import Path
 from typing import Any
 
-from recover.baselines import JobFailed, StepDropped, step_class
+from recover.baselines import JobFailed, ShrinkStep, step_class
 from recover.config import Config
 from recover.coord.client import CoordinatorLost
+from recover.data.sampler import EvalSampler
 from recover.errors import QuorumLost, RecoverError
 from recover.faults import FailureSpec, FaultInjector
+from recover.names import Baseline, Phase
 from recover.observe.events import EventLog, JsonlWriter
-from recover.recovery.protocol import StepOutcome
+from recover.recovery.protocol import Progress, ResilientStep
+from recover.train.checkpoint import Checkpointer
 from recover.train.dist import DistContext, init_from_env
 from recover.train.exits import EXIT_FENCED, EXIT_JOB_FAILED, EXIT_QUORUM_LOST, replica_log_path
-from recover.train.optim import lr_at, set_lr
-from recover.train.trainer import Trainer
+from recover.train.loop import Loop
+from recover.train.replica import Replica
+from recover.train.trainer import build_replica
+
+Built = tuple[Replica, EvalSampler, DistContext]
 
 
-def build_trainer(cfg: Config, out: Path, procs: int, resume: bool = False) -> Trainer:
-    """The model, optimizer and data of one replica (the slow part of starting: done before joining).
+def build(cfg: Config, procs: int) -> Built:
+    """The replica's model, optimizer and data (the slow part of starting: done before joining).
 
-    A replica of several ranks reads its torchrun environment (RANK, WORLD_SIZE, MASTER_ADDR,
-    MASTER_PORT) and forms its own process group with the intra-replica timeout first.
+    The launcher prepared the data. A replica of several ranks reads its torchrun environment
+    (RANK, WORLD_SIZE, MASTER_ADDR, MASTER_PORT) and forms its own process group with the
+    intra-replica timeout first.
     """
+    from recover.data.prepare import resolve_data_dir
+
     ctx = DistContext(local_world_size=procs)
     if cfg.parallel.procs_per_replica > 1:
         if "RANK" not in os.environ or "WORLD_SIZE" not in os.environ:
@@ -59,7 +67,8 @@ def build_trainer(cfg: Config, out: Path, procs: int, resume: bool = False) -> T
                                f"{cfg.parallel.procs_per_replica}, or let `recover launch` start it")
         ctx = init_from_env(cfg.parallel.backend, cfg.fault_tolerance.intra_replica_timeout_s)
         ctx.local_world_size = procs
-    return Trainer(cfg, out, ctx, resume=resume, quiet=True)
+    replica, eval_data = build_replica(cfg, ctx, resolve_data_dir(cfg.data, prepare=False))
+    return replica, eval_data, ctx
 
 
 class ReplicaWorker:
@@ -67,162 +76,82 @@ class ReplicaWorker:
 
     def __init__(self, cfg: Config, out: str | os.PathLike[str], replica: int, host: str, port: int, token: str,
                  failures: list[FailureSpec] = (), join: bool = False, procs: int = 1,
-                 trainer: Trainer | None = None, baseline: str | None = None, resume: bool = False) -> None:
-        self.cfg, self.out, self.replica = cfg, Path(out), replica
+                 built: Built | None = None, baseline: Baseline | str | None = None, resume: bool = False) -> None:
+        self.cfg, self.out, self.replica_id = cfg, Path(out), replica
         self.host, self.port, self.token, self.join = host, port, token, join
-        self.baseline = baseline
-        self.trainer = trainer or build_trainer(cfg, self.out, procs, resume)
-        sharded = self.trainer.engine is not None
-        self.rank, self.ranks = (self.trainer.ctx.rank, self.trainer.ctx.world_size) if sharded else (0, 1)
-        self.data_step = self.trainer.start_step
+        self.baseline = Baseline(baseline) if baseline else None
+        self.replica, self.eval_data, ctx = built or build(cfg, procs)
+        self.rank, self.ranks = (ctx.rank, ctx.world_size) if cfg.parallel.procs_per_replica > 1 else (0, 1)
+        self.checkpointer = Checkpointer(self.out / "checkpoints", self.replica, cfg, self.replica.data.epoch_of)
+        self.start = Progress.of(self.checkpointer.resume()[1]) if resume else Progress()
         self.events = EventLog(self.out / "events.jsonl")
         self.log = JsonlWriter(replica_log_path(self.out, replica)) if self.rank == 0 else None
         self.injector = FaultInjector(failures, replica, self.rank, self.ranks, before_kill=self._before_kill)
 
     def _before_kill(self, spec: FailureSpec) -> None:
-        self.events.event("kill", replica=self.replica, rank=self.rank, step=spec.step, phase=spec.phase,
+        self.events.event("kill", replica=self.replica_id, rank=self.rank, step=spec.step, phase=spec.phase,
                           pid=os.getpid())
 
     def _event(self, kind: str, **fields: Any) -> None:
         if self.ranks > 1:
             fields["rank"] = self.rank
-        self.events.event(kind, replica=self.replica, **fields)
+        self.events.event(kind, replica=self.replica_id, **fields)
 
-    # ---- membership and state ------------------------------------------------------------
-    def _connect(self) -> tuple[Any, Any, int]:
+    def _write(self, record: dict[str, Any]) -> None:
+        if self.log is not None:
+            self.log.write({**record, "replica": self.replica_id})
+
+    def _step(self) -> tuple[Any, ResilientStep]:
+        """Registers with the coordinator and builds this generation's group and the step protocol."""
         from recover.comm import FaultTolerantGroup
         from recover.coord.client import CoordinatorClient
 
-        ft = self.cfg.fault_tolerance
-        client = CoordinatorClient(self.host, self.port, self.token, self.replica,
+        ft, tc = self.cfg.fault_tolerance, self.cfg.training
+        client = CoordinatorClient(self.host, self.port, self.token, self.replica_id,
                                    heartbeat_interval_s=ft.heartbeat_interval_s, rank=self.rank, ranks=self.ranks)
         membership = client.register(join=self.join)
         group = FaultTolerantGroup.create(client, membership, backend=self.cfg.parallel.backend,
                                           timeout_s=ft.collective_timeout_s)
-        step = self.trainer.start_step
+        extra = {"initial_replicas": self.cfg.parallel.replicas} if step_class(self.baseline) is ShrinkStep else {}
+        step = step_class(self.baseline)(
+            self.replica, group, client, tc.global_microbatches, self.start, ft.min_replicas,
+            hook=self.injector.maybe_fail, on_event=self._event, assignment=tc.assignment, seed=tc.seed, **extra)
         if self.join:
-            group, step = self._receive_state(group)
-        self._event("started", generation=group.generation, members=list(group.members), step=step,
-                    joined=self.join)
-        return client, group, step
+            step.join()
+        self._event("started", generation=step.group.generation, members=list(step.group.members),
+                    step=step.progress.step, joined=self.join)
+        return client, step
 
-    def _counters(self, step: int) -> dict[str, int]:
-        return {"step": step, "data_step": self.data_step, "total_tokens": self.trainer.total_tokens}
-
-    def _receive_state(self, group: Any) -> tuple[Any, int]:
-        """A joiner takes the live replicas' state (again on the next generation if a peer dies meanwhile)."""
-        from recover.comm.transfer import receive_state, source_rank
-        from recover.errors import PeerFailure
-
-        t0 = time.perf_counter()
-        t = self.trainer
-        while True:
-            try:
-                state = receive_state(group, source_rank(group))
-                break
-            except PeerFailure:
-                group = group.next_generation()
-        counters = t.load_transfer_state(state)
-        t.total_tokens = counters["total_tokens"]
-        self.data_step = counters["data_step"]
-        self._event("state_received", step=counters["step"], ms=round((time.perf_counter() - t0) * 1000, 2),
-                    tensors=len(state))
-        return group, counters["step"]
-
-    def _grow(self, group: Any, next_step: int) -> Any:
-        """Moves to the generation that admits joiners; its lowest old member sends them our state.
-
-        A failure during the transfer moves everyone to the next generation, which still lists the
-        joiners until the next commit, and the transfer is redone (or skipped if they died)."""
-        from recover.comm.transfer import receive_state, send_state, source_rank
-        from recover.errors import PeerFailure
-
-        t = self.trainer
-        while True:
-            group = group.next_generation()
-            if not group.membership.joined:
-                return group
-            src = source_rank(group)
-            try:
-                if group.rank == src:
-                    send_state(group, t.transfer_state(self._counters(next_step)))
-                else:
-                    receive_state(group, src)  # every member takes part; ours is already identical
-                break
-            except PeerFailure:
-                continue
-        self._event("grew", generation=group.generation, members=list(group.members), step=next_step)
-        return group
-
-    # ---- the loop --------------------------------------------------------------------------
     def run(self) -> int:
-        t = self.trainer
-        tc = self.cfg.training
-        M = tc.global_microbatches
-        client, group, step = self._connect()
-        kwargs = {"initial_replicas": self.cfg.parallel.replicas} if self.baseline == "shrink" else {}
-        protocol = step_class(self.baseline)(
-            self.replica, group, client, t.acc, lambda s, ids: t.compute(s, ids, self.injector.maybe_fail), M,
-            self.cfg.fault_tolerance.min_replicas, hook=self.injector.maybe_fail, on_event=self._event, **kwargs)
+        """Trains to ``training.steps``; returns the process's exit status (see ``train/exits.py``)."""
+        client, step = self._step()
+        loop = Loop(self.cfg, step, self.replica, self.eval_data, self.checkpointer, self._write,
+                    after_step=lambda s: self.injector.maybe_fail(s, Phase.IDLE))
         try:
-            while step < tc.steps:
-                t0 = time.perf_counter()
-                set_lr(t.optimizer, lr_at(step, tc))
-                try:
-                    outcome = protocol.run(step, self.data_step)
-                except StepDropped:
-                    self.data_step += 1  # shrink-and-drop: the step's samples are lost
-                    continue
-                self.injector.maybe_fail(step, "optimizer")
-                # recover always divides by M; shrink-and-drop by the (smaller) count it committed
-                grad_norm = t.acc.apply(outcome.reduced, M if self.baseline != "shrink" else outcome.microbatches,
-                                        t.optimizer, tc.grad_clip)
-                self._record(step, outcome, grad_norm, time.perf_counter() - t0)
-                step += 1
-                self.data_step += 1
-                if outcome.admitted is not None:
-                    protocol.group = self._grow(protocol.group, step)
-                self.injector.maybe_fail(step - 1, "idle")
+            loop.run(self.cfg.training.steps)
         except QuorumLost as exc:
-            return self._stop_on_quorum_loss(protocol.group, step, exc)
+            return self._stop_on_quorum_loss(loop, exc)
         except JobFailed:
             return EXIT_JOB_FAILED
         except CoordinatorLost as exc:
-            print(f"recover: replica {self.replica} rank {self.rank}: {exc}; stopping (the launcher restarts the "
-                  "replica if --rejoin-after is set)", file=sys.stderr, flush=True)
+            print(f"recover: replica {self.replica_id} rank {self.rank}: {exc}; stopping (the launcher restarts "
+                  "the replica if --rejoin-after is set)", file=sys.stderr, flush=True)
             return EXIT_FENCED
         finally:
             if self.log is not None:
                 self.log.close()
-        self._event("finished", step=step, generation=protocol.group.generation)
-        protocol.group.close()
+        self.checkpointer.wait()
+        self._event("finished", step=step.progress.step, generation=step.group.generation)
+        step.group.close()
         client.close()
         return 0
 
-    def _is_leader(self, group: Any) -> bool:
-        return self.replica == min(group.members)
-
-    def _record(self, step: int, outcome: StepOutcome, grad_norm: float, dt: float) -> None:
-        t, tc = self.trainer, self.cfg.training
-        record = t.record(step, outcome.loss_sum, outcome.microbatches, grad_norm, dt, len(outcome.live),
-                          outcome.generation)
-        record.update(replica=self.replica, computed=outcome.computed, data_step=self.data_step)
-        if outcome.recoveries:
-            record["recovery_ms"] = sum(r["regroup_ms"] for r in outcome.recoveries)
-            record["failures"] = [r["dead"] for r in outcome.recoveries]
-        leader = self.replica == min(outcome.live)
-        if leader and tc.eval_due(step):
-            record["val_loss"] = t.evaluate()
-        if self.log is not None:
-            self.log.write(record)
-        if leader and tc.checkpoint_due(step):
-            t.save(step + 1)
-
-    def _stop_on_quorum_loss(self, group: Any, step: int, exc: QuorumLost) -> int:
-        if self._is_leader(group):
-            path = self.trainer.save(step)
-            self._event("quorum_lost", step=step, checkpoint=str(path), message=str(exc))
+    def _stop_on_quorum_loss(self, loop: Loop, exc: QuorumLost) -> int:
+        step = loop.step
+        if step.me == min(step.group.members):
+            path = loop.save(blocking=True)
+            self._event("quorum_lost", step=step.progress.step, checkpoint=str(path), message=str(exc))
             if self.rank == 0:
-                print(f"recover: replica {self.replica}: {exc}. Saved a complete checkpoint of step {step} at "
-                      f"{path}; resume with more replicas.", file=sys.stderr, flush=True)
+                print(f"recover: replica {self.replica_id}: {exc}. Saved a complete checkpoint of step "
+                      f"{step.progress.step} at {path}; resume with more replicas.", file=sys.stderr, flush=True)
         return EXIT_QUORUM_LOST

@@ -17,14 +17,14 @@ import time
 from pathlib import Path
 from typing import Any
 
-ROOT = Path(__file__).resolve().parents[2]
+ROOT = Path(__file__).resolve().parents[3]
 WORKER = Path(__file__).with_name("comm_worker.py")
 TOKEN = "layer1-test-token"
 
 
 def env() -> dict[str, str]:
     e = dict(os.environ)
-    e["PYTHONPATH"] = str(ROOT / "src") + os.pathsep + str(ROOT / "tests") + os.pathsep + e.get("PYTHONPATH", "")
+    e["PYTHONPATH"] = str(ROOT / "src") + os.pathsep + str(ROOT / "tests" / "dist") + os.pathsep + e.get("PYTHONPATH", "")
     e.setdefault("OMP_NUM_THREADS", "1")
     return e
 

@@ -28,10 +28,9 @@ import torch.distributed as dist
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 from _parallel_workers.common import SEED, STEPS, M, make_sampler, model_cfg, plan, train_cfg  # noqa: E402
-from recover.parallel import MeshAxis, ParallelDims, ReplicaEngine  # noqa: E402
-from recover.recovery.accumulator import GradAccumulator  # noqa: E402
-from recover.train.dist import DistReducer  # noqa: E402
-from recover.train.optim import build_optimizer, lr_at, set_lr  # noqa: E402
+from recover.parallel import MeshAxis, ParallelDims  # noqa: E402
+from recover.train.dist import StaticGroup  # noqa: E402
+from recover.train.replica import Replica  # noqa: E402
 
 DEFAULTS: dict[str, Any] = {"pp": 1, "tp": 1, "fsdp": 1, "replicas": 2, "tied": 0, "schedule": "1f1b", "ac": 0,
                             "sp": 0}
@@ -64,22 +63,21 @@ def train(run: dict[str, Any], data: Path, out: Path, timeout_s: float) -> None:
     timeouts = [timeout_of(groups[q])] + [timeout_of(meshes[q][axis.value].get_group()) for axis in MeshAxis]
 
     tc = train_cfg(STEPS)
-    engine = ReplicaEngine(model_cfg(bool(run["tied"])), SEED, dims, meshes[q], groups[q], schedule=run["schedule"],
-                           activation_checkpointing=bool(run["ac"]), sequence_parallel=bool(run["sp"]))
-    optimizer = build_optimizer(engine.model, tc)
-    sampler = make_sampler(data)
-    reducer = DistReducer(cross[k])  # layer 1 stand-in: rank k of every replica
+    assert tc.seed == SEED
+    engine = Replica(model_cfg(bool(run["tied"])), tc, make_sampler(data), dims, meshes[q], groups[q],
+                     schedule=run["schedule"], activation_checkpointing=bool(run["ac"]),
+                     sequence_parallel=bool(run["sp"]))
+    lane = StaticGroup(R, q, cross[k])  # layer 1 stand-in: rank k of every replica
     losses, norms, times, ledgers = [], [], [], []
     for step in range(STEPS):
         t0 = time.perf_counter()
-        set_lr(optimizer, lr_at(step, tc))
         engine.reset()
         for ids in plan(step, q, R):
-            engine.compute(step, ids, sampler)
-        reduced = reducer.allreduce(engine.payload())
-        loss_sum, count = GradAccumulator.totals(reduced)
+            engine.compute(step, ids)
+        reduced = lane.allreduce(engine.payload())
+        loss_sum, count = Replica.totals(reduced)
         assert count == M, f"step {step}: {count} microbatches reduced, expected {M}"
-        norms.append(engine.apply(reduced, M, optimizer, tc.grad_clip))
+        norms.append(engine.apply(reduced, M, step))
         losses.append(loss_sum / M)
         times.append(time.perf_counter() - t0)
         ledgers.append(list(engine.ledger))

@@ -1,28 +1,34 @@
-"""One rank of a replica: forward/backward of the replica's microbatches under PP x FSDP x TP.
+"""One replica: its model, optimizer, data and step gradients, under any PP x FSDP x TP layout.
 
-The engine is a drop-in for :class:`~recover.recovery.accumulator.GradAccumulator` (same
-``reset``/``payload``/``apply``/``ledger``, ``GradAccumulator.totals`` reads its payload) plus a
-``compute(step, ids, sampler)`` that the recovery loop calls with the replica's ids.
+There is one implementation: a one-process replica is the degenerate layout ``pp = tp = fsdp = 1``
+(no mesh, no intra-replica group). Inside, a step is plain PyTorch::
 
-Contract (every method marked *collective* must be called by every rank of the replica, in the
-same order, with the same arguments; the intra-replica groups have a bounded timeout, so a dead
-peer surfaces as an exception within it, and the caller must then treat the whole replica as lost):
+    for microbatch in my share of ids:               # compute(step, ids)
+        loss = lm_loss(model(inputs), targets); loss.backward(); fold .grad into the buffers
+    reduced = <cross-replica sum of payload()>       # layer 1, outside this class
+    grad = reduced / M; clip; optimizer.step()       # apply(reduced, M, step)
 
-- ``compute(step, ids, sampler)`` (collective): the replica runs exactly ``ids``. FSDP shard
+Contract (a method marked *collective* must be called by every rank of the replica, in the same
+order, with the same arguments; the intra-replica groups have a bounded timeout, so a dead peer
+surfaces as an exception within it and the caller treats the whole replica as lost):
+
+- ``compute(step, ids, hook)`` (collective): the replica runs exactly ``ids`` of ``step``. FSDP shard
   column ``f`` takes block ``f`` of ``split_within_replica(ids, fsdp)``, padded with zero-weight
-  passes so every rank runs the same number; with ``pp > 1`` the column's microbatches go
-  through one pipeline schedule. Afterwards this rank's buffers hold its LOCAL part (TP shard,
-  FSDP shard, pipeline stage) of ``sum over ids of d(mean loss of id)/d(params)``, the ledger holds
-  ``ids`` and ``losses``/``loss_sum`` the replica's per-id mean losses (all ranks agree). It may be
-  called several times in a step (orphans after a failure); ``reset()`` starts a step. An empty
-  ``ids`` is a no-op on every rank (a replica with quota 0 still reduces a zero payload).
-- ``payload()`` (local): this rank's gradient buffers, in ``model.parameters()`` order, then a
-  float64 ``[loss_sum, count]`` of the WHOLE replica (equal on every rank of the replica). Sum it
-  with the payloads of the SAME replica-local rank of the other replicas (one cross-replica group
-  per replica-local rank): every such sum then holds the global gradient shard and ``[sum, M]``.
-- ``apply(reduced, M, optimizer, clip)`` (collective): ``grad = reduced / M`` on the local shards,
-  clipped by the global norm over the whole replica (squared norms all-reduced over the replica
-  group, each shard counted once), then ``optimizer.step()``. Returns that norm.
+  passes so every rank runs the same number; with ``pp > 1`` the column's microbatches go through
+  one pipeline schedule. Afterwards this rank's buffers hold its LOCAL part (TP shard, FSDP shard,
+  pipeline stage) of ``sum over ids of d(mean loss of id)/d(params)``, the ledger holds ``ids``.
+  The buffers belong to the replica and a reduction never writes them: a microbatch is in the
+  ledger if and only if its gradient is in the buffers. Callable several times in a step (orphans
+  after a failure); ``reset()`` starts a step; an empty ``ids`` is a no-op on every rank.
+- ``payload()`` (local): this rank's gradient buffers in ``model.parameters()`` order, then a float64
+  ``[loss_sum, count]`` of the WHOLE replica. Summed with the payloads of the SAME replica-local rank
+  of the other replicas (one lane per rank), every sum holds the global gradient shard and ``[sum, M]``.
+- ``apply(reduced, divisor, step)`` (collective): the learning rate of ``step``; ``grad = reduced /
+  divisor`` on the local shards; clipped by the global norm over the whole replica (each shard
+  counted once); ``optimizer.step()``. Returns that norm.
+- In deterministic mode the buffers are float64: a sum of float32 microbatch gradients in float64 does
+  not depend on who computed which id, so a step is bitwise reproducible (per rank's own passes; not
+  inside FSDP reduce-scatters or pipeline chunks).
 """
 
 from __future__ import annotations
@@ -36,20 +42,27 @@ import torch.distributed as dist
 from torch.distributed.device_mesh import DeviceMesh
 from torch.distributed.tensor import DTensor
 
-from recover.config import ModelConfig
+from recover.config import Config, ModelConfig, TrainingConfig
 from recover.model import build_model, lm_loss
+from recover.names import Phase
 from recover.parallel.apply import clean_name, parallelize
 from recover.parallel.dims import AXES, Coord, MeshAxis, ParallelDims
+from recover.train.optim import build_optimizer, lr_at, set_lr
 from recover.workload.policy import split_within_replica
 
 if TYPE_CHECKING:
     from recover.parallel.pipeline import PipelineRunner
+    from recover.train.dist import DistContext
 
 Hook = Callable[[int, str], Any]  # (step, phase) -> fault injection point
 
 
+def _no_hook(step: int, phase: str) -> None:
+    return None
+
+
 class MicrobatchSource(Protocol):
-    """What the engine needs from :class:`~recover.data.sampler.Sampler`."""
+    """What a replica needs from :class:`~recover.data.sampler.Sampler`: samples by (step, id)."""
 
     microbatch_size: int
     seq_len: int
@@ -62,19 +75,18 @@ def local(t: torch.Tensor) -> torch.Tensor:
     return t.to_local() if isinstance(t, DTensor) else t
 
 
-class ReplicaEngine:
-    """This rank's share of one replica's model, gradients and ledger.
+class Replica:
+    """This rank's share of one replica's model, optimizer, gradients and ledger.
 
     Args:
         model_cfg: the whole model.
-        seed: initialisation seed (every rank builds the same whole-model values, then keeps its part).
-        dims: the replica's degrees.
+        training: optimiser, seed, clipping and ``deterministic`` (float64 gradient buffers).
+        data: microbatches by (step, id).
+        dims: the replica's degrees (default: one process).
         mesh: the replica's mesh (:meth:`ParallelDims.build_mesh`); None for a one-process replica.
         group: a process group of all the replica's ranks with the intra-replica timeout (loss and
-            grad-norm all-reduces); None only for a one-process replica.
+            grad-norm all-reduces, evaluation); None only for a one-process replica.
         device: where this rank computes.
-        deterministic: float64 gradient buffers (see the accumulator); exact order-independence
-            holds per rank's own passes, not inside FSDP reduce-scatters or pipeline chunks.
         schedule: ``"1f1b"`` or ``"gpipe"`` when ``pp > 1``.
         activation_checkpointing: recompute each block in backward.
         sequence_parallel: sequence-parallel norms (tp > 1, pp = 1).
@@ -83,10 +95,12 @@ class ReplicaEngine:
         ConfigError: the degrees do not fit the model or the mesh.
     """
 
-    def __init__(self, model_cfg: ModelConfig, seed: int, dims: ParallelDims, mesh: DeviceMesh | None,
+    def __init__(self, model_cfg: ModelConfig, training: TrainingConfig, data: MicrobatchSource,
+                 dims: ParallelDims | None = None, mesh: DeviceMesh | None = None,
                  group: dist.ProcessGroup | None = None, device: str | torch.device = "cpu",
-                 deterministic: bool = False, schedule: str = "1f1b", activation_checkpointing: bool = False,
+                 schedule: str = "1f1b", activation_checkpointing: bool = False,
                  sequence_parallel: bool = False) -> None:
+        dims = dims or ParallelDims()
         dims.check_model(model_cfg)
         if dims.world > 1 and (mesh is None or group is None):
             raise ValueError(f"a replica of {dims.world} ranks needs its mesh and its process group")
@@ -95,19 +109,21 @@ class ReplicaEngine:
             if mesh.mesh_dim_names != tuple(a.value for a in AXES) or tuple(mesh.shape) != dims.shape:
                 raise ValueError(f"mesh {mesh.mesh_dim_names} {tuple(mesh.shape)} is not this replica's "
                                  f"(pp, fsdp, tp) = {dims.shape}; build it with ParallelDims.build_mesh")
-        self.cfg, self.dims, self.mesh, self.group = model_cfg, dims, mesh, group
+        self.cfg, self.training, self.data = model_cfg, training, data
+        self.dims, self.mesh, self.group = dims, mesh, group
         self.device = torch.device(device)
         self.coord = Coord(*mesh.get_coordinate()) if mesh is not None else Coord(0, 0, 0)
-        model = build_model(model_cfg, seed, self.device)  # whole model, same values on every rank
+        model = build_model(model_cfg, training.seed, self.device)  # whole model, same values on every rank
         if dims.pp > 1:
             from recover.parallel.pipeline import PipelineRunner, split_stage  # ~1 s import: only when used
 
             split_stage(model, dims, self.coord.pp)
         self.model = parallelize(model, dims, mesh, activation_checkpointing, sequence_parallel)
+        self.optimizer = build_optimizer(self.model, training)
         named = [(n, p) for n, p in self.model.named_parameters() if p.requires_grad]
         self.names = [clean_name(n) for n, _ in named]
         self.params = [p for _, p in named]
-        self.dtype = torch.float64 if deterministic else torch.float32
+        self.dtype = torch.float64 if training.deterministic else torch.float32
         self.buffers = [torch.zeros_like(local(p), dtype=self.dtype) for p in self.params]
         self._copies = [self._copies_of(p) for p in self.params]
         self.pipe: PipelineRunner | None = None
@@ -117,12 +133,36 @@ class ReplicaEngine:
         self.ledger: list[int] = []
         self.losses: dict[int, float] = {}
         self.loss_sum = 0.0
-        self._eval_model: torch.nn.Module | None = None  # the whole model, built on first evaluate (rank 0)
+        # evaluation of a replica of several ranks: its rank 0 gathers the stages into a plain copy
+        self._eval_model = build_model(model_cfg, 0, self.device).eval() if self._evaluates_a_copy else None
+
+    @classmethod
+    def from_config(cls, cfg: Config, data: MicrobatchSource, ctx: DistContext) -> Replica:
+        """This rank's part of a replica of ``pp x fsdp x tp`` ranks: the processes of ``ctx`` when
+        there are several (a torchrun job per replica), else this process alone."""
+        p, dims = cfg.parallel, ParallelDims.from_config(cfg.parallel)
+        mesh = group = None
+        if dims.world > 1:
+            dims.check_world(ctx.world_size)
+            timeout = cfg.fault_tolerance.intra_replica_timeout_s
+            mesh = dims.build_mesh(ctx.device.type, timeout)
+            group = dims.build_group(timeout)
+        return cls(cfg.model, cfg.training, data, dims, mesh, group, ctx.device, p.schedule,
+                   p.activation_checkpointing, p.sequence_parallel)
 
     @property
     def owns_loss(self) -> bool:
         """Whether this rank reports the losses of its column (last stage, TP index 0)."""
         return self.coord.pp == self.dims.pp - 1 and self.coord.tp == 0
+
+    @property
+    def is_writer(self) -> bool:
+        """The replica's rank 0: the one that writes its logs and checkpoint metadata."""
+        return self.coord == Coord(0, 0, 0)
+
+    @property
+    def tokens_per_microbatch(self) -> int:
+        return self.data.microbatch_size * self.data.seq_len
 
     def _copies_of(self, p: torch.Tensor) -> int:
         """How many ranks of this pipeline stage hold the same values as this rank's shard of ``p``."""
@@ -140,54 +180,51 @@ class ReplicaEngine:
             buf.zero_()
         self.ledger, self.losses, self.loss_sum = [], {}, 0.0
 
-    def compute(self, step: int, ids: list[int], sampler: MicrobatchSource, hook: Hook | None = None) -> None:
-        """(collective) Forward and backward of the replica's microbatches ``ids`` of ``step``."""
+    def compute(self, step: int, ids: list[int], hook: Hook = _no_hook) -> None:
+        """(collective) Forward and backward of the replica's microbatches ``ids`` of ``step``.
+
+        ``hook(step, phase)`` runs before each forward and each backward (fault injection points).
+        """
         ids = [int(i) for i in ids]
         if not ids:
             return
         column = split_within_replica(ids, self.dims.fsdp)[self.coord.fsdp]
         if self.pipe is not None:
-            mine = self._run_pipeline(step, column, sampler, hook)
+            mine = self._run_pipeline(step, column, hook)
         else:
-            mine = self._run_passes(step, column, sampler, hook)
+            mine = self._run_passes(step, column, hook)
         self._record(ids, mine)
 
-    def _batch(self, step: int, mb: int | None, sampler: MicrobatchSource) -> tuple[torch.Tensor, torch.Tensor]:
+    def _batch(self, step: int, mb: int | None) -> tuple[torch.Tensor, torch.Tensor]:
         if mb is None:  # zero-weight padding pass: any valid tokens will do
-            zeros = torch.zeros(sampler.microbatch_size, sampler.seq_len, dtype=torch.long)
+            zeros = torch.zeros(self.data.microbatch_size, self.data.seq_len, dtype=torch.long)
             return zeros, zeros
-        return sampler.microbatch(step, mb)
+        return self.data.microbatch(step, mb)
 
-    def _run_passes(self, step: int, column: list[int | None], sampler: MicrobatchSource,
-                    hook: Hook | None) -> dict[int, float]:
+    def _run_passes(self, step: int, column: list[int | None], hook: Hook) -> dict[int, float]:
         out: dict[int, float] = {}
         for mb in column:
-            inputs, targets = self._batch(step, mb, sampler)
-            if hook:
-                hook(step, "forward")
+            inputs, targets = self._batch(step, mb)
+            hook(step, Phase.FORWARD)
             loss = lm_loss(self.model(inputs.to(self.device)), targets.to(self.device))  # mean over B x T
-            if hook:
-                hook(step, "backward")
+            hook(step, Phase.BACKWARD)
             (loss if mb is not None else loss * 0.0).backward()
             self._fold()
             if mb is not None:
                 out[mb] = float(loss.detach())
         return out
 
-    def _run_pipeline(self, step: int, column: list[int | None], sampler: MicrobatchSource,
-                      hook: Hook | None) -> dict[int, float]:
+    def _run_pipeline(self, step: int, column: list[int | None], hook: Hook) -> dict[int, float]:
         assert self.pipe is not None
-        B, T, n = sampler.microbatch_size, sampler.seq_len, len(column)
+        B, T, n = self.data.microbatch_size, self.data.seq_len, len(column)
         inputs = targets = None
         if self.pipe.is_first or self.pipe.is_last:
-            batches = [self._batch(step, mb, sampler) for mb in column]
+            batches = [self._batch(step, mb) for mb in column]
             inputs = torch.cat([x for x, _ in batches])  # (n*B, T)
             targets = torch.cat([y for _, y in batches])
-        if hook:
-            hook(step, "forward")
+        hook(step, Phase.FORWARD)
         by_position = self.pipe.run(n, B, T, inputs, targets, [0.0 if mb is None else 1.0 for mb in column])
-        if hook:
-            hook(step, "backward")
+        hook(step, Phase.BACKWARD)
         self._fold()
         return {column[k]: v for k, v in by_position.items() if column[k] is not None}
 
@@ -217,12 +254,31 @@ class ReplicaEngine:
         self.loss_sum += float(values.sum())
         self.ledger.extend(ids)
 
-    # ---- the cross-replica interface -----------------------------------------------------------
     def payload(self) -> list[torch.Tensor]:
         """This rank's gradient buffers, then the replica's float64 ``[loss_sum, count]``."""
         stats = torch.tensor([self.loss_sum, float(len(self.ledger))], dtype=torch.float64,
                              device=self.buffers[0].device if self.buffers else "cpu")
         return [*self.buffers, stats]
+
+    @staticmethod
+    def totals(reduced: list[torch.Tensor]) -> tuple[float, int]:
+        """(loss_sum, microbatch_count) of a reduced payload."""
+        stats = reduced[-1]
+        return float(stats[0]), int(round(float(stats[1])))
+
+    def apply(self, reduced: list[torch.Tensor], divisor: int, step: int) -> float:
+        """(collective) The optimizer update of ``step`` from the reduced gradient sum; returns the norm."""
+        set_lr(self.optimizer, lr_at(step, self.training))
+        grads = [(g / divisor).to(p.dtype) for g, p in zip(reduced[: len(self.params)], self.params, strict=True)]
+        norm = self.global_norm(grads)
+        clip = self.training.grad_clip
+        if clip > 0 and norm + 1e-6 > clip:
+            grads = [g * (clip / (norm + 1e-6)) for g in grads]
+        for p, g in zip(self.params, grads, strict=True):
+            p.grad = self._like(p, g)
+        self.optimizer.step()
+        self.optimizer.zero_grad(set_to_none=True)
+        return norm
 
     def global_norm(self, grads: list[torch.Tensor]) -> float:
         """(collective) The L2 norm of the replica's whole gradient from each rank's local shards."""
@@ -233,21 +289,6 @@ class ReplicaEngine:
             dist.all_reduce(sq, group=self.group)
         return math.sqrt(float(sq))
 
-    def apply(self, reduced: list[torch.Tensor], M: int, optimizer: torch.optim.Optimizer, grad_clip: float) -> float:
-        """(collective) grad = reduced / M on the local shards, clip by the global norm, step; returns the norm."""
-        grads = [(g / M).to(p.dtype) for g, p in zip(reduced[: len(self.params)], self.params, strict=True)]
-        norm = self.global_norm(grads)
-        if grad_clip > 0:
-            coef = min(1.0, grad_clip / (norm + 1e-6))
-            if coef < 1.0:
-                grads = [g * coef for g in grads]
-        for p, g in zip(self.params, grads, strict=True):
-            p.grad = self._like(p, g)
-        optimizer.step()
-        for p in self.params:
-            p.grad = None
-        return norm
-
     @staticmethod
     def _like(p: torch.Tensor, t: torch.Tensor) -> torch.Tensor:
         """``t`` (a local shard of ``p``'s shape) as a tensor of ``p``'s kind (DTensor with its layout)."""
@@ -257,37 +298,44 @@ class ReplicaEngine:
         return t
 
     # ---- evaluation ----------------------------------------------------------------------------
+    @property
+    def _evaluates_a_copy(self) -> bool:
+        return self.group is not None and self.coord == Coord(0, 0, 0)
+
     @torch.no_grad()
     def evaluate(self, batches: list[tuple[torch.Tensor, torch.Tensor]]) -> float:
         """(collective) Mean loss of ``batches`` under the replica's current parameters (same on every rank).
 
-        The stages' whole parameters are gathered on the replica's rank 0, which evaluates a plain
-        copy of the whole model (built once). Meant for the small periodic validation of a run;
+        A one-process replica evaluates its model in place. In a replica of several ranks the stages'
+        whole parameters are gathered on its rank 0, which evaluates a plain copy of the whole model;
         the gather is over the intra-replica group, so it is bounded by its timeout.
         """
+        if self.group is None:
+            return self._mean_loss(self.model, batches)
         params = self.full_parameters()
         mine = params if self.coord.fsdp == 0 and self.coord.tp == 0 else {}
+        root = dist.get_global_rank(self.group, 0)
+        leader = dist.get_rank() == root
+        gathered: list[Any] = [None] * self.dims.world if leader else []
+        dist.gather_object(mine, gathered if leader else None, dst=root, group=self.group)
         value = torch.zeros(1, dtype=torch.float64)
-        if self.group is None:
-            gathered: list[Any] = [mine]
-        else:
-            root = dist.get_global_rank(self.group, 0)
-            leader = dist.get_rank() == root
-            gathered = [None] * self.dims.world if leader else []
-            dist.gather_object(mine, gathered if leader else None, dst=root, group=self.group)
-        if gathered:
+        if leader:
+            assert self._eval_model is not None
             whole: dict[str, torch.Tensor] = {}
             for part in gathered:
                 whole.update(part or {})
-            if self._eval_model is None:
-                self._eval_model = build_model(self.cfg, 0, self.device).eval()
             for name, p in self._eval_model.named_parameters():
                 p.copy_(whole[name])
-            losses = [float(lm_loss(self._eval_model(x.to(self.device)), y.to(self.device))) for x, y in batches]
-            value[0] = sum(losses) / len(losses)
-        if self.group is not None:
-            dist.all_reduce(value, group=self.group)  # only rank 0 holds a value: a broadcast
+            value[0] = self._mean_loss(self._eval_model, batches)
+        dist.all_reduce(value, group=self.group)  # only rank 0 holds a value: a broadcast
         return float(value)
+
+    def _mean_loss(self, model: torch.nn.Module, batches: list[tuple[torch.Tensor, torch.Tensor]]) -> float:
+        was_training = model.training
+        model.eval()
+        losses = [float(lm_loss(model(x.to(self.device)), y.to(self.device))) for x, y in batches]
+        model.train(was_training)
+        return sum(losses) / len(losses)
 
     # ---- state ---------------------------------------------------------------------------------
     @torch.no_grad()
@@ -296,22 +344,34 @@ class ReplicaEngine:
         return {n: (p.full_tensor() if isinstance(p, DTensor) else p).detach().clone()
                 for n, p in zip(self.names, self.params, strict=True)}
 
-    def local_state(self, optimizer: torch.optim.Optimizer) -> dict[str, torch.Tensor]:
-        """This rank's parameter shards and optimizer state as plain tensors (for a same-rank transfer)."""
+    def transfer_state(self, counters: dict[str, int]) -> dict[str, torch.Tensor]:
+        """This rank's parameter shards, optimizer state and ``counters`` as plain tensors, for a joiner
+        (the same replica-local rank of an identically built replica takes them with :meth:`load_transfer_state`).
+        Tensors only, in a deterministic order: no pickling over the network."""
         out: dict[str, torch.Tensor] = {}
         for name, p in zip(self.names, self.params, strict=True):
             out[f"model.{name}"] = local(p.detach())
-            for key, value in sorted(optimizer.state.get(p, {}).items()):
+            for key, value in sorted(self.optimizer.state.get(p, {}).items()):
                 out[f"optim.{name}.{key}"] = local(value) if torch.is_tensor(value) else torch.tensor(value)
+        for key, value in sorted(counters.items()):
+            out[f"counter.{key}"] = torch.tensor(int(value), dtype=torch.int64)
         return out
 
     @torch.no_grad()
-    def load_local_state(self, optimizer: torch.optim.Optimizer, state: dict[str, torch.Tensor]) -> None:
-        """Inverse of :meth:`local_state` on the same replica-local rank of an identically built replica."""
+    def load_transfer_state(self, state: dict[str, torch.Tensor]) -> dict[str, int]:
+        """Inverse of :meth:`transfer_state`; returns the counters.
+
+        Raises:
+            ValueError: ``state`` lacks parameters of this replica (built from another config).
+        """
+        missing = [n for n in self.names if f"model.{n}" not in state]
+        if missing:
+            raise ValueError(f"transferred state lacks parameters {missing[:3]} ({len(missing)} missing)")
         for name, p in zip(self.names, self.params, strict=True):
             local(p).copy_(state[f"model.{name}"])
             prefix = f"optim.{name}."
             moments = {k[len(prefix):]: v.clone() for k, v in state.items()
                        if k.startswith(prefix) and "." not in k[len(prefix):]}
             if moments:  # moments are shaped like the parameter; AdamW's "step" is a scalar
-                optimizer.state[p] = {k: self._like(p, v) if v.dim() else v for k, v in moments.items()}
+                self.optimizer.state[p] = {k: self._like(p, v) if v.dim() else v for k, v in moments.items()}
+        return {k[len("counter."):]: int(v) for k, v in state.items() if k.startswith("counter.")}

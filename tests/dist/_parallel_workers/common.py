@@ -1,7 +1,7 @@
 """What the parallel tests and their torchrun workers share: the model, the data, the reference.
 
 The reference is one process doing plain data parallelism's arithmetic: every step it runs all M
-microbatches through :class:`~recover.recovery.accumulator.GradAccumulator`, divides by M, clips
+microbatches with plain PyTorch gradient accumulation, divides by M, clips
 and steps AdamW. A replica engine run must reproduce its per-step losses and final parameters.
 """
 
@@ -16,7 +16,6 @@ from recover.config import ModelConfig, TrainingConfig
 from recover.data.sampler import Sampler
 from recover.data.shards import TokenDataset, write_shard
 from recover.model import build_model, lm_loss
-from recover.recovery.accumulator import GradAccumulator
 from recover.train.optim import build_optimizer, lr_at, set_lr
 
 M = 8
@@ -58,18 +57,18 @@ def reference(directory: Path, tied: bool, steps: int) -> tuple[list[float], lis
     sampler = make_sampler(directory)
     model = build_model(model_cfg(tied), SEED)
     optimizer = build_optimizer(model, tc)
-    acc = GradAccumulator(model)
     losses, norms = [], []
-    for step in range(steps):
+    for step in range(steps):  # plain PyTorch gradient accumulation over all M microbatches
         set_lr(optimizer, lr_at(step, tc))
-        acc.reset()
+        optimizer.zero_grad(set_to_none=True)
+        loss_sum = 0.0
         for mb in range(M):
             inputs, targets = sampler.microbatch(step, mb)
-            acc.add(mb, lm_loss(model(inputs), targets))
-        reduced = acc.payload()
-        loss_sum, count = GradAccumulator.totals(reduced)
-        assert count == M
-        norms.append(acc.apply(reduced, M, optimizer, tc.grad_clip))
+            loss = lm_loss(model(inputs), targets)
+            (loss / M).backward()
+            loss_sum += float(loss.detach())
+        norms.append(float(torch.nn.utils.clip_grad_norm_(model.parameters(), tc.grad_clip)))
+        optimizer.step()
         losses.append(loss_sum / M)
     return losses, norms, {n: p.detach().clone() for n, p in model.named_parameters()}
 

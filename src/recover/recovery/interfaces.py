@@ -1,0 +1,103 @@
+"""What the step protocol needs from its collaborators, as ``typing.Protocol`` interfaces.
+
+The step protocol (:mod:`recover.recovery.protocol`) talks to exactly three things:
+
+- a :class:`Group`: the collectives of one membership generation. Layer 1's
+  :class:`~recover.comm.group.FaultTolerantGroup` in a job of ``recover launch``; a static group
+  (``recover.train.dist.StaticGroup``) under ``recover train``; fakes in the unit tests.
+- a :class:`Coordinator`: the commit vote (``recover.coord.client.CoordinatorClient``, or a
+  coordinator-less stand-in that commits every step).
+- a :class:`StepReplica`: one replica's model, optimizer and step gradients
+  (:class:`~recover.train.replica.Replica`).
+
+Contract of :class:`Group` (every call may raise :class:`~recover.errors.PeerFailure`, naming the
+dead, after which only ``next_generation`` may be called): collectives never modify their inputs;
+``members`` are replica ids in rank order; ``next_generation`` returns the coordinator's next
+membership's group once every member of it joined (a generation that loses a member while forming
+is skipped, by every survivor alike), and raises :class:`~recover.errors.QuorumLost` when none can
+form. So every survivor passes through the same generations, and the step protocol's re-plans,
+computed from the same plan and the same dead on each, agree.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Sequence
+from typing import Any, Protocol
+
+import torch
+from torch import Tensor
+
+Hook = Callable[[int, str], Any]
+"""``hook(step, phase)``: called at each phase point of a step (fault injection)."""
+
+
+class Membership(Protocol):
+    """One generation's membership, as the coordinator decided it."""
+
+    @property
+    def generation(self) -> int: ...
+    @property
+    def members(self) -> tuple[int, ...]: ...
+    @property
+    def joined(self) -> tuple[int, ...]:
+        """Members admitted in this generation (they receive the state)."""
+        ...
+
+
+class Group(Protocol):
+    """Collectives over the members of one generation."""
+
+    @property
+    def generation(self) -> int: ...
+    @property
+    def members(self) -> tuple[int, ...]: ...
+    @property
+    def rank(self) -> int: ...
+    @property
+    def membership(self) -> Membership: ...
+    @property
+    def device(self) -> torch.device:
+        """Where collective buffers live (state transfer)."""
+        ...
+
+    def allreduce(self, tensors: Sequence[Tensor]) -> list[Tensor]:
+        """SUM over members of each tensor, as new tensors."""
+        ...
+
+    def barrier(self) -> None: ...
+
+    def broadcast(self, tensors: Sequence[Tensor], src_rank: int) -> list[Tensor]: ...
+
+    def broadcast_into(self, buffers: Sequence[Tensor], src_rank: int) -> None: ...
+
+    def next_generation(self) -> Group: ...
+
+    def close(self) -> None: ...
+
+
+class Coordinator(Protocol):
+    """The commit vote."""
+
+    def vote_commit(self, generation: int, step: int, ids: list[int] | tuple[int, ...]) -> Membership | None:
+        """None: committed. A membership: committed, and joiners are admitted in that new generation.
+        Raises PeerFailure: a member died or the votes disagreed; nothing was committed."""
+        ...
+
+
+class StepReplica(Protocol):
+    """One replica's share of a step (see :class:`~recover.train.replica.Replica` for the contract)."""
+
+    @property
+    def tokens_per_microbatch(self) -> int: ...
+
+    def reset(self) -> None: ...
+
+    def compute(self, step: int, ids: list[int], hook: Hook) -> None: ...
+
+    def payload(self) -> list[Tensor]: ...
+
+    def apply(self, reduced: list[Tensor], divisor: int, step: int) -> float: ...
+
+    def transfer_state(self, counters: dict[str, int]) -> dict[str, Tensor]: ...
+
+    def load_transfer_state(self, state: dict[str, Tensor]) -> dict[str, int]: ...

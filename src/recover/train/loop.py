@@ -1,0 +1,102 @@
+"""The loop of committed steps, shared by ``recover train`` and every replica of ``recover launch``.
+
+    replica = Replica.from_config(cfg, sampler, ctx)          # model, optimizer, step gradients
+    step = ResilientStep(replica, group, coordinator, M, ...)  # the step protocol (layer 2)
+    while step.progress.step < end:
+        outcome = step.run()                 # plan, compute, reduce, recover, commit, apply, admit
+        record it; validate and checkpoint when due (the lowest live replica)
+
+Contract: a record is written for every committed step, after its optimizer update; validation
+and checkpoints run on the lowest live replica only (every rank of it: both are collective inside
+a replica of several ranks), so the other replicas never wait for them.
+"""
+
+from __future__ import annotations
+
+import os
+import time
+from collections.abc import Callable
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+
+from recover.config import Config
+from recover.data.sampler import EvalSampler
+from recover.recovery.protocol import ResilientStep, StepOutcome
+from recover.train.checkpoint import Checkpointer
+from recover.train.optim import lr_at
+from recover.train.replica import Replica
+
+
+def configure_torch(cfg: Config, local_procs: int) -> None:
+    """Threads per process (``training.threads``, else cores / local processes) and denormal flushing.
+
+    Unseen vocabulary rows get ~1e-20 gradients whose squares are subnormal in AdamW's state: on CPUs
+    subnormal arithmetic is ~100x slower, so they are flushed to zero (no effect on GPUs).
+    """
+    threads = cfg.training.threads or max(1, (os.cpu_count() or 1) // max(1, local_procs))
+    torch.set_num_threads(threads)
+    torch.set_flush_denormal(True)
+
+
+def step_record(outcome: StepOutcome, dt: float, lr: float) -> dict[str, Any]:
+    """The ``metrics.jsonl`` record of a committed step."""
+    record = {"step": outcome.step, "loss": outcome.loss, "microbatches": outcome.microbatches,
+              "tokens": outcome.tokens, "time_s": round(dt, 6), "lr": lr, "grad_norm": outcome.grad_norm,
+              "tokens_per_s": outcome.tokens / dt, "live_replicas": len(outcome.live),
+              "generation": outcome.generation, "computed": outcome.computed, "data_step": outcome.data_step}
+    if outcome.recoveries:
+        record["recovery_ms"] = sum(r["regroup_ms"] for r in outcome.recoveries)
+        record["failures"] = [r["dead"] for r in outcome.recoveries]
+    return record
+
+
+@dataclass
+class Loop:
+    """Runs the committed steps of one replica (see the module docstring).
+
+    Args:
+        cfg: the job's config.
+        step: the step protocol (its ``progress`` says where training stands).
+        replica: the replica it trains (validation).
+        eval_data: the validation batches.
+        checkpointer: saves when ``training.checkpoint_every`` says so.
+        write: takes each step's record (with ``total_tokens`` and, when due, ``val_loss``).
+        after_step: called with the step after its record (fault injection at ``idle``).
+    """
+
+    cfg: Config
+    step: ResilientStep
+    replica: Replica
+    eval_data: EvalSampler
+    checkpointer: Checkpointer
+    write: Callable[[dict[str, Any]], None]
+    after_step: Callable[[int], Any] = lambda step: None
+    val_loss: float | None = None
+    """The last validation loss this replica computed."""
+
+    def run(self, end: int) -> None:
+        """Trains until ``end`` steps are committed."""
+        tc = self.cfg.training
+        while self.step.progress.step < end:
+            t0 = time.perf_counter()
+            outcome = self.step.run()
+            record = step_record(outcome, time.perf_counter() - t0, lr_at(outcome.step, tc))
+            record["total_tokens"] = self.step.progress.tokens
+            leader = self.step.me == min(outcome.live)
+            if leader and tc.eval_due(outcome.step, end):
+                self.val_loss = record["val_loss"] = self.evaluate()
+            self.write(record)
+            if leader and tc.checkpoint_due(outcome.step, end):
+                self.save()
+            self.after_step(outcome.step)
+
+    def evaluate(self) -> float:
+        """Mean validation loss over ``training.eval_batches`` fixed batches (collective in a replica)."""
+        return self.replica.evaluate([self.eval_data.batch(i) for i in range(self.cfg.training.eval_batches)])
+
+    def save(self, blocking: bool | None = None) -> Any:
+        """A checkpoint of the committed progress (collective in a replica of several ranks)."""
+        p = self.step.progress
+        return self.checkpointer.save(p.step, p.data_step, p.tokens, blocking)
