@@ -1,6 +1,7 @@
 # Two commands do all the set-up on a fresh machine with Python >= 3.10:
 #   make demo   the main job: a small multi-replica run on the embedded stdlib corpus
-#   make test   the whole test suite
+#   make test   the whole test suite: tests/unit, tests/dist (multi-process gloo), tests/e2e (launch runs)
+#   make test-unit   the unit tier alone (under a minute)
 # Both create and reuse ./.venv. Override the interpreter with PYTHON=..., and the
 # PyTorch requirement installed when torch is absent with TORCH=... (e.g. TORCH='torch==2.6.0').
 
@@ -10,7 +11,7 @@ TORCH  ?= torch==2.13.0
 PY     := $(VENV)/bin/python
 STAMP  := $(VENV)/.recover-installed
 
-.PHONY: demo test lint venv clean
+.PHONY: demo test test-unit lint venv clean
 
 venv: $(STAMP)
 
@@ -25,7 +26,10 @@ demo: $(STAMP)
 	$(VENV)/bin/recover demo
 
 test: $(STAMP)
-	$(PY) -m pytest -q --durations=15
+	$(PY) -m pytest -q --durations=15 tests/unit tests/dist tests/e2e
+
+test-unit: $(STAMP)
+	$(PY) -m pytest -q tests/unit
 
 lint: $(STAMP)
 	$(VENV)/bin/ruff check src tests

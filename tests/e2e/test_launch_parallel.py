@@ -1,13 +1,13 @@
 """End to end: replicas of several ranks (pipeline, tensor parallel, FSDP2 shards) under `recover launch`.
 
-Each configuration runs 2 replicas of a 2-layer untied `debug` model (M = 8) twice: failure-free,
-and with the LAST rank of replica 1 SIGKILLed mid-step (its replica's other ranks are reaped, the
-surviving replica's ranks recover in-step on their lanes); in the pipeline case the whole replica
-then rejoins from a hot spare and takes its state, rank by rank, from the survivor. Checks: every step commits all M
-microbatches; the failure run's per-step losses are within 1e-5 relative of the failure-free run
-of the same configuration; the failure-free run is within 1e-5 of a plain one-process run with
-the same global batch; and recovery took far less than the intra-replica timeout (no rank of the
-surviving replica waited for a backend timeout).
+Each configuration runs 2 replicas of a 2-layer untied `debug` model (M = 8) with the LAST rank of
+replica 1 SIGKILLed mid-step (its replica's other ranks are reaped, the surviving replica's ranks
+recover in-step on their lanes); in the pipeline case the whole replica then rejoins from a hot
+spare and takes its state, rank by rank, from the survivor. Checks: every step commits all M
+microbatches; the per-step losses are within 2e-5 relative of a plain one-process run with the same
+global batch (the failure-free layouts alone are compared with it in tests/dist/test_parallel_dist.py);
+and recovery took far less than the intra-replica timeout (no rank of the surviving replica waited
+for a backend timeout).
 """
 
 from __future__ import annotations
@@ -59,16 +59,14 @@ REJOIN = {"pp2"}
 
 @pytest.mark.parametrize("name", list(CONFIGS))
 def test_kill_one_rank_of_a_replica(name: str, plain: Path, corpus: Path, tmp_path: Path) -> None:
-    ref, run = tmp_path / "failure-free", tmp_path / "killed"
-    launch(ref, corpus, *CONFIGS[name])
+    run = tmp_path / "killed"
     rejoin = ["--rejoin-after", "0.2"] if name in REJOIN else []
     launch(run, corpus, *CONFIGS[name], "--fail", "1@2:backward", *rejoin)
 
-    assert max_rel_diff(losses(plain), losses(ref)) <= 1e-5
-    for recs in (rows(ref), rows(run)):
-        assert [r["step"] for r in recs] == list(range(STEPS))
-        assert all(r["microbatches"] == M for r in recs)
-    assert max_rel_diff(losses(ref), losses(run)) <= 1e-5
+    recs = rows(run)
+    assert [r["step"] for r in recs] == list(range(STEPS))
+    assert all(r["microbatches"] == M for r in recs)
+    assert max_rel_diff(losses(plain), losses(run)) <= 2e-5
     live = {r["step"]: r["live_replicas"] for r in rows(run)}
     assert live[1] == 2 and live[2] == 1 and live[STEPS - 1] == (2 if rejoin else 1)
 

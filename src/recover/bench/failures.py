@@ -57,10 +57,12 @@ from recover.bench.common import (
 )
 from recover.errors import ConfigError
 from recover.faults import FailureSchedule, FailureSpec, random_schedule
+from recover.names import Baseline, Phase
 from recover.observe.plots import load_events, load_metrics
 
-SYSTEMS = ("recover", "restart", "restart-async", "shrink", "torchft")
-RESTARTS = {"restart": False, "restart-async": True}
+SYSTEMS = ("recover", Baseline.RESTART.value, "restart-async", Baseline.SHRINK.value, "torchft")
+RESTARTS = {Baseline.RESTART.value: False, "restart-async": True}
+"""The checkpoint-and-restart systems: whether their periodic saves are asynchronous."""
 """The checkpoint-and-restart systems and whether their DCP saves are asynchronous."""
 LABELS = {
     "reference": "failure-free reference (recover, no failure)",
@@ -72,7 +74,7 @@ LABELS = {
 }
 SHORT = {"reference": "reference", "recover": "recover", "restart": "ckpt-restart (sync)",
          "restart-async": "ckpt-restart (async)", "shrink": "shrink-and-drop", "torchft": "torchft"}
-SUCCESSIVE_PHASES = ("backward", "reduce")
+SUCCESSIVE_PHASES = (Phase.BACKWARD.value, Phase.REDUCE.value)
 
 
 # ---------------------------------------------------------------- pure parts
@@ -438,7 +440,7 @@ def run_bench(config: str = "tiny", replicas: int = 4, steps: int = 60, schedule
             extra = [f"--training.checkpoint_every={ks[name]}",
                      f"--training.checkpoint_async={str(RESTARTS[name]).lower()}"]
             label = f"{LABELS[name]}, checkpoint every K = {ks[name]} steps"
-        baseline = "restart" if name in RESTARTS else {"shrink": "shrink"}.get(name)
+        baseline = Baseline.RESTART if name in RESTARTS else Baseline.SHRINK if name == Baseline.SHRINK else None
         code = run_one(name, fails, baseline, extra)
         try:
             rows.append(system_row(name, out / name, ref, code, label))

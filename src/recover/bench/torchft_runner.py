@@ -48,6 +48,7 @@ from pathlib import Path
 from typing import Any
 
 from recover.bench.common import child_env, kill_group, wait_for
+from recover.names import Phase
 from recover.observe.events import EventLog, JsonlWriter, read_jsonl
 
 PG_TIMEOUT_S = 5.0
@@ -243,7 +244,7 @@ def replica_main(args: argparse.Namespace) -> int:
         rank=0, world_size=1, store_addr="127.0.0.1", store_port=store_port,
         init_sync=False)  # every replica builds the same model from the same seed (torchft's advice)
     current = {"step": 0}
-    ddp = _ddp_class(lambda: injector.maybe_fail(current["step"], "reduce"))(manager, model)
+    ddp = _ddp_class(lambda: injector.maybe_fail(current["step"], Phase.REDUCE))(manager, model)
     mine = assign(list(range(tc.global_microbatches)), range(n))[rid]
     (out / "ready" / str(rid)).touch()
     wait_for(lambda: len(list((out / "ready").iterdir())) >= n, 600, "every torchft replica start")
@@ -258,26 +259,26 @@ def replica_main(args: argparse.Namespace) -> int:
         loss_sum = 0.0
         for i, mb in enumerate(mine):
             inputs, targets = replica.data.microbatch(data_step, mb)
-            injector.maybe_fail(step, "forward")
+            injector.maybe_fail(step, Phase.FORWARD)
             with ddp.no_sync() if i + 1 < len(mine) else nullcontext():
                 loss = lm_loss(ddp(inputs), targets)
-                injector.maybe_fail(step, "backward")
+                injector.maybe_fail(step, Phase.BACKWARD)
                 (loss / len(mine)).backward()  # the last backward's hook averages over the participants
             loss_sum += float(loss)
         totals = torch.tensor([loss_sum, float(len(mine))], dtype=torch.float64)
         manager.allreduce(totals, reduce_op=ReduceOp.SUM).wait()  # loss and microbatch count, for the log
         grad_norm = float(torch.nn.utils.clip_grad_norm_(model.parameters(), tc.grad_clip))
-        injector.maybe_fail(step, "commit")
+        injector.maybe_fail(step, Phase.COMMIT)
         committed = manager.should_commit()
         data_step += 1  # torchft consumes the batch whether or not the step commits
         if not committed:
             events.event("step_dropped", replica=rid, step=step, participants=manager.num_participants())
             continue
-        injector.maybe_fail(step, "optimizer")
+        injector.maybe_fail(step, Phase.OPTIMIZER)
         optim.step()
         _record(log, cfg, replica.tokens_per_microbatch, evaluate, manager, step, totals, grad_norm,
                 time.perf_counter() - t0, data_step)
-        injector.maybe_fail(step, "idle")
+        injector.maybe_fail(step, Phase.IDLE)
     log.close()
     events.event("finished", replica=rid, step=manager.current_step())
     events.close()

@@ -28,13 +28,13 @@ import selectors
 import socket
 import threading
 import time
-from collections.abc import Callable, Mapping
+from collections.abc import Callable
 from dataclasses import dataclass, field
 from datetime import timedelta
 from typing import Any
 
 from recover.coord.protocol import CLIENT_TYPES, FrameDecoder, ProtocolError, encode
-from recover.coord.ranks import Close, Out, RankAggregator, SendTo, Slot
+from recover.coord.ranks import Close, Out, RankAggregator, SendTo
 from recover.coord.state import MembershipState
 from recover.observe.events import EventLog
 
@@ -176,12 +176,6 @@ class Coordinator:
                 if left <= 0:
                     raise TimeoutError(f"coordinator state did not reach the condition: {snap}")
                 self._cond.wait(min(left, 0.1))
-
-    @property
-    def _slots(self) -> Mapping[int, Slot]:
-        """The aggregator's replicas by id (read-only; tests peek at buffered rank votes)."""
-        assert self.aggregator is not None
-        return self.aggregator.slots
 
     # ------------------------------------------------------------- the loop
 

@@ -40,6 +40,8 @@ from recover.observe.progress import ProgressDisplay
 from recover.train.exits import EXIT_FENCED, EXIT_JOB_FAILED, EXIT_QUORUM_LOST
 
 POLL_S = 0.05
+JOINER_GRACE_S = 3.0
+"""How long joiners left alone after the last committed step get to exit on their own before being stopped."""
 
 
 def free_port(host: str = "127.0.0.1") -> int:
@@ -371,6 +373,7 @@ class Launcher:
         t0 = self.t0 = time.time()
         self.events.event("launch", replicas=self.n, steps=steps, failures=[str(s) for s in self.o.failures],
                           random_mtbf_s=self.o.random_mtbf_s, rejoin_after_s=self.o.rejoin_after_s)
+        grace_end: float | None = None
         try:
             self._start_coordinator(self.n)
             for rid in range(self.n):
@@ -385,7 +388,11 @@ class Launcher:
                 if not self._live() and not self.rejoin_at:
                     break
                 if all(s in self.records for s in range(steps)) and all(r.joined for r in self._live()):
-                    break  # every step committed; only late joiners are left, with nothing to join
+                    # every step committed; only joiners are left: one that trained to the end exits on
+                    # its own within the grace, a late one with nothing left to join is stopped after it
+                    grace_end = grace_end or now + JOINER_GRACE_S
+                    if now >= grace_end:
+                        break
                 self._random_kill(now)
                 time.sleep(POLL_S)
             self._collect()
