@@ -26,7 +26,7 @@ demo: $(STAMP)
 	$(VENV)/bin/recover demo
 
 test: $(STAMP)
-	$(PY) -m pytest -q --durations=15 tests/unit tests/dist tests/e2e
+	$(PY) -m pytest -q --durations=15
 
 test-unit: $(STAMP)
 	$(PY) -m pytest -q tests/unit

@@ -24,6 +24,7 @@ only what a failure does and what a step is divided by.
 from __future__ import annotations
 
 import time
+from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -122,7 +123,7 @@ class ResilientStep:
 
     def __init__(self, replica: StepReplica, group: Group, coordinator: Coordinator, M: int,
                  progress: Progress | None = None, min_replicas: int = 1, hook: Hook = _no_hook,
-                 on_event: Any = _no_event, assignment: str = "blocks", seed: int = 0) -> None:
+                 on_event: Callable[..., Any] = _no_event, assignment: str = "blocks", seed: int = 0) -> None:
         self.replica, self.group, self.coordinator = replica, group, coordinator
         self.me = group.members[group.rank]
         self.M, self.min_replicas = M, min_replicas

@@ -21,6 +21,8 @@ Contract:
 - :func:`latest_checkpoint` returns the newest complete checkpoint or None.
 - :func:`load_checkpoint` restores model and optimizer in place and returns the metadata; a
   checkpoint written for another model shape is refused with a :class:`CheckpointError`.
+- :class:`Checkpointer` is one replica's policy on top: when a save blocks, asynchronous saves in
+  flight, and resuming from the newest complete checkpoint.
 """
 
 from __future__ import annotations
@@ -33,16 +35,21 @@ import shutil
 import sys
 import time
 import warnings
+from collections.abc import Callable
 from concurrent import futures
 from concurrent.futures import Future
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import torch
 from torch import nn
 
 from recover.config import ModelConfig
 from recover.errors import CheckpointError
+
+if TYPE_CHECKING:
+    from recover.config import Config
+    from recover.train.replica import Replica
 
 MARKER = "COMMITTED"
 _NAME = re.compile(r"^step_(\d{6,})$")
@@ -279,8 +286,8 @@ class Checkpointer:
         epoch_of: the data epoch of a step (recorded with the data cursor).
     """
 
-    def __init__(self, root: str | os.PathLike[str], replica: Any, cfg: Any,
-                 epoch_of: Any = lambda step: 0) -> None:
+    def __init__(self, root: str | os.PathLike[str], replica: Replica, cfg: Config,
+                 epoch_of: Callable[[int], float] = lambda step: 0) -> None:
         self.root, self.replica, self.cfg, self.epoch_of = Path(root), replica, cfg, epoch_of
         self._pending: AsyncSave | None = None
         self.last_blocking_s = 0.0
