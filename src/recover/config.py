@@ -191,6 +191,11 @@ class TrainingConfig:
     """Accumulate and reduce gradients in float64 so a step does not depend on who computed what."""
     assignment: Assignment = "blocks"
     """Failure-free ids -> replicas: ``blocks``, ``strided`` or ``shuffled`` (the trajectory is the same)."""
+    device_time_s: float = 0.0
+    """Emulated device: every microbatch takes at least this much wall time (its real compute, then a
+    sleep for the rest), so replicas sharing a few CPU cores behave like dedicated accelerators in
+    benchmarks and tests (a step takes its quota's time; a lost replica's work costs the survivors).
+    0: off."""
 
     def __post_init__(self) -> None:
         _check_choices(self)
@@ -208,6 +213,8 @@ class TrainingConfig:
         _require(0 <= self.beta1 < 1, "training.beta1", self.beta1, "a number in [0, 1)")
         _require(0 <= self.beta2 < 1, "training.beta2", self.beta2, "a number in [0, 1)")
         _require(self.grad_clip >= 0, "training.grad_clip", self.grad_clip, "a number >= 0 (0 disables)")
+        _require(self.device_time_s >= 0, "training.device_time_s", self.device_time_s,
+                 "a number of seconds >= 0 (0: off)")
         _require(self.warmup_steps <= self.steps, "training.warmup_steps", self.warmup_steps,
                  f"at most training.steps = {self.steps}")
 
@@ -276,14 +283,23 @@ class FaultToleranceConfig:
     """Backend timeout of a generation's process group (a last resort: failures end waits first)."""
     intra_replica_timeout_s: float = 30.0
     """Backend timeout of the groups inside a replica (pipeline sends, TP and FSDP collectives)."""
+    hang_timeout_s: float = 0.0
+    """A replica whose training loop makes no progress for this long while others wait for it is fenced
+    as hung (its process and heartbeats may be alive: a stuck kernel, a deadlocked loader). 0: derived
+    from the measured step time, max(60 s, 10 x the median step)."""
+    fence_exit_s: float = 1.0
+    """A fenced process that has not exited this long after the coordinator told it is ended by its own
+    watchdog (its training thread may be stuck) and, failing that, SIGKILLed by the launcher."""
 
     def __post_init__(self) -> None:
         _require(isinstance(self.min_replicas, int) and self.min_replicas >= 1,
                  "fault_tolerance.min_replicas", self.min_replicas, "an integer >= 1")
         for name in ("heartbeat_interval_s", "heartbeat_timeout_s", "collective_timeout_s",
-                     "intra_replica_timeout_s"):
+                     "intra_replica_timeout_s", "fence_exit_s"):
             value = getattr(self, name)
             _require(value > 0, f"fault_tolerance.{name}", value, "a positive number of seconds")
+        _require(self.hang_timeout_s >= 0, "fault_tolerance.hang_timeout_s", self.hang_timeout_s,
+                 "a number of seconds >= 0 (0: derived from the step time)")
         _require(self.heartbeat_interval_s < self.heartbeat_timeout_s, "fault_tolerance.heartbeat_interval_s",
                  self.heartbeat_interval_s,
                  f"less than fault_tolerance.heartbeat_timeout_s = {self.heartbeat_timeout_s}")

@@ -79,3 +79,14 @@ BACKENDS: tuple[str, ...] = get_args(Backend)
 SCHEDULES: tuple[str, ...] = get_args(Schedule)
 ASSIGNMENTS: tuple[str, ...] = get_args(Assignment)
 SHARD_FORMATS: tuple[str, ...] = get_args(ShardFormat)
+
+
+class Fault(_Named):
+    """What an injected failure does to the replica's process (``--fail``, ``--hang``, ``--freeze``)."""
+
+    KILL = "kill", "SIGKILL: the process dies at once, as with a lost GPU or host"
+    HANG = "hang", "the training thread stops for good; the process and its heartbeats stay alive"
+    FREEZE = "freeze", "SIGSTOP: the whole process stops for good (a frozen host)"
+
+
+FAULTS: tuple[str, ...] = Fault.values()

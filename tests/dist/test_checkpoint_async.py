@@ -170,15 +170,15 @@ def test_a_process_killed_during_async_saves_leaves_no_loadable_torn_checkpoint(
         proc.wait(30)
     assert proc.returncode == -signal.SIGKILL
     found = ckpt.list_checkpoints(root)
-    assert [s for s, _ in found][:3] == [1, 2, 3]
-    assert [s for s, _ in found] in ([1, 2, 3], [1, 2, 3, 4])
+    last = len(found)  # 3 or 4; more when the saver ran ahead of this (loaded) reader
+    assert last >= 3 and [s for s, _ in found] == list(range(1, last + 1))
     for step, path in found:
         model = nn.Sequential(*[nn.Linear(512, 512) for _ in range(4)])
         opt = torch.optim.AdamW(model.parameters())
         assert ckpt.load_checkpoint(path, model, opt, ModelConfig())["value"] == step
         assert params_equal(model, float(step))
     leftovers = {p.name for p in root.iterdir()} - {p.name for _, p in found}
-    assert leftovers <= {"step_000004.partial"}
+    assert leftovers <= {f"step_{last + 1:06d}.partial"}  # only the save the kill cut short
 
 
 def train_args(out: Path, corpus: Path, *extra: str) -> list[str]:

@@ -1,4 +1,4 @@
-"""End to end: `recover launch` with real SIGKILLs, compared with a failure-free reference run.
+"""End to end: `recover launch` with real SIGKILLs, hangs and SIGSTOPs, compared with a failure-free reference run.
 
 Every run uses 4 replicas of the `debug` preset for 30 steps. Each case checks that every committed
 step holds all M microbatches and that the per-step loss stays within 1e-5 relative of the
@@ -9,6 +9,7 @@ reference runs in deterministic mode; a default-mode run of the same job differs
 from __future__ import annotations
 
 import json
+import os
 from pathlib import Path
 
 import pytest
@@ -17,6 +18,7 @@ from conftest import losses, max_rel_diff, run_recover
 
 STEPS = 30
 M = 8
+HANG_S = 3.0  # fault_tolerance.hang_timeout_s of the hang test
 
 
 def launch(out: Path, corpus: Path, *extra: str, check: bool = True):
@@ -132,3 +134,46 @@ def test_compare_exits_nonzero_above_tolerance(reference_det: Path, tmp_path: Pa
     (other / "metrics.jsonl").write_text("".join(json.dumps(r) + "\n" for r in recs))
     bad = run_recover(["compare", str(reference_det), str(other), "--tol", "1e-5"], check=False)
     assert bad.returncode == 1 and "at step 5" in bad.stdout
+
+
+def gone(pid: int) -> bool:
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return True
+    return False
+
+
+def test_hangs_in_forward_backward_and_reduce_are_fenced_and_recovered(reference_det: Path, corpus: Path,
+                                                                       tmp_path: Path) -> None:
+    """A training thread stopped for good (process and heartbeats alive) is fenced for its lack of
+    progress within hang_timeout_s + 1 s; the survivors recover in-step as from a crash."""
+    launch(tmp_path, corpus, "--deterministic", "--hang", "1@2:forward", "--hang", "2@5:backward",
+           "--hang", "3@8:reduce", f"--fault_tolerance.hang_timeout_s={HANG_S}")
+    check_run(tmp_path, reference_det, bitwise=True, kills=3)
+    ev = events(tmp_path)
+    for r in (1, 2, 3):
+        hang = next(e for e in ev if e["kind"] == "kill" and e["replica"] == r)
+        fenced = next(e for e in ev if e["kind"] == "failure_detected" and e["replica"] == r)
+        assert hang["fault"] == "hang" and fenced["cause"] == "hung"
+        assert fenced["t"] - hang["t"] <= HANG_S + 1.0
+        assert any(e["kind"] == "replica_exit" and e["replica"] == r and e["code"] == -9 for e in ev)
+        assert gone(hang["pid"])  # nothing left running
+    live = {r["step"]: r["live_replicas"] for r in rows(tmp_path)}
+    assert live[1] == 4 and live[2] == 3 and live[5] == 2 and live[8] == 1
+
+
+def test_a_replica_frozen_for_good_is_fenced_reaped_and_replaced(reference_det: Path, corpus: Path,
+                                                                 tmp_path: Path) -> None:
+    # 0.1 s per microbatch (emulated devices): the job outlasts detection, reaping and the rejoin
+    launch(tmp_path, corpus, "--deterministic", "--freeze", "2@3:reduce", "--rejoin-after", "0",
+           "--device-time-s", "0.1")
+    summary = check_run(tmp_path, reference_det, bitwise=True, kills=1)
+    assert summary["rejoins"] == 1
+    ev = events(tmp_path)
+    frozen = next(e for e in ev if e["kind"] == "kill")
+    assert frozen["fault"] == "freeze" and gone(frozen["pid"])
+    assert next(e for e in ev if e["kind"] == "failure_detected")["cause"] == "heartbeat_timeout"
+    assert any(e["kind"] == "reaped" and e["replica"] == 2 for e in ev)  # SIGKILLed: it could not exit itself
+    assert any(e["kind"] == "state_received" and e["replica"] == 2 for e in ev)
+    assert rows(tmp_path)[-1]["live_replicas"] == 4

@@ -54,14 +54,18 @@ CONFIGS = {
     "fsdp2": ["--fsdp", "2"],
     "pp2xtp2": ["--pp", "2", "--tp", "2", "--procs-per-replica", "4"],
 }
-REJOIN = {"pp2"}
+FROZEN = {"pp2", "fsdp2"}
+"""Cases whose rank is SIGSTOPped for good instead of SIGKILLed: fenced by its silence; its partners,
+stuck in a collective inside the replica, leave within 2 s quietly; the launcher reaps the frozen one."""
+REJOIN = {"pp2", "fsdp2"}
 
 
 @pytest.mark.parametrize("name", list(CONFIGS))
 def test_kill_one_rank_of_a_replica(name: str, plain: Path, corpus: Path, tmp_path: Path) -> None:
     run = tmp_path / "killed"
     rejoin = ["--rejoin-after", "0.2"] if name in REJOIN else []
-    launch(run, corpus, *CONFIGS[name], "--fail", "1@2:backward", *rejoin)
+    fault = ["--freeze", "1@2:backward", "--device-time-s", "0.1"] if name in FROZEN else ["--fail", "1@2:backward"]
+    launch(run, corpus, *CONFIGS[name], *fault, *rejoin)
 
     recs = rows(run)
     assert [r["step"] for r in recs] == list(range(STEPS))
@@ -76,6 +80,13 @@ def test_kill_one_rank_of_a_replica(name: str, plain: Path, corpus: Path, tmp_pa
     assert [(k["replica"], k["rank"]) for k in kills] == [(1, ranks - 1)]
     exits = [(e["replica"], e["code"]) for e in ev if e["kind"] == "replica_exit"]
     assert (1, -9) in exits and (0, 0) in exits
+    if name in FROZEN:  # the partner rank left on its own, quietly, soon after the fence
+        fenced = next(e for e in ev if e["kind"] == "failure_detected" and e["replica"] == 1)
+        first_exit = next(e for e in ev if e["kind"] == "replica_exit" and e["replica"] == 1)
+        assert fenced["cause"] == "heartbeat_timeout" and first_exit["t"] - fenced["t"] < 2.0
+        assert any(e["kind"] == "fenced_exit" and e["replica"] == 1 and e["rank"] == 0 for e in ev)
+        partner_log = (run / "logs" / "replica_1_rank0.log").read_text()
+        assert "fenced by the coordinator" in partner_log and "Traceback" not in partner_log
     if rejoin:  # every rank of the new replica 1 took its shard of the state, then trained to the end
         received = [e for e in ev if e["kind"] == "state_received" and e["replica"] == 1]
         assert sorted(e["rank"] for e in received) == list(range(ranks))

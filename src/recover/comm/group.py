@@ -135,7 +135,8 @@ class FaultTolerantGroup:
         m, deadline = membership, time.monotonic() + timeout_s
         while True:
             try:
-                pg, store = _rendezvous(client, m, resolved, dev, timeout_s, yard)
+                with client.activity("wait"):
+                    pg, store = _rendezvous(client, m, resolved, dev, timeout_s, yard)
                 break
             except PeerFailure:  # bounded: each retry needs a newer generation within the deadline
                 m = client.wait_for_generation(m.generation, max(0.0, deadline - time.monotonic()))
@@ -262,6 +263,10 @@ class FaultTolerantGroup:
             raise self._fail(f"backend error launching {what}: {exc}", True) from None
 
     def _wait(self, works: list[Any], what: str, buffers: Sequence[Tensor]) -> None:
+        with self.client.activity("wait"):  # blocked for the others: not a hang of ours
+            self._wait_works(works, what, buffers)
+
+    def _wait_works(self, works: list[Any], what: str, buffers: Sequence[Tensor]) -> None:
         """Waits for ``works`` while watching for notices; on a notice or an error, evicts
         ``buffers`` from the pool (the parked work may still write into them), raises PeerFailure.
 

@@ -26,6 +26,8 @@ def register(subparsers: argparse._SubParsersAction) -> None:
     p.add_argument("--min-replicas", type=int, default=1, help="quorum; fewer live replicas is logged")
     p.add_argument("--heartbeat-interval", type=float, default=0.1, help="seconds between heartbeats")
     p.add_argument("--heartbeat-timeout", type=float, default=1.0, help="silence (s) that marks a replica dead")
+    p.add_argument("--hang-timeout", type=float, default=0.0,
+                   help="no progress (s) while others wait that marks a replica hung; 0: from the step time")
     p.set_defaults(func=run)
 
 
@@ -46,13 +48,15 @@ def run(args: argparse.Namespace) -> int:
 
     if args.replicas < 1:
         raise ConfigError(f"--replicas must be >= 1, got {args.replicas}")
+    if args.hang_timeout < 0:
+        raise ConfigError(f"--hang-timeout must be >= 0 seconds (0: from the step time), got {args.hang_timeout}")
     if args.heartbeat_timeout <= args.heartbeat_interval:
         raise ConfigError(f"--heartbeat-timeout ({args.heartbeat_timeout}) must exceed "
                           f"--heartbeat-interval ({args.heartbeat_interval})")
     coord = Coordinator(args.host, args.port, token=read_token(args.token_file), events_path=args.events,
                         heartbeat_interval_s=args.heartbeat_interval, heartbeat_timeout_s=args.heartbeat_timeout,
                         store_port=args.store_port, min_members=args.min_replicas,
-                        expected_replicas=args.replicas)
+                        expected_replicas=args.replicas, hang_timeout_s=args.hang_timeout)
     try:
         coord.start()
     except (OSError, RuntimeError) as exc:

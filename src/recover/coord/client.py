@@ -26,6 +26,14 @@ committed *and* joiners were admitted at this step boundary (the new generation 
 disagreed: then nothing was committed, and the caller recovers on the next generation and votes
 the same step again there.
 
+Liveness (:mod:`recover.coord.liveness`): the training thread calls ``advance()`` at every phase
+point; heartbeats carry that counter and the thread's activity (``compute``; ``wait`` inside
+``activity("wait")``, which every blocking wait of this client and of a fault-tolerant group uses;
+``io`` around checkpoints and evaluation), so the coordinator fences a replica whose training loop
+stopped while its heartbeats go on. A fenced process whose training thread does not act on it
+within ``fence_exit_s`` (it may be the stuck one) is ended by this client's watchdog with
+``on_fenced`` (a one-line message, the fenced exit status), never left running.
+
 Join flow: the replacement calls ``register(join=True)``, which returns once a commit admitted it
 (``membership.joined`` lists it); it builds its group with ``FaultTolerantGroup.create`` and calls
 ``recover.comm.transfer.receive_state(group, source_rank(group))``. The old members, on getting a
@@ -41,6 +49,8 @@ import os
 import socket
 import threading
 import time
+from collections.abc import Callable, Iterator
+from contextlib import contextmanager
 from typing import Any
 
 from recover.coord.protocol import SCHEMAS, FrameDecoder, Membership, ProtocolError, encode
@@ -70,7 +80,8 @@ class CoordinatorClient:
 
     def __init__(self, host: str, port: int, token: str, replica_id: int, heartbeat_interval_s: float = 0.1,
                  connect_timeout_s: float = 10.0, request_timeout_s: float = 60.0, *, rank: int = 0,
-                 ranks: int = 1) -> None:
+                 ranks: int = 1, fence_exit_s: float | None = None,
+                 on_fenced: Callable[[str], Any] | None = None) -> None:
         self.host, self.port, self.replica_id = host, int(port), int(replica_id)
         self.rank, self.ranks = int(rank), int(ranks)  # this process within its replica (checked at register)
         self._token = token
@@ -91,6 +102,9 @@ class CoordinatorClient:
         self._stop = threading.Event()
         self._threads: list[threading.Thread] = []
         self._wakers: set[threading.Event] = set()
+        self._progress = 0
+        self._activity = "compute"
+        self.fence_exit_s, self.on_fenced = fence_exit_s, on_fenced
 
     # ------------------------------------------------------------- public API
 
@@ -122,6 +136,20 @@ class CoordinatorClient:
                        "rank": self.rank, "ranks": self.ranks, "pid": os.getpid()}, timeout)
         self._spawn(self._heartbeat, "recover-coord-heartbeat")
         return self._wait(lambda: self._admitted(), timeout, "admission to a generation")
+
+    def advance(self) -> None:
+        """The training loop passed a phase point (its progress, sent with the heartbeats)."""
+        self._progress += 1
+
+    @contextmanager
+    def activity(self, kind: str) -> Iterator[None]:
+        """Marks what the training thread does inside: ``wait`` (blocked for the others) or ``io``
+        (a checkpoint, an evaluation); ``compute`` outside. Nests."""
+        before, self._activity = self._activity, kind
+        try:
+            yield
+        finally:
+            self._activity = before
 
     @property
     def membership(self) -> Membership | None:
@@ -279,7 +307,7 @@ class CoordinatorClient:
 
     def _wait(self, ready: Any, timeout: float, what: str) -> Any:
         deadline = time.monotonic() + timeout
-        with self._cond:
+        with self._cond, self.activity("wait"):
             while True:
                 value = ready()
                 if value is not None:
@@ -342,17 +370,29 @@ class CoordinatorClient:
         elif kind == "error" and msg.get("re") is None:
             if msg["code"] == "fenced":  # otherwise a refused frame; a fatal one is followed by EOF
                 self._mark_lost(f"fenced by the coordinator: {msg['message']}")
+                self._start_watchdog(msg["message"])
         elif msg.get("re") is not None:
             with self._cond:
                 self._replies[msg["re"]] = msg
                 self._cond.notify_all()
+
+    def _start_watchdog(self, why: str) -> None:
+        """After ``fence_exit_s``, calls ``on_fenced(why)`` unless the client was closed meanwhile."""
+        if self.on_fenced is None or self.fence_exit_s is None:
+            return
+
+        def watch() -> None:
+            if not self._stop.wait(self.fence_exit_s) and not self._closing:
+                self.on_fenced(why)
+
+        threading.Thread(target=watch, name="recover-fence-watchdog", daemon=True).start()
 
     def _heartbeat(self) -> None:
         while not self._stop.wait(self.heartbeat_interval_s):
             if self._lost is not None:
                 return
             try:
-                self._send({"type": "hb"})
+                self._send({"type": "hb", "progress": self._progress, "activity": self._activity})
             except OSError as exc:
                 self._mark_lost(f"heartbeat failed: {exc}")
                 return

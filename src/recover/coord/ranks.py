@@ -32,7 +32,9 @@ Invariants:
     differently fence the replica. ``failing`` and ``membership`` pushes answer the votes still
     buffered for the generations they end ``aborted``.
   * Any rank's connection closing, its silence beyond ``heartbeat_timeout_s`` (counted from the
-    replica's registration), or its fencing fences all the replica's other ranks (each gets the
+    replica's registration), its lack of progress while others wait for it (a *hung* replica,
+    :mod:`recover.coord.liveness`: heartbeats carry each rank's progress counter and activity), or
+    its fencing fences all the replica's other ranks (each gets the
     ``fenced`` error, then is closed) and tells the state once that R is dead. A replica the state
     never heard of (not all ranks registered yet) is only logged as ``register_abandoned``.
 """
@@ -46,6 +48,7 @@ from dataclasses import dataclass, field
 from types import MappingProxyType
 from typing import Any
 
+from recover.coord.liveness import Liveness
 from recover.coord.protocol import ProtocolError, register_ranks
 from recover.coord.state import Action, Fence, Log, MembershipState, Refused, Send
 
@@ -110,20 +113,23 @@ class RankAggregator:
         token: the shared secret a ``register`` must carry.
         heartbeat_timeout_s: silence after which a rank of a registered replica is fenced.
         register_timeout_s: a connection that has not registered after this long is closed.
+        liveness: the progress rule that fences hung replicas (default: the automatic hang timeout).
     """
 
     def __init__(self, state: MembershipState, *, token: str, heartbeat_timeout_s: float,
-                 register_timeout_s: float) -> None:
+                 register_timeout_s: float, liveness: Liveness | None = None) -> None:
         if not token:
             raise ValueError("token must be a non-empty string")
         self.state = state
         self._token = token.encode()
         self.heartbeat_timeout_s = heartbeat_timeout_s
         self.register_timeout_s = register_timeout_s
+        self.liveness = liveness or Liveness()
         self._links: dict[Hashable, _Link] = {}
         self._slots: dict[int, Slot] = {}
         self._ids = itertools.count(1)  # ids of forwarded requests: those of different ranks collide
         self._out: list[Out] = []
+        self._now = 0.0  # the time of the event whose actions are being applied
 
     @property
     def slots(self) -> Mapping[int, Slot]:
@@ -186,6 +192,10 @@ class RankAggregator:
             # a rank waiting for its replica's other ranks does not heartbeat yet
             if slot is not None and slot.registered and now - link.last_seen > self.heartbeat_timeout_s:
                 self._fence(link, f"no heartbeat for {now - link.last_seen:.3f} s", "heartbeat_timeout", now)
+        for replica, detail in self.liveness.hung(now):
+            slot = self._slots.get(replica)
+            if slot is not None:
+                self._kill(slot, "hung", detail, now)
         self._apply(self.state.on_tick(now), now)
         return self._take()
 
@@ -208,6 +218,8 @@ class RankAggregator:
         kind = msg["type"]
         try:
             if kind == "hb":
+                if slot.registered:
+                    self.liveness.heartbeat(slot.replica, link.rank, msg.get("progress"), msg.get("activity"), now)
                 return
             if kind == "bye":
                 self._drop(link, "left", now)
@@ -245,6 +257,7 @@ class RankAggregator:
             return
         for other in slot.links.values():
             other.last_seen = now  # the heartbeats start with the ok reply
+        self.liveness.start(r, ranks, now)
         asked = [(slot.links[k], slot.reg_ids[k]) for k in sorted(slot.links)]
         self._forward(slot, asked, True, now, lambda i: self.state.on_register(r, join, i, now))
 
@@ -317,6 +330,7 @@ class RankAggregator:
     # ---------------------------------------------------------- the state's actions
 
     def _apply(self, actions: list[Action], now: float) -> None:
+        self._now = now
         for act in actions:
             if isinstance(act, Send):
                 slot = self._slots.get(act.replica)
@@ -333,6 +347,8 @@ class RankAggregator:
         """A reply to the connection(s) whose request it answers (with their own ids); anything
         else to every rank of the replica."""
         re = msg.get("re")
+        if msg["type"] == "committed":
+            self.liveness.committed(msg["step"], self._now)
         if re is not None and re in slot.routes:
             for link, cid in slot.routes.pop(re):
                 self._send(link, {**msg, "re": cid})
@@ -373,6 +389,7 @@ class RankAggregator:
         if self._slots.get(r) is not slot:
             return
         del self._slots[r]
+        self.liveness.forget(r)
         why = detail if first is None else f"{slot.who(first.rank)} is gone ({cause}{': ' + detail if detail else ''})"
         for link in list(slot.links.values()):
             if link is not first and not link.closed:

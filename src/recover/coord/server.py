@@ -33,6 +33,7 @@ from dataclasses import dataclass, field
 from datetime import timedelta
 from typing import Any
 
+from recover.coord.liveness import Liveness
 from recover.coord.protocol import CLIENT_TYPES, FrameDecoder, ProtocolError, encode
 from recover.coord.ranks import Close, Out, RankAggregator, SendTo
 from recover.coord.state import MembershipState
@@ -65,11 +66,14 @@ class Coordinator:
         min_members: the quorum; generations below it are logged as ``quorum_lost``.
         expected_replicas: the first generation forms when this many replicas have registered.
         register_timeout_s: an unregistered connection is closed after this long.
+        hang_timeout_s: a replica that makes no progress this long while others wait for it is fenced
+            as hung; 0 derives it from the step time (:mod:`recover.coord.liveness`).
     """
 
     def __init__(self, host: str = "127.0.0.1", port: int = 0, *, token: str, events_path: str | None = None,
                  heartbeat_interval_s: float = 0.1, heartbeat_timeout_s: float = 1.0, store_port: int = 0,
-                 min_members: int = 1, expected_replicas: int = 1, register_timeout_s: float = 10.0) -> None:
+                 min_members: int = 1, expected_replicas: int = 1, register_timeout_s: float = 10.0,
+                 hang_timeout_s: float = 0.0) -> None:
         if not token:
             raise ValueError("token must be a non-empty string")
         if heartbeat_timeout_s <= heartbeat_interval_s:
@@ -85,6 +89,7 @@ class Coordinator:
         self.min_members = min_members
         self.expected_replicas = expected_replicas
         self.register_timeout_s = register_timeout_s
+        self.hang_timeout_s = hang_timeout_s
         self._tick_s = min(0.02, heartbeat_interval_s / 2)
         self._cond = threading.Condition()
         self._conns: set[_Conn] = set()
@@ -117,7 +122,8 @@ class Coordinator:
                                      store_host=self.host, store_port=self.store_port,
                                      ack_timeout_s=self.heartbeat_timeout_s)
         self.aggregator = RankAggregator(self.state, token=self._token, heartbeat_timeout_s=self.heartbeat_timeout_s,
-                                         register_timeout_s=self.register_timeout_s)
+                                         register_timeout_s=self.register_timeout_s,
+                                         liveness=Liveness(self.hang_timeout_s))
         self._log("coordinator_start", host=self.host, port=self.port, store_port=self.store_port,
                   expected_replicas=self.expected_replicas, heartbeat_timeout_s=self.heartbeat_timeout_s)
         self._thread = threading.Thread(target=self._loop, name="recover-coordinator", daemon=True)

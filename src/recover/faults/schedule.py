@@ -25,28 +25,35 @@ import random
 import re
 import signal
 import sys
+import threading
 from collections.abc import Callable, Iterable, Iterator
 from dataclasses import asdict, dataclass
 from typing import Any
 
 from recover.errors import ConfigError
-from recover.names import PHASES, STEP_PHASES, Phase
+from recover.names import FAULTS, PHASES, STEP_PHASES, Fault, Phase
 
 DEFAULT_PHASE = Phase.FORWARD
 FORM = "REPLICA@STEP[:PHASE], e.g. 1@5:backward"
 _SPEC = re.compile(r"^\s*([^@:]*)@([^@:]*)(?::([^@:]*))?\s*$")
 MAX_DRAWS = 1_000_000
 _SIGKILL = getattr(signal, "SIGKILL", signal.SIGTERM)
+_SIGSTOP = getattr(signal, "SIGSTOP", signal.SIGTERM)
 
 
 @dataclass(frozen=True)
 class FailureSpec:
-    """Replica ``replica`` dies at ``phase`` of step ``step`` (0-based); ``rank`` None = its last rank."""
+    """Replica ``replica`` fails at ``phase`` of step ``step`` (0-based); ``rank`` None = its last rank.
+
+    ``fault`` says how (:class:`~recover.names.Fault`): it is killed (the default), its training
+    thread hangs for good, or its process freezes (SIGSTOP) for good.
+    """
 
     replica: int
     step: int
     phase: Phase = DEFAULT_PHASE
     rank: int | None = None
+    fault: Fault = Fault.KILL
 
     def __post_init__(self) -> None:
         for name in ("replica", "step") + (("rank",) if self.rank is not None else ()):
@@ -55,32 +62,42 @@ class FailureSpec:
                 raise ConfigError(f"failure {name} = {value!r} must be an integer >= 0")
         if self.phase not in PHASES:
             raise ConfigError(f"failure phase {self.phase!r} {_phase_hint(self.phase)}")
+        if self.fault not in FAULTS:
+            raise ConfigError(f"failure kind {self.fault!r} is not one of {', '.join(FAULTS)}")
         object.__setattr__(self, "phase", Phase(self.phase))  # a plain name becomes its member
+        object.__setattr__(self, "fault", Fault(self.fault))
 
     def __str__(self) -> str:
-        """The command-line form ``R@STEP:PHASE`` (the rank travels separately, as ``--fail-rank``)."""
-        return f"{self.replica}@{self.step}:{self.phase}"
+        """``R@STEP:PHASE``, with ``=hang`` or ``=freeze`` for those faults (the rank travels separately,
+        as ``--fail-rank``)."""
+        suffix = "" if self.fault is Fault.KILL else f"={self.fault}"
+        return f"{self.replica}@{self.step}:{self.phase}{suffix}"
 
     def key(self) -> tuple[int, int, int]:
         """Sort key: step, then phase order, then replica."""
         return (self.step, PHASES.index(self.phase), self.replica)
 
     def to_dict(self) -> dict[str, Any]:
-        return {**asdict(self), "phase": self.phase.value}
+        return {**asdict(self), "phase": self.phase.value, "fault": self.fault.value}
 
     @classmethod
     def from_dict(cls, d: dict[str, Any]) -> FailureSpec:
         return cls(int(d["replica"]), int(d["step"]), str(d.get("phase", DEFAULT_PHASE)),
-                   None if d.get("rank") is None else int(d["rank"]))
+                   None if d.get("rank") is None else int(d["rank"]), str(d.get("fault", Fault.KILL)))
 
 
-def parse_failure(text: str, rank: int | None = None) -> FailureSpec:
-    """Parses ``REPLICA@STEP[:PHASE]`` (phase case-insensitive, default ``forward``).
+def parse_failure(text: str, rank: int | None = None, fault: Fault | str | None = None) -> FailureSpec:
+    """Parses ``REPLICA@STEP[:PHASE][=FAULT]`` (phase case-insensitive, default ``forward``; the fault
+    is ``fault`` when given, else the ``=hang``/``=freeze`` suffix, else a kill).
 
     Raises:
         ConfigError (a ``ValueError``): a malformed text, a negative or non-integer number, or an
             unknown phase; the one-line message names the text and the fix.
     """
+    text, _, suffix = text.partition("=")
+    if suffix and suffix.strip().lower() not in FAULTS:
+        raise ConfigError(f"bad failure {text}={suffix}: {suffix!r} is not one of {', '.join(FAULTS)}")
+    fault = Fault(fault or suffix.strip().lower() or Fault.KILL)
     m = _SPEC.match(text)
     if m is None:
         raise ConfigError(f"bad failure {text!r}: write {FORM}")
@@ -95,7 +112,7 @@ def parse_failure(text: str, rank: int | None = None) -> FailureSpec:
         raise ConfigError(f"bad failure {text!r}: phase {phase!r} {_phase_hint(phase)}")
     if rank is not None and (not isinstance(rank, int) or rank < 0):
         raise ConfigError(f"bad failure rank {rank!r} for {text!r}: use an integer >= 0")
-    return FailureSpec(int(rep), int(step), Phase(phase), rank)
+    return FailureSpec(int(rep), int(step), Phase(phase), rank, fault)
 
 
 def _phase_hint(phase: str) -> str:
@@ -244,32 +261,35 @@ KillFn = Callable[[int, int], None]
 
 
 class FaultInjector:
-    """Kills this process at its replica's scheduled (step, phase), on the chosen rank.
+    """Fails this process at its replica's scheduled (step, phase), on the chosen rank: SIGKILL, a
+    hang of the calling (training) thread for good, or SIGSTOP (:class:`~recover.names.Fault`).
 
     Args:
         specs: failure specs (those of other replicas are ignored).
         replica: this process's replica.
         rank: this process's rank inside its replica.
         ranks: the replica's rank count; a spec with ``rank=None`` fires on rank ``ranks - 1``.
-        kill: called as ``kill(os.getpid(), SIGKILL)``; ``os.kill`` by default, a recorder in tests.
+        kill: called as ``kill(os.getpid(), SIGKILL or SIGSTOP)``; ``os.kill`` by default, a recorder in tests.
+        hang: called to hang the training thread; blocks for good by default (a recorder in tests).
         before_kill: called with the spec just before the kill (e.g. to write and flush an event).
     """
 
     def __init__(self, specs: Iterable[FailureSpec], replica: int, rank: int = 0, ranks: int = 1,
-                 kill: KillFn = os.kill, before_kill: Callable[[FailureSpec], None] | None = None) -> None:
+                 kill: KillFn = os.kill, before_kill: Callable[[FailureSpec], None] | None = None,
+                 hang: Callable[[], Any] = lambda: threading.Event().wait()) -> None:
         if not 0 <= rank < ranks:
             raise ValueError(f"rank = {rank} must be in 0..{ranks - 1} (ranks = {ranks})")
         self.replica, self.rank, self.ranks = replica, rank, ranks
-        self.kill, self.before_kill = kill, before_kill
+        self.kill, self.before_kill, self.hang = kill, before_kill, hang
         self.pending: list[FailureSpec] = [s for s in specs if s.replica == replica and self._mine(s)]
 
     def _mine(self, spec: FailureSpec) -> bool:
         return (self.ranks - 1 if spec.rank is None else spec.rank) == self.rank
 
     def maybe_fail(self, step: int, phase: Phase | str) -> bool:
-        """Kills the process if a pending spec matches ``(step, phase)``; returns whether it fired.
+        """Fails the process if a pending spec matches ``(step, phase)``; returns whether it fired.
 
-        A spec fires once. With the real ``os.kill`` this never returns when it fires.
+        A spec fires once. With the real ``os.kill`` (and hang) this never returns when it fires.
         """
         if phase not in PHASES:
             raise ValueError(f"phase {phase!r} {_phase_hint(phase)}")
@@ -280,6 +300,9 @@ class FaultInjector:
                     self.before_kill(spec)
                 sys.stdout.flush()
                 sys.stderr.flush()
-                self.kill(os.getpid(), _SIGKILL)
+                if spec.fault is Fault.HANG:
+                    self.hang()
+                else:
+                    self.kill(os.getpid(), _SIGSTOP if spec.fault is Fault.FREEZE else _SIGKILL)
                 return True
         return False

@@ -19,7 +19,7 @@ from typing import TYPE_CHECKING
 
 from recover.config import Config, load_config
 from recover.errors import ConfigError, RecoverError
-from recover.names import BASELINES, Baseline, Phase
+from recover.names import BASELINES, Baseline, Fault, Phase
 
 if TYPE_CHECKING:
     from recover.launch.launcher import Launcher, LaunchOptions
@@ -29,8 +29,9 @@ def register(sub: argparse._SubParsersAction) -> None:
     p = sub.add_parser(
         "launch", help="run a multi-replica job on this machine, with real failures",
         description="Start a coordinator and N replica processes and train with in-step recovery. "
-                    "Failures are real SIGKILLs: --fail R@STEP:PHASE (steps are 0-based) or --random-failures "
-                    "MTBF_S. Config overrides: --section.field VALUE. Everything is checked before anything starts.",
+                    "Failures are real: --fail R@STEP:PHASE (SIGKILL; steps are 0-based), --hang (the training "
+                    "thread stops for good), --freeze (SIGSTOP for good), or --random-failures MTBF_S. Config "
+                    "overrides: --section.field VALUE. Everything is checked before anything starts.",
     )
     p.add_argument("--config", default="tiny", help="preset name or .toml path")
     p.add_argument("--replicas", type=int, default=None, help="replicas (default: parallel.replicas of the config)")
@@ -38,14 +39,22 @@ def register(sub: argparse._SubParsersAction) -> None:
     p.add_argument("--out", required=True, help="run directory")
     p.add_argument("--fail", action="append", default=[], metavar="R@STEP:PHASE",
                    help=f"kill replica R at STEP (0-based) and PHASE; repeatable. Phases: {Phase.describe()}")
+    p.add_argument("--hang", action="append", default=[], metavar="R@STEP:PHASE",
+                   help=f"stop replica R's training thread for good at STEP and PHASE ({Fault.HANG.help}); "
+                        "it is found by its lack of progress (fault_tolerance.hang_timeout_s); repeatable")
+    p.add_argument("--freeze", action="append", default=[], metavar="R@STEP:PHASE",
+                   help=f"SIGSTOP replica R for good at STEP and PHASE ({Fault.FREEZE.help}); repeatable")
     p.add_argument("--fail-rank", type=int, default=None, metavar="K",
-                   help="which rank of a replica --fail kills (default: its last rank); the replica's other "
-                        "ranks go down with it")
+                   help="which rank of a replica --fail/--hang/--freeze hits (default: its last rank); the "
+                        "replica's other ranks go down with it")
     p.add_argument("--procs-per-replica", type=int, default=None, metavar="P",
                    help="processes per replica, P = pp x tp x fsdp (default: that product)")
     p.add_argument("--pp", type=int, default=None, help="pipeline stages inside a replica (parallel.pp)")
     p.add_argument("--tp", type=int, default=None, help="tensor-parallel degree inside a replica (parallel.tp)")
     p.add_argument("--fsdp", type=int, default=None, help="FSDP2 shard degree inside a replica (parallel.fsdp)")
+    p.add_argument("--device-time-s", type=float, default=None, metavar="T",
+                   help="emulate dedicated devices: every microbatch takes at least T seconds of wall time "
+                        "(training.device_time_s; for benchmarks and tests on shared CPU cores)")
     p.add_argument("--random-failures", type=float, default=None, metavar="MTBF_S",
                    help="also SIGKILL a random live replica at exponential intervals with this mean (seconds)")
     p.add_argument("--rejoin-after", type=float, default=None, metavar="SECONDS",
@@ -107,8 +116,10 @@ class LaunchRequest:
     procs_per_replica: int | None = None
     """Must equal pp x tp x fsdp when given."""
     deterministic: bool = False
+    device_time_s: float | None = None
+    """Emulated device time per microbatch (``training.device_time_s``)."""
     failures: tuple[str, ...] = ()
-    """Failure specs ``R@STEP[:PHASE]``."""
+    """Failure specs ``R@STEP[:PHASE][=hang|=freeze]`` (a kill without the suffix)."""
     fail_rank: int | None = None
     """Which rank of a replica the failures kill (None: its last)."""
     random_mtbf_s: float | None = None
@@ -127,7 +138,8 @@ def launch_config(req: LaunchRequest) -> tuple[Config, list[str]]:
     """The job's config and the overrides every worker gets (flags folded into dotted overrides)."""
     flags = {"parallel.replicas": req.replicas, "training.steps": req.steps, "parallel.pp": req.pp,
              "parallel.tp": req.tp, "parallel.fsdp": req.fsdp,
-             "training.deterministic": "true" if req.deterministic else None}
+             "training.deterministic": "true" if req.deterministic else None,
+             "training.device_time_s": req.device_time_s}
     overrides = [*req.overrides, *(f"--{key}={value}" for key, value in flags.items() if value is not None)]
     return load_config(req.config, overrides), overrides
 
@@ -236,7 +248,8 @@ def run_launch(args: argparse.Namespace) -> int:
     return launch(LaunchRequest(
         out=Path(args.out), config=args.config, overrides=tuple(args.overrides), replicas=args.replicas,
         steps=args.steps, pp=args.pp, tp=args.tp, fsdp=args.fsdp, procs_per_replica=args.procs_per_replica,
-        deterministic=args.deterministic, failures=tuple(args.fail), fail_rank=args.fail_rank,
+        deterministic=args.deterministic, device_time_s=args.device_time_s, fail_rank=args.fail_rank,
+        failures=(*args.fail, *(f"{f}={Fault.HANG}" for f in args.hang), *(f"{f}={Fault.FREEZE}" for f in args.freeze)),
         random_mtbf_s=args.random_failures, rejoin_after_s=args.rejoin_after,
         rejoin_replicas=_ids("--rejoin-replicas", args.rejoin_replicas),
         baseline=Baseline(args.baseline) if args.baseline else None, seed=args.seed,

@@ -9,7 +9,12 @@ Contract:
   LOCAL_RANK, WORLD_SIZE, MASTER_ADDR, MASTER_PORT on a port of its own); the launcher acts as
   their torchrun agent: when one rank exits abnormally it SIGKILLs the replica's other ranks at
   once (by PID), and the replica counts as lost if any rank died by SIGKILL or was fenced.
-- Failures are real: ``--fail`` specs make a replica SIGKILL itself at (step, phase);
+- Every replica the coordinator declares dead (fenced, hung, silent) is gone soon after: its own
+  watchdog ends it ``fault_tolerance.fence_exit_s`` after the fence, and one still running a second
+  later (frozen, or stuck below Python) is SIGKILLed by the launcher; it then rejoins like a killed
+  replica. So the launcher always finishes and writes its summary.
+- Failures are real: ``--fail`` specs make a replica SIGKILL itself at (step, phase), ``--hang``
+  stop its training thread for good, ``--freeze`` SIGSTOP it for good;
   ``--random-failures MTBF`` makes the launcher SIGKILL a random live replica at exponentially
   distributed times (never below ``min_replicas``). ``--rejoin-after S`` restarts a killed
   replica S seconds later; it joins back at the next step boundary.
@@ -156,6 +161,8 @@ class Launcher:
         self.kills = 0
         self.active: dict[int, float] = {}
         """replica -> when a step record of it was last seen (it is a training member)."""
+        self.fenced_at: dict[int, float] = {}
+        """replica -> when the launcher read that the coordinator declared it dead while it ran."""
 
     # ---- processes -------------------------------------------------------------------------
     def _python(self, *args: str) -> list[str]:
@@ -171,7 +178,7 @@ class Launcher:
         cmd = self._python("coordinator", "--host", self.o.host, "--port", str(self.port), "--token-file",
                            str(token_file), "--events", str(self.out / "events.jsonl"), "--replicas", str(expected),
                            "--min-replicas", str(ft.min_replicas), "--heartbeat-interval", str(ft.heartbeat_interval_s),
-                           "--heartbeat-timeout", str(ft.heartbeat_timeout_s))
+                           "--heartbeat-timeout", str(ft.heartbeat_timeout_s), "--hang-timeout", str(ft.hang_timeout_s))
         log = open(self.out / "logs" / "coordinator.log", "wb")  # noqa: SIM115 - lives with the process
         self.coordinator = subprocess.Popen(cmd, stdout=log, stderr=subprocess.STDOUT, start_new_session=True)
         deadline = time.time() + 30
@@ -327,18 +334,43 @@ class Launcher:
         os.killpg(pid, signal.SIGKILL)
         self.kills += 1
 
+    def _new_lines(self, path: Path) -> list[dict[str, Any]]:
+        """The complete JSON lines appended to ``path`` since the last call."""
+        start = self.offsets.get(path, 0)
+        try:
+            with open(path, "rb") as f:
+                f.seek(start)
+                data = f.read()
+        except FileNotFoundError:
+            return []
+        end = data.rfind(b"\n") + 1
+        self.offsets[path] = start + end
+        return [json.loads(line) for line in data[:end].splitlines()]
+
+    def _watch_fences(self, now: float) -> None:
+        """A replica the coordinator declared dead (fenced, hung, silent) that still runs ``fence_exit_s``
+        + 1 s later is SIGKILLed: a hung or frozen process cannot be trusted to exit by itself."""
+        for rec in self._new_lines(self.out / "events.jsonl"):
+            rep = self.replicas.get(rec.get("replica", -1))
+            if (rec.get("kind") == "failure_detected" and rec.get("cause") != "left" and rep is not None
+                    and rep.exit_code is None and rep.started <= rec["t"]):
+                self.fenced_at.setdefault(rep.rid, now)
+        grace = self.cfg.fault_tolerance.fence_exit_s + 1.0
+        for rid, since in list(self.fenced_at.items()):
+            rep = self.replicas.get(rid)
+            if rep is None or rep.exit_code is not None or all(p.poll() is not None for p in rep.procs):
+                del self.fenced_at[rid]  # gone by itself: _poll_replicas logs its exit
+            elif now - since >= grace:
+                del self.fenced_at[rid]
+                self.events.event("reaped", replica=rid, pids=[p.pid for p in rep.procs],
+                                  after_s=round(now - since, 3))
+                rep.kill()
+
     def _collect(self) -> list[dict[str, Any]]:
         """New per-replica records; merges them per step (first writer wins, val_loss from any)."""
         fresh = []
         for path in sorted((self.out / "replicas").glob("replica_*.jsonl")):
-            start = self.offsets.get(path, 0)
-            with open(path, "rb") as f:
-                f.seek(start)
-                data = f.read()
-            end = data.rfind(b"\n") + 1
-            self.offsets[path] = start + end
-            for line in data[:end].splitlines():
-                rec = json.loads(line)
+            for rec in self._new_lines(path):
                 self.active[rec["replica"]] = time.time()
                 prev = self.records.get(rec["step"])
                 if prev is None:
@@ -382,6 +414,7 @@ class Launcher:
                 self._start_spare()
             while True:
                 now = time.time()
+                self._watch_fences(now)
                 self._poll_replicas(now)
                 self._collect()
                 self._flush_metrics(final=False)

@@ -16,6 +16,7 @@ from __future__ import annotations
 import os
 import time
 from collections.abc import Callable
+from contextlib import AbstractContextManager, nullcontext
 from dataclasses import dataclass
 from typing import Any
 
@@ -64,6 +65,8 @@ class Loop:
         checkpointer: saves when ``training.checkpoint_every`` says so.
         write: takes each step's record (with ``total_tokens`` and, when due, ``val_loss``).
         after_step: called with the step after its record (fault injection at ``idle``).
+        busy: ``busy("io")`` is a context around validation and checkpoints (the coordinator does not
+            judge the progress of a replica inside it: see :mod:`recover.coord.liveness`).
     """
 
     cfg: Config
@@ -73,6 +76,7 @@ class Loop:
     checkpointer: Checkpointer
     write: Callable[[dict[str, Any]], None]
     after_step: Callable[[int], Any] = lambda step: None
+    busy: Callable[[str], AbstractContextManager[Any]] = lambda kind: nullcontext()
     val_loss: float | None = None
     """The last validation loss this replica computed."""
 
@@ -86,10 +90,12 @@ class Loop:
             record["total_tokens"] = self.step.progress.tokens
             leader = self.step.me == min(outcome.live)
             if leader and tc.eval_due(outcome.step, end):
-                self.val_loss = record["val_loss"] = self.evaluate()
+                with self.busy("io"):
+                    self.val_loss = record["val_loss"] = self.evaluate()
             self.write(record)
             if leader and tc.checkpoint_due(outcome.step, end):
-                self.save()
+                with self.busy("io"):
+                    self.save()
             self.after_step(outcome.step)
 
     def evaluate(self) -> float:

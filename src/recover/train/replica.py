@@ -26,6 +26,8 @@ surfaces as an exception within it and the caller treats the whole replica as lo
 - ``apply(reduced, divisor, step)`` (collective): the learning rate of ``step``; ``grad = reduced /
   divisor`` on the local shards; clipped by the global norm over the whole replica (each shard
   counted once); ``optimizer.step()``. Returns that norm.
+- With ``training.device_time_s`` every microbatch (pass) takes at least that wall time: an emulated
+  dedicated device, for benchmarks and tests on shared CPU cores; the arithmetic is unchanged.
 - In deterministic mode the buffers are float64: a sum of float32 microbatch gradients in float64 does
   not depend on who computed which id, so a step is bitwise reproducible (per rank's own passes; not
   inside FSDP reduce-scatters or pipeline chunks).
@@ -34,6 +36,7 @@ surfaces as an exception within it and the caller treats the whole replica as lo
 from __future__ import annotations
 
 import math
+import time
 from collections.abc import Callable
 from typing import TYPE_CHECKING, Any, Protocol
 
@@ -204,6 +207,7 @@ class Replica:
     def _run_passes(self, step: int, column: list[int | None], hook: Hook) -> dict[int, float]:
         out: dict[int, float] = {}
         for mb in column:
+            t0 = time.perf_counter()
             inputs, targets = self._batch(step, mb)
             hook(step, Phase.FORWARD)
             loss = lm_loss(self.model(inputs.to(self.device)), targets.to(self.device))  # mean over B x T
@@ -212,11 +216,19 @@ class Replica:
             self._fold()
             if mb is not None:
                 out[mb] = float(loss.detach())
+            self._emulate_device(t0, 1)
         return out
+
+    def _emulate_device(self, t0: float, microbatches: int) -> None:
+        """With ``training.device_time_s``, sleeps until ``microbatches`` x that time has passed since ``t0``."""
+        left = self.training.device_time_s * microbatches - (time.perf_counter() - t0)
+        if left > 0:
+            time.sleep(left)
 
     def _run_pipeline(self, step: int, column: list[int | None], hook: Hook) -> dict[int, float]:
         assert self.pipe is not None
         B, T, n = self.data.microbatch_size, self.data.seq_len, len(column)
+        t0 = time.perf_counter()
         inputs = targets = None
         if self.pipe.is_first or self.pipe.is_last:
             batches = [self._batch(step, mb) for mb in column]
@@ -226,6 +238,7 @@ class Replica:
         by_position = self.pipe.run(n, B, T, inputs, targets, [0.0 if mb is None else 1.0 for mb in column])
         hook(step, Phase.BACKWARD)
         self._fold()
+        self._emulate_device(t0, n)
         return {column[k]: v for k, v in by_position.items() if column[k] is not None}
 
     @torch.no_grad()

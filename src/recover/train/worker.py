@@ -90,7 +90,7 @@ class ReplicaWorker:
 
     def _before_kill(self, spec: FailureSpec) -> None:
         self.events.event("kill", replica=self.replica_id, rank=self.rank, step=spec.step, phase=spec.phase,
-                          pid=os.getpid())
+                          fault=spec.fault, pid=os.getpid())
 
     def _event(self, kind: str, **fields: Any) -> None:
         if self.ranks > 1:
@@ -108,14 +108,20 @@ class ReplicaWorker:
 
         ft, tc = self.cfg.fault_tolerance, self.cfg.training
         client = CoordinatorClient(self.host, self.port, self.token, self.replica_id,
-                                   heartbeat_interval_s=ft.heartbeat_interval_s, rank=self.rank, ranks=self.ranks)
+                                   heartbeat_interval_s=ft.heartbeat_interval_s, rank=self.rank, ranks=self.ranks,
+                                   fence_exit_s=ft.fence_exit_s, on_fenced=self._exit_fenced)
+
+        def hook(step: int, phase: str) -> None:  # every phase point: progress, then fault injection
+            client.advance()
+            self.injector.maybe_fail(step, phase)
+
         membership = client.register(join=self.join)
         group = FaultTolerantGroup.create(client, membership, backend=self.cfg.parallel.backend,
                                           timeout_s=ft.collective_timeout_s)
         extra = {"initial_replicas": self.cfg.parallel.replicas} if step_class(self.baseline) is ShrinkStep else {}
         step = step_class(self.baseline)(
             self.replica, group, client, tc.global_microbatches, self.start, ft.min_replicas,
-            hook=self.injector.maybe_fail, on_event=self._event, assignment=tc.assignment, seed=tc.seed, **extra)
+            hook=hook, on_event=self._event, assignment=tc.assignment, seed=tc.seed, **extra)
         if self.join:
             step.join()
         self._event("started", generation=step.group.generation, members=list(step.group.members),
@@ -126,7 +132,7 @@ class ReplicaWorker:
         """Trains to ``training.steps``; returns the process's exit status (see ``train/exits.py``)."""
         client, step = self._step()
         loop = Loop(self.cfg, step, self.replica, self.eval_data, self.checkpointer, self._write,
-                    after_step=lambda s: self.injector.maybe_fail(s, Phase.IDLE))
+                    after_step=lambda s: step.hook(s, Phase.IDLE), busy=client.activity)
         try:
             loop.run(self.cfg.training.steps)
         except QuorumLost as exc:
@@ -145,6 +151,15 @@ class ReplicaWorker:
         step.group.close()
         client.close()
         return 0
+
+    def _exit_fenced(self, why: str) -> None:
+        """The watchdog's end of a fenced process whose training thread did not stop by itself (it may
+        be stuck in a kernel, a collective inside the replica, or a hang): one line, no traceback."""
+        print(f"recover: replica {self.replica_id} rank {self.rank}: fenced by the coordinator ({why}); "
+              "exiting (the launcher restarts the replica if --rejoin-after is set)", file=sys.stderr, flush=True)
+        self._event("fenced_exit", reason=why)
+        sys.stdout.flush()
+        os._exit(EXIT_FENCED)
 
     def _stop_on_quorum_loss(self, loop: Loop, exc: QuorumLost) -> int:
         step = loop.step
