@@ -8,6 +8,7 @@ from __future__ import annotations
 
 from typing import Any
 
+from recover.coord.liveness import Liveness
 from recover.coord.protocol import ProtocolError
 from recover.coord.ranks import Close, Out, RankAggregator, SendTo
 from recover.coord.state import Log, MembershipState
@@ -307,3 +308,45 @@ def test_a_joining_replica_of_two_ranks_is_admitted_at_the_next_commit() -> None
     wire = sent(out, "membership")
     assert set(wire) == {"a0", "a1", "b0", "j0", "j1"}
     assert wire["j1"]["membership"]["members"] == [0, 1, 2] and wire["j1"]["membership"]["joined"] == [2]
+
+
+# ------------------------------------------------------------------ liveness
+
+def three_replicas(agg: RankAggregator, now: float = 0.0) -> None:
+    for rid in range(3):
+        replica(agg, f"r{rid}_", rid, 1, now=now)
+
+
+def test_a_replica_that_stops_advancing_while_others_wait_is_fenced_as_hung() -> None:
+    st = MembershipState(expected=3, min_members=1, store_host="h", store_port=1, ack_timeout_s=1.0)
+    agg = RankAggregator(st, token=TOKEN, heartbeat_timeout_s=1.0, register_timeout_s=10.0,
+                         liveness=Liveness(hang_timeout_s=2.0))
+    three_replicas(agg)
+    for t in (0.5, 1.0, 1.5, 2.0, 2.5):  # replicas 0 and 2 wait in a collective; 1 heartbeats, no progress
+        agg.on_message("r0_0", msg("hb", progress=7, activity="wait"), t)
+        agg.on_message("r2_0", msg("hb", progress=7, activity="wait"), t)
+        agg.on_message("r1_0", msg("hb", progress=3, activity="compute"), t)
+        for conn in ("r0_0", "r1_0", "r2_0"):
+            agg.on_heard(conn, t)
+    assert logs(agg.on_tick(2.4), "fenced") == []  # 1.9 s since its last progress
+    out = agg.on_tick(2.6)
+    assert [f["replica"] for f in logs(out, "failure_detected")] == [1]
+    assert logs(out, "failure_detected")[0]["cause"] == "hung"
+    assert "r1_0" in sent(out, "error") and "r1_0" in closed(out)  # told it is fenced, then closed
+
+
+def test_a_timed_out_collective_fences_the_members_that_never_reached_it() -> None:
+    agg = make(expected=3)
+    three_replicas(agg)
+    agg.on_message("r0_0", msg("hb", progress=5, activity="wait"), 0.5)
+    agg.on_message("r1_0", msg("hb", progress=2, activity="compute"), 0.5)  # never reached it
+    agg.on_message("r2_0", msg("hb", progress=5, activity="wait"), 0.5)
+    out = agg.on_message("r0_0", msg("report", id=9, generation=1, suspects=[], timeout=True), 0.6)
+    detected = logs(out, "failure_detected")
+    assert [(d["replica"], d["cause"]) for d in detected] == [(1, "unreached")]
+    # a report that is no timeout (a peer's connection reset) fences nobody by itself
+    agg2 = make(expected=3)
+    three_replicas(agg2)
+    agg2.on_message("r1_0", msg("hb", progress=2, activity="compute"), 0.5)
+    assert logs(agg2.on_message("r0_0", msg("report", id=9, generation=1, suspects=[]), 0.6),
+                "failure_detected") == []

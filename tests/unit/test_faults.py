@@ -190,3 +190,19 @@ def test_phases_come_from_names() -> None:
     spec = parse_failure("1@5:Backward")
     assert spec.phase is Phase.BACKWARD and FailureSpec(1, 5, "backward") == spec
     assert spec.to_dict()["phase"] == "backward" and type(spec.to_dict()["phase"]) is str  # JSON keeps plain names
+
+
+def test_hang_and_freeze_specs_round_trip_and_fire_their_fault() -> None:
+    hang, freeze = parse_failure("1@5:backward=hang"), parse_failure("2@3", fault="freeze")
+    assert (hang.fault, freeze.fault, str(hang), str(freeze)) == ("hang", "freeze", "1@5:backward=hang",
+                                                                   "2@3:forward=freeze")
+    assert parse_failure(str(hang)) == hang and FailureSpec.from_dict(hang.to_dict()) == hang
+    assert str(parse_failure("0@1:reduce")) == "0@1:reduce"  # a kill keeps the plain form
+    with pytest.raises(ConfigError, match="'nap' is not one of kill, hang, freeze"):
+        parse_failure("1@2:forward=nap")
+    signals, hangs = [], []
+    for spec in (hang, freeze):
+        inj = FaultInjector([spec], spec.replica, kill=lambda pid, sig: signals.append(sig),
+                            hang=lambda: hangs.append(True))
+        assert inj.maybe_fail(spec.step, spec.phase)
+    assert hangs == [True] and signals == [signal.SIGSTOP]  # the hang stops the thread, no signal

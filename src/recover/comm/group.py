@@ -299,7 +299,7 @@ class FaultTolerantGroup:
                 left = deadline - time.monotonic()
                 if left < 0:
                     self.pool.evict(buffers)
-                    raise self._fail(f"{what} exceeded {self.timeout_s:g} s", True, works, pending)
+                    raise self._fail(f"{what} exceeded {self.timeout_s:g} s", True, works, pending, timed_out=True)
                 if wake is not None:
                     wake.wait(min(left, 0.5))
                 else:
@@ -315,12 +315,13 @@ class FaultTolerantGroup:
                 first = str(exc).splitlines()[0][:200]
                 del w
                 self.pool.evict(buffers)
-                raise self._fail(f"backend error during {what}: {first}", True, works) from None
+                raise self._fail(f"backend error during {what}: {first}", True, works,
+                                 timed_out="timed out" in first.lower()) from None
 
-    def _fail(self, reason: str, report: bool, *work_lists: list[Any]) -> PeerFailure:
+    def _fail(self, reason: str, report: bool, *work_lists: list[Any], timed_out: bool = False) -> PeerFailure:
         """Retires this broken group, waits for the coordinator's decision, builds the PeerFailure."""
         self._retire(True, *work_lists)
-        return peer_failure(self.client, self.generation, reason, report, self.timeout_s)
+        return peer_failure(self.client, self.generation, reason, report, self.timeout_s, timed_out)
 
     def _retire(self, broken: bool = False, *work_lists: list[Any]) -> None:
         """Parks the process group and any pending work (emptying the caller's lists): a group

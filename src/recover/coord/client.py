@@ -188,10 +188,13 @@ class CoordinatorClient:
         """Why the coordinator connection is gone, or None while it is up."""
         return self._lost
 
-    def report_failure(self, generation: int, suspects: tuple[int, ...] | list[int] = ()) -> None:
-        """Tells the coordinator that a collective of ``generation`` failed (idempotent)."""
+    def report_failure(self, generation: int, suspects: tuple[int, ...] | list[int] = (),
+                       timed_out: bool = False) -> None:
+        """Tells the coordinator that a collective of ``generation`` failed (idempotent); ``timed_out``:
+        it ran out of time (the coordinator then fences the members that never reached it)."""
         try:
-            self._request({"type": "report", "generation": generation, "suspects": sorted(suspects)})
+            self._request({"type": "report", "generation": generation, "suspects": sorted(suspects),
+                           "timeout": timed_out})
         except CoordinatorRefused as exc:
             if exc.code != "bad_generation":
                 raise

@@ -98,6 +98,10 @@ class Liveness:
                                 f"{limit:.1f} s) while replicas {waiting} waited for it")
         return sorted(out.items())
 
+    def computing(self, replica: int) -> bool:
+        """Whether a rank of ``replica`` is in ``compute`` (owes the others progress)."""
+        return any(rep == replica and r.activity == "compute" for (rep, _), r in self._ranks.items())
+
     def waiting(self) -> set[int]:
         """Replicas with a rank blocked for the others (in a collective, a vote, ...)."""
         return {rep for (rep, _), r in self._ranks.items() if r.activity == "wait"}

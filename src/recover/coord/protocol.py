@@ -41,13 +41,14 @@ MAX_FRAME_BYTES = 1 << 20
 _INT, _STR, _BOOL, _INTS, _OPT_INT, _OPT_DICT = "int", "str", "bool", "ints", "int?", "dict?"
 _ABSENT_INT = "int|absent?"
 _ABSENT_STR = "str|absent?"
+_ABSENT_BOOL = "bool|absent?"
 MAX_RANKS = 1 << 16
 SCHEMAS: dict[str, dict[str, str]] = {
     "register": {"id": _INT, "token": _STR, "replica": _INT, "join": _BOOL, "rank": _ABSENT_INT,
                  "ranks": _ABSENT_INT},
     "hb": {"progress": _ABSENT_INT, "activity": _ABSENT_STR},
     "ack": {"generation": _INT},
-    "report": {"id": _INT, "generation": _INT, "suspects": _INTS},
+    "report": {"id": _INT, "generation": _INT, "suspects": _INTS, "timeout": _ABSENT_BOOL},
     "vote": {"id": _INT, "generation": _INT, "step": _INT, "ids": _INTS},
     "bye": {},
     "ok": {"re": _INT},
@@ -147,6 +148,7 @@ def _check_fields(msg: dict[str, Any], spec: dict[str, str], what: str) -> None:
             _OPT_INT: val is None or _is_int(val),
             _ABSENT_INT: _is_int(val),
             _ABSENT_STR: isinstance(val, str),
+            _ABSENT_BOOL: isinstance(val, bool),
             _OPT_DICT: val is None or isinstance(val, dict),
         }[kind]
         if not ok:

@@ -232,6 +232,8 @@ class RankAggregator:
             if kind == "ack":
                 self._ack(slot, link, msg["generation"], now)
             elif kind == "report":
+                if msg.get("timeout") and msg["generation"] == self.state.generation:
+                    self._fence_unreached(slot.replica, now)
                 self._forward(slot, [(link, msg["id"])], False, now, lambda i: self.state.on_report(
                     slot.replica, i, msg["generation"], msg["suspects"], now))
             else:
@@ -326,6 +328,15 @@ class RankAggregator:
             return
         votes, slot.votes = slot.votes, {}
         self._forward(slot, [(slot.links[k], votes[k][0]) for k in sorted(votes)], False, now, forward)
+
+    def _fence_unreached(self, reporter: int, now: float) -> None:
+        """A collective of the current generation ran out of time: the members that never reached it
+        (still computing, by their heartbeats) are fenced, so the next generation is never the same
+        members again (a hung replica is found here too when the hang timeout is the longer one)."""
+        for r, slot in list(self._slots.items()):
+            if r != reporter and slot.registered and self.liveness.computing(r):
+                self._kill(slot, "unreached", f"it never reached the collective that replica {reporter} "
+                                              "timed out in", now)
 
     # ---------------------------------------------------------- the state's actions
 

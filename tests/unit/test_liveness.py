@@ -1,0 +1,77 @@
+"""The hang rule of the coordinator (:mod:`recover.coord.liveness`), pure: time is passed in."""
+
+from __future__ import annotations
+
+import pytest
+
+from recover.coord.liveness import Liveness
+
+
+def started(n: int, ranks: int = 1, **kwargs: float) -> Liveness:
+    live = Liveness(**kwargs)
+    for r in range(n):
+        live.start(r, ranks, now=0.0)
+    return live
+
+
+def test_a_replica_without_progress_while_others_wait_is_hung_after_the_timeout() -> None:
+    live = started(3, hang_timeout_s=3.0)
+    for t in (0.5, 1.0):  # everyone computes and advances
+        for r in range(3):
+            live.heartbeat(r, 0, progress=int(t * 10), activity="compute", now=t)
+    for t in (1.5, 2.0, 3.5, 4.0):  # replica 1 stops advancing; 0 and 2 wait for it in a collective
+        live.heartbeat(0, 0, 20, "wait", t)
+        live.heartbeat(2, 0, 20, "wait", t)
+        live.heartbeat(1, 0, 10, "compute", t)
+    assert live.hung(3.9) == []  # 2.9 s without progress
+    hung = live.hung(4.1)
+    assert [r for r, _ in hung] == [1] and "made no progress for 3.1 s" in hung[0][1]
+    assert "while replicas [0, 2] waited for it" in hung[0][1]
+
+
+def test_waiting_io_a_lone_replica_and_a_slow_job_are_never_hung() -> None:
+    live = started(2, hang_timeout_s=1.0)
+    live.heartbeat(0, 0, 5, "io", 0.1)  # a long checkpoint save while the other waits
+    live.heartbeat(1, 0, 5, "wait", 0.1)
+    assert live.hung(10.0) == []
+    live.heartbeat(0, 0, 5, "compute", 11.0)  # everyone computes without progress: slow, not hung
+    live.heartbeat(1, 0, 5, "compute", 11.0)
+    assert live.hung(20.0) == []
+    alone = started(1, hang_timeout_s=1.0)
+    alone.heartbeat(0, 0, 1, "compute", 0.1)
+    assert alone.hung(20.0) == []
+
+
+def test_the_clock_restarts_on_progress_and_on_entering_compute() -> None:
+    live = started(2, hang_timeout_s=2.0)
+    live.heartbeat(1, 0, 1, "wait", 0.0)
+    live.heartbeat(0, 0, 1, "wait", 0.0)
+    live.heartbeat(0, 0, 1, "compute", 5.0)  # waited long, then computes: judged from now on
+    assert live.hung(6.0) == []
+    live.heartbeat(0, 0, 2, "compute", 6.5)
+    assert live.hung(8.0) == [] and [r for r, _ in live.hung(8.6)] == [0]
+
+
+def test_any_rank_of_a_replica_can_hang_it_and_forget_drops_it() -> None:
+    live = started(2, ranks=2, hang_timeout_s=1.0)
+    for rank in (0, 1):
+        live.heartbeat(0, rank, 3, "wait", 0.5)
+    live.heartbeat(1, 0, 3, "wait", 0.5)  # rank 0 reached the collective,
+    live.heartbeat(1, 1, 3, "compute", 0.5)  # rank 1 is stuck
+    assert [(r, "rank 1" in why) for r, why in live.hung(2.0)] == [(1, True)]
+    live.forget(1)
+    assert live.hung(5.0) == []
+    live.heartbeat(1, 1, 9, "compute", 5.0)  # a heartbeat of a forgotten replica is ignored
+    assert live.hung(9.0) == []
+
+
+def test_the_automatic_timeout_follows_the_median_step_time() -> None:
+    live = Liveness(min_s=60.0, factor=10.0)
+    assert live.timeout() == 60.0
+    for step in range(5):
+        live.committed(step, now=step * 12.0)
+        live.committed(step, now=step * 12.0 + 0.1)  # each rank's commit of the same step: counted once
+    assert live.timeout() == pytest.approx(120.0)  # 10 x the 12 s median step
+    assert Liveness(hang_timeout_s=5.0).timeout() == 5.0
+    with pytest.raises(ValueError):
+        Liveness(hang_timeout_s=-1.0)
