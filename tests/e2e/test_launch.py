@@ -92,16 +92,6 @@ def test_two_at_once_then_a_failure_during_recovery(reference_det: Path, corpus:
     assert recs[3]["live_replicas"] == 1 and recs[2]["live_replicas"] == 4
 
 
-def test_kill_then_rejoin(reference_det: Path, corpus: Path, tmp_path: Path) -> None:
-    launch(tmp_path, corpus, "--deterministic", "--fail", "2@10:forward", "--rejoin-after", "0")
-    summary = check_run(tmp_path, reference_det, bitwise=True, kills=1)
-    assert summary["rejoins"] == 1
-    live = [r["live_replicas"] for r in rows(tmp_path)]
-    assert live[10] == 3 and live[-1] == 4  # the replica came back and took quotas again
-    ev = events(tmp_path)
-    assert any(e["kind"] == "state_received" and e["replica"] == 2 for e in ev)
-
-
 @pytest.mark.parametrize(
     ("flags", "message"),
     [
@@ -176,4 +166,5 @@ def test_a_replica_frozen_for_good_is_fenced_reaped_and_replaced(reference_det: 
     assert next(e for e in ev if e["kind"] == "failure_detected")["cause"] == "heartbeat_timeout"
     assert any(e["kind"] == "reaped" and e["replica"] == 2 for e in ev)  # SIGKILLed: it could not exit itself
     assert any(e["kind"] == "state_received" and e["replica"] == 2 for e in ev)
-    assert rows(tmp_path)[-1]["live_replicas"] == 4
+    live = [r["live_replicas"] for r in rows(tmp_path)]
+    assert live[2] == 4 and 3 in live[3:] and live[-1] == 4  # gone from step 3, back with the state
