@@ -11,6 +11,7 @@ from recover.errors import ConfigError
 from recover.model import build_model, lm_loss
 from recover.parallel import MeshAxis, ParallelDims, parallelize, split_stage
 from recover.parallel.pipeline import PipelineRunner
+from recover.recovery.protocol import totals
 from recover.train.optim import build_optimizer, lr_at, set_lr
 from recover.train.replica import Replica
 
@@ -142,7 +143,7 @@ def test_one_process_replica_is_plain_pytorch_gradient_accumulation() -> None:
         assert replica.loss_sum == pytest.approx(sum(losses), rel=1e-6)
         assert sorted(replica.losses) == [0, 2, 3]
         payload = replica.payload()
-        assert Replica.totals(payload) == (pytest.approx(sum(losses), rel=1e-6), 3)
+        assert totals(payload) == (pytest.approx(sum(losses), rel=1e-6), 3)
         for a, b in zip(payload, grads, strict=False):
             torch.testing.assert_close(a, b, rtol=1e-5, atol=1e-6)
         norm = replica.apply(payload, M, step)
@@ -170,3 +171,16 @@ def test_transfer_state_round_trip() -> None:
         assert s.keys() == d.keys() and all(torch.equal(s[k], d[k]) for k in s)
     with pytest.raises(ValueError, match="lacks parameters"):
         dst.load_transfer_state({"counter.step": torch.tensor(1)})
+
+
+def test_an_emulated_device_makes_each_microbatch_take_its_time_and_changes_no_number() -> None:
+    import time
+
+    sampler = _Sampler()
+    plain, slow = Replica(CFG, TC, sampler), Replica(CFG, TrainingConfig(**{**TC.__dict__, "device_time_s": 0.2}),
+                                                       sampler)
+    plain.compute(0, [0, 1, 2])
+    t0 = time.perf_counter()
+    slow.compute(0, [0, 1, 2])
+    assert time.perf_counter() - t0 >= 0.6  # 3 microbatches of at least 0.2 s each
+    assert all(torch.equal(a, b) for a, b in zip(plain.payload(), slow.payload(), strict=True))

@@ -123,11 +123,6 @@ class FakeGroup:
     def barrier(self) -> None:
         self._op(None, lambda by: None)
 
-    def broadcast(self, tensors: list[torch.Tensor], src_rank: int) -> list[torch.Tensor]:
-        out = [t.clone() for t in tensors]
-        self.broadcast_into(out, src_rank)
-        return out
-
     def broadcast_into(self, buffers: list[torch.Tensor], src_rank: int) -> None:
         src = self.members[src_rank]
         got = self._op([b.clone() for b in buffers], lambda by: by[src])

@@ -45,22 +45,20 @@ class Liveness:
             raise ValueError(f"hang_timeout_s = {hang_timeout_s} must be >= 0, min_s = {min_s} and "
                              f"factor = {factor} > 0")
         self.hang_timeout_s, self.min_s, self.factor = hang_timeout_s, min_s, factor
-        self._ranks: dict[tuple[int, int], _Rank] = {}
+        self._replicas: dict[int, dict[int, _Rank]] = {}
         self._commits: deque[tuple[int, float]] = deque(maxlen=21)
 
     def start(self, replica: int, ranks: int, now: float) -> None:
         """Replica ``replica`` of ``ranks`` ranks is registered: its clocks start now."""
-        for k in range(ranks):
-            self._ranks[(replica, k)] = _Rank(-1, "compute", now)
+        self._replicas[replica] = {k: _Rank(-1, "compute", now) for k in range(ranks)}
 
     def forget(self, replica: int) -> None:
         """The replica is gone (dead, fenced or left)."""
-        for key in [key for key in self._ranks if key[0] == replica]:
-            del self._ranks[key]
+        self._replicas.pop(replica, None)
 
     def heartbeat(self, replica: int, rank: int, progress: int | None, activity: str | None, now: float) -> None:
         """A heartbeat of rank ``rank`` of ``replica`` (older clients send neither field: never judged)."""
-        r = self._ranks.get((replica, rank))
+        r = self._replicas.get(replica, {}).get(rank)
         if r is None:
             return
         if progress is None:
@@ -86,22 +84,25 @@ class Liveness:
         return max(self.min_s, self.factor * statistics.median(times))
 
     def hung(self, now: float) -> list[tuple[int, str]]:
-        """``(replica, detail)`` of every replica hung at ``now``, by replica id."""
+        """``(replica, detail)`` of every replica hung at ``now``, by replica id (one pass over the ranks)."""
+        waiting = self.waiting()
+        if not waiting:
+            return []
         limit = self.timeout()
-        out: dict[int, str] = {}
-        for (replica, rank), r in sorted(self._ranks.items()):
-            if replica in out or r.activity != "compute" or now - r.since <= limit:
-                continue
-            waiting = sorted({rep for (rep, _), o in self._ranks.items() if rep != replica and o.activity == "wait"})
-            if waiting:
-                out[replica] = (f"rank {rank} made no progress for {now - r.since:.1f} s (hang timeout "
-                                f"{limit:.1f} s) while replicas {waiting} waited for it")
-        return sorted(out.items())
+        out = []
+        for replica, ranks in sorted(self._replicas.items()):
+            others = sorted(waiting - {replica})
+            stale = [(k, now - r.since) for k, r in ranks.items() if r.activity == "compute" and now - r.since > limit]
+            if others and stale:
+                rank, silent = stale[0]
+                out.append((replica, f"rank {rank} made no progress for {silent:.1f} s (hang timeout {limit:.1f} s) "
+                                     f"while replicas {others} waited for it"))
+        return out
 
     def computing(self, replica: int) -> bool:
         """Whether a rank of ``replica`` is in ``compute`` (owes the others progress)."""
-        return any(rep == replica and r.activity == "compute" for (rep, _), r in self._ranks.items())
+        return any(r.activity == "compute" for r in self._replicas.get(replica, {}).values())
 
     def waiting(self) -> set[int]:
         """Replicas with a rank blocked for the others (in a collective, a vote, ...)."""
-        return {rep for (rep, _), r in self._ranks.items() if r.activity == "wait"}
+        return {rep for rep, ranks in self._replicas.items() if any(r.activity == "wait" for r in ranks.values())}

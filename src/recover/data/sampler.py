@@ -102,6 +102,11 @@ class Sampler:
         return self.microbatch_size * self.seq_len
 
     @property
+    def num_tokens(self) -> int:
+        """Tokens in the training shards."""
+        return self.windows.dataset.num_tokens
+
+    @property
     def tokens_per_step(self) -> int:
         return self.microbatches_per_step * self.tokens_per_microbatch
 

@@ -104,11 +104,6 @@ class StaticGroup:
         if len(self.members) > 1:
             dist.barrier(group=self._group)
 
-    def broadcast(self, tensors: Sequence[torch.Tensor], src_rank: int) -> list[torch.Tensor]:
-        out = [t.clone() for t in tensors]
-        self.broadcast_into(out, src_rank)
-        return out
-
     def broadcast_into(self, buffers: Sequence[torch.Tensor], src_rank: int) -> None:
         if len(self.members) > 1:
             for b in buffers:

@@ -273,12 +273,6 @@ class Replica:
                              device=self.buffers[0].device if self.buffers else "cpu")
         return [*self.buffers, stats]
 
-    @staticmethod
-    def totals(reduced: list[torch.Tensor]) -> tuple[float, int]:
-        """(loss_sum, microbatch_count) of a reduced payload."""
-        stats = reduced[-1]
-        return float(stats[0]), int(round(float(stats[1])))
-
     def apply(self, reduced: list[torch.Tensor], divisor: int, step: int) -> float:
         """(collective) The optimizer update of ``step`` from the reduced gradient sum; returns the norm."""
         set_lr(self.optimizer, lr_at(step, self.training))

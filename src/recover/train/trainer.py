@@ -93,7 +93,7 @@ def train(cfg: Config, out: str | os.PathLike[str], ctx: DistContext | None = No
     display.message(f"[bold]{cfg.name}[/]: {stats.describe()}; {len(group.members)} data-parallel process(es) of "
                     f"{cfg.parallel.procs_per_replica} rank(s), M = {tc.global_microbatches} microbatches x "
                     f"{cfg.data.microbatch_size} x {cfg.data.seq_len} tokens per step; "
-                    f"{sampler.windows.dataset.num_tokens:,} training tokens")
+                    f"{sampler.num_tokens:,} training tokens")
     t_start = time.perf_counter()
 
     def write(record: dict[str, Any]) -> None:

@@ -29,6 +29,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 from _parallel_workers.common import SEED, STEPS, M, make_sampler, model_cfg, plan, train_cfg  # noqa: E402
 from recover.parallel import MeshAxis, ParallelDims  # noqa: E402
+from recover.recovery.protocol import totals  # noqa: E402
 from recover.train.dist import StaticGroup  # noqa: E402
 from recover.train.replica import Replica  # noqa: E402
 
@@ -75,7 +76,7 @@ def train(run: dict[str, Any], data: Path, out: Path, timeout_s: float) -> None:
         for ids in plan(step, q, R):
             engine.compute(step, ids)
         reduced = lane.allreduce(engine.payload())
-        loss_sum, count = Replica.totals(reduced)
+        loss_sum, count = totals(reduced)
         assert count == M, f"step {step}: {count} microbatches reduced, expected {M}"
         norms.append(engine.apply(reduced, M, step))
         losses.append(loss_sum / M)
