@@ -30,7 +30,7 @@ from pathlib import Path
 from typing import Any, ClassVar, Literal
 
 from recover.errors import ConfigError
-from recover.names import Assignment, Backend, Schedule, ShardFormat
+from recover.names import Assignment, Backend, Policy, Schedule, ShardFormat
 
 if sys.version_info >= (3, 11):
     import tomllib
@@ -306,6 +306,22 @@ class FaultToleranceConfig:
 
 
 @dataclass(frozen=True)
+class WorkloadConfig:
+    """Which replica computes which microbatches (layer 3)."""
+
+    SECTION: ClassVar[str] = "workload"
+
+    policy: Policy = "weighted"
+    """``weighted``: each step's quotas follow the replicas' measured seconds per microbatch, agreed at
+    each commit (a slow replica gets fewer; noise moves nothing: see :mod:`recover.workload.speeds`).
+    ``even``: quotas differ by at most one (a straggler slows every step). Either way every step
+    holds the same M microbatches."""
+
+    def __post_init__(self) -> None:
+        _check_choices(self)
+
+
+@dataclass(frozen=True)
 class Config:
     """The whole job."""
 
@@ -316,6 +332,7 @@ class Config:
     training: TrainingConfig = field(default_factory=TrainingConfig)
     parallel: ParallelConfig = field(default_factory=ParallelConfig)
     fault_tolerance: FaultToleranceConfig = field(default_factory=FaultToleranceConfig)
+    workload: WorkloadConfig = field(default_factory=WorkloadConfig)
 
     def __post_init__(self) -> None:
         """Every constraint between sections, checked before anything starts."""
@@ -369,7 +386,8 @@ def check_layout(model: ModelConfig, pp: int = 1, tp: int = 1) -> None:
 
 
 _SECTION_TYPES: dict[str, type] = {
-    cls.SECTION: cls for cls in (ModelConfig, DataConfig, TrainingConfig, ParallelConfig, FaultToleranceConfig)
+    cls.SECTION: cls for cls in (ModelConfig, DataConfig, TrainingConfig, ParallelConfig, FaultToleranceConfig,
+                                  WorkloadConfig)
 }
 
 

@@ -72,6 +72,8 @@ Schedule = Literal["1f1b", "gpipe"]
 """Pipeline schedule: ``1f1b`` (GPipe for a quota below ``pp``) or ``gpipe``."""
 Assignment = Literal["blocks", "strided", "shuffled"]
 """Failure-free ids -> replicas: contiguous blocks, strided, or shuffled by (seed, step)."""
+Policy = Literal["weighted", "even"]
+"""Workload policy: quotas weighted by the replicas' measured speeds (stragglers get fewer) or even."""
 ShardFormat = Literal["auto", "llmc", "nanogpt"]
 """Token shard format: ``auto`` (from the header), ``llmc`` (256 x int32 header) or ``nanogpt``."""
 

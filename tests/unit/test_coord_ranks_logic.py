@@ -42,8 +42,9 @@ def msg(kind: str, **fields: Any) -> dict[str, Any]:
 
 
 def vote(agg: RankAggregator, conn: str, rid: int, ids: list[int] = IDS, generation: int = 1, step: int = 0,
-         now: float = 0.0) -> list[Out]:
-    return agg.on_message(conn, msg("vote", id=rid, generation=generation, step=step, ids=ids), now)
+         now: float = 0.0, mb_s: float | None = None) -> list[Out]:
+    speed = {} if mb_s is None else {"mb_s": mb_s}
+    return agg.on_message(conn, msg("vote", id=rid, generation=generation, step=step, ids=ids, **speed), now)
 
 
 def sent(out: list[Out], kind: str) -> dict[Any, dict[str, Any]]:
@@ -350,3 +351,16 @@ def test_a_timed_out_collective_fences_the_members_that_never_reached_it() -> No
     agg2.on_message("r1_0", msg("hb", progress=2, activity="compute"), 0.5)
     assert logs(agg2.on_message("r0_0", msg("report", id=9, generation=1, suspects=[]), 0.6),
                 "failure_detected") == []
+
+
+def test_a_replica_of_several_ranks_is_as_slow_as_its_slowest_rank() -> None:
+    agg = make()
+    two_replicas(agg)
+    got: list[float | None] = []
+    on_vote = agg.state.on_vote
+    agg.state.on_vote = lambda *a, **k: got.append(a[-1]) or on_vote(*a, **k)  # type: ignore[method-assign]
+    for step in range(2):
+        vote(agg, "a0", 10 + step, step=step, mb_s=0.25)
+        vote(agg, "a1", 20 + step, step=step, mb_s=0.5 if step == 0 else None)  # rank 1 computed nothing
+        vote(agg, "b0", 30 + step, step=step, mb_s=0.125)
+    assert got == [0.5, 0.125, 0.25, 0.125]

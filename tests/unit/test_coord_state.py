@@ -140,3 +140,30 @@ def test_joiner_with_nobody_left_is_admitted_at_once() -> None:
     assert st.current.members == ()
     st.on_register(5, True, 1, 0.1)
     assert st.current.members == (5,) and st.current.joined == (5,)
+
+
+def test_commits_carry_the_agreed_speeds_to_every_member_and_joiner() -> None:
+    """Measured seconds per microbatch in the votes; the committed replies and later memberships carry
+    the planned times (relative), a straggler is logged once, a dead replica's time is dropped."""
+    st = make(3)
+    M = list(range(12))
+    every: list = []
+    for step in range(4):
+        acts = []
+        for r, mb_s in ((0, 0.1), (1, 0.1), (2, 0.4)):
+            acts += st.on_vote(r, 10 + step, 1, step, M, 0.0, mb_s)
+        every += acts
+        replies = sent(acts, "committed")
+        assert len({str(m["speeds"]) for m in replies.values()}) == 1  # one plan for all
+        if step < 2:
+            assert replies[0]["speeds"] is None  # fewer than 3 samples: the even split stands
+    assert replies[0]["speeds"] == {"0": 1.0, "1": 1.0, "2": 4.0}
+    assert [(f["replica"], f["slowdown"]) for f in logs(every, "straggler")] == [(2, 4.0)]
+    assert len(logs(every, "rebalanced")) == 1
+    st.on_register(3, True, 1, 0.0)
+    acts = st.on_vote(0, 20, 1, 4, M, 0.0, 0.1) + st.on_vote(1, 20, 1, 4, M, 0.0, 0.1) + \
+        st.on_vote(2, 20, 1, 4, M, 0.0, 0.4)
+    joined = sent(acts, "membership")[3]["membership"]
+    assert joined["speeds"] == {"0": 1.0, "1": 1.0, "2": 4.0} == sent(acts, "committed")[0]["speeds"]
+    st.on_dead(2, "closed", 0.0)
+    assert 2 not in (st.speeds.planned or {}) and not st.speeds.stragglers

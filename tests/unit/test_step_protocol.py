@@ -4,12 +4,15 @@ Each replica is a thread running the real protocol over a fake layer 1 and coord
 (:class:`World`): collectives sum the live members' tensors, a replica killed at a phase point
 disappears at once (its thread stops, everyone's pending collective or vote raises PeerFailure and
 a new generation without it forms), joiners are admitted at a commit. A fake replica's gradient is
-a one-hot vector per microbatch id, so a reduced gradient shows exactly which ids it holds.
+a one-hot vector per microbatch id, so a reduced gradient shows exactly which ids it holds. The
+World's commit feeds the votes' measured speeds to a real
+:class:`~recover.workload.speeds.SpeedTracker`, as the coordinator does.
 """
 
 from __future__ import annotations
 
 import threading
+import time
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -19,6 +22,7 @@ import torch
 from recover.baselines import JobFailed, ShrinkStep, StopOnFailureStep
 from recover.errors import PeerFailure, QuorumLost
 from recover.recovery.protocol import Progress, ResilientStep
+from recover.workload import SpeedTracker
 
 M = 8
 TIMEOUT_S = 10.0
@@ -33,6 +37,7 @@ class FakeMembership:
     generation: int
     members: tuple[int, ...]
     joined: tuple[int, ...] = ()
+    speeds: dict[int, float] | None = None
 
 
 @dataclass
@@ -45,6 +50,8 @@ class World:
     ops: dict[tuple[int, int], dict[str, Any]] = field(default_factory=dict)
     waiting_joiners: list[int] = field(default_factory=list)
     votes: list[tuple[int, int, tuple[int, ...]]] = field(default_factory=list)
+    tracker: SpeedTracker = field(default_factory=SpeedTracker)
+    plans: list[dict[int, float] | None] = field(default_factory=list)  # the speeds sent at each commit
 
     def __post_init__(self) -> None:
         self.membership = FakeMembership(0, tuple(range(self.n)))
@@ -52,7 +59,9 @@ class World:
     def kill(self, *replicas: int) -> None:
         with self.cond:
             live = tuple(r for r in self.membership.members if r not in replicas)
-            self.membership = FakeMembership(self.membership.generation + 1, live)
+            for r in replicas:
+                self.tracker.forget(r)
+            self.membership = FakeMembership(self.membership.generation + 1, live, speeds=self.tracker.planned)
             self.cond.notify_all()
 
     def join(self, replica: int) -> None:
@@ -83,12 +92,16 @@ class World:
             dead = tuple(sorted(set(slot["values"]) - set(self.membership.members)))
             raise PeerFailure(generation, dead, "fake failure")  # a member died: this group is broken
 
-    def vote(self, generation: int, seq: int, me: int, ids: tuple[int, ...], step: int) -> FakeMembership | None:
-        def decide(votes: dict[int, tuple[int, ...]]) -> FakeMembership | None:
-            assert len(set(votes.values())) == 1, f"votes disagree: {votes}"
-            return self._admit_at_commit(generation, step, ids)
+    def vote(self, generation: int, seq: int, me: int, ids: tuple[int, ...], step: int,
+             mb_s: float | None) -> tuple[FakeMembership | None, dict[int, float] | None]:
+        def decide(votes: dict[int, tuple[tuple[int, ...], float | None]]) -> Any:
+            assert len({i for i, _ in votes.values()}) == 1, f"votes disagree: {votes}"
+            self.tracker.observe(M, votes, {r: t for r, (_, t) in votes.items() if t is not None})
+            speeds = dict(self.tracker.planned) if self.tracker.planned else None
+            self.plans.append(speeds)
+            return self._admit_at_commit(generation, step, ids), speeds
 
-        return self.collective(generation, seq, me, ids, decide)
+        return self.collective(generation, seq, me, (ids, mb_s), decide)
 
     def _admit_at_commit(self, generation: int, step: int, ids: tuple[int, ...]) -> FakeMembership | None:
         """The commit of a step (the lock is held): waiting joiners are admitted in a new generation."""
@@ -97,7 +110,8 @@ class World:
             return None
         joined = tuple(self.waiting_joiners)
         self.waiting_joiners.clear()
-        self.membership = FakeMembership(generation + 1, tuple(sorted((*self.membership.members, *joined))), joined)
+        self.membership = FakeMembership(generation + 1, tuple(sorted((*self.membership.members, *joined))), joined,
+                                         dict(self.tracker.planned) if self.tracker.planned else None)
         return self.membership
 
 
@@ -153,11 +167,14 @@ class FakeGroup:
 class FakeCoordinator:
     def __init__(self, world: World, me: int, step_protocol: list[ResilientStep]) -> None:
         self.world, self.me, self.protocol = world, me, step_protocol
+        self.speeds: dict[int, float] | None = None
 
-    def vote_commit(self, generation: int, step: int, ids: list[int]) -> FakeMembership | None:
+    def vote_commit(self, generation: int, step: int, ids: list[int],
+                    mb_s: float | None = None) -> FakeMembership | None:
         group = self.protocol[0].group
         group.seq += 1
-        return self.world.vote(generation, group.seq, self.me, tuple(ids), step)
+        admitted, self.speeds = self.world.vote(generation, group.seq, self.me, tuple(ids), step, mb_s)
+        return admitted
 
 
 class FakeReplica:
@@ -165,7 +182,8 @@ class FakeReplica:
 
     tokens_per_microbatch = 10
 
-    def __init__(self) -> None:
+    def __init__(self, mb_s: float = 0.0) -> None:
+        self.mb_s = mb_s  # each microbatch sleeps this long (a slow device)
         self.weights = torch.zeros(M, dtype=torch.float64)
         self.grad = torch.zeros(M, dtype=torch.float64)
         self.ledger: list[int] = []
@@ -179,6 +197,7 @@ class FakeReplica:
         for i in ids:
             hook(step, "forward")
             hook(step, "backward")
+            time.sleep(self.mb_s)
             self.grad[i] += 1.0
             self.ledger.append(i)
 
@@ -213,9 +232,12 @@ class Run:
 
 def run_job(n: int, steps: int, kills: dict[tuple[int, str], tuple[int, ...]] = {},  # noqa: B006
             cls: type[ResilientStep] = ResilientStep, min_replicas: int = 1, joiners: dict[int, int] = {},  # noqa: B006
-            **kwargs: Any) -> tuple[World, dict[int, Run]]:
+            mb_s: dict[int, float] = {}, **kwargs: Any) -> tuple[World, dict[int, Run]]:  # noqa: B006
     """``n`` replicas run ``steps`` steps; ``kills[(step, phase)]`` die there (the first to reach it
-    kills them all at once); ``joiners[r] = s``: replica ``r`` asks to join during step ``s``."""
+    kills them all at once); ``joiners[r] = s``: replica ``r`` asks to join during step ``s``;
+    ``mb_s[r]``: replica ``r`` takes that long per microbatch. The policy is ``even`` unless given:
+    the fakes' microsecond compute times are all noise."""
+    kwargs.setdefault("policy", "even")
     world = World(n)
     runs: dict[int, Run] = {}
     fired: set[tuple[int, str]] = set()
@@ -262,7 +284,7 @@ def run_job(n: int, steps: int, kills: dict[tuple[int, str], tuple[int, ...]] = 
 
     threads = []
     for me in [*range(n), *joiners]:
-        runs[me] = Run(FakeReplica())
+        runs[me] = Run(FakeReplica(mb_s.get(me, 0.0)))
         t = threading.Thread(target=replica_main, args=(me, me in joiners), daemon=True)
         threads.append(t)
         t.start()
@@ -371,3 +393,22 @@ def test_restart_baseline_stops_the_job_at_the_first_failure() -> None:
     for r in (1, 2, 3):
         assert isinstance(runs[r].error, JobFailed)
         assert [s for s, _, _ in runs[r].replica.applied] == [0]
+
+
+# ---- stragglers ------------------------------------------------------------------------------------
+def test_a_slow_replica_gets_fewer_microbatches_and_every_plan_agrees() -> None:
+    """Replica 3 is 4x slower: after a few commits the agreed speeds give it less work, every step still
+    holds all M (the World asserts that all votes carry the same ids), and a joiner plans alike."""
+    world, runs = run_job(4, 12, mb_s={0: 0.004, 1: 0.004, 2: 0.004, 3: 0.016, 5: 0.004}, joiners={5: 8},
+                          policy="weighted")
+    assert_every_step_holds_all_M(runs, 12)
+    computed = [runs[3].outcomes[s].computed for s in range(12)]
+    assert computed[0] == 2 and computed[-1] < 2, computed
+    assert 3 in world.tracker.stragglers and world.plans[-1] is not None
+    assert runs[5].outcomes and all(o.microbatches == M for o in runs[5].outcomes)
+    assert runs[5].protocol is not None and runs[5].protocol.speeds == runs[0].protocol.speeds
+
+
+def test_the_even_policy_ignores_speeds() -> None:
+    _, runs = run_job(2, 4, mb_s={0: 0.002, 1: 0.008})
+    assert [o.computed for o in runs[1].outcomes] == [M // 2] * 4

@@ -16,6 +16,9 @@ from recover.workload import (
     replan,
     split_within_replica,
     static_assignment,
+    plan_step,
+    SpeedChange,
+    SpeedTracker,
 )
 
 REPLICAS = range(8)
@@ -250,3 +253,51 @@ def test_static_assignment_unchanged() -> None:
     assert static_assignment(16, 4, 0, "shuffled", 3) != static_assignment(16, 4, 1, "shuffled", 3)
     with pytest.raises(ValueError, match="not one of"):
         static_assignment(4, 2, 0, how="random")
+
+
+# ---- plans with speeds ----------------------------------------------------------------------------
+def test_plan_step_weights_quotas_and_keeps_the_id_order_of_each_assignment() -> None:
+    times = {0: 1.0, 1: 1.0, 2: 1.0, 3: 4.0}
+    for how in ("blocks", "strided", "shuffled"):
+        plan = plan_step(16, [3, 1, 0, 2], step=5, how=how, seed=7, times=times)
+        check_assignment(plan, range(16))
+        assert quotas(plan) == {0: 5, 1: 5, 2: 5, 3: 1}, how  # makespan 5, the optimum
+    assert plan_step(16, range(4), 0, "strided", times=times)[3] == [3]
+    assert plan_step(10, range(3), 0, "strided") == {0: [0, 3, 6, 9], 1: [1, 4, 7], 2: [2, 5, 8]}
+
+
+def _observe(tracker: SpeedTracker, times: dict[int, float], steps: int, noise: float = 0.0,
+             seed: int = 0) -> list[SpeedChange]:
+    rng = random.Random(seed)
+    changes = []
+    for _ in range(steps):
+        samples = {r: t * (1 + rng.uniform(-noise, noise)) for r, t in times.items()}
+        changes += tracker.observe(32, times, samples)
+    return changes
+
+
+def test_noise_never_moves_microbatches() -> None:
+    tracker = SpeedTracker()
+    changes = _observe(tracker, {0: 0.1, 1: 0.1, 2: 0.1, 3: 0.1}, steps=500, noise=0.2)
+    assert changes == [] and tracker.planned is None
+
+
+def test_a_straggler_is_rebalanced_once_named_and_cleared_when_it_recovers() -> None:
+    tracker = SpeedTracker()
+    changes = _observe(tracker, {0: 0.1, 1: 0.1, 2: 0.1, 3: 0.2}, steps=20, noise=0.05)
+    assert [c.kind for c in changes] == ["rebalanced", "straggler"] and changes[1].replica == 3
+    assert changes[0].factor > 1.5  # the even split's step over the weighted one's
+    assert quotas(assign(range(32), range(4), tracker.planned)) in ({0: 9, 1: 9, 2: 9, 3: 5}, {0: 9, 1: 9, 2: 8, 3: 6})
+    changes = _observe(tracker, {0: 0.1, 1: 0.1, 2: 0.1, 3: 0.1}, steps=20, noise=0.05)
+    assert [c.kind for c in changes] == ["rebalanced", "straggler_cleared"]
+
+
+def test_a_replica_left_without_work_is_probed_with_one_microbatch() -> None:
+    tracker = SpeedTracker(stale_steps=5)
+    _observe(tracker, {0: 0.1, 1: 0.1, 2: 10.0}, steps=3)
+    assert quotas(assign(range(32), range(3), tracker.planned))[2] == 0
+    for _ in range(5):  # replica 2 computes nothing, so it reports no sample
+        tracker.observe(32, range(3), {0: 0.1, 1: 0.1})
+    assert quotas(assign(range(32), range(3), tracker.planned))[2] == 1
+    tracker.forget(2)
+    assert 2 not in (tracker.planned or {}) and 2 not in tracker.stragglers

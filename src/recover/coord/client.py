@@ -45,6 +45,7 @@ Membership back from ``vote_commit``, finish the committed step (optimizer), the
 from __future__ import annotations
 
 import itertools
+import math
 import os
 import socket
 import threading
@@ -53,7 +54,7 @@ from collections.abc import Callable, Iterator
 from contextlib import contextmanager
 from typing import Any
 
-from recover.coord.protocol import SCHEMAS, FrameDecoder, Membership, ProtocolError, encode
+from recover.coord.protocol import SCHEMAS, FrameDecoder, Membership, ProtocolError, encode, speeds_from_wire
 from recover.errors import PeerFailure, QuorumLost, RecoverError
 
 _SERVER_TYPES = frozenset(SCHEMAS) - frozenset({"register", "hb", "ack", "report", "vote", "bye"})
@@ -105,6 +106,8 @@ class CoordinatorClient:
         self._progress = 0
         self._activity = "compute"
         self.fence_exit_s, self.on_fenced = fence_exit_s, on_fenced
+        self.speeds: dict[int, float] | None = None
+        """The planned seconds per microbatch from the last commit this client voted in (None: even)."""
 
     # ------------------------------------------------------------- public API
 
@@ -225,8 +228,10 @@ class CoordinatorClient:
         return tuple(sorted(set(old.members) - set(new.members)))
 
     def vote_commit(self, generation: int, step: int, ids: list[int] | tuple[int, ...],
-                    timeout: float | None = None) -> Membership | None:
-        """Commit vote for ``step`` of ``generation`` with the microbatch ``ids`` in the reduced gradient.
+                    timeout: float | None = None, mb_s: float | None = None) -> Membership | None:
+        """Commit vote for ``step`` of ``generation`` with the microbatch ``ids`` in the reduced gradient
+        and ``mb_s``, the seconds per microbatch this rank measured in the step (None: it computed none).
+        A commit sets :attr:`speeds` to the times the next step is planned with.
 
         Returns:
             None when all members agreed and the step is committed; a new Membership when the step
@@ -234,14 +239,17 @@ class CoordinatorClient:
         Raises:
             PeerFailure: a member died or the votes disagreed; nothing was committed.
         """
+        vote: dict[str, Any] = {"type": "vote", "generation": generation, "step": step, "ids": [int(i) for i in ids]}
+        if mb_s is not None and math.isfinite(mb_s) and mb_s > 0:
+            vote["mb_s"] = float(mb_s)
         try:
-            reply = self._request({"type": "vote", "generation": generation, "step": step,
-                                   "ids": [int(i) for i in ids]}, timeout)
+            reply = self._request(vote, timeout)
         except CoordinatorRefused as exc:
             if exc.code != "stale_generation":
                 raise
             reply = {"type": "aborted", "reason": exc.code}
         if reply["type"] == "committed":
+            self.speeds = speeds_from_wire(reply.get("speeds"))
             new = reply.get("new_generation")
             return None if new is None else self._history[new]
         self.wait_for_generation(generation, timeout or self.request_timeout_s)

@@ -12,9 +12,10 @@ connection must be closed.
 
 Messages (client -> coordinator): ``register`` (token, replica, join; optional ``rank`` of ``ranks``,
 default 0 of 1, for a replica made of several processes), ``hb`` (heartbeat),
-``ack`` (of a ``failing`` notice), ``report`` (a collective failed), ``vote`` (commit vote),
-``bye``. Coordinator -> client: ``ok`` / ``error`` / ``committed`` / ``aborted`` replies (``re``
-names the request ``id``), and the pushes ``failing`` (generation g is being replaced) and
+``ack`` (of a ``failing`` notice), ``report`` (a collective failed), ``vote`` (commit vote, with the seconds per microbatch the voter
+measured in the step, ``mb_s``),
+``bye``. Coordinator -> client: ``ok`` / ``error`` / ``committed`` (with the ``speeds`` to plan the
+next step with) / ``aborted`` replies (``re`` names the request ``id``), and the pushes ``failing`` (generation g is being replaced) and
 ``membership`` (a new generation).
 
 Replicas of several ranks: each rank (process) of a replica keeps its own connection and numbers
@@ -26,9 +27,10 @@ replica declares the same ``ranks`` and ``join``; :func:`register_ranks` checks 
 from __future__ import annotations
 
 import json
+import math
 import socket
 import struct
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Any
 
 PROTOCOL_VERSION = 1
@@ -42,6 +44,7 @@ _INT, _STR, _BOOL, _INTS, _OPT_INT, _OPT_DICT = "int", "str", "bool", "ints", "i
 _ABSENT_INT = "int|absent?"
 _ABSENT_STR = "str|absent?"
 _ABSENT_BOOL = "bool|absent?"
+_ABSENT_NUM = "num|absent?"
 MAX_RANKS = 1 << 16
 SCHEMAS: dict[str, dict[str, str]] = {
     "register": {"id": _INT, "token": _STR, "replica": _INT, "join": _BOOL, "rank": _ABSENT_INT,
@@ -49,11 +52,11 @@ SCHEMAS: dict[str, dict[str, str]] = {
     "hb": {"progress": _ABSENT_INT, "activity": _ABSENT_STR},
     "ack": {"generation": _INT},
     "report": {"id": _INT, "generation": _INT, "suspects": _INTS, "timeout": _ABSENT_BOOL},
-    "vote": {"id": _INT, "generation": _INT, "step": _INT, "ids": _INTS},
+    "vote": {"id": _INT, "generation": _INT, "step": _INT, "ids": _INTS, "mb_s": _ABSENT_NUM},
     "bye": {},
     "ok": {"re": _INT},
     "error": {"re": _OPT_INT, "code": _STR, "message": _STR},
-    "committed": {"re": _INT, "generation": _INT, "step": _INT, "new_generation": _OPT_INT},
+    "committed": {"re": _INT, "generation": _INT, "step": _INT, "new_generation": _OPT_INT, "speeds": _OPT_DICT},
     "aborted": {"re": _INT, "generation": _INT, "reason": _STR},
     "failing": {"generation": _INT, "dead": _INTS, "reason": _STR},
     "membership": {"membership": _OPT_DICT},
@@ -90,6 +93,8 @@ class Membership:
             on to a generation formed by a failure before that commit.
         min_members: the quorum; fewer members than this means the job must stop.
         reason: why the generation was formed (``initial``, ``failure``, ``join``, ...).
+        speeds: the planned seconds per microbatch of the last commit (None: the even split), so a
+            joiner plans its first step as the members do (:mod:`recover.workload.speeds`).
     """
 
     generation: int
@@ -101,6 +106,7 @@ class Membership:
     joined: tuple[int, ...] = ()
     min_members: int = 1
     reason: str = ""
+    speeds: dict[int, float] | None = field(default=None, compare=False)
 
     def rank_of(self, replica: int) -> int:
         """The rank of ``replica`` in this generation's process group."""
@@ -115,6 +121,7 @@ class Membership:
             "generation": self.generation, "members": list(self.members), "store_host": self.store_host,
             "store_port": self.store_port, "step": self.step, "dead": list(self.dead),
             "joined": list(self.joined), "min_members": self.min_members, "reason": self.reason,
+            "speeds": speeds_to_wire(self.speeds),
         }
 
     @classmethod
@@ -126,11 +133,35 @@ class Membership:
             generation=d["generation"], members=tuple(sorted(d["members"])), store_host=d["store_host"],
             store_port=d["store_port"], step=d["step"], dead=tuple(sorted(d["dead"])),
             joined=tuple(sorted(d["joined"])), min_members=d["min_members"], reason=d["reason"],
+            speeds=speeds_from_wire(d.get("speeds")),
         )
 
 
 def _is_int(x: Any) -> bool:
     return isinstance(x, int) and not isinstance(x, bool)
+
+
+def _is_num(x: Any) -> bool:
+    return (isinstance(x, float) and math.isfinite(x)) or _is_int(x)
+
+
+def speeds_to_wire(speeds: dict[int, float] | None) -> dict[str, float] | None:
+    """Planned seconds per microbatch by replica, as a JSON object (keys are replica ids as strings)."""
+    return None if speeds is None else {str(r): float(t) for r, t in sorted(speeds.items())}
+
+
+def speeds_from_wire(d: Any) -> dict[int, float] | None:
+    """Inverse of :func:`speeds_to_wire`. Raises ProtocolError ``malformed`` unless every key is a
+    replica id and every value a positive finite number."""
+    if d is None:
+        return None
+    try:
+        out = {int(k): v for k, v in d.items()}
+    except (AttributeError, ValueError):
+        raise ProtocolError("malformed", f"speeds must map replica ids to seconds, got {d!r}") from None
+    if not all(_is_num(t) and t > 0 for t in out.values()):
+        raise ProtocolError("malformed", f"speeds must be positive finite seconds, got {d!r}")
+    return {r: float(out[r]) for r in sorted(out)}
 
 
 def _check_fields(msg: dict[str, Any], spec: dict[str, str], what: str) -> None:
@@ -149,6 +180,7 @@ def _check_fields(msg: dict[str, Any], spec: dict[str, str], what: str) -> None:
             _ABSENT_INT: _is_int(val),
             _ABSENT_STR: isinstance(val, str),
             _ABSENT_BOOL: isinstance(val, bool),
+            _ABSENT_NUM: _is_num(val),
             _OPT_DICT: val is None or isinstance(val, dict),
         }[kind]
         if not ok:

@@ -27,7 +27,8 @@ Invariants:
   * Every request forwarded to the state gets a unique id; the state's reply goes back to exactly
     the connection(s) that asked, each with its own request id. Pushes go to all P ranks.
   * ``ack`` of g reaches the state once all P acked g; ``report`` at once (reply to that rank);
-    ``vote`` once all P voted the same (generation, step, ids) (the reply goes to all P), unless the
+    ``vote`` once all P voted the same (generation, step, ids) (the reply goes to all P; the replica's
+    seconds per microbatch are the slowest rank's), unless the
     state would refuse or abort it anyway (then at once, for that rank alone). Ranks that vote
     differently fence the replica. ``failing`` and ``membership`` pushes answer the votes still
     buffered for the generations they end ``aborted``.
@@ -99,6 +100,7 @@ class Slot:
     registered: bool = False
     acks: dict[int, set[int]] = field(default_factory=dict)  # generation -> ranks that acked it
     votes: dict[int, tuple[int, Ballot]] = field(default_factory=dict)  # rank -> (its request id, ballot)
+    mb_s: dict[int, float] = field(default_factory=dict)  # rank -> seconds per microbatch in its vote
     routes: dict[int, list[tuple[_Link, int]]] = field(default_factory=dict)  # forwarded id -> who asked
 
     def who(self, rank: int) -> str:
@@ -311,9 +313,12 @@ class RankAggregator:
         """Buffers a rank's vote until all ranks of the replica voted; then one vote to the state."""
         r, cid = slot.replica, msg["id"]
         g, step, ids = msg["generation"], msg["step"], msg["ids"]
-        forward = lambda i: self.state.on_vote(r, i, g, step, ids, now)
+        if msg.get("mb_s") is not None:
+            slot.mb_s[link.rank] = float(msg["mb_s"])
+        forward = lambda i: self.state.on_vote(r, i, g, step, ids, now, max(slot.mb_s.values(), default=None))
         if slot.ranks == 1 or not self.state.accepts_vote(r, g, step):
             self._forward(slot, [(link, cid)], False, now, forward)  # P = 1, or settled at once: this rank alone
+            slot.mb_s.pop(link.rank, None)
             return
         if link.rank in slot.votes:
             raise Refused("duplicate_vote", f"{slot.who(link.rank)} already voted in generation {g}")
@@ -328,6 +333,7 @@ class RankAggregator:
             return
         votes, slot.votes = slot.votes, {}
         self._forward(slot, [(slot.links[k], votes[k][0]) for k in sorted(votes)], False, now, forward)
+        slot.mb_s.clear()
 
     def _fence_unreached(self, reporter: int, now: float) -> None:
         """A collective of the current generation ran out of time: the members that never reached it
@@ -376,6 +382,7 @@ class RankAggregator:
         for k, (cid, (g, _, _)) in list(slot.votes.items()):
             if g < below:
                 del slot.votes[k]
+                slot.mb_s.pop(k, None)
                 self._send(slot.links[k], {"type": "aborted", "re": cid, "generation": g, "reason": reason})
 
     # --------------------------------------------------------------- endings

@@ -15,6 +15,10 @@ Invariants:
   * A step is committed only when every member of the current generation voted the same
     ``(step, ids)``; then all of them are told ``committed``, otherwise all are told ``aborted``.
     A failure round aborts every pending vote: never half-committed.
+  * Speeds: each vote carries the seconds per microbatch its replica measured; at a commit they
+    feed the :class:`~recover.workload.speeds.SpeedTracker` (the single writer of the plan's
+    times), whose planned times go with every ``committed`` reply and every membership, so all
+    members (joiners too) plan the next step alike. Stragglers and rebalances are logged.
   * Joiners are admitted only at a commit (a step boundary), or at once when no member is left.
     ``Membership.joined`` lists the members admitted since the last commit: a generation formed
     by a failure before that commit carries them on, so the state transfer is done again on it.
@@ -25,7 +29,8 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 from typing import Any
 
-from recover.coord.protocol import Membership
+from recover.coord.protocol import Membership, speeds_to_wire
+from recover.workload.speeds import SpeedTracker
 
 
 @dataclass(frozen=True)
@@ -74,7 +79,7 @@ class MembershipState:
     """Generations, failure rounds, commit votes and joins (see the module docstring)."""
 
     def __init__(self, *, expected: int, min_members: int, store_host: str, store_port: int,
-                 ack_timeout_s: float) -> None:
+                 ack_timeout_s: float, speeds: SpeedTracker | None = None) -> None:
         if expected < 1:
             raise ValueError(f"expected replicas must be >= 1, got {expected}")
         self.expected = expected
@@ -90,6 +95,8 @@ class MembershipState:
         self.fresh: set[int] = set()  # admitted since the last commit: may still need state
         self.round: _Round | None = None
         self.votes: dict[int, tuple[int, int, tuple[int, ...]]] = {}
+        self.speeds = speeds or SpeedTracker()
+        self._mb_s: dict[int, float] = {}  # the measured seconds per microbatch of the pending votes
 
     @property
     def generation(self) -> int:
@@ -147,6 +154,7 @@ class MembershipState:
         self.live.discard(replica)
         self.initial.discard(replica)
         self.pending_join.discard(replica)
+        self.speeds.forget(replica)
         acts: list[Action] = [Log("failure_detected", {"replica": replica, "cause": cause,
                                                        "generation": self.generation})]
         if self.current is not None and replica in self.current.members:
@@ -182,7 +190,8 @@ class MembershipState:
         return acts
 
     def on_vote(self, replica: int, req_id: int, generation: int, step: int, ids: list[int],
-                now: float) -> list[Action]:
+                now: float, mb_s: float | None = None) -> list[Action]:
+        """A member's commit vote; ``mb_s`` is the seconds per microbatch it measured in the step."""
         cur = self.current
         if cur is None or generation != cur.generation or replica not in cur.members:
             raise Refused("stale_generation",
@@ -195,9 +204,12 @@ class MembershipState:
         if replica in self.votes:
             raise Refused("duplicate_vote", f"replica {replica} already voted in generation {generation}")
         self.votes[replica] = (req_id, step, tuple(sorted(ids)))
+        if mb_s is not None:
+            self._mb_s[replica] = mb_s
         if set(self.votes) != set(cur.members):
             return []
         votes, self.votes = self.votes, {}
+        measured, self._mb_s = self._mb_s, {}
         ballots = {(s, i) for _, s, i in votes.values()}
         if len(ballots) != 1:
             acts: list[Action] = [Log("vote_disagreement", {"generation": generation, "ballots": {
@@ -208,16 +220,31 @@ class MembershipState:
         self.committed_step = step
         self.fresh.clear()
         acts = [Log("commit", {"generation": generation, "step": step, "ids": len(ids)})]
+        acts += self._observe_speeds(step, len(ids), cur.members, measured)
         new_gen = None
         if self.pending_join:
             acts += self._admit_joiners(now)
             new_gen = self.generation
+        speeds = speeds_to_wire(self.speeds.planned)
         acts += [Send(r, {"type": "committed", "re": rid, "generation": generation, "step": step,
-                          "new_generation": new_gen}) for r, (rid, _, _) in votes.items()]
+                          "new_generation": new_gen, "speeds": speeds}) for r, (rid, _, _) in votes.items()]
         return acts
 
     def on_tick(self, now: float) -> list[Action]:
         return self._check_round(now) if self.round is not None else []
+
+    def _observe_speeds(self, step: int, microbatches: int, members: tuple[int, ...],
+                        measured: dict[int, float]) -> list[Action]:
+        acts: list[Action] = []
+        for change in self.speeds.observe(microbatches, members, measured):
+            fields: dict[str, Any] = {"step": step}
+            if change.kind == "rebalanced":
+                fields.update(speedup=change.factor, speeds={str(r): round(t, 6) for r, t in
+                                                               sorted((self.speeds.planned or {}).items())})
+            else:
+                fields.update(replica=change.replica, slowdown=change.factor)
+            acts.append(Log(change.kind, fields))
+        return acts
 
     # ---------------------------------------------------------------- helpers
 
@@ -270,11 +297,12 @@ class MembershipState:
         dead = tuple(sorted(set(old.members) - set(members))) if old else ()
         m = Membership(generation=self.generation + 1, members=tuple(members), store_host=self.store_host,
                        store_port=self.store_port, step=self.committed_step + 1, dead=dead, joined=joined,
-                       min_members=self.min_members, reason=reason)
+                       min_members=self.min_members, reason=reason,
+                       speeds=dict(self.speeds.planned) if self.speeds.planned else None)
         acts: list[Action] = [Send(r, {"type": "aborted", "re": rid, "generation": old.generation if old else 0,
                                        "reason": f"generation replaced ({reason})"})
                               for r, (rid, _, _) in self.votes.items() if r in self.live]
-        self.votes = {}
+        self.votes, self._mb_s = {}, {}
         self.current = m
         self.initial.clear()
         fields: dict[str, Any] = {"generation": m.generation, "members": list(m.members), "dead": list(dead),

@@ -39,6 +39,11 @@ class Membership(Protocol):
     @property
     def members(self) -> tuple[int, ...]: ...
     @property
+    def speeds(self) -> dict[int, float] | None:
+        """The planned seconds per microbatch when the generation formed (a joiner's first plan)."""
+        ...
+
+    @property
     def joined(self) -> tuple[int, ...]:
         """Members admitted in this generation (they receive the state)."""
         ...
@@ -76,8 +81,13 @@ class Group(Protocol):
 class Coordinator(Protocol):
     """The commit vote."""
 
-    def vote_commit(self, generation: int, step: int, ids: list[int] | tuple[int, ...]) -> Membership | None:
-        """None: committed. A membership: committed, and joiners are admitted in that new generation.
+    speeds: dict[int, float] | None
+    """Seconds per microbatch by replica to plan the next step with, as of the last commit (None: even)."""
+
+    def vote_commit(self, generation: int, step: int, ids: list[int] | tuple[int, ...],
+                    mb_s: float | None = None) -> Membership | None:
+        """``mb_s``: the seconds per microbatch this replica measured in the step (None: it computed none).
+        Returns None: committed. A membership: committed, and joiners are admitted in that new generation.
         Raises PeerFailure: a member died or the votes disagreed; nothing was committed."""
         ...
 

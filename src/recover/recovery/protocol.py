@@ -1,11 +1,13 @@
 """LAYER 2: one committed step with in-step recovery (DESIGN 4.3). The one path every step takes.
 
-    plan      ids 0..M-1 -> live replicas (layer 3, deterministic: every survivor computes the same plan)
+    plan      ids 0..M-1 -> live replicas (layer 3, deterministic: every survivor computes the same plan;
+              weighted by the replicas' speeds agreed at the last commit, so stragglers get fewer)
     compute   this replica runs its ids; the replica's ledger records each finished id
     reduce    all-reduce a COPY of the replica's payload on generation g (layer 1)
       on PeerFailure: move to generation g+1; orphans = ids the dead replicas held in the plan;
                       re-plan the orphans over the survivors; compute ours; reduce again (repeat)
-    commit    the coordinator's vote on (g, step, ids == all M)
+    commit    the coordinator's vote on (g, step, ids == all M), with this replica's measured seconds
+              per microbatch; the reply carries the speeds the next step is planned with
     apply     grad = sum / M, clip, optimizer step (only now: the LR and the data cursor advance)
     admit     joiners admitted at the commit get the state from the lowest old member
 
@@ -34,7 +36,7 @@ from recover.comm.transfer import receive_state, send_state, source_rank
 from recover.errors import PeerFailure, QuorumLost
 from recover.names import Phase
 from recover.recovery.interfaces import Coordinator, Group, Hook, Membership, StepReplica
-from recover.workload import replan, static_assignment
+from recover.workload import plan_step, replan
 
 
 def totals(reduced: list[torch.Tensor]) -> tuple[float, int]:
@@ -119,17 +121,21 @@ class ResilientStep:
         on_event: called as ``(kind, **fields)`` for recovery and membership events.
         assignment: the failure-free ids -> replicas rule (``training.assignment``).
         seed: seeds the ``shuffled`` assignment.
+        policy: ``weighted`` (quotas by the speeds agreed at the last commit) or ``even``.
     """
 
     def __init__(self, replica: StepReplica, group: Group, coordinator: Coordinator, M: int,
                  progress: Progress | None = None, min_replicas: int = 1, hook: Hook = _no_hook,
-                 on_event: Callable[..., Any] = _no_event, assignment: str = "blocks", seed: int = 0) -> None:
+                 on_event: Callable[..., Any] = _no_event, assignment: str = "blocks", seed: int = 0,
+                 policy: str = "weighted") -> None:
         self.replica, self.group, self.coordinator = replica, group, coordinator
         self.me = group.members[group.rank]
         self.M, self.min_replicas = M, min_replicas
         self.progress = progress or Progress()
         self.hook, self.on_event = hook, on_event
-        self.assignment, self.seed = assignment, seed
+        self.assignment, self.seed, self.policy = assignment, seed, policy
+        self.speeds = group.membership.speeds  # a joiner's: those of the commit that admitted it
+        self._compute_s = 0.0  # this step's compute time so far
 
     # ---- one step --------------------------------------------------------------------------
     def run(self) -> StepOutcome:
@@ -143,9 +149,12 @@ class ResilientStep:
 
     def plan(self, data_step: int) -> dict[int, list[int]]:
         """Ids of the step per live replica: all M over the current members (layer 3)."""
-        members = list(self.group.members)
-        shares = static_assignment(self.M, len(members), data_step, self.assignment, self.seed)
-        return {r: shares[k] for k, r in enumerate(members)}
+        return plan_step(self.M, self.group.members, data_step, self.assignment, self.seed, self.times)
+
+    @property
+    def times(self) -> dict[int, float] | None:
+        """The per-microbatch times plans are weighted by (None: the even split)."""
+        return self.speeds if self.policy == "weighted" else None
 
     def commit(self, step: int, data_step: int) -> Committed:
         """Computes this replica's ids of ``data_step``, reduces and votes until the step commits."""
@@ -154,8 +163,11 @@ class ResilientStep:
         self.replica.reset()
         recoveries: list[dict[str, Any]] = []
         computed = 0
+        self._compute_s = 0.0
         while True:
+            t0 = time.perf_counter()
             self.replica.compute(data_step, todo, self.hook)
+            self._compute_s += time.perf_counter() - t0
             computed += len(todo)
             try:
                 return self._reduce_and_vote(step, plan, recoveries, computed)
@@ -186,7 +198,9 @@ class ResilientStep:
             raise RuntimeError(f"step {step}: reduced gradient holds {count} microbatches and the plan covers "
                                f"{len(ids)}, expected {len(expected)}: the ledger is inconsistent")
         self.hook(step, Phase.COMMIT)
-        admitted = self.coordinator.vote_commit(self.group.generation, step, ids)
+        mb_s = self._compute_s / computed if computed else None
+        admitted = self.coordinator.vote_commit(self.group.generation, step, ids, mb_s)
+        self.speeds = self.coordinator.speeds
         return Committed(reduced, ids, self.group.generation, tuple(self.group.members), computed, recoveries,
                          admitted)
 
@@ -228,7 +242,7 @@ class ResilientStep:
         old_generation = self.regroup(step)
         live = set(self.group.members)
         dead = set(plan) - live
-        new_work = replan(plan, None, dead, live) if dead else {}
+        new_work = replan(plan, None, dead, live, self.times) if dead else {}
         merged = {r: list(ids) + list(new_work.get(r, [])) for r, ids in plan.items() if r in live}
         todo = list(new_work.get(self.me, []))
         info = {"step": step, "from_generation": old_generation, "generation": self.group.generation,

@@ -68,6 +68,7 @@ class StaticMembership:
     generation: int
     members: tuple[int, ...]
     joined: tuple[int, ...] = ()
+    speeds: None = None  # no coordinator measures speeds: the even split
 
 
 class StaticGroup:
@@ -119,5 +120,8 @@ class StaticGroup:
 class CommitAll:
     """The :class:`~recover.recovery.interfaces.Coordinator` of a job without one: every vote commits."""
 
-    def vote_commit(self, generation: int, step: int, ids: list[int] | tuple[int, ...]) -> None:
+    speeds = None  # no one measures: the even split
+
+    def vote_commit(self, generation: int, step: int, ids: list[int] | tuple[int, ...],
+                    mb_s: float | None = None) -> None:
         return None

@@ -121,7 +121,8 @@ class ReplicaWorker:
         extra = {"initial_replicas": self.cfg.parallel.replicas} if step_class(self.baseline) is ShrinkStep else {}
         step = step_class(self.baseline)(
             self.replica, group, client, tc.global_microbatches, self.start, ft.min_replicas,
-            hook=hook, on_event=self._event, assignment=tc.assignment, seed=tc.seed, **extra)
+            hook=hook, on_event=self._event, assignment=tc.assignment, seed=tc.seed,
+            policy=self.cfg.workload.policy, **extra)
         if self.join:
             step.join()
         self._event("started", generation=step.group.generation, members=list(step.group.members),

@@ -5,11 +5,13 @@ from recover.workload.policy import (
     check_assignment,
     even_split,
     makespan,
+    plan_step,
     quotas,
     replan,
     split_within_replica,
     static_assignment,
 )
+from recover.workload.speeds import SpeedChange, SpeedTracker, slowdowns
 
-__all__ = ["assign", "check_assignment", "even_split", "makespan", "quotas", "replan", "split_within_replica",
-           "static_assignment"]
+__all__ = ["assign", "check_assignment", "even_split", "makespan", "plan_step", "quotas", "replan", "split_within_replica",
+           "static_assignment", "SpeedChange", "SpeedTracker", "slowdowns"]

@@ -151,23 +151,38 @@ def even_split(ids: Sequence[int], replicas: Iterable[int]) -> Assignment:
     return assign(ids, replicas)
 
 
-def static_assignment(M: int, replicas: int, step: int, how: str = "blocks",
-                      seed: int = 0) -> list[list[int]]:
-    """The failure-free assignment of ids ``0..M-1`` to replicas ``0..replicas-1`` at ``step``.
+def plan_step(M: int, members: Iterable[int], step: int, how: str = "blocks", seed: int = 0,
+              times: Mapping[int, float] | None = None) -> Assignment:
+    """The ids ``0..M-1`` of ``step`` over ``members``: the quotas of :func:`assign` (the even split
+    without ``times``), filled in the id order of ``how``.
 
-    ``blocks`` gives contiguous blocks, ``strided`` gives ``ids[r::replicas]`` and ``shuffled``
-    permutes the ids with a generator seeded by (seed, step) first: the trajectory must not depend
-    on which of them is used.
+    ``blocks`` gives contiguous blocks, ``strided`` deals the ids round-robin (``ids[k::n]`` for equal
+    quotas) and ``shuffled`` permutes the ids with a generator seeded by (seed, step) first: the
+    trajectory must not depend on which of them is used, nor on ``times``.
     """
     if how not in ASSIGNMENTS:
         raise ValueError(f"assignment {how!r} is not one of {ASSIGNMENTS}")
+    reps = _replicas(members)
+    sizes = [len(v) for v in assign(range(M), reps, times).values()]
     ids = list(range(M))
-    if how == "strided":
-        return [ids[r::replicas] for r in range(replicas)]
     if how == "shuffled":
         random.Random(f"{seed}:{step}").shuffle(ids)
-    split = even_split(ids, range(replicas))
-    return [split[r] for r in range(replicas)]
+    if how != "strided":
+        return _blocks(ids, reps, sizes)
+    out: Assignment = {r: [] for r in reps}
+    order = iter(ids)
+    while any(len(out[r]) < n for r, n in zip(reps, sizes, strict=True)):
+        for r, n in zip(reps, sizes, strict=True):
+            if len(out[r]) < n:
+                out[r].append(next(order))
+    return out
+
+
+def static_assignment(M: int, replicas: int, step: int, how: str = "blocks",
+                      seed: int = 0) -> list[list[int]]:
+    """The failure-free even plan of ids ``0..M-1`` over replicas ``0..replicas-1`` (see :func:`plan_step`)."""
+    plan = plan_step(M, range(replicas), step, how, seed)
+    return [plan[r] for r in range(replicas)]
 
 
 # ---- helpers ----------------------------------------------------------------------------------
