@@ -84,11 +84,12 @@ SHARD_FORMATS: tuple[str, ...] = get_args(ShardFormat)
 
 
 class Fault(_Named):
-    """What an injected failure does to the replica's process (``--fail``, ``--hang``, ``--freeze``)."""
+    """What an injected fault does to the replica's process (``--fail``, ``--hang``, ``--freeze``, ``--slow``)."""
 
     KILL = "kill", "SIGKILL: the process dies at once, as with a lost GPU or host"
     HANG = "hang", "the training thread stops for good; the process and its heartbeats stay alive"
     FREEZE = "freeze", "SIGSTOP: the whole process stops for good (a frozen host)"
+    SLOW = "slow", "its microbatches take FACTOR times as long from then on (a throttled or degraded device)"
 
 
 FAULTS: tuple[str, ...] = Fault.values()

@@ -168,3 +168,20 @@ def test_a_replica_frozen_for_good_is_fenced_reaped_and_replaced(reference_det: 
     assert any(e["kind"] == "state_received" and e["replica"] == 2 for e in ev)
     live = [r["live_replicas"] for r in rows(tmp_path)]
     assert live[2] == 4 and 3 in live[3:] and live[-1] == 4  # gone from step 3, back with the state
+
+
+def test_a_straggler_gets_fewer_microbatches_without_changing_the_trajectory(reference_det: Path, corpus: Path,
+                                                                             tmp_path: Path) -> None:
+    """Replica 3's microbatches take 4x as long from step 3 (emulated devices): the agreed speeds name
+    it and move its work to the others; every step still holds all M, bitwise equal to the reference."""
+    launch(tmp_path, corpus, "--deterministic", "--slow", "3@3:4", "--device-time-s", "0.05")
+    recs = rows(tmp_path)
+    assert [r["step"] for r in recs] == list(range(STEPS)) and all(r["microbatches"] == M for r in recs)
+    assert losses(tmp_path) == losses(reference_det)
+    ev = events(tmp_path)
+    named = next(e for e in ev if e["kind"] == "straggler")
+    assert named["replica"] == 3 and named["slowdown"] >= 1.5 and not any(e["kind"] == "kill" for e in ev)
+    assert recs[2].get("quotas") is None  # before the slow-down: the even split
+    late = [r["quotas"]["3"] for r in recs[10:]]
+    assert max(late) <= 1 and all(sum(r["quotas"].values()) == M for r in recs[10:])
+    assert all(r["stragglers"] == {"3": pytest.approx(4, rel=0.2)} for r in recs[10:20])

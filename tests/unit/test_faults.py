@@ -206,3 +206,19 @@ def test_hang_and_freeze_specs_round_trip_and_fire_their_fault() -> None:
                             hang=lambda: hangs.append(True))
         assert inj.maybe_fail(spec.step, spec.phase)
     assert hangs == [True] and signals == [signal.SIGSTOP]  # the hang stops the thread, no signal
+
+
+def test_slow_specs_parse_round_trip_and_never_count_as_failures() -> None:
+    from recover.faults import parse_slow
+
+    spec = parse_slow("2@10:4")
+    assert (spec.replica, spec.step, spec.fault, spec.factor, spec.kills) == (2, 10, "slow", 4.0, False)
+    assert parse_failure(str(spec)) == spec and FailureSpec.from_dict(spec.to_dict()) == spec
+    FailureSchedule([spec, parse_slow("2@20:1"), "2@30"]).validate(3, 40)  # slowed twice, then killed once
+    for bad in ("2@10", "2@10:0.5", "2@10:fast", "x@1:2"):
+        with pytest.raises(ConfigError):
+            parse_slow(bad)
+    factors: list[float] = []
+    inj = FaultInjector([spec], replica=2, rank=0, ranks=2, kill=lambda *a: pytest.fail("killed"),
+                        slow=factors.append)
+    assert not inj.maybe_fail(9, "forward") and inj.maybe_fail(10, "forward") and factors == [4.0]

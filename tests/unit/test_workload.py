@@ -301,3 +301,18 @@ def test_a_replica_left_without_work_is_probed_with_one_microbatch() -> None:
     assert quotas(assign(range(32), range(3), tracker.planned))[2] == 1
     tracker.forget(2)
     assert 2 not in (tracker.planned or {}) and 2 not in tracker.stragglers
+
+
+def test_a_probe_that_finds_the_replica_recovered_gives_it_its_share_back() -> None:
+    tracker = SpeedTracker(stale_steps=5)
+    _observe(tracker, {0: 0.1, 1: 0.1, 2: 10.0}, steps=3)
+    for _ in range(5):
+        tracker.observe(32, range(3), {0: 0.1, 1: 0.1})
+    assert quotas(assign(range(32), range(3), tracker.planned))[2] == 1  # the probe
+    tracker.observe(32, range(3), {0: 0.1, 1: 0.1, 2: 10.0})  # still slow: no work again
+    assert quotas(assign(range(32), range(3), tracker.planned))[2] == 0
+    for _ in range(5):
+        tracker.observe(32, range(3), {0: 0.1, 1: 0.1})
+    changes = tracker.observe(32, range(3), {0: 0.1, 1: 0.1, 2: 0.1})  # recovered
+    assert [c.kind for c in changes] == ["rebalanced", "straggler_cleared"]
+    assert quotas(assign(range(32), range(3), tracker.planned)) == {0: 11, 1: 11, 2: 10}

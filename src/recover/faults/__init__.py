@@ -9,7 +9,9 @@ from recover.faults.schedule import (
     FailureSpec,
     FaultInjector,
     parse_failure,
+    parse_slow,
     random_schedule,
 )
 
-__all__ = ["PHASES", "FailureSchedule", "FailureSpec", "FaultInjector", "parse_failure", "random_schedule"]
+__all__ = ["PHASES", "FailureSchedule", "FailureSpec", "FaultInjector", "parse_failure", "parse_slow",
+           "random_schedule"]

@@ -14,6 +14,10 @@ the members of :class:`recover.names.Phase` (``forward`` is the default when a s
 Which rank of a replica dies: a spec's ``rank``, or the replica's LAST rank when it is ``None``
 (the ``--fail-rank`` default); the replica's other ranks go down with it (its torchrun job, or
 the replica-level failure detection, tears them down).
+
+A ``slow`` spec (``--slow R@STEP:FACTOR``, text ``R@STEP:forward=slow:FACTOR``) kills nothing: from the
+first forward of STEP on, every rank of replica R takes FACTOR times as long per microbatch
+(FACTOR 1 ends it). It never counts as a failure in :meth:`FailureSchedule.validate`.
 """
 
 from __future__ import annotations
@@ -54,6 +58,8 @@ class FailureSpec:
     phase: Phase = DEFAULT_PHASE
     rank: int | None = None
     fault: Fault = Fault.KILL
+    factor: float = 1.0
+    """How many times as long a microbatch takes (``slow`` only)."""
 
     def __post_init__(self) -> None:
         for name in ("replica", "step") + (("rank",) if self.rank is not None else ()):
@@ -66,11 +72,21 @@ class FailureSpec:
             raise ConfigError(f"failure kind {self.fault!r} is not one of {', '.join(FAULTS)}")
         object.__setattr__(self, "phase", Phase(self.phase))  # a plain name becomes its member
         object.__setattr__(self, "fault", Fault(self.fault))
+        if self.fault is Fault.SLOW and not (isinstance(self.factor, (int, float)) and math.isfinite(self.factor)
+                                              and self.factor >= 1):
+            raise ConfigError(f"slow-down factor {self.factor!r} must be a number >= 1 (1 ends a slow-down)")
+
+    @property
+    def kills(self) -> bool:
+        """Whether the replica is lost (a kill, hang or freeze; not a slow-down)."""
+        return self.fault is not Fault.SLOW
 
     def __str__(self) -> str:
         """``R@STEP:PHASE``, with ``=hang`` or ``=freeze`` for those faults (the rank travels separately,
         as ``--fail-rank``)."""
         suffix = "" if self.fault is Fault.KILL else f"={self.fault}"
+        if self.fault is Fault.SLOW:
+            suffix += f":{self.factor:g}"
         return f"{self.replica}@{self.step}:{self.phase}{suffix}"
 
     def key(self) -> tuple[int, int, int]:
@@ -83,7 +99,8 @@ class FailureSpec:
     @classmethod
     def from_dict(cls, d: dict[str, Any]) -> FailureSpec:
         return cls(int(d["replica"]), int(d["step"]), str(d.get("phase", DEFAULT_PHASE)),
-                   None if d.get("rank") is None else int(d["rank"]), str(d.get("fault", Fault.KILL)))
+                   None if d.get("rank") is None else int(d["rank"]), str(d.get("fault", Fault.KILL)),
+                   float(d.get("factor", 1.0)))
 
 
 def parse_failure(text: str, rank: int | None = None, fault: Fault | str | None = None) -> FailureSpec:
@@ -95,9 +112,16 @@ def parse_failure(text: str, rank: int | None = None, fault: Fault | str | None 
             unknown phase; the one-line message names the text and the fix.
     """
     text, _, suffix = text.partition("=")
+    suffix, _, factor = suffix.partition(":")
     if suffix and suffix.strip().lower() not in FAULTS:
         raise ConfigError(f"bad failure {text}={suffix}: {suffix!r} is not one of {', '.join(FAULTS)}")
     fault = Fault(fault or suffix.strip().lower() or Fault.KILL)
+    if fault is Fault.SLOW:
+        try:
+            slow_by = float(factor)
+        except ValueError:
+            raise ConfigError(f"bad slow-down {text}={suffix}:{factor}: write R@STEP:FACTOR with FACTOR a "
+                              "number >= 1, e.g. 2@10:4") from None
     m = _SPEC.match(text)
     if m is None:
         raise ConfigError(f"bad failure {text!r}: write {FORM}")
@@ -112,7 +136,19 @@ def parse_failure(text: str, rank: int | None = None, fault: Fault | str | None 
         raise ConfigError(f"bad failure {text!r}: phase {phase!r} {_phase_hint(phase)}")
     if rank is not None and (not isinstance(rank, int) or rank < 0):
         raise ConfigError(f"bad failure rank {rank!r} for {text!r}: use an integer >= 0")
-    return FailureSpec(int(rep), int(step), Phase(phase), rank, fault)
+    return FailureSpec(int(rep), int(step), Phase(phase), rank, fault, slow_by if fault is Fault.SLOW else 1.0)
+
+
+def parse_slow(text: str) -> FailureSpec:
+    """Parses ``--slow R@STEP:FACTOR`` (replica R's microbatches take FACTOR times as long from STEP on).
+
+    Raises:
+        ConfigError: a malformed text or a factor below 1, in one line with the form to write.
+    """
+    head, sep, factor = text.rpartition(":")
+    if not sep or "@" not in head:
+        raise ConfigError(f"bad slow-down {text!r}: write R@STEP:FACTOR, e.g. 2@10:4")
+    return parse_failure(f"{head}:{DEFAULT_PHASE}={Fault.SLOW}:{factor}")
 
 
 def _phase_hint(phase: str) -> str:
@@ -170,6 +206,8 @@ class FailureSchedule:
             if ranks is not None and s.rank is not None and s.rank >= ranks:
                 raise ConfigError(f"failure {s}: rank {s.rank} does not exist; a replica has ranks "
                                   f"0..{ranks - 1}")
+            if not s.kills:
+                continue
             first = seen.get(s.replica)
             if first is not None and (not rejoin or first.step == s.step):
                 fix = "kill it at another step" if rejoin else "let it rejoin (--rejoin-after) or drop one"
@@ -188,7 +226,7 @@ class FailureSchedule:
 
     def at(self, replica: int, step: int, phase: Phase | str) -> bool:
         """Whether ``replica`` is scheduled to die at ``phase`` of ``step``."""
-        return any(s.replica == replica and s.step == step and s.phase == phase for s in self.specs)
+        return any(s.replica == replica and s.step == step and s.phase == phase and s.kills for s in self.specs)
 
     def for_replica(self, replica: int) -> list[FailureSpec]:
         """The specs of ``replica``, in schedule order: what its processes need to know."""
@@ -272,18 +310,22 @@ class FaultInjector:
         kill: called as ``kill(os.getpid(), SIGKILL or SIGSTOP)``; ``os.kill`` by default, a recorder in tests.
         hang: called to hang the training thread; blocks for good by default (a recorder in tests).
         before_kill: called with the spec just before the kill (e.g. to write and flush an event).
+        slow: called with a ``slow`` spec's factor when it fires (on every rank of the replica).
     """
 
     def __init__(self, specs: Iterable[FailureSpec], replica: int, rank: int = 0, ranks: int = 1,
                  kill: KillFn = os.kill, before_kill: Callable[[FailureSpec], None] | None = None,
-                 hang: Callable[[], Any] = lambda: threading.Event().wait()) -> None:
+                 hang: Callable[[], Any] = lambda: threading.Event().wait(),
+                 slow: Callable[[float], Any] = lambda factor: None) -> None:
         if not 0 <= rank < ranks:
             raise ValueError(f"rank = {rank} must be in 0..{ranks - 1} (ranks = {ranks})")
         self.replica, self.rank, self.ranks = replica, rank, ranks
-        self.kill, self.before_kill, self.hang = kill, before_kill, hang
+        self.kill, self.before_kill, self.hang, self.slow = kill, before_kill, hang, slow
         self.pending: list[FailureSpec] = [s for s in specs if s.replica == replica and self._mine(s)]
 
     def _mine(self, spec: FailureSpec) -> bool:
+        if spec.fault is Fault.SLOW and spec.rank is None:
+            return True  # the whole replica slows down
         return (self.ranks - 1 if spec.rank is None else spec.rank) == self.rank
 
     def maybe_fail(self, step: int, phase: Phase | str) -> bool:
@@ -298,6 +340,9 @@ class FaultInjector:
                 self.pending.remove(spec)
                 if self.before_kill is not None:
                     self.before_kill(spec)
+                if spec.fault is Fault.SLOW:
+                    self.slow(spec.factor)
+                    return True
                 sys.stdout.flush()
                 sys.stderr.flush()
                 if spec.fault is Fault.HANG:

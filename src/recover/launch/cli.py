@@ -42,6 +42,9 @@ def register(sub: argparse._SubParsersAction) -> None:
     p.add_argument("--hang", action="append", default=[], metavar="R@STEP:PHASE",
                    help=f"stop replica R's training thread for good at STEP and PHASE ({Fault.HANG.help}); "
                         "it is found by its lack of progress (fault_tolerance.hang_timeout_s); repeatable")
+    p.add_argument("--slow", action="append", default=[], metavar="R@STEP:FACTOR",
+                   help=f"from STEP on, replica R's microbatches take FACTOR times as long ({Fault.SLOW.help}); "
+                        "with workload.policy = weighted it gets fewer of them; repeatable")
     p.add_argument("--freeze", action="append", default=[], metavar="R@STEP:PHASE",
                    help=f"SIGSTOP replica R for good at STEP and PHASE ({Fault.FREEZE.help}); repeatable")
     p.add_argument("--fail-rank", type=int, default=None, metavar="K",
@@ -245,11 +248,14 @@ def _ids(flag: str, text: str | None) -> frozenset[int] | None:
 
 def run_launch(args: argparse.Namespace) -> int:
     """``recover launch``: the flags as a :class:`LaunchRequest`, run by :func:`launch`."""
+    from recover.faults import parse_slow
+
     return launch(LaunchRequest(
         out=Path(args.out), config=args.config, overrides=tuple(args.overrides), replicas=args.replicas,
         steps=args.steps, pp=args.pp, tp=args.tp, fsdp=args.fsdp, procs_per_replica=args.procs_per_replica,
         deterministic=args.deterministic, device_time_s=args.device_time_s, fail_rank=args.fail_rank,
-        failures=(*args.fail, *(f"{f}={Fault.HANG}" for f in args.hang), *(f"{f}={Fault.FREEZE}" for f in args.freeze)),
+        failures=(*args.fail, *(f"{f}={Fault.HANG}" for f in args.hang), *(f"{f}={Fault.FREEZE}" for f in args.freeze),
+                  *(str(parse_slow(f)) for f in args.slow)),
         random_mtbf_s=args.random_failures, rejoin_after_s=args.rejoin_after,
         rejoin_replicas=_ids("--rejoin-replicas", args.rejoin_replicas),
         baseline=Baseline(args.baseline) if args.baseline else None, seed=args.seed,

@@ -23,6 +23,10 @@ def _fmt(record: dict[str, Any]) -> str:
         parts.append(f"replicas {record['live_replicas']}")
     if record.get("generation"):
         parts.append(f"gen {record['generation']}")
+    if record.get("stragglers"):
+        quotas = record.get("quotas", {})
+        parts.append("slow " + ", ".join(f"r{r} {s:.1f}x" + (f" ({quotas[r]} mb)" if r in quotas else "")
+                                         for r, s in record["stragglers"].items()))
     if record.get("recovery_ms") is not None:
         parts.append(f"last recovery {record['recovery_ms']:.0f} ms")
     return "  ".join(parts)

@@ -84,7 +84,7 @@ class Coordinator(Protocol):
     speeds: dict[int, float] | None
     """Seconds per microbatch by replica to plan the next step with, as of the last commit (None: even)."""
 
-    def vote_commit(self, generation: int, step: int, ids: list[int] | tuple[int, ...],
+    def vote_commit(self, generation: int, step: int, ids: list[int] | tuple[int, ...], *,
                     mb_s: float | None = None) -> Membership | None:
         """``mb_s``: the seconds per microbatch this replica measured in the step (None: it computed none).
         Returns None: committed. A membership: committed, and joiners are admitted in that new generation.

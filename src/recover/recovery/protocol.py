@@ -36,7 +36,8 @@ from recover.comm.transfer import receive_state, send_state, source_rank
 from recover.errors import PeerFailure, QuorumLost
 from recover.names import Phase
 from recover.recovery.interfaces import Coordinator, Group, Hook, Membership, StepReplica
-from recover.workload import plan_step, replan
+from recover.workload import plan_step, replan, slowdowns
+from recover.workload.speeds import STRAGGLER_RATIO
 
 
 def totals(reduced: list[torch.Tensor]) -> tuple[float, int]:
@@ -74,6 +75,8 @@ class Committed:
     live: tuple[int, ...]
     computed: int
     """Microbatches this replica computed in the step (its quota plus any orphans)."""
+    quotas: dict[int, int] = field(default_factory=dict)
+    """Microbatches each live replica computed (the plan after any recovery)."""
     recoveries: list[dict[str, Any]] = field(default_factory=list)
     admitted: Membership | None = None
     """The membership that admits joiners at this commit, or None."""
@@ -93,6 +96,10 @@ class StepOutcome:
     live: tuple[int, ...]
     computed: int
     recoveries: list[dict[str, Any]]
+    quotas: dict[int, int] = field(default_factory=dict)
+    """Microbatches each live replica computed."""
+    stragglers: dict[int, float] = field(default_factory=dict)
+    """Replicas the agreed speeds name slow, with their time over the others' median."""
 
     @property
     def loss(self) -> float:
@@ -199,10 +206,11 @@ class ResilientStep:
                                f"{len(ids)}, expected {len(expected)}: the ledger is inconsistent")
         self.hook(step, Phase.COMMIT)
         mb_s = self._compute_s / computed if computed else None
-        admitted = self.coordinator.vote_commit(self.group.generation, step, ids, mb_s)
+        admitted = self.coordinator.vote_commit(self.group.generation, step, ids, mb_s=mb_s)
         self.speeds = self.coordinator.speeds
-        return Committed(reduced, ids, self.group.generation, tuple(self.group.members), computed, recoveries,
-                         admitted)
+        quotas = {r: len(share) for r, share in sorted(plan.items())}
+        return Committed(reduced, ids, self.group.generation, tuple(self.group.members), computed, quotas,
+                         recoveries, admitted)
 
     def apply(self, step: int, c: Committed) -> StepOutcome:
         """The optimizer update of a committed step; the progress advances."""
@@ -210,8 +218,10 @@ class ResilientStep:
         self.hook(step, Phase.OPTIMIZER)
         grad_norm = self.replica.apply(c.reduced, self.divisor(count), step)
         tokens = count * self.replica.tokens_per_microbatch
+        slow = {r: round(s, 2) for r, s in slowdowns(self.speeds or {}).items()
+                if s >= STRAGGLER_RATIO and r in c.live}
         outcome = StepOutcome(step, self.progress.data_step, loss_sum, count, tokens, grad_norm, c.generation,
-                              c.live, c.computed, c.recoveries)
+                              c.live, c.computed, c.recoveries, c.quotas, slow)
         self.progress.step += 1
         self.progress.data_step += 1
         self.progress.tokens += tokens

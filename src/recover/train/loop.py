@@ -47,6 +47,10 @@ def step_record(outcome: StepOutcome, dt: float, lr: float) -> dict[str, Any]:
               "tokens": outcome.tokens, "time_s": round(dt, 6), "lr": lr, "grad_norm": outcome.grad_norm,
               "tokens_per_s": outcome.tokens / dt, "live_replicas": len(outcome.live),
               "generation": outcome.generation, "computed": outcome.computed, "data_step": outcome.data_step}
+    if len(set(outcome.quotas.values())) > 1:
+        record["quotas"] = {str(r): q for r, q in outcome.quotas.items()}
+    if outcome.stragglers:
+        record["stragglers"] = {str(r): s for r, s in outcome.stragglers.items()}
     if outcome.recoveries:
         record["recovery_ms"] = sum(r["regroup_ms"] for r in outcome.recoveries)
         record["failures"] = [r["dead"] for r in outcome.recoveries]

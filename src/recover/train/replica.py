@@ -28,6 +28,7 @@ surfaces as an exception within it and the caller treats the whole replica as lo
   counted once); ``optimizer.step()``. Returns that norm.
 - With ``training.device_time_s`` every microbatch (pass) takes at least that wall time: an emulated
   dedicated device, for benchmarks and tests on shared CPU cores; the arithmetic is unchanged.
+  ``slowdown`` (fault injection: a throttled device) multiplies each pass's time.
 - In deterministic mode the buffers are float64: a sum of float32 microbatch gradients in float64 does
   not depend on who computed which id, so a step is bitwise reproducible (per rank's own passes; not
   inside FSDP reduce-scatters or pipeline chunks).
@@ -133,6 +134,7 @@ class Replica:
         if dims.pp > 1:
             self.pipe = PipelineRunner(self.model, self.coord.pp, dims.pp, mesh[MeshAxis.PP.value].get_group(),
                                        self.device, model_cfg.dim, model_cfg.vocab_size, schedule)
+        self.slowdown = 1.0  # >1: every pass takes this many times as long (--slow fault injection)
         self.ledger: list[int] = []
         self.losses: dict[int, float] = {}
         self.loss_sum = 0.0
@@ -220,8 +222,10 @@ class Replica:
         return out
 
     def _emulate_device(self, t0: float, microbatches: int) -> None:
-        """With ``training.device_time_s``, sleeps until ``microbatches`` x that time has passed since ``t0``."""
-        left = self.training.device_time_s * microbatches - (time.perf_counter() - t0)
+        """With ``training.device_time_s``, sleeps until ``microbatches`` x that time has passed since ``t0``;
+        with a ``slowdown`` s, until s times that time (or s times the real compute, if longer)."""
+        elapsed = time.perf_counter() - t0
+        left = max(self.training.device_time_s * microbatches, elapsed) * self.slowdown - elapsed
         if left > 0:
             time.sleep(left)
 

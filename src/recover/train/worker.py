@@ -86,11 +86,18 @@ class ReplicaWorker:
         self.start = Progress.of(self.checkpointer.resume()[1]) if resume else Progress()
         self.events = EventLog(self.out / "events.jsonl")
         self.log = JsonlWriter(replica_log_path(self.out, replica)) if self.rank == 0 else None
-        self.injector = FaultInjector(failures, replica, self.rank, self.ranks, before_kill=self._before_kill)
+        self.injector = FaultInjector(failures, replica, self.rank, self.ranks, before_kill=self._before_kill,
+                                      slow=self._slow_down)
 
     def _before_kill(self, spec: FailureSpec) -> None:
+        if not spec.kills:
+            self._event("slowed", step=spec.step, factor=spec.factor)
+            return
         self.events.event("kill", replica=self.replica_id, rank=self.rank, step=spec.step, phase=spec.phase,
                           fault=spec.fault, pid=os.getpid())
+
+    def _slow_down(self, factor: float) -> None:
+        self.replica.slowdown = factor
 
     def _event(self, kind: str, **fields: Any) -> None:
         if self.ranks > 1:

@@ -46,6 +46,10 @@ class SpeedChange:
     step time of the old plan over the new one's."""
 
 
+STRAGGLER_RATIO = 1.5
+"""A replica this many times slower than the median of the others is named a straggler."""
+
+
 def slowdowns(times: Mapping[int, float]) -> dict[int, float]:
     """Each replica's time over the median time of the other replicas (1.0 with no other)."""
     out: dict[int, float] = {}
@@ -67,7 +71,7 @@ class SpeedTracker:
     """
 
     def __init__(self, window: int = 7, tolerance: float = 0.25, margin: float = 0.1, stale_steps: int = 20,
-                 straggler_ratio: float = 1.5) -> None:
+                 straggler_ratio: float = STRAGGLER_RATIO) -> None:
         if window < 1 or not 0 <= tolerance < 1 or margin < 0 or stale_steps < 1 or straggler_ratio <= 1:
             raise ValueError(f"bad speed tracker settings: window={window}, tolerance={tolerance}, "
                              f"margin={margin}, stale_steps={stale_steps}, straggler_ratio={straggler_ratio}")
@@ -77,18 +81,22 @@ class SpeedTracker:
         self._samples: dict[int, deque[float]] = {}
         self._last_seen: dict[int, int] = {}
         self._commits = 0
+        self._probed: set[int] = set()  # replicas whose samples a probe restarted
         self.planned: dict[int, float] | None = None
         """The times every replica plans with (None: the even split)."""
         self.stragglers: set[int] = set()
 
     def estimates(self) -> dict[int, float]:
-        """The median of each replica's recent samples (replicas with at least ``min_samples`` of them)."""
-        return {r: statistics.median(s) for r, s in sorted(self._samples.items()) if len(s) >= self.min_samples}
+        """The median of each replica's recent samples (replicas with at least ``min_samples`` of them, or
+        any sample since a probe)."""
+        return {r: statistics.median(s) for r, s in sorted(self._samples.items())
+                if len(s) >= self.min_samples or (s and r in self._probed)}
 
     def forget(self, replica: int) -> None:
         """``replica`` left the job: its samples and planned time go (a replacement is measured anew)."""
         self._samples.pop(replica, None)
         self._last_seen.pop(replica, None)
+        self._probed.discard(replica)
         self.stragglers.discard(replica)
         if self.planned is not None:
             self.planned.pop(replica, None)
@@ -101,20 +109,23 @@ class SpeedTracker:
         self._commits += 1
         for r, t in samples.items():
             if t > 0:
-                self._samples.setdefault(r, deque(maxlen=self.window)).append(float(t))
+                window = self._samples.setdefault(r, deque(maxlen=self.window))
+                window.append(float(t))
                 self._last_seen[r] = self._commits
+                if len(window) >= self.min_samples:
+                    self._probed.discard(r)
         changes = self._replan(microbatches, members)
         self._probe_stale(microbatches, members)
         return changes + self._name_stragglers(members)
 
     # ---- helpers --------------------------------------------------------------------------------
     def _replan(self, microbatches: int, members: list[int]) -> list[SpeedChange]:
-        fresh = self.estimates()
+        fresh = {r: t for r, t in self.estimates().items() if r in members}
         if len(members) < 2 or not fresh:
             return []
         planned = _relative(_filled(self.planned or {}, members))
-        now = _relative(_filled({r: fresh.get(r, (self.planned or {}).get(r)) for r in members
-                                 if r in fresh or r in (self.planned or {})}, members))
+        scale = statistics.median(fresh.values()) / statistics.median(planned[r] for r in fresh)
+        now = _relative({r: fresh[r] / scale if r in fresh else planned[r] for r in members})  # unmeasured: as planned
         # the dead band: a replica keeps its planned relative time unless it moved beyond the tolerance
         cand = {r: now[r] if abs(now[r] / planned[r] - 1) > self.tolerance else planned[r] for r in members}
         if cand == planned:
@@ -135,6 +146,7 @@ class SpeedTracker:
                 continue
             span = makespan(assign(range(microbatches), members, self.planned), _filled(self.planned, members))
             self._samples.pop(r, None)
+            self._probed.add(r)
             self._last_seen[r] = self._commits
             self.planned[r] = span * 0.999
 
