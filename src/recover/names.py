@@ -93,3 +93,5 @@ class Fault(_Named):
 
 
 FAULTS: tuple[str, ...] = Fault.values()
+RANDOM_FAULTS: tuple[str, ...] = (Fault.KILL.value, Fault.HANG.value, Fault.FREEZE.value)
+"""What ``recover launch --random-failures`` can do to a replica from outside (``--random-faults``)."""

@@ -185,3 +185,22 @@ def test_a_straggler_gets_fewer_microbatches_without_changing_the_trajectory(ref
     late = [r["quotas"]["3"] for r in recs[10:]]
     assert max(late) <= 1 and all(sum(r["quotas"].values()) == M for r in recs[10:])
     assert all(r["stragglers"] == {"3": pytest.approx(4, rel=0.2)} for r in recs[10:20])
+
+
+def test_random_hangs_sent_from_outside_are_fenced_reaped_and_rejoined(reference_det: Path, corpus: Path,
+                                                                       tmp_path: Path) -> None:
+    """--random-faults hang: the launcher stops a random replica's training thread (SIGUSR1, not the
+    worker's own injector) at random moments; the progress rule finds it, the replica is fenced,
+    exits or is reaped, and rejoins; the run stays bitwise equal to the failure-free one."""
+    launch(tmp_path, corpus, "--deterministic", "--random-failures", "1.5", "--random-faults", "hang",
+           "--rejoin-after", "0", "--device-time-s", "0.05", "--fault_tolerance.hang_timeout_s=2")
+    recs = rows(tmp_path)
+    assert [r["step"] for r in recs] == list(range(STEPS)) and all(r["microbatches"] == M for r in recs)
+    assert losses(tmp_path) == losses(reference_det)
+    ev = events(tmp_path)
+    hangs = [e for e in ev if e["kind"] == "kill"]
+    assert hangs and all(e["fault"] == "hang" and e["source"] == "launcher" for e in hangs)
+    for hang in hangs:
+        fenced = next(e for e in ev if e["kind"] == "failure_detected" and e["replica"] == hang["replica"]
+                      and e["t"] > hang["t"])
+        assert fenced["cause"] == "hung" and gone(hang["pid"])

@@ -34,6 +34,9 @@ def _launch(args: list[str], out: Path) -> tuple[subprocess.CompletedProcess[str
     (["--config", "debug", "--parallel.backend", "mpi"], "parallel.backend", "one of 'auto', 'gloo', 'nccl'"),
     (["--config", "debug", "--procs-per-replica", "2"], "--procs-per-replica", "pp x tp x fsdp = 1 x 1 x 1 = 1"),
     (["--config", "debug", "--fail", "0@3:backwrd"], "phase 'backwrd'", "did you mean 'backward'"),
+    (["--config", "debug", "--slow", "1@3:0.5"], "slow-down factor 0.5", "a number >= 1"),
+    (["--config", "debug", "--random-failures", "5", "--random-faults", "kill,crash"], "--random-faults kill,crash",
+     "some of kill, hang, freeze"),
 ])
 def test_a_bad_launch_is_refused_in_one_line_before_anything_starts(
         tmp_path: Path, args: list[str], field: str, says: str) -> None:

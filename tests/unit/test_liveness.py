@@ -75,3 +75,49 @@ def test_the_automatic_timeout_follows_the_median_step_time() -> None:
     assert Liveness(hang_timeout_s=5.0).timeout() == 5.0
     with pytest.raises(ValueError):
         Liveness(hang_timeout_s=-1.0)
+
+
+def test_a_training_thread_stuck_in_a_wait_of_an_older_generation_is_hung() -> None:
+    """Everyone waits: replica 2's thread froze inside a wait of generation 1 (its process acks and
+    heartbeats on). Generation 2 forms; the others move on to it at once, replica 2 never does."""
+    live = started(3, hang_timeout_s=2.0)
+    for r in range(3):
+        live.heartbeat(r, 0, 10, "wait", 1.0, generation=1)
+    live.formed(2, [0, 1, 2], now=1.0)
+    for t in (1.1, 2.0, 3.0):
+        live.heartbeat(0, 0, 11, "wait", t, generation=2)
+        live.heartbeat(1, 0, 11, "wait", t, generation=2)
+        live.heartbeat(2, 0, 10, "wait", t, generation=1)
+    assert live.hung(2.9) == []  # within the timeout of the formation
+    hung = live.hung(3.1)
+    assert [r for r, _ in hung] == [2] and "still waiting in generation 1" in hung[0][1]
+    old = started(2, hang_timeout_s=2.0)  # older clients report no generation: not judged this way
+    old.formed(3, [0, 1], now=0.0)
+    for r in range(2):
+        old.heartbeat(r, 0, 1, "wait", 5.0)
+    assert old.hung(5.0) == []
+
+
+def test_a_training_thread_stuck_in_a_save_or_evaluation_is_hung_after_the_longer_io_timeout() -> None:
+    live = started(2, hang_timeout_s=1.0)
+    live.heartbeat(0, 0, 5, "io", 0.0)
+    live.heartbeat(1, 0, 5, "wait", 0.0)
+    assert live.hung(9.9) == []
+    hung = live.hung(10.1)
+    assert [r for r, _ in hung] == [0] and "in a save or evaluation" in hung[0][1] and live.away(0)
+
+
+def test_a_member_that_never_votes_after_the_others_did_is_hung() -> None:
+    """Everyone is in a wait and no generation changes: replicas 0 and 1 voted (the reduction
+    completed), replica 2's thread stopped right after it and never votes."""
+    live = started(3, hang_timeout_s=2.0)
+    live.formed(1, [0, 1, 2], now=0.0)
+    for r in range(3):
+        live.heartbeat(r, 0, 7, "wait", 0.5, generation=1)
+    live.voted(0, 0, 0.6)
+    live.voted(1, 0, 0.7)
+    assert live.hung(2.5) == []
+    hung = live.hung(2.7)
+    assert [r for r, _ in hung] == [2] and "has not voted" in hung[0][1]
+    live.committed(0, 2.8)  # a commit (or a new generation) ends the ballot
+    assert live.hung(10.0) == []

@@ -135,6 +135,7 @@ class FaultTolerantGroup:
         m, deadline = membership, time.monotonic() + timeout_s
         while True:
             try:
+                client.entering(m.generation)
                 with client.activity("wait"):
                     pg, store = _rendezvous(client, m, resolved, dev, timeout_s, yard)
                 break
@@ -161,6 +162,7 @@ class FaultTolerantGroup:
             m = self.client.wait_for_generation(self.generation, wait_s)
             if old_pg is not None and m.generation == self.generation + 1:
                 try:
+                    self.client.entering(m.generation)
                     pg = _try_shrink(self, old_pg, m)
                 except PeerFailure:
                     pg, m = None, self.client.wait_for_generation(m.generation, wait_s)

@@ -104,6 +104,7 @@ class CoordinatorClient:
         self._threads: list[threading.Thread] = []
         self._wakers: set[threading.Event] = set()
         self._progress = 0
+        self._entered = 0
         self._activity = "compute"
         self.fence_exit_s, self.on_fenced = fence_exit_s, on_fenced
         self.speeds: dict[int, float] | None = None
@@ -143,6 +144,11 @@ class CoordinatorClient:
     def advance(self) -> None:
         """The training loop passed a phase point (its progress, sent with the heartbeats)."""
         self._progress += 1
+
+    def entering(self, generation: int) -> None:
+        """The training thread moves on to ``generation`` (forms its group): sent with the heartbeats,
+        so a training thread stuck in a wait of an older generation is told apart from a waiting one."""
+        self._entered = max(self._entered, generation)
 
     @contextmanager
     def activity(self, kind: str) -> Iterator[None]:
@@ -403,7 +409,8 @@ class CoordinatorClient:
             if self._lost is not None:
                 return
             try:
-                self._send({"type": "hb", "progress": self._progress, "activity": self._activity})
+                self._send({"type": "hb", "progress": self._progress, "activity": self._activity,
+                            "generation": self._entered})
             except OSError as exc:
                 self._mark_lost(f"heartbeat failed: {exc}")
                 return

@@ -7,11 +7,23 @@ step: each microbatch's forward and backward, the reduction, the vote, ...) and 
 
   ``compute``  it owes the others progress (the default);
   ``wait``     it is blocked for the others: in a collective, a commit vote, a generation forming;
-  ``io``       a checkpoint save or an evaluation: long, legitimate, not judged.
+  ``io``       a checkpoint save or an evaluation: long and legitimate, so judged by the same rule
+               with ``IO_FACTOR`` x the hang timeout (a training thread stuck in io is still found).
 
-Rule (pure: every call carries ``now``): replica R is *hung* when one of its ranks has been in
-``compute`` with an unchanged counter for longer than the hang timeout while a rank of another live
-replica is in ``wait`` (so a replica alone, or a job that is slow everywhere, is never fenced). The
+Rule (pure: every call carries ``now``): replica R is *hung* when
+
+* one of its ranks has been in ``compute`` (``io``) with an unchanged counter for longer than the hang
+  timeout (``IO_FACTOR`` x it) while a rank of another live replica is in ``wait`` (so a replica
+  alone, or a job that is slow everywhere, is never fenced); or
+* generation g has been formed for longer than the hang timeout, R is a member, and a rank of R in
+  ``wait`` still reports (``generation`` in its heartbeat: the newest generation its training thread
+  moved on to) an older generation: a waiting training thread is woken by the failure notice and
+  moves on within milliseconds, so one that has not is stuck (a hang inside a wait); or
+* a commit vote of the current generation began longer than the hang timeout ago and a rank of R,
+  without progress for as long, has not voted: the first vote means the reduction completed, which
+  every member took part in, so a healthy member votes within milliseconds of the others.
+
+The
 timeout is ``hang_timeout_s`` when set (> 0); else ``max(min_s, factor x the median step time)``,
 the step times being the intervals between the commits this coordinator saw (``min_s`` alone until
 there are 3 of them).
@@ -26,6 +38,7 @@ from dataclasses import dataclass
 ACTIVITIES = ("compute", "wait", "io")
 DEFAULT_MIN_S = 60.0
 DEFAULT_FACTOR = 10.0
+IO_FACTOR = 10.0
 
 
 @dataclass
@@ -34,6 +47,8 @@ class _Rank:
     activity: str
     since: float
     """When ``progress`` last changed (or the rank entered ``compute``)."""
+    generation: int | None = None
+    """The newest generation its training thread moved on to (None: not reported)."""
 
 
 class Liveness:
@@ -47,6 +62,8 @@ class Liveness:
         self.hang_timeout_s, self.min_s, self.factor = hang_timeout_s, min_s, factor
         self._replicas: dict[int, dict[int, _Rank]] = {}
         self._commits: deque[tuple[int, float]] = deque(maxlen=21)
+        self._formed: tuple[int, tuple[int, ...], float] | None = None  # (generation, members, when)
+        self._ballot: tuple[float, set[tuple[int, int]]] | None = None  # (first vote, (replica, rank) voted)
 
     def start(self, replica: int, ranks: int, now: float) -> None:
         """Replica ``replica`` of ``ranks`` ranks is registered: its clocks start now."""
@@ -56,21 +73,37 @@ class Liveness:
         """The replica is gone (dead, fenced or left)."""
         self._replicas.pop(replica, None)
 
-    def heartbeat(self, replica: int, rank: int, progress: int | None, activity: str | None, now: float) -> None:
+    def formed(self, generation: int, members: list[int] | tuple[int, ...], now: float) -> None:
+        """Generation ``generation`` of ``members`` was formed (its members are told now)."""
+        if self._formed is None or generation > self._formed[0]:
+            self._formed = (generation, tuple(members), now)
+            self._ballot = None
+
+    def voted(self, replica: int, rank: int, now: float) -> None:
+        """Rank ``rank`` of ``replica`` sent its commit vote for the current generation's next step."""
+        if self._ballot is None:
+            self._ballot = (now, set())
+        self._ballot[1].add((replica, rank))
+
+    def heartbeat(self, replica: int, rank: int, progress: int | None, activity: str | None, now: float,
+                  generation: int | None = None) -> None:
         """A heartbeat of rank ``rank`` of ``replica`` (older clients send neither field: never judged)."""
         r = self._replicas.get(replica, {}).get(rank)
         if r is None:
             return
+        if generation is not None:
+            r.generation = generation
         if progress is None:
-            r.activity = "io"
+            r.activity = "legacy"  # never judged
             return
         activity = activity if activity in ACTIVITIES else "compute"
-        if progress != r.progress or (activity == "compute" and r.activity != "compute"):
+        if progress != r.progress or (activity != "wait" and r.activity != activity):
             r.since = now
         r.progress, r.activity = progress, activity
 
     def committed(self, step: int, now: float) -> None:
         """A step was committed (called once per step or more: repeats of a step are ignored)."""
+        self._ballot = None
         if not self._commits or self._commits[-1][0] != step:
             self._commits.append((step, now))
 
@@ -92,16 +125,51 @@ class Liveness:
         out = []
         for replica, ranks in sorted(self._replicas.items()):
             others = sorted(waiting - {replica})
-            stale = [(k, now - r.since) for k, r in ranks.items() if r.activity == "compute" and now - r.since > limit]
+            stale = [(k, now - r.since) for k, r in ranks.items()
+                     if (r.activity == "compute" and now - r.since > limit)
+                     or (r.activity == "io" and now - r.since > IO_FACTOR * limit)]
+            behind = self._behind(replica, ranks, now, limit)
             if others and stale:
                 rank, silent = stale[0]
-                out.append((replica, f"rank {rank} made no progress for {silent:.1f} s (hang timeout {limit:.1f} s) "
-                                     f"while replicas {others} waited for it"))
+                io = ranks[rank].activity == "io"
+                out.append((replica, f"rank {rank} made no progress for {silent:.1f} s "
+                                     f"({'in a save or evaluation, ' if io else ''}hang timeout "
+                                     f"{(IO_FACTOR if io else 1) * limit:.1f} s) while replicas {others} waited for it"))
+            elif behind is not None:
+                out.append((replica, behind))
+            elif (silent := self._not_voting(replica, ranks, now, limit)) is not None:
+                out.append((replica, silent))
         return out
 
-    def computing(self, replica: int) -> bool:
-        """Whether a rank of ``replica`` is in ``compute`` (owes the others progress)."""
-        return any(r.activity == "compute" for r in self._replicas.get(replica, {}).values())
+    def _not_voting(self, replica: int, ranks: dict[int, _Rank], now: float, limit: float) -> str | None:
+        """Why a rank of ``replica`` counts as stuck before its vote, or None."""
+        if self._ballot is None or self._formed is None or replica not in self._formed[1]:
+            return None
+        first, voted = self._ballot
+        if now - first <= limit:
+            return None
+        for k, r in ranks.items():
+            if (replica, k) not in voted and r.progress >= 0 and now - r.since > limit:
+                return (f"rank {k} has not voted {now - first:.1f} s after the others began to (hang timeout "
+                        f"{limit:.1f} s) and made no progress since: its training thread is stuck")
+        return None
+
+    def _behind(self, replica: int, ranks: dict[int, _Rank], now: float, limit: float) -> str | None:
+        """Why a rank of ``replica`` is stuck in a wait of a generation older than the current one, or None."""
+        if self._formed is None:
+            return None
+        generation, members, when = self._formed
+        if replica not in members or now - when <= limit:
+            return None
+        for k, r in ranks.items():
+            if r.activity == "wait" and r.generation is not None and r.generation < generation:
+                return (f"rank {k} is still waiting in generation {r.generation} {now - when:.1f} s after "
+                        f"generation {generation} formed (hang timeout {limit:.1f} s): its training thread is stuck")
+        return None
+
+    def away(self, replica: int) -> bool:
+        """Whether a rank of ``replica`` is in ``compute`` or ``io``: not at a collective of the others."""
+        return any(r.activity in ("compute", "io") for r in self._replicas.get(replica, {}).values())
 
     def waiting(self) -> set[int]:
         """Replicas with a rank blocked for the others (in a collective, a vote, ...)."""

@@ -49,7 +49,7 @@ MAX_RANKS = 1 << 16
 SCHEMAS: dict[str, dict[str, str]] = {
     "register": {"id": _INT, "token": _STR, "replica": _INT, "join": _BOOL, "rank": _ABSENT_INT,
                  "ranks": _ABSENT_INT},
-    "hb": {"progress": _ABSENT_INT, "activity": _ABSENT_STR},
+    "hb": {"progress": _ABSENT_INT, "activity": _ABSENT_STR, "generation": _ABSENT_INT},
     "ack": {"generation": _INT},
     "report": {"id": _INT, "generation": _INT, "suspects": _INTS, "timeout": _ABSENT_BOOL},
     "vote": {"id": _INT, "generation": _INT, "step": _INT, "ids": _INTS, "mb_s": _ABSENT_NUM},

@@ -221,7 +221,8 @@ class RankAggregator:
         try:
             if kind == "hb":
                 if slot.registered:
-                    self.liveness.heartbeat(slot.replica, link.rank, msg.get("progress"), msg.get("activity"), now)
+                    self.liveness.heartbeat(slot.replica, link.rank, msg.get("progress"), msg.get("activity"), now,
+                                            msg.get("generation"))
                 return
             if kind == "bye":
                 self._drop(link, "left", now)
@@ -313,6 +314,8 @@ class RankAggregator:
         """Buffers a rank's vote until all ranks of the replica voted; then one vote to the state."""
         r, cid = slot.replica, msg["id"]
         g, step, ids = msg["generation"], msg["step"], msg["ids"]
+        if g == self.state.generation:
+            self.liveness.voted(r, link.rank, now)
         if msg.get("mb_s") is not None:
             slot.mb_s[link.rank] = float(msg["mb_s"])
         forward = lambda i: self.state.on_vote(r, i, g, step, ids, now, max(slot.mb_s.values(), default=None))
@@ -337,10 +340,10 @@ class RankAggregator:
 
     def _fence_unreached(self, reporter: int, now: float) -> None:
         """A collective of the current generation ran out of time: the members that never reached it
-        (still computing, by their heartbeats) are fenced, so the next generation is never the same
+        (computing, saving or evaluating, by their heartbeats) are fenced, so the next generation is never the same
         members again (a hung replica is found here too when the hang timeout is the longer one)."""
         for r, slot in list(self._slots.items()):
-            if r != reporter and slot.registered and self.liveness.computing(r):
+            if r != reporter and slot.registered and self.liveness.away(r):
                 self._kill(slot, "unreached", f"it never reached the collective that replica {reporter} "
                                               "timed out in", now)
 
@@ -366,6 +369,9 @@ class RankAggregator:
         re = msg.get("re")
         if msg["type"] == "committed":
             self.liveness.committed(msg["step"], self._now)
+        elif msg["type"] == "membership" and msg["membership"] is not None:
+            m = msg["membership"]
+            self.liveness.formed(m["generation"], m["members"], self._now)
         if re is not None and re in slot.routes:
             for link, cid in slot.routes.pop(re):
                 self._send(link, {**msg, "re": cid})

@@ -4,14 +4,16 @@ The phases are :class:`recover.names.Phase`; ``PHASES`` is re-exported from ther
 """
 
 from recover.faults.schedule import (
+    HANG_SIGNAL,
     PHASES,
     FailureSchedule,
     FailureSpec,
     FaultInjector,
+    hang_on_signal,
     parse_failure,
     parse_slow,
     random_schedule,
 )
 
-__all__ = ["PHASES", "FailureSchedule", "FailureSpec", "FaultInjector", "parse_failure", "parse_slow",
+__all__ = ["HANG_SIGNAL", "PHASES", "hang_on_signal", "FailureSchedule", "FailureSpec", "FaultInjector", "parse_failure", "parse_slow",
            "random_schedule"]

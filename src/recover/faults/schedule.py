@@ -43,6 +43,14 @@ _SPEC = re.compile(r"^\s*([^@:]*)@([^@:]*)(?::([^@:]*))?\s*$")
 MAX_DRAWS = 1_000_000
 _SIGKILL = getattr(signal, "SIGKILL", signal.SIGTERM)
 _SIGSTOP = getattr(signal, "SIGSTOP", signal.SIGTERM)
+HANG_SIGNAL = getattr(signal, "SIGUSR1", signal.SIGTERM)
+"""Sent by the launcher's random faults: the worker's training (main) thread stops for good."""
+
+
+def hang_on_signal() -> None:
+    """Makes :data:`HANG_SIGNAL` stop this process's main thread for good, its other threads (heartbeats,
+    watchdog) running on: a hang injected from outside. Call it from the main thread."""
+    signal.signal(HANG_SIGNAL, lambda signum, frame: threading.Event().wait())
 
 
 @dataclass(frozen=True)

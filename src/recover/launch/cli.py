@@ -19,7 +19,7 @@ from typing import TYPE_CHECKING
 
 from recover.config import Config, load_config
 from recover.errors import ConfigError, RecoverError
-from recover.names import BASELINES, Baseline, Fault, Phase
+from recover.names import BASELINES, RANDOM_FAULTS, Baseline, Fault, Phase
 
 if TYPE_CHECKING:
     from recover.launch.launcher import Launcher, LaunchOptions
@@ -59,7 +59,10 @@ def register(sub: argparse._SubParsersAction) -> None:
                    help="emulate dedicated devices: every microbatch takes at least T seconds of wall time "
                         "(training.device_time_s; for benchmarks and tests on shared CPU cores)")
     p.add_argument("--random-failures", type=float, default=None, metavar="MTBF_S",
-                   help="also SIGKILL a random live replica at exponential intervals with this mean (seconds)")
+                   help="also fail a random live replica at exponential intervals with this mean (seconds)")
+    p.add_argument("--random-faults", default=Fault.KILL.value, metavar="KIND[,KIND...]",
+                   help=f"what --random-failures does, drawn uniformly per failure: {', '.join(RANDOM_FAULTS)} "
+                        "(default kill; a hang is sent as SIGUSR1, which stops the worker's training thread)")
     p.add_argument("--rejoin-after", type=float, default=None, metavar="SECONDS",
                    help="restart a killed replica after this delay; it joins back at the next step boundary")
     p.add_argument("--rejoin-replicas", default=None, metavar="R[,R...]",
@@ -126,6 +129,8 @@ class LaunchRequest:
     fail_rank: int | None = None
     """Which rank of a replica the failures kill (None: its last)."""
     random_mtbf_s: float | None = None
+    random_faults: tuple[str, ...] = (Fault.KILL.value,)
+    """What each random failure does: some of :data:`RANDOM_FAULTS`."""
     rejoin_after_s: float | None = None
     rejoin_replicas: frozenset[int] | None = None
     """With ``rejoin_after_s``: only these replicas rejoin (None: every killed one)."""
@@ -169,6 +174,10 @@ def check_launch(req: LaunchRequest) -> LaunchOptions:
     schedule.validate(p.replicas, cfg.training.steps, ft.min_replicas, rejoin=req.rejoin_after_s is not None, ranks=P)
     if req.random_mtbf_s is not None and req.random_mtbf_s <= 0:
         raise ConfigError(f"--random-failures {req.random_mtbf_s} is not allowed: a positive MTBF in seconds")
+    odd = [f for f in req.random_faults if f not in RANDOM_FAULTS]
+    if odd or not req.random_faults:
+        raise ConfigError(f"--random-faults {','.join(req.random_faults)} is not allowed: some of "
+                          f"{', '.join(RANDOM_FAULTS)}, comma-separated")
     if req.rejoin_after_s is not None and req.rejoin_after_s < 0:
         raise ConfigError(f"--rejoin-after {req.rejoin_after_s} is not allowed: seconds >= 0")
     if req.rejoin_replicas is not None and not req.rejoin_replicas <= set(range(p.replicas)):
@@ -184,7 +193,8 @@ def check_launch(req: LaunchRequest) -> LaunchOptions:
                           f"(this replica has {P} ranks)")
     resolve_data_dir(cfg.data, prepare=False)  # a missing shard directory is refused here, not by the workers
     return LaunchOptions(config=cfg, config_arg=req.config, overrides=overrides, out=Path(req.out),
-                         failures=schedule, random_mtbf_s=req.random_mtbf_s, rejoin_after_s=req.rejoin_after_s,
+                         failures=schedule, random_mtbf_s=req.random_mtbf_s,
+                         random_faults=tuple(Fault(f) for f in req.random_faults), rejoin_after_s=req.rejoin_after_s,
                          rejoin_replicas=req.rejoin_replicas, seed=req.seed, baseline=req.baseline,
                          progress=req.progress,
                          title=f"{cfg.name} x{p.replicas}" + (f" (x{P} ranks)" if P > 1 else ""))
@@ -257,6 +267,7 @@ def run_launch(args: argparse.Namespace) -> int:
         failures=(*args.fail, *(f"{f}={Fault.HANG}" for f in args.hang), *(f"{f}={Fault.FREEZE}" for f in args.freeze),
                   *(str(parse_slow(f)) for f in args.slow)),
         random_mtbf_s=args.random_failures, rejoin_after_s=args.rejoin_after,
+        random_faults=tuple(f.strip().lower() for f in args.random_faults.split(",") if f.strip()),
         rejoin_replicas=_ids("--rejoin-replicas", args.rejoin_replicas),
         baseline=Baseline(args.baseline) if args.baseline else None, seed=args.seed,
         reference=Path(args.reference) if args.reference else None, progress=not args.no_progress))
@@ -279,9 +290,10 @@ def run_compare(args: argparse.Namespace) -> int:
 
 
 def run_worker(args: argparse.Namespace) -> int:
-    from recover.faults import parse_failure
+    from recover.faults import hang_on_signal, parse_failure
     from recover.train.worker import ReplicaWorker, build
 
+    hang_on_signal()  # the launcher's random hangs: the training thread stops, heartbeats go on
     cfg = load_config(args.config, args.overrides)
     host, _, port = args.coordinator.rpartition(":")
     if not host or not port.isdigit():

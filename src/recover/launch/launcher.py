@@ -38,8 +38,8 @@ from pathlib import Path
 from typing import Any
 
 from recover.config import Config
-from recover.faults import FailureSchedule
-from recover.names import Baseline
+from recover.faults import HANG_SIGNAL, FailureSchedule
+from recover.names import Baseline, Fault
 from recover.observe.events import EventLog, JsonlWriter
 from recover.observe.progress import ProgressDisplay
 from recover.train.exits import EXIT_FENCED, EXIT_JOB_FAILED, EXIT_QUORUM_LOST
@@ -63,6 +63,9 @@ class LaunchOptions:
     out: Path
     failures: FailureSchedule = field(default_factory=FailureSchedule)
     random_mtbf_s: float | None = None
+    random_faults: tuple[Fault, ...] = (Fault.KILL,)
+    """What each random failure does (drawn uniformly): SIGKILL, a hung training thread (SIGUSR1 to
+    the worker) or SIGSTOP."""
     rejoin_after_s: float | None = None
     baseline: Baseline | None = None
     """None (recover) or the baseline run instead (see :class:`recover.names.Baseline`)."""
@@ -311,7 +314,9 @@ class Launcher:
         return [r for r in self.replicas.values() if r.exit_code is None]
 
     def _random_kill(self, now: float) -> None:
-        """SIGKILLs a random replica that is training right now (it committed a step in the last 2 s).
+        """Fails a random replica that is training right now (it committed a step in the last 2 s): a
+        SIGKILL, a hang (SIGUSR1: the worker's training thread stops for good) or a SIGSTOP, drawn
+        from ``random_faults``; the hung or frozen replica is fenced and reaped like any other.
 
         The clock starts with the first committed step; replicas still starting up or waiting to
         be admitted are not targets, and a kill never leaves fewer than ``min_replicas``.
@@ -323,15 +328,19 @@ class Launcher:
         if now < self.next_random_kill:
             return
         self.next_random_kill = now + self.rng.expovariate(1.0 / self.o.random_mtbf_s)
-        training = [r for r in self._live() if now - self.active.get(r.rid, 0.0) < 2.0]
+        training = [r for r in self._live() if now - self.active.get(r.rid, 0.0) < 2.0
+                    and not any(p.pid in self.faulted for p in r.procs)]  # a hung one has no second fault
         if len(training) - 1 < self.cfg.fault_tolerance.min_replicas:
             return
         victim = self.rng.choice(sorted(training, key=lambda r: r.rid))
         rank = self.rng.randrange(self.P)
+        fault = self.rng.choice(self.o.random_faults)
         pid = victim.procs[rank].pid
         self.events.event("kill", replica=victim.rid, rank=rank, step=max(self.records, default=-1) + 1,
-                          phase="random", pid=pid, source="launcher")
-        os.killpg(pid, signal.SIGKILL)
+                          phase="random", pid=pid, source="launcher", fault=fault)
+        sig = {Fault.KILL: signal.SIGKILL, Fault.HANG: HANG_SIGNAL, Fault.FREEZE: signal.SIGSTOP}[fault]
+        self.faulted.add(pid)
+        os.killpg(pid, sig)
         self.kills += 1
 
     def _new_lines(self, path: Path) -> list[dict[str, Any]]:
@@ -402,6 +411,7 @@ class Launcher:
         steps = self.cfg.training.steps
         self.display = ProgressDisplay(steps, title=self.o.title, enabled=self.o.progress)
         self.next_random_kill: float | None = None
+        self.faulted: set[int] = set()  # PIDs a random fault already hit
         t0 = self.t0 = time.time()
         self.events.event("launch", replicas=self.n, steps=steps, failures=[str(s) for s in self.o.failures],
                           random_mtbf_s=self.o.random_mtbf_s, rejoin_after_s=self.o.rejoin_after_s)
