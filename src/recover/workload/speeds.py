@@ -64,9 +64,10 @@ class SpeedTracker:
 
     Args:
         window: samples per replica whose median is its estimate.
-        tolerance: relative distance to the median within which an estimate counts as the median.
+        tolerance: the dead band: how far (relative) a replica's estimate must be from its planned time
+            for the plan to consider moving it.
         margin: the smallest predicted relative shortening of the step that changes the plan.
-        stale_steps: commits without a sample after which a replica's estimate is dropped.
+        stale_steps: commits without a sample after which a replica is probed with one microbatch.
         straggler_ratio: planned time over the others' median from which a replica is named slow.
     """
 
@@ -151,10 +152,7 @@ class SpeedTracker:
             self.planned[r] = span * 0.999
 
     def _name_stragglers(self, members: list[int]) -> list[SpeedChange]:
-        if self.planned is None:
-            slow = {}
-        else:
-            slow = {r: s for r, s in slowdowns(_filled(self.planned, members)).items()}
+        slow = slowdowns(_filled(self.planned, members)) if self.planned is not None else {}
         changes = []
         for r in members:
             s = slow.get(r, 1.0)
