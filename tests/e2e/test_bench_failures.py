@@ -1,11 +1,14 @@
 """`recover bench failures`: the pure parts on synthetic run directories, and one small end-to-end run.
 
-The end-to-end run uses the debug preset, 3 replicas and 6 steps with the successive schedule
-(replica 1 dies at step 3) for the reference, recover, checkpoint-and-restart with synchronous and
-with asynchronous saves, and shrink-and-drop (3 replicas rather than 4 keep it short: each
-system's start-up dominates), and checks what the benchmark is for: recover keeps M microbatches
-in every step and the reference's losses, shrink-and-drop drops below M, restarting costs wall
-time, and an asynchronous save blocks training for less than a synchronous one.
+The end-to-end run uses the debug preset, 2 replicas, 6 steps and 2 rounds on emulated devices of
+20 ms per microbatch, with the successive schedule (replica 1 dies at step 3) for the reference,
+recover, checkpoint-and-restart with synchronous and with asynchronous saves, and shrink-and-drop
+(2 replicas rather than 4 keep it short: each system's start-up dominates), and checks what the
+benchmark is for: recover keeps M microbatches in every step and the reference's losses,
+shrink-and-drop drops below M, restarting costs wall time, an asynchronous save blocks training
+for less than a synchronous one, every system ran once per round in alternating order, and the
+emulated device time held every step. The statistics over rounds are unit-tested in
+tests/unit/test_bench_failures_stats.py.
 """
 
 from __future__ import annotations
@@ -21,6 +24,7 @@ from recover.bench import failures
 from recover.bench.common import step_intervals, windows
 from recover.errors import ConfigError
 from recover.faults import FailureSchedule
+from recover.observe.plots import load_metrics
 
 T0 = 1_000_000.0
 TOKENS = 1024  # per full step (M = 8 microbatches of 128 tokens)
@@ -124,15 +128,19 @@ def test_system_rows_measure_throughput_loss_and_lost_time(synthetic: list[dict]
 
 def test_assemble_ratios_ideal_table_and_json(synthetic: list[dict], tmp_path: Path,
                                               capsys: pytest.CaptureFixture[str]) -> None:
-    ref, rec, restart, shrink = synthetic
+    rows = [failures.aggregate_rounds([row | {"round": 0, "load": [1.0]}]) for row in synthetic]
+    ref, rec, restart, shrink = rows
     sched = FailureSchedule(["1@3:backward", "2@6:reduce"])
-    ideal = failures.assemble(synthetic, sched, 4, 10)
+    ideal = failures.assemble(rows, sched, 4, 10)
     assert rec["ratio_vs_recover"] == 1.0
     assert restart["ratio_vs_recover"] == pytest.approx(11 / 50, rel=1e-3)
     live = [4, 4, 4, 3, 3, 3, 2, 2, 2, 2]
     assert ideal["tokens_per_s"] == pytest.approx(failures.ideal_tokens_per_s(1024.0, live, 4), rel=1e-4)
     assert ideal["recover_fraction"] == pytest.approx(rec["effective_tokens_per_s"] / ideal["tokens_per_s"], rel=1e-3)
-    res = {"config": "debug", "replicas": 4, "steps": 10, "microbatches": 8, "systems": synthetic, "ideal": ideal,
+    device = {"time_s": 0.25, "compute_s": 0.065, "threads": 1, "replicas": 4, "cores": 2, "contended_s": 0.13,
+              "dominates": True}
+    res = {"config": "debug", "replicas": 4, "steps": 10, "microbatches": 8, "rounds": 1, "device": device,
+           "systems": rows, "ideal": ideal,
            "schedule": {"kind": "successive", "fails": [str(s) for s in sched], "mtbf_s": 5.0},
            "young_daly": {"save_cost_s": 0.05, "save_total_s": 0.05, "mtbf_s": 5.0, "step_time_s": 1.0,
                           "checkpoint_every": 1, "async": {"save_cost_s": 0.004, "save_total_s": 0.06,
@@ -144,11 +152,21 @@ def test_assemble_ratios_ideal_table_and_json(synthetic: list[dict], tmp_path: P
     for expected in ("reference", "recover", "ckpt-restart", "shrink-and-drop", "1@3:backward 2@6:reduce",
                      "torchft: not run (torchft does not import)", "Young/Daly K = 1",
                      "checkpoint-and-restart (sync): save blocks C = 50 ms",
-                     "checkpoint-and-restart (async): save blocks C = 4 ms (whole save 60 ms)"):
+                     "checkpoint-and-restart (async): save blocks C = 4 ms (whole save 60 ms)",
+                     "emulated devices: every microbatch takes >= 250 ms", "one round (--rounds 1)",
+                     "1 round(s), device time 0.25 s"):
         assert expected in text
-    rows = failures.table_rows(synthetic)
-    assert [r[7] for r in rows] == ["8", "8", "8", "4"]  # min microbatches column
-    paths = failures.plot_results(tmp_path, synthetic)
+    cells = failures.table_rows(rows)
+    assert [r[failures.COLUMNS.index("min mb/step")] for r in cells] == ["8", "8", "8", "4"]
+    assert [r[failures.COLUMNS.index("x recover")] for r in cells][1] == "1.000"
+    res["device"], res["rounds"] = device | {"time_s": 0.1, "dominates": False}, 3
+    failures.print_result(res)
+    text = capsys.readouterr().out
+    assert "WARNING: below 1.5 x the contended compute" in text and "medians over 3 rounds" in text
+    res["device"] = device | {"time_s": 0.0, "dominates": False}
+    failures.print_result(res)
+    assert "real compute only (--device-time-s 0)" in capsys.readouterr().out
+    paths = failures.plot_results(tmp_path, rows, "median round of 3")
     assert all(p.stat().st_size > 10_000 for p in paths)
 
 
@@ -159,7 +177,13 @@ def test_bad_arguments_are_refused_before_any_run(tmp_path: Path) -> None:
         failures.run_bench(config="debug", schedule_kind="weekly", out=tmp_path)
     with pytest.raises(ConfigError, match="too short"):
         failures.run_bench(config="debug", steps=3, out=tmp_path)
-    assert not (tmp_path / "reference").exists()
+    with pytest.raises(ConfigError, match=r"^--rounds 0: at least 1"):
+        failures.run_bench(config="debug", rounds=0, out=tmp_path)
+    with pytest.raises(ConfigError, match="--device-time-s"):
+        failures.run_bench(config="debug", device_time_s=-0.1, out=tmp_path)
+    with pytest.raises(ConfigError, match="with --device-time-s instead"):
+        failures.run_bench(config="debug", overrides=["--training.device_time_s", "0.1"], out=tmp_path)
+    assert not any(tmp_path.iterdir())
 
 
 # ---------------------------------------------------------------- end to end
@@ -169,9 +193,10 @@ def test_bench_failures_end_to_end(tmp_path: Path, corpus: Path) -> None:
     parser = argparse.ArgumentParser()
     failures.add_parser(parser.add_subparsers())
     json_path = tmp_path / "bench.json"
+    device_s = 0.02
     args, extra = parser.parse_known_args(
-        ["failures", "--config", "debug", "--replicas", "3", "--steps", "6", "--systems",
-         "recover,restart,restart-async,shrink",
+        ["failures", "--config", "debug", "--replicas", "2", "--steps", "6", "--rounds", "2", "--device-time-s",
+         str(device_s), "--systems", "recover,restart,restart-async,shrink",
          "--out", str(tmp_path / "out"), "--json", str(json_path), "--timeout", "240",
          "--data.path", str(corpus), "--training.eval_every=3"])
     args.overrides = extra
@@ -181,10 +206,23 @@ def test_bench_failures_end_to_end(tmp_path: Path, corpus: Path) -> None:
     assert set(by) == {"reference", "recover", "restart", "restart-async", "shrink"}
     for s in by.values():
         for key in ("name", "wall_s", "effective_tokens_per_s", "max_rel_loss_dev", "min_microbatches",
-                    "ratio_vs_recover", "final_val_loss"):
+                    "ratio_vs_recover", "vs_ideal", "rel_spread", "final_val_loss"):
             assert s[key] is not None, (s["name"], key)
         assert s["completed"] and s["committed_steps"] == 6
+        assert [x["round"] for x in s["rounds"]] == [0, 1] and s["exit_codes"] == [0, 0]
+        tps = [x["effective_tokens_per_s"] for x in s["rounds"]]
+        assert s["effective_tokens_per_s"] == pytest.approx(sum(tps) / 2, abs=0.01)  # the median of two
+        assert s["tokens_per_s_min"] == min(tps) and s["tokens_per_s_max"] == max(tps)
+        assert s["run_dir"] == str(tmp_path / "out" / f"round{s['median_round']}" / s["name"])
+        for x in s["rounds"]:  # the busiest replica of every step computed >= 2 emulated microbatches
+            assert min(r["time_s"] for r in load_metrics(x["run_dir"])) >= 2 * device_s
+    # alternating order: round 0 ran the reference first, round 1 last
+    start = {(x["round"], s["name"]): windows(Path(x["run_dir"]))["launch_t"] for s in by.values() for x in s["rounds"]}
+    assert min(start, key=lambda k: start[k] if k[0] == 0 else math.inf) == (0, "reference")
+    assert max(start, key=lambda k: start[k] if k[0] == 1 else -math.inf) == (1, "reference")
+    assert res["rounds"] == 2 and res["device"]["time_s"] == device_s and res["device"]["compute_s"] > 0
     assert res["schedule"]["fails"] == ["1@3:backward"]
+    assert all(x["failures"] == 0 and x["committed_steps"] == 6 for x in by["reference"]["rounds"])
     assert by["recover"]["failures"] == 1 and by["recover"]["min_microbatches"] == 8
     assert by["recover"]["max_rel_loss_dev"] < 1e-5
     assert by["shrink"]["min_microbatches"] < 8 and by["shrink"]["dropped_steps"] >= 1
@@ -197,5 +235,7 @@ def test_bench_failures_end_to_end(tmp_path: Path, corpus: Path) -> None:
     yd = res["young_daly"]
     assert yd["checkpoint_every"] >= 1 and yd["save_cost_s"] > 0
     assert 0 < yd["async"]["save_cost_s"] < yd["save_cost_s"] and yd["async"]["checkpoint_every"] >= 1
-    assert res["ideal"]["tokens_per_s"] > 0 and res["ideal"]["recover_fraction"] > 0
+    ideal = res["ideal"]
+    assert ideal["tokens_per_s"] > 0 and ideal["recover_fraction"] == by["recover"]["vs_ideal"] > 0
+    assert len(ideal["recover_fraction_per_round"]) == 2
     assert (tmp_path / "out" / "loss.png").is_file() and (tmp_path / "out" / "throughput.png").is_file()

@@ -2,7 +2,9 @@
 
 Contract:
 - Every system runs as its own child process tree (``python -m recover ...``), started in a new
-  session and, if it outlives its time limit, killed by its process-group id (never by name).
+  session and, if it outlives its time limit or the benchmark is interrupted, stopped by its
+  process-group id (never by name): SIGINT first, so that a launcher stops the processes it started
+  in sessions of their own (its ``finally``), then SIGKILL after :data:`STOP_GRACE_S`.
 - A run directory is read only through :mod:`recover.observe.plots` loaders and ``summary.json``;
   the benchmarks never change one except to add files of their own.
 - Timing windows are defined here, once, for every system:
@@ -12,6 +14,9 @@ Contract:
   * ``train_s``: from the start of training to the last committed step's record. It contains
     every recovery, relaunch, redone step, checkpoint save and evaluation of the run, and not
     the one-off start-up that every system pays identically at the beginning.
+- Repeated measurements: a benchmark of several rounds runs its systems in :func:`round_orders`
+  (forward, then reversed, alternating), so a drift of the machine's load is spread evenly, and
+  summarises a quantity over rounds with :func:`spread` (median, min, max, relative spread).
 """
 
 from __future__ import annotations
@@ -31,6 +36,8 @@ from recover.observe.plots import load_events, load_metrics
 
 SRC_DIR = str(Path(__file__).resolve().parents[2])
 START_KINDS = ("generation", "train_start")
+STOP_GRACE_S = 10.0
+"""Seconds a stopped child gets after SIGINT before its process group is SIGKILLed."""
 Log = Callable[[str], None]
 
 
@@ -51,7 +58,8 @@ def recover_cmd(*args: str, python: str | None = None) -> list[str]:
 
 
 def run_child(cmd: Sequence[str], log_path: Path, timeout_s: float, env: dict[str, str] | None = None) -> int:
-    """Runs ``cmd`` with its output in ``log_path``; kills its process group past ``timeout_s``.
+    """Runs ``cmd`` with its output in ``log_path``; stops its process group (:func:`kill_group` with
+    :data:`STOP_GRACE_S`) past ``timeout_s`` or when this process is interrupted.
 
     Returns:
         the exit status, or 124 when the time limit was reached.
@@ -63,15 +71,24 @@ def run_child(cmd: Sequence[str], log_path: Path, timeout_s: float, env: dict[st
         try:
             return proc.wait(timeout=timeout_s)
         except subprocess.TimeoutExpired:
-            kill_group(proc)
+            kill_group(proc, STOP_GRACE_S)
             return 124
         except BaseException:
-            kill_group(proc)
+            kill_group(proc, STOP_GRACE_S)
             raise
 
 
-def kill_group(proc: subprocess.Popen[Any]) -> None:
-    """SIGKILLs the process group that ``proc`` leads (it was started with a new session)."""
+def kill_group(proc: subprocess.Popen[Any], grace_s: float = 0.0) -> None:
+    """SIGKILLs the process group that ``proc`` leads (it was started with a new session).
+
+    With ``grace_s`` > 0 the group gets SIGINT first and up to ``grace_s`` seconds to exit.
+    """
+    if grace_s > 0 and proc.poll() is None:
+        try:
+            os.killpg(proc.pid, signal.SIGINT)
+            proc.wait(timeout=grace_s)
+        except (ProcessLookupError, subprocess.TimeoutExpired):
+            pass
     if proc.poll() is None:
         try:
             os.killpg(proc.pid, signal.SIGKILL)
@@ -124,6 +141,23 @@ def median(xs: Sequence[float]) -> float | None:
     return statistics.median(xs) if xs else None
 
 
+def round_orders(systems: Sequence[str], rounds: int) -> list[list[str]]:
+    """The run order of each round: ``systems`` forward in even rounds, reversed in odd ones."""
+    return [list(systems) if r % 2 == 0 else list(reversed(systems)) for r in range(rounds)]
+
+
+def spread(xs: Sequence[float]) -> dict[str, float | None]:
+    """``median``, ``min``, ``max`` of ``xs`` and ``rel_spread`` = (max - min) / median.
+
+    All None for an empty ``xs``; ``rel_spread`` None when the median is 0.
+    """
+    if not xs:
+        return {"median": None, "min": None, "max": None, "rel_spread": None}
+    mid = statistics.median(xs)
+    return {"median": mid, "min": min(xs), "max": max(xs),
+            "rel_spread": (max(xs) - min(xs)) / mid if mid else None}
+
+
 def machine_load() -> list[float]:
     """The 1, 5 and 15 minute load averages (``uptime``), rounded."""
     try:
@@ -158,7 +192,8 @@ def print_rich_table(title: str, columns: Sequence[str], rows: Sequence[Sequence
         table.add_column(col, justify="left" if i == 0 else "right", no_wrap=i == 0)
     for row in rows:
         table.add_row(*row)
-    console = Console(width=max(120, sum(len(c) + 3 for c in columns)))
+    widths = [max([len(col), *(len(row[i]) for row in rows)]) for i, col in enumerate(columns)]
+    console = Console(width=max(120, sum(w + 3 for w in widths) + 1))  # every cell on one line
     console.print(table)
     for note in notes:
         console.print(escape(note), highlight=False)  # '[bench]' in a note is text, not rich markup

@@ -1,33 +1,60 @@
 """``recover bench failures``: recover against checkpoint-and-restart, shrink-and-drop and torchft,
-side by side in one run, on the same seed, model, data and failure schedule.
+side by side, on the same seed, model, data and failure schedule, on emulated devices, in rounds.
 
 Contract:
-- The systems run one after another, each as its own job on this machine (``recover launch``, or
-  the torchft runner), into ``OUT/<name>/``: first the failure-free ``reference`` (recover with no
-  failure), then ``recover``, ``restart`` and ``restart-async`` (checkpoint-and-restart with
-  synchronous and with asynchronous DCP saves, ``training.checkpoint_async``), ``shrink``
+- Emulated devices (``device_time_s``, ``--device-time-s``, default :data:`DEVICE_TIME_S`): every
+  system runs with ``training.device_time_s`` = T, so every microbatch takes at least T of wall
+  time (real compute, then a sleep; the arithmetic is unchanged): replicas then behave like
+  dedicated accelerators, and survivors do not speed up by inheriting the CPU cores of dead
+  replicas. ``recover``, ``restart`` and ``shrink`` get it as the launcher override
+  ``--training.device_time_s=T``, torchft through its runner (which honours the same setting). T = 0
+  means real compute only (replicas share this machine's cores). Before the runs the real compute
+  of one microbatch is measured once (:func:`measure_compute_s`) and reported; a warning is logged
+  and printed when T is below :data:`DOMINANCE` x that time scaled by the replicas sharing the
+  cores (:func:`device_dominates`). Setting ``training.device_time_s`` as a config override is
+  refused: the option is the one way to set it.
+- Rounds (``rounds``, ``--rounds``, default :data:`ROUNDS`, at least 1): every system, the
+  failure-free ``reference`` included, runs once per round, each as its own job on this machine
+  (``recover launch``, or the torchft runner) into ``OUT/round<r>/<name>/``; round ``r`` runs the
+  systems forward for even ``r`` and reversed for odd ``r`` (:func:`recover.bench.common.round_orders`),
+  so a drift of the machine's load is spread evenly. The systems, in forward order: ``reference``
+  (recover with no failure), ``recover``, ``restart`` and ``restart-async`` (checkpoint-and-restart
+  with synchronous and with asynchronous DCP saves, ``training.checkpoint_async``), ``shrink``
   (shrink-and-drop, torchft's semantics in recover's code) and ``torchft`` (torchft 0.2.0 DDP +
-  Lighthouse, when an interpreter with torchft is found). Every system gets the exact same ``--fail R@STEP:PHASE``
-  specs: the ``successive`` schedule (lose half the replicas at evenly spaced steps, 2 of 4 by
-  default) or a ``random`` MTBF schedule drawn once by :func:`recover.faults.random_schedule` from
-  the reference's step time.
-- Checkpoint-and-restart saves every K steps, K by Young/Daly from the measured save cost C of
-  this model in the mode it runs (:func:`measure_save_cost`: the time ``Checkpointer.save`` blocks
-  training, median of 3 after a warm-up; synchronous: the whole DCP save; asynchronous: the state
-  dict and its copy to CPU memory, the write runs in the background) and the schedule's MTBF:
-  ``K_s = sqrt(2 C MTBF)``, ``K = max(1, round(K_s / step_time))`` (:func:`young_daly_steps`).
-  A cheaper blocking cost gives the asynchronous mode a smaller K, hence less work to redo.
-- Per system (:func:`system_row`): wall time (whole job), start-up and training time (see
-  :mod:`recover.bench.common`), effective throughput = committed training tokens / training
-  time, its ratio to recover's and to the failure-free reference's, time lost per failure =
-  (training time - committed tokens / reference throughput) / failures, min microbatches per
-  committed step, max relative per-step loss deviation from the reference, final validation loss.
-- ``ideal`` (:func:`ideal_tokens_per_s`): the surviving replicas' share of failure-free
-  throughput: step ``s`` ideally takes ``t_ref * N / live(s)``, ``t_ref`` the reference's
-  training time per step and ``live(s)`` the replicas alive at step ``s`` under the schedule.
-- Outputs: a rich table on stdout, ``OUT/loss.png`` (loss curves overlaid), ``OUT/throughput.png``
-  (throughput and committed tokens over time, failures marked), ``OUT/results.json`` and
-  ``--json FILE`` (the same object: ``systems`` holds one object per system).
+  Lighthouse, when an interpreter with torchft is found).
+- One schedule and one K for all rounds, fixed after the first round's reference (which runs first):
+  every system gets the exact same ``--fail R@STEP:PHASE`` specs in every round, from the
+  ``successive`` schedule (lose half the replicas at evenly spaced steps, 2 of 4 by default) or a
+  ``random`` MTBF schedule drawn once by :func:`recover.faults.random_schedule` from that
+  reference's step time. Checkpoint-and-restart saves every K steps, K by Young/Daly from the
+  measured save cost C of this model in the mode it runs (:func:`measure_save_cost`: the time
+  ``Checkpointer.save`` blocks training, median of 3 after a warm-up; synchronous: the whole DCP
+  save; asynchronous: the state dict and its copy to CPU memory, the write runs in the background)
+  and the schedule's MTBF: ``K_s = sqrt(2 C MTBF)``, ``K = max(1, round(K_s / step_time))``
+  (:func:`young_daly_steps`), measured once.
+- Per run (:func:`system_row`, against the same round's reference): wall time (whole job), start-up
+  and training time (see :mod:`recover.bench.common`), effective throughput = committed training
+  tokens / training time, time lost per failure = (training time - committed tokens / reference
+  throughput) / failures, min microbatches per committed step, max relative per-step loss deviation
+  from the reference, final validation loss, and the load average when it started.
+- Per system (:func:`aggregate_rounds`): ``effective_tokens_per_s`` is the median over rounds, with
+  ``tokens_per_s_min``, ``tokens_per_s_max`` and ``rel_spread`` = (max - min) / median; wall, start-up
+  and training time and time lost per failure are medians; ``min_microbatches`` the fewest and
+  ``max_rel_loss_dev`` the largest over rounds; ``completed`` only if every round completed; the
+  other fields are those of the system's median round (the round of the median throughput, the
+  lower of the two middle ones for an even count), which is also the one plotted; ``rounds`` keeps
+  the per-round rows.
+- Ratios (:func:`assemble`), all of medians: ``vs_ideal`` = throughput / ideal, ``ratio_vs_recover``
+  = throughput / recover's, ``vs_failure_free`` = throughput / the reference's. ``ideal``
+  (:func:`ideal_tokens_per_s`) is the surviving replicas' share of the reference's median
+  throughput: step ``s`` ideally takes ``t_ref * N / live(s)``, ``t_ref`` the reference's training
+  time per step and ``live(s)`` the replicas alive at step ``s`` under the schedule. Each per-round
+  row also gets its paired ``vs_ideal`` and ``ratio_vs_recover`` (against the same round's reference
+  and recover).
+- Outputs: a rich table on stdout (medians, spread, ratios), ``OUT/loss.png`` (loss curves
+  overlaid) and ``OUT/throughput.png`` (throughput and committed tokens over time, failures
+  marked), both of each system's median round, ``OUT/results.json`` and ``--json FILE`` (the same
+  object: ``systems`` holds one object per system, with its per-round rows in ``rounds``).
 """
 
 from __future__ import annotations
@@ -50,7 +77,10 @@ from recover.bench.common import (
     fmt,
     launch_run,
     machine_load,
+    median,
     print_rich_table,
+    round_orders,
+    spread,
     stderr_log,
     windows,
     write_json,
@@ -62,7 +92,6 @@ from recover.observe.plots import load_events, load_metrics
 
 SYSTEMS = ("recover", Baseline.RESTART.value, "restart-async", Baseline.SHRINK.value, "torchft")
 RESTARTS = {Baseline.RESTART.value: False, "restart-async": True}
-"""The checkpoint-and-restart systems: whether their periodic saves are asynchronous."""
 """The checkpoint-and-restart systems and whether their DCP saves are asynchronous."""
 LABELS = {
     "reference": "failure-free reference (recover, no failure)",
@@ -75,6 +104,17 @@ LABELS = {
 SHORT = {"reference": "reference", "recover": "recover", "restart": "ckpt-restart (sync)",
          "restart-async": "ckpt-restart (async)", "shrink": "shrink-and-drop", "torchft": "torchft"}
 SUCCESSIVE_PHASES = (Phase.BACKWARD.value, Phase.REDUCE.value)
+DEVICE_TIME_S = 0.25
+"""Default emulated device time per microbatch, a fixed value (comparable across runs) chosen for the
+``tiny`` preset on the 2-core CI machine: one microbatch's real compute there is ~50-70 ms on one
+thread when the machine is quiet, ~100-140 ms when 4 replicas share the 2 cores. A failure-free
+4-replica step then took 0.52-0.58 s at T = 0.25 s (2 microbatches + ~33 ms of all-reduce, optimizer
+and vote: the emulated time dominates), against 0.33-0.44 s at T = 0.15 s and 0.26-0.38 s at T = 0."""
+DOMINANCE = 1.5
+"""The emulated time dominates real compute when T >= this x the contended compute per microbatch."""
+ROUNDS = 3
+RUN_KEYS = ("round", "load", "exit_code", "error")
+"""Per-round fields that an aggregated row does not copy from its median round."""
 
 
 # ---------------------------------------------------------------- pure parts
@@ -131,10 +171,13 @@ def ideal_tokens_per_s(ref_tokens_per_s: float, live: Sequence[int], replicas: i
 
 def system_row(name: str, run_dir: Path, ref: dict[str, Any] | None, exit_code: int = 0,
                label: str | None = None) -> dict[str, Any]:
-    """The measured row of one system from its run directory (see the module docstring).
+    """The measured row of one run of a system, from its run directory (see the module docstring).
 
     Args:
-        ref: the reference's row (None for the reference itself).
+        ref: the same round's reference row (None for the reference itself); the loss deviation,
+            ``vs_failure_free`` and the time lost per failure are against it.
+    Raises:
+        ValueError: the run directory has no launch event or no committed step.
     """
     import json
 
@@ -172,42 +215,137 @@ def system_row(name: str, run_dir: Path, ref: dict[str, Any] | None, exit_code: 
     return row
 
 
+def median_round(round_rows: Sequence[dict[str, Any]]) -> dict[str, Any]:
+    """The round of the median throughput (the lower of the two middle ones for an even count).
+
+    Raises:
+        ValueError: ``round_rows`` is empty.
+    """
+    if not round_rows:
+        raise ValueError("no round to choose from")
+    ordered = sorted(round_rows, key=lambda r: (r["effective_tokens_per_s"], r["round"]))
+    return ordered[(len(ordered) - 1) // 2]
+
+
+def aggregate_rounds(round_rows: Sequence[dict[str, Any]]) -> dict[str, Any]:
+    """One system's row over its rounds (see the module docstring).
+
+    Args:
+        round_rows: the system's per-round rows (:func:`system_row` plus ``round``); a round without
+            a result is a row without ``effective_tokens_per_s`` (it only makes ``completed`` False).
+    Raises:
+        ValueError: no round has a result.
+    """
+    measured = [r for r in round_rows if "effective_tokens_per_s" in r]
+    if not measured:
+        raise ValueError("no round produced a result")
+    mid = median_round(measured)
+    row = {k: v for k, v in mid.items() if k not in RUN_KEYS}
+    tps = spread([r["effective_tokens_per_s"] for r in measured])
+    row.update({
+        "effective_tokens_per_s": round(tps["median"], 2), "tokens_per_s_min": tps["min"],
+        "tokens_per_s_max": tps["max"],
+        "rel_spread": round(tps["rel_spread"], 4) if tps["rel_spread"] is not None else None,
+        "completed": all(r.get("completed") for r in round_rows),
+        "min_microbatches": min(r["min_microbatches"] for r in measured),
+        "max_rel_loss_dev": max(r["max_rel_loss_dev"] for r in measured),
+        "median_round": mid["round"], "exit_codes": [r.get("exit_code") for r in round_rows],
+        "rounds": list(round_rows),
+    })
+    for key in ("wall_s", "startup_s", "train_s", "time_lost_per_failure_s"):
+        value = median([r[key] for r in measured if r.get(key) is not None])
+        row[key] = round(value, 3) if value is not None else None
+    return row
+
+
+def _ratio(a: float | None, b: float | None) -> float | None:
+    return round(a / b, 4) if a is not None and b else None
+
+
 def assemble(rows: list[dict[str, Any]], schedule: FailureSchedule, replicas: int, steps: int) -> dict[str, Any]:
-    """Adds ``ratio_vs_recover`` to every row and returns the ``ideal`` entry.
+    """Adds the ratios to every aggregated row and its rounds; returns the ``ideal`` entry.
+
+    Sets ``vs_ideal``, ``ratio_vs_recover`` and ``vs_failure_free`` (ratios of medians; None without
+    the reference or recover) on each row of :func:`aggregate_rounds`, and the paired ``vs_ideal``
+    and ``ratio_vs_recover`` on each of its per-round rows (against that round's reference and recover).
 
     Returns:
-        ``{"tokens_per_s", "recover_fraction", "recover_vs_failure_free"}``; fractions None
-        without a reference or a recover row.
+        ``{"tokens_per_s", "reference_tokens_per_s", "recover_fraction", "recover_fraction_per_round",
+        "recover_vs_failure_free"}``; None where the reference or recover is missing.
     """
     by = {r["name"]: r for r in rows}
-    rec = by.get("recover")
+    live = live_timeline(schedule, replicas, steps)
+
+    def per_round(name: str) -> dict[int, float]:
+        return {x["round"]: x["effective_tokens_per_s"] for x in by[name]["rounds"]
+                if "effective_tokens_per_s" in x} if name in by else {}
+
+    ref_by_round, rec_by_round = per_round("reference"), per_round("recover")
+    ref_tps = by["reference"]["effective_tokens_per_s"] if "reference" in by else None
+    rec_tps = by["recover"]["effective_tokens_per_s"] if "recover" in by else None
+    ideal = ideal_tokens_per_s(ref_tps, live, replicas) if ref_tps else None
     for r in rows:
-        r["ratio_vs_recover"] = (round(r["effective_tokens_per_s"] / rec["effective_tokens_per_s"], 4)
-                                 if rec and rec["effective_tokens_per_s"] > 0 else None)
-    ref = by.get("reference")
-    if ref is None:
-        return {"tokens_per_s": None, "recover_fraction": None, "recover_vs_failure_free": None}
-    ideal = ideal_tokens_per_s(ref["effective_tokens_per_s"], live_timeline(schedule, replicas, steps), replicas)
-    return {"tokens_per_s": round(ideal, 2),
-            "recover_fraction": round(rec["effective_tokens_per_s"] / ideal, 4) if rec and ideal else None,
+        tps = r["effective_tokens_per_s"]
+        r.update(vs_ideal=_ratio(tps, ideal), ratio_vs_recover=_ratio(tps, rec_tps),
+                 vs_failure_free=_ratio(tps, ref_tps))
+        for x in r["rounds"]:
+            if "effective_tokens_per_s" in x:
+                ref_x = ref_by_round.get(x["round"])
+                x["vs_ideal"] = _ratio(x["effective_tokens_per_s"],
+                                       ideal_tokens_per_s(ref_x, live, replicas) if ref_x else None)
+                x["ratio_vs_recover"] = _ratio(x["effective_tokens_per_s"], rec_by_round.get(x["round"]))
+    rec = by.get("recover")
+    return {"tokens_per_s": round(ideal, 2) if ideal else None, "reference_tokens_per_s": ref_tps,
+            "recover_fraction": rec["vs_ideal"] if rec else None,
+            "recover_fraction_per_round": [x.get("vs_ideal") for x in rec["rounds"]] if rec else None,
             "recover_vs_failure_free": rec["vs_failure_free"] if rec else None}
 
 
+def contended_compute_s(compute_s: float, replicas: int, threads: int, cores: int) -> float:
+    """Real compute per microbatch when ``replicas`` processes of ``threads`` threads share ``cores`` cores."""
+    return compute_s * max(1.0, replicas * threads / max(cores, 1))
+
+
+def device_dominates(device_time_s: float, contended_s: float) -> bool:
+    """Whether the emulated device time hides real compute: ``T >= DOMINANCE x contended`` (T = 0: no)."""
+    return device_time_s > 0 and device_time_s >= DOMINANCE * contended_s
+
+
 def table_rows(rows: Sequence[dict[str, Any]]) -> list[list[str]]:
+    """One table row per system (the cells of :data:`COLUMNS`)."""
     out = []
     for r in rows:
+        several = len(r["rounds"]) > 1  # the spread of a single round says nothing
         out.append([
             SHORT.get(r["name"], r["name"]) + (f" K={r['checkpoint_every']}" if r.get("checkpoint_every") else "")
             + ("" if r["completed"] else " (INCOMPLETE)"), fmt(r["wall_s"], ".1f"),
-            fmt(r["train_s"], ".1f"), fmt(r["effective_tokens_per_s"], ",.0f"), fmt(r.get("ratio_vs_recover"), ".3f"),
-            fmt(r["vs_failure_free"], ".3f"), fmt(r["time_lost_per_failure_s"], ".2f"), str(r["min_microbatches"]),
+            fmt(r["train_s"], ".1f"), fmt(r["effective_tokens_per_s"], ",.0f"),
+            f"{r['rel_spread'] * 100:.1f}%" if several and r["rel_spread"] is not None else "-",
+            fmt(r.get("vs_ideal"), ".3f"), fmt(r.get("ratio_vs_recover"), ".3f"), fmt(r.get("vs_failure_free"), ".3f"),
+            fmt(r["time_lost_per_failure_s"], ".2f"), str(r["min_microbatches"]),
             fmt(r["max_rel_loss_dev"], ".2e"), fmt(r["final_val_loss"], ".4f"),
         ])
     return out
 
 
-COLUMNS = ("system", "wall s", "train s", "eff. tok/s", "x recover", "x failure-free", "lost s/failure",
-           "min mb/step", "max rel loss dev", "final val loss")
+COLUMNS = ("system", "wall s", "train s", "eff. tok/s", "spread", "x ideal", "x recover", "x failure-free",
+           "lost s/failure", "min mb/step", "max rel loss dev", "final val loss")
+
+
+def device_note(device: dict[str, Any]) -> str:
+    """One line on the emulated devices (or real compute) and the measured compute per microbatch."""
+    real = (f"real compute {device['compute_s'] * 1000:.0f} ms per microbatch on {device['threads']} thread(s), "
+            f"~{device['contended_s'] * 1000:.0f} ms with {device['replicas']} replicas sharing "
+            f"{device['cores']} cores")
+    if not device["time_s"]:
+        return (f"real compute only (--device-time-s 0): {real}; survivors run faster once others die, "
+                "so ratios to ideal are not those of dedicated devices")
+    line = (f"emulated devices: every microbatch takes >= {device['time_s'] * 1000:.0f} ms "
+            f"(training.device_time_s, all systems); {real}")
+    if not device["dominates"]:
+        line += (f"; WARNING: below {DOMINANCE:g} x the contended compute, real compute still shows: "
+                 "raise --device-time-s")
+    return line
 
 
 def print_result(res: dict[str, Any]) -> None:
@@ -223,23 +361,36 @@ def print_result(res: dict[str, Any]) -> None:
                          + (f" (whole save {m['save_total_s'] * 1000:.0f} ms)" if m.get("save_total_s") else "")
                          + f", MTBF {yd['mtbf_s']:.1f} s, step {yd['step_time_s']:.3f} s -> Young/Daly K = "
                          f"{m['checkpoint_every']} steps" + (" (overridden)" if yd.get("overridden") else ""))
+    notes.append(device_note(res["device"]))
+    if res["rounds"] > 1:
+        notes.append(f"medians over {res['rounds']} rounds, run in alternating order (forward, then reversed); "
+                     "spread = (max - min) / median of eff. tok/s; x ideal, x recover, x failure-free: ratios of "
+                     "medians; plots: each system's median round")
+    else:
+        notes.append("one round (--rounds 1): single runs, no spread; on a shared machine use 3 or more")
     if ideal["tokens_per_s"]:
-        notes.append(f"ideal (surviving replicas' share of failure-free throughput): "
-                     f"{ideal['tokens_per_s']:,.0f} tok/s; recover = {fmt(ideal['recover_fraction'], '.3f')} of ideal, "
-                     f"{fmt(ideal['recover_vs_failure_free'], '.3f')} of failure-free")
+        per_round = ", ".join(fmt(x, ".3f") for x in ideal.get("recover_fraction_per_round") or [])
+        notes.append(f"ideal (surviving replicas' share of the reference's median throughput): "
+                     f"{ideal['tokens_per_s']:,.0f} tok/s; recover = {fmt(ideal['recover_fraction'], '.3f')} of ideal"
+                     + (f" (per round: {per_round})" if per_round else "")
+                     + f", {fmt(ideal['recover_vs_failure_free'], '.3f')} of failure-free")
     for name, why in res.get("skipped", {}).items():
         notes.append(f"{name}: not run ({why})")
     notes.append(f"load average before/after: {res['load']['before']} / {res['load']['after']}; "
                  f"benchmark wall {res['bench_wall_s']:.0f} s; outputs in {res['out']}")
     title = (f"bench failures: {res['config']} x{res['replicas']} replicas, {res['steps']} steps, "
-             f"M = {res['microbatches']}")
+             f"M = {res['microbatches']}, {res['rounds']} round(s), device time {res['device']['time_s']:g} s")
     print_rich_table(title, COLUMNS, table_rows(res["systems"]), notes)
 
 
 # ---------------------------------------------------------------- plots
 
-def plot_results(out: Path, rows: Sequence[dict[str, Any]]) -> list[Path]:
-    """``loss.png`` (every system's loss per step over the reference) and ``throughput.png``."""
+def plot_results(out: Path, rows: Sequence[dict[str, Any]], which: str = "") -> list[Path]:
+    """``loss.png`` (every system's loss per step over the reference) and ``throughput.png``.
+
+    Each row's ``run_dir`` is plotted; ``which`` names that run in the titles (e.g. "median round").
+    """
+    which = f", {which}" if which else ""
     from recover.observe.plots import _pyplot
 
     plt = _pyplot()
@@ -255,7 +406,7 @@ def plot_results(out: Path, rows: Sequence[dict[str, Any]]) -> list[Path]:
         ax.axvline((spec or 0) + 1, color="tab:red", ls=":", lw=1)
     ax.set_xlabel("step")
     ax.set_ylabel("training loss (nats/token)")
-    ax.set_title("loss per committed step (red dotted: replica killed)")
+    ax.set_title(f"loss per committed step{which} (red dotted: replica killed)")
     ax.grid(alpha=0.3)
     ax.legend(fontsize=8)
     fig.tight_layout()
@@ -275,7 +426,7 @@ def plot_results(out: Path, rows: Sequence[dict[str, Any]]) -> list[Path]:
                 for ax in (ax1, ax2):
                     ax.axvline(e["t"] - start, color=color, ls="--", lw=1, alpha=0.8)
     ax1.set_ylabel("committed tokens/s (sliding)")
-    ax1.set_title("throughput over time (dashed: a replica killed, in the system's colour)")
+    ax1.set_title(f"throughput over time{which} (dashed: a replica killed, in the system's colour)")
     ax1.grid(alpha=0.3)
     ax1.legend(fontsize=8)
     ax2.set_ylabel("committed tokens")
@@ -309,6 +460,18 @@ def throughput_series(run_dir: Path, window: int | None = None) -> tuple[list[fl
 
 # ---------------------------------------------------------------- measurement
 
+def _build_replica(config: str, overrides: Sequence[str], replicas: int) -> tuple[Any, Any]:
+    """(config, replica) of this model built in this process as replica 0 of ``replicas`` (no process group)."""
+    from recover.config import load_config
+    from recover.data.prepare import resolve_data_dir
+    from recover.train.dist import DistContext
+    from recover.train.trainer import build_replica
+
+    cfg = load_config(config, [*overrides, f"--parallel.replicas={replicas}"])
+    replica, _ = build_replica(cfg, DistContext(local_world_size=replicas), resolve_data_dir(cfg.data, quiet=True))
+    return cfg, replica
+
+
 def measure_save_cost(config: str, overrides: Sequence[str], replicas: int, repeats: int = 3,
                       asynchronous: bool = False) -> tuple[float, float]:
     """(blocking, whole) median seconds of ``Checkpointer.save`` (a DCP checkpoint) of this model, after a warm-up save.
@@ -318,18 +481,12 @@ def measure_save_cost(config: str, overrides: Sequence[str], replicas: int, repe
     ``whole`` runs until the checkpoint is committed (equal to ``blocking`` when synchronous).
     Each asynchronous save is awaited before the next one starts, outside the blocking time.
     """
-    from recover.config import load_config
-    from recover.data.prepare import resolve_data_dir
     from recover.train.checkpoint import Checkpointer
-    from recover.train.dist import DistContext
-    from recover.train.trainer import build_replica
 
-    cfg = load_config(config, [*overrides, f"--parallel.replicas={replicas}",
-                               f"--training.checkpoint_async={str(asynchronous).lower()}"])
     with tempfile.TemporaryDirectory(prefix="recover-save-cost-") as tmp, warnings.catch_warnings():
         warnings.simplefilter("ignore", UserWarning)  # DCP: "assuming the intent is to save in a single process"
-        replica, _ = build_replica(cfg, DistContext(local_world_size=replicas),
-                                   resolve_data_dir(cfg.data, quiet=True))
+        cfg, replica = _build_replica(
+            config, [*overrides, f"--training.checkpoint_async={str(asynchronous).lower()}"], replicas)
         checkpointer = Checkpointer(tmp, replica, cfg)
         checkpointer.save(0, 0, 0, blocking=True)
         blocking, whole = [], []
@@ -342,6 +499,33 @@ def measure_save_cost(config: str, overrides: Sequence[str], replicas: int, repe
     return statistics.median(blocking), statistics.median(whole)
 
 
+def measure_compute_s(config: str, overrides: Sequence[str], replicas: int, repeats: int = 5) -> tuple[float, int]:
+    """(median seconds, threads) of one microbatch's forward and backward of this model, real compute only.
+
+    Runs ``Replica.compute`` of one microbatch ``repeats`` times after a warm-up, with the thread
+    count a replica process of a ``replicas``-replica job gets (``training.threads``, else cores /
+    replicas, at least 1), and no emulated device time; this process's thread count is restored.
+    """
+    import torch
+
+    from recover.train.loop import configure_torch
+
+    threads_before = torch.get_num_threads()
+    cfg, replica = _build_replica(config, [*overrides, "--training.device_time_s=0"], replicas)
+    try:
+        configure_torch(cfg, replicas)
+        threads = torch.get_num_threads()
+        times = []
+        for i in range(repeats + 1):
+            replica.reset()
+            t0 = time.perf_counter()
+            replica.compute(i, [0])
+            times.append(time.perf_counter() - t0)
+    finally:
+        torch.set_num_threads(threads_before)
+    return statistics.median(times[1:]), threads
+
+
 def find_torchft_python(explicit: str | None) -> tuple[str | None, str]:
     """The interpreter for torchft: ``explicit``, ``$RECOVER_TORCHFT_PYTHON`` or this one, if torchft imports."""
     from recover.bench.torchft_runner import torchft_available
@@ -352,17 +536,33 @@ def find_torchft_python(explicit: str | None) -> tuple[str | None, str]:
                                            "or pass --torchft-python")
 
 
+def system_args(name: str, ks: dict[str, int]) -> tuple[str | None, list[str], str]:
+    """(``--baseline``, extra config overrides, label) of a system run by ``recover launch``.
+
+    Args:
+        ks: the checkpoint interval K of each checkpoint-and-restart system.
+    """
+    if name in RESTARTS:
+        return (Baseline.RESTART.value, [f"--training.checkpoint_every={ks[name]}",
+                                         f"--training.checkpoint_async={str(RESTARTS[name]).lower()}"],
+                f"{LABELS[name]}, checkpoint every K = {ks[name]} steps")
+    return Baseline.SHRINK.value if name == Baseline.SHRINK.value else None, [], LABELS.get(name, name)
+
+
 def run_bench(config: str = "tiny", replicas: int = 4, steps: int = 60, schedule_kind: str = "successive",
               mtbf_s: float | None = None, seed: int = 0, out: Path = Path("runs/bench-failures"),
               systems: Sequence[str] = SYSTEMS, overrides: Sequence[str] = (), checkpoint_every: int | None = None,
-              torchft_python: str | None = None, timeout_s: float = 1200.0, log: Log = stderr_log) -> dict[str, Any]:
-    """Runs the reference and ``systems`` on one schedule; returns the result object (see the module docstring).
+              torchft_python: str | None = None, timeout_s: float = 1200.0, device_time_s: float = DEVICE_TIME_S,
+              rounds: int = ROUNDS, log: Log = stderr_log) -> dict[str, Any]:
+    """Runs the reference and ``systems`` for ``rounds`` rounds on one schedule, on emulated devices of
+    ``device_time_s`` per microbatch; returns the result object (see the module docstring).
 
     Raises:
-        ConfigError: a bad argument (named with the fix).
-        RuntimeError: the failure-free reference did not complete.
+        ConfigError: a bad argument (named with the fix), before anything runs.
+        RuntimeError: the first round's failure-free reference did not complete.
     """
-    from recover.config import load_config
+    from recover.bench.torchft_runner import run_torchft
+    from recover.config import load_config, parse_overrides
 
     unknown = [s for s in systems if s not in SYSTEMS]
     if unknown:
@@ -373,6 +573,12 @@ def run_bench(config: str = "tiny", replicas: int = 4, steps: int = 60, schedule
         raise ConfigError(f"--mtbf {mtbf_s}: a positive number of seconds")
     if checkpoint_every is not None and checkpoint_every < 1:
         raise ConfigError(f"--checkpoint-every {checkpoint_every}: at least 1 (or leave it to Young/Daly)")
+    if rounds < 1:
+        raise ConfigError(f"--rounds {rounds}: at least 1 (every system runs once per round)")
+    if not (math.isfinite(device_time_s) and device_time_s >= 0):
+        raise ConfigError(f"--device-time-s {device_time_s}: seconds per microbatch, >= 0 (0: real compute only)")
+    if "training.device_time_s" in parse_overrides(list(overrides)):
+        raise ConfigError("--training.device_time_s: set the emulated device time with --device-time-s instead")
     cfg = load_config(config, [*overrides, f"--parallel.replicas={replicas}", f"--training.steps={steps}"])
     min_rep = cfg.fault_tolerance.min_replicas
     if schedule_kind == "successive":
@@ -387,80 +593,103 @@ def run_bench(config: str = "tiny", replicas: int = 4, steps: int = 60, schedule
         if tft_python is None:
             skipped["torchft"] = why
             log(f"torchft: skipped ({why})")
+    compute_s, threads = measure_compute_s(config, overrides, replicas)
+    cores = os.cpu_count() or 1
+    contended = contended_compute_s(compute_s, replicas, threads, cores)
+    device = {"time_s": device_time_s, "compute_s": round(compute_s, 4), "threads": threads, "replicas": replicas,
+              "cores": cores, "contended_s": round(contended, 4),
+              "dominates": device_dominates(device_time_s, contended)}
+    log(device_note(device))
+    run_overrides = [*overrides, f"--training.device_time_s={device_time_s}"]
+    active = ["reference", *dict.fromkeys(s for s in systems if s not in skipped)]
+    runs: dict[str, list[tuple[int, int, list[float]]]] = {name: [] for name in active}  # (round, exit, load)
+    plan: dict[str, Any] = {}
 
-    def run_one(name: str, fails: Sequence[str], baseline: str | None = None, extra: Sequence[str] = ()) -> int:
-        run_dir = out / name
-        shutil.rmtree(run_dir, ignore_errors=True)
-        log(f"[{time.strftime('%H:%M:%S')}] {name}: running (load {machine_load()})")
-        t0 = time.time()
-        if name == "torchft":
-            from recover.bench.torchft_runner import run_torchft
-
-            code = run_torchft(run_dir, config, replicas, steps, fails, overrides, tft_python, timeout_s)
+    def fix_plan(ref: dict[str, Any]) -> dict[str, Any]:
+        """The schedule, its MTBF and K of each checkpoint-and-restart system, from the first reference."""
+        if not ref.get("completed"):
+            raise RuntimeError(f"the failure-free reference did not complete (exit {ref.get('exit_code')}); "
+                               f"see {out / 'round0' / 'reference.log'}")
+        step_time = ref["train_s"] / steps
+        if schedule_kind == "successive":
+            schedule = successive_schedule(replicas, steps, min_rep)
+            mtbf = ref["train_s"] / len(schedule)
         else:
-            code = launch_run(run_dir, config, replicas, steps, fails, baseline, [*overrides, *extra], timeout_s)
-        log(f"[{time.strftime('%H:%M:%S')}] {name}: exit {code} after {time.time() - t0:.0f} s")
-        return code
+            mtbf = mtbf_s or ref["train_s"] / 3
+            schedule = random_schedule(replicas, steps, mtbf, step_time, seed, min_rep)
+        fails = [str(s) for s in schedule]
+        log(f"schedule {schedule_kind}: {' '.join(fails) or '(no failure drawn)'}")
+        young_daly: dict[str, Any] = {"save_cost_s": None, "save_total_s": None, "mtbf_s": round(mtbf, 3),
+                                      "step_time_s": round(step_time, 4), "interval_s": None,
+                                      "checkpoint_every": None, "overridden": checkpoint_every is not None}
+        ks: dict[str, int] = {}
+        for name, asynchronous in RESTARTS.items():
+            if name not in active:
+                continue
+            cost, whole = measure_save_cost(config, overrides, replicas, asynchronous=asynchronous)
+            ks[name] = checkpoint_every or young_daly_steps(cost, mtbf, step_time)
+            mode = {"save_cost_s": round(cost, 4), "save_total_s": round(whole, 4),
+                    "interval_s": round(math.sqrt(2 * cost * mtbf), 3), "checkpoint_every": ks[name]}
+            if asynchronous:
+                young_daly["async"] = mode
+            else:
+                young_daly.update(mode)
+            log(f"{name}: save blocks {cost * 1000:.0f} ms (whole save {whole * 1000:.0f} ms) -> K = {ks[name]}")
+        return {"schedule": schedule, "fails": fails, "mtbf_s": mtbf, "young_daly": young_daly, "ks": ks}
 
-    code = run_one("reference", [])
-    ref = system_row("reference", out / "reference", None, code)
-    if not ref["completed"]:
-        raise RuntimeError(f"the failure-free reference did not complete (exit {code}); see {out / 'reference.log'}")
-    step_time = ref["train_s"] / steps
-    if schedule_kind == "successive":
-        schedule = successive_schedule(replicas, steps, min_rep)
-        mtbf = ref["train_s"] / len(schedule)
-    else:
-        mtbf = mtbf_s or ref["train_s"] / 3
-        schedule = random_schedule(replicas, steps, mtbf, step_time, seed, min_rep)
-    fails = [str(s) for s in schedule]
-    log(f"schedule {schedule_kind}: {' '.join(fails) or '(no failure drawn)'}")
-    young_daly: dict[str, Any] = {"save_cost_s": None, "save_total_s": None, "mtbf_s": round(mtbf, 3),
-                                  "step_time_s": round(step_time, 4), "interval_s": None, "checkpoint_every": None,
-                                  "overridden": checkpoint_every is not None}
-    ks: dict[str, int] = {}
-    for name, asynchronous in RESTARTS.items():
-        if name not in systems:
-            continue
-        cost, whole = measure_save_cost(config, overrides, replicas, asynchronous=asynchronous)
-        ks[name] = checkpoint_every or young_daly_steps(cost, mtbf, step_time)
-        mode = {"save_cost_s": round(cost, 4), "save_total_s": round(whole, 4),
-                "interval_s": round(math.sqrt(2 * cost * mtbf), 3), "checkpoint_every": ks[name]}
-        if asynchronous:
-            young_daly["async"] = mode
-        else:
-            young_daly.update(mode)
-        log(f"{name}: save blocks {cost * 1000:.0f} ms (whole save {whole * 1000:.0f} ms) -> K = {ks[name]}")
-    rows = [ref]
-    for name in systems:
-        if name in skipped:
-            continue
-        extra, label = [], None
-        if name in RESTARTS:
-            extra = [f"--training.checkpoint_every={ks[name]}",
-                     f"--training.checkpoint_async={str(RESTARTS[name]).lower()}"]
-            label = f"{LABELS[name]}, checkpoint every K = {ks[name]} steps"
-        baseline = Baseline.RESTART if name in RESTARTS else Baseline.SHRINK if name == Baseline.SHRINK else None
-        code = run_one(name, fails, baseline, extra)
+    def measured(name: str, r: int, code: int, load: list[float], ref: dict[str, Any] | None) -> dict[str, Any]:
+        """The per-round row of one run (one without a result holds ``error``)."""
         try:
-            rows.append(system_row(name, out / name, ref, code, label))
-            if name in RESTARTS:
-                rows[-1]["checkpoint_every"] = ks[name]
-                rows[-1]["checkpoint_async"] = RESTARTS[name]
+            row = system_row(name, out / f"round{r}" / name, ref, code, system_args(name, plan.get("ks", {}))[2])
+        except ValueError as exc:
+            row = {"name": name, "completed": False, "exit_code": code, "error": str(exc)}
+        row.update(round=r, load=load)
+        if name in RESTARTS:
+            row.update(checkpoint_every=plan["ks"][name], checkpoint_async=RESTARTS[name])
+        return row
+
+    for r, order in enumerate(round_orders(active, rounds)):
+        for name in order:
+            run_dir = out / f"round{r}" / name
+            shutil.rmtree(run_dir, ignore_errors=True)
+            load = machine_load()
+            log(f"[{time.strftime('%H:%M:%S')}] round {r}: {name} running (load {load})")
+            t0 = time.time()
+            fails = [] if name == "reference" else plan["fails"]
+            if name == "torchft":
+                code = run_torchft(run_dir, config, replicas, steps, fails, run_overrides, tft_python, timeout_s)
+            else:
+                baseline, extra, _ = system_args(name, plan.get("ks", {}))
+                code = launch_run(run_dir, config, replicas, steps, fails, baseline, [*run_overrides, *extra],
+                                  timeout_s)
+            log(f"[{time.strftime('%H:%M:%S')}] round {r}: {name} exit {code} after {time.time() - t0:.0f} s")
+            runs[name].append((r, code, load))
+            if not plan:  # round 0 runs the reference first: the schedule and K are fixed from it, once
+                plan = fix_plan(measured("reference", r, code, load, None))
+
+    refs = {r: measured("reference", r, code, load, None) for r, code, load in runs["reference"]}
+    rows = []
+    for name in active:
+        per_round = [refs[r] if name == "reference" else
+                     measured(name, r, code, load, refs[r] if refs[r].get("completed") else refs[0])
+                     for r, code, load in runs[name]]
+        try:
+            rows.append(aggregate_rounds(per_round))
         except ValueError as exc:
             skipped[name] = f"no result: {exc}"
-    ideal = assemble(rows, schedule, replicas, steps)
+    ideal = assemble(rows, plan["schedule"], replicas, steps)
     res: dict[str, Any] = {
-        "benchmark": "failures", "config": config, "replicas": replicas, "steps": steps,
-        "microbatches": cfg.training.global_microbatches, "overrides": list(overrides),
-        "schedule": {"kind": schedule_kind, "fails": fails, "mtbf_s": round(mtbf, 3), "seed": seed},
-        "young_daly": young_daly,
+        "benchmark": "failures", "config": config, "replicas": replicas, "steps": steps, "rounds": rounds,
+        "microbatches": cfg.training.global_microbatches, "overrides": list(overrides), "device": device,
+        "schedule": {"kind": schedule_kind, "fails": plan["fails"], "mtbf_s": round(plan["mtbf_s"], 3), "seed": seed},
+        "young_daly": plan["young_daly"],
         "ideal": ideal, "systems": rows, "skipped": skipped,
         "load": {"before": load_before, "after": machine_load()}, "bench_wall_s": round(time.time() - t_bench, 1),
         "out": str(out),
     }
     try:
-        res["plots"] = [str(p) for p in plot_results(out, rows)]
+        which = f"median round of {rounds}" if rounds > 1 else ""
+        res["plots"] = [str(p) for p in plot_results(out, rows, which)]
     except Exception as exc:  # a plot never fails a benchmark
         log(f"warning: plots not written: {exc}")
     write_json(out / "results.json", res)
@@ -475,13 +704,23 @@ def add_parser(bench_subparsers: argparse._SubParsersAction) -> argparse.Argumen
         "failures", help="recover vs checkpoint-and-restart vs shrink-and-drop vs torchft, same failures",
         description="Runs a failure-free reference, recover, checkpoint-and-restart with synchronous and with "
                     "asynchronous DCP saves (K by Young/Daly from each mode's blocking save cost), "
-                    "shrink-and-drop and torchft (if importable) on the same seed, model and failure schedule; "
-                    "prints wall time, effective throughput, time lost per failure, min microbatches per step, "
-                    "loss deviation from the reference and final validation loss. Config overrides: "
-                    "--section.field VALUE (applied to every system).")
+                    "shrink-and-drop and torchft (if importable) on the same seed, model and failure schedule, "
+                    "on emulated devices, for several rounds in alternating order; prints per system the medians "
+                    "over rounds of wall time and effective throughput, its spread, its ratio to the ideal "
+                    "(surviving replicas' share of failure-free throughput), to recover and to failure-free, "
+                    "time lost per failure, min microbatches per step, loss deviation from the reference and "
+                    "final validation loss. Config overrides: --section.field VALUE (applied to every system).")
     p.add_argument("--config", default="tiny", help="preset name or .toml path (default tiny)")
     p.add_argument("--replicas", type=int, default=4, help="replicas (default 4)")
     p.add_argument("--steps", type=int, default=60, help="committed steps per system (default 60)")
+    p.add_argument("--rounds", type=int, default=ROUNDS,
+                   help=f"runs of every system, in alternating order; the table shows medians (default {ROUNDS})")
+    p.add_argument("--device-time-s", type=float, default=DEVICE_TIME_S,
+                   help=f"emulated device time: every microbatch of every system takes at least this many seconds, "
+                        f"so replicas behave like dedicated devices (default {DEVICE_TIME_S:g}, a fixed value "
+                        f"chosen for the tiny preset on 2 CPU cores, ~2x its real compute per microbatch with 4 "
+                        f"replicas; the run measures that compute and warns when the value is too small; 0: real "
+                        f"compute only, replicas share the cores)")
     p.add_argument("--schedule", choices=("successive", "random"), default="successive",
                    help="successive: lose half the replicas at evenly spaced steps; random: MTBF schedule")
     p.add_argument("--mtbf", type=float, default=None,
@@ -500,8 +739,6 @@ def add_parser(bench_subparsers: argparse._SubParsersAction) -> argparse.Argumen
     return p
 
 
-
-
 def run_from_args(args: argparse.Namespace) -> int:
     if args.replicas < 2:
         raise ConfigError(f"--replicas {args.replicas}: at least 2, so that one can fail")
@@ -511,7 +748,8 @@ def run_from_args(args: argparse.Namespace) -> int:
     res = run_bench(config=args.config, replicas=args.replicas, steps=args.steps, schedule_kind=args.schedule,
                     mtbf_s=args.mtbf, seed=args.seed, out=Path(args.out), systems=systems,
                     overrides=getattr(args, "overrides", []) or [], checkpoint_every=args.checkpoint_every,
-                    torchft_python=args.torchft_python, timeout_s=args.timeout)
+                    torchft_python=args.torchft_python, timeout_s=args.timeout, device_time_s=args.device_time_s,
+                    rounds=args.rounds)
     print_result(res)
     if args.json:
         write_json(args.json, res)

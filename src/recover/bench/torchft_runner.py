@@ -28,6 +28,12 @@ default); ``init_sync=False``, as torchft advises when every replica initialises
 same seed (so step 0 is not spent healing replicas that are already identical). Replicas start
 training only once all N have a Manager (a file barrier), so the first quorum holds all of them.
 
+Emulated devices: with ``training.device_time_s`` T > 0 (a config override, as for ``recover
+launch``) every microbatch takes at least T of wall time, as in recover's ``Replica``: the process
+sleeps out the rest of T after the microbatch's backward, or, for the microbatch whose backward
+all-reduces (the last), in DDP's reduction hook before the all-reduce, so the all-reduce is not
+counted as device time. The arithmetic is unchanged.
+
 Failures: ``--fail R@STEP:PHASE`` as in ``recover launch`` (STEP = committed step, 0-based): the
 replica SIGKILLs itself before a microbatch's forward or backward, in DDP's reduction hook
 (``reduce``), before ``should_commit`` (``commit``), after it (``optimizer``) or after the step (``idle``).
@@ -243,8 +249,19 @@ def replica_main(args: argparse.Namespace) -> int:
         replica_id=f"replica_{rid}", timeout=timedelta(seconds=MANAGER_TIMEOUT_S), lighthouse_addr=args.lighthouse,
         rank=0, world_size=1, store_addr="127.0.0.1", store_port=store_port,
         init_sync=False)  # every replica builds the same model from the same seed (torchft's advice)
-    current = {"step": 0}
-    ddp = _ddp_class(lambda: injector.maybe_fail(current["step"], Phase.REDUCE))(manager, model)
+    current = {"step": 0, "mb_t0": 0.0}
+
+    def emulate_device() -> None:
+        """With ``training.device_time_s``, sleeps until the current microbatch has taken that long."""
+        left = tc.device_time_s - (time.perf_counter() - current["mb_t0"])
+        if left > 0:
+            time.sleep(left)
+
+    def on_reduce() -> None:
+        injector.maybe_fail(current["step"], Phase.REDUCE)
+        emulate_device()  # the device time ends before the all-reduce (a no-op once it has passed)
+
+    ddp = _ddp_class(on_reduce)(manager, model)
     mine = assign(list(range(tc.global_microbatches)), range(n))[rid]
     (out / "ready" / str(rid)).touch()
     wait_for(lambda: len(list((out / "ready").iterdir())) >= n, 600, "every torchft replica start")
@@ -258,12 +275,14 @@ def replica_main(args: argparse.Namespace) -> int:
         manager.start_quorum()  # what torchft's OptimizerWrapper.zero_grad does
         loss_sum = 0.0
         for i, mb in enumerate(mine):
+            current["mb_t0"] = time.perf_counter()
             inputs, targets = replica.data.microbatch(data_step, mb)
             injector.maybe_fail(step, Phase.FORWARD)
             with ddp.no_sync() if i + 1 < len(mine) else nullcontext():
                 loss = lm_loss(ddp(inputs), targets)
                 injector.maybe_fail(step, Phase.BACKWARD)
                 (loss / len(mine)).backward()  # the last backward's hook averages over the participants
+            emulate_device()
             loss_sum += float(loss)
         totals = torch.tensor([loss_sum, float(len(mine))], dtype=torch.float64)
         manager.allreduce(totals, reduce_op=ReduceOp.SUM).wait()  # loss and microbatch count, for the log
