@@ -68,12 +68,6 @@ def test_settled_times_takes_steps_from_first_step_in_order() -> None:
     assert st.settled_times(rows, 10) == []
 
 
-def test_summarize() -> None:
-    s = st.summarize([1.0, 3.0, 2.0])
-    assert s == {"median": 2.0, "min": 1.0, "max": 3.0, "rel_spread": 1.0}
-    assert st.summarize([]) == {"median": None, "min": None, "max": None, "rel_spread": None}
-
-
 def test_steady_quotas_most_common_with_even_default() -> None:
     q = {"0": 5, "1": 5, "2": 5, "3": 1}
     rows = [{"step": s} for s in range(10)]
@@ -164,11 +158,6 @@ def test_factor_load_first_and_last_by_sequence() -> None:
 
 
 # ---- run order, systems --------------------------------------------------------------------------
-
-def test_round_orders_alternate() -> None:
-    assert st.round_orders(["ref", "a", "b"], 3) == [["ref", "a", "b"], ["b", "a", "ref"], ["ref", "a", "b"]]
-    assert st.round_orders(["ref"], 1) == [["ref"]]
-
 
 def test_config_names_and_system_args() -> None:
     assert st.config_name("weighted", None) == "reference"

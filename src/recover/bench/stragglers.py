@@ -74,6 +74,8 @@ from recover.bench.common import (
     launch_run,
     machine_load,
     print_rich_table,
+    round_orders,
+    spread,
     stderr_log,
     write_json,
 )
@@ -189,11 +191,6 @@ def check_sizes(replicas: int, steps: int, microbatches: int, rounds: int, devic
                           f"use at least {first + MIN_SETTLED}")
 
 
-def round_orders(configs: Sequence[str], rounds: int) -> list[list[str]]:
-    """The run order of each round: ``configs`` forward in even rounds, reversed in odd ones."""
-    return [list(configs) if r % 2 == 0 else list(reversed(configs)) for r in range(rounds)]
-
-
 def run_configs(factors: Sequence[float], policies: Sequence[str]) -> list[tuple[str, float | None]]:
     """The forward order of one round: every factor x policy, factor by factor, with the reference
     (``("weighted", None)``) in the middle, so that its runs, on which every ratio to the optimum
@@ -212,14 +209,6 @@ def settled_times(rows: Sequence[dict[str, Any]], first_step: int) -> list[float
     """``time_s`` of the committed steps ``>= first_step``, in step order (one per step)."""
     by_step = {int(r["step"]): float(r["time_s"]) for r in rows if r.get("time_s") is not None}
     return [by_step[s] for s in sorted(by_step) if s >= first_step]
-
-
-def summarize(xs: Sequence[float]) -> dict[str, float | None]:
-    """``median``, ``min``, ``max`` and ``rel_spread`` = (max - min) / median of ``xs`` (all None if empty)."""
-    if not xs:
-        return {"median": None, "min": None, "max": None, "rel_spread": None}
-    mid = statistics.median(xs)
-    return {"median": mid, "min": min(xs), "max": max(xs), "rel_spread": (max(xs) - min(xs)) / mid if mid else None}
 
 
 def even_quotas(microbatches: int, replicas: int) -> dict[int, int]:
@@ -275,7 +264,7 @@ def run_stats(run_dir: Path, first_step: int, steps: int, microbatches: int, rep
     """One run's steady-state numbers from its run directory (``step_s`` None when it has none)."""
     rows = load_metrics(run_dir)
     xs = settled_times(rows, first_step)
-    s = summarize(xs)
+    s = spread(xs)
     events = load_events(run_dir)
     return {
         "run_dir": str(run_dir), "exit_code": exit_code,
@@ -293,7 +282,7 @@ def aggregate(runs: Sequence[dict[str, Any]]) -> dict[str, Any]:
     """One configuration over its rounds: the median of the per-run ``step_s``, their min, max and
     relative spread, ``completed`` only if every run completed; the per-run rows in ``rounds``."""
     xs = [r["step_s"] for r in runs if r.get("step_s") is not None]
-    s = summarize(xs)
+    s = spread(xs)
     mid = sorted((r for r in runs if r.get("step_s") is not None), key=lambda r: (r["step_s"], r["round"]))
     median_run = mid[(len(mid) - 1) // 2] if mid else None
     return {
