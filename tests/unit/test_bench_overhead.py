@@ -21,11 +21,6 @@ def write_metrics(run: Path, elapsed: list[float], val_loss: float = 3.0) -> Pat
     return run
 
 
-def test_round_orders_alternate() -> None:
-    assert overhead.round_orders(["a", "b", "c"], 3) == [["a", "b", "c"], ["c", "b", "a"], ["a", "b", "c"]]
-    assert overhead.round_orders(["a"], 1) == [["a"]]
-
-
 def test_step_time_is_the_pooled_median_after_warmup(tmp_path: Path) -> None:
     # round 0: a 5 s warm-up step, then 1.0 s steps; round 1: 1.2 s steps
     r0 = write_metrics(tmp_path / "r0", [5.0, 10.0, 11.0, 12.0, 13.0])

@@ -44,6 +44,7 @@ from recover.bench.common import (
     machine_load,
     median,
     print_rich_table,
+    round_orders,
     run_child,
     stderr_log,
     step_intervals,
@@ -60,11 +61,6 @@ LABELS = {
     "torchft": "torchft 0.2.0 DDP + Lighthouse",
 }
 MODULE = "recover.bench.overhead"
-
-
-def round_orders(systems: Sequence[str], rounds: int) -> list[list[str]]:
-    """The run order of each round: forward, then reversed, alternating."""
-    return [list(systems) if r % 2 == 0 else list(reversed(systems)) for r in range(rounds)]
 
 
 def system_stats(name: str, run_dirs: Sequence[Path], warmup: int) -> dict[str, Any]:
