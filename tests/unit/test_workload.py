@@ -8,17 +8,17 @@ import random
 import pytest
 
 from recover.workload import (
+    SpeedChange,
+    SpeedTracker,
     assign,
     check_assignment,
     even_split,
     makespan,
+    plan_step,
     quotas,
     replan,
     split_within_replica,
     static_assignment,
-    plan_step,
-    SpeedChange,
-    SpeedTracker,
 )
 
 REPLICAS = range(8)

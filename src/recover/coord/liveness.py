@@ -132,9 +132,9 @@ class Liveness:
             if others and stale:
                 rank, silent = stale[0]
                 io = ranks[rank].activity == "io"
-                out.append((replica, f"rank {rank} made no progress for {silent:.1f} s "
-                                     f"({'in a save or evaluation, ' if io else ''}hang timeout "
-                                     f"{(IO_FACTOR if io else 1) * limit:.1f} s) while replicas {others} waited for it"))
+                where, allowed = ("in a save or evaluation, ", IO_FACTOR * limit) if io else ("", limit)
+                out.append((replica, f"rank {rank} made no progress for {silent:.1f} s ({where}hang timeout "
+                                     f"{allowed:.1f} s) while replicas {others} waited for it"))
             elif behind is not None:
                 out.append((replica, behind))
             elif (silent := self._not_voting(replica, ranks, now, limit)) is not None:

@@ -11,12 +11,12 @@ with a stable ``code`` (``bad_magic``, ``oversized``, ``malformed``, ``bad_versi
 connection must be closed.
 
 Messages (client -> coordinator): ``register`` (token, replica, join; optional ``rank`` of ``ranks``,
-default 0 of 1, for a replica made of several processes), ``hb`` (heartbeat),
-``ack`` (of a ``failing`` notice), ``report`` (a collective failed), ``vote`` (commit vote, with the seconds per microbatch the voter
-measured in the step, ``mb_s``),
-``bye``. Coordinator -> client: ``ok`` / ``error`` / ``committed`` (with the ``speeds`` to plan the
-next step with) / ``aborted`` replies (``re`` names the request ``id``), and the pushes ``failing`` (generation g is being replaced) and
-``membership`` (a new generation).
+default 0 of 1, for a replica made of several processes), ``hb`` (heartbeat, with the training
+thread's progress, activity and newest generation), ``ack`` (of a ``failing`` notice), ``report`` (a
+collective failed), ``vote`` (commit vote, with ``mb_s``, the seconds per microbatch the voter
+measured in the step), ``bye``. Coordinator -> client: ``ok`` / ``error`` / ``committed`` (with the
+``speeds`` to plan the next step with) / ``aborted`` replies (``re`` names the request ``id``), and
+the pushes ``failing`` (generation g is being replaced) and ``membership`` (a new generation).
 
 Replicas of several ranks: each rank (process) of a replica keeps its own connection and numbers
 its own requests 1, 2, 3...; ``re`` always names the id *that connection* sent. Every rank of a

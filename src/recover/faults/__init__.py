@@ -15,5 +15,6 @@ from recover.faults.schedule import (
     random_schedule,
 )
 
-__all__ = ["HANG_SIGNAL", "PHASES", "hang_on_signal", "FailureSchedule", "FailureSpec", "FaultInjector", "parse_failure", "parse_slow",
+__all__ = ["HANG_SIGNAL", "PHASES", "hang_on_signal",
+           "FailureSchedule", "FailureSpec", "FaultInjector", "parse_failure", "parse_slow",
            "random_schedule"]
