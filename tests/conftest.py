@@ -1,19 +1,22 @@
 """Shared fixtures: a small prepared corpus and a runner for `recover` subprocesses.
 
-Every subprocess is started in its own session and, if it outlives its timeout, killed with its
-whole process group by PID (never by name), so no test leaves processes behind.
+Every subprocess is started in its own session and, if it outlives its timeout, stopped by PID
+(never by name): SIGINT to its process group first (a launcher then stops the coordinator and the
+workers it started, each in a session of its own), SIGKILL after a grace, so no test leaves
+processes behind.
 """
 
 from __future__ import annotations
 
 import json
 import os
-import signal
 import subprocess
 import sys
 from pathlib import Path
 
 import pytest
+
+from recover.bench.common import STOP_GRACE_S, kill_group
 
 ROOT = Path(__file__).resolve().parents[1]
 SRC = ROOT / "src"
@@ -39,7 +42,7 @@ def run_recover(args: list[str], nproc: int | None = None, timeout: float = 240,
     try:
         out, err = proc.communicate(timeout=timeout)
     except subprocess.TimeoutExpired:
-        os.killpg(proc.pid, signal.SIGKILL)
+        kill_group(proc, STOP_GRACE_S)
         out, err = proc.communicate()
         raise AssertionError(f"`recover {' '.join(args)}` timed out after {timeout} s\n{out}\n{err}") from None
     result = subprocess.CompletedProcess(cmd, proc.returncode, out, err)
