@@ -90,6 +90,8 @@ class Fault(_Named):
     HANG = "hang", "the training thread stops for good; the process and its heartbeats stay alive"
     FREEZE = "freeze", "SIGSTOP: the whole process stops for good (a frozen host)"
     SLOW = "slow", "its microbatches take FACTOR times as long from then on (a throttled or degraded device)"
+    CUT = "cut", ("the link between it and replica PEER breaks for good: their collectives stall and "
+                  "neither reaches the other (a failed cable or switch port)")
 
 
 FAULTS: tuple[str, ...] = Fault.values()

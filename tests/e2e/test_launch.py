@@ -204,3 +204,23 @@ def test_random_hangs_sent_from_outside_are_fenced_reaped_and_rejoined(reference
         fenced = next(e for e in ev if e["kind"] == "failure_detected" and e["replica"] == hang["replica"]
                       and e["t"] > hang["t"])
         assert fenced["cause"] == "hung" and gone(hang["pid"])
+
+
+def test_a_broken_link_between_two_replicas_fences_one_of_them_never_the_same_generation(
+        reference_det: Path, corpus: Path, tmp_path: Path) -> None:
+    """--cut 1@5:2: from step 5 replicas 1 and 2 cannot reach each other; every member reaches the
+    all-reduce, which times out; the reports name who could not reach whom, the coordinator fences
+    the implicated replica, and the survivors recover in-step, bitwise equal to the reference."""
+    launch(tmp_path, corpus, "--deterministic", "--cut", "1@5:2", "--device-time-s", "0.05",
+           "--fault_tolerance.collective_timeout_s=3")
+    recs = rows(tmp_path)
+    assert [r["step"] for r in recs] == list(range(STEPS)) and all(r["microbatches"] == M for r in recs)
+    assert losses(tmp_path) == losses(reference_det)
+    ev = events(tmp_path)
+    report = next(e for e in ev if e["kind"] == "link_report")
+    assert report["unreachable"]["1"] == [2] and report["unreachable"]["2"] == [1]
+    assert report["unreachable"]["0"] == [] and report["implicated"] == 2
+    assert [(e["replica"], e["cause"]) for e in ev if e["kind"] == "failure_detected" and e["cause"] != "left"] \
+        == [(2, "link")]
+    generations = [e for e in ev if e["kind"] == "generation" and e["reason"] != "initial" and e["step"] < STEPS]
+    assert [g["members"] for g in generations] == [[0, 1, 3]]  # one new generation, not the same members again

@@ -10,7 +10,7 @@ from typing import Any
 
 from recover.coord.liveness import Liveness
 from recover.coord.protocol import ProtocolError
-from recover.coord.ranks import Close, Out, RankAggregator, SendTo
+from recover.coord.ranks import LINK_GRACE_S, Close, Out, RankAggregator, SendTo
 from recover.coord.state import Log, MembershipState
 
 TOKEN = "t0ken"
@@ -364,3 +364,49 @@ def test_a_replica_of_several_ranks_is_as_slow_as_its_slowest_rank() -> None:
         vote(agg, "a1", 20 + step, step=step, mb_s=0.5 if step == 0 else None)  # rank 1 computed nothing
         vote(agg, "b0", 30 + step, step=step, mb_s=0.125)
     assert got == [0.5, 0.125, 0.25, 0.125]
+
+
+def _all_waiting(agg: RankAggregator, n: int, now: float) -> None:
+    for r in range(n):
+        agg.on_message(f"r{r}_0", msg("hb", progress=5, activity="wait", generation=1), now)
+
+
+def test_a_broken_link_fences_the_replica_the_reports_implicate() -> None:
+    """Every member reached the collective that timed out: the reports, naming whom each cannot reach,
+    are held until all members reported; replicas 0 and 2 cannot reach each other: 2 (the higher id of
+    the tie) is fenced, and the held reports get their replies."""
+    agg = make(expected=3)
+    three_replicas(agg)
+    _all_waiting(agg, 3, 0.5)
+    out = agg.on_message("r1_0", msg("report", id=7, generation=1, suspects=[], timeout=True), 0.6)
+    assert out == [] and not agg.state.failing  # held: a third party that reaches everyone
+    assert agg.on_message("r0_0", msg("report", id=8, generation=1, suspects=[2], timeout=True), 0.7) == []
+    out = agg.on_message("r2_0", msg("report", id=9, generation=1, suspects=[0], timeout=True), 0.8)
+    assert logs(out, "link_report") == [{"generation": 1, "unreachable": {"0": [2], "1": [], "2": [0]},
+                                         "implicated": 2}]
+    assert [(d["replica"], d["cause"]) for d in logs(out, "failure_detected")] == [(2, "link")]
+    assert {c: m["re"] for c, m in sent(out, "ok").items()} == {"r0_0": 8, "r1_0": 7}
+    assert agg.state.failing and "r2_0" in closed(out)
+
+
+def test_a_reporter_that_reaches_hardly_anyone_implicates_itself_and_silence_ends_the_wait() -> None:
+    agg = make(expected=4, hb=60.0)
+    for r in range(4):
+        replica(agg, f"r{r}_", r, 1)
+    for r in range(4):
+        agg.on_message(f"r{r}_0", msg("hb", progress=5, activity="wait", generation=1), 0.5)
+    agg.on_message("r0_0", msg("report", id=3, generation=1, suspects=[1, 2, 3], timeout=True), 0.6)
+    agg.on_message("r1_0", msg("report", id=4, generation=1, suspects=[0], timeout=True), 0.7)
+    agg.on_tick(0.6 + LINK_GRACE_S - 0.1)
+    assert not agg.state.failing  # 2 and 3 have not reported yet
+    out = agg.on_tick(0.6 + LINK_GRACE_S + 0.1)
+    assert [(d["replica"], d["cause"]) for d in logs(out, "failure_detected")] == [(0, "link")]
+    # nobody named anyone: no fence, the reports go to the state (the same members form again)
+    agg2 = make(expected=3)
+    three_replicas(agg2)
+    _all_waiting(agg2, 3, 0.5)
+    out = []
+    for r in range(3):
+        out += agg2.on_message(f"r{r}_0", msg("report", id=r + 1, generation=1, suspects=[], timeout=True), 0.6)
+    assert logs(out, "failure_detected") == [] and logs(out, "link_report")[0]["implicated"] is None
+    assert agg2.state.failing

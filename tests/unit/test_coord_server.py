@@ -199,3 +199,24 @@ def test_lost_coordinator_is_never_silent(tmp_path: Path) -> None:
     finally:
         client.close()
         c.stop()
+
+
+def test_link_probes_reach_a_listening_peer_and_not_a_cut_or_closed_one() -> None:
+    """The direct probe a replica runs after a collective timed out (real sockets on loopback)."""
+    a, b = CoordinatorClient("127.0.0.1", 1, "t", 0), CoordinatorClient("127.0.0.1", 1, "t", 1)
+    try:
+        addr = b.probe_address()
+        assert a.unreachable({1: addr}, timeout_s=1.0) == []
+        b.cut.add(0)  # b refuses a: the link is cut on b's side
+        assert a.unreachable({1: addr}, timeout_s=1.0) == [1]
+        b.cut.clear()
+        a.cut.add(1)
+        assert a.unreachable({1: addr}, timeout_s=1.0) == [1]
+        a.cut.clear()
+        with socket.socket() as s:  # nothing listens on a closed port
+            s.bind(("127.0.0.1", 0))
+            closed = f"127.0.0.1:{s.getsockname()[1]}"
+        assert a.unreachable({1: addr, 2: closed}, timeout_s=1.0) == [2]
+    finally:
+        a.close()
+        b.close()

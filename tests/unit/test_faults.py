@@ -222,3 +222,20 @@ def test_slow_specs_parse_round_trip_and_never_count_as_failures() -> None:
     inj = FaultInjector([spec], replica=2, rank=0, ranks=2, kill=lambda *a: pytest.fail("killed"),
                         slow=factors.append)
     assert not inj.maybe_fail(9, "forward") and inj.maybe_fail(10, "forward") and factors == [4.0]
+
+
+def test_cut_specs_name_another_existing_replica_and_never_count_as_failures() -> None:
+    from recover.faults import parse_cut
+
+    spec = parse_cut("1@5:2")
+    assert (spec.replica, spec.step, spec.fault, int(spec.factor), spec.kills) == (1, 5, "cut", 2, False)
+    assert parse_failure(str(spec)) == spec
+    FailureSchedule([spec, "1@9"]).validate(3, 10)
+    for bad in ("1@5:1", "1@5", "1@5:x"):
+        with pytest.raises(ConfigError):
+            parse_cut(bad)
+    with pytest.raises(ConfigError, match="peer replica 7 does not exist"):
+        FailureSchedule([parse_cut("1@5:7")]).validate(3, 10)
+    cut: list[int] = []
+    inj = FaultInjector([spec], replica=1, rank=1, ranks=2, kill=lambda *a: pytest.fail("killed"), cut=cut.append)
+    assert inj.maybe_fail(5, "forward") and cut == [2]

@@ -205,6 +205,8 @@ class FaultTolerantGroup:
         self._check("all-reduce")
         if not tensors:
             return []
+        if self.client.cut & set(self.members):
+            self._withhold("all-reduce")
         buckets = plan_buckets(tensors, self.bucket_bytes)
         flats: list[Tensor] = []
         works: list[Any] = []
@@ -321,9 +323,34 @@ class FaultTolerantGroup:
                                  timed_out="timed out" in first.lower()) from None
 
     def _fail(self, reason: str, report: bool, *work_lists: list[Any], timed_out: bool = False) -> PeerFailure:
-        """Retires this broken group, waits for the coordinator's decision, builds the PeerFailure."""
+        """Retires this broken group, waits for the coordinator's decision, builds the PeerFailure.
+
+        A timed-out collective reports the members this replica cannot reach (:meth:`unreachable`), so
+        that when every member reached the collective the coordinator can tell which link broke."""
+        suspects = self.unreachable() if timed_out and report else []
         self._retire(True, *work_lists)
-        return peer_failure(self.client, self.generation, reason, report, self.timeout_s, timed_out)
+        return peer_failure(self.client, self.generation, reason, report, self.timeout_s, timed_out, suspects)
+
+    def unreachable(self) -> list[int]:
+        """The other members whose probe listener (address in this generation's store) does not answer."""
+        peers: dict[int, str] = {}
+        for r in self.members:
+            key = f"probe/{r}"
+            if r != self.client.replica_id and self.store is not None and self.store.check([key]):
+                peers[r] = self.store.get(key).decode()
+        return self.client.unreachable(peers)
+
+    def _withhold(self, what: str) -> None:
+        """Fault injection (``--cut``): the link to a member is broken, so this collective never
+        completes; wait as a member whose data cannot get through would, until a notice or the timeout."""
+        deadline = time.monotonic() + self.timeout_s
+        with self.client.activity("wait"):
+            while time.monotonic() < deadline:
+                if self.client.failure_notice(self.generation) or self.client.lost is not None:
+                    raise self._fail(f"coordinator notice during {what}", False)
+                time.sleep(0.05)
+        cut = sorted(self.client.cut & set(self.members))
+        raise self._fail(f"{what} exceeded {self.timeout_s:g} s (link to {cut} cut)", True, timed_out=True)
 
     def _retire(self, broken: bool = False, *work_lists: list[Any]) -> None:
         """Parks the process group and any pending work (emptying the caller's lists): a group
@@ -371,6 +398,7 @@ def _rendezvous(client: CoordinatorClient, m: Membership, backend: str, device: 
 
     def build() -> Any:
         try:
+            store.set(f"probe/{client.replica_id}", client.probe_address())  # see FaultTolerantGroup.unreachable
             return make_process_group(backend, store, rank, m.size, timeout_s, device)
         except BaseException as exc:
             err.append(exc)

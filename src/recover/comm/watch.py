@@ -63,10 +63,10 @@ class Waiter:
 
 
 def peer_failure(client: CoordinatorClient, generation: int, reason: str, report: bool,
-                 timeout_s: float, timed_out: bool = False) -> PeerFailure:
+                 timeout_s: float, timed_out: bool = False, suspects: list[int] | None = None) -> PeerFailure:
     """The PeerFailure for ``generation``, once the coordinator has formed the next generation."""
     if report and not client.failure_notice(generation):
-        client.report_failure(generation, timed_out=timed_out)
+        client.report_failure(generation, suspects or (), timed_out=timed_out)
     client.wait_for_generation(generation, timeout_s)
     return PeerFailure(generation, client.dead_since(generation), reason)
 

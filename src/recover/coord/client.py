@@ -48,6 +48,7 @@ import itertools
 import math
 import os
 import socket
+import struct
 import threading
 import time
 from collections.abc import Callable, Iterator
@@ -57,6 +58,8 @@ from typing import Any
 from recover.coord.protocol import SCHEMAS, FrameDecoder, Membership, ProtocolError, encode, speeds_from_wire
 from recover.errors import PeerFailure, QuorumLost, RecoverError
 
+PROBE_TIMEOUT_S = 2.0
+"""How long a link probe waits for a peer's answer."""
 _SERVER_TYPES = frozenset(SCHEMAS) - frozenset({"register", "hb", "ack", "report", "vote", "bye"})
 
 
@@ -109,6 +112,9 @@ class CoordinatorClient:
         self.fence_exit_s, self.on_fenced = fence_exit_s, on_fenced
         self.speeds: dict[int, float] | None = None
         """The planned seconds per microbatch from the last commit this client voted in (None: even)."""
+        self.cut: set[int] = set()
+        """Replicas this one cannot reach (fault injection of a broken link: ``--cut``)."""
+        self._probe_sock: socket.socket | None = None
 
     # ------------------------------------------------------------- public API
 
@@ -140,6 +146,58 @@ class CoordinatorClient:
                        "rank": self.rank, "ranks": self.ranks, "pid": os.getpid()}, timeout)
         self._spawn(self._heartbeat, "recover-coord-heartbeat")
         return self._wait(lambda: self._admitted(), timeout, "admission to a generation")
+
+    # ---- link probes: after a collective timed out, who can this replica reach? -------------
+    def probe_address(self) -> str:
+        """``host:port`` of this replica's probe listener (started on first use, on the interface that
+        reaches the coordinator): a peer that connects and sends its replica id gets one byte back."""
+        if self._probe_sock is None:
+            host = self._sock.getsockname()[0] if self._sock is not None else "127.0.0.1"
+            self._probe_sock = socket.create_server((host, 0))
+            self._spawn(self._answer_probes, "recover-probe-listener")
+        host, port = self._probe_sock.getsockname()[:2]
+        return f"{host}:{port}"
+
+    def unreachable(self, peers: dict[int, str], timeout_s: float = PROBE_TIMEOUT_S) -> list[int]:
+        """The replicas of ``peers`` (replica -> probe address) this one cannot exchange a byte with
+        within ``timeout_s`` (probed in parallel)."""
+        found: list[int] = []
+
+        def probe(replica: int, address: str) -> None:
+            host, _, port = address.rpartition(":")
+            try:
+                if replica in self.cut:
+                    raise OSError("link cut (fault injection)")
+                with socket.create_connection((host, int(port)), timeout=timeout_s) as s:
+                    s.settimeout(timeout_s)
+                    s.sendall(struct.pack(">i", self.replica_id))
+                    if s.recv(1) != b"!":
+                        raise OSError("no answer")
+            except OSError:
+                found.append(replica)
+
+        threads = [threading.Thread(target=probe, args=(r, a), daemon=True) for r, a in sorted(peers.items())]
+        for t in threads:
+            t.start()
+        for t in threads:
+            t.join(timeout_s + 1.0)
+        return sorted(found)
+
+    def _answer_probes(self) -> None:
+        assert self._probe_sock is not None
+        while not self._stop.is_set():
+            try:
+                conn, _ = self._probe_sock.accept()
+            except OSError:
+                return
+            with conn:
+                try:
+                    conn.settimeout(PROBE_TIMEOUT_S)
+                    data = conn.recv(4)
+                    if len(data) == 4 and struct.unpack(">i", data)[0] not in self.cut:
+                        conn.sendall(b"!")
+                except OSError:
+                    pass
 
     def advance(self) -> None:
         """The training loop passed a phase point (its progress, sent with the heartbeats)."""
@@ -200,7 +258,9 @@ class CoordinatorClient:
     def report_failure(self, generation: int, suspects: tuple[int, ...] | list[int] = (),
                        timed_out: bool = False) -> None:
         """Tells the coordinator that a collective of ``generation`` failed (idempotent); ``timed_out``:
-        it ran out of time (the coordinator then fences the members that never reached it)."""
+        it ran out of time (the coordinator then fences the members that never reached it, or, when
+        all did, the replica that the ``suspects`` of the members' reports, those they could not
+        reach, implicate)."""
         try:
             self._request({"type": "report", "generation": generation, "suspects": sorted(suspects),
                            "timeout": timed_out})
@@ -276,6 +336,12 @@ class CoordinatorClient:
             except OSError:
                 pass
             self._sock.close()
+        if self._probe_sock is not None:
+            try:
+                self._probe_sock.shutdown(socket.SHUT_RDWR)  # wakes the listener's accept
+            except OSError:
+                pass
+            self._probe_sock.close()
         for t in self._threads:
             if t is not threading.current_thread():
                 t.join(2.0)

@@ -32,6 +32,12 @@ Invariants:
     state would refuse or abort it anyway (then at once, for that rank alone). Ranks that vote
     differently fence the replica. ``failing`` and ``membership`` pushes answer the votes still
     buffered for the generations they end ``aborted``.
+  * A ``report`` that a collective of the current generation timed out fences the members that never
+    reached it (computing or in io, by their heartbeats). When every member reached it (a broken
+    link), the reports, each naming the members its replica cannot reach by a direct probe, are
+    held until all members reported or ``link_grace_s`` passed; the replica most reporters cannot
+    reach is fenced (one that cannot reach half the others implicates itself), so a broken link
+    never yields an endless series of generations with the same members.
   * Any rank's connection closing, its silence beyond ``heartbeat_timeout_s`` (counted from the
     replica's registration), its lack of progress while others wait for it (a *hung* replica,
     :mod:`recover.coord.liveness`: heartbeats carry each rank's progress counter and activity), or
@@ -54,6 +60,7 @@ from recover.coord.protocol import ProtocolError, register_ranks
 from recover.coord.state import Action, Fence, Log, MembershipState, Refused, Send
 
 Ballot = tuple[int, int, tuple[int, ...]]  # (generation, step, sorted ids)
+LINK_GRACE_S = 5.0
 
 
 @dataclass(frozen=True)
@@ -116,22 +123,27 @@ class RankAggregator:
         heartbeat_timeout_s: silence after which a rank of a registered replica is fenced.
         register_timeout_s: a connection that has not registered after this long is closed.
         liveness: the progress rule that fences hung replicas (default: the automatic hang timeout).
+        link_grace_s: how long the timed-out reports of a collective every member reached are
+            gathered before the replica they implicate is fenced (see :meth:`_hold`).
     """
 
     def __init__(self, state: MembershipState, *, token: str, heartbeat_timeout_s: float,
-                 register_timeout_s: float, liveness: Liveness | None = None) -> None:
+                 register_timeout_s: float, liveness: Liveness | None = None,
+                 link_grace_s: float = LINK_GRACE_S) -> None:
         if not token:
             raise ValueError("token must be a non-empty string")
         self.state = state
         self._token = token.encode()
         self.heartbeat_timeout_s = heartbeat_timeout_s
         self.register_timeout_s = register_timeout_s
+        self.link_grace_s = link_grace_s
         self.liveness = liveness or Liveness()
         self._links: dict[Hashable, _Link] = {}
         self._slots: dict[int, Slot] = {}
         self._ids = itertools.count(1)  # ids of forwarded requests: those of different ranks collide
         self._out: list[Out] = []
         self._now = 0.0  # the time of the event whose actions are being applied
+        self._held: dict[int, dict[str, Any]] = {}  # generation -> timed-out reports held (see _hold)
 
     @property
     def slots(self) -> Mapping[int, Slot]:
@@ -198,6 +210,7 @@ class RankAggregator:
             slot = self._slots.get(replica)
             if slot is not None:
                 self._kill(slot, "hung", detail, now)
+        self._settle_links(now)
         self._apply(self.state.on_tick(now), now)
         return self._take()
 
@@ -235,8 +248,10 @@ class RankAggregator:
             if kind == "ack":
                 self._ack(slot, link, msg["generation"], now)
             elif kind == "report":
-                if msg.get("timeout") and msg["generation"] == self.state.generation:
-                    self._fence_unreached(slot.replica, now)
+                if msg.get("timeout") and msg["generation"] == self.state.generation and not self.state.failing \
+                        and not self._fence_unreached(slot.replica, now):
+                    self._hold(slot, link, msg, now)
+                    return
                 self._forward(slot, [(link, msg["id"])], False, now, lambda i: self.state.on_report(
                     slot.replica, i, msg["generation"], msg["suspects"], now))
             else:
@@ -338,14 +353,70 @@ class RankAggregator:
         self._forward(slot, [(slot.links[k], votes[k][0]) for k in sorted(votes)], False, now, forward)
         slot.mb_s.clear()
 
-    def _fence_unreached(self, reporter: int, now: float) -> None:
+    def _fence_unreached(self, reporter: int, now: float) -> bool:
         """A collective of the current generation ran out of time: the members that never reached it
-        (computing, saving or evaluating, by their heartbeats) are fenced, so the next generation is never the same
-        members again (a hung replica is found here too when the hang timeout is the longer one)."""
+        (computing, saving or evaluating, by their heartbeats) are fenced, so the next generation is never
+        the same members again (a hung replica is found here too when the hang timeout is the longer one).
+        Returns whether any was."""
+        fenced = False
         for r, slot in list(self._slots.items()):
             if r != reporter and slot.registered and self.liveness.away(r):
                 self._kill(slot, "unreached", f"it never reached the collective that replica {reporter} "
                                               "timed out in", now)
+                fenced = True
+        return fenced
+
+    def _hold(self, slot: Slot, link: _Link, msg: dict[str, Any], now: float) -> None:
+        """Every member reached the collective that timed out: a broken link. The reports (each naming
+        the members its replica cannot reach) are held until all members reported or
+        ``link_grace_s`` passed; then :meth:`_settle_links` fences the implicated replica."""
+        g = msg["generation"]
+        held = self._held.setdefault(g, {"since": now, "reports": {}})
+        held["reports"].setdefault(slot.replica, []).append((link, msg))
+        self._settle_links(now)
+
+    def _settle_links(self, now: float) -> None:
+        for g in sorted(self._held):
+            held = self._held[g]
+            current = self.state.current
+            members = [m for m in (current.members if current else ()) if m in self._slots]
+            waiting = g == self.state.generation and not self.state.failing and \
+                now - held["since"] < self.link_grace_s and not set(members) <= set(held["reports"])
+            if waiting:
+                continue
+            del self._held[g]
+            if g == self.state.generation and not self.state.failing:
+                self._fence_implicated(g, members, {r: sorted({s for _, m in reps for s in m["suspects"]})
+                                                    for r, reps in held["reports"].items()}, now)
+            for r, reps in held["reports"].items():
+                slot = self._slots.get(r)
+                for link, msg in reps:
+                    if slot is not None and slot.links.get(link.rank) is link:
+                        self._forward(slot, [(link, msg["id"])], False, now, lambda i, r=r, msg=msg:
+                                      self.state.on_report(r, i, msg["generation"], msg["suspects"], now))
+
+    def _fence_implicated(self, g: int, members: list[int], unreachable: dict[int, list[int]], now: float) -> None:
+        """Fences the replica the reports implicate: named unreachable by the most reporters (a reporter
+        that cannot reach half the others or more implicates itself: its own link is down); ties go
+        to the higher id. Nobody named: the next generation keeps everyone (a transient stall)."""
+        others = max(1, len(members) - 1)
+        blame: dict[int, int] = {}
+        for reporter, named in unreachable.items():
+            named = [r for r in named if r in members and r != reporter]
+            if 2 * len(named) >= others and len(members) > 2:
+                blame[reporter] = blame.get(reporter, 0) + len(members)
+                continue
+            for r in named:
+                blame[r] = blame.get(r, 0) + 1
+        self._log("link_report", generation=g, unreachable={str(r): v for r, v in sorted(unreachable.items())},
+                  implicated=max(blame, key=lambda r: (blame[r], r)) if blame else None)
+        if blame:
+            victim = max(blame, key=lambda r: (blame[r], r))
+            slot = self._slots.get(victim)
+            if slot is not None:
+                who = sorted(r for r, named in unreachable.items() if victim in named)
+                self._kill(slot, "link", f"replicas {who} cannot reach it after a collective of generation {g} "
+                                         "timed out with every member in it", now)
 
     # ---------------------------------------------------------- the state's actions
 

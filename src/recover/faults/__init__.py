@@ -10,11 +10,12 @@ from recover.faults.schedule import (
     FailureSpec,
     FaultInjector,
     hang_on_signal,
+    parse_cut,
     parse_failure,
     parse_slow,
     random_schedule,
 )
 
 __all__ = ["HANG_SIGNAL", "PHASES", "hang_on_signal",
-           "FailureSchedule", "FailureSpec", "FaultInjector", "parse_failure", "parse_slow",
+           "FailureSchedule", "FailureSpec", "FaultInjector", "parse_cut", "parse_failure", "parse_slow",
            "random_schedule"]

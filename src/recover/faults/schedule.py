@@ -17,7 +17,10 @@ the replica-level failure detection, tears them down).
 
 A ``slow`` spec (``--slow R@STEP:FACTOR``, text ``R@STEP:forward=slow:FACTOR``) kills nothing: from the
 first forward of STEP on, every rank of replica R takes FACTOR times as long per microbatch
-(FACTOR 1 ends it). It never counts as a failure in :meth:`FailureSchedule.validate`.
+(FACTOR 1 ends it). A ``cut`` spec (``--cut R@STEP:PEER``, text ``R@STEP:forward=cut:PEER``) breaks
+the link between replicas R and PEER from STEP on: R withholds its part of every collective with
+PEER and neither reaches the other's probe (an injected broken link: loopback cannot break one).
+Neither counts as a failure in :meth:`FailureSchedule.validate`.
 """
 
 from __future__ import annotations
@@ -67,7 +70,7 @@ class FailureSpec:
     rank: int | None = None
     fault: Fault = Fault.KILL
     factor: float = 1.0
-    """How many times as long a microbatch takes (``slow`` only)."""
+    """How many times as long a microbatch takes (``slow``), or the peer replica (``cut``)."""
 
     def __post_init__(self) -> None:
         for name in ("replica", "step") + (("rank",) if self.rank is not None else ()):
@@ -83,17 +86,20 @@ class FailureSpec:
         if self.fault is Fault.SLOW and not (isinstance(self.factor, (int, float)) and math.isfinite(self.factor)
                                               and self.factor >= 1):
             raise ConfigError(f"slow-down factor {self.factor!r} must be a number >= 1 (1 ends a slow-down)")
+        if self.fault is Fault.CUT and not (float(self.factor).is_integer() and self.factor >= 0
+                                             and int(self.factor) != self.replica):
+            raise ConfigError(f"cut peer {self.factor!r} must be another replica's id (an integer >= 0)")
 
     @property
     def kills(self) -> bool:
-        """Whether the replica is lost (a kill, hang or freeze; not a slow-down)."""
-        return self.fault is not Fault.SLOW
+        """Whether the replica is lost by it (a kill, hang or freeze; not a slow-down or a cut link)."""
+        return self.fault not in (Fault.SLOW, Fault.CUT)
 
     def __str__(self) -> str:
         """``R@STEP:PHASE``, with ``=hang`` or ``=freeze`` for those faults (the rank travels separately,
         as ``--fail-rank``)."""
         suffix = "" if self.fault is Fault.KILL else f"={self.fault}"
-        if self.fault is Fault.SLOW:
+        if self.fault in (Fault.SLOW, Fault.CUT):
             suffix += f":{self.factor:g}"
         return f"{self.replica}@{self.step}:{self.phase}{suffix}"
 
@@ -124,12 +130,13 @@ def parse_failure(text: str, rank: int | None = None, fault: Fault | str | None 
     if suffix and suffix.strip().lower() not in FAULTS:
         raise ConfigError(f"bad failure {text}={suffix}: {suffix!r} is not one of {', '.join(FAULTS)}")
     fault = Fault(fault or suffix.strip().lower() or Fault.KILL)
-    if fault is Fault.SLOW:
+    if fault in (Fault.SLOW, Fault.CUT):
         try:
             slow_by = float(factor)
         except ValueError:
-            raise ConfigError(f"bad slow-down {text}={suffix}:{factor}: write R@STEP:FACTOR with FACTOR a "
-                              "number >= 1, e.g. 2@10:4") from None
+            what = "R@STEP:FACTOR with FACTOR a number >= 1, e.g. 2@10:4" if fault is Fault.SLOW else \
+                "R@STEP:PEER with PEER another replica, e.g. 1@5:2"
+            raise ConfigError(f"bad {fault} {text}={suffix}:{factor}: write {what}") from None
     m = _SPEC.match(text)
     if m is None:
         raise ConfigError(f"bad failure {text!r}: write {FORM}")
@@ -144,7 +151,8 @@ def parse_failure(text: str, rank: int | None = None, fault: Fault | str | None 
         raise ConfigError(f"bad failure {text!r}: phase {phase!r} {_phase_hint(phase)}")
     if rank is not None and (not isinstance(rank, int) or rank < 0):
         raise ConfigError(f"bad failure rank {rank!r} for {text!r}: use an integer >= 0")
-    return FailureSpec(int(rep), int(step), Phase(phase), rank, fault, slow_by if fault is Fault.SLOW else 1.0)
+    arg = slow_by if fault in (Fault.SLOW, Fault.CUT) else 1.0
+    return FailureSpec(int(rep), int(step), Phase(phase), rank, fault, arg)
 
 
 def parse_slow(text: str) -> FailureSpec:
@@ -157,6 +165,18 @@ def parse_slow(text: str) -> FailureSpec:
     if not sep or "@" not in head:
         raise ConfigError(f"bad slow-down {text!r}: write R@STEP:FACTOR, e.g. 2@10:4")
     return parse_failure(f"{head}:{DEFAULT_PHASE}={Fault.SLOW}:{factor}")
+
+
+def parse_cut(text: str) -> FailureSpec:
+    """Parses ``--cut R@STEP:PEER`` (the link between replicas R and PEER breaks at STEP, for good).
+
+    Raises:
+        ConfigError: a malformed text, in one line with the form to write.
+    """
+    head, sep, peer = text.rpartition(":")
+    if not sep or "@" not in head:
+        raise ConfigError(f"bad cut {text!r}: write R@STEP:PEER, e.g. 1@5:2")
+    return parse_failure(f"{head}:{DEFAULT_PHASE}={Fault.CUT}:{peer}")
 
 
 def _phase_hint(phase: str) -> str:
@@ -214,6 +234,9 @@ class FailureSchedule:
             if ranks is not None and s.rank is not None and s.rank >= ranks:
                 raise ConfigError(f"failure {s}: rank {s.rank} does not exist; a replica has ranks "
                                   f"0..{ranks - 1}")
+            if s.fault is Fault.CUT and int(s.factor) >= replicas:
+                raise ConfigError(f"cut {s}: peer replica {int(s.factor)} does not exist; replicas are "
+                                  f"0..{replicas - 1}")
             if not s.kills:
                 continue
             first = seen.get(s.replica)
@@ -319,21 +342,23 @@ class FaultInjector:
         hang: called to hang the training thread; blocks for good by default (a recorder in tests).
         before_kill: called with the spec just before the kill (e.g. to write and flush an event).
         slow: called with a ``slow`` spec's factor when it fires (on every rank of the replica).
+        cut: called with a ``cut`` spec's peer replica when it fires (on every rank of the replica).
     """
 
     def __init__(self, specs: Iterable[FailureSpec], replica: int, rank: int = 0, ranks: int = 1,
                  kill: KillFn = os.kill, before_kill: Callable[[FailureSpec], None] | None = None,
                  hang: Callable[[], Any] = lambda: threading.Event().wait(),
-                 slow: Callable[[float], Any] = lambda factor: None) -> None:
+                 slow: Callable[[float], Any] = lambda factor: None,
+                 cut: Callable[[int], Any] = lambda peer: None) -> None:
         if not 0 <= rank < ranks:
             raise ValueError(f"rank = {rank} must be in 0..{ranks - 1} (ranks = {ranks})")
         self.replica, self.rank, self.ranks = replica, rank, ranks
-        self.kill, self.before_kill, self.hang, self.slow = kill, before_kill, hang, slow
+        self.kill, self.before_kill, self.hang, self.slow, self.cut = kill, before_kill, hang, slow, cut
         self.pending: list[FailureSpec] = [s for s in specs if s.replica == replica and self._mine(s)]
 
     def _mine(self, spec: FailureSpec) -> bool:
-        if spec.fault is Fault.SLOW and spec.rank is None:
-            return True  # the whole replica slows down
+        if spec.fault in (Fault.SLOW, Fault.CUT) and spec.rank is None:
+            return True  # the whole replica slows down, or loses its link
         return (self.ranks - 1 if spec.rank is None else spec.rank) == self.rank
 
     def maybe_fail(self, step: int, phase: Phase | str) -> bool:
@@ -350,6 +375,9 @@ class FaultInjector:
                     self.before_kill(spec)
                 if spec.fault is Fault.SLOW:
                     self.slow(spec.factor)
+                    return True
+                if spec.fault is Fault.CUT:
+                    self.cut(int(spec.factor))
                     return True
                 sys.stdout.flush()
                 sys.stderr.flush()

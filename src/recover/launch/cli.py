@@ -45,6 +45,9 @@ def register(sub: argparse._SubParsersAction) -> None:
     p.add_argument("--slow", action="append", default=[], metavar="R@STEP:FACTOR",
                    help=f"from STEP on, replica R's microbatches take FACTOR times as long ({Fault.SLOW.help}); "
                         "with workload.policy = weighted it gets fewer of them; repeatable")
+    p.add_argument("--cut", action="append", default=[], metavar="R@STEP:PEER",
+                   help=f"from STEP on, the link between replicas R and PEER is broken ({Fault.CUT.help}); "
+                        "the replica the members' reports implicate is fenced; repeatable")
     p.add_argument("--freeze", action="append", default=[], metavar="R@STEP:PHASE",
                    help=f"SIGSTOP replica R for good at STEP and PHASE ({Fault.FREEZE.help}); repeatable")
     p.add_argument("--fail-rank", type=int, default=None, metavar="K",
@@ -258,14 +261,14 @@ def _ids(flag: str, text: str | None) -> frozenset[int] | None:
 
 def run_launch(args: argparse.Namespace) -> int:
     """``recover launch``: the flags as a :class:`LaunchRequest`, run by :func:`launch`."""
-    from recover.faults import parse_slow
+    from recover.faults import parse_cut, parse_slow
 
     return launch(LaunchRequest(
         out=Path(args.out), config=args.config, overrides=tuple(args.overrides), replicas=args.replicas,
         steps=args.steps, pp=args.pp, tp=args.tp, fsdp=args.fsdp, procs_per_replica=args.procs_per_replica,
         deterministic=args.deterministic, device_time_s=args.device_time_s, fail_rank=args.fail_rank,
         failures=(*args.fail, *(f"{f}={Fault.HANG}" for f in args.hang), *(f"{f}={Fault.FREEZE}" for f in args.freeze),
-                  *(str(parse_slow(f)) for f in args.slow)),
+                  *(str(parse_slow(f)) for f in args.slow), *(str(parse_cut(f)) for f in args.cut)),
         random_mtbf_s=args.random_failures, rejoin_after_s=args.rejoin_after,
         random_faults=tuple(f.strip().lower() for f in args.random_faults.split(",") if f.strip()),
         rejoin_replicas=_ids("--rejoin-replicas", args.rejoin_replicas),

@@ -37,7 +37,7 @@ from recover.coord.client import CoordinatorLost
 from recover.data.sampler import EvalSampler
 from recover.errors import QuorumLost, RecoverError
 from recover.faults import FailureSpec, FaultInjector
-from recover.names import Baseline, Phase
+from recover.names import Baseline, Fault, Phase
 from recover.observe.events import EventLog, JsonlWriter
 from recover.recovery.protocol import Progress, ResilientStep
 from recover.train.checkpoint import Checkpointer
@@ -86,10 +86,14 @@ class ReplicaWorker:
         self.start = Progress.of(self.checkpointer.resume()[1]) if resume else Progress()
         self.events = EventLog(self.out / "events.jsonl")
         self.log = JsonlWriter(replica_log_path(self.out, replica)) if self.rank == 0 else None
+        self.cut: set[int] = set()  # replicas this one cannot reach (--cut fault injection)
         self.injector = FaultInjector(failures, replica, self.rank, self.ranks, before_kill=self._before_kill,
-                                      slow=self._slow_down)
+                                      slow=self._slow_down, cut=self.cut.add)
 
     def _before_kill(self, spec: FailureSpec) -> None:
+        if spec.fault is Fault.CUT:
+            self._event("link_cut", step=spec.step, peer=int(spec.factor))
+            return
         if not spec.kills:
             self._event("slowed", step=spec.step, factor=spec.factor)
             return
@@ -122,6 +126,7 @@ class ReplicaWorker:
             client.advance()
             self.injector.maybe_fail(step, phase)
 
+        client.cut = self.cut
         membership = client.register(join=self.join)
         group = FaultTolerantGroup.create(client, membership, backend=self.cfg.parallel.backend,
                                           timeout_s=ft.collective_timeout_s)
