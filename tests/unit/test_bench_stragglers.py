@@ -219,7 +219,7 @@ def test_cli_defaults_and_bad_input_before_anything_runs(tmp_path: Path, monkeyp
     args = _parse(["--out", str(tmp_path / "out")])
     assert (args.config, args.replicas, args.steps, args.rounds) == ("debug", 4, 30, 3)
     assert st.parse_factors(args.factors) == [1.5, 2.0, 4.0]
-    assert st.parse_policies(args.policies) == list(st.POLICIES)
+    assert st.parse_policies(args.policies) == list(st.DEFAULT_POLICIES)
 
     def never(*a: object, **k: object) -> int:
         raise AssertionError("nothing may run on bad input")
@@ -252,7 +252,7 @@ def test_print_and_plot(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> N
     for e in by_factor:
         e["load"] = {"before": [1.0, 1.0, 1.0], "after": [2.0, 1.0, 1.0], "min_1m": 1.0, "max_1m": 2.0}
     res = {"config": "debug", "replicas": 4, "steps": 30, "microbatches": 16, "rounds": 3, "slow_step": 2,
-           "first_measured_step": 8, "policies": list(st.POLICIES), "factors": [2.0, 4.0],
+           "first_measured_step": 8, "policies": list(st.DEFAULT_POLICIES), "factors": [2.0, 4.0],
            "device": {"time_s": 0.05, "compute_s": 0.005, "compute_median_s": 0.006, "threads": 1, "cores": 2,
                       "replicas": 4, "contended_s": 0.01, "dominates": True, "reference_overhead_s": 0.03},
            "reference": reference, "by_factor": by_factor, "acceptance": st.acceptance(by_factor),
@@ -271,5 +271,5 @@ def test_run_configs_put_the_reference_in_the_middle() -> None:
     configs = st.run_configs([1.5, 4.0], ["weighted", "even"])
     assert configs == [("weighted", 1.5), ("even", 1.5), ("weighted", None), ("weighted", 4.0), ("even", 4.0)]
     assert st.run_configs([2.0], ["even"]) == [("weighted", None), ("even", 2.0)]
-    names = [st.config_name(p, f) for p, f in st.run_configs(st.FACTORS, st.POLICIES)]
+    names = [st.config_name(p, f) for p, f in st.run_configs(st.FACTORS, st.DEFAULT_POLICIES)]
     assert len(names) == 10 and names[4] == "reference" and len(set(names)) == 10

@@ -83,13 +83,17 @@ from recover.errors import ConfigError
 from recover.names import Baseline
 from recover.observe.plots import load_events, load_metrics
 
-POLICIES = ("weighted", "even", "wait-for-slowest")
+POLICIES = ("weighted", "even", "wait-for-slowest", "torchft")
+DEFAULT_POLICIES = POLICIES[:3]
+"""torchft runs only when asked for (``--policies ...,torchft``) and an interpreter imports it."""
 LABELS = {
     "reference": "failure-free reference (recover, weighted, no slow replica)",
     "weighted": "recover, workload.policy = weighted (default)",
     "even": "recover, workload.policy = even",
     "wait-for-slowest": "fixed equal shares, every step waits for the slowest (torchft / DDP semantics; "
                         "recover's --baseline shrink)",
+    "torchft": "real torchft 0.2.0 DDP + Lighthouse (recover.bench.torchft_runner; fixed equal shares, the "
+               "slow replica's device slowed alike)",
     "optimal": "makespan-optimal plan (model, not run)",
 }
 FACTORS = (1.5, 2.0, 4.0)
@@ -120,6 +124,7 @@ TARGET_VS_OPTIMAL = 1.15
 TARGET_VS_EVEN = 0.6
 PLOT_LABELS = {"weighted": "weighted (recover's default)", "even": "even (recover)",
                "wait-for-slowest": "wait-for-slowest (torchft/DDP semantics; --baseline shrink)",
+               "torchft": "torchft 0.2.0 (real)",
                "optimal": "makespan-optimal plan (model)"}
 OWN_OVERRIDES = {"training.device_time_s": "--device-time-s", "training.global_microbatches": "--microbatches",
                  "workload.policy": "--policies"}
@@ -453,7 +458,7 @@ def plot_results(path: Path, res: dict[str, Any]) -> Path:
     from recover.observe.plots import _pyplot
 
     plt = _pyplot()
-    colors = {"weighted": "C0", "even": "C1", "wait-for-slowest": "C3"}
+    colors = {"weighted": "C0", "even": "C1", "wait-for-slowest": "C3", "torchft": "C2"}
     factors = [e["factor"] for e in res["by_factor"]]
     fig, ax = plt.subplots(figsize=(8, 5), dpi=110)
     for name in res["policies"]:
@@ -541,10 +546,10 @@ def system_args(policy: str, factor: float | None, slow_step: int, replicas: int
 
 
 def run_bench(config: str = CONFIG, replicas: int = REPLICAS, steps: int = STEPS, factors: Sequence[float] = FACTORS,
-              policies: Sequence[str] = POLICIES, rounds: int = ROUNDS, device_time_s: float = DEVICE_TIME_S,
+              policies: Sequence[str] = DEFAULT_POLICIES, rounds: int = ROUNDS, device_time_s: float = DEVICE_TIME_S,
               microbatches: int = MICROBATCHES, slow_step: int = SLOW_STEP, settle_steps: int = SETTLE_STEPS,
               overrides: Sequence[str] = (), out: Path = Path("runs/bench-stragglers"), timeout_s: float = 600.0,
-              log: Log = stderr_log) -> dict[str, Any]:
+              torchft_python: str | None = None, log: Log = stderr_log) -> dict[str, Any]:
     """Runs the reference and every factor x policy for ``rounds`` rounds; returns the result object
     (see the module docstring) and writes ``OUT/results.json`` and ``OUT/stragglers.png``.
 
@@ -567,7 +572,14 @@ def run_bench(config: str = CONFIG, replicas: int = REPLICAS, steps: int = STEPS
     load_before = machine_load()
     out.mkdir(parents=True, exist_ok=True)
     skipped: dict[str, str] = {}
-    if "wait-for-slowest" in policies:
+    tft_python = None
+    if "torchft" in policies:
+        from recover.bench.failures import find_torchft_python
+
+        tft_python, why = find_torchft_python(torchft_python)
+        if tft_python is None:
+            raise ConfigError(f"--policies torchft: {why}; install torchft or give --torchft-python")
+    elif "wait-for-slowest" in policies:
         skipped["torchft"] = torchft_skip_reason()
         log(f"torchft: skipped ({skipped['torchft']})")
     try:
@@ -598,7 +610,13 @@ def run_bench(config: str = CONFIG, replicas: int = REPLICAS, steps: int = STEPS
             log(f"[{time.strftime('%H:%M:%S')}] round {r}: {name} running (load {load})")
             t0 = time.time()
             baseline, extra = system_args(policy, factor, slow_step, replicas)
-            code = launch_run(run_dir, config, replicas, steps, (), baseline, [*run_overrides, *extra], timeout_s)
+            if policy == "torchft":
+                from recover.bench.torchft_runner import run_torchft
+
+                slow = [] if factor is None else [f"{replicas - 1}@{slow_step}:forward=slow:{factor:g}"]
+                code = run_torchft(run_dir, config, replicas, steps, slow, run_overrides, tft_python, timeout_s)
+            else:
+                code = launch_run(run_dir, config, replicas, steps, (), baseline, [*run_overrides, *extra], timeout_s)
             row = run_stats(run_dir, first_step, steps, microbatches, replicas, code)
             row.update(round=r, seq=seq, load_start=load, load_end=machine_load(), wall_s=round(time.time() - t0, 1))
             seq += 1
@@ -660,8 +678,12 @@ def add_parser(bench_subparsers: argparse._SubParsersAction) -> argparse.Argumen
     p.add_argument("--microbatches", type=int, default=MICROBATCHES,
                    help=f"M, microbatches per step (default {MICROBATCHES}: 4 per replica, fine enough for the "
                         "weighted plan to shed work from a 1.5x straggler; 8 leaves it none)")
-    p.add_argument("--policies", default=",".join(POLICIES),
-                   help=f"systems to compare, comma-separated (default {','.join(POLICIES)})")
+    p.add_argument("--policies", default=",".join(DEFAULT_POLICIES),
+                   help=f"systems to compare, comma-separated, of {','.join(POLICIES)} (default "
+                        f"{','.join(DEFAULT_POLICIES)}; torchft needs an interpreter that imports it)")
+    p.add_argument("--torchft-python", default=None,
+                   help="a Python interpreter with torchft installed, for --policies ...,torchft "
+                        "(default: this one, if it imports torchft)")
     p.add_argument("--slow-step", type=int, default=SLOW_STEP,
                    help=f"step from which the replica is slow (default {SLOW_STEP})")
     p.add_argument("--settle-steps", type=int, default=SETTLE_STEPS,
@@ -678,7 +700,8 @@ def run_from_args(args: argparse.Namespace) -> int:
     res = run_bench(config=args.config, replicas=args.replicas, steps=args.steps, factors=parse_factors(args.factors),
                     policies=parse_policies(args.policies), rounds=args.rounds, device_time_s=args.device_time_s,
                     microbatches=args.microbatches, slow_step=args.slow_step, settle_steps=args.settle_steps,
-                    overrides=getattr(args, "overrides", []) or [], out=Path(args.out), timeout_s=args.timeout)
+                    overrides=getattr(args, "overrides", []) or [], out=Path(args.out), timeout_s=args.timeout,
+                    torchft_python=args.torchft_python)
     print_result(res)
     if args.json:
         write_json(args.json, res)

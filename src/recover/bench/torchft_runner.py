@@ -238,8 +238,10 @@ def replica_main(args: argparse.Namespace) -> int:
 
     events = EventLog(out / "events.jsonl")
     log = JsonlWriter(out / "replicas" / f"replica_{rid}.jsonl")
-    injector = FaultInjector([parse_failure(f) for f in args.fail], rid, before_kill=lambda s: events.event(
-        "kill", replica=rid, step=s.step, phase=s.phase, pid=os.getpid()))
+    slowdown = {"factor": 1.0}  # --slow R@STEP:FACTOR (fault kind slow): this replica's device slows down
+    injector = FaultInjector([parse_failure(f) for f in args.fail], rid, before_kill=lambda s: s.kills and events.event(
+        "kill", replica=rid, step=s.step, phase=s.phase, pid=os.getpid()),
+        slow=lambda factor: slowdown.update(factor=factor))
     store_port = free_port()
     store = TCPStore("127.0.0.1", store_port, is_master=True, wait_for_workers=False)  # noqa: F841 - kept alive
     manager = Manager(
@@ -252,8 +254,10 @@ def replica_main(args: argparse.Namespace) -> int:
     current = {"step": 0, "mb_t0": 0.0}
 
     def emulate_device() -> None:
-        """With ``training.device_time_s``, sleeps until the current microbatch has taken that long."""
-        left = tc.device_time_s - (time.perf_counter() - current["mb_t0"])
+        """With ``training.device_time_s``, sleeps until the current microbatch has taken that long (times
+        a ``slow`` fault's factor, or the real compute times it, as recover's replicas do)."""
+        elapsed = time.perf_counter() - current["mb_t0"]
+        left = max(tc.device_time_s, elapsed) * slowdown["factor"] - elapsed
         if left > 0:
             time.sleep(left)
 
