@@ -408,10 +408,10 @@ class RankAggregator:
                 continue
             for r in named:
                 blame[r] = blame.get(r, 0) + 1
+        victim = max(blame, key=lambda r: (blame[r], r)) if blame else None
         self._log("link_report", generation=g, unreachable={str(r): v for r, v in sorted(unreachable.items())},
-                  implicated=max(blame, key=lambda r: (blame[r], r)) if blame else None)
-        if blame:
-            victim = max(blame, key=lambda r: (blame[r], r))
+                  implicated=victim)
+        if victim is not None:
             slot = self._slots.get(victim)
             if slot is not None:
                 who = sorted(r for r, named in unreachable.items() if victim in named)
