@@ -8,6 +8,7 @@ import signal
 import subprocess
 import sys
 import threading
+import time
 from pathlib import Path
 
 import pytest
@@ -68,3 +69,39 @@ def test_coordinator_command_rejects_a_missing_token_file(tmp_path: Path) -> Non
                         str(tmp_path / "nope")], capture_output=True, text=True, env=env(), timeout=60)
     assert r.returncode == 2
     assert r.stderr.strip().startswith("recover: error: --token-file") and "\n" not in r.stderr.strip()
+
+
+def test_a_coordinator_paused_for_twice_the_heartbeat_timeout_fences_nobody(tmp_path: Path) -> None:
+    """SIGSTOP of the coordinator for 2 s (heartbeat timeout 1 s), then SIGCONT: the clients'
+    heartbeats queued on its sockets are read first, nobody is fenced, the pause is logged."""
+    token = tmp_path / "token"
+    token.write_text("tok\n")
+    ev = tmp_path / "events.jsonl"
+    proc = subprocess.Popen([sys.executable, "-m", "recover", "coordinator", "--port", "0", "--token-file",
+                             str(token), "--events", str(ev), "--replicas", "2", "--heartbeat-timeout", "1.0"],
+                            stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, env=env(),
+                            start_new_session=True)
+    cs: list[CoordinatorClient] = []
+    try:
+        assert proc.stdout is not None
+        port = json.loads(proc.stdout.readline())["port"]
+        cs = [CoordinatorClient("127.0.0.1", port, "tok", r) for r in (0, 1)]
+        ts = [threading.Thread(target=c.register, kwargs={"timeout": 20}) for c in cs]
+        for t in ts:
+            t.start()
+        for t in ts:
+            t.join(30)
+        time.sleep(0.5)
+        os.kill(proc.pid, signal.SIGSTOP)
+        time.sleep(2.0)
+        os.kill(proc.pid, signal.SIGCONT)
+        time.sleep(1.5)
+        assert [c.lost for c in cs] == [None, None]
+        kinds = [e["kind"] for e in read_jsonl(ev)]
+        assert "coordinator_stalled" in kinds and "fenced" not in kinds and "failure_detected" not in kinds
+    finally:
+        for c in cs:
+            c.close()
+        os.killpg(proc.pid, signal.SIGCONT)
+        os.killpg(proc.pid, signal.SIGKILL)
+        proc.wait(10)

@@ -410,3 +410,19 @@ def test_a_reporter_that_reaches_hardly_anyone_implicates_itself_and_silence_end
         out += agg2.on_message(f"r{r}_0", msg("report", id=r + 1, generation=1, suspects=[], timeout=True), 0.6)
     assert logs(out, "failure_detected") == [] and logs(out, "link_report")[0]["implicated"] is None
     assert agg2.state.failing
+
+
+def test_nobody_is_judged_across_the_coordinators_own_stall() -> None:
+    """The coordinator was not scheduled from 0.5 s to 3.0 s (heartbeat timeout 1 s): after reading
+    what arrived, ``on_resumed`` gives every connection a fresh grace and moves the hang clocks on."""
+    agg = make(expected=3)
+    three_replicas(agg)
+    _all_waiting(agg, 3, 0.5)
+    out = agg.on_resumed(2.4, 3.0)
+    assert logs(out, "coordinator_stalled") == [{"seconds": 2.4}]
+    assert logs(agg.on_tick(3.0), "failure_detected") == []
+    assert [d["cause"] for d in logs(agg.on_tick(4.1), "failure_detected")] == ["heartbeat_timeout"] * 3
+    control = make(expected=3)  # without it every replica would be fenced at once
+    three_replicas(control)
+    _all_waiting(control, 3, 0.5)
+    assert len(logs(control.on_tick(3.0), "failure_detected")) == 3

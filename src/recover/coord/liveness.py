@@ -73,6 +73,18 @@ class Liveness:
         """The replica is gone (dead, fenced or left)."""
         self._replicas.pop(replica, None)
 
+    def pause(self, stall_s: float) -> None:
+        """The coordinator did not run for ``stall_s``: every clock moves on by it (nobody is judged
+        for a silence the coordinator itself caused)."""
+        for ranks in self._replicas.values():
+            for r in ranks.values():
+                r.since += stall_s
+        if self._formed is not None:
+            g, members, when = self._formed
+            self._formed = (g, members, when + stall_s)
+        if self._ballot is not None:
+            self._ballot = (self._ballot[0] + stall_s, self._ballot[1])
+
     def formed(self, generation: int, members: list[int] | tuple[int, ...], now: float) -> None:
         """Generation ``generation`` of ``members`` was formed (its members are told now)."""
         if self._formed is None or generation > self._formed[0]:

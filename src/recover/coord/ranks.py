@@ -193,6 +193,20 @@ class RankAggregator:
             self._drop(link, cause, now)
         return self._take()
 
+    def on_resumed(self, stall_s: float, now: float) -> list[Out]:
+        """The server was not running for ``stall_s`` (and has read what arrived meanwhile): nobody is
+        judged across that gap. Every connection gets a fresh grace, and the hang and failure-round
+        clocks move on by the gap."""
+        for link in self._links.values():
+            link.last_seen = max(link.last_seen, now)
+            link.opened += stall_s
+        self.liveness.pause(stall_s)
+        self.state.pause(stall_s)
+        for held in self._held.values():
+            held["since"] += stall_s
+        self._log("coordinator_stalled", seconds=round(stall_s, 3))
+        return self._take()
+
     def on_tick(self, now: float) -> list[Out]:
         """Register and heartbeat timeouts, then the state's own deadlines."""
         for link in list(self._links.values()):

@@ -186,25 +186,41 @@ class Coordinator:
     # ------------------------------------------------------------- the loop
 
     def _loop(self) -> None:
+        """Serves until stopped. Judge others only when running: when this loop was not scheduled for
+        longer than half the heartbeat timeout (a VM pause, swapping, SIGSTOP), it first reads
+        everything pending and gives every connection a fresh grace before any timeout is judged."""
         agg = self.aggregator
         assert agg is not None
+        last = time.monotonic()
         while not self._stopping:
             events = self._sel.select(self._tick_s)
             now = time.monotonic()
+            stall = now - last - self._tick_s
             with self._cond:
-                for key, mask in events:
-                    if key.data == "accept":
-                        self._accept(now)
-                    elif key.data == "wake":
-                        self._drain_wake()
-                    else:
-                        conn: _Conn = key.data
-                        if mask & selectors.EVENT_WRITE and not conn.closed:
-                            self._flush(conn)
-                        if mask & selectors.EVENT_READ and not conn.closed:
-                            self._read(conn, now)
+                self._handle(events, now)
+                if stall > self.heartbeat_timeout_s / 2:
+                    for _ in range(1000):  # bounded: what arrived while we were not running
+                        pending = self._sel.select(0)
+                        if not pending:
+                            break
+                        self._handle(pending, now)
+                    self._run(agg.on_resumed(stall, now))
                 self._run(agg.on_tick(now))
                 self._cond.notify_all()
+            last = time.monotonic()
+
+    def _handle(self, events: list[tuple[Any, int]], now: float) -> None:
+        for key, mask in events:
+            if key.data == "accept":
+                self._accept(now)
+            elif key.data == "wake":
+                self._drain_wake()
+            else:
+                conn: _Conn = key.data
+                if mask & selectors.EVENT_WRITE and not conn.closed:
+                    self._flush(conn)
+                if mask & selectors.EVENT_READ and not conn.closed:
+                    self._read(conn, now)
 
     def _drain_wake(self) -> None:
         try:

@@ -233,6 +233,11 @@ class MembershipState:
     def on_tick(self, now: float) -> list[Action]:
         return self._check_round(now) if self.round is not None else []
 
+    def pause(self, stall_s: float) -> None:
+        """The coordinator did not run for ``stall_s``: an open failure round's ack deadline moves on by it."""
+        if self.round is not None:
+            self.round.deadline += stall_s
+
     def _observe_speeds(self, step: int, microbatches: int, members: tuple[int, ...],
                         measured: dict[int, float]) -> list[Action]:
         acts: list[Action] = []
