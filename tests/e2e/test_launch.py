@@ -10,11 +10,15 @@ from __future__ import annotations
 
 import json
 import os
+import signal
+import subprocess
+import sys
+import time
 from pathlib import Path
 
 import pytest
 
-from conftest import losses, max_rel_diff, run_recover
+from conftest import losses, max_rel_diff, run_recover, subprocess_env
 
 STEPS = 30
 M = 8
@@ -224,3 +228,49 @@ def test_a_broken_link_between_two_replicas_fences_one_of_them_never_the_same_ge
         == [(2, "link")]
     generations = [e for e in ev if e["kind"] == "generation" and e["reason"] != "initial" and e["step"] < STEPS]
     assert [g["members"] for g in generations] == [[0, 1, 3]]  # one new generation, not the same members again
+
+
+def _processes_of(run: Path) -> list[int]:
+    """PIDs of live processes whose command line names ``run`` (the launcher's coordinator and workers)."""
+    pids = []
+    for entry in Path("/proc").iterdir():
+        if entry.name.isdigit():
+            try:
+                cmdline = (entry / "cmdline").read_bytes().replace(b"\0", b" ").decode(errors="replace")
+            except OSError:
+                continue
+            if str(run) in cmdline and int(entry.name) != os.getpid():
+                pids.append(int(entry.name))
+    return pids
+
+
+@pytest.mark.parametrize("sig", [signal.SIGKILL, signal.SIGTERM], ids=["sigkill", "sigterm"])
+def test_every_process_dies_with_the_launcher(corpus: Path, tmp_path: Path, sig: signal.Signals) -> None:
+    """SIGKILL of `recover launch` (no cleanup possible: the kernel ends its children) or SIGTERM (what
+    timeout, Slurm and Kubernetes send: the launcher stops them as on Ctrl-C) leaves nothing running."""
+    run = tmp_path / "run"
+    proc = subprocess.Popen([sys.executable, "-m", "recover", "launch", "--config", "debug", "--replicas", "3",
+                             "--steps", "500", "--out", str(run), "--no-progress", "--data.path", str(corpus),
+                             "--device-time-s", "0.05", "--rejoin-after", "0"],
+                            env=subprocess_env(), start_new_session=True, stdout=subprocess.DEVNULL,
+                            stderr=subprocess.DEVNULL)
+    children: list[int] = []
+    try:
+        deadline = time.monotonic() + 120
+        while not (run / "metrics.jsonl").is_file() or not (run / "metrics.jsonl").read_text():
+            assert time.monotonic() < deadline and proc.poll() is None, "the job did not start"
+            time.sleep(0.2)
+        children = [p for p in _processes_of(run) if p != proc.pid]
+        assert len(children) >= 4  # the coordinator, 3 replicas (and a spare)
+        os.kill(proc.pid, sig)
+        proc.wait(30)
+        deadline = time.monotonic() + 10
+        while _processes_of(run) and time.monotonic() < deadline:
+            time.sleep(0.1)
+        assert _processes_of(run) == []
+    finally:
+        for pid in [proc.pid, *_processes_of(run)]:
+            try:
+                os.kill(pid, signal.SIGKILL)
+            except ProcessLookupError:
+                pass

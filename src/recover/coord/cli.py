@@ -45,6 +45,9 @@ def read_token(path: str) -> str:
 
 def run(args: argparse.Namespace) -> int:
     from recover.coord.server import Coordinator
+    from recover.launch.lifeline import die_with_launcher
+
+    die_with_launcher()  # started by `recover launch`: never outlive it
 
     if args.replicas < 1:
         raise ConfigError(f"--replicas must be >= 1, got {args.replicas}")

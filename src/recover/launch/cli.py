@@ -294,8 +294,10 @@ def run_compare(args: argparse.Namespace) -> int:
 
 def run_worker(args: argparse.Namespace) -> int:
     from recover.faults import hang_on_signal, parse_failure
+    from recover.launch.lifeline import die_with_launcher
     from recover.train.worker import ReplicaWorker, build
 
+    die_with_launcher()
     hang_on_signal()  # the launcher's random hangs: the training thread stops, heartbeats go on
     cfg = load_config(args.config, args.overrides)
     host, _, port = args.coordinator.rpartition(":")

@@ -39,6 +39,7 @@ from typing import Any
 
 from recover.config import Config
 from recover.faults import HANG_SIGNAL, FailureSchedule
+from recover.launch.lifeline import child_env, terminate_as_interrupt
 from recover.names import Baseline, Fault
 from recover.observe.events import EventLog, JsonlWriter
 from recover.observe.progress import ProgressDisplay
@@ -183,7 +184,8 @@ class Launcher:
                            "--min-replicas", str(ft.min_replicas), "--heartbeat-interval", str(ft.heartbeat_interval_s),
                            "--heartbeat-timeout", str(ft.heartbeat_timeout_s), "--hang-timeout", str(ft.hang_timeout_s))
         log = open(self.out / "logs" / "coordinator.log", "wb")  # noqa: SIM115 - lives with the process
-        self.coordinator = subprocess.Popen(cmd, stdout=log, stderr=subprocess.STDOUT, start_new_session=True)
+        self.coordinator = subprocess.Popen(cmd, stdout=log, stderr=subprocess.STDOUT, start_new_session=True,
+                                            env=child_env())
         deadline = time.time() + 30
         while time.time() < deadline:
             if self.coordinator.poll() is not None:
@@ -217,9 +219,9 @@ class Launcher:
         for k in range(self.P):
             path = self.out / "logs" / (f"{name}.log" if self.P == 1 else f"{name}_rank{k}.log")
             log = open(path, "ab")  # noqa: SIM115 - lives with the process
-            env = None
+            env = child_env()
             if self.P > 1:
-                env = {**os.environ, "RANK": str(k), "LOCAL_RANK": str(k), "WORLD_SIZE": str(self.P),
+                env = {**env, "RANK": str(k), "LOCAL_RANK": str(k), "WORLD_SIZE": str(self.P),
                        "LOCAL_WORLD_SIZE": str(self.P), "MASTER_ADDR": self.o.host, "MASTER_PORT": str(port)}
             proc = subprocess.Popen(cmd, stdin=stdin, stdout=log, stderr=subprocess.STDOUT, start_new_session=True,
                                     env=env)
@@ -416,6 +418,7 @@ class Launcher:
         self.events.event("launch", replicas=self.n, steps=steps, failures=[str(s) for s in self.o.failures],
                           random_mtbf_s=self.o.random_mtbf_s, rejoin_after_s=self.o.rejoin_after_s)
         grace_end: float | None = None
+        terminate_as_interrupt()  # SIGTERM stops the job as Ctrl-C does: the finally below
         try:
             self._start_coordinator(self.n)
             for rid in range(self.n):
