@@ -25,14 +25,20 @@ def env() -> dict[str, str]:
     return e
 
 
-def test_coordinator_command_serves_and_survives_bad_peers(tmp_path: Path) -> None:
-    token = tmp_path / "token"
-    token.write_text("tok-123\n")
-    ev = tmp_path / "run" / "events.jsonl"
-    proc = subprocess.Popen([sys.executable, "-m", "recover", "coordinator", "--port", "0", "--token-file",
-                             str(token), "--events", str(ev), "--replicas", "2", "--heartbeat-timeout", "1.0"],
-                            stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, env=env(),
+def start_coordinator(tmp_path: Path, token: str, events: Path) -> subprocess.Popen[str]:
+    """``recover coordinator`` for 2 replicas, heartbeat timeout 1 s, in its own session; its first
+    stdout line is the ready record."""
+    token_file = tmp_path / "token"
+    token_file.write_text(token + "\n")
+    return subprocess.Popen([sys.executable, "-m", "recover", "coordinator", "--port", "0", "--token-file",
+                             str(token_file), "--events", str(events), "--replicas", "2", "--heartbeat-timeout",
+                             "1.0"], stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, env=env(),
                             start_new_session=True)
+
+
+def test_coordinator_command_serves_and_survives_bad_peers(tmp_path: Path) -> None:
+    ev = tmp_path / "run" / "events.jsonl"
+    proc = start_coordinator(tmp_path, "tok-123", ev)
     cs: list[CoordinatorClient] = []
     try:
         assert proc.stdout is not None
@@ -74,13 +80,8 @@ def test_coordinator_command_rejects_a_missing_token_file(tmp_path: Path) -> Non
 def test_a_coordinator_paused_for_twice_the_heartbeat_timeout_fences_nobody(tmp_path: Path) -> None:
     """SIGSTOP of the coordinator for 2 s (heartbeat timeout 1 s), then SIGCONT: the clients'
     heartbeats queued on its sockets are read first, nobody is fenced, the pause is logged."""
-    token = tmp_path / "token"
-    token.write_text("tok\n")
     ev = tmp_path / "events.jsonl"
-    proc = subprocess.Popen([sys.executable, "-m", "recover", "coordinator", "--port", "0", "--token-file",
-                             str(token), "--events", str(ev), "--replicas", "2", "--heartbeat-timeout", "1.0"],
-                            stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, env=env(),
-                            start_new_session=True)
+    proc = start_coordinator(tmp_path, "tok", ev)
     cs: list[CoordinatorClient] = []
     try:
         assert proc.stdout is not None

@@ -9,7 +9,7 @@ from pathlib import Path
 import pytest
 
 from recover.bench import failures
-from recover.bench.common import round_orders, run_child, spread
+from recover.bench.common import contended_compute_s, round_orders, run_child, spread
 from recover.faults import FailureSchedule
 
 
@@ -111,8 +111,8 @@ def test_assemble_without_reference_or_recover_gives_no_ratio() -> None:
 
 def test_device_time_dominates_contended_compute() -> None:
     # 4 one-thread replicas on 2 cores: each microbatch's compute takes twice as long
-    assert failures.contended_compute_s(0.065, 4, 1, 2) == pytest.approx(0.13)
-    assert failures.contended_compute_s(0.065, 2, 1, 4) == pytest.approx(0.065)  # never faster than alone
+    assert contended_compute_s(0.065, 4, 1, 2) == pytest.approx(0.13)
+    assert contended_compute_s(0.065, 2, 1, 4) == pytest.approx(0.065)  # never faster than alone
     assert failures.device_dominates(0.25, 0.13)
     assert not failures.device_dominates(0.15, 0.13)
     assert not failures.device_dominates(0.0, 0.0)  # real compute only

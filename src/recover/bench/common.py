@@ -210,3 +210,38 @@ def wait_for(predicate: Callable[[], bool], timeout_s: float, what: str, poll_s:
         if time.monotonic() > deadline:
             raise TimeoutError(f"{what} did not happen within {timeout_s:.0f} s")
         time.sleep(poll_s)
+
+
+def contended_compute_s(compute_s: float, replicas: int, threads: int, cores: int) -> float:
+    """Real compute per microbatch when ``replicas`` processes of ``threads`` threads share ``cores`` cores."""
+    return compute_s * max(1.0, replicas * threads / max(cores, 1))
+
+
+def measure_compute_s(config: str, overrides: Sequence[str], replicas: int,
+                      repeats: int = 10) -> tuple[float, float, int]:
+    """(fastest, median seconds, threads) of one microbatch's forward and backward of this model, real
+    compute only, with the threads a replica process of a ``replicas``-replica job gets; after a warm-up.
+    The fastest of ``repeats`` is the compute itself; the median also holds the machine's other load."""
+    import torch
+
+    from recover.config import load_config
+    from recover.data.prepare import resolve_data_dir
+    from recover.train.dist import DistContext
+    from recover.train.loop import configure_torch
+    from recover.train.trainer import build_replica
+
+    threads_before = torch.get_num_threads()
+    cfg = load_config(config, [*overrides, f"--parallel.replicas={replicas}", "--training.device_time_s=0"])
+    replica, _ = build_replica(cfg, DistContext(local_world_size=replicas), resolve_data_dir(cfg.data, quiet=True))
+    try:
+        configure_torch(cfg, replicas)
+        threads = torch.get_num_threads()
+        times = []
+        for i in range(repeats + 1):
+            replica.reset()
+            t0 = time.perf_counter()
+            replica.compute(i, [0])
+            times.append(time.perf_counter() - t0)
+    finally:
+        torch.set_num_threads(threads_before)
+    return min(times[1:]), statistics.median(times[1:]), threads

@@ -74,9 +74,11 @@ from typing import Any
 
 from recover.bench.common import (
     Log,
+    contended_compute_s,
     fmt,
     launch_run,
     machine_load,
+    measure_compute_s,
     median,
     print_rich_table,
     round_orders,
@@ -301,11 +303,6 @@ def assemble(rows: list[dict[str, Any]], schedule: FailureSchedule, replicas: in
             "recover_vs_failure_free": rec["vs_failure_free"] if rec else None}
 
 
-def contended_compute_s(compute_s: float, replicas: int, threads: int, cores: int) -> float:
-    """Real compute per microbatch when ``replicas`` processes of ``threads`` threads share ``cores`` cores."""
-    return compute_s * max(1.0, replicas * threads / max(cores, 1))
-
-
 def device_dominates(device_time_s: float, contended_s: float) -> bool:
     """Whether the emulated device time hides real compute: ``T >= DOMINANCE x contended`` (T = 0: no)."""
     return device_time_s > 0 and device_time_s >= DOMINANCE * contended_s
@@ -499,33 +496,6 @@ def measure_save_cost(config: str, overrides: Sequence[str], replicas: int, repe
     return statistics.median(blocking), statistics.median(whole)
 
 
-def measure_compute_s(config: str, overrides: Sequence[str], replicas: int, repeats: int = 5) -> tuple[float, int]:
-    """(median seconds, threads) of one microbatch's forward and backward of this model, real compute only.
-
-    Runs ``Replica.compute`` of one microbatch ``repeats`` times after a warm-up, with the thread
-    count a replica process of a ``replicas``-replica job gets (``training.threads``, else cores /
-    replicas, at least 1), and no emulated device time; this process's thread count is restored.
-    """
-    import torch
-
-    from recover.train.loop import configure_torch
-
-    threads_before = torch.get_num_threads()
-    cfg, replica = _build_replica(config, [*overrides, "--training.device_time_s=0"], replicas)
-    try:
-        configure_torch(cfg, replicas)
-        threads = torch.get_num_threads()
-        times = []
-        for i in range(repeats + 1):
-            replica.reset()
-            t0 = time.perf_counter()
-            replica.compute(i, [0])
-            times.append(time.perf_counter() - t0)
-    finally:
-        torch.set_num_threads(threads_before)
-    return statistics.median(times[1:]), threads
-
-
 def find_torchft_python(explicit: str | None) -> tuple[str | None, str]:
     """The interpreter for torchft: ``explicit``, ``$RECOVER_TORCHFT_PYTHON`` or this one, if torchft imports."""
     from recover.bench.torchft_runner import torchft_available
@@ -593,7 +563,7 @@ def run_bench(config: str = "tiny", replicas: int = 4, steps: int = 60, schedule
         if tft_python is None:
             skipped["torchft"] = why
             log(f"torchft: skipped ({why})")
-    compute_s, threads = measure_compute_s(config, overrides, replicas)
+    _, compute_s, threads = measure_compute_s(config, overrides, replicas, repeats=5)
     cores = os.cpu_count() or 1
     contended = contended_compute_s(compute_s, replicas, threads, cores)
     device = {"time_s": device_time_s, "compute_s": round(compute_s, 4), "threads": threads, "replicas": replicas,
