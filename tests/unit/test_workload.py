@@ -316,3 +316,16 @@ def test_a_probe_that_finds_the_replica_recovered_gives_it_its_share_back() -> N
     changes = tracker.observe(32, range(3), {0: 0.1, 1: 0.1, 2: 0.1})  # recovered
     assert [c.kind for c in changes] == ["rebalanced", "straggler_cleared"]
     assert quotas(assign(range(32), range(3), tracker.planned)) == {0: 11, 1: 11, 2: 10}
+
+
+def test_slowdowns_match_the_plain_definition() -> None:
+    import statistics
+
+    from recover.workload import slowdowns
+
+    rng = random.Random(5)
+    for n in (1, 2, 3, 4, 7, 10):
+        times = {r: rng.choice([0.1, 0.2, rng.uniform(0.05, 1.0)]) for r in range(n)}
+        plain = {r: t / statistics.median([v for k, v in times.items() if k != r]) if n > 1 else 1.0
+                 for r, t in times.items()}
+        assert slowdowns(times) == pytest.approx(plain)
