@@ -205,7 +205,7 @@ class FaultTolerantGroup:
         self._check("all-reduce")
         if not tensors:
             return []
-        if self.client.cut & set(self.members):
+        if self.client.cut and self.client.cut & set(self.members):  # fault injection only (--cut)
             self._withhold("all-reduce")
         buckets = plan_buckets(tensors, self.bucket_bytes)
         flats: list[Tensor] = []
