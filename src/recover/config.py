@@ -290,12 +290,19 @@ class FaultToleranceConfig:
     fence_exit_s: float = 1.0
     """A fenced process that has not exited this long after the coordinator told it is ended by its own
     watchdog (its training thread may be stuck) and, failing that, SIGKILLed by the launcher."""
+    coordinator_reconnect_s: float = 30.0
+    """How long workers that lost the coordinator keep their state and retry to reach it (``recover
+    launch`` restarts it at once; across hosts, restart ``recover coordinator`` with the same flags).
+    Past it, the lowest live replica saves a complete checkpoint and the job stops (exit status 7)."""
+    stop_grace_s: float = 20.0
+    """After SIGTERM or SIGINT, how long ``recover launch`` waits for the job to reach a step boundary,
+    save a complete checkpoint and exit (exit status 6) before it kills every process."""
 
     def __post_init__(self) -> None:
         _require(isinstance(self.min_replicas, int) and self.min_replicas >= 1,
                  "fault_tolerance.min_replicas", self.min_replicas, "an integer >= 1")
         for name in ("heartbeat_interval_s", "heartbeat_timeout_s", "collective_timeout_s",
-                     "intra_replica_timeout_s", "fence_exit_s"):
+                     "intra_replica_timeout_s", "fence_exit_s", "coordinator_reconnect_s", "stop_grace_s"):
             value = getattr(self, name)
             _require(value > 0, f"fault_tolerance.{name}", value, "a positive number of seconds")
         _require(self.hang_timeout_s >= 0, "fault_tolerance.hang_timeout_s", self.hang_timeout_s,

@@ -358,7 +358,7 @@ def test_a_replica_of_several_ranks_is_as_slow_as_its_slowest_rank() -> None:
     two_replicas(agg)
     got: list[float | None] = []
     on_vote = agg.state.on_vote
-    agg.state.on_vote = lambda *a, **k: got.append(a[-1]) or on_vote(*a, **k)  # type: ignore[method-assign]
+    agg.state.on_vote = lambda *a, **k: got.append(a[6]) or on_vote(*a, **k)  # type: ignore[method-assign]
     for step in range(2):
         vote(agg, "a0", 10 + step, step=step, mb_s=0.25)
         vote(agg, "a1", 20 + step, step=step, mb_s=0.5 if step == 0 else None)  # rank 1 computed nothing

@@ -38,6 +38,7 @@ class FakeMembership:
     members: tuple[int, ...]
     joined: tuple[int, ...] = ()
     speeds: dict[int, float] | None = None
+    resync: bool = False
 
 
 @dataclass
@@ -168,6 +169,8 @@ class FakeCoordinator:
     def __init__(self, world: World, me: int, step_protocol: list[ResilientStep]) -> None:
         self.world, self.me, self.protocol = world, me, step_protocol
         self.speeds: dict[int, float] | None = None
+        self.stopping = False
+        self.committed_step = -1
 
     def vote_commit(self, generation: int, step: int, ids: list[int],
                     mb_s: float | None = None) -> FakeMembership | None:

@@ -3,13 +3,24 @@
 Contract: start it before the replicas; it binds 127.0.0.1 unless ``--host`` says otherwise, reads
 the shared token from ``--token-file`` (never from the command line, which other users can see),
 prints one ``ready`` line with both ports, and serves until interrupted.
+
+SIGTERM or SIGINT stops the job gracefully: the next commit is a stop (every replica finishes that
+step, the lowest saves a complete checkpoint, all exit), and the coordinator exits once every replica
+is gone. A second signal stops it at once.
+
+Restart: if the coordinator dies while a job runs, start it again with the same flags (same
+``--port`` and ``--store-port``): the replicas, which keep their state and retry for
+``fault_tolerance.coordinator_reconnect_s``, register again with what they hold and it rebuilds
+the membership from them (``recover launch`` does this by itself).
 """
 
 from __future__ import annotations
 
 import argparse
 import json
+import signal
 from pathlib import Path
+from typing import Any
 
 from recover.errors import ConfigError
 
@@ -28,6 +39,7 @@ def register(subparsers: argparse._SubParsersAction) -> None:
     p.add_argument("--heartbeat-timeout", type=float, default=1.0, help="silence (s) that marks a replica dead")
     p.add_argument("--hang-timeout", type=float, default=0.0,
                    help="no progress (s) while others wait that marks a replica hung; 0: from the step time")
+    p.add_argument("--die-at-commit", default=None, metavar="STEP[:SENT]", help=argparse.SUPPRESS)
     p.set_defaults(func=run)
 
 
@@ -41,6 +53,20 @@ def read_token(path: str) -> str:
     if not token:
         raise ConfigError(f"--token-file {path!r} is empty; write a secret into it")
     return token
+
+
+def parse_die_at_commit(text: str | None) -> tuple[int, int] | None:
+    """``STEP[:SENT]`` of the fault injection ``--die-at-commit`` (SENT defaults to 0)."""
+    if not text:
+        return None
+    step, _, sent = text.partition(":")
+    try:
+        out = int(step), int(sent or 0)
+    except ValueError:
+        raise ConfigError(f"--die-at-commit {text!r}: expected STEP[:SENT], e.g. 10:1") from None
+    if out[0] < 0 or out[1] < 0:
+        raise ConfigError(f"--die-at-commit {text!r}: STEP and SENT must be >= 0")
+    return out
 
 
 def run(args: argparse.Namespace) -> int:
@@ -59,12 +85,24 @@ def run(args: argparse.Namespace) -> int:
     coord = Coordinator(args.host, args.port, token=read_token(args.token_file), events_path=args.events,
                         heartbeat_interval_s=args.heartbeat_interval, heartbeat_timeout_s=args.heartbeat_timeout,
                         store_port=args.store_port, min_members=args.min_replicas,
-                        expected_replicas=args.replicas, hang_timeout_s=args.hang_timeout)
+                        expected_replicas=args.replicas, hang_timeout_s=args.hang_timeout,
+                        die_at_commit=parse_die_at_commit(args.die_at_commit))
     try:
         coord.start()
     except (OSError, RuntimeError) as exc:
         raise ConfigError(f"cannot bind {args.host}:{args.port} or store port {args.store_port}: {exc}") from None
     print(json.dumps({"ready": True, "host": args.host, "port": coord.port, "store_port": coord.store_port}),
           flush=True)
-    coord.serve_forever()
+
+    def stop_job(signum: int, frame: Any) -> None:
+        if coord.state is None or coord.state.stop_requested or not coord.state.live:
+            raise KeyboardInterrupt(f"signal {signum}")  # the second one, or no job to stop: at once
+        coord.request_stop()
+
+    signal.signal(signal.SIGTERM, stop_job)
+    signal.signal(signal.SIGINT, stop_job)
+    try:
+        coord.serve_forever()
+    except KeyboardInterrupt:
+        pass
     return 0

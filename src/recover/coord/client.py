@@ -34,6 +34,20 @@ stopped while its heartbeats go on. A fenced process whose training thread does 
 within ``fence_exit_s`` (it may be the stuck one) is ended by this client's watchdog with
 ``on_fenced`` (a one-line message, the fenced exit status), never left running.
 
+Coordinator restart: with ``reconnect_s`` > 0, a connection that closes without a fence (the
+coordinator crashed or was restarted) is not fatal: heartbeats pause, the client reconnects to the
+same address every ``RECONNECT_EVERY_S`` and registers again with what it holds
+(:class:`~recover.coord.protocol.Resume`: newest generation and members, last committed step,
+speeds). Requests in flight get a ``coordinator_restarted`` refusal once it is back (a vote then
+ends as an aborted vote, a report is moot), so the training thread moves on to the rebuilt
+generation like after a failure; gloo collectives between the replicas go on meanwhile. Only when
+it is not back within ``reconnect_s`` is it lost (``gone``), and every waiting call raises
+CoordinatorLost.
+
+Stop: ``stop_requested = True`` (the worker's SIGTERM handler) goes with the next vote; a commit
+that is a stop sets ``stopping`` (every member stops after that step), and so does the
+``stopping`` push to a replica still waiting to be admitted (then the connection is lost too).
+
 Join flow: the replacement calls ``register(join=True)``, which returns once a commit admitted it
 (``membership.joined`` lists it); it builds its group with ``FaultTolerantGroup.create`` and calls
 ``recover.comm.transfer.receive_state(group, source_rank(group))``. The old members, on getting a
@@ -55,11 +69,13 @@ from collections.abc import Callable, Iterator
 from contextlib import contextmanager
 from typing import Any
 
-from recover.coord.protocol import SCHEMAS, FrameDecoder, Membership, ProtocolError, encode, speeds_from_wire
+from recover.coord.protocol import SCHEMAS, FrameDecoder, Membership, ProtocolError, Resume, encode, speeds_from_wire
 from recover.errors import PeerFailure, QuorumLost, RecoverError
 
 PROBE_TIMEOUT_S = 2.0
 """How long a link probe waits for a peer's answer."""
+RECONNECT_EVERY_S = 0.2
+"""How often a client that lost the coordinator tries to reach it again."""
 _SERVER_TYPES = frozenset(SCHEMAS) - frozenset({"register", "hb", "ack", "report", "vote", "bye"})
 
 
@@ -85,7 +101,8 @@ class CoordinatorClient:
     def __init__(self, host: str, port: int, token: str, replica_id: int, heartbeat_interval_s: float = 0.1,
                  connect_timeout_s: float = 10.0, request_timeout_s: float = 60.0, *, rank: int = 0,
                  ranks: int = 1, fence_exit_s: float | None = None,
-                 on_fenced: Callable[[str], Any] | None = None) -> None:
+                 on_fenced: Callable[[str], Any] | None = None, reconnect_s: float = 0.0,
+                 on_reconnected: Callable[[float], Any] | None = None) -> None:
         self.host, self.port, self.replica_id = host, int(port), int(replica_id)
         self.rank, self.ranks = int(rank), int(ranks)  # this process within its replica (checked at register)
         self._token = token
@@ -115,6 +132,18 @@ class CoordinatorClient:
         self.cut: set[int] = set()
         """Replicas this one cannot reach (fault injection of a broken link: ``--cut``)."""
         self._probe_sock: socket.socket | None = None
+        self.reconnect_s, self.on_reconnected = reconnect_s, on_reconnected
+        self._join = False
+        self._pending: dict[int, dict[str, Any]] = {}  # request id -> request, until its reply
+        self._reconnecting = False
+        self.gone = False
+        """The coordinator did not come back within ``reconnect_s``."""
+        self.committed_step = -1
+        """The last step this replica knows committed (the worker sets it on resume and after a join)."""
+        self.stop_requested = False
+        """Set by the worker when its process is asked to stop; sent with the next vote."""
+        self.stopping = False
+        """The job stops: the last commit was a stop, or this replica was told while waiting to join."""
 
     # ------------------------------------------------------------- public API
 
@@ -134,18 +163,34 @@ class CoordinatorClient:
         if self._sock is not None:
             raise RuntimeError("register() was already called on this client")
         try:
-            sock = socket.create_connection((self.host, self.port), timeout=self.connect_timeout_s)
+            self._use(self._connect())
         except OSError as exc:
             raise CoordinatorLost(f"{self._who} cannot reach the coordinator at "
                                   f"{self.host}:{self.port}: {exc}; is `recover coordinator` running?") from None
-        sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
-        sock.settimeout(None)
-        self._sock = sock
-        self._spawn(self._reader, "recover-coord-reader")
-        self._request({"type": "register", "token": self._token, "replica": self.replica_id, "join": join,
-                       "rank": self.rank, "ranks": self.ranks, "pid": os.getpid()}, timeout)
+        self._join = join
+        self._request(self._register_msg(), timeout)
         self._spawn(self._heartbeat, "recover-coord-heartbeat")
         return self._wait(lambda: self._admitted(), timeout, "admission to a generation")
+
+    def _connect(self) -> socket.socket:
+        sock = socket.create_connection((self.host, self.port), timeout=self.connect_timeout_s)
+        sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
+        sock.settimeout(None)
+        return sock
+
+    def _use(self, sock: socket.socket) -> None:
+        """``sock`` is the coordinator connection from now on; a reader thread serves it."""
+        self._sock = sock
+        self._spawn(lambda: self._reader(sock), "recover-coord-reader")
+
+    def _register_msg(self) -> dict[str, Any]:
+        msg = {"type": "register", "token": self._token, "replica": self.replica_id, "join": self._join,
+               "rank": self.rank, "ranks": self.ranks, "pid": os.getpid()}
+        m = self.membership
+        if m is not None:  # a registration again, after the coordinator was lost: what this replica holds
+            speeds = self.speeds if self.speeds is not None else m.speeds
+            msg["resume"] = Resume(m.generation, m.members, self.committed_step, speeds).to_wire()
+        return msg
 
     # ---- link probes: after a collective timed out, who can this replica reach? -------------
     def probe_address(self) -> str:
@@ -265,7 +310,7 @@ class CoordinatorClient:
             self._request({"type": "report", "generation": generation, "suspects": sorted(suspects),
                            "timeout": timed_out})
         except CoordinatorRefused as exc:
-            if exc.code != "bad_generation":
+            if exc.code not in ("bad_generation", "coordinator_restarted"):
                 raise
 
     def wait_for_generation(self, after: int, timeout: float) -> Membership:
@@ -308,14 +353,18 @@ class CoordinatorClient:
         vote: dict[str, Any] = {"type": "vote", "generation": generation, "step": step, "ids": [int(i) for i in ids]}
         if mb_s is not None and math.isfinite(mb_s) and mb_s > 0:
             vote["mb_s"] = float(mb_s)
+        if self.stop_requested:
+            vote["stop"] = True
         try:
             reply = self._request(vote, timeout)
         except CoordinatorRefused as exc:
-            if exc.code != "stale_generation":
+            if exc.code not in ("stale_generation", "coordinator_restarted"):
                 raise
             reply = {"type": "aborted", "reason": exc.code}
         if reply["type"] == "committed":
             self.speeds = speeds_from_wire(reply.get("speeds"))
+            self.committed_step = max(self.committed_step, step)
+            self.stopping = self.stopping or reply.get("stop") is True
             new = reply.get("new_generation")
             return None if new is None else self._history[new]
         self.wait_for_generation(generation, timeout or self.request_timeout_s)
@@ -378,12 +427,21 @@ class CoordinatorClient:
 
     def _request(self, msg: dict[str, Any], timeout: float | None = None) -> dict[str, Any]:
         rid = next(self._ids)
+        with self._cond:
+            self._pending[rid] = msg
         try:
-            self._send({**msg, "id": rid})
+            if not self._reconnecting:
+                self._send({**msg, "id": rid})
         except OSError as exc:
-            self._mark_lost(f"send failed: {exc}")
-        reply = self._wait(lambda: self._replies.pop(rid, None), timeout or self.request_timeout_s,
-                           f"the reply to {msg['type']}")
+            if self.reconnect_s <= 0:
+                self._mark_lost(f"send failed: {exc}")
+            # else: the reader sees the connection end and reconnects; the request is answered then
+        try:
+            reply = self._wait(lambda: self._replies.pop(rid, None), timeout or self.request_timeout_s,
+                               f"the reply to {msg['type']}")
+        finally:
+            with self._cond:
+                self._pending.pop(rid, None)
         if reply["type"] == "error":
             raise CoordinatorRefused(reply["code"], reply["message"])
         return reply
@@ -412,12 +470,12 @@ class CoordinatorClient:
             for event in self._wakers:
                 event.set()
 
-    def _reader(self) -> None:
+    def _reader(self, sock: socket.socket) -> None:
         decoder = FrameDecoder(_SERVER_TYPES)
-        assert self._sock is not None
+        why = "coordinator closed the connection"
         try:
             while True:
-                data = self._sock.recv(1 << 16)
+                data = sock.recv(1 << 16)
                 if not data:
                     break
                 for msg in decoder.feed(data):
@@ -425,9 +483,60 @@ class CoordinatorClient:
                         raise msg
                     self._on_message(msg)
         except (OSError, ProtocolError) as exc:
-            if not self._closing:
-                self._mark_lost(f"{type(exc).__name__}: {exc}")
-        self._mark_lost("coordinator closed the connection" if not self._closing else "closed")
+            why = f"{type(exc).__name__}: {exc}"
+        if sock is not self._sock:
+            return  # a connection already given up (a reconnect replaced it)
+        if self._closing:
+            self._mark_lost("closed")
+        elif self._lost is None and self.reconnect_s > 0 and self.membership is not None and not self.stopping:
+            self._reconnecting = True  # one reconnect at a time: only the current connection's reader starts it
+            self._spawn(lambda: self._reconnect(why), "recover-coord-reconnect")
+        else:
+            self._mark_lost(why)
+
+    def _reconnect(self, why: str) -> None:
+        """The coordinator connection ended without a fence: reach it again within ``reconnect_s``,
+        register with what this replica holds, then answer the requests in flight (see the module
+        docstring). Not back in time: lost for good (``gone``)."""
+        t0 = time.monotonic()
+        deadline = t0 + self.reconnect_s
+        rid = next(self._ids)
+        while not self._stop.is_set() and self._lost is None:
+            if time.monotonic() >= deadline:
+                self.gone = True
+                self._mark_lost(f"the coordinator did not come back within {self.reconnect_s:g} s ({why})")
+                return
+            sock = None
+            try:
+                sock = self._connect()
+                sock.sendall(encode({**self._register_msg(), "id": rid}))
+                with self._send_lock:
+                    self._use(sock)
+                break
+            except OSError:
+                if sock is not None:
+                    sock.close()
+                self._stop.wait(RECONNECT_EVERY_S)
+        with self._cond:  # not _wait: that would mark the training thread's activity
+            while (reply := self._replies.pop(rid, None)) is None and self._lost is None \
+                    and time.monotonic() < deadline:
+                self._cond.wait(max(0.01, deadline - time.monotonic()))
+        if reply is None:
+            self.gone = self._lost is None
+            self._mark_lost(f"the coordinator did not take this replica back within {self.reconnect_s:g} s ({why})")
+            return
+        if reply["type"] == "error":
+            self._mark_lost(f"the restarted coordinator refused this replica: {reply['code']}: {reply['message']}")
+            return
+        with self._cond:
+            for pending, msg in self._pending.items():
+                self._replies[pending] = {**reply, "re": pending} if msg["type"] == "register" else {
+                    "type": "error", "re": pending, "code": "coordinator_restarted",
+                    "message": "the coordinator restarted while this request was in flight"}
+            self._reconnecting = False
+            self._cond.notify_all()
+        if self.on_reconnected is not None:
+            self.on_reconnected(time.monotonic() - t0)
 
     def _on_message(self, msg: dict[str, Any]) -> None:
         kind = msg["type"]
@@ -454,6 +563,9 @@ class CoordinatorClient:
             if msg["code"] == "fenced":  # otherwise a refused frame; a fatal one is followed by EOF
                 self._mark_lost(f"fenced by the coordinator: {msg['message']}")
                 self._start_watchdog(msg["message"])
+            elif msg["code"] == "stopping":
+                self.stopping = True
+                self._mark_lost(msg["message"])
         elif msg.get("re") is not None:
             with self._cond:
                 self._replies[msg["re"]] = msg
@@ -474,9 +586,12 @@ class CoordinatorClient:
         while not self._stop.wait(self.heartbeat_interval_s):
             if self._lost is not None:
                 return
+            if self._reconnecting:
+                continue
             try:
                 self._send({"type": "hb", "progress": self._progress, "activity": self._activity,
                             "generation": self._entered})
             except OSError as exc:
-                self._mark_lost(f"heartbeat failed: {exc}")
-                return
+                if self.reconnect_s <= 0:
+                    self._mark_lost(f"heartbeat failed: {exc}")
+                    return

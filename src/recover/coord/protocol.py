@@ -11,11 +11,13 @@ with a stable ``code`` (``bad_magic``, ``oversized``, ``malformed``, ``bad_versi
 connection must be closed.
 
 Messages (client -> coordinator): ``register`` (token, replica, join; optional ``rank`` of ``ranks``,
-default 0 of 1, for a replica made of several processes), ``hb`` (heartbeat, with the training
+default 0 of 1, for a replica made of several processes; ``resume``, what a replica that lost its
+coordinator holds: see :func:`resume_info`), ``hb`` (heartbeat, with the training
 thread's progress, activity and newest generation), ``ack`` (of a ``failing`` notice), ``report`` (a
 collective failed), ``vote`` (commit vote, with ``mb_s``, the seconds per microbatch the voter
-measured in the step), ``bye``. Coordinator -> client: ``ok`` / ``error`` / ``committed`` (with the
-``speeds`` to plan the next step with) / ``aborted`` replies (``re`` names the request ``id``), and
+measured in the step, and ``stop`` when its process was asked to stop), ``bye``. Coordinator ->
+client: ``ok`` / ``error`` / ``committed`` (with the ``speeds`` to plan the next step with, and
+``stop``: every member stops after this step) / ``aborted`` replies (``re`` names the request ``id``), and
 the pushes ``failing`` (generation g is being replaced) and ``membership`` (a new generation).
 
 Replicas of several ranks: each rank (process) of a replica keeps its own connection and numbers
@@ -45,18 +47,21 @@ _ABSENT_INT = "int|absent?"
 _ABSENT_STR = "str|absent?"
 _ABSENT_BOOL = "bool|absent?"
 _ABSENT_NUM = "num|absent?"
+_ABSENT_DICT = "dict|absent?"
 MAX_RANKS = 1 << 16
 SCHEMAS: dict[str, dict[str, str]] = {
     "register": {"id": _INT, "token": _STR, "replica": _INT, "join": _BOOL, "rank": _ABSENT_INT,
-                 "ranks": _ABSENT_INT},
+                 "ranks": _ABSENT_INT, "resume": _ABSENT_DICT},
     "hb": {"progress": _ABSENT_INT, "activity": _ABSENT_STR, "generation": _ABSENT_INT},
     "ack": {"generation": _INT},
     "report": {"id": _INT, "generation": _INT, "suspects": _INTS, "timeout": _ABSENT_BOOL},
-    "vote": {"id": _INT, "generation": _INT, "step": _INT, "ids": _INTS, "mb_s": _ABSENT_NUM},
+    "vote": {"id": _INT, "generation": _INT, "step": _INT, "ids": _INTS, "mb_s": _ABSENT_NUM,
+             "stop": _ABSENT_BOOL},
     "bye": {},
     "ok": {"re": _INT},
     "error": {"re": _OPT_INT, "code": _STR, "message": _STR},
-    "committed": {"re": _INT, "generation": _INT, "step": _INT, "new_generation": _OPT_INT, "speeds": _OPT_DICT},
+    "committed": {"re": _INT, "generation": _INT, "step": _INT, "new_generation": _OPT_INT, "speeds": _OPT_DICT,
+                  "stop": _ABSENT_BOOL},
     "aborted": {"re": _INT, "generation": _INT, "reason": _STR},
     "failing": {"generation": _INT, "dead": _INTS, "reason": _STR},
     "membership": {"membership": _OPT_DICT},
@@ -95,6 +100,8 @@ class Membership:
         reason: why the generation was formed (``initial``, ``failure``, ``join``, ...).
         speeds: the planned seconds per microbatch of the last commit (None: the even split), so a
             joiner plans its first step as the members do (:mod:`recover.workload.speeds`).
+        resync: formed by a restarted coordinator: the ``joined`` members are behind (they missed
+            the last commit, or never had state) and take the state of the others before any step.
     """
 
     generation: int
@@ -107,6 +114,7 @@ class Membership:
     min_members: int = 1
     reason: str = ""
     speeds: dict[int, float] | None = field(default=None, compare=False)
+    resync: bool = False
 
     def rank_of(self, replica: int) -> int:
         """The rank of ``replica`` in this generation's process group."""
@@ -121,7 +129,7 @@ class Membership:
             "generation": self.generation, "members": list(self.members), "store_host": self.store_host,
             "store_port": self.store_port, "step": self.step, "dead": list(self.dead),
             "joined": list(self.joined), "min_members": self.min_members, "reason": self.reason,
-            "speeds": speeds_to_wire(self.speeds),
+            "speeds": speeds_to_wire(self.speeds), "resync": self.resync,
         }
 
     @classmethod
@@ -133,8 +141,33 @@ class Membership:
             generation=d["generation"], members=tuple(sorted(d["members"])), store_host=d["store_host"],
             store_port=d["store_port"], step=d["step"], dead=tuple(sorted(d["dead"])),
             joined=tuple(sorted(d["joined"])), min_members=d["min_members"], reason=d["reason"],
-            speeds=speeds_from_wire(d.get("speeds")),
+            speeds=speeds_from_wire(d.get("speeds")), resync=d.get("resync") is True,
         )
+
+
+@dataclass(frozen=True)
+class Resume:
+    """What a replica that lost its coordinator holds, sent in the ``resume`` field of its new
+    ``register``: the newest generation it knows and its members, the last step it committed
+    (-1: none) and the planned speeds of that commit. A restarted coordinator rebuilds the
+    membership from these (:meth:`recover.coord.state.MembershipState.on_register`)."""
+
+    generation: int
+    members: tuple[int, ...]
+    committed: int
+    speeds: dict[int, float] | None = None
+
+    def to_wire(self) -> dict[str, Any]:
+        return {"generation": self.generation, "members": list(self.members), "committed": self.committed,
+                "speeds": speeds_to_wire(self.speeds)}
+
+    @classmethod
+    def from_wire(cls, d: dict[str, Any]) -> Resume:
+        """Raises ProtocolError ``malformed``."""
+        _check_fields(d, {"generation": _INT, "members": _INTS, "committed": _INT, "speeds": _OPT_DICT}, "resume")
+        if d["generation"] < 1 or d["committed"] < -1:
+            raise ProtocolError("malformed", f"resume needs generation >= 1 and committed >= -1, got {d}")
+        return cls(d["generation"], tuple(sorted(d["members"])), d["committed"], speeds_from_wire(d.get("speeds")))
 
 
 def _is_int(x: Any) -> bool:
@@ -181,6 +214,7 @@ def _check_fields(msg: dict[str, Any], spec: dict[str, str], what: str) -> None:
             _ABSENT_STR: isinstance(val, str),
             _ABSENT_BOOL: isinstance(val, bool),
             _ABSENT_NUM: _is_num(val),
+            _ABSENT_DICT: isinstance(val, dict),
             _OPT_DICT: val is None or isinstance(val, dict),
         }[kind]
         if not ok:

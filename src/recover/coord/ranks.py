@@ -56,7 +56,7 @@ from types import MappingProxyType
 from typing import Any
 
 from recover.coord.liveness import Liveness
-from recover.coord.protocol import ProtocolError, register_ranks
+from recover.coord.protocol import ProtocolError, Resume, register_ranks
 from recover.coord.state import Action, Fence, Log, MembershipState, Refused, Send
 
 Ballot = tuple[int, int, tuple[int, ...]]  # (generation, step, sorted ids)
@@ -108,6 +108,8 @@ class Slot:
     acks: dict[int, set[int]] = field(default_factory=dict)  # generation -> ranks that acked it
     votes: dict[int, tuple[int, Ballot]] = field(default_factory=dict)  # rank -> (its request id, ballot)
     mb_s: dict[int, float] = field(default_factory=dict)  # rank -> seconds per microbatch in its vote
+    stop: bool = False  # a rank's vote asked for a stop (its process got SIGTERM or SIGINT)
+    resume: dict[int, Resume] = field(default_factory=dict)  # rank -> what it holds (a restarted coordinator)
     routes: dict[int, list[tuple[_Link, int]]] = field(default_factory=dict)  # forwarded id -> who asked
 
     def who(self, rank: int) -> str:
@@ -207,6 +209,11 @@ class RankAggregator:
         self._log("coordinator_stalled", seconds=round(stall_s, 3))
         return self._take()
 
+    def on_stop_requested(self, now: float) -> list[Out]:
+        """The coordinator was asked to stop the job: the next commit is a stop (see the state)."""
+        self._apply(self.state.request_stop(), now)
+        return self._take()
+
     def on_tick(self, now: float) -> list[Out]:
         """Register and heartbeat timeouts, then the state's own deadlines."""
         for link in list(self._links.values()):
@@ -278,6 +285,10 @@ class RankAggregator:
         r, join, req = msg["replica"], msg["join"], msg["id"]
         try:
             rank, ranks = self._check_register(r, join, msg)
+            resume = Resume.from_wire(msg["resume"]) if msg.get("resume") is not None else None
+        except ProtocolError as exc:
+            self._refuse(link, exc.code, f"replica {r}: {exc.message}", req, True, now)
+            return
         except Refused as ref:
             self._refuse(link, ref.code, ref.message, req, True, now)
             return
@@ -285,6 +296,8 @@ class RankAggregator:
         link.replica, link.rank = r, rank
         slot.links[rank] = link
         slot.reg_ids[rank] = req
+        if resume is not None:
+            slot.resume[rank] = resume
         if ranks > 1:
             self._log("rank_register", replica=r, rank=rank, ranks=ranks, registered=len(slot.links))
         if len(slot.links) < ranks:
@@ -293,7 +306,8 @@ class RankAggregator:
             other.last_seen = now  # the heartbeats start with the ok reply
         self.liveness.start(r, ranks, now)
         asked = [(slot.links[k], slot.reg_ids[k]) for k in sorted(slot.links)]
-        self._forward(slot, asked, True, now, lambda i: self.state.on_register(r, join, i, now))
+        held = _replica_resume(slot.resume.values())
+        self._forward(slot, asked, True, now, lambda i: self.state.on_register(r, join, i, now, held))
 
     def _check_register(self, r: int, join: bool, msg: dict[str, Any]) -> tuple[int, int]:
         """``(rank, ranks)`` of a register of replica ``r``. Raises Refused."""
@@ -347,7 +361,9 @@ class RankAggregator:
             self.liveness.voted(r, link.rank, now)
         if msg.get("mb_s") is not None:
             slot.mb_s[link.rank] = float(msg["mb_s"])
-        forward = lambda i: self.state.on_vote(r, i, g, step, ids, now, max(slot.mb_s.values(), default=None))
+        slot.stop = slot.stop or msg.get("stop") is True
+        forward = lambda i: self.state.on_vote(r, i, g, step, ids, now, max(slot.mb_s.values(), default=None),
+                                               slot.stop)
         if slot.ranks == 1 or not self.state.accepts_vote(r, g, step):
             self._forward(slot, [(link, cid)], False, now, forward)  # P = 1, or settled at once: this rank alone
             slot.mb_s.pop(link.rank, None)
@@ -535,6 +551,17 @@ class RankAggregator:
     def _take(self) -> list[Out]:
         out, self._out = self._out, []
         return out
+
+
+def _replica_resume(held: Any) -> Resume | None:
+    """What a replica of several ranks holds: the least any of its ranks committed (a rank that missed
+    a commit makes the whole replica behind), with the newest generation any of them knows."""
+    held = list(held)
+    if not held:
+        return None
+    least = min(held, key=lambda r: r.committed)
+    newest = max(held, key=lambda r: r.generation)
+    return Resume(newest.generation, newest.members, least.committed, least.speeds)
 
 
 def _fenced(reason: str) -> dict[str, Any]:

@@ -24,7 +24,9 @@ Invariants:
 
 from __future__ import annotations
 
+import os
 import selectors
+import signal
 import socket
 import threading
 import time
@@ -68,12 +70,14 @@ class Coordinator:
         register_timeout_s: an unregistered connection is closed after this long.
         hang_timeout_s: a replica that makes no progress this long while others wait for it is fenced
             as hung; 0 derives it from the step time (:mod:`recover.coord.liveness`).
+        die_at_commit: fault injection: ``(step, sent)`` SIGKILLs this process in the middle of step
+            ``step``'s commit, once ``sent`` of its ``committed`` replies went out (0: none did).
     """
 
     def __init__(self, host: str = "127.0.0.1", port: int = 0, *, token: str, events_path: str | None = None,
                  heartbeat_interval_s: float = 0.1, heartbeat_timeout_s: float = 1.0, store_port: int = 0,
                  min_members: int = 1, expected_replicas: int = 1, register_timeout_s: float = 10.0,
-                 hang_timeout_s: float = 0.0) -> None:
+                 hang_timeout_s: float = 0.0, die_at_commit: tuple[int, int] | None = None) -> None:
         if not token:
             raise ValueError("token must be a non-empty string")
         if heartbeat_timeout_s <= heartbeat_interval_s:
@@ -90,10 +94,12 @@ class Coordinator:
         self.expected_replicas = expected_replicas
         self.register_timeout_s = register_timeout_s
         self.hang_timeout_s = hang_timeout_s
+        self.die_at_commit = die_at_commit
         self._tick_s = min(0.02, heartbeat_interval_s / 2)
         self._cond = threading.Condition()
         self._conns: set[_Conn] = set()
         self._stopping = False
+        self._stop_job = False  # request_stop() was called: handed to the loop
         self._thread: threading.Thread | None = None
         self._store: Any = None
         self.state: MembershipState | None = None
@@ -131,15 +137,31 @@ class Coordinator:
         return self
 
     def serve_forever(self) -> None:
-        """Starts (if needed) and blocks until :meth:`stop` or KeyboardInterrupt."""
+        """Starts (if needed) and blocks until :meth:`stop`, KeyboardInterrupt, or the end of a job that
+        was stopped (a stop committed and every replica gone)."""
         if self._thread is None:
             self.start()
         assert self._thread is not None
         try:
-            while self._thread.is_alive():
-                self._thread.join(0.5)
+            while self._thread.is_alive() and not self.finished:
+                self._thread.join(0.2)
         finally:
             self.stop()
+
+    def request_stop(self) -> None:
+        """Stops the job gracefully: its next commit is a stop (every member saves nothing but the lowest
+        live replica's checkpoint, then exits). Safe from a signal handler: the loop carries it out."""
+        self._stop_job = True
+        try:
+            self._wake_w.send(b"s")
+        except OSError:
+            pass
+
+    @property
+    def finished(self) -> bool:
+        """A stop was committed and no replica is registered any more."""
+        state = self.state
+        return state is not None and state.stopped and not state.live
 
     def stop(self) -> None:
         """Stops serving, closes every connection and the store. Idempotent."""
@@ -197,6 +219,9 @@ class Coordinator:
             now = time.monotonic()
             stall = now - last - self._tick_s
             with self._cond:
+                if self._stop_job:
+                    self._stop_job = False
+                    self._run(agg.on_stop_requested(now))
                 self._handle(events, now)
                 if stall > self.heartbeat_timeout_s / 2:
                     for _ in range(1000):  # bounded: what arrived while we were not running
@@ -278,11 +303,22 @@ class Coordinator:
     def _run(self, actions: list[Out]) -> None:
         for act in actions:
             if isinstance(act, SendTo):
+                self._maybe_die(act.msg, before=True)
                 self._send(act.conn, act.msg)
+                self._maybe_die(act.msg, before=False)
             elif isinstance(act, Close):
                 self._close(act.conn)
             else:
                 self._log(act.kind, **act.fields)
+
+    def _maybe_die(self, msg: dict[str, Any], before: bool) -> None:
+        """Fault injection (``die_at_commit``): a coordinator killed while its commit replies go out."""
+        if self.die_at_commit is None or msg["type"] != "committed" or msg["step"] != self.die_at_commit[0]:
+            return
+        self._replies_sent = getattr(self, "_replies_sent", 0) + (0 if before else 1)
+        if self._replies_sent >= self.die_at_commit[1]:
+            self._log("coordinator_killed", step=msg["step"], replies_sent=self._replies_sent)
+            os.kill(os.getpid(), signal.SIGKILL)
 
     def _send(self, conn: _Conn, msg: dict[str, Any]) -> None:
         if conn.closed:

@@ -22,6 +22,20 @@ Invariants:
   * Joiners are admitted only at a commit (a step boundary), or at once when no member is left.
     ``Membership.joined`` lists the members admitted since the last commit: a generation formed
     by a failure before that commit carries them on, so the state transfer is done again on it.
+  * Stop: a vote with ``stop`` (its process got SIGTERM or SIGINT) or :meth:`request_stop` (the
+    coordinator's own) makes the next commit a stop: its ``committed`` replies carry ``stop``, so
+    every member stops after that same step; no joiner is admitted at it, waiting joiners are told
+    ``stopping``, and later registrations are refused.
+  * Restart: a coordinator that starts afresh while a job runs learns the job from the registers'
+    ``resume`` (:class:`~recover.coord.protocol.Resume`). It waits for every member of the newest
+    generation reported, at most ``rebuild_window_s`` after the first such register, then forms the
+    next generation (number above any reported) from those that came back, with ``step`` after the
+    newest step any of them committed. A step whose commit was in flight when the old coordinator
+    died was committed if any member heard so (every member had voted it alike): the members that
+    did not are listed in ``joined`` of a ``resync`` generation and take the state of one that did,
+    so no step is half-committed and none is lost. Until the next commit, generations formed by a
+    failure carry ``resync`` on (the transfer is redone); a replica that comes back after the window
+    joins at the next commit, also with ``resync``.
 """
 
 from __future__ import annotations
@@ -29,7 +43,7 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 from typing import Any
 
-from recover.coord.protocol import Membership, speeds_to_wire
+from recover.coord.protocol import Membership, Resume, speeds_to_wire
 from recover.workload.speeds import SpeedTracker
 
 
@@ -79,7 +93,7 @@ class MembershipState:
     """Generations, failure rounds, commit votes and joins (see the module docstring)."""
 
     def __init__(self, *, expected: int, min_members: int, store_host: str, store_port: int,
-                 ack_timeout_s: float, speeds: SpeedTracker | None = None) -> None:
+                 ack_timeout_s: float, speeds: SpeedTracker | None = None, rebuild_window_s: float = 3.0) -> None:
         if expected < 1:
             raise ValueError(f"expected replicas must be >= 1, got {expected}")
         self.expected = expected
@@ -97,10 +111,18 @@ class MembershipState:
         self.votes: dict[int, tuple[int, int, tuple[int, ...]]] = {}
         self.speeds = speeds or SpeedTracker()
         self._mb_s: dict[int, float] = {}  # the measured seconds per microbatch of the pending votes
+        self.stop_requested = False
+        self.stopped = False  # a stop was committed: the job is ending
+        self.rebuild_window_s = rebuild_window_s
+        self.rebuild: dict[int, Resume] = {}  # restart: what the replicas that came back hold
+        self._rebuild_deadline: float | None = None
+        self._base_generation = 0  # restart: the newest generation the replicas reported
+        self._resync = False  # generations until the next commit carry ``resync`` (a restart's transfer)
+        self.late: set[int] = set()  # replicas that came back after the rebuild, waiting to be admitted
 
     @property
     def generation(self) -> int:
-        return self.current.generation if self.current else 0
+        return self.current.generation if self.current else self._base_generation
 
     # ------------------------------------------------------- read-only views
 
@@ -128,14 +150,32 @@ class MembershipState:
 
     # ----------------------------------------------------------------- events
 
-    def on_register(self, replica: int, join: bool, req_id: int, now: float) -> list[Action]:
+    def on_register(self, replica: int, join: bool, req_id: int, now: float,
+                    resume: Resume | None = None) -> list[Action]:
+        """A replica registers; ``resume``: it lost its coordinator and holds this (see the module docstring)."""
         if replica < 0:
             raise Refused("bad_replica", f"replica id must be >= 0, got {replica}")
         if replica in self.live:
             raise Refused("duplicate_replica", f"replica {replica} is already registered and alive")
+        if self.stopped:
+            raise Refused("stopping", "the job is stopping (a stop was committed); nothing to join")
         self.live.add(replica)
         acts: list[Action] = [Send(replica, {"type": "ok", "re": req_id, "generation": self.generation}),
-                              Log("register", {"replica": replica, "join": join})]
+                              Log("register", {"replica": replica, "join": join,
+                                               **({"resume": resume.to_wire()} if resume else {})})]
+        if self.current is None and (resume is not None or self.rebuild):
+            if resume is None:  # a joiner while the job is being rebuilt: admitted at the next commit
+                self.pending_join.add(replica)
+                return acts
+            self.rebuild[replica] = resume
+            if self._rebuild_deadline is None:
+                self._rebuild_deadline = now + self.rebuild_window_s
+            return acts + self._check_rebuild(now)
+        if resume is not None:  # came back after the rebuild: behind, it takes the state at the next commit
+            self.pending_join.add(replica)
+            self.late.add(replica)
+            acts.append(Log("join_request", {"replica": replica, "generation": self.generation, "resumed": True}))
+            return acts
         if self.current is None:
             self.initial.add(replica)
             if len(self.initial) >= self.expected:
@@ -154,9 +194,12 @@ class MembershipState:
         self.live.discard(replica)
         self.initial.discard(replica)
         self.pending_join.discard(replica)
+        self.late.discard(replica)
         self.speeds.forget(replica)
         acts: list[Action] = [Log("failure_detected", {"replica": replica, "cause": cause,
                                                        "generation": self.generation})]
+        if self.rebuild.pop(replica, None) is not None:
+            acts += self._check_rebuild(now)
         if self.current is not None and replica in self.current.members:
             acts += self._start_round(f"replica {replica}: {cause}", now)
             assert self.round is not None
@@ -190,8 +233,9 @@ class MembershipState:
         return acts
 
     def on_vote(self, replica: int, req_id: int, generation: int, step: int, ids: list[int],
-                now: float, mb_s: float | None = None) -> list[Action]:
-        """A member's commit vote; ``mb_s`` is the seconds per microbatch it measured in the step."""
+                now: float, mb_s: float | None = None, stop: bool = False) -> list[Action]:
+        """A member's commit vote; ``mb_s`` is the seconds per microbatch it measured in the step;
+        ``stop``: its process was asked to stop (the commit, if it happens, is a stop)."""
         cur = self.current
         if cur is None or generation != cur.generation or replica not in cur.members:
             raise Refused("stale_generation",
@@ -204,34 +248,87 @@ class MembershipState:
         if replica in self.votes:
             raise Refused("duplicate_vote", f"replica {replica} already voted in generation {generation}")
         self.votes[replica] = (req_id, step, tuple(sorted(ids)))
+        acts: list[Action] = []
+        if stop and not self.stop_requested:
+            self.stop_requested = True
+            acts.append(Log("stop_requested", {"replica": replica, "step": step}))
         if mb_s is not None:
             self._mb_s[replica] = mb_s
         if set(self.votes) != set(cur.members):
-            return []
+            return acts
         votes, self.votes = self.votes, {}
         measured, self._mb_s = self._mb_s, {}
         ballots = {(s, i) for _, s, i in votes.values()}
         if len(ballots) != 1:
-            acts: list[Action] = [Log("vote_disagreement", {"generation": generation, "ballots": {
+            acts += [Log("vote_disagreement", {"generation": generation, "ballots": {
                 str(r): {"step": s, "ids": len(i)} for r, (_, s, i) in votes.items()}})]
             acts += [Send(r, {"type": "aborted", "re": rid, "generation": generation,
                               "reason": "commit vote disagreement"}) for r, (rid, _, _) in votes.items()]
             return acts + self._start_round("commit vote disagreement", now) + self._check_round(now)
         self.committed_step = step
         self.fresh.clear()
-        acts = [Log("commit", {"generation": generation, "step": step, "ids": len(ids)})]
+        self._resync = False
+        acts.append(Log("commit", {"generation": generation, "step": step, "ids": len(ids)}))
         acts += self._observe_speeds(step, len(ids), cur.members, measured)
         new_gen = None
-        if self.pending_join:
+        if self.stop_requested:
+            acts += self._stop(step)
+        elif self.pending_join:
             acts += self._admit_joiners(now)
             new_gen = self.generation
         speeds = speeds_to_wire(self.speeds.planned)
         acts += [Send(r, {"type": "committed", "re": rid, "generation": generation, "step": step,
-                          "new_generation": new_gen, "speeds": speeds}) for r, (rid, _, _) in votes.items()]
+                          "new_generation": new_gen, "speeds": speeds, "stop": self.stopped})
+                 for r, (rid, _, _) in votes.items()]
         return acts
 
+    def request_stop(self) -> list[Action]:
+        """The coordinator itself was asked to stop the job (SIGTERM): the next commit is a stop."""
+        if self.stop_requested:
+            return []
+        self.stop_requested = True
+        return [Log("stop_requested", {"source": "coordinator", "step": self.committed_step + 1})]
+
+    def _stop(self, step: int) -> list[Action]:
+        self.stopped = True
+        waiting, self.pending_join = sorted(self.pending_join), set()
+        msg = {"type": "error", "re": None, "code": "stopping",
+               "message": f"the job stopped after step {step}; nothing to join"}
+        return [Log("stop", {"step": step, "members": list(self.current.members) if self.current else [],
+                             "waiting_joiners": waiting}), *(Send(r, msg) for r in waiting)]
+
     def on_tick(self, now: float) -> list[Action]:
+        if self.rebuild:
+            return self._check_rebuild(now)
         return self._check_round(now) if self.round is not None else []
+
+    def _check_rebuild(self, now: float) -> list[Action]:
+        """Restart: forms the rebuilt generation once every member of the newest reported generation
+        came back, or the window is over (see the module docstring)."""
+        if not self.rebuild or self.current is not None:
+            return []
+        newest = max(self.rebuild.values(), key=lambda r: r.generation)
+        expected = set(newest.members)
+        assert self._rebuild_deadline is not None
+        if not expected <= set(self.rebuild) and now < self._rebuild_deadline:
+            return []
+        back, self.rebuild, self._rebuild_deadline = self.rebuild, {}, None
+        members = sorted(r for r, res in back.items() if r in expected or res.generation == newest.generation)
+        others = set(back) - set(members)
+        self.pending_join |= others
+        self.late |= others
+        self._base_generation = max(res.generation for res in back.values())
+        self.committed_step = max(back[r].committed for r in members)
+        ahead = [r for r in members if back[r].committed == self.committed_step]
+        speeds = back[ahead[0]].speeds
+        self.speeds.planned = dict(speeds) if speeds else None
+        self.fresh = {r for r in members if back[r].committed < self.committed_step}
+        self._resync = bool(self.fresh)
+        acts: list[Action] = [Log("rebuilt", {
+            "generation": self._base_generation, "committed_step": self.committed_step,
+            "back": sorted(back), "missing": sorted(expected - set(back)), "behind": sorted(self.fresh),
+            "late": sorted(others)})]
+        return acts + self._form(members, "restart", now)
 
     def pause(self, stall_s: float) -> None:
         """The coordinator did not run for ``stall_s``: an open failure round's ack deadline moves on by it."""
@@ -291,6 +388,9 @@ class MembershipState:
         if not joiners:
             return []
         self.fresh |= set(joiners)
+        if self.late & set(joiners):  # they hold a step's state already, midway through the next: resync
+            self._resync = True
+            self.late -= set(joiners)
         members = sorted(set(self.current.members if self.current else ()) | set(joiners))
         return self._form(members, "join", now)
 
@@ -303,7 +403,8 @@ class MembershipState:
         m = Membership(generation=self.generation + 1, members=tuple(members), store_host=self.store_host,
                        store_port=self.store_port, step=self.committed_step + 1, dead=dead, joined=joined,
                        min_members=self.min_members, reason=reason,
-                       speeds=dict(self.speeds.planned) if self.speeds.planned else None)
+                       speeds=dict(self.speeds.planned) if self.speeds.planned else None,
+                       resync=self._resync and bool(joined))
         acts: list[Action] = [Send(r, {"type": "aborted", "re": rid, "generation": old.generation if old else 0,
                                        "reason": f"generation replaced ({reason})"})
                               for r, (rid, _, _) in self.votes.items() if r in self.live]

@@ -12,10 +12,11 @@ from __future__ import annotations
 import argparse
 import json
 import os
+import signal
 import sys
 from dataclasses import dataclass
 from pathlib import Path
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, Any
 
 from recover.config import Config, load_config
 from recover.errors import ConfigError, RecoverError
@@ -23,6 +24,7 @@ from recover.names import BASELINES, RANDOM_FAULTS, Baseline, Fault, Phase
 
 if TYPE_CHECKING:
     from recover.launch.launcher import Launcher, LaunchOptions
+    from recover.train.worker import ReplicaWorker
 
 
 def register(sub: argparse._SubParsersAction) -> None:
@@ -50,6 +52,9 @@ def register(sub: argparse._SubParsersAction) -> None:
                         "the replica the members' reports implicate is fenced; repeatable")
     p.add_argument("--freeze", action="append", default=[], metavar="R@STEP:PHASE",
                    help=f"SIGSTOP replica R for good at STEP and PHASE ({Fault.FREEZE.help}); repeatable")
+    p.add_argument("--kill-coordinator", default=None, metavar="STEP[:SENT]",
+                   help="SIGKILL the coordinator in the middle of step STEP's commit, after SENT of its replies went "
+                        "out (default 0); it is restarted and rebuilds the job from what the replicas hold")
     p.add_argument("--fail-rank", type=int, default=None, metavar="K",
                    help="which rank of a replica --fail/--hang/--freeze hits (default: its last rank); the "
                         "replica's other ranks go down with it")
@@ -77,6 +82,8 @@ def register(sub: argparse._SubParsersAction) -> None:
                    help="float64 accumulation: every committed step bitwise equal to the failure-free run's")
     p.add_argument("--seed", type=int, default=0, help="seed of --random-failures")
     p.add_argument("--reference", default=None, help="a failure-free run directory to draw under loss.png")
+    p.add_argument("--resume", action="store_true",
+                   help="continue the run in --out from its newest complete checkpoint (same flags as before)")
     p.add_argument("--no-progress", action="store_true", help="no live progress display")
     p.set_defaults(func=run_launch, accepts_overrides=True)
 
@@ -143,6 +150,10 @@ class LaunchRequest:
     reference: Path | None = None
     """A failure-free run directory to draw under ``loss.png``."""
     progress: bool = True
+    resume: bool = False
+    """Continue the run in ``out`` from its newest complete checkpoint."""
+    kill_coordinator: str | None = None
+    """Fault injection ``STEP[:SENT]`` (see :class:`~recover.launch.launcher.LaunchOptions`)."""
 
 
 def launch_config(req: LaunchRequest) -> tuple[Config, list[str]]:
@@ -194,12 +205,28 @@ def check_launch(req: LaunchRequest) -> LaunchOptions:
     if req.baseline and P > 1:
         raise ConfigError(f"--baseline {req.baseline} runs one process per replica; drop --pp/--tp/--fsdp "
                           f"(this replica has {P} ranks)")
+    if req.kill_coordinator is not None:
+        from recover.coord.cli import parse_die_at_commit
+
+        kill_step, _ = parse_die_at_commit(req.kill_coordinator) or (0, 0)
+        if kill_step >= cfg.training.steps:
+            raise ConfigError(f"--kill-coordinator {req.kill_coordinator}: step {kill_step} is beyond the run's "
+                              f"{cfg.training.steps} steps (0-based)")
+    if req.resume:
+        from recover.train.checkpoint import list_checkpoints
+
+        if not list_checkpoints(Path(req.out) / "checkpoints"):
+            raise ConfigError(f"--resume: no complete checkpoint under {Path(req.out) / 'checkpoints'}; run without "
+                              "--resume to start afresh (a checkpoint is saved on SIGTERM, on quorum loss and every "
+                              "training.checkpoint_every steps)")
+        if req.baseline:
+            raise ConfigError("--resume continues a recover run; the baselines restart by themselves")
     resolve_data_dir(cfg.data, prepare=False)  # a missing shard directory is refused here, not by the workers
     return LaunchOptions(config=cfg, config_arg=req.config, overrides=overrides, out=Path(req.out),
                          failures=schedule, random_mtbf_s=req.random_mtbf_s,
                          random_faults=tuple(Fault(f) for f in req.random_faults), rejoin_after_s=req.rejoin_after_s,
                          rejoin_replicas=req.rejoin_replicas, seed=req.seed, baseline=req.baseline,
-                         progress=req.progress,
+                         progress=req.progress, resume=req.resume, kill_coordinator=req.kill_coordinator,
                          title=f"{cfg.name} x{p.replicas}" + (f" (x{P} ranks)" if P > 1 else ""))
 
 
@@ -207,13 +234,16 @@ def launch(req: LaunchRequest) -> int:
     """Runs a job: checks everything, then creates the run directory, prepares the data and starts it.
 
     Returns:
-        The launcher's exit status: 0 when every step committed, 3 when too few replicas survived.
+        The launcher's exit status: 0 when every step committed, 3 when too few replicas survived,
+        6 when stopped on request (SIGTERM, SIGINT) with a checkpoint, 7 when the coordinator was lost
+        for good (a checkpoint was saved), 1 otherwise.
 
     Raises:
         ConfigError: from :func:`check_launch`, before anything is created or started.
     """
     from recover.data.prepare import resolve_data_dir
     from recover.launch.launcher import Launcher
+    from recover.train.exits import EXIT_COORDINATOR_LOST, EXIT_QUORUM_LOST, EXIT_STOPPED
 
     opts = check_launch(req)
     opts.out.mkdir(parents=True, exist_ok=True)
@@ -221,9 +251,17 @@ def launch(req: LaunchRequest) -> int:
     launcher = Launcher(opts)
     code = launcher.run()
     _report(launcher, opts, req.reference)
-    if code == 3:
+    if code == EXIT_QUORUM_LOST:
         print("recover: the job stopped because too few replicas survived; a complete checkpoint was saved "
               f"under {opts.out / 'checkpoints'}", file=sys.stderr)
+    elif code in (EXIT_STOPPED, EXIT_COORDINATOR_LOST):
+        why = "on request" if code == EXIT_STOPPED else "because the coordinator did not come back"
+        print(f"recover: the job stopped {why} after {launcher.written + 1} committed steps; a complete checkpoint is "
+              f"under {opts.out / 'checkpoints'}; continue with the same command and --resume", file=sys.stderr)
+    elif launcher.stop_signal is not None:
+        print(f"recover: stopped by signal {launcher.stop_signal} without reaching a step boundary within "
+              f"fault_tolerance.stop_grace_s; the newest complete checkpoint under {opts.out / 'checkpoints'} "
+              "(if any) is where --resume continues", file=sys.stderr)
     return code
 
 
@@ -273,7 +311,8 @@ def run_launch(args: argparse.Namespace) -> int:
         random_faults=tuple(f.strip().lower() for f in args.random_faults.split(",") if f.strip()),
         rejoin_replicas=_ids("--rejoin-replicas", args.rejoin_replicas),
         baseline=Baseline(args.baseline) if args.baseline else None, seed=args.seed,
-        reference=Path(args.reference) if args.reference else None, progress=not args.no_progress))
+        reference=Path(args.reference) if args.reference else None, progress=not args.no_progress,
+        resume=args.resume, kill_coordinator=args.kill_coordinator))
 
 
 def run_compare(args: argparse.Namespace) -> int:
@@ -295,10 +334,21 @@ def run_compare(args: argparse.Namespace) -> int:
 def run_worker(args: argparse.Namespace) -> int:
     from recover.faults import hang_on_signal, parse_failure
     from recover.launch.lifeline import die_with_launcher
+    from recover.train.exits import EXIT_STOPPED
     from recover.train.worker import ReplicaWorker, build
 
     die_with_launcher()
     hang_on_signal()  # the launcher's random hangs: the training thread stops, heartbeats go on
+    holder: list[ReplicaWorker] = []
+
+    def stop(signum: int, frame: Any) -> None:  # SIGTERM/SIGINT: a graceful stop (see train/worker.py)
+        if holder:
+            holder[0].request_stop(signum)
+        else:
+            os._exit(EXIT_STOPPED)  # still starting up: nothing to save
+
+    signal.signal(signal.SIGTERM, stop)
+    signal.signal(signal.SIGINT, stop)
     cfg = load_config(args.config, args.overrides)
     host, _, port = args.coordinator.rpartition(":")
     if not host or not port.isdigit():
@@ -321,6 +371,7 @@ def run_worker(args: argparse.Namespace) -> int:
     worker = ReplicaWorker(cfg, args.out, replica, host, int(port), token,
                            failures=specs, join=join, procs=args.procs, built=built,
                            baseline=Baseline(args.baseline) if args.baseline else None, resume=args.resume)
+    holder.append(worker)
     code = worker.run()
     # Skip interpreter teardown: a retired gloo group still held by the graveyard's daemon thread
     # would be destroyed mid-shutdown (std::terminate, SIGABRT). Everything is written and flushed.

@@ -20,6 +20,16 @@ Contract:
   replica S seconds later; it joins back at the next step boundary.
 - The launcher is the single writer of ``metrics.jsonl``: one record per committed step, merged
   from the replicas' own logs (``replicas/replica_R.jsonl``), plus ``summary.json`` and the plots.
+- The coordinator is restarted at once, on the same ports and token, whenever it exits while the job
+  runs: the replicas keep their state, reconnect and register again with what they hold, and the new
+  coordinator rebuilds the membership from them (:mod:`recover.coord.state`).
+- SIGTERM or SIGINT is a graceful stop: the coordinator and every worker are sent SIGTERM, the next
+  commit is a stop, the lowest live replica saves a complete checkpoint, and everything exits; after
+  ``fault_tolerance.stop_grace_s`` whatever still runs is killed. A second signal kills at once.
+  Exit statuses: 0 every step committed, 3 quorum lost, 6 stopped with a checkpoint (continue with
+  ``--resume``), 7 the coordinator was lost for good (a checkpoint was saved), 1 otherwise.
+- ``resume``: the workers start from the newest complete checkpoint in ``out``; the step records
+  before it are kept (``metrics.jsonl`` holds each step once).
 """
 
 from __future__ import annotations
@@ -39,13 +49,14 @@ from typing import Any
 
 from recover.config import Config
 from recover.faults import HANG_SIGNAL, FailureSchedule
-from recover.launch.lifeline import child_env, terminate_as_interrupt
+from recover.launch.lifeline import child_env
 from recover.names import Baseline, Fault
 from recover.observe.events import EventLog, JsonlWriter
 from recover.observe.progress import ProgressDisplay
-from recover.train.exits import EXIT_FENCED, EXIT_JOB_FAILED, EXIT_QUORUM_LOST
+from recover.train.exits import EXIT_COORDINATOR_LOST, EXIT_FENCED, EXIT_JOB_FAILED, EXIT_QUORUM_LOST, EXIT_STOPPED
 
 POLL_S = 0.05
+MAX_COORDINATOR_RESTARTS = 10
 JOINER_GRACE_S = 3.0
 """How long joiners left alone after the last committed step get to exit on their own before being stopped."""
 
@@ -76,6 +87,11 @@ class LaunchOptions:
     host: str = "127.0.0.1"
     progress: bool = True
     title: str = "launch"
+    resume: bool = False
+    """Start from the newest complete checkpoint in ``out`` (keeping the step records before it)."""
+    kill_coordinator: str | None = None
+    """Fault injection ``STEP[:SENT]``: the first coordinator SIGKILLs itself in step STEP's commit after
+    SENT of its replies went out (the launcher then restarts it)."""
 
 
 def kill_processes(procs: list[subprocess.Popen[bytes]]) -> None:
@@ -167,23 +183,33 @@ class Launcher:
         """replica -> when a step record of it was last seen (it is a training member)."""
         self.fenced_at: dict[int, float] = {}
         """replica -> when the launcher read that the coordinator declared it dead while it ran."""
+        self.stop_signal: int | None = None
+        """The signal (SIGTERM, SIGINT) that asked for a graceful stop, once one did."""
+        self.stop_started: float | None = None
+        self.coordinator_restarts = 0
 
     # ---- processes -------------------------------------------------------------------------
     def _python(self, *args: str) -> list[str]:
         return [sys.executable, "-m", "recover", *args]
 
-    def _start_coordinator(self, expected: int) -> None:
-        self.port = free_port(self.o.host)
+    def _new_coordinator_identity(self) -> None:
+        """Ports and token of a new job's coordinator (a restarted coordinator keeps them)."""
+        self.port, self.store_port = free_port(self.o.host), free_port(self.o.host)
         token_file = self.out / "token"
         token_file.write_text(secrets.token_hex(16))
         token_file.chmod(0o600)
         self.token_file = token_file
+
+    def _start_coordinator(self, expected: int) -> None:
         ft = self.cfg.fault_tolerance
-        cmd = self._python("coordinator", "--host", self.o.host, "--port", str(self.port), "--token-file",
-                           str(token_file), "--events", str(self.out / "events.jsonl"), "--replicas", str(expected),
-                           "--min-replicas", str(ft.min_replicas), "--heartbeat-interval", str(ft.heartbeat_interval_s),
+        cmd = self._python("coordinator", "--host", self.o.host, "--port", str(self.port), "--store-port",
+                           str(self.store_port), "--token-file", str(self.token_file), "--events",
+                           str(self.out / "events.jsonl"), "--replicas", str(expected), "--min-replicas",
+                           str(ft.min_replicas), "--heartbeat-interval", str(ft.heartbeat_interval_s),
                            "--heartbeat-timeout", str(ft.heartbeat_timeout_s), "--hang-timeout", str(ft.hang_timeout_s))
-        log = open(self.out / "logs" / "coordinator.log", "wb")  # noqa: SIM115 - lives with the process
+        if self.o.kill_coordinator and not self.coordinator_restarts:
+            cmd += ["--die-at-commit", self.o.kill_coordinator]
+        log = open(self.out / "logs" / "coordinator.log", "ab")  # noqa: SIM115 - lives with the process
         self.coordinator = subprocess.Popen(cmd, stdout=log, stderr=subprocess.STDOUT, start_new_session=True,
                                             env=child_env())
         deadline = time.time() + 30
@@ -308,6 +334,7 @@ class Launcher:
         if len(survivors) < self.cfg.fault_tolerance.min_replicas:
             return
         self.resume = resume_step > 0
+        self._new_coordinator_identity()
         self._start_coordinator(len(survivors))
         for rid in survivors:
             self._start_replica(rid, join=False)
@@ -401,25 +428,96 @@ class Launcher:
             self.display.update(rec)
 
     # ---- the run ---------------------------------------------------------------------------
-    def run(self) -> int:
+    def _prepare_out(self) -> None:
+        """The run directory; with ``resume``, the step records before the newest checkpoint are kept."""
+        from recover.observe.events import read_jsonl
+        from recover.train.checkpoint import list_checkpoints
+
         for sub in ("logs", "replicas"):
             (self.out / sub).mkdir(parents=True, exist_ok=True)
-        for stale in ["metrics.jsonl", "events.jsonl", "summary.json", *(p.relative_to(self.out) for p in
-                                                                     (self.out / "replicas").glob("*.jsonl"))]:
+        old_logs = sorted((self.out / "replicas").glob("*.jsonl"))
+        kept: dict[int, dict[str, Any]] = {}
+        if self.o.resume:
+            found = list_checkpoints(self.out / "checkpoints")
+            resume_step = found[-1][0] if found else 0
+            for path in [self.out / "metrics.jsonl", *old_logs]:
+                if path.is_file():
+                    for rec in read_jsonl(path):
+                        if rec.get("step", resume_step) < resume_step and "elapsed_s" in rec:
+                            kept.setdefault(rec["step"], rec)
+            self.resume = True
+        for stale in ["metrics.jsonl", "summary.json", *(p.relative_to(self.out) for p in old_logs)]:
             (self.out / stale).unlink(missing_ok=True)
+        if not self.o.resume:
+            (self.out / "events.jsonl").unlink(missing_ok=True)
         (self.out / "config.json").write_text(json.dumps(self.cfg.to_dict(), indent=1))
+        before = max((rec["elapsed_s"] for rec in kept.values()), default=0.0)
+        self.t0 = time.time() - before  # elapsed time goes on from the interrupted run's
+        for step, rec in sorted(kept.items()):
+            self.records[step] = {**rec, "t": self.t0 + rec.pop("elapsed_s")}
+        self.written = -1
+        while self.written + 1 in self.records:
+            self.written += 1
+
+    def _request_stop(self, signum: int, frame: Any) -> None:
+        """SIGTERM or SIGINT: a graceful stop (see the module docstring); the second one: at once."""
+        if self.stop_signal is not None:
+            raise KeyboardInterrupt(f"signal {signum}")
+        self.stop_signal = signum
+
+    def _begin_stop(self, now: float) -> None:
+        """Passes the stop on: SIGTERM to the coordinator and every worker; no more rejoins or faults."""
+        self.stop_started = now
+        self.events.event("stop_requested", signal=signal.Signals(self.stop_signal).name, source="launcher",
+                          grace_s=self.cfg.fault_tolerance.stop_grace_s)
+        self.display.message(f"[bold]stopping[/]: at the next step boundary, after a checkpoint (within "
+                             f"{self.cfg.fault_tolerance.stop_grace_s:g} s; signal again to stop at once)")
+        self.rejoin_at.clear()
+        if self.spare:
+            kill_processes([p for p, _, _ in self.spare])
+            self.spare = None
+        procs = [p for r in self._live() for p in r.procs] + ([self.coordinator] if self.coordinator else [])
+        for proc in procs:
+            if proc.poll() is None:
+                try:
+                    os.kill(proc.pid, signal.SIGTERM)
+                except ProcessLookupError:
+                    pass
+
+    def _watch_coordinator(self) -> None:
+        """A coordinator that exited while the job runs is started again on its ports and token."""
+        if self.coordinator is None or self.coordinator.poll() is None or self.stop_started is not None:
+            return
+        code = self.coordinator.returncode
+        if self.coordinator_restarts >= MAX_COORDINATOR_RESTARTS:
+            raise RuntimeError(f"the coordinator exited ({code}) {self.coordinator_restarts + 1} times; see "
+                               f"{self.out / 'logs' / 'coordinator.log'}")
+        self.coordinator_restarts += 1
+        self.events.event("coordinator_exit", code=code, restart=self.coordinator_restarts)
+        self.display.message(f"coordinator exited ({code}): restarting it; replicas keep their state")
+        self._start_coordinator(self.n)
+
+    def run(self) -> int:
+        self._prepare_out()
         self.events = EventLog(self.out / "events.jsonl")
         self.metrics = JsonlWriter(self.out / "metrics.jsonl")
         steps = self.cfg.training.steps
-        self.display = ProgressDisplay(steps, title=self.o.title, enabled=self.o.progress)
+        self.display = ProgressDisplay(steps, self.written + 1, title=self.o.title, enabled=self.o.progress)
+        for step in range(self.written + 1):
+            rec = dict(self.records[step])
+            rec["elapsed_s"] = round(rec.pop("t") - self.t0, 3)
+            self.metrics.write(rec)
         self.next_random_kill: float | None = None
         self.faulted: set[int] = set()  # PIDs a random fault already hit
-        t0 = self.t0 = time.time()
+        t0 = time.time()
         self.events.event("launch", replicas=self.n, steps=steps, failures=[str(s) for s in self.o.failures],
-                          random_mtbf_s=self.o.random_mtbf_s, rejoin_after_s=self.o.rejoin_after_s)
+                          random_mtbf_s=self.o.random_mtbf_s, rejoin_after_s=self.o.rejoin_after_s,
+                          resume_step=self.written + 1 if self.resume else None)
         grace_end: float | None = None
-        terminate_as_interrupt()  # SIGTERM stops the job as Ctrl-C does: the finally below
+        signal.signal(signal.SIGTERM, self._request_stop)
+        signal.signal(signal.SIGINT, self._request_stop)
         try:
+            self._new_coordinator_identity()
             self._start_coordinator(self.n)
             for rid in range(self.n):
                 self._start_replica(rid, join=False)
@@ -427,11 +525,17 @@ class Launcher:
                 self._start_spare()
             while True:
                 now = time.time()
+                if self.stop_signal is not None and self.stop_started is None:
+                    self._begin_stop(now)
+                self._watch_coordinator()
                 self._watch_fences(now)
                 self._poll_replicas(now)
                 self._collect()
                 self._flush_metrics(final=False)
                 if not self._live() and not self.rejoin_at:
+                    break
+                if self.stop_started is not None and now - self.stop_started > self.cfg.fault_tolerance.stop_grace_s:
+                    self.events.event("stop_grace_over", running=[r.rid for r in self._live()])
                     break
                 if all(s in self.records for s in range(steps)) and all(r.joined for r in self._live()):
                     # every step committed; only joiners are left: one that trained to the end exits on
@@ -439,7 +543,8 @@ class Launcher:
                     grace_end = grace_end or now + JOINER_GRACE_S
                     if now >= grace_end:
                         break
-                self._random_kill(now)
+                if self.stop_started is None:
+                    self._random_kill(now)
                 time.sleep(POLL_S)
             self._collect()
             self._flush_metrics(final=True)
@@ -463,15 +568,17 @@ class Launcher:
         self.wall_s = wall
         if self.written + 1 >= self.cfg.training.steps:
             return 0
-        if any(c == EXIT_QUORUM_LOST for c in codes.values()):
-            return EXIT_QUORUM_LOST
+        for status in (EXIT_QUORUM_LOST, EXIT_COORDINATOR_LOST, EXIT_STOPPED):
+            if any(c == status for c in codes.values()):
+                return status
         return 1
 
     def failed_logs(self) -> list[str]:
         """Tails of logs of replicas that exited with an error (not a SIGKILL or quorum loss)."""
         out = []
         for rep in self.replicas.values():
-            if rep.exit_code not in (0, LOST, EXIT_QUORUM_LOST, EXIT_JOB_FAILED, None):
+            if rep.exit_code not in (0, LOST, EXIT_QUORUM_LOST, EXIT_JOB_FAILED, EXIT_STOPPED, EXIT_COORDINATOR_LOST,
+                                     None):
                 for k, path in enumerate(rep.log_paths):
                     if rep.codes.get(k, 0) != 0:
                         text = path.read_text(errors="replace")

@@ -7,8 +7,6 @@ Contract:
   it fires even when the launcher itself was SIGKILLed and can clean nothing up) and exits at once if
   the launcher is already gone. Elsewhere (no ``prctl``) it does nothing: the launcher's own cleanup
   on SIGINT and SIGTERM is then all there is.
-- :func:`terminate_as_interrupt` makes SIGTERM (what ``timeout``, Slurm and Kubernetes send) stop the
-  launcher the way Ctrl-C does: its ``finally`` stops every child.
 """
 
 from __future__ import annotations
@@ -17,7 +15,6 @@ import ctypes
 import os
 import signal
 import sys
-from typing import Any
 
 ENV = "RECOVER_LAUNCHER_PID"
 _PR_SET_PDEATHSIG = 1
@@ -40,11 +37,3 @@ def die_with_launcher() -> None:
         return
     if os.getppid() != int(launcher):  # it died before the request took effect
         os._exit(1)
-
-
-def terminate_as_interrupt() -> None:
-    """SIGTERM raises KeyboardInterrupt in the main thread, as Ctrl-C does."""
-    def handler(signum: int, frame: Any) -> None:
-        raise KeyboardInterrupt(f"signal {signum}")
-
-    signal.signal(signal.SIGTERM, handler)

@@ -48,6 +48,11 @@ class Membership(Protocol):
         """Members admitted in this generation (they receive the state)."""
         ...
 
+    @property
+    def resync(self) -> bool:
+        """Formed by a restarted coordinator: the ``joined`` members are behind and take the state first."""
+        ...
+
 
 class Group(Protocol):
     """Collectives over the members of one generation."""
@@ -83,6 +88,10 @@ class Coordinator(Protocol):
 
     speeds: dict[int, float] | None
     """Seconds per microbatch by replica to plan the next step with, as of the last commit (None: even)."""
+    stopping: bool
+    """The last commit was a stop: every member stops after that step (SIGTERM or SIGINT somewhere)."""
+    committed_step: int
+    """The last step this replica holds committed (set after a resume or a state transfer)."""
 
     def vote_commit(self, generation: int, step: int, ids: list[int] | tuple[int, ...], *,
                     mb_s: float | None = None) -> Membership | None:

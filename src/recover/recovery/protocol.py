@@ -80,6 +80,8 @@ class Committed:
     recoveries: list[dict[str, Any]] = field(default_factory=list)
     admitted: Membership | None = None
     """The membership that admits joiners at this commit, or None."""
+    stop: bool = False
+    """The commit is a stop: every member stops after this step."""
 
 
 @dataclass
@@ -100,10 +102,18 @@ class StepOutcome:
     """Microbatches each live replica computed."""
     stragglers: dict[int, float] = field(default_factory=dict)
     """Replicas the agreed speeds name slow, with their time over the others' median."""
+    stop: bool = False
+    """The job stops after this step (a graceful stop was committed with it)."""
 
     @property
     def loss(self) -> float:
         return self.loss_sum / self.microbatches
+
+
+class Resynced(Exception):  # noqa: N818 - not an error: the step starts over
+    """A restarted coordinator's ``resync`` generation moved state to the members that were behind:
+    the step in progress is abandoned and :meth:`ResilientStep.run` is called again (from the progress
+    the members now share)."""
 
 
 def _no_hook(step: int, phase: str) -> None:
@@ -150,7 +160,7 @@ class ResilientStep:
         step = self.progress.step
         committed = self.commit(step, self.progress.data_step)
         outcome = self.apply(step, committed)
-        if committed.admitted is not None:
+        if committed.admitted is not None and not committed.stop:
             self.admit()
         return outcome
 
@@ -210,7 +220,7 @@ class ResilientStep:
         self.speeds = self.coordinator.speeds
         quotas = {r: len(share) for r, share in sorted(plan.items())}
         return Committed(reduced, ids, self.group.generation, tuple(self.group.members), computed, quotas,
-                         recoveries, admitted)
+                         recoveries, admitted, self.coordinator.stopping)
 
     def apply(self, step: int, c: Committed) -> StepOutcome:
         """The optimizer update of a committed step; the progress advances."""
@@ -221,7 +231,7 @@ class ResilientStep:
         slow = {r: round(s, 2) for r, s in slowdowns(self.speeds or {}).items()
                 if s >= STRAGGLER_RATIO and r in c.live}
         outcome = StepOutcome(step, self.progress.data_step, loss_sum, count, tokens, grad_norm, c.generation,
-                              c.live, c.computed, c.recoveries, c.quotas, slow)
+                              c.live, c.computed, c.recoveries, c.quotas, slow, c.stop)
         self.progress.step += 1
         self.progress.data_step += 1
         self.progress.tokens += tokens
@@ -237,6 +247,8 @@ class ResilientStep:
         old = self.group.generation
         self.hook(step, Phase.RECOVER)
         self.group = self.group.next_generation()  # follows further failures while it forms
+        if self.group.membership.resync and self.group.membership.joined:
+            self.resync()
         if len(self.group.members) < self.min_replicas:
             raise QuorumLost(f"only {len(self.group.members)} replica(s) {list(self.group.members)} left at step "
                              f"{step}; fault_tolerance.min_replicas = {self.min_replicas}")
@@ -285,6 +297,30 @@ class ResilientStep:
         self.on_event("grew", generation=self.group.generation, members=list(self.group.members),
                       step=self.progress.step)
 
+    def resync(self) -> None:
+        """In a ``resync`` generation (a restarted coordinator's), the members behind take the state of
+        the lowest member ahead; then the step starts over for everyone (raises :class:`Resynced`)."""
+        t0 = time.perf_counter()
+        m = self.group.membership
+        while m.resync and m.joined:
+            src = source_rank(self.group)
+            try:
+                if self.group.rank == src:
+                    send_state(self.group, self.replica.transfer_state(self.progress.counters()))
+                else:
+                    state = receive_state(self.group, src)
+                    if self.me in m.joined:
+                        self.progress = Progress.of(self.replica.load_transfer_state(state))
+                        self.coordinator.committed_step = self.progress.step - 1
+                break
+            except PeerFailure:
+                self.group = self.group.next_generation()
+                m = self.group.membership
+        self.speeds = m.speeds  # those of the commit the members ahead hold: every plan alike again
+        self.on_event("resynced", generation=self.group.generation, behind=list(m.joined), step=self.progress.step,
+                      ms=round((time.perf_counter() - t0) * 1000, 2))
+        raise Resynced
+
     def join(self) -> None:
         """A joiner takes the live replicas' state and progress (again on the next generation if a
         peer dies meanwhile)."""
@@ -296,5 +332,6 @@ class ResilientStep:
             except PeerFailure:
                 self.group = self.group.next_generation()
         self.progress = Progress.of(self.replica.load_transfer_state(state))
+        self.coordinator.committed_step = self.progress.step - 1
         self.on_event("state_received", step=self.progress.step, ms=round((time.perf_counter() - t0) * 1000, 2),
                       tensors=len(state))

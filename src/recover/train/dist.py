@@ -69,6 +69,7 @@ class StaticMembership:
     members: tuple[int, ...]
     joined: tuple[int, ...] = ()
     speeds: None = None  # no coordinator measures speeds: the even split
+    resync: bool = False
 
 
 class StaticGroup:
@@ -118,10 +119,26 @@ class StaticGroup:
 
 
 class CommitAll:
-    """The :class:`~recover.recovery.interfaces.Coordinator` of a job without one: every vote commits."""
+    """The :class:`~recover.recovery.interfaces.Coordinator` of a job without one: every vote commits.
+
+    Stop: ``stop_requested`` (this process got SIGTERM or SIGINT) is agreed on at every vote by a
+    one-element MAX all-reduce over all the torchrun processes, so they all stop after the same step.
+    """
 
     speeds = None  # no one measures: the even split
 
+    def __init__(self) -> None:
+        self.stop_requested = False
+        self.stopping = False
+        self.committed_step = -1
+
     def vote_commit(self, generation: int, step: int, ids: list[int] | tuple[int, ...],
                     mb_s: float | None = None) -> None:
+        flag = torch.tensor([1.0 if self.stop_requested else 0.0])
+        if dist.is_initialized() and dist.get_world_size() > 1:
+            if dist.get_backend() == "nccl":
+                flag = flag.cuda()
+            dist.all_reduce(flag, op=dist.ReduceOp.MAX)
+        self.stopping = bool(flag.item() > 0)
+        self.committed_step = step
         return None

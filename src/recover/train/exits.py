@@ -14,6 +14,12 @@ EXIT_JOB_FAILED = 4
 """checkpoint-and-restart baseline: a replica failed and this survivor stopped for the relaunch."""
 EXIT_FENCED = 5
 """the coordinator declared this replica dead (one of its ranks died, or it stopped heartbeating)."""
+EXIT_STOPPED = 6
+"""stopped on request (SIGTERM or SIGINT) at a step boundary after saving a complete checkpoint;
+continue with ``--resume``."""
+EXIT_COORDINATOR_LOST = 7
+"""the coordinator did not come back within ``fault_tolerance.coordinator_reconnect_s``; a complete
+checkpoint of the last committed step was saved; continue with ``--resume``."""
 
 
 def replica_log_path(out: Path, replica: int) -> Path:

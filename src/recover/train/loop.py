@@ -24,7 +24,7 @@ import torch
 
 from recover.config import Config
 from recover.data.sampler import EvalSampler
-from recover.recovery.protocol import ResilientStep, StepOutcome
+from recover.recovery.protocol import ResilientStep, Resynced, StepOutcome
 from recover.train.checkpoint import Checkpointer
 from recover.train.optim import lr_at
 from recover.train.replica import Replica
@@ -83,13 +83,19 @@ class Loop:
     busy: Callable[[str], AbstractContextManager[Any]] = lambda kind: nullcontext()
     val_loss: float | None = None
     """The last validation loss this replica computed."""
+    stopped: bool = False
+    """The job stopped on request before ``end`` (a graceful stop was committed)."""
 
     def run(self, end: int) -> None:
-        """Trains until ``end`` steps are committed."""
+        """Trains until ``end`` steps are committed, or until a commit is a stop: then the lowest live
+        replica saves a complete checkpoint of it (unless one was due anyway) and ``stopped`` is set."""
         tc = self.cfg.training
         while self.step.progress.step < end:
             t0 = time.perf_counter()
-            outcome = self.step.run()
+            try:
+                outcome = self.step.run()
+            except Resynced:  # state moved after a coordinator restart: the step starts over
+                continue
             record = step_record(outcome, time.perf_counter() - t0, lr_at(outcome.step, tc))
             record["total_tokens"] = self.step.progress.tokens
             leader = self.step.me == min(outcome.live)
@@ -97,9 +103,13 @@ class Loop:
                 with self.busy("io"):
                     self.val_loss = record["val_loss"] = self.evaluate()
             self.write(record)
-            if leader and tc.checkpoint_due(outcome.step, end):
+            due = tc.checkpoint_due(outcome.step, end)
+            if leader and (due or outcome.stop):
                 with self.busy("io"):
-                    self.save()
+                    self.save(blocking=True if outcome.stop else None)
+            if outcome.stop and self.step.progress.step < end:
+                self.stopped = True
+                return
             self.after_step(outcome.step)
 
     def evaluate(self) -> float:

@@ -14,6 +14,14 @@ from state bitwise equal to the live replicas' at a step boundary; if fewer than
 ``fault_tolerance.min_replicas`` survive, the lowest live replica saves a complete checkpoint
 and every survivor exits with status 3 and a message saying so.
 
+Stops and coordinator loss (exit statuses in ``train/exits.py``):
+- SIGTERM or SIGINT (:meth:`ReplicaWorker.request_stop`): the next vote asks for a stop; the commit
+  that carries it ends the job for every member after that step, the lowest live replica saving a
+  complete checkpoint: status 6. A process not yet training exits at once with status 6.
+- The coordinator lost: the client reconnects for ``fault_tolerance.coordinator_reconnect_s`` while
+  the training thread keeps its state (see :mod:`recover.coord.client`); if it does not come back,
+  the lowest member saves a complete checkpoint and every replica exits with status 7.
+
 A replica of several ranks (``parallel.pp x fsdp x tp > 1``) is one torchrun-style job: every rank
 runs this same loop with the same control flow. Rank k holds its own coordinator connection and
 its own fault-tolerant group, *lane* k (rank k of every live replica), on which it sums its shard
@@ -42,7 +50,14 @@ from recover.observe.events import EventLog, JsonlWriter
 from recover.recovery.protocol import Progress, ResilientStep
 from recover.train.checkpoint import Checkpointer
 from recover.train.dist import DistContext, init_from_env
-from recover.train.exits import EXIT_FENCED, EXIT_JOB_FAILED, EXIT_QUORUM_LOST, replica_log_path
+from recover.train.exits import (
+    EXIT_COORDINATOR_LOST,
+    EXIT_FENCED,
+    EXIT_JOB_FAILED,
+    EXIT_QUORUM_LOST,
+    EXIT_STOPPED,
+    replica_log_path,
+)
 from recover.train.loop import Loop
 from recover.train.replica import Replica
 from recover.train.trainer import build_replica
@@ -87,6 +102,7 @@ class ReplicaWorker:
         self.events = EventLog(self.out / "events.jsonl")
         self.log = JsonlWriter(replica_log_path(self.out, replica)) if self.rank == 0 else None
         self.cut: set[int] = set()  # replicas this one cannot reach (--cut fault injection)
+        self.client: Any = None  # the coordinator client, once training starts
         self.injector = FaultInjector(failures, replica, self.rank, self.ranks, before_kill=self._before_kill,
                                       slow=self._slow_down, cut=self.cut.add)
 
@@ -120,7 +136,12 @@ class ReplicaWorker:
         ft, tc = self.cfg.fault_tolerance, self.cfg.training
         client = CoordinatorClient(self.host, self.port, self.token, self.replica_id,
                                    heartbeat_interval_s=ft.heartbeat_interval_s, rank=self.rank, ranks=self.ranks,
-                                   fence_exit_s=ft.fence_exit_s, on_fenced=self._exit_fenced)
+                                   fence_exit_s=ft.fence_exit_s, on_fenced=self._exit_fenced,
+                                   reconnect_s=ft.coordinator_reconnect_s,
+                                   on_reconnected=lambda s: self._event("coordinator_reconnected",
+                                                                        outage_ms=round(s * 1000, 1)))
+        client.committed_step = self.start.step - 1
+        self.client = client
 
         def hook(step: int, phase: str) -> None:  # every phase point: progress, then fault injection
             client.advance()
@@ -141,9 +162,25 @@ class ReplicaWorker:
                     step=step.progress.step, joined=self.join)
         return client, step
 
+    def request_stop(self, signum: int) -> None:
+        """SIGTERM or SIGINT: stop after the next commit (see the module docstring). Signal handler."""
+        if self.client is None or self.client.membership is None:
+            print(f"recover: replica {self.replica_id} rank {self.rank}: stopped by signal {signum} before "
+                  "training", file=sys.stderr, flush=True)
+            os._exit(EXIT_STOPPED)
+        if not self.client.stop_requested:
+            self.client.stop_requested = True
+            self._event("stop_signal", signal=signum)
+
     def run(self) -> int:
         """Trains to ``training.steps``; returns the process's exit status (see ``train/exits.py``)."""
-        client, step = self._step()
+        try:
+            client, step = self._step()
+        except CoordinatorLost as exc:
+            if self.client is None or not self.client.stopping:
+                raise
+            print(f"recover: replica {self.replica_id}: {exc}", file=sys.stderr, flush=True)
+            return EXIT_STOPPED
         loop = Loop(self.cfg, step, self.replica, self.eval_data, self.checkpointer, self._write,
                     after_step=lambda s: step.hook(s, Phase.IDLE), busy=client.activity)
         try:
@@ -153,6 +190,8 @@ class ReplicaWorker:
         except JobFailed:
             return EXIT_JOB_FAILED
         except CoordinatorLost as exc:
+            if client.gone:
+                return self._stop_on_coordinator_loss(loop, exc)
             print(f"recover: replica {self.replica_id} rank {self.rank}: {exc}; stopping (the launcher restarts "
                   "the replica if --rejoin-after is set)", file=sys.stderr, flush=True)
             return EXIT_FENCED
@@ -160,10 +199,27 @@ class ReplicaWorker:
             if self.log is not None:
                 self.log.close()
         self.checkpointer.wait()
-        self._event("finished", step=step.progress.step, generation=step.group.generation)
+        if loop.stopped:
+            self._event("stopped", step=step.progress.step, generation=step.group.generation)
+            if self.rank == 0 and step.me == min(step.group.members):
+                print(f"recover: stopped on request after {step.progress.step} committed steps; a complete checkpoint "
+                      f"is in {self.checkpointer.root}; continue with --resume", file=sys.stderr, flush=True)
+        else:
+            self._event("finished", step=step.progress.step, generation=step.group.generation)
         step.group.close()
         client.close()
-        return 0
+        return EXIT_STOPPED if loop.stopped else 0
+
+    def _stop_on_coordinator_loss(self, loop: Loop, exc: CoordinatorLost) -> int:
+        """The coordinator did not come back: the lowest member of the last generation saves its committed state."""
+        step = loop.step
+        if step.me == min(step.group.members):
+            path = loop.save(blocking=True)
+            self._event("coordinator_lost", step=step.progress.step, checkpoint=str(path), message=str(exc))
+            if self.rank == 0:
+                print(f"recover: replica {self.replica_id}: {exc}. Saved a complete checkpoint of step "
+                      f"{step.progress.step} at {path}; continue with --resume.", file=sys.stderr, flush=True)
+        return EXIT_COORDINATOR_LOST
 
     def _exit_fenced(self, why: str) -> None:
         """The watchdog's end of a fenced process whose training thread did not stop by itself (it may
