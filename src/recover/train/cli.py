@@ -26,6 +26,7 @@ def register(sub: argparse._SubParsersAction) -> None:
 
 def run_train(args: argparse.Namespace) -> int:
     from recover.train.dist import init_from_env, shutdown
+    from recover.train.exits import EXIT_STOPPED
     from recover.train.trainer import train
 
     cfg = load_config(args.config, args.overrides)
@@ -41,4 +42,7 @@ def run_train(args: argparse.Namespace) -> int:
         print(f"done: {summary['steps_run']} steps in {summary['wall_s']:.1f} s, "
               f"{summary['tokens_per_s']:,.0f} tokens/s, final validation loss {val_text}", flush=True)
         print(f"run directory: {args.out} (metrics.jsonl, summary.json, loss.png)", flush=True)
-    return 0
+        if summary["stopped"]:
+            print(f"stopped on request after {summary['steps_run']} steps of this run; a complete checkpoint is "
+                  f"in {args.out}/checkpoints; continue with the same command and --resume", flush=True)
+    return EXIT_STOPPED if summary["stopped"] else 0

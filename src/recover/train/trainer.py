@@ -10,12 +10,18 @@ gradient is always divided by the constant M, and the learning rate and data cur
 of the committed step: so any assignment of ids to ranks, and any resume from a checkpoint, follows
 the same trajectory up to floating-point summation order (and bitwise in deterministic mode).
 With ``parallel.pp x fsdp x tp > 1`` the torchrun processes are the ranks of ONE replica.
+
+SIGTERM or SIGINT (torchrun passes its own on; Slurm signals every process) is a graceful stop: the
+ranks agree on it at the next vote, finish that step, save a complete checkpoint and return with
+``summary["stopped"]``; ``--resume`` continues bitwise where it stopped (deterministic mode).
 """
 
 from __future__ import annotations
 
 import json
 import os
+import signal
+import threading
 import time
 from dataclasses import asdict
 from pathlib import Path
@@ -80,7 +86,8 @@ def train(cfg: Config, out: str | os.PathLike[str], ctx: DistContext | None = No
             print(f"resumed from {path} (step {start.step})", flush=True)
     first = start.step
     group = data_parallel_group(cfg, ctx)
-    step = ResilientStep(replica, group, CommitAll(), tc.global_microbatches, start,
+    commit = CommitAll()
+    step = ResilientStep(replica, group, commit, tc.global_microbatches, start,
                          assignment=tc.assignment, seed=tc.seed)
     end = min(tc.steps, stop_at_step) if stop_at_step else tc.steps
     stats = model_stats(cfg.model, cfg.data.seq_len)
@@ -103,20 +110,22 @@ def train(cfg: Config, out: str | os.PathLike[str], ctx: DistContext | None = No
         display.update(record)
 
     loop = Loop(cfg, step, replica, eval_data, checkpointer, write)
+    restore = _stop_on_signals(commit, display)
     try:
         loop.run(end)
     finally:
+        restore()
         display.close()
         if metrics is not None:
             metrics.close()
     checkpointer.wait()  # an asynchronous save still writing is part of the run
     wall = time.perf_counter() - t_start
-    done = max(0, end - first)
+    done = step.progress.step - first
     tokens_per_step = tc.global_microbatches * replica.tokens_per_microbatch
     summary = {"name": cfg.name, "steps": end, "steps_run": done, "wall_s": round(wall, 3),
                "final_val_loss": loop.val_loss, "total_tokens": step.progress.tokens,
                "tokens_per_s": done * tokens_per_step / wall if wall > 0 else 0.0,
-               "params": stats.params, "world_size": ctx.world_size}
+               "params": stats.params, "world_size": ctx.world_size, "stopped": loop.stopped}
     if writer:
         (out / "summary.json").write_text(json.dumps(summary, indent=1))
         try:
@@ -126,3 +135,18 @@ def train(cfg: Config, out: str | os.PathLike[str], ctx: DistContext | None = No
         except Exception as exc:  # a plot must never fail a run
             print(f"warning: loss plot not written: {exc}", flush=True)
     return summary
+
+
+def _stop_on_signals(commit: CommitAll, display: ProgressDisplay) -> Any:
+    """SIGTERM and SIGINT ask for a graceful stop (see the module docstring); returns the undo."""
+    if threading.current_thread() is not threading.main_thread():
+        return lambda: None
+
+    def stop(signum: int, frame: Any) -> None:
+        if commit.stop_requested:
+            raise KeyboardInterrupt(f"signal {signum}")  # the second one: at once
+        commit.stop_requested = True
+        display.message(f"signal {signum}: stopping after this step, with a checkpoint (again to stop at once)")
+
+    before = {sig: signal.signal(sig, stop) for sig in (signal.SIGTERM, signal.SIGINT)}
+    return lambda: [signal.signal(sig, handler) for sig, handler in before.items()]
