@@ -14,6 +14,7 @@ from pathlib import Path
 import pytest
 
 from recover.coord import CoordinatorClient, CoordinatorRefused
+from recover.coord.client import CoordinatorLost
 from recover.observe.events import read_jsonl
 
 ROOT = Path(__file__).resolve().parents[2]
@@ -25,15 +26,34 @@ def env() -> dict[str, str]:
     return e
 
 
-def start_coordinator(tmp_path: Path, token: str, events: Path) -> subprocess.Popen[str]:
+def start_coordinator(tmp_path: Path, token: str, events: Path, port: int = 0,
+                      store_port: int = 0) -> subprocess.Popen[str]:
     """``recover coordinator`` for 2 replicas, heartbeat timeout 1 s, in its own session; its first
     stdout line is the ready record."""
     token_file = tmp_path / "token"
     token_file.write_text(token + "\n")
-    return subprocess.Popen([sys.executable, "-m", "recover", "coordinator", "--port", "0", "--token-file",
-                             str(token_file), "--events", str(events), "--replicas", "2", "--heartbeat-timeout",
-                             "1.0"], stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, env=env(),
-                            start_new_session=True)
+    return subprocess.Popen([sys.executable, "-m", "recover", "coordinator", "--port", str(port), "--store-port",
+                             str(store_port), "--token-file", str(token_file), "--events", str(events), "--replicas",
+                             "2", "--heartbeat-timeout", "1.0"], stdout=subprocess.PIPE, stderr=subprocess.PIPE,
+                            text=True, env=env(), start_new_session=True)
+
+
+def register_all(cs: list[CoordinatorClient]) -> None:
+    ts = [threading.Thread(target=c.register, kwargs={"timeout": 20}) for c in cs]
+    for t in ts:
+        t.start()
+    for t in ts:
+        t.join(30)
+    assert all(c.membership is not None for c in cs)
+
+
+def stop(proc: subprocess.Popen[str]) -> None:
+    try:
+        os.killpg(proc.pid, signal.SIGCONT)
+        os.killpg(proc.pid, signal.SIGKILL)
+    except ProcessLookupError:
+        pass
+    proc.wait(10)
 
 
 def test_coordinator_command_serves_and_survives_bad_peers(tmp_path: Path) -> None:
@@ -106,3 +126,82 @@ def test_a_coordinator_paused_for_twice_the_heartbeat_timeout_fences_nobody(tmp_
         os.killpg(proc.pid, signal.SIGCONT)
         os.killpg(proc.pid, signal.SIGKILL)
         proc.wait(10)
+
+
+def test_clients_survive_a_coordinator_sigkill_and_restart_on_the_same_ports(tmp_path: Path) -> None:
+    """SIGKILL of the coordinator process: its clients keep their state and retry; a coordinator started
+    again with the same flags takes them back (they register with what they hold) and forms the next
+    generation with both, with the committed step they reported."""
+    ev = tmp_path / "events.jsonl"
+    procs = [start_coordinator(tmp_path, "tok", ev)]
+    cs: list[CoordinatorClient] = []
+    try:
+        assert procs[0].stdout is not None
+        ready = json.loads(procs[0].stdout.readline())
+        cs = [CoordinatorClient("127.0.0.1", ready["port"], "tok", r, reconnect_s=30) for r in (0, 1)]
+        register_all(cs)
+        for c in cs:  # a step committed before the crash
+            threading.Thread(target=c.vote_commit, args=(1, 0, [0, 1]), daemon=True).start()
+        deadline = time.monotonic() + 10
+        while any(c.committed_step != 0 for c in cs) and time.monotonic() < deadline:
+            time.sleep(0.01)
+        os.killpg(procs[0].pid, signal.SIGKILL)
+        procs[0].wait(10)
+        time.sleep(0.5)
+        assert [c.lost for c in cs] == [None, None] and not cs[0].failure_notice(1)  # waiting, not lost
+        procs.append(start_coordinator(tmp_path, "tok", ev, ready["port"], ready["store_port"]))
+        m = cs[0].wait_for_generation(1, 20)
+        assert (m.generation, m.members, m.reason, m.step, m.joined) == (2, (0, 1), "restart", 1, ())
+        assert cs[1].wait_for_generation(1, 10) == m and [c.lost for c in cs] == [None, None]
+        rebuilt = [e for e in read_jsonl(ev) if e["kind"] == "rebuilt"]
+        assert rebuilt and rebuilt[0]["committed_step"] == 0 and rebuilt[0]["back"] == [0, 1]
+    finally:
+        for c in cs:
+            c.close()
+        for proc in procs:
+            stop(proc)
+
+
+def test_a_coordinator_that_does_not_come_back_in_time_is_lost_for_good(tmp_path: Path) -> None:
+    proc = start_coordinator(tmp_path, "tok", tmp_path / "events.jsonl")
+    cs: list[CoordinatorClient] = []
+    try:
+        assert proc.stdout is not None
+        port = json.loads(proc.stdout.readline())["port"]
+        cs = [CoordinatorClient("127.0.0.1", port, "tok", r, reconnect_s=1.0) for r in (0, 1)]
+        register_all(cs)
+        os.killpg(proc.pid, signal.SIGKILL)
+        t0 = time.monotonic()
+        with pytest.raises(CoordinatorLost, match="did not come back within 1 s"):
+            cs[0].wait_for_generation(1, 20)
+        assert 0.9 < time.monotonic() - t0 < 5 and cs[0].gone
+    finally:
+        for c in cs:
+            c.close()
+        stop(proc)
+
+
+def test_sigterm_to_the_coordinator_makes_the_next_commit_a_stop_then_it_exits(tmp_path: Path) -> None:
+    proc = start_coordinator(tmp_path, "tok", tmp_path / "events.jsonl")
+    cs: list[CoordinatorClient] = []
+    try:
+        assert proc.stdout is not None
+        port = json.loads(proc.stdout.readline())["port"]
+        cs = [CoordinatorClient("127.0.0.1", port, "tok", r) for r in (0, 1)]
+        register_all(cs)
+        os.kill(proc.pid, signal.SIGTERM)
+        time.sleep(0.3)
+        assert proc.poll() is None  # a job runs: it waits for the stop to commit
+        ts = [threading.Thread(target=c.vote_commit, args=(1, 0, [0, 1])) for c in cs]
+        for t in ts:
+            t.start()
+        for t in ts:
+            t.join(10)
+        assert [c.stopping for c in cs] == [True, True]
+        for c in cs:
+            c.close()
+        assert proc.wait(10) == 0  # every replica gone after the stop: it exits by itself
+    finally:
+        for c in cs:
+            c.close()
+        stop(proc)

@@ -244,10 +244,9 @@ def _processes_of(run: Path) -> list[int]:
     return pids
 
 
-@pytest.mark.parametrize("sig", [signal.SIGKILL, signal.SIGTERM], ids=["sigkill", "sigterm"])
-def test_every_process_dies_with_the_launcher(corpus: Path, tmp_path: Path, sig: signal.Signals) -> None:
-    """SIGKILL of `recover launch` (no cleanup possible: the kernel ends its children) or SIGTERM (what
-    timeout, Slurm and Kubernetes send: the launcher stops them as on Ctrl-C) leaves nothing running."""
+def test_every_process_dies_with_a_sigkilled_launcher(corpus: Path, tmp_path: Path) -> None:
+    """SIGKILL of `recover launch` (no cleanup possible: the kernel ends its children) leaves nothing running."""
+    sig = signal.SIGKILL
     run = tmp_path / "run"
     proc = subprocess.Popen([sys.executable, "-m", "recover", "launch", "--config", "debug", "--replicas", "3",
                              "--steps", "500", "--out", str(run), "--no-progress", "--data.path", str(corpus),
@@ -264,7 +263,7 @@ def test_every_process_dies_with_the_launcher(corpus: Path, tmp_path: Path, sig:
         assert len(children) >= 4  # the coordinator, 3 replicas (and a spare)
         os.kill(proc.pid, sig)
         proc.wait(30)
-        deadline = time.monotonic() + 10
+        deadline = time.monotonic() + 5
         while _processes_of(run) and time.monotonic() < deadline:
             time.sleep(0.1)
         assert _processes_of(run) == []
@@ -274,3 +273,97 @@ def test_every_process_dies_with_the_launcher(corpus: Path, tmp_path: Path, sig:
                 os.kill(pid, signal.SIGKILL)
             except ProcessLookupError:
                 pass
+
+
+def _await_step(run: Path, step: int, proc: subprocess.Popen[bytes], timeout: float = 120) -> None:
+    """Waits until a replica of ``run`` logged a record of ``step``."""
+    deadline = time.monotonic() + timeout
+    while not any(f'"step":{step},' in p.read_text() for p in (run / "replicas").glob("replica_*.jsonl")):
+        assert time.monotonic() < deadline and proc.poll() is None, f"step {step} never came"
+        time.sleep(0.05)
+
+
+def _coordinator_pid(run: Path) -> int:
+    pids = [p for p in _processes_of(run) if b" coordinator " in Path(f"/proc/{p}/cmdline").read_bytes().replace(
+        b"\0", b" ")]
+    assert len(pids) == 1, pids
+    return pids[0]
+
+
+def _start_launch(run: Path, corpus: Path, *extra: str) -> subprocess.Popen[bytes]:
+    return subprocess.Popen([sys.executable, "-m", "recover", "launch", "--config", "debug", "--replicas", "4",
+                             "--steps", str(STEPS), "--out", str(run), "--no-progress", "--data.path", str(corpus),
+                             "--training.eval_every=20", "--deterministic", "--device-time-s", "0.05", *extra],
+                            env=subprocess_env(), start_new_session=True, stdout=subprocess.PIPE,
+                            stderr=subprocess.PIPE)
+
+
+def _reap(run: Path, proc: subprocess.Popen[bytes]) -> None:
+    for pid in [proc.pid, *_processes_of(run)]:
+        try:
+            os.kill(pid, signal.SIGKILL)
+        except ProcessLookupError:
+            pass
+    proc.wait(10)
+
+
+def test_the_coordinator_killed_mid_commit_paused_and_killed_again_costs_no_step(reference_det: Path,
+                                                                                 corpus: Path, tmp_path: Path) -> None:
+    """The coordinator SIGKILLs itself in step 8's commit after one of its four replies went out (that
+    replica applied step 8, the others did not), is SIGSTOPped for 3 s later on (three times its heartbeat
+    timeout), then SIGKILLed from outside: each time the launcher restarts it, the replicas keep their
+    state and register again, the ones behind take the state of the one ahead; every step is committed
+    once with M microbatches, bitwise equal to the failure-free run, exit 0, nothing left running."""
+    run = tmp_path / "run"
+    proc = _start_launch(run, corpus, "--kill-coordinator", "8:1")
+    try:
+        _await_step(run, 14, proc)
+        paused = _coordinator_pid(run)
+        os.kill(paused, signal.SIGSTOP)
+        time.sleep(3.0)
+        os.kill(paused, signal.SIGCONT)
+        _await_step(run, 20, proc)
+        os.kill(_coordinator_pid(run), signal.SIGKILL)
+        _, err = proc.communicate(timeout=180)
+        assert proc.returncode == 0, err.decode()[-3000:]
+        deadline = time.monotonic() + 5
+        while _processes_of(run) and time.monotonic() < deadline:
+            time.sleep(0.1)
+        assert _processes_of(run) == []
+    finally:
+        _reap(run, proc)
+    recs = rows(run)
+    assert [r["step"] for r in recs] == list(range(STEPS)) and all(r["microbatches"] == M for r in recs)
+    assert losses(run) == losses(reference_det)
+    ev = events(run)
+    assert [e["code"] for e in ev if e["kind"] == "coordinator_exit"] == [-9, -9]
+    rebuilt = [e for e in ev if e["kind"] == "rebuilt"]
+    assert len(rebuilt) == 2 and rebuilt[0]["committed_step"] == 8 and len(rebuilt[0]["behind"]) == 3
+    assert {e["replica"] for e in ev if e["kind"] == "resynced"} == {0, 1, 2, 3}
+    assert any(e["kind"] == "coordinator_stalled" and e["seconds"] > 2.5 for e in ev)
+    assert not [e for e in ev if e["kind"] == "fenced" or e["kind"] == "failure_detected" and e["cause"] != "left"]
+
+
+def test_sigterm_to_the_launcher_saves_a_checkpoint_and_resume_finishes_bitwise(reference_det: Path,
+                                                                                corpus: Path, tmp_path: Path) -> None:
+    run = tmp_path / "run"
+    proc = _start_launch(run, corpus)
+    try:
+        _await_step(run, 8, proc)
+        os.kill(proc.pid, signal.SIGTERM)
+        t0 = time.monotonic()
+        _, err = proc.communicate(timeout=30)
+        assert proc.returncode == 6, err.decode()[-3000:]
+        while _processes_of(run) and time.monotonic() - t0 < 30:
+            time.sleep(0.1)
+        assert _processes_of(run) == []
+        assert "continue with the same command and --resume" in err.decode()
+    finally:
+        _reap(run, proc)
+    stopped_at = len(rows(run))
+    assert 8 < stopped_at < STEPS and (run / "checkpoints" / f"step_{stopped_at:06d}").is_dir()
+    assert [e["replica"] for e in events(run) if e["kind"] == "stopped"] != []
+    launch(run, corpus, "--deterministic", "--resume")
+    recs = rows(run)
+    assert [r["step"] for r in recs] == list(range(STEPS)) and all(r["microbatches"] == M for r in recs)
+    assert losses(run) == losses(reference_det)

@@ -426,3 +426,35 @@ def test_nobody_is_judged_across_the_coordinators_own_stall() -> None:
     three_replicas(control)
     _all_waiting(control, 3, 0.5)
     assert len(logs(control.on_tick(3.0), "failure_detected")) == 3
+
+
+def test_a_restarted_coordinator_takes_the_least_any_rank_of_a_replica_committed() -> None:
+    """Ranks of one replica that heard different commits before the crash make the whole replica behind;
+    a malformed ``resume`` is refused like any malformed register."""
+    agg = make()
+
+    def back(conn: str, replica_id: int, rank: int, ranks: int, committed: int) -> list[Out]:
+        agg.on_open(conn, f"peer-{conn}", 0.0)
+        resume = {"generation": 3, "members": [0, 1], "committed": committed, "speeds": None}
+        return agg.on_message(conn, msg("register", id=1, token=TOKEN, replica=replica_id, join=False, rank=rank,
+                                        ranks=ranks, resume=resume), 0.0)
+
+    back("a0", 0, 0, 2, 12)
+    back("a1", 0, 1, 2, 11)  # rank 1's 'committed 12' was lost with the coordinator
+    out = back("b0", 1, 0, 1, 12)
+    assert logs(out, "rebuilt")[0]["behind"] == [0]
+    m = sent(out, "membership")["a0"]["membership"]
+    assert (m["generation"], m["joined"], m["resync"], m["step"]) == (4, [0], True, 13)
+    agg.on_open("c0", "peer-c0", 0.0)
+    out = agg.on_message("c0", msg("register", id=1, token=TOKEN, replica=2, join=False,
+                                   resume={"generation": 0, "members": [], "committed": 1}), 0.0)
+    assert sent(out, "error")["c0"]["code"] == "malformed" and closed(out) == ["c0"]
+
+
+def test_a_rank_asking_to_stop_makes_its_replicas_vote_a_stop() -> None:
+    agg = make()
+    two_replicas(agg)
+    agg.on_message("a0", msg("vote", id=5, generation=1, step=0, ids=IDS), 0.0)
+    agg.on_message("a1", msg("vote", id=6, generation=1, step=0, ids=IDS, stop=True), 0.0)
+    out = agg.on_message("b0", msg("vote", id=7, generation=1, step=0, ids=IDS), 0.0)
+    assert {c: m["stop"] for c, m in sent(out, "committed").items()} == {"a0": True, "a1": True, "b0": True}

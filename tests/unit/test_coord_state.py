@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import pytest
 
+from recover.coord.protocol import Resume
 from recover.coord.state import Fence, Log, MembershipState, Refused, Send
 
 
@@ -167,3 +168,94 @@ def test_commits_carry_the_agreed_speeds_to_every_member_and_joiner() -> None:
     assert joined["speeds"] == {"0": 1.0, "1": 1.0, "2": 4.0} == sent(acts, "committed")[0]["speeds"]
     st.on_dead(2, "closed", 0.0)
     assert 2 not in (st.speeds.planned or {}) and not st.speeds.stragglers
+
+
+# ---- graceful stop ---------------------------------------------------------------------------------
+
+def test_a_vote_asking_to_stop_makes_that_commit_a_stop_for_every_member() -> None:
+    st = make(3)
+    st.on_register(7, True, 1, 0.0)  # a joiner waiting for the next commit
+    st.on_vote(0, 10, 1, 0, [0, 1], 0.1)
+    st.on_vote(1, 11, 1, 0, [0, 1], 0.1, stop=True)  # its process got SIGTERM
+    acts = st.on_vote(2, 12, 1, 0, [0, 1], 0.1)
+    assert {r: m["stop"] for r, m in sent(acts, "committed").items()} == {0: True, 1: True, 2: True}
+    assert all(m["new_generation"] is None for m in sent(acts, "committed").values())  # nobody admitted
+    assert sent(acts, "error")[7]["code"] == "stopping"  # the joiner is told
+    assert logs(acts, "stop") == [{"step": 0, "members": [0, 1, 2], "waiting_joiners": [7]}]
+    with pytest.raises(Refused, match="stopping"):
+        st.on_register(8, True, 1, 0.2)
+
+
+def test_the_coordinators_own_stop_request_applies_at_the_next_commit_only() -> None:
+    st = make(2)
+    st.on_vote(0, 10, 1, 0, [0], 0.1)
+    assert logs(st.request_stop(), "stop_requested") and st.request_stop() == []  # once
+    acts = st.on_vote(1, 11, 1, 0, [0], 0.1)
+    assert all(m["stop"] for m in sent(acts, "committed").values()) and st.stopped
+
+
+# ---- a restarted coordinator rebuilds the job from what the replicas hold -----------------------------
+
+def fresh(expected: int = 3, window: float = 3.0) -> MembershipState:
+    return MembershipState(expected=expected, min_members=1, store_host="h", store_port=1, ack_timeout_s=1.0,
+                           rebuild_window_s=window)
+
+
+def test_restart_with_every_member_back_forms_the_next_generation_without_resync() -> None:
+    st = fresh()
+    held = Resume(5, (0, 1, 2), 41, {0: 1.0, 1: 1.0, 2: 2.0})
+    assert st.on_register(2, False, 1, 0.0, held) and st.current is None
+    st.on_register(0, False, 1, 0.1, held)
+    acts = st.on_register(1, False, 1, 0.2, held)
+    m = st.current
+    assert (m.generation, m.members, m.step, m.joined, m.resync) == (6, (0, 1, 2), 42, (), False)
+    assert m.speeds == {0: 1.0, 1: 1.0, 2: 2.0} and set(sent(acts, "membership")) == {0, 1, 2}
+    assert logs(acts, "rebuilt")[0]["missing"] == []
+    acts = [a for r in (0, 1, 2) for a in st.on_vote(r, 9, 6, 42, [0], 0.3)]  # the job goes on
+    assert st.committed_step == 42 and len(sent(acts, "committed")) == 3
+
+
+def test_restart_after_a_half_sent_commit_resyncs_the_members_that_missed_it() -> None:
+    st = fresh()
+    st.on_register(0, False, 1, 0.0, Resume(2, (0, 1, 2), 9, None))  # its 'committed 10' never arrived
+    st.on_register(1, False, 1, 0.0, Resume(2, (0, 1, 2), 10, {0: 1.0, 1: 1.0, 2: 1.5}))
+    acts = st.on_register(2, False, 1, 0.0, Resume(2, (0, 1, 2), 9, None))
+    m = st.current
+    assert (m.generation, m.step, m.joined, m.resync) == (3, 11, (0, 2), True)
+    assert m.speeds == {0: 1.0, 1: 1.0, 2: 1.5}  # those of the replica that holds step 10
+    assert logs(acts, "rebuilt")[0]["behind"] == [0, 2]
+    st.on_dead(2, "connection_closed", 0.1)  # a failure before the next commit: the transfer is redone
+    st.on_ack(0, 3, 0.2)
+    st.on_ack(1, 3, 0.2)
+    assert st.current.joined == (0,) and st.current.resync
+    for r in (0, 1):
+        st.on_vote(r, 9, 4, 11, [0], 0.3)
+    st.on_dead(1, "connection_closed", 0.4)
+    st.on_ack(0, 4, 0.5)
+    assert st.current.joined == () and not st.current.resync  # committed since: nothing to redo
+
+
+def test_restart_forms_without_a_member_that_does_not_come_back_within_the_window() -> None:
+    st = fresh(window=2.0)
+    st.on_register(0, False, 1, 0.0, Resume(4, (0, 1, 2), 7, None))
+    st.on_register(1, False, 1, 0.5, Resume(3, (0, 1, 2), 7, None))  # it had not heard of generation 4
+    assert st.on_tick(1.9) == [] and st.current is None
+    acts = st.on_tick(2.1)
+    assert st.current.members == (0, 1) and st.current.generation == 5 and st.current.step == 8
+    assert logs(acts, "rebuilt")[0]["missing"] == [2]
+    # it comes back late: behind by definition, it joins at the next commit and takes the state
+    st.on_register(2, False, 1, 2.5, Resume(4, (0, 1, 2), 7, None))
+    assert st.pending_join == {2}
+    for r in (0, 1):
+        acts = st.on_vote(r, 9, 5, 8, [0], 3.0)
+    assert st.current.members == (0, 1, 2) and st.current.joined == (2,) and st.current.resync
+    assert all(m["new_generation"] == 6 for m in sent(acts, "committed").values())
+
+
+def test_a_plain_joiner_during_a_rebuild_waits_for_the_next_commit() -> None:
+    st = fresh(expected=2)
+    st.on_register(0, False, 1, 0.0, Resume(1, (0, 1), 3, None))
+    st.on_register(5, True, 1, 0.0)  # a new replica: no resume
+    assert st.current is None and st.pending_join == {5}
+    st.on_register(1, False, 1, 0.1, Resume(1, (0, 1), 3, None))
+    assert st.current.members == (0, 1) and st.pending_join == {5}
