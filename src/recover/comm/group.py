@@ -320,7 +320,7 @@ class FaultTolerantGroup:
                 del w
                 self.pool.evict(buffers)
                 raise self._fail(f"backend error during {what}: {first}", True, works,
-                                 timed_out="timed out" in first.lower()) from None
+                                 timed_out=_is_timeout(first)) from None
 
     def _fail(self, reason: str, report: bool, *work_lists: list[Any], timed_out: bool = False) -> PeerFailure:
         """Retires this broken group, waits for the coordinator's decision, builds the PeerFailure.
@@ -367,6 +367,13 @@ class FaultTolerantGroup:
         if pg is not None or works:
             self.graveyard.park(self.generation, *([pg] if pg is not None else []), *works,
                                 abort=self.backend == "nccl" and self._broken)
+
+
+def _is_timeout(error: str) -> bool:
+    """Whether a backend error says the operation ran out of time (gloo: "Timed out waiting ...", or
+    "Application timeout caused pair closure" when another operation on the pair timed out first)."""
+    text = error.lower()
+    return "timed out" in text or "timeout" in text
 
 
 def _try_shrink(old: FaultTolerantGroup, old_pg: Any, m: Membership) -> Any | None:

@@ -41,6 +41,15 @@ def _median(xs: list[float]) -> float | None:
     return round(statistics.median(xs), 3) if xs else None
 
 
+def _stopped(events: list[dict[str, Any]]) -> bool:
+    """Whether the last launch in ``events`` (a resumed run appends to them) ended in a graceful stop."""
+    stopped = False
+    for e in events:
+        if e.get("kind") in ("launch", "stopped"):
+            stopped = e["kind"] == "stopped"
+    return stopped
+
+
 def summarize(run_dir: Path, name: str, wall_s: float) -> dict[str, Any]:
     rows = load_metrics(run_dir)
     events = load_events(run_dir)
@@ -67,6 +76,10 @@ def summarize(run_dir: Path, name: str, wall_s: float) -> dict[str, Any]:
         "final_generation": rows[-1]["generation"] if rows else 0,
         "committed_tokens": tokens,
         "effective_tokens_per_s": round(tokens / wall_s, 2) if wall_s > 0 else 0.0,
+        "coordinator_restarts": sum(1 for e in events if e.get("kind") == "coordinator_exit"),
+        "coordinator_outage_ms_max": max((e["outage_ms"] for e in events if e.get("kind") == "coordinator_reconnected"),
+                                         default=None),
+        "stopped": _stopped(events),
     }
     (Path(run_dir) / "summary.json").write_text(json.dumps(summary, indent=1))
     return summary
