@@ -6,13 +6,19 @@ These run real `recover train` processes (gloo on 127.0.0.1) and compare per-ste
 from __future__ import annotations
 
 import json
+import os
 import shutil
+import signal
+import subprocess
+import sys
+import time
 from pathlib import Path
 
 import numpy as np
 import pytest
 
-from conftest import losses, max_rel_diff, run_recover
+from conftest import losses, max_rel_diff, run_recover, subprocess_env
+from recover.bench.common import STOP_GRACE_S, kill_group
 from recover.cli import main
 from recover.data import write_shard
 
@@ -47,18 +53,35 @@ def test_data_parallel_matches_single_process(reference: Path, corpus: Path, tmp
     assert json.loads((tmp_path / "summary.json").read_text())["final_val_loss"] > 0
 
 
-def test_resume_from_step_10_reproduces_steps_11_to_20(reference: Path, corpus: Path, tmp_path: Path,
-                                                       capsys: pytest.CaptureFixture[str]) -> None:
-    args = train_args(tmp_path, corpus, "--training.checkpoint_every=10")
-    assert main([*args, "--stop-at-step", "10"]) == 0
-    assert sorted(losses(tmp_path)) == list(range(10))
-    assert (tmp_path / "checkpoints" / "step_000010" / "COMMITTED").is_file()
-    capsys.readouterr()
+def test_sigterm_under_torchrun_saves_at_a_step_boundary_and_resume_reproduces_the_rest(
+        reference: Path, corpus: Path, tmp_path: Path) -> None:
+    """SIGTERM to the torchrun agent (it passes it on to both ranks, as Slurm signals every process):
+    the ranks agree to stop after the same step, save a complete checkpoint and exit 6; two fresh
+    processes resume from it and reproduce the uninterrupted run's remaining steps."""
+    args = train_args(tmp_path, corpus)
+    cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node=2", "-m", "recover",
+           *args, "--training.device_time_s=0.1"]
+    proc = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, env=subprocess_env(),
+                            start_new_session=True)
+    try:
+        deadline = time.monotonic() + 120
+        while not (tmp_path / "metrics.jsonl").is_file() or len(losses(tmp_path)) < 4:
+            assert time.monotonic() < deadline and proc.poll() is None, "training did not start"
+            time.sleep(0.05)
+        os.kill(proc.pid, signal.SIGTERM)
+        out, _ = proc.communicate(timeout=60)
+    finally:
+        kill_group(proc, STOP_GRACE_S)
+    stopped = len(losses(tmp_path))
+    assert 4 <= stopped < STEPS and sorted(losses(tmp_path)) == list(range(stopped))
+    assert (tmp_path / "checkpoints" / f"step_{stopped:06d}" / "COMMITTED").is_file()
+    assert f"stopped on request after {stopped} steps" in out  # rank 0, just before its exit status 6
     out = run_recover([*args, "--resume"], nproc=2).stdout  # resumed by 2 fresh processes
-    assert "resumed from" in out and "(step 10)" in out
-    resumed = losses(tmp_path)
-    ref = losses(reference)
-    assert max_rel_diff({s: ref[s] for s in range(10, STEPS)}, {s: resumed[s] for s in range(10, STEPS)}) <= 1e-6
+    assert "resumed from" in out and f"(step {stopped})" in out
+    resumed, ref = losses(tmp_path), losses(reference)
+    assert sorted(resumed) == list(range(STEPS))
+    assert max_rel_diff({s: ref[s] for s in range(stopped, STEPS)}, {s: resumed[s] for s in range(stopped, STEPS)}) \
+        <= 1e-6
 
 
 def in_process(args: list[str], capsys: pytest.CaptureFixture[str]) -> tuple[int, str, str]:
