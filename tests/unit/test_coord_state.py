@@ -259,3 +259,14 @@ def test_a_plain_joiner_during_a_rebuild_waits_for_the_next_commit() -> None:
     assert st.current is None and st.pending_join == {5}
     st.on_register(1, False, 1, 0.1, Resume(1, (0, 1), 3, None))
     assert st.current.members == (0, 1) and st.pending_join == {5}
+
+
+def test_a_joiner_that_registered_before_the_first_resume_joins_after_the_rebuild() -> None:
+    st = fresh(expected=2)
+    st.on_register(5, True, 1, 0.0)  # a rejoining replica reconnected first: no resume, it held no state
+    st.on_register(0, False, 1, 0.1, Resume(1, (0, 1), 3, None))
+    st.on_register(1, False, 1, 0.1, Resume(1, (0, 1), 3, None))
+    assert st.current.members == (0, 1) and st.pending_join == {5} and not st.initial
+    for r in (0, 1):
+        st.on_vote(r, 9, 2, 4, [0], 0.2)
+    assert st.current.members == (0, 1, 5) and st.current.joined == (5,) and not st.current.resync

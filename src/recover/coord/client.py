@@ -134,6 +134,7 @@ class CoordinatorClient:
         self._probe_sock: socket.socket | None = None
         self.reconnect_s, self.on_reconnected = reconnect_s, on_reconnected
         self._join = False
+        self._registered = False  # the coordinator accepted this client's register (a reconnect makes sense)
         self._pending: dict[int, dict[str, Any]] = {}  # request id -> request, until its reply
         self._reconnecting = False
         self.gone = False
@@ -169,6 +170,7 @@ class CoordinatorClient:
                                   f"{self.host}:{self.port}: {exc}; is `recover coordinator` running?") from None
         self._join = join
         self._request(self._register_msg(), timeout)
+        self._registered = True
         self._spawn(self._heartbeat, "recover-coord-heartbeat")
         return self._wait(lambda: self._admitted(), timeout, "admission to a generation")
 
@@ -488,7 +490,7 @@ class CoordinatorClient:
             return  # a connection already given up (a reconnect replaced it)
         if self._closing:
             self._mark_lost("closed")
-        elif self._lost is None and self.reconnect_s > 0 and self.membership is not None and not self.stopping:
+        elif self._lost is None and self.reconnect_s > 0 and self._registered and not self.stopping:
             self._reconnecting = True  # one reconnect at a time: only the current connection's reader starts it
             self._spawn(lambda: self._reconnect(why), "recover-coord-reconnect")
         else:

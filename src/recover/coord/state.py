@@ -315,7 +315,8 @@ class MembershipState:
         back, self.rebuild, self._rebuild_deadline = self.rebuild, {}, None
         members = sorted(r for r, res in back.items() if r in expected or res.generation == newest.generation)
         others = set(back) - set(members)
-        self.pending_join |= others
+        self.pending_join |= others | self.initial  # those without a resume: new replicas, they join
+        self.initial.clear()
         self.late |= others
         self._base_generation = max(res.generation for res in back.values())
         self.committed_step = max(back[r].committed for r in members)
