@@ -10,6 +10,7 @@ import sys
 import threading
 import time
 from pathlib import Path
+from typing import Any
 
 import pytest
 
@@ -38,13 +39,22 @@ def start_coordinator(tmp_path: Path, token: str, events: Path, port: int = 0,
                             text=True, env=env(), start_new_session=True)
 
 
-def register_all(cs: list[CoordinatorClient]) -> None:
-    ts = [threading.Thread(target=c.register, kwargs={"timeout": 20}) for c in cs]
+def in_parallel(cs: list[CoordinatorClient], call: Any) -> None:
+    """``call(client)`` for every client at once (each blocks until all arrived); joins them."""
+    ts = [threading.Thread(target=call, args=(c,)) for c in cs]
     for t in ts:
         t.start()
     for t in ts:
         t.join(30)
+
+
+def register_all(cs: list[CoordinatorClient]) -> None:
+    in_parallel(cs, lambda c: c.register(timeout=20))
     assert all(c.membership is not None for c in cs)
+
+
+def vote_all(cs: list[CoordinatorClient], step: int) -> None:
+    in_parallel(cs, lambda c: c.vote_commit(c.membership.generation, step, [0, 1], timeout=20))
 
 
 def stop(proc: subprocess.Popen[str]) -> None:
@@ -107,11 +117,7 @@ def test_a_coordinator_paused_for_twice_the_heartbeat_timeout_fences_nobody(tmp_
         assert proc.stdout is not None
         port = json.loads(proc.stdout.readline())["port"]
         cs = [CoordinatorClient("127.0.0.1", port, "tok", r) for r in (0, 1)]
-        ts = [threading.Thread(target=c.register, kwargs={"timeout": 20}) for c in cs]
-        for t in ts:
-            t.start()
-        for t in ts:
-            t.join(30)
+        register_all(cs)
         time.sleep(0.5)
         os.kill(proc.pid, signal.SIGSTOP)
         time.sleep(2.0)
@@ -123,9 +129,7 @@ def test_a_coordinator_paused_for_twice_the_heartbeat_timeout_fences_nobody(tmp_
     finally:
         for c in cs:
             c.close()
-        os.killpg(proc.pid, signal.SIGCONT)
-        os.killpg(proc.pid, signal.SIGKILL)
-        proc.wait(10)
+        stop(proc)
 
 
 def test_clients_survive_a_coordinator_sigkill_and_restart_on_the_same_ports(tmp_path: Path) -> None:
@@ -140,11 +144,8 @@ def test_clients_survive_a_coordinator_sigkill_and_restart_on_the_same_ports(tmp
         ready = json.loads(procs[0].stdout.readline())
         cs = [CoordinatorClient("127.0.0.1", ready["port"], "tok", r, reconnect_s=30) for r in (0, 1)]
         register_all(cs)
-        for c in cs:  # a step committed before the crash
-            threading.Thread(target=c.vote_commit, args=(1, 0, [0, 1]), daemon=True).start()
-        deadline = time.monotonic() + 10
-        while any(c.committed_step != 0 for c in cs) and time.monotonic() < deadline:
-            time.sleep(0.01)
+        vote_all(cs, 0)  # a step committed before the crash
+        assert [c.committed_step for c in cs] == [0, 0]
         os.killpg(procs[0].pid, signal.SIGKILL)
         procs[0].wait(10)
         time.sleep(0.5)
@@ -192,11 +193,7 @@ def test_sigterm_to_the_coordinator_makes_the_next_commit_a_stop_then_it_exits(t
         os.kill(proc.pid, signal.SIGTERM)
         time.sleep(0.3)
         assert proc.poll() is None  # a job runs: it waits for the stop to commit
-        ts = [threading.Thread(target=c.vote_commit, args=(1, 0, [0, 1])) for c in cs]
-        for t in ts:
-            t.start()
-        for t in ts:
-            t.join(10)
+        vote_all(cs, 0)
         assert [c.stopping for c in cs] == [True, True]
         for c in cs:
             c.close()

@@ -94,14 +94,19 @@ class LaunchOptions:
     SENT of its replies went out (the launcher then restarts it)."""
 
 
-def kill_processes(procs: list[subprocess.Popen[bytes]]) -> None:
-    """SIGKILLs each process still running (by PID: each leads its own session), then reaps them all."""
+def signal_processes(procs: list[subprocess.Popen[bytes]], sig: int) -> None:
+    """Sends ``sig`` to each process still running (by PID: each leads its own session)."""
     for proc in procs:
         if proc.poll() is None:
             try:
-                os.killpg(proc.pid, signal.SIGKILL)
+                os.killpg(proc.pid, sig)
             except ProcessLookupError:
                 pass
+
+
+def kill_processes(procs: list[subprocess.Popen[bytes]]) -> None:
+    """SIGKILLs each process still running, then reaps them all."""
+    signal_processes(procs, signal.SIGKILL)
     for proc in procs:
         try:
             proc.wait(timeout=10)
@@ -476,13 +481,8 @@ class Launcher:
         if self.spare:
             kill_processes([p for p, _, _ in self.spare])
             self.spare = None
-        procs = [p for r in self._live() for p in r.procs] + ([self.coordinator] if self.coordinator else [])
-        for proc in procs:
-            if proc.poll() is None:
-                try:
-                    os.kill(proc.pid, signal.SIGTERM)
-                except ProcessLookupError:
-                    pass
+        signal_processes([p for r in self._live() for p in r.procs] + ([self.coordinator] if self.coordinator else []),
+                         signal.SIGTERM)
 
     def _watch_coordinator(self) -> None:
         """A coordinator that exited while the job runs is started again on its ports and token."""

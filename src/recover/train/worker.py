@@ -186,12 +186,13 @@ class ReplicaWorker:
         try:
             loop.run(self.cfg.training.steps)
         except QuorumLost as exc:
-            return self._stop_on_quorum_loss(loop, exc)
+            return self._save_and_stop(loop, "quorum_lost", exc, "resume with more replicas", EXIT_QUORUM_LOST)
         except JobFailed:
             return EXIT_JOB_FAILED
         except CoordinatorLost as exc:
-            if client.gone:
-                return self._stop_on_coordinator_loss(loop, exc)
+            if client.gone:  # it did not come back
+                return self._save_and_stop(loop, "coordinator_lost", exc, "continue with --resume",
+                                           EXIT_COORDINATOR_LOST)
             print(f"recover: replica {self.replica_id} rank {self.rank}: {exc}; stopping (the launcher restarts "
                   "the replica if --rejoin-after is set)", file=sys.stderr, flush=True)
             return EXIT_FENCED
@@ -210,17 +211,6 @@ class ReplicaWorker:
         client.close()
         return EXIT_STOPPED if loop.stopped else 0
 
-    def _stop_on_coordinator_loss(self, loop: Loop, exc: CoordinatorLost) -> int:
-        """The coordinator did not come back: the lowest member of the last generation saves its committed state."""
-        step = loop.step
-        if step.me == min(step.group.members):
-            path = loop.save(blocking=True)
-            self._event("coordinator_lost", step=step.progress.step, checkpoint=str(path), message=str(exc))
-            if self.rank == 0:
-                print(f"recover: replica {self.replica_id}: {exc}. Saved a complete checkpoint of step "
-                      f"{step.progress.step} at {path}; continue with --resume.", file=sys.stderr, flush=True)
-        return EXIT_COORDINATOR_LOST
-
     def _exit_fenced(self, why: str) -> None:
         """The watchdog's end of a fenced process whose training thread did not stop by itself (it may
         be stuck in a kernel, a collective inside the replica, or a hang): one line, no traceback."""
@@ -230,12 +220,14 @@ class ReplicaWorker:
         sys.stdout.flush()
         os._exit(EXIT_FENCED)
 
-    def _stop_on_quorum_loss(self, loop: Loop, exc: QuorumLost) -> int:
+    def _save_and_stop(self, loop: Loop, kind: str, exc: Exception, advice: str, status: int) -> int:
+        """The job cannot go on (``kind``: ``quorum_lost``, ``coordinator_lost``): the lowest member of
+        the last generation saves a complete checkpoint of the committed state; returns ``status``."""
         step = loop.step
         if step.me == min(step.group.members):
             path = loop.save(blocking=True)
-            self._event("quorum_lost", step=step.progress.step, checkpoint=str(path), message=str(exc))
+            self._event(kind, step=step.progress.step, checkpoint=str(path), message=str(exc))
             if self.rank == 0:
                 print(f"recover: replica {self.replica_id}: {exc}. Saved a complete checkpoint of step "
-                      f"{step.progress.step} at {path}; resume with more replicas.", file=sys.stderr, flush=True)
-        return EXIT_QUORUM_LOST
+                      f"{step.progress.step} at {path}; {advice}.", file=sys.stderr, flush=True)
+        return status
