@@ -185,6 +185,9 @@ class TrainingConfig:
     the state is copied to CPU memory; a background thread writes it, and it becomes visible (loadable)
     only once complete. The next save, the final one and the end of the run wait for it. A replica of
     several ranks (pp x fsdp x tp > 1) always saves synchronously."""
+    keep_checkpoints: int = 3
+    """Complete checkpoints kept: after each save the older ones beyond this many are deleted (a resume
+    falls back to an older one when the newest is damaged). 0 keeps them all."""
     threads: int = 0
     """torch intra-op threads per process; 0 means cores / local processes."""
     deterministic: bool = False
@@ -202,7 +205,7 @@ class TrainingConfig:
         for name in ("steps", "global_microbatches", "eval_batches"):
             value = getattr(self, name)
             _require(isinstance(value, int) and value > 0, f"training.{name}", value, "a positive integer")
-        for name in ("warmup_steps", "eval_every", "checkpoint_every", "threads", "seed"):
+        for name in ("warmup_steps", "eval_every", "checkpoint_every", "threads", "seed", "keep_checkpoints"):
             value = getattr(self, name)
             _require(isinstance(value, int) and value >= 0, f"training.{name}", value,
                      "a non-negative integer")

@@ -91,16 +91,36 @@ def in_process(args: list[str], capsys: pytest.CaptureFixture[str]) -> tuple[int
     return code, captured.out, captured.err
 
 
-def test_an_interrupted_checkpoint_is_never_loaded(corpus: Path, tmp_path: Path, capsys) -> None:
-    args = train_args(tmp_path, corpus, "--training.checkpoint_every=5")
-    assert in_process([*args, "--stop-at-step", "10"], capsys)[0] == 0
+@pytest.mark.parametrize("damage", ["flip", "truncate"])
+def test_a_damaged_newest_checkpoint_is_named_and_resume_falls_back_to_the_previous_intact_one(
+        reference: Path, corpus: Path, tmp_path: Path, capsys: pytest.CaptureFixture[str], damage: str) -> None:
+    """4 bytes flipped inside the tensor data of the newest checkpoint's largest file, or one of its
+    files cut short: one line names the checkpoint and the file, the previous checkpoint is loaded, and
+    the resumed run reproduces the uninterrupted run exactly (the damaged state never loaded). A save
+    killed halfway leaves a ``.partial`` directory that the next start removes; keep_checkpoints holds."""
+    args = train_args(tmp_path, corpus, "--training.checkpoint_every=5", "--training.keep_checkpoints=2")
+    assert in_process([*args, "--stop-at-step", "15"], capsys)[0] == 0
     ckpts = tmp_path / "checkpoints"
-    shutil.copytree(ckpts / "step_000010", ckpts / "step_000015.partial")  # a save killed halfway
-    torn = ckpts / "step_000020"
-    shutil.copytree(ckpts / "step_000010", torn)
-    (torn / "COMMITTED").unlink()
-    code, out, _ = in_process([*args, "--resume", "--stop-at-step", "11"], capsys)
+    assert [p.name for p in sorted(ckpts.iterdir())] == ["step_000010", "step_000015"]  # step 5 pruned
+    shutil.copytree(ckpts / "step_000015", ckpts / "step_000020.partial")  # a save killed halfway
+    files = sorted((p for p in (ckpts / "step_000015").iterdir() if p.suffix in (".distcp", ".metadata")),
+                   key=lambda p: p.stat().st_size)
+    victim = files[-1] if damage == "flip" else files[0]
+    data = bytearray(victim.read_bytes())
+    if damage == "flip":
+        middle = len(data) // 2
+        data[middle:middle + 4] = bytes(b ^ 0xFF for b in data[middle:middle + 4])
+    else:
+        data = data[: len(data) // 2]
+    victim.write_bytes(bytes(data))
+    code, out, err = in_process([*args, "--resume"], capsys)
     assert code == 0 and "(step 10)" in out
+    damaged = [line for line in err.splitlines() if "damaged" in line]
+    assert len(damaged) == 1 and "step_000015" in damaged[0] and victim.name in damaged[0], err
+    assert not list(ckpts.glob("*.partial"))
+    assert losses(tmp_path) == losses(reference)  # steps 10..19 recomputed from the intact state: exactly
+    steps = [json.loads(line)["step"] for line in (tmp_path / "metrics.jsonl").read_text().splitlines()]
+    assert steps == list(range(STEPS))  # each step once
 
 
 def test_resume_refuses_a_checkpoint_of_another_model(corpus: Path, tmp_path: Path, capsys) -> None:

@@ -213,7 +213,7 @@ def check_launch(req: LaunchRequest) -> LaunchOptions:
             raise ConfigError(f"--kill-coordinator {req.kill_coordinator}: step {kill_step} is beyond the run's "
                               f"{cfg.training.steps} steps (0-based)")
     if req.resume:
-        from recover.train.checkpoint import list_checkpoints
+        from recover.train.integrity import list_checkpoints
 
         if not list_checkpoints(Path(req.out) / "checkpoints"):
             raise ConfigError(f"--resume: no complete checkpoint under {Path(req.out) / 'checkpoints'}; run without "

@@ -315,7 +315,7 @@ class Launcher:
 
     def _restart(self) -> None:
         """Checkpoint-and-restart: stop everything, relaunch the survivors from the last checkpoint."""
-        from recover.train.checkpoint import list_checkpoints
+        from recover.train.integrity import list_checkpoints
 
         deadline = time.time() + 5.0  # survivors notice and exit on their own, as a failed torchrun job does
         while time.time() < deadline and any(p.poll() is None for r in self.replicas.values() for p in r.procs):
@@ -436,10 +436,11 @@ class Launcher:
     def _prepare_out(self) -> None:
         """The run directory; with ``resume``, the step records before the newest checkpoint are kept."""
         from recover.observe.events import read_jsonl
-        from recover.train.checkpoint import list_checkpoints
+        from recover.train.integrity import list_checkpoints, remove_leftovers
 
         for sub in ("logs", "replicas"):
             (self.out / sub).mkdir(parents=True, exist_ok=True)
+        remove_leftovers(self.out / "checkpoints")  # what interrupted saves left (no process runs yet)
         old_logs = sorted((self.out / "replicas").glob("*.jsonl"))
         kept: dict[int, dict[str, Any]] = {}
         if self.o.resume:

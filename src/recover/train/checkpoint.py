@@ -1,7 +1,8 @@
 """Checkpoints with ``torch.distributed.checkpoint`` (DCP), visible only once complete.
 
-Layout: ``CKPT_ROOT/step_000010/`` holds the DCP files (model, optimizer, RNG) and ``meta.json``
-(step, data cursor, model config, tokens). It is written as ``step_000010.partial/`` first; the
+Layout: ``CKPT_ROOT/step_000010/`` holds the DCP files (model, optimizer, RNG), ``meta.json``
+(step, data cursor, model config, tokens) and ``manifest.json`` (size and SHA-256 of every file:
+:mod:`recover.train.integrity`). It is written as ``step_000010.partial/`` first; the
 ``COMMITTED`` marker is written and fsynced last and the directory renamed into place, so a
 checkpoint directory without the marker (a save killed halfway) is never loaded and never
 replaces an older complete one. An older complete save of the same step is first renamed aside
@@ -19,10 +20,15 @@ Contract:
   raises :class:`CheckpointError` if the write failed); the caller must wait before the next save
   and before the process exits.
 - :func:`latest_checkpoint` returns the newest complete checkpoint or None.
-- :func:`load_checkpoint` restores model and optimizer in place and returns the metadata; a
-  checkpoint written for another model shape is refused with a :class:`CheckpointError`.
+- :func:`load_checkpoint` verifies the checkpoint against its manifest, then restores model and
+  optimizer in place and returns the metadata; a damaged checkpoint, or one written for another
+  model shape, is refused with a :class:`CheckpointError` before anything is loaded.
+- After each save the writer deletes complete checkpoints older than the newest ``keep``
+  (``training.keep_checkpoints``); :func:`remove_leftovers` deletes what interrupted saves left
+  (``.partial``, ``.replaced``): call it only when no save can be in flight (at the start of a run).
 - :class:`Checkpointer` is one replica's policy on top: when a save blocks, asynchronous saves in
-  flight, and resuming from the newest complete checkpoint.
+  flight, and resuming from the newest intact checkpoint (a damaged one is named in one line and
+  the next older one is tried).
 """
 
 from __future__ import annotations
@@ -30,7 +36,6 @@ from __future__ import annotations
 import dataclasses
 import json
 import os
-import re
 import shutil
 import sys
 import time
@@ -46,18 +51,19 @@ from torch import nn
 
 from recover.config import ModelConfig
 from recover.errors import CheckpointError
+from recover.train.integrity import (  # noqa: F401 - the on-disk helpers are part of this module's API
+    MARKER,
+    checkpoint_path,
+    latest_checkpoint,
+    list_checkpoints,
+    remove_leftovers,
+    verify,
+    write_manifest,
+)
 
 if TYPE_CHECKING:
     from recover.config import Config
     from recover.train.replica import Replica
-
-MARKER = "COMMITTED"
-_NAME = re.compile(r"^step_(\d{6,})$")
-
-
-def checkpoint_path(root: str | os.PathLike[str], step: int) -> Path:
-    return Path(root) / f"step_{step:06d}"
-
 
 def _state(model: nn.Module, optimizer: torch.optim.Optimizer) -> dict[str, Any]:
     from torch.distributed.checkpoint.state_dict import get_state_dict  # imported on use: ~1 s
@@ -70,13 +76,14 @@ def _state(model: nn.Module, optimizer: torch.optim.Optimizer) -> dict[str, Any]
 
 def save_checkpoint(root: str | os.PathLike[str], step: int, model: nn.Module,
                     optimizer: torch.optim.Optimizer, meta: dict[str, Any], model_cfg: ModelConfig,
-                    process_group: Any = None, is_writer: bool = True) -> Path:
+                    process_group: Any = None, is_writer: bool = True, keep: int = 0) -> Path:
     """Saves the state after ``step`` committed steps; returns the final directory.
 
     Args:
         meta: JSON-serialisable extras (data cursor, tokens, ...), stored in ``meta.json``.
         process_group: the group whose ranks share the state's shards; None saves from this rank alone.
-        is_writer: the one rank that writes ``meta.json``, the marker and renames the directory.
+        is_writer: the one rank that writes ``meta.json``, the manifest and the marker, renames the
+            directory and deletes older checkpoints beyond ``keep`` (0: none).
     """
     import torch.distributed.checkpoint as dcp
 
@@ -91,8 +98,8 @@ def save_checkpoint(root: str | os.PathLike[str], step: int, model: nn.Module,
         warnings.filterwarnings("ignore", message="torch.distributed is disabled")  # no_dist is intended
         dcp.save(_state(model, optimizer), checkpoint_id=str(partial), process_group=process_group,
                  no_dist=process_group is None)
-    if is_writer:
-        _commit(partial, final, step, meta, model_cfg)
+    if is_writer:  # DCP's save returns on its coordinator (this rank) once every rank's files are written
+        _commit(partial, final, step, meta, model_cfg, keep)
     return final
 
 
@@ -105,11 +112,15 @@ def _begin(root: str | os.PathLike[str], step: int) -> tuple[Path, Path]:
     return final, partial
 
 
-def _commit(partial: Path, final: Path, step: int, meta: dict[str, Any], model_cfg: ModelConfig) -> None:
+def _commit(partial: Path, final: Path, step: int, meta: dict[str, Any], model_cfg: ModelConfig,
+            keep: int = 0) -> None:
     """Makes a fully written ``partial`` directory the checkpoint of ``step`` (the last act of a save)."""
     record = {"step": step, "model": dataclasses.asdict(model_cfg), **meta}
     _write_synced(partial / "meta.json", json.dumps(record, indent=1))
-    _write_synced(partial / MARKER, json.dumps({"step": step}))
+    t0 = time.perf_counter()
+    files = write_manifest(partial)
+    _write_synced(partial / MARKER, json.dumps({"step": step, "manifest_s": round(time.perf_counter() - t0, 4),
+                                                "bytes": sum(int(e["bytes"]) for e in files.values())}))
     aside = final.with_name(final.name + ".replaced")
     if final.exists():  # an older save of the same step: move it aside (atomic), delete it only afterwards
         shutil.rmtree(aside, ignore_errors=True)
@@ -117,6 +128,9 @@ def _commit(partial: Path, final: Path, step: int, meta: dict[str, Any], model_c
     os.replace(partial, final)
     _fsync_dir(final.parent)
     shutil.rmtree(aside, ignore_errors=True)
+    if keep > 0:
+        for _, old in list_checkpoints(final.parent)[:-keep]:
+            shutil.rmtree(old, ignore_errors=True)
 
 
 class AsyncSave:
@@ -133,11 +147,11 @@ class AsyncSave:
         self.committed: Future[Path] = Future()
         """Resolves to ``path`` once committed, or to the write's or commit's error."""
 
-    def _finish(self, upload: Future[Any], meta: dict[str, Any], model_cfg: ModelConfig) -> None:
+    def _finish(self, upload: Future[Any], meta: dict[str, Any], model_cfg: ModelConfig, keep: int) -> None:
         """Runs when DCP's write finished (in its writer thread): commit only a successful write."""
         try:
             upload.result()
-            _commit(self.partial, self.path, self.step, meta, model_cfg)
+            _commit(self.partial, self.path, self.step, meta, model_cfg, keep)
         except BaseException as exc:  # handed to whoever waits
             self.committed.set_exception(exc)
         else:
@@ -165,7 +179,7 @@ class AsyncSave:
 
 def save_checkpoint_async(root: str | os.PathLike[str], step: int, model: nn.Module,
                           optimizer: torch.optim.Optimizer, meta: dict[str, Any],
-                          model_cfg: ModelConfig) -> AsyncSave:
+                          model_cfg: ModelConfig, keep: int = 0) -> AsyncSave:
     """Like :func:`save_checkpoint` from one rank holding the full state, but the write runs in the background.
 
     Returns as soon as the state is copied to CPU memory (training may then change the model and
@@ -188,7 +202,7 @@ def save_checkpoint_async(root: str | os.PathLike[str], step: int, model: nn.Mod
         warnings.filterwarnings("ignore", message="torch.distributed is disabled")  # no_dist is intended
         upload = dcp.async_save(_state(model, optimizer), checkpoint_id=str(partial), no_dist=True)
     pending = AsyncSave(step, final, partial, time.perf_counter() - t0)
-    upload.add_done_callback(lambda fut: pending._finish(fut, meta, model_cfg))
+    upload.add_done_callback(lambda fut: pending._finish(fut, meta, model_cfg, keep))
     return pending
 
 
@@ -205,24 +219,6 @@ def _fsync_dir(path: Path) -> None:
         os.fsync(fd)
     finally:
         os.close(fd)
-
-
-def list_checkpoints(root: str | os.PathLike[str]) -> list[tuple[int, Path]]:
-    """Complete checkpoints under ``root`` as (step, path), oldest first."""
-    root = Path(root)
-    if not root.is_dir():
-        return []
-    found = []
-    for child in root.iterdir():
-        match = _NAME.match(child.name)
-        if match and (child / MARKER).is_file():
-            found.append((int(match.group(1)), child))
-    return sorted(found)
-
-
-def latest_checkpoint(root: str | os.PathLike[str]) -> Path | None:
-    found = list_checkpoints(root)
-    return found[-1][1] if found else None
 
 
 def read_meta(path: str | os.PathLike[str]) -> dict[str, Any]:
@@ -255,6 +251,7 @@ def load_checkpoint(path: str | os.PathLike[str], model: nn.Module, optimizer: t
     path = Path(path)
     meta = read_meta(path)
     check_compatible(meta, model_cfg, path)
+    verify(path)  # never load bytes that changed after the save
     state = _state(model, optimizer)
     try:
         with warnings.catch_warnings():
@@ -310,13 +307,14 @@ class Checkpointer:
         if blocking is None:
             blocking = step >= tc.steps or sys.exc_info()[0] is not None
         if tc.checkpoint_async and r.group is None:
-            self._pending = save_checkpoint_async(self.root, step, r.model, r.optimizer, meta, self.cfg.model)
+            self._pending = save_checkpoint_async(self.root, step, r.model, r.optimizer, meta, self.cfg.model,
+                                                  tc.keep_checkpoints)
             path = self._pending.path
             if blocking:
                 self.wait()
         else:
             path = save_checkpoint(self.root, step, r.model, r.optimizer, meta, self.cfg.model,
-                                   process_group=r.group, is_writer=r.is_writer)
+                                   process_group=r.group, is_writer=r.is_writer, keep=tc.keep_checkpoints)
         self.last_blocking_s = time.perf_counter() - t0
         return path
 
@@ -330,18 +328,31 @@ class Checkpointer:
         return pending.wait() if pending is not None else None
 
     def resume(self) -> tuple[Path, dict[str, int]]:
-        """Loads the newest complete checkpoint into the replica; returns its path and the counters
-        ``step``, ``data_step``, ``total_tokens``.
+        """Loads the newest intact checkpoint into the replica; returns its path and the counters
+        ``step``, ``data_step``, ``total_tokens``. A damaged one (a file changed, truncated or missing
+        since the save, or unreadable) is named in one line on stderr and the next older one is tried.
 
         Raises:
-            CheckpointError: there is none, or it does not fit this model.
+            CheckpointError: there is none, none is intact, or they do not fit this model.
         """
-        path = latest_checkpoint(self.root)
-        if path is None:
+        found = list_checkpoints(self.root)
+        if not found:
             raise CheckpointError(f"--resume: no complete checkpoint under {self.root}; "
                                   "run without --resume to start afresh")
-        meta = load_checkpoint(path, self.replica.model, self.replica.optimizer, self.cfg.model,
-                               process_group=self.replica.group)
+        damaged: list[str] = []
+        for _, path in reversed(found):
+            try:
+                meta = load_checkpoint(path, self.replica.model, self.replica.optimizer, self.cfg.model,
+                                       process_group=self.replica.group)
+                break
+            except CheckpointError as exc:
+                if "another model" in str(exc):
+                    raise
+                damaged.append(path.name)
+                print(f"recover: {exc}; trying the previous checkpoint", file=sys.stderr, flush=True)
+        else:
+            raise CheckpointError(f"--resume: every checkpoint under {self.root} is damaged ({', '.join(damaged)}); "
+                                  "restore one from a copy or run without --resume to start afresh")
         step = int(meta["step"])
         tokens_per_step = (self.cfg.training.global_microbatches * self.cfg.data.microbatch_size
                            * self.cfg.data.seq_len)

@@ -33,11 +33,12 @@ from recover.config import Config
 from recover.data.prepare import resolve_data_dir
 from recover.data.sampler import EvalSampler, Sampler, open_samplers
 from recover.model import model_stats
-from recover.observe.events import JsonlWriter
+from recover.observe.events import JsonlWriter, keep_records_before
 from recover.observe.progress import ProgressDisplay
 from recover.recovery.protocol import Progress, ResilientStep
 from recover.train.checkpoint import Checkpointer
 from recover.train.dist import CommitAll, DistContext, StaticGroup
+from recover.train.integrity import remove_leftovers
 from recover.train.loop import Loop, configure_torch
 from recover.train.replica import Replica
 
@@ -78,6 +79,8 @@ def train(cfg: Config, out: str | os.PathLike[str], ctx: DistContext | None = No
     replica, eval_data = build_replica(cfg, ctx, prepare_data(cfg, ctx, quiet=not progress))
     sampler: Sampler = replica.data  # type: ignore[assignment]
     checkpointer = Checkpointer(out / "checkpoints", replica, cfg, sampler.epoch_of)
+    if ctx.is_main:  # no save is in flight yet: what interrupted saves left goes
+        remove_leftovers(out / "checkpoints")
     start = Progress()
     if resume:
         path, counters = checkpointer.resume()
@@ -92,6 +95,8 @@ def train(cfg: Config, out: str | os.PathLike[str], ctx: DistContext | None = No
     end = min(tc.steps, stop_at_step) if stop_at_step else tc.steps
     stats = model_stats(cfg.model, cfg.data.seq_len)
     writer = ctx.is_main and replica.is_writer
+    if writer:
+        keep_records_before(out / "metrics.jsonl", first)  # a resume redoes the steps after its checkpoint
     metrics = JsonlWriter(out / "metrics.jsonl") if writer else None
     if writer:
         out.mkdir(parents=True, exist_ok=True)

@@ -1,0 +1,139 @@
+"""Checkpoints on disk, without torch: which are complete, what interrupted saves left, and
+manifests, what a complete checkpoint holds, checked before any of it is loaded.
+
+Contract:
+- A complete checkpoint is a directory ``step_NNNNNN`` holding the ``COMMITTED`` marker
+  (:func:`list_checkpoints`); ``.partial`` and ``.replaced`` directories are what interrupted saves
+  left (:func:`remove_leftovers` deletes them; only when no save can be in flight).
+- :func:`write_manifest` is the last step of a save before its ``COMMITTED`` marker: it records the
+  size and SHA-256 of every file of the checkpoint directory (DCP shards, ``.metadata``,
+  ``meta.json``; every rank's files, read by the one writer) in ``manifest.json``, fsynced. SHA-256
+  because any changed bit changes it, CPUs hash it at 1-2 GB/s per core (SHA extensions), and
+  ``sha256sum`` checks it by hand; files are hashed on a few threads (hashlib releases the GIL).
+- :func:`verify` raises :class:`~recover.errors.CheckpointError` naming the checkpoint and the first
+  bad file (missing, truncated or grown, different content, or a file the manifest does not list)
+  unless every file matches; a checkpoint that has no manifest (written before manifests existed)
+  passes with ``verified = False`` so old runs still resume.
+- Neither reads the state into memory beyond one chunk per thread.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import os
+import re
+import shutil
+from concurrent.futures import ThreadPoolExecutor
+from pathlib import Path
+
+from recover.errors import CheckpointError
+
+MARKER = "COMMITTED"
+MANIFEST = "manifest.json"
+ALGORITHM = "sha256"
+_CHUNK = 8 << 20
+_SKIP = frozenset({MANIFEST, MARKER})
+_NAME = re.compile(r"^step_(\d{6,})$")
+
+
+def checkpoint_path(root: str | os.PathLike[str], step: int) -> Path:
+    return Path(root) / f"step_{step:06d}"
+
+
+def list_checkpoints(root: str | os.PathLike[str]) -> list[tuple[int, Path]]:
+    """Complete checkpoints under ``root`` as (step, path), oldest first."""
+    root = Path(root)
+    if not root.is_dir():
+        return []
+    found = []
+    for child in root.iterdir():
+        match = _NAME.match(child.name)
+        if match and (child / MARKER).is_file():
+            found.append((int(match.group(1)), child))
+    return sorted(found)
+
+
+def latest_checkpoint(root: str | os.PathLike[str]) -> Path | None:
+    found = list_checkpoints(root)
+    return found[-1][1] if found else None
+
+
+def remove_leftovers(root: str | os.PathLike[str]) -> list[Path]:
+    """Deletes the ``.partial`` and ``.replaced`` directories interrupted saves left under ``root``;
+    returns them. Only when no save can be in flight."""
+    root = Path(root)
+    gone = sorted(p for p in root.glob("step_*") if p.is_dir() and p.suffix in (".partial", ".replaced")) \
+        if root.is_dir() else []
+    for path in gone:
+        shutil.rmtree(path, ignore_errors=True)
+    return gone
+
+
+def _files(directory: Path) -> list[str]:
+    return sorted(str(p.relative_to(directory)) for p in directory.rglob("*") if p.is_file()
+                  and str(p.relative_to(directory)) not in _SKIP)
+
+
+def _digest(path: Path) -> str:
+    h = hashlib.sha256()
+    with open(path, "rb") as f:
+        while chunk := f.read(_CHUNK):
+            h.update(chunk)
+    return h.hexdigest()
+
+
+def _hash_all(directory: Path, names: list[str]) -> dict[str, str]:
+    workers = max(1, min(8, os.cpu_count() or 1, len(names)))
+    with ThreadPoolExecutor(workers) as pool:
+        return dict(zip(names, pool.map(lambda n: _digest(directory / n), names), strict=True))
+
+
+def write_manifest(directory: str | os.PathLike[str]) -> dict[str, dict[str, int | str]]:
+    """Hashes every file of ``directory`` into its ``manifest.json`` (fsynced); returns the entries."""
+    directory = Path(directory)
+    names = _files(directory)
+    hashes = _hash_all(directory, names)
+    files = {n: {"bytes": (directory / n).stat().st_size, ALGORITHM: hashes[n]} for n in names}
+    with open(directory / MANIFEST, "w", encoding="utf-8") as f:
+        json.dump({"algorithm": ALGORITHM, "files": files}, f, indent=1)
+        f.flush()
+        os.fsync(f.fileno())
+    return files
+
+
+def verify(directory: str | os.PathLike[str]) -> bool:
+    """Checks every file of the checkpoint ``directory`` against its manifest.
+
+    Returns:
+        True when verified; False when the checkpoint has no manifest (an older format: unchecked).
+    Raises:
+        CheckpointError: one line naming the checkpoint and the first bad file.
+    """
+    directory = Path(directory)
+    path = directory / MANIFEST
+    if not path.is_file():
+        return False
+    try:
+        files = json.loads(path.read_text(encoding="utf-8"))["files"]
+        expected = {str(n): (int(e["bytes"]), str(e[ALGORITHM])) for n, e in files.items()}
+    except (OSError, ValueError, KeyError, TypeError, AttributeError) as exc:
+        raise CheckpointError(f"checkpoint {directory} is damaged: its {MANIFEST} is unreadable ({exc})") from None
+    present = set(_files(directory))
+    for name in sorted(expected):
+        size = expected[name][0]
+        if name not in present:
+            raise CheckpointError(f"checkpoint {directory} is damaged: {name} is missing")
+        actual = (directory / name).stat().st_size
+        if actual != size:
+            raise CheckpointError(f"checkpoint {directory} is damaged: {name} has {actual:,} bytes, "
+                                  f"{size:,} were written")
+    extra = sorted(present - set(expected))
+    if extra:
+        raise CheckpointError(f"checkpoint {directory} is damaged: {extra[0]} is not part of it")
+    hashes = _hash_all(directory, sorted(expected))
+    for name in sorted(expected):
+        if hashes[name] != expected[name][1]:
+            raise CheckpointError(f"checkpoint {directory} is damaged: {name} does not match its "
+                                  f"{ALGORITHM} (bytes changed after the save)")
+    return True
