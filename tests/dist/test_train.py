@@ -102,6 +102,8 @@ def test_a_damaged_newest_checkpoint_is_named_and_resume_falls_back_to_the_previ
     assert in_process([*args, "--stop-at-step", "15"], capsys)[0] == 0
     ckpts = tmp_path / "checkpoints"
     assert [p.name for p in sorted(ckpts.iterdir())] == ["step_000010", "step_000015"]  # step 5 pruned
+    code, _, err = in_process(args, capsys)  # neither --resume nor --overwrite: refused, nothing touched
+    assert code == 2 and "holds another run" in err and len(losses(tmp_path)) == 15
     shutil.copytree(ckpts / "step_000015", ckpts / "step_000020.partial")  # a save killed halfway
     files = sorted((p for p in (ckpts / "step_000015").iterdir() if p.suffix in (".distcp", ".metadata")),
                    key=lambda p: p.stat().st_size)

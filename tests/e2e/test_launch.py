@@ -363,6 +363,9 @@ def test_sigterm_to_the_launcher_saves_a_checkpoint_and_resume_finishes_bitwise(
     stopped_at = len(rows(run))
     assert 8 < stopped_at < STEPS and (run / "checkpoints" / f"step_{stopped_at:06d}").is_dir()
     assert [e["replica"] for e in events(run) if e["kind"] == "stopped"] != []
+    refused = launch(run, corpus, "--deterministic", check=False)  # neither --resume nor --overwrite
+    assert refused.returncode == 2 and "holds another run" in refused.stderr and "--resume" in refused.stderr
+    assert len(refused.stderr.strip().splitlines()) == 1 and len(rows(run)) == stopped_at  # nothing touched
     launch(run, corpus, "--deterministic", "--resume")
     recs = rows(run)
     assert [r["step"] for r in recs] == list(range(STEPS)) and all(r["microbatches"] == M for r in recs)

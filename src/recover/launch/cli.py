@@ -21,6 +21,7 @@ from typing import TYPE_CHECKING, Any
 from recover.config import Config, load_config
 from recover.errors import ConfigError, RecoverError
 from recover.names import BASELINES, RANDOM_FAULTS, Baseline, Fault, Phase
+from recover.observe.rundir import check_out, clear_run
 
 if TYPE_CHECKING:
     from recover.launch.launcher import Launcher, LaunchOptions
@@ -84,6 +85,8 @@ def register(sub: argparse._SubParsersAction) -> None:
     p.add_argument("--reference", default=None, help="a failure-free run directory to draw under loss.png")
     p.add_argument("--resume", action="store_true",
                    help="continue the run in --out from its newest complete checkpoint (same flags as before)")
+    p.add_argument("--overwrite", action="store_true",
+                   help="start afresh in an --out that holds another run (deletes its records and checkpoints)")
     p.add_argument("--no-progress", action="store_true", help="no live progress display")
     p.set_defaults(func=run_launch, accepts_overrides=True)
 
@@ -152,6 +155,8 @@ class LaunchRequest:
     progress: bool = True
     resume: bool = False
     """Continue the run in ``out`` from its newest complete checkpoint."""
+    overwrite: bool = False
+    """Replace the run ``out`` holds (its records and checkpoints are deleted when the launch starts)."""
     kill_coordinator: str | None = None
     """Fault injection ``STEP[:SENT]`` (see :class:`~recover.launch.launcher.LaunchOptions`)."""
 
@@ -212,6 +217,7 @@ def check_launch(req: LaunchRequest) -> LaunchOptions:
         if kill_step >= cfg.training.steps:
             raise ConfigError(f"--kill-coordinator {req.kill_coordinator}: step {kill_step} is beyond the run's "
                               f"{cfg.training.steps} steps (0-based)")
+    check_out(Path(req.out), req.resume, req.overwrite)
     if req.resume:
         from recover.train.integrity import list_checkpoints
 
@@ -246,6 +252,8 @@ def launch(req: LaunchRequest) -> int:
     from recover.train.exits import EXIT_COORDINATOR_LOST, EXIT_QUORUM_LOST, EXIT_STOPPED
 
     opts = check_launch(req)
+    if req.overwrite:
+        clear_run(opts.out)
     opts.out.mkdir(parents=True, exist_ok=True)
     resolve_data_dir(opts.config.data, quiet=not req.progress)
     launcher = Launcher(opts)
@@ -312,7 +320,7 @@ def run_launch(args: argparse.Namespace) -> int:
         rejoin_replicas=_ids("--rejoin-replicas", args.rejoin_replicas),
         baseline=Baseline(args.baseline) if args.baseline else None, seed=args.seed,
         reference=Path(args.reference) if args.reference else None, progress=not args.no_progress,
-        resume=args.resume, kill_coordinator=args.kill_coordinator))
+        resume=args.resume, overwrite=args.overwrite, kill_coordinator=args.kill_coordinator))
 
 
 def run_compare(args: argparse.Namespace) -> int:

@@ -48,10 +48,11 @@ def run_demo(args: argparse.Namespace) -> int:
     steps = args.steps or load_config(args.config).training.steps
     failures = demo_failures(steps)
     reference = LaunchRequest(out=ref, config=args.config, replicas=REPLICAS, steps=args.steps,
-                              progress=not args.no_progress)
+                              progress=not args.no_progress, overwrite=True)  # the demo owns its directories
     with_failures = LaunchRequest(out=run, config=args.config, replicas=REPLICAS, steps=args.steps,
-                                  progress=not args.no_progress, failures=failures, rejoin_after_s=REJOIN_AFTER_S,
-                                  rejoin_replicas=frozenset({DEMO_FAILURES[0][0]}), reference=ref)
+                                  progress=not args.no_progress, overwrite=True, failures=failures,
+                                  rejoin_after_s=REJOIN_AFTER_S, rejoin_replicas=frozenset({DEMO_FAILURES[0][0]}),
+                                  reference=ref)
     for request in (reference, with_failures):
         check_launch(request)  # refuse a bad request before the first run starts
     console.print(f"[bold]1/2[/] failure-free reference: {REPLICAS} replicas")

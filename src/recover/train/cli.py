@@ -18,6 +18,8 @@ def register(sub: argparse._SubParsersAction) -> None:
     p.add_argument("--config", default="tiny", help=f"preset name or .toml path (presets: {presets})")
     p.add_argument("--out", required=True, help="run directory: metrics.jsonl, summary.json, loss.png, checkpoints/")
     p.add_argument("--resume", action="store_true", help="continue from the newest complete checkpoint in --out")
+    p.add_argument("--overwrite", action="store_true",
+                   help="start afresh in an --out that holds another run (deletes its records and checkpoints)")
     p.add_argument("--stop-at-step", type=int, default=None, help="stop after this many committed steps "
                    "(the schedule still spans training.steps)")
     p.add_argument("--no-progress", action="store_true", help="no progress display")
@@ -25,12 +27,18 @@ def register(sub: argparse._SubParsersAction) -> None:
 
 
 def run_train(args: argparse.Namespace) -> int:
+    from pathlib import Path
+
+    from recover.observe.rundir import check_out, clear_run
     from recover.train.dist import init_from_env, shutdown
     from recover.train.exits import EXIT_STOPPED
     from recover.train.trainer import train
 
     cfg = load_config(args.config, args.overrides)
+    check_out(Path(args.out), args.resume, args.overwrite)
     ctx = init_from_env(cfg.parallel.backend)
+    if args.overwrite and ctx.is_main:
+        clear_run(Path(args.out))  # the other ranks read nothing of it before the data barrier
     try:
         summary = train(cfg, args.out, ctx, resume=args.resume, stop_at_step=args.stop_at_step,
                         progress=not args.no_progress)

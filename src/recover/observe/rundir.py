@@ -1,0 +1,46 @@
+"""Run directories: whether ``--out`` already holds a run, and clearing one on request.
+
+Contract: :func:`check_out` (no side effect) refuses, with one line naming what is there and the two
+ways on, an ``--out`` that holds another run's records or checkpoints unless the command continues
+it (``--resume``) or replaces it (``--overwrite``). :func:`clear_run` deletes only what a run writes
+there (records, checkpoints, logs, plots), never anything else in the directory.
+"""
+
+from __future__ import annotations
+
+import shutil
+from pathlib import Path
+
+from recover.errors import ConfigError
+
+RECORDS = ("metrics.jsonl", "events.jsonl", "summary.json", "config.json", "token")
+DIRECTORIES = ("checkpoints", "replicas", "logs")
+
+
+def run_contents(out: Path) -> list[str]:
+    """What of a run ``out`` holds (empty: nothing, a fresh directory)."""
+    if not out.is_dir():
+        return []
+    found = [name for name in RECORDS if (out / name).is_file()]
+    found += [f"{name}/" for name in DIRECTORIES if (out / name).is_dir() and any((out / name).iterdir())]
+    return found
+
+
+def check_out(out: Path, resume: bool, overwrite: bool) -> None:
+    """Raises ConfigError when ``out`` holds a run and neither ``resume`` nor ``overwrite`` is given."""
+    if resume and overwrite:
+        raise ConfigError("--resume continues the run in --out and --overwrite deletes it: give one of them")
+    found = run_contents(out)
+    if found and not resume and not overwrite:
+        raise ConfigError(f"--out {out} holds another run ({', '.join(found[:4])}); continue it with --resume, "
+                          "replace it with --overwrite, or choose a new --out")
+
+
+def clear_run(out: Path) -> None:
+    """Deletes what a run wrote under ``out`` (see the module docstring)."""
+    for name in RECORDS:
+        (out / name).unlink(missing_ok=True)
+    for name in DIRECTORIES:
+        shutil.rmtree(out / name, ignore_errors=True)
+    for plot in out.glob("*.png"):
+        plot.unlink()
