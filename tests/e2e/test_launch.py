@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import json
 import os
+import shutil
 import signal
 import subprocess
 import sys
@@ -116,6 +117,34 @@ def test_impossible_requests_are_refused_before_starting(corpus: Path, tmp_path:
     assert res.returncode == 2
     assert message in res.stderr and "Traceback" not in res.stderr
     assert not (tmp_path / "run" / "events.jsonl").exists()  # nothing was started
+
+
+@pytest.mark.parametrize("damage", ["magic", "truncated", "vocabulary"])
+def test_bad_shards_are_refused_before_anything_starts(corpus: Path, tmp_path: Path, damage: str) -> None:
+    """A damaged llm.c magic, a validation shard cut to 100 bytes, or token ids beyond the model's
+    vocabulary: one line naming the shard and the real problem, in seconds, and no process started."""
+    data = tmp_path / "data"
+    shutil.copytree(corpus, data)
+    train, val = data / "train_000000.bin", data / "val_000000.bin"
+    if damage == "magic":
+        raw = bytearray(train.read_bytes())
+        raw[0:4] = (4242).to_bytes(4, "little")
+        train.write_bytes(bytes(raw))
+    elif damage == "truncated":
+        val.write_bytes(val.read_bytes()[:100])
+    t0 = time.monotonic()
+    res = run_recover(["launch", "--config", "debug", "--replicas", "2", "--out", str(tmp_path / "run"),
+                       "--no-progress", "--data.path", str(data),
+                       *(["--model.vocab_size=256"] if damage == "vocabulary" else [])], check=False)
+    assert time.monotonic() - t0 < 5 and res.returncode == 2
+    line = res.stderr.strip()
+    assert "\n" not in line and "Traceback" not in line
+    expected = {"magic": ("train_000000.bin", "damaged llm.c header: magic 4242"),
+                "truncated": ("val_000000.bin", "truncated llm.c shard: 100 bytes"),
+                "vocabulary": ("train_000000.bin", "out of range for vocab_size 256")}[damage]
+    assert all(text in line for text in expected), line
+    assert (damage == "vocabulary") == ("vocab_size" in line)  # a bad header is never a vocabulary problem
+    assert not (tmp_path / "run" / "events.jsonl").exists()
 
 
 def test_compare_exits_nonzero_above_tolerance(reference_det: Path, tmp_path: Path) -> None:

@@ -137,3 +137,20 @@ def test_dataset_sources_and_meta(tmp_path: Path) -> None:
     pattern = str(tmp_path / "nothing_*.bin")
     with pytest.raises(DataError, match="nothing_"):
         TokenDataset(pattern)
+
+
+def test_a_damaged_magic_or_a_cut_header_is_named_as_such_never_as_a_vocabulary_problem(tmp_path: Path) -> None:
+    tokens = RNG.integers(0, 50_000, 5_000)
+    bad = write_shard(tmp_path / "train_000001.bin", tokens)
+    raw = bytearray(bad.read_bytes())
+    raw[0:4] = (12345).to_bytes(4, "little")  # the magic alone is damaged
+    bad.write_bytes(bytes(raw))
+    with pytest.raises(DataError, match=r"damaged llm.c header: magic 12345 .* \(version 1, 5000 tokens\)"):
+        detect_format(bad)
+    cut = tmp_path / "val_000000.bin"
+    cut.write_bytes(write_shard(tmp_path / "whole.bin", tokens).read_bytes()[:100])  # cut to 100 bytes
+    assert detect_format(cut) == "llmc"
+    with pytest.raises(DataError, match="truncated llm.c shard: 100 bytes, shorter than the 1024-byte header"):
+        TokenDataset(cut)
+    nanogpt = write_shard(tmp_path / "raw.bin", tokens, fmt="nanogpt")  # raw tokens stay raw tokens
+    assert detect_format(nanogpt) == "nanogpt"

@@ -26,7 +26,7 @@ import numpy as np
 import torch
 
 from recover.config import DataConfig
-from recover.data.shards import TokenDataset
+from recover.data.shards import TokenDataset, check_data
 from recover.errors import DataError
 
 _PERM_CACHE = 2  # epochs of permutations kept (a microbatch spans at most two epochs)
@@ -182,9 +182,6 @@ def open_samplers(cfg: DataConfig, data_dir: Path, vocab_size: int, microbatches
     Raises:
         DataError: a shard is unreadable or holds a token id ``>= vocab_size``.
     """
-    train = TokenDataset(str(data_dir / cfg.train_pattern), fmt=cfg.format)
-    val = TokenDataset(str(data_dir / cfg.val_pattern), fmt=cfg.format)
-    for ds in (train, val):
-        ds.check_vocab(vocab_size)
+    train, val = check_data(cfg, data_dir, vocab_size)
     return (Sampler(train, cfg.seq_len, cfg.microbatch_size, microbatches, seed),
             EvalSampler(val, cfg.seq_len, cfg.microbatch_size))

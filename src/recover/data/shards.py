@@ -7,13 +7,17 @@ Contract:
       version, ``[2]`` token count), then the tokens. Two flavours:
       GPT-2 (magic 20240520, version 1, ``uint16`` tokens) and Llama-3 (magic 20240801, version 7,
       ``uint32`` tokens). A file whose size disagrees with its header is refused.
-    * ``fmt="auto"`` reads a file as llm.c when its first ``int32`` is a known magic, else as nanoGPT.
+    * ``fmt="auto"`` reads a file as llm.c when its first ``int32`` is a known magic (a file cut
+      shorter than the header included), else as nanoGPT; an unknown magic in front of the rest of
+      an llm.c header is a damaged header, refused as such (never read as raw tokens, which would
+      be reported as a vocabulary problem).
 
 :func:`read_shard` returns a read-only ``np.memmap`` (no copy); :func:`write_shard` writes atomically
 (temporary file, then rename), so a crash never leaves a half-written shard under the final name.
 :class:`TokenDataset` opens a file, a directory (all ``*.bin``, sorted) or a glob, and checks token
-ids against a model's vocabulary. Every bad input raises :class:`~recover.errors.DataError` naming
-the file, the problem and the fix.
+ids against a model's vocabulary; :func:`check_data` does all of it for a run's splits, without
+torch, so ``recover launch`` refuses bad data before it starts anything. Every bad input raises
+:class:`~recover.errors.DataError` naming the file, the problem and the fix.
 """
 
 from __future__ import annotations
@@ -23,10 +27,14 @@ import json
 import os
 from collections.abc import Sequence
 from pathlib import Path
+from typing import TYPE_CHECKING
 
 import numpy as np
 
 from recover.errors import DataError
+
+if TYPE_CHECKING:
+    from recover.config import DataConfig
 
 FORMATS = ("auto", "llmc", "nanogpt")
 HEADER_INTS = 256
@@ -119,9 +127,29 @@ def _read_header(path: Path) -> np.ndarray | None:
 
 
 def detect_format(path: str | Path) -> str:
-    """``"llmc"`` if the first int32 of ``path`` is a known llm.c magic, else ``"nanogpt"``."""
-    header = _read_header(Path(path))
-    return "llmc" if header is not None and int(header[0]) in LLMC_FLAVOURS else "nanogpt"
+    """``"llmc"`` if the first int32 of ``path`` is a known llm.c magic (even in a file cut shorter than
+    the header), else ``"nanogpt"``.
+
+    Raises:
+        DataError: the magic is unknown but the rest is an llm.c header (a known version followed by
+            zeros, or a token count that matches the file size): a damaged header, not raw tokens.
+    """
+    path = Path(path)
+    with open(path, "rb") as f:
+        first = f.read(4)
+    if len(first) == 4 and int(np.frombuffer(first, dtype="<i4")[0]) in LLMC_FLAVOURS:
+        return "llmc"
+    header = _read_header(path)
+    if header is not None:
+        magic, version, count = (int(x) for x in header[:3])
+        versions = {v for v, _ in LLMC_FLAVOURS.values()}
+        sizes = {HEADER_BYTES + count * np.dtype(d).itemsize for _, d in LLMC_FLAVOURS.values()}
+        if (version in versions and not header[3:].any()) or (count > 0 and path.stat().st_size in sizes):
+            known = ", ".join(str(m) for m in LLMC_FLAVOURS)
+            raise DataError(f"{path}: damaged llm.c header: magic {magic} is not one of {known}, but the rest "
+                            f"is an llm.c header (version {version}, {count} tokens); re-create the shard with "
+                            "`recover prepare` or re-download it")
+    return "nanogpt"
 
 
 def _memmap(path: Path, dtype: np.dtype, offset: int, count: int) -> np.ndarray:
@@ -287,3 +315,18 @@ class TokenDataset:
                 "re-prepare with the model's tokenizer or raise model.vocab_size to at least "
                 f"{self.max_token_id() + 1}"
             )
+
+
+def check_data(cfg: DataConfig, data_dir: Path, vocab_size: int) -> tuple[TokenDataset, TokenDataset]:
+    """Opens the training and validation shards and checks every one: header (magic, version, size)
+    and every token id against ``vocab_size``. Torch-free: ``recover launch`` runs it before it starts
+    any process.
+
+    Raises:
+        DataError: the first bad shard, named, with the problem and the fix.
+    """
+    train = TokenDataset(str(data_dir / cfg.train_pattern), fmt=cfg.format)
+    val = TokenDataset(str(data_dir / cfg.val_pattern), fmt=cfg.format)
+    for ds in (train, val):
+        ds.check_vocab(vocab_size)
+    return train, val

@@ -178,6 +178,7 @@ def check_launch(req: LaunchRequest) -> LaunchOptions:
         ConfigError: the first problem found (config, flags or failure schedule), one line with the fix.
     """
     from recover.data.prepare import resolve_data_dir
+    from recover.data.shards import check_data
     from recover.faults import FailureSchedule, parse_failure
     from recover.launch.launcher import LaunchOptions
 
@@ -227,7 +228,9 @@ def check_launch(req: LaunchRequest) -> LaunchOptions:
                               "training.checkpoint_every steps)")
         if req.baseline:
             raise ConfigError("--resume continues a recover run; the baselines restart by themselves")
-    resolve_data_dir(cfg.data, prepare=False)  # a missing shard directory is refused here, not by the workers
+    data_dir = resolve_data_dir(cfg.data, prepare=False)  # a missing directory is refused here, not by the workers
+    if data_dir.is_dir() and any(data_dir.iterdir()):  # every shard checked (a built-in corpus is prepared later)
+        check_data(cfg.data, data_dir, cfg.model.vocab_size)
     return LaunchOptions(config=cfg, config_arg=req.config, overrides=overrides, out=Path(req.out),
                          failures=schedule, random_mtbf_s=req.random_mtbf_s,
                          random_faults=tuple(Fault(f) for f in req.random_faults), rejoin_after_s=req.rejoin_after_s,
