@@ -341,8 +341,9 @@ def test_the_coordinator_killed_mid_commit_paused_and_killed_again_costs_no_step
     """The coordinator SIGKILLs itself in step 8's commit after one of its four replies went out (that
     replica applied step 8, the others did not), is SIGSTOPped for 3 s later on (three times its heartbeat
     timeout), then SIGKILLed from outside: each time the launcher restarts it, the replicas keep their
-    state and register again, the ones behind take the state of the one ahead; every step is committed
-    once with M microbatches, bitwise equal to the failure-free run, exit 0, nothing left running."""
+    state and register again, the ones behind take the state of the one ahead. Then a replica is
+    SIGKILLed from outside: counted as a kill, recovered in-step. Every step is committed once with M
+    microbatches, bitwise equal to the failure-free run, exit 0, nothing left running."""
     run = tmp_path / "run"
     proc = _start_launch(run, corpus, "--kill-coordinator", "8:1")
     try:
@@ -353,6 +354,9 @@ def test_the_coordinator_killed_mid_commit_paused_and_killed_again_costs_no_step
         os.kill(paused, signal.SIGCONT)
         _await_step(run, 20, proc)
         os.kill(_coordinator_pid(run), signal.SIGKILL)
+        _await_step(run, 25, proc)  # and a replica killed from outside, once the coordinator is back
+        worker = [p for p in _processes_of(run) if b"--replica\x003" in Path(f"/proc/{p}/cmdline").read_bytes()]
+        os.kill(worker[0], signal.SIGKILL)
         _, err = proc.communicate(timeout=180)
         assert proc.returncode == 0, err.decode()[-3000:]
         deadline = time.monotonic() + 5
@@ -370,7 +374,11 @@ def test_the_coordinator_killed_mid_commit_paused_and_killed_again_costs_no_step
     assert len(rebuilt) == 2 and rebuilt[0]["committed_step"] == 8 and len(rebuilt[0]["behind"]) == 3
     assert {e["replica"] for e in ev if e["kind"] == "resynced"} == {0, 1, 2, 3}
     assert any(e["kind"] == "coordinator_stalled" and e["seconds"] > 2.5 for e in ev)
-    assert not [e for e in ev if e["kind"] == "fenced" or e["kind"] == "failure_detected" and e["cause"] != "left"]
+    assert [(e["replica"], e["cause"]) for e in ev if e["kind"] == "failure_detected"] == [(3, "connection_closed")]
+    assert not [e for e in ev if e["kind"] in ("fenced", "quorum_lost")]  # nobody paid for the coordinator
+    summary = json.loads((run / "summary.json").read_text())
+    assert summary["kills"] == 1 and summary["coordinator_restarts"] == 2 and summary["recoveries"][0]["replica"] == 3
+    assert 0 < summary["recovery_latency_ms_max"] < 5000
 
 
 def test_sigterm_to_the_launcher_saves_a_checkpoint_and_resume_finishes_bitwise(reference_det: Path,

@@ -270,3 +270,13 @@ def test_a_joiner_that_registered_before_the_first_resume_joins_after_the_rebuil
     for r in (0, 1):
         st.on_vote(r, 9, 2, 4, [0], 0.2)
     assert st.current.members == (0, 1, 5) and st.current.joined == (5,) and not st.current.resync
+
+
+def test_replicas_leaving_at_the_end_are_no_failure_and_lose_no_quorum() -> None:
+    st = make(2)  # min_members = 2
+    acts = st.on_dead(1, "left", 1.0) + st.on_ack(0, 1, 1.0)
+    assert logs(acts, "left") == [{"replica": 1, "generation": 1}]
+    assert logs(acts, "failure_detected") == [] and logs(acts, "quorum_lost") == []
+    st2 = make(2)
+    acts = st2.on_dead(1, "connection_closed", 1.0) + st2.on_ack(0, 1, 1.0)
+    assert logs(acts, "quorum_lost") and logs(acts, "failure_detected")

@@ -119,6 +119,7 @@ class MembershipState:
         self._base_generation = 0  # restart: the newest generation the replicas reported
         self._resync = False  # generations until the next commit carry ``resync`` (a restart's transfer)
         self.late: set[int] = set()  # replicas that came back after the rebuild, waiting to be admitted
+        self.left: set[int] = set()  # replicas that said goodbye (their departure is no failure)
 
     @property
     def generation(self) -> int:
@@ -196,8 +197,11 @@ class MembershipState:
         self.pending_join.discard(replica)
         self.late.discard(replica)
         self.speeds.forget(replica)
-        acts: list[Action] = [Log("failure_detected", {"replica": replica, "cause": cause,
-                                                       "generation": self.generation})]
+        if cause == "left":  # it said goodbye (finished, stopped): a departure, not a failure
+            self.left.add(replica)
+            acts: list[Action] = [Log("left", {"replica": replica, "generation": self.generation})]
+        else:
+            acts = [Log("failure_detected", {"replica": replica, "cause": cause, "generation": self.generation})]
         if self.rebuild.pop(replica, None) is not None:
             acts += self._check_rebuild(now)
         if self.current is not None and replica in self.current.members:
@@ -419,7 +423,7 @@ class MembershipState:
         if latency_s is not None:
             fields["latency_ms"] = round(latency_s * 1e3, 3)
         acts.append(Log("generation", fields))
-        if len(members) < self.min_members:
+        if len(members) < self.min_members and not set(dead) <= self.left:  # not at a normal end
             acts.append(Log("quorum_lost", {"generation": m.generation, "members": list(members),
                                             "min_members": self.min_members}))
         wire = {"type": "membership", "membership": m.to_wire()}

@@ -188,6 +188,10 @@ class Launcher:
         """replica -> when a step record of it was last seen (it is a training member)."""
         self.fenced_at: dict[int, float] = {}
         """replica -> when the launcher read that the coordinator declared it dead while it ran."""
+        self.known_kills: set[int] = set()
+        """PIDs whose SIGKILL is accounted for (a ``kill`` event names them, or the launcher reaped them)."""
+        self.lost_at: dict[int, float] = {}
+        """replica -> when the coordinator last declared it dead (``failure_detected``)."""
         self.stop_signal: int | None = None
         """The signal (SIGTERM, SIGINT) that asked for a graceful stop, once one did."""
         self.stop_started: float | None = None
@@ -297,6 +301,7 @@ class Launcher:
             if code is None:
                 continue
             rep.close_logs()
+            self._count_external_kill(rep, now)
             self.events.event("replica_exit", replica=rep.rid, code=code, pid=rep.pid,
                               **({"rank_codes": rep.codes} if self.P > 1 else {}))
             unfinished = self.written + 1 < self.cfg.training.steps
@@ -312,6 +317,17 @@ class Launcher:
             elif now >= when:
                 del self.rejoin_at[rid]
                 self._start_replica(rid, join=True)
+
+    def _count_external_kill(self, rep: Replica, now: float) -> None:
+        """A rank SIGKILLed by neither the fault injection nor the launcher was killed from outside (an
+        operator, the OOM killer, a test): logged as a kill, timed from when the coordinator saw it go."""
+        killed = [rep.procs[k].pid for k, c in rep.codes.items() if c == -signal.SIGKILL]
+        if killed and not self.known_kills & {p.pid for p in rep.procs}:
+            at = self.lost_at.get(rep.rid)
+            self.events.event("kill", replica=rep.rid, step=max(self.records, default=-1) + 1, phase="external",
+                              pid=killed[0], source="external",
+                              at=at if at is not None and at >= rep.started else now)
+            self.known_kills.update(killed)
 
     def _restart(self) -> None:
         """Checkpoint-and-restart: stop everything, relaunch the survivors from the last checkpoint."""
@@ -394,6 +410,10 @@ class Launcher:
         """A replica the coordinator declared dead (fenced, hung, silent) that still runs ``fence_exit_s``
         + 1 s later is SIGKILLed: a hung or frozen process cannot be trusted to exit by itself."""
         for rec in self._new_lines(self.out / "events.jsonl"):
+            if rec.get("kind") == "kill" and rec.get("pid") is not None:
+                self.known_kills.add(rec["pid"])
+            elif rec.get("kind") == "failure_detected":
+                self.lost_at[rec["replica"]] = rec["t"]
             rep = self.replicas.get(rec.get("replica", -1))
             if (rec.get("kind") == "failure_detected" and rec.get("cause") != "left" and rep is not None
                     and rep.exit_code is None and rep.started <= rec["t"]):
@@ -407,6 +427,7 @@ class Launcher:
                 del self.fenced_at[rid]
                 self.events.event("reaped", replica=rid, pids=[p.pid for p in rep.procs],
                                   after_s=round(now - since, 3))
+                self.known_kills.update(p.pid for p in rep.procs)  # the launcher's own SIGKILL: no kill of its own
                 rep.kill()
 
     def _collect(self) -> list[dict[str, Any]]:

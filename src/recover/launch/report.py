@@ -21,18 +21,24 @@ from recover.observe.plots import load_events, load_metrics, plot_loss, plot_thr
 
 
 def recovery_latencies(events: list[dict[str, Any]]) -> list[dict[str, Any]]:
-    """One entry per kill that survivors recovered from: step, replica, latency_ms, survivors."""
+    """One entry per kill that survivors recovered from: step, replica, latency_ms, survivors.
+
+    A kill's recoveries are those naming its replica dead before the same replica's next kill (a
+    replica killed, rejoined and killed again is two kills, each with its own latency). A kill from
+    outside (``source: external``) is timed from ``at``, when the coordinator saw the replica go."""
     out = []
-    kills = [e for e in events if e.get("kind") == "kill"]
+    kills = sorted((e for e in events if e.get("kind") == "kill"), key=lambda k: k.get("at", k["t"]))
     recovered = [e for e in events if e.get("kind") == "recovered"]
-    for kill in kills:
-        after = [e for e in recovered if e["t"] >= kill["t"] and kill["replica"] in e.get("dead", [])]
+    for i, kill in enumerate(kills):
+        start = kill.get("at", kill["t"])
+        until = next((k.get("at", k["t"]) for k in kills[i + 1:] if k["replica"] == kill["replica"]), math.inf)
+        after = [e for e in recovered if start <= e["t"] < until and kill["replica"] in e.get("dead", [])]
         firsts: dict[tuple[int, int], float] = {}  # (replica, rank) -> first recovery after the kill
         for e in after:
             firsts.setdefault((e["replica"], e.get("rank", 0)), e["t"])
         if firsts:
             out.append({"replica": kill["replica"], "step": kill.get("step"), "phase": kill.get("phase"),
-                        "latency_ms": round((max(firsts.values()) - kill["t"]) * 1000, 2),
+                        "latency_ms": round((max(firsts.values()) - start) * 1000, 2),
                         "survivors": sorted({r for r, _ in firsts})})
     return out
 
