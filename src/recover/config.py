@@ -297,6 +297,11 @@ class FaultToleranceConfig:
     """How long workers that lost the coordinator keep their state and retry to reach it (``recover
     launch`` restarts it at once; across hosts, restart ``recover coordinator`` with the same flags).
     Past it, the lowest live replica saves a complete checkpoint and the job stops (exit status 7)."""
+    fingerprint_every: int = 1
+    """Every this many steps each replica votes with an exact fingerprint of its parameters (one read of
+    them on its device) and a minority that differs is fenced before the step commits (silent data
+    corruption). 0: never. Larger values cost less but let a corrupted replica's gradients into the
+    committed steps until its next fingerprint, and a joiner may take its state meanwhile."""
     stop_grace_s: float = 20.0
     """After SIGTERM or SIGINT, how long ``recover launch`` waits for the job to reach a step boundary,
     save a complete checkpoint and exit (exit status 6) before it kills every process."""
@@ -308,6 +313,8 @@ class FaultToleranceConfig:
                      "intra_replica_timeout_s", "fence_exit_s", "coordinator_reconnect_s", "stop_grace_s"):
             value = getattr(self, name)
             _require(value > 0, f"fault_tolerance.{name}", value, "a positive number of seconds")
+        _require(isinstance(self.fingerprint_every, int) and self.fingerprint_every >= 0,
+                 "fault_tolerance.fingerprint_every", self.fingerprint_every, "an integer >= 0 (0: never)")
         _require(self.hang_timeout_s >= 0, "fault_tolerance.hang_timeout_s", self.hang_timeout_s,
                  "a number of seconds >= 0 (0: derived from the step time)")
         _require(self.heartbeat_interval_s < self.heartbeat_timeout_s, "fault_tolerance.heartbeat_interval_s",

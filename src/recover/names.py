@@ -92,6 +92,8 @@ class Fault(_Named):
     SLOW = "slow", "its microbatches take FACTOR times as long from then on (a throttled or degraded device)"
     CUT = "cut", ("the link between it and replica PEER breaks for good: their collectives stall and "
                   "neither reaches the other (a failed cable or switch port)")
+    CORRUPT = "corrupt", "one bit of one parameter element flips in its memory (silent data corruption)"
+    NAN = "nan", "the gradient of microbatch ID becomes NaN on it (a faulty kernel or device)"
 
 
 FAULTS: tuple[str, ...] = Fault.values()

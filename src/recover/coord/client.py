@@ -69,14 +69,23 @@ from collections.abc import Callable, Iterator
 from contextlib import contextmanager
 from typing import Any
 
-from recover.coord.protocol import SCHEMAS, FrameDecoder, Membership, ProtocolError, Resume, encode, speeds_from_wire
+from recover.coord.protocol import (
+    CLIENT_TYPES,
+    SCHEMAS,
+    FrameDecoder,
+    Membership,
+    ProtocolError,
+    Resume,
+    encode,
+    speeds_from_wire,
+)
 from recover.errors import PeerFailure, QuorumLost, RecoverError
 
 PROBE_TIMEOUT_S = 2.0
 """How long a link probe waits for a peer's answer."""
 RECONNECT_EVERY_S = 0.2
 """How often a client that lost the coordinator tries to reach it again."""
-_SERVER_TYPES = frozenset(SCHEMAS) - frozenset({"register", "hb", "ack", "report", "vote", "bye"})
+_SERVER_TYPES = frozenset(SCHEMAS) - CLIENT_TYPES
 
 
 class CoordinatorLost(RecoverError):
@@ -89,6 +98,16 @@ class CoordinatorRefused(RecoverError):
     def __init__(self, code: str, message: str) -> None:
         super().__init__(f"coordinator refused the request: {code}: {message}")
         self.code = code
+
+
+class Diverged(RecoverError):
+    """The coordinator ended the job: the replicas' parameters disagree with no majority to trust
+    (``code`` ``diverged``; ``sides`` maps each fingerprint to the replicas holding it), or a
+    microbatch was not finite on two replicas (``nonfinite``: a true divergence of the training)."""
+
+    def __init__(self, code: str, message: str, sides: dict[str, list[int]] | None = None) -> None:
+        super().__init__(message)
+        self.code, self.sides = code, sides or {}
 
 
 class Expelled(RecoverError):
@@ -145,6 +164,8 @@ class CoordinatorClient:
         """Set by the worker when its process is asked to stop; sent with the next vote."""
         self.stopping = False
         """The job stops: the last commit was a stop, or this replica was told while waiting to join."""
+        self.diverged: Diverged | None = None
+        """The coordinator ended the job for a divergence (pushed to a member not voting at the time)."""
 
     # ------------------------------------------------------------- public API
 
@@ -315,6 +336,13 @@ class CoordinatorClient:
             if exc.code not in ("bad_generation", "coordinator_restarted"):
                 raise
 
+    def report_nonfinite(self, generation: int, step: int, ids: list[int]) -> None:
+        """Microbatches ``ids`` of ``step`` had a loss or gradient that is not finite here (they are
+        not in this replica's gradient). The coordinator fences this replica (its microbatches are
+        recomputed by the others) or, when another replica reported one of them too, ends the job
+        (raises :class:`Diverged`)."""
+        self._request({"type": "nonfinite", "generation": generation, "step": step, "ids": sorted(ids)})
+
     def wait_for_generation(self, after: int, timeout: float) -> Membership:
         """Blocks until a generation newer than ``after`` exists; returns the newest one.
 
@@ -341,24 +369,32 @@ class CoordinatorClient:
         return tuple(sorted(set(old.members) - set(new.members)))
 
     def vote_commit(self, generation: int, step: int, ids: list[int] | tuple[int, ...],
-                    timeout: float | None = None, mb_s: float | None = None) -> Membership | None:
+                    timeout: float | None = None, mb_s: float | None = None,
+                    fp: str | None = None) -> Membership | None:
         """Commit vote for ``step`` of ``generation`` with the microbatch ``ids`` in the reduced gradient
         and ``mb_s``, the seconds per microbatch this rank measured in the step (None: it computed none).
-        A commit sets :attr:`speeds` to the times the next step is planned with.
+        A commit sets :attr:`speeds` to the times the next step is planned with. ``fp``: the fingerprint
+        of this rank's parameters (the coordinator fences a minority that differs from the majority).
 
         Returns:
             None when all members agreed and the step is committed; a new Membership when the step
             is committed and joiners were admitted (a new generation starts at ``step + 1``).
         Raises:
-            PeerFailure: a member died or the votes disagreed; nothing was committed.
+            PeerFailure: a member died, the votes disagreed, or a divergent minority was fenced; nothing
+                was committed.
+            Diverged: the fingerprints disagree with no majority: the job ends.
         """
         vote: dict[str, Any] = {"type": "vote", "generation": generation, "step": step, "ids": [int(i) for i in ids]}
         if mb_s is not None and math.isfinite(mb_s) and mb_s > 0:
             vote["mb_s"] = float(mb_s)
         if self.stop_requested:
             vote["stop"] = True
+        if fp is not None:
+            vote["fp"] = fp
         try:
             reply = self._request(vote, timeout)
+        except Diverged:
+            raise
         except CoordinatorRefused as exc:
             if exc.code not in ("stale_generation", "coordinator_restarted"):
                 raise
@@ -445,6 +481,8 @@ class CoordinatorClient:
             with self._cond:
                 self._pending.pop(rid, None)
         if reply["type"] == "error":
+            if reply["code"] in ("diverged", "nonfinite"):
+                raise Diverged(reply["code"], reply["message"], reply.get("sides"))
             raise CoordinatorRefused(reply["code"], reply["message"])
         return reply
 
@@ -567,6 +605,9 @@ class CoordinatorClient:
                 self._start_watchdog(msg["message"])
             elif msg["code"] == "stopping":
                 self.stopping = True
+                self._mark_lost(msg["message"])
+            elif msg["code"] in ("diverged", "nonfinite"):
+                self.diverged = Diverged(msg["code"], msg["message"], msg.get("sides"))
                 self._mark_lost(msg["message"])
         elif msg.get("re") is not None:
             with self._cond:

@@ -14,10 +14,13 @@ Messages (client -> coordinator): ``register`` (token, replica, join; optional `
 default 0 of 1, for a replica made of several processes; ``resume``, what a replica that lost its
 coordinator holds: see :func:`resume_info`), ``hb`` (heartbeat, with the training
 thread's progress, activity and newest generation), ``ack`` (of a ``failing`` notice), ``report`` (a
-collective failed), ``vote`` (commit vote, with ``mb_s``, the seconds per microbatch the voter
-measured in the step, and ``stop`` when its process was asked to stop), ``bye``. Coordinator ->
+collective failed), ``nonfinite`` (microbatches whose loss or gradient was not finite on it), ``vote`` (commit vote,
+with ``mb_s``, the seconds per microbatch the voter measured in the step, ``stop`` when its process
+was asked to stop, and ``fp``, the fingerprint of its parameters), ``bye``. Coordinator ->
 client: ``ok`` / ``error`` / ``committed`` (with the ``speeds`` to plan the next step with, and
-``stop``: every member stops after this step) / ``aborted`` replies (``re`` names the request ``id``), and
+``stop``: every member stops after this step) / ``aborted`` replies (``re`` names the request ``id``; an
+``error`` of code ``diverged`` or ``nonfinite`` ends the job and ``sides`` maps each parameter
+fingerprint to the replicas that hold it), and
 the pushes ``failing`` (generation g is being replaced) and ``membership`` (a new generation).
 
 Replicas of several ranks: each rank (process) of a replica keeps its own connection and numbers
@@ -55,18 +58,19 @@ SCHEMAS: dict[str, dict[str, str]] = {
     "hb": {"progress": _ABSENT_INT, "activity": _ABSENT_STR, "generation": _ABSENT_INT},
     "ack": {"generation": _INT},
     "report": {"id": _INT, "generation": _INT, "suspects": _INTS, "timeout": _ABSENT_BOOL},
+    "nonfinite": {"id": _INT, "generation": _INT, "step": _INT, "ids": _INTS},
     "vote": {"id": _INT, "generation": _INT, "step": _INT, "ids": _INTS, "mb_s": _ABSENT_NUM,
-             "stop": _ABSENT_BOOL},
+             "stop": _ABSENT_BOOL, "fp": _ABSENT_STR},
     "bye": {},
     "ok": {"re": _INT},
-    "error": {"re": _OPT_INT, "code": _STR, "message": _STR},
+    "error": {"re": _OPT_INT, "code": _STR, "message": _STR, "sides": _ABSENT_DICT},
     "committed": {"re": _INT, "generation": _INT, "step": _INT, "new_generation": _OPT_INT, "speeds": _OPT_DICT,
                   "stop": _ABSENT_BOOL},
     "aborted": {"re": _INT, "generation": _INT, "reason": _STR},
     "failing": {"generation": _INT, "dead": _INTS, "reason": _STR},
     "membership": {"membership": _OPT_DICT},
 }
-CLIENT_TYPES = frozenset({"register", "hb", "ack", "report", "vote", "bye"})
+CLIENT_TYPES = frozenset({"register", "hb", "ack", "report", "nonfinite", "vote", "bye"})
 
 
 class ProtocolError(Exception):

@@ -28,10 +28,11 @@ Invariants:
     the connection(s) that asked, each with its own request id. Pushes go to all P ranks.
   * ``ack`` of g reaches the state once all P acked g; ``report`` at once (reply to that rank);
     ``vote`` once all P voted the same (generation, step, ids) (the reply goes to all P; the replica's
-    seconds per microbatch are the slowest rank's), unless the
-    state would refuse or abort it anyway (then at once, for that rank alone). Ranks that vote
-    differently fence the replica. ``failing`` and ``membership`` pushes answer the votes still
-    buffered for the generations they end ``aborted``.
+    seconds per microbatch are the slowest rank's; its parameter fingerprint is its ranks' in rank
+    order, so lane k is compared with lane k), unless the state would refuse or abort it anyway
+    (then at once, for that rank alone). Ranks that vote differently fence the replica. ``failing``
+    and ``membership`` pushes answer the votes still buffered for the generations they end
+    ``aborted``. A ``nonfinite`` report goes to the state at once.
   * A ``report`` that a collective of the current generation timed out fences the members that never
     reached it (computing or in io, by their heartbeats). When every member reached it (a broken
     link), the reports, each naming the members its replica cannot reach by a direct probe, are
@@ -109,6 +110,7 @@ class Slot:
     votes: dict[int, tuple[int, Ballot]] = field(default_factory=dict)  # rank -> (its request id, ballot)
     mb_s: dict[int, float] = field(default_factory=dict)  # rank -> seconds per microbatch in its vote
     stop: bool = False  # a rank's vote asked for a stop (its process got SIGTERM or SIGINT)
+    fps: dict[int, str] = field(default_factory=dict)  # rank -> the fingerprint of its parameter shards
     resume: dict[int, Resume] = field(default_factory=dict)  # rank -> what it holds (a restarted coordinator)
     routes: dict[int, list[tuple[_Link, int]]] = field(default_factory=dict)  # forwarded id -> who asked
 
@@ -268,6 +270,9 @@ class RankAggregator:
                                                 f"({len(slot.links)} of {slot.ranks} registered)")
             if kind == "ack":
                 self._ack(slot, link, msg["generation"], now)
+            elif kind == "nonfinite":
+                self._forward(slot, [(link, msg["id"])], False, now, lambda i: self.state.on_nonfinite(
+                    slot.replica, i, msg["generation"], msg["step"], msg["ids"], now))
             elif kind == "report":
                 if msg.get("timeout") and msg["generation"] == self.state.generation and not self.state.failing \
                         and not self._fence_unreached(slot.replica, now):
@@ -362,11 +367,14 @@ class RankAggregator:
         if msg.get("mb_s") is not None:
             slot.mb_s[link.rank] = float(msg["mb_s"])
         slot.stop = slot.stop or msg.get("stop") is True
+        if msg.get("fp") is not None:
+            slot.fps[link.rank] = msg["fp"]
         forward = lambda i: self.state.on_vote(r, i, g, step, ids, now, max(slot.mb_s.values(), default=None),
-                                               slot.stop)
+                                               slot.stop, _replica_fp(slot))
         if slot.ranks == 1 or not self.state.accepts_vote(r, g, step):
             self._forward(slot, [(link, cid)], False, now, forward)  # P = 1, or settled at once: this rank alone
             slot.mb_s.pop(link.rank, None)
+            slot.fps.pop(link.rank, None)
             return
         if link.rank in slot.votes:
             raise Refused("duplicate_vote", f"{slot.who(link.rank)} already voted in generation {g}")
@@ -382,6 +390,7 @@ class RankAggregator:
         votes, slot.votes = slot.votes, {}
         self._forward(slot, [(slot.links[k], votes[k][0]) for k in sorted(votes)], False, now, forward)
         slot.mb_s.clear()
+        slot.fps.clear()
 
     def _fence_unreached(self, reporter: int, now: float) -> bool:
         """A collective of the current generation ran out of time: the members that never reached it
@@ -551,6 +560,13 @@ class RankAggregator:
     def _take(self) -> list[Out]:
         out, self._out = self._out, []
         return out
+
+
+def _replica_fp(slot: Slot) -> str | None:
+    """The fingerprint of a replica: its ranks' (lanes') fingerprints in rank order; None unless all voted one."""
+    if len(slot.fps) < slot.ranks:
+        return None
+    return "|".join(slot.fps[k] for k in range(slot.ranks))
 
 
 def _replica_resume(held: Any) -> Resume | None:

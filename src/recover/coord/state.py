@@ -22,6 +22,10 @@ Invariants:
   * Joiners are admitted only at a commit (a step boundary), or at once when no member is left.
     ``Membership.joined`` lists the members admitted since the last commit: a generation formed
     by a failure before that commit carries them on, so the state transfer is done again on it.
+  * Silent data corruption: every vote may carry the voter's parameter fingerprint; members that
+    differ from a strict majority are fenced as ``divergent`` before the step commits, and without a
+    strict majority the job ends (``diverged``). A microbatch not finite on one replica fences it; the
+    same microbatch not finite on a second one ends the job (``nonfinite``).
   * Stop: a vote with ``stop`` (its process got SIGTERM or SIGINT) or :meth:`request_stop` (the
     coordinator's own) makes the next commit a stop: its ``committed`` replies carry ``stop``, so
     every member stops after that same step; no joiner is admitted at it, waiting joiners are told
@@ -120,6 +124,8 @@ class MembershipState:
         self._resync = False  # generations until the next commit carry ``resync`` (a restart's transfer)
         self.late: set[int] = set()  # replicas that came back after the rebuild, waiting to be admitted
         self.left: set[int] = set()  # replicas that said goodbye (their departure is no failure)
+        self._fps: dict[int, str | None] = {}  # the parameter fingerprints of the pending votes
+        self._nonfinite: dict[tuple[int, int], set[int]] = {}  # (step, id) -> replicas it was not finite on
 
     @property
     def generation(self) -> int:
@@ -237,9 +243,10 @@ class MembershipState:
         return acts
 
     def on_vote(self, replica: int, req_id: int, generation: int, step: int, ids: list[int],
-                now: float, mb_s: float | None = None, stop: bool = False) -> list[Action]:
+                now: float, mb_s: float | None = None, stop: bool = False, fp: str | None = None) -> list[Action]:
         """A member's commit vote; ``mb_s`` is the seconds per microbatch it measured in the step;
-        ``stop``: its process was asked to stop (the commit, if it happens, is a stop)."""
+        ``stop``: its process was asked to stop (the commit, if it happens, is a stop); ``fp``: the
+        fingerprint of its parameters (see :meth:`_check_fingerprints`)."""
         cur = self.current
         if cur is None or generation != cur.generation or replica not in cur.members:
             raise Refused("stale_generation",
@@ -258,10 +265,12 @@ class MembershipState:
             acts.append(Log("stop_requested", {"replica": replica, "step": step}))
         if mb_s is not None:
             self._mb_s[replica] = mb_s
+        self._fps[replica] = fp
         if set(self.votes) != set(cur.members):
             return acts
         votes, self.votes = self.votes, {}
         measured, self._mb_s = self._mb_s, {}
+        fps, self._fps = self._fps, {}
         ballots = {(s, i) for _, s, i in votes.values()}
         if len(ballots) != 1:
             acts += [Log("vote_disagreement", {"generation": generation, "ballots": {
@@ -269,6 +278,8 @@ class MembershipState:
             acts += [Send(r, {"type": "aborted", "re": rid, "generation": generation,
                               "reason": "commit vote disagreement"}) for r, (rid, _, _) in votes.items()]
             return acts + self._start_round("commit vote disagreement", now) + self._check_round(now)
+        if (split := self._check_fingerprints(generation, step, votes, fps)) is not None:
+            return acts + split
         self.committed_step = step
         self.fresh.clear()
         self._resync = False
@@ -285,6 +296,61 @@ class MembershipState:
                           "new_generation": new_gen, "speeds": speeds, "stop": self.stopped})
                  for r, (rid, _, _) in votes.items()]
         return acts
+
+    def _check_fingerprints(self, generation: int, step: int, votes: dict[int, tuple[int, int, tuple[int, ...]]],
+                            fps: dict[int, str | None]) -> list[Action] | None:
+        """Silent data corruption: when the members' parameter fingerprints differ, nothing is committed.
+        A strict majority holding one fingerprint is trusted: the others are fenced as ``divergent`` (the
+        majority's votes are aborted; it recomputes their microbatches in the step). No strict majority:
+        the job ends (``diverged`` to every voter, with each side's replicas). None when all agree."""
+        held = {r: f for r, f in fps.items() if f is not None}
+        if len(held) < len(votes) or len(set(held.values())) < 2:
+            return None
+        sides: dict[str, list[int]] = {}
+        for r, f in sorted(held.items()):
+            sides.setdefault(f, []).append(r)
+        trusted, largest = max(sides.items(), key=lambda kv: len(kv[1]))
+        if 2 * len(largest) > len(votes):
+            minority = sorted(set(votes) - set(largest))
+            acts: list[Action] = [Log("divergent", {"generation": generation, "step": step, "replicas": minority,
+                                                    "majority": largest, "fingerprints": sides})]
+            acts += [Send(r, {"type": "aborted", "re": votes[r][0], "generation": generation,
+                              "reason": f"divergent replicas {minority} fenced"}) for r in largest]
+            return acts + [Fence(r, f"divergent: its parameters (fingerprint {held[r]}) differ from those of "
+                                    f"replicas {largest} ({trusted}) at step {step}") for r in minority]
+        self.stopped = True
+        text = "; ".join(f"replicas {rs} hold {f}" for f, rs in sides.items())
+        msg = (f"the replicas' parameters disagree at step {step} with no majority to trust ({text}); each side's "
+               "state is saved under checkpoints/diverged/; find the faulty device before resuming")
+        return [Log("diverged", {"generation": generation, "step": step, "sides": sides}),
+                *(Send(r, {"type": "error", "re": rid, "code": "diverged", "message": msg, "sides": sides})
+                  for r, (rid, _, _) in votes.items())]
+
+    def on_nonfinite(self, replica: int, req_id: int, generation: int, step: int, ids: list[int],
+                     now: float) -> list[Action]:
+        """Microbatches ``ids`` of ``step`` were not finite on ``replica``. The first replica to report an
+        id is fenced as faulty (the others recompute its microbatches in the step); a second replica
+        reporting the same id means the training itself diverged: the job ends (``nonfinite``)."""
+        cur = self.current
+        if cur is None or replica not in cur.members:
+            raise Refused("not_member", f"replica {replica} is not a member of the current generation")
+        again = sorted(i for i in ids if self._nonfinite.get((step, i), set()) - {replica})
+        for i in ids:
+            self._nonfinite.setdefault((step, i), set()).add(replica)
+        if not again:
+            return [Log("nonfinite", {"replica": replica, "step": step, "ids": sorted(ids), "generation": generation}),
+                    Send(replica, {"type": "ok", "re": req_id, "generation": self.generation}),
+                    Fence(replica, f"microbatch(es) {sorted(ids)} of step {step} were not finite on it; "
+                                   "the other replicas recompute them")]
+        self.stopped = True
+        who = sorted(self._nonfinite[(step, again[0])])
+        msg = (f"microbatch {again[0]} of step {step} has a loss or gradient that is not finite on replicas {who}: "
+               "the training diverged (its data or its model), not a faulty device; the last committed state "
+               "is saved")
+        return [Log("nonfinite_divergence", {"step": step, "id": again[0], "replicas": who}),
+                Send(replica, {"type": "error", "re": req_id, "code": "nonfinite", "message": msg}),
+                *(Send(m, {"type": "error", "re": None, "code": "nonfinite", "message": msg})
+                  for m in cur.members if m != replica and m in self.live)]
 
     def request_stop(self) -> list[Action]:
         """The coordinator itself was asked to stop the job (SIGTERM): the next commit is a stop."""
@@ -413,7 +479,7 @@ class MembershipState:
         acts: list[Action] = [Send(r, {"type": "aborted", "re": rid, "generation": old.generation if old else 0,
                                        "reason": f"generation replaced ({reason})"})
                               for r, (rid, _, _) in self.votes.items() if r in self.live]
-        self.votes, self._mb_s = {}, {}
+        self.votes, self._mb_s, self._fps = {}, {}, {}
         self.current = m
         self.initial.clear()
         fields: dict[str, Any] = {"generation": m.generation, "members": list(m.members), "dead": list(dead),

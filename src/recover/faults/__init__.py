@@ -10,12 +10,14 @@ from recover.faults.schedule import (
     FailureSpec,
     FaultInjector,
     hang_on_signal,
+    parse_corrupt,
     parse_cut,
     parse_failure,
+    parse_nan,
     parse_slow,
     random_schedule,
 )
 
 __all__ = ["HANG_SIGNAL", "PHASES", "hang_on_signal",
-           "FailureSchedule", "FailureSpec", "FaultInjector", "parse_cut", "parse_failure", "parse_slow",
-           "random_schedule"]
+           "FailureSchedule", "FailureSpec", "FaultInjector", "parse_corrupt", "parse_cut", "parse_failure",
+           "parse_nan", "parse_slow", "random_schedule"]

@@ -21,6 +21,12 @@ first forward of STEP on, every rank of replica R takes FACTOR times as long per
 the link between replicas R and PEER from STEP on: R withholds its part of every collective with
 PEER and neither reaches the other's probe (an injected broken link: loopback cannot break one).
 Neither counts as a failure in :meth:`FailureSchedule.validate`.
+
+A ``corrupt`` spec (``--corrupt R@STEP``, text ``R@STEP:forward=corrupt``) flips one bit of one
+parameter element of replica R (its spec's rank, default the last) before the forward passes of
+STEP: silent data corruption that nothing but the parameter fingerprints notices. A ``nan`` spec
+(``--nan R@STEP:ID``, text ``R@STEP:forward=nan:ID``) makes the gradient of microbatch ID of STEP NaN
+on replica R, if R computes it (then R is fenced; a corruption always loses R, and counts as a failure).
 """
 
 from __future__ import annotations
@@ -70,7 +76,8 @@ class FailureSpec:
     rank: int | None = None
     fault: Fault = Fault.KILL
     factor: float = 1.0
-    """How many times as long a microbatch takes (``slow``), or the peer replica (``cut``)."""
+    """How many times as long a microbatch takes (``slow``), the peer replica (``cut``), or the
+    microbatch id (``nan``)."""
 
     def __post_init__(self) -> None:
         for name in ("replica", "step") + (("rank",) if self.rank is not None else ()):
@@ -89,17 +96,20 @@ class FailureSpec:
         if self.fault is Fault.CUT and not (float(self.factor).is_integer() and self.factor >= 0
                                              and int(self.factor) != self.replica):
             raise ConfigError(f"cut peer {self.factor!r} must be another replica's id (an integer >= 0)")
+        if self.fault is Fault.NAN and not (float(self.factor).is_integer() and self.factor >= 0):
+            raise ConfigError(f"NaN microbatch id {self.factor!r} must be an integer >= 0")
 
     @property
     def kills(self) -> bool:
-        """Whether the replica is lost by it (a kill, hang or freeze; not a slow-down or a cut link)."""
-        return self.fault not in (Fault.SLOW, Fault.CUT)
+        """Whether the replica is lost by it (a kill, hang, freeze or corruption; not a slow-down, a cut
+        link, or a NaN, which loses it only if it computes that microbatch)."""
+        return self.fault not in (Fault.SLOW, Fault.CUT, Fault.NAN)
 
     def __str__(self) -> str:
         """``R@STEP:PHASE``, with ``=hang`` or ``=freeze`` for those faults (the rank travels separately,
         as ``--fail-rank``)."""
         suffix = "" if self.fault is Fault.KILL else f"={self.fault}"
-        if self.fault in (Fault.SLOW, Fault.CUT):
+        if self.fault in _WITH_ARG:
             suffix += f":{self.factor:g}"
         return f"{self.replica}@{self.step}:{self.phase}{suffix}"
 
@@ -130,12 +140,13 @@ def parse_failure(text: str, rank: int | None = None, fault: Fault | str | None 
     if suffix and suffix.strip().lower() not in FAULTS:
         raise ConfigError(f"bad failure {text}={suffix}: {suffix!r} is not one of {', '.join(FAULTS)}")
     fault = Fault(fault or suffix.strip().lower() or Fault.KILL)
-    if fault in (Fault.SLOW, Fault.CUT):
+    if fault in _WITH_ARG:
         try:
             slow_by = float(factor)
         except ValueError:
-            what = "R@STEP:FACTOR with FACTOR a number >= 1, e.g. 2@10:4" if fault is Fault.SLOW else \
-                "R@STEP:PEER with PEER another replica, e.g. 1@5:2"
+            what = {Fault.SLOW: "R@STEP:FACTOR with FACTOR a number >= 1, e.g. 2@10:4",
+                    Fault.CUT: "R@STEP:PEER with PEER another replica, e.g. 1@5:2",
+                    Fault.NAN: "R@STEP:ID with ID a microbatch id, e.g. 1@5:3"}[fault]
             raise ConfigError(f"bad {fault} {text}={suffix}:{factor}: write {what}") from None
     m = _SPEC.match(text)
     if m is None:
@@ -151,7 +162,7 @@ def parse_failure(text: str, rank: int | None = None, fault: Fault | str | None 
         raise ConfigError(f"bad failure {text!r}: phase {phase!r} {_phase_hint(phase)}")
     if rank is not None and (not isinstance(rank, int) or rank < 0):
         raise ConfigError(f"bad failure rank {rank!r} for {text!r}: use an integer >= 0")
-    arg = slow_by if fault in (Fault.SLOW, Fault.CUT) else 1.0
+    arg = slow_by if fault in _WITH_ARG else 1.0
     return FailureSpec(int(rep), int(step), Phase(phase), rank, fault, arg)
 
 
@@ -165,6 +176,29 @@ def parse_slow(text: str) -> FailureSpec:
     if not sep or "@" not in head:
         raise ConfigError(f"bad slow-down {text!r}: write R@STEP:FACTOR, e.g. 2@10:4")
     return parse_failure(f"{head}:{DEFAULT_PHASE}={Fault.SLOW}:{factor}")
+
+
+def parse_nan(text: str) -> FailureSpec:
+    """Parses ``--nan R@STEP:ID`` (the gradient of microbatch ID of STEP is NaN on replica R).
+
+    Raises:
+        ConfigError: a malformed text, in one line with the form to write.
+    """
+    head, sep, mb = text.rpartition(":")
+    if not sep or "@" not in head:
+        raise ConfigError(f"bad NaN {text!r}: write R@STEP:ID, e.g. 1@5:3")
+    return parse_failure(f"{head}:{DEFAULT_PHASE}={Fault.NAN}:{mb}")
+
+
+def parse_corrupt(text: str) -> FailureSpec:
+    """Parses ``--corrupt R@STEP`` (one parameter bit of replica R flips before STEP's forward passes).
+
+    Raises:
+        ConfigError: a malformed text, in one line with the form to write.
+    """
+    if ":" in text:
+        raise ConfigError(f"bad corruption {text!r}: write R@STEP, e.g. 2@12")
+    return parse_failure(f"{text}:{DEFAULT_PHASE}={Fault.CORRUPT}")
 
 
 def parse_cut(text: str) -> FailureSpec:
@@ -327,6 +361,7 @@ def random_schedule(replicas: int, steps: int, mtbf_s: float, step_time_s: float
 
 
 KillFn = Callable[[int, int], None]
+_WITH_ARG = (Fault.SLOW, Fault.CUT, Fault.NAN)
 
 
 class FaultInjector:
@@ -343,22 +378,27 @@ class FaultInjector:
         before_kill: called with the spec just before the kill (e.g. to write and flush an event).
         slow: called with a ``slow`` spec's factor when it fires (on every rank of the replica).
         cut: called with a ``cut`` spec's peer replica when it fires (on every rank of the replica).
+        corrupt: called when a ``corrupt`` spec fires (on its rank).
+        nan: called with ``(step, id)`` when a ``nan`` spec fires (on every rank of the replica).
     """
 
     def __init__(self, specs: Iterable[FailureSpec], replica: int, rank: int = 0, ranks: int = 1,
                  kill: KillFn = os.kill, before_kill: Callable[[FailureSpec], None] | None = None,
                  hang: Callable[[], Any] = lambda: threading.Event().wait(),
                  slow: Callable[[float], Any] = lambda factor: None,
-                 cut: Callable[[int], Any] = lambda peer: None) -> None:
+                 cut: Callable[[int], Any] = lambda peer: None,
+                 corrupt: Callable[[], Any] = lambda: None,
+                 nan: Callable[[int, int], Any] = lambda step, mb: None) -> None:
         if not 0 <= rank < ranks:
             raise ValueError(f"rank = {rank} must be in 0..{ranks - 1} (ranks = {ranks})")
         self.replica, self.rank, self.ranks = replica, rank, ranks
         self.kill, self.before_kill, self.hang, self.slow, self.cut = kill, before_kill, hang, slow, cut
+        self.corrupt, self.nan = corrupt, nan
         self.pending: list[FailureSpec] = [s for s in specs if s.replica == replica and self._mine(s)]
 
     def _mine(self, spec: FailureSpec) -> bool:
-        if spec.fault in (Fault.SLOW, Fault.CUT) and spec.rank is None:
-            return True  # the whole replica slows down, or loses its link
+        if spec.fault in _WITH_ARG and spec.rank is None:
+            return True  # the whole replica slows down, loses its link, or computes the NaN
         return (self.ranks - 1 if spec.rank is None else spec.rank) == self.rank
 
     def maybe_fail(self, step: int, phase: Phase | str) -> bool:
@@ -378,6 +418,12 @@ class FaultInjector:
                     return True
                 if spec.fault is Fault.CUT:
                     self.cut(int(spec.factor))
+                    return True
+                if spec.fault is Fault.CORRUPT:
+                    self.corrupt()
+                    return True
+                if spec.fault is Fault.NAN:
+                    self.nan(spec.step, int(spec.factor))
                     return True
                 sys.stdout.flush()
                 sys.stderr.flush()

@@ -53,6 +53,12 @@ def register(sub: argparse._SubParsersAction) -> None:
                         "the replica the members' reports implicate is fenced; repeatable")
     p.add_argument("--freeze", action="append", default=[], metavar="R@STEP:PHASE",
                    help=f"SIGSTOP replica R for good at STEP and PHASE ({Fault.FREEZE.help}); repeatable")
+    p.add_argument("--corrupt", action="append", default=[], metavar="R@STEP",
+                   help=f"before STEP's forward passes, {Fault.CORRUPT.help} on replica R; the parameter "
+                        "fingerprints find it at that step's vote; repeatable")
+    p.add_argument("--nan", action="append", default=[], metavar="R@STEP:ID",
+                   help=f"at STEP, {Fault.NAN.help.replace('on it', 'on replica R')}; the microbatch is recomputed "
+                        "elsewhere; repeatable")
     p.add_argument("--kill-coordinator", default=None, metavar="STEP[:SENT]",
                    help="SIGKILL the coordinator in the middle of step STEP's commit, after SENT of its replies went "
                         "out (default 0); it is restarted and rebuilds the job from what the replicas hold")
@@ -252,7 +258,13 @@ def launch(req: LaunchRequest) -> int:
     """
     from recover.data.prepare import resolve_data_dir
     from recover.launch.launcher import Launcher
-    from recover.train.exits import EXIT_COORDINATOR_LOST, EXIT_QUORUM_LOST, EXIT_STOPPED
+    from recover.train.exits import (
+        EXIT_COORDINATOR_LOST,
+        EXIT_DIVERGED,
+        EXIT_NONFINITE,
+        EXIT_QUORUM_LOST,
+        EXIT_STOPPED,
+    )
 
     opts = check_launch(req)
     if req.overwrite:
@@ -269,6 +281,20 @@ def launch(req: LaunchRequest) -> int:
         why = "on request" if code == EXIT_STOPPED else "because the coordinator did not come back"
         print(f"recover: the job stopped {why} after {launcher.written + 1} committed steps; a complete checkpoint is "
               f"under {opts.out / 'checkpoints'}; continue with the same command and --resume", file=sys.stderr)
+    elif code in (EXIT_DIVERGED, EXIT_NONFINITE):
+        from recover.observe.events import read_jsonl
+
+        kinds = {EXIT_DIVERGED: "diverged", EXIT_NONFINITE: "nonfinite_divergence"}
+        last = [e for e in read_jsonl(opts.out / "events.jsonl") if e.get("kind") == kinds[code]][-1:]
+        if code == EXIT_DIVERGED:
+            sides = "; ".join(f"replicas {rs} hold {fp}" for fp, rs in (last[0]["sides"] if last else {}).items())
+            what = (f"the replicas' parameters disagree at step {last[0]['step'] if last else '?'} with no majority "
+                    f"to trust ({sides}); each side's state is under {opts.out / 'checkpoints' / 'diverged'}")
+        else:
+            e = last[0] if last else {"id": "?", "step": "?", "replicas": []}
+            what = (f"microbatch {e['id']} of step {e['step']} was not finite on replicas {e['replicas']}: the "
+                    f"training diverged; the last committed state is under {opts.out / 'checkpoints'}")
+        print(f"recover: the job stopped: {what}", file=sys.stderr)
     elif launcher.stop_signal is not None:
         print(f"recover: stopped by signal {launcher.stop_signal} without reaching a step boundary within "
               f"fault_tolerance.stop_grace_s; the newest complete checkpoint under {opts.out / 'checkpoints'} "
@@ -310,14 +336,15 @@ def _ids(flag: str, text: str | None) -> frozenset[int] | None:
 
 def run_launch(args: argparse.Namespace) -> int:
     """``recover launch``: the flags as a :class:`LaunchRequest`, run by :func:`launch`."""
-    from recover.faults import parse_cut, parse_slow
+    from recover.faults import parse_corrupt, parse_cut, parse_nan, parse_slow
 
     return launch(LaunchRequest(
         out=Path(args.out), config=args.config, overrides=tuple(args.overrides), replicas=args.replicas,
         steps=args.steps, pp=args.pp, tp=args.tp, fsdp=args.fsdp, procs_per_replica=args.procs_per_replica,
         deterministic=args.deterministic, device_time_s=args.device_time_s, fail_rank=args.fail_rank,
         failures=(*args.fail, *(f"{f}={Fault.HANG}" for f in args.hang), *(f"{f}={Fault.FREEZE}" for f in args.freeze),
-                  *(str(parse_slow(f)) for f in args.slow), *(str(parse_cut(f)) for f in args.cut)),
+                  *(str(parse_slow(f)) for f in args.slow), *(str(parse_cut(f)) for f in args.cut),
+                  *(str(parse_corrupt(f)) for f in args.corrupt), *(str(parse_nan(f)) for f in args.nan)),
         random_mtbf_s=args.random_failures, rejoin_after_s=args.rejoin_after,
         random_faults=tuple(f.strip().lower() for f in args.random_faults.split(",") if f.strip()),
         rejoin_replicas=_ids("--rejoin-replicas", args.rejoin_replicas),

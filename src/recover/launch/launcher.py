@@ -27,7 +27,9 @@ Contract:
   commit is a stop, the lowest live replica saves a complete checkpoint, and everything exits; after
   ``fault_tolerance.stop_grace_s`` whatever still runs is killed. A second signal kills at once.
   Exit statuses: 0 every step committed, 3 quorum lost, 6 stopped with a checkpoint (continue with
-  ``--resume``), 7 the coordinator was lost for good (a checkpoint was saved), 1 otherwise.
+  ``--resume``), 7 the coordinator was lost for good (a checkpoint was saved), 8 the replicas'
+  parameters disagree with no majority (each side saved), 9 the training diverged (a microbatch not
+  finite on two replicas), 1 otherwise.
 - ``resume``: the workers start from the newest complete checkpoint in ``out``; the step records
   before it are kept (``metrics.jsonl`` holds each step once).
 """
@@ -53,7 +55,15 @@ from recover.launch.lifeline import child_env
 from recover.names import Baseline, Fault
 from recover.observe.events import EventLog, JsonlWriter
 from recover.observe.progress import ProgressDisplay
-from recover.train.exits import EXIT_COORDINATOR_LOST, EXIT_FENCED, EXIT_JOB_FAILED, EXIT_QUORUM_LOST, EXIT_STOPPED
+from recover.train.exits import (
+    EXIT_COORDINATOR_LOST,
+    EXIT_DIVERGED,
+    EXIT_FENCED,
+    EXIT_JOB_FAILED,
+    EXIT_NONFINITE,
+    EXIT_QUORUM_LOST,
+    EXIT_STOPPED,
+)
 
 POLL_S = 0.05
 MAX_COORDINATOR_RESTARTS = 10
@@ -590,7 +600,7 @@ class Launcher:
         self.wall_s = wall
         if self.written + 1 >= self.cfg.training.steps:
             return 0
-        for status in (EXIT_QUORUM_LOST, EXIT_COORDINATOR_LOST, EXIT_STOPPED):
+        for status in (EXIT_DIVERGED, EXIT_NONFINITE, EXIT_QUORUM_LOST, EXIT_COORDINATOR_LOST, EXIT_STOPPED):
             if any(c == status for c in codes.values()):
                 return status
         return 1
@@ -600,7 +610,7 @@ class Launcher:
         out = []
         for rep in self.replicas.values():
             if rep.exit_code not in (0, LOST, EXIT_QUORUM_LOST, EXIT_JOB_FAILED, EXIT_STOPPED, EXIT_COORDINATOR_LOST,
-                                     None):
+                                     EXIT_DIVERGED, EXIT_NONFINITE, None):
                 for k, path in enumerate(rep.log_paths):
                     if rep.codes.get(k, 0) != 0:
                         text = path.read_text(errors="replace")

@@ -94,10 +94,19 @@ class Coordinator(Protocol):
     """The last step this replica holds committed (set after a resume or a state transfer)."""
 
     def vote_commit(self, generation: int, step: int, ids: list[int] | tuple[int, ...], *,
-                    mb_s: float | None = None) -> Membership | None:
-        """``mb_s``: the seconds per microbatch this replica measured in the step (None: it computed none).
+                    mb_s: float | None = None, fp: str | None = None) -> Membership | None:
+        """``mb_s``: the seconds per microbatch this replica measured in the step (None: it computed none);
+        ``fp``: the fingerprint of its parameters (None: not this step).
         Returns None: committed. A membership: committed, and joiners are admitted in that new generation.
         Raises PeerFailure: a member died or the votes disagreed; nothing was committed."""
+        ...
+
+    def report_nonfinite(self, generation: int, step: int, ids: list[int]) -> None:
+        """Microbatches ``ids`` were not finite on this replica (see ``ResilientStep.report_nonfinite``)."""
+        ...
+
+    def wait_for_generation(self, after: int, timeout: float) -> Membership:
+        """Blocks until a generation after ``after`` exists (raises when this replica is not in it)."""
         ...
 
 
@@ -114,6 +123,13 @@ class StepReplica(Protocol):
     def payload(self) -> list[Tensor]: ...
 
     def apply(self, reduced: list[Tensor], divisor: int, step: int) -> float: ...
+
+    @property
+    def nonfinite(self) -> list[int]:
+        """Ids of this step whose loss or gradient was not finite here (not in the buffers)."""
+        ...
+
+    def fingerprint(self) -> str: ...
 
     def transfer_state(self, counters: dict[str, int]) -> dict[str, Tensor]: ...
 

@@ -139,18 +139,21 @@ class ResilientStep:
         assignment: the failure-free ids -> replicas rule (``training.assignment``).
         seed: seeds the ``shuffled`` assignment.
         policy: ``weighted`` (quotas by the speeds agreed at the last commit) or ``even``.
+        fingerprint_every: every this many steps the vote carries the fingerprint of this replica's
+            parameters (0: never), so the coordinator can fence a corrupted minority before the commit.
     """
 
     def __init__(self, replica: StepReplica, group: Group, coordinator: Coordinator, M: int,
                  progress: Progress | None = None, min_replicas: int = 1, hook: Hook = _no_hook,
                  on_event: Callable[..., Any] = _no_event, assignment: str = "blocks", seed: int = 0,
-                 policy: str = "weighted") -> None:
+                 policy: str = "weighted", fingerprint_every: int = 0) -> None:
         self.replica, self.group, self.coordinator = replica, group, coordinator
         self.me = group.members[group.rank]
         self.M, self.min_replicas = M, min_replicas
         self.progress = progress or Progress()
         self.hook, self.on_event = hook, on_event
         self.assignment, self.seed, self.policy = assignment, seed, policy
+        self.fingerprint_every = fingerprint_every
         self.speeds = group.membership.speeds  # a joiner's: those of the commit that admitted it
         self._compute_s = 0.0  # this step's compute time so far
 
@@ -186,6 +189,8 @@ class ResilientStep:
             self.replica.compute(data_step, todo, self.hook)
             self._compute_s += time.perf_counter() - t0
             computed += len(todo)
+            if self.replica.nonfinite:
+                self.report_nonfinite(step)
             try:
                 return self._reduce_and_vote(step, plan, recoveries, computed)
             except PeerFailure as failure:
@@ -216,7 +221,9 @@ class ResilientStep:
                                f"{len(ids)}, expected {len(expected)}: the ledger is inconsistent")
         self.hook(step, Phase.COMMIT)
         mb_s = self._compute_s / computed if computed else None
-        admitted = self.coordinator.vote_commit(self.group.generation, step, ids, mb_s=mb_s)
+        every = self.fingerprint_every
+        fp = self.replica.fingerprint() if every and step % every == 0 else None
+        admitted = self.coordinator.vote_commit(self.group.generation, step, ids, mb_s=mb_s, fp=fp)
         self.speeds = self.coordinator.speeds
         quotas = {r: len(share) for r, share in sorted(plan.items())}
         return Committed(reduced, ids, self.group.generation, tuple(self.group.members), computed, quotas,
@@ -236,6 +243,18 @@ class ResilientStep:
         self.progress.data_step += 1
         self.progress.tokens += tokens
         return outcome
+
+    def report_nonfinite(self, step: int) -> None:
+        """Microbatches whose loss or gradient was not finite here: the coordinator fences this replica
+        (the others recompute its microbatches in the step) or, if another replica reported one of them
+        too, ends the job. Either way this replica does not go on: the wait below ends with the fence
+        (:class:`~recover.coord.client.CoordinatorLost`) or the end of the job."""
+        bad = sorted(self.replica.nonfinite)
+        self.on_event("nonfinite", step=step, ids=bad)
+        self.coordinator.report_nonfinite(self.group.generation, step, bad)
+        self.coordinator.wait_for_generation(self.group.generation, 60.0)
+        raise RuntimeError(f"step {step}: microbatches {bad} were not finite here and the coordinator did not "
+                           "fence this replica")
 
     # ---- recovery --------------------------------------------------------------------------
     def regroup(self, step: int) -> int:

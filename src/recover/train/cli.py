@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import argparse
+import sys
 
 from recover.config import available_presets, load_config
 
@@ -29,9 +30,10 @@ def register(sub: argparse._SubParsersAction) -> None:
 def run_train(args: argparse.Namespace) -> int:
     from pathlib import Path
 
+    from recover.coord.client import Diverged
     from recover.observe.rundir import check_out, clear_run
     from recover.train.dist import init_from_env, shutdown
-    from recover.train.exits import EXIT_STOPPED
+    from recover.train.exits import EXIT_NONFINITE, EXIT_STOPPED
     from recover.train.trainer import train
 
     cfg = load_config(args.config, args.overrides)
@@ -42,6 +44,9 @@ def run_train(args: argparse.Namespace) -> int:
     try:
         summary = train(cfg, args.out, ctx, resume=args.resume, stop_at_step=args.stop_at_step,
                         progress=not args.no_progress)
+    except Diverged as exc:
+        print(f"recover: {exc}", file=sys.stderr, flush=True)
+        return EXIT_NONFINITE
     finally:
         shutdown()
     if ctx.is_main:

@@ -133,7 +133,7 @@ class CommitAll:
         self.committed_step = -1
 
     def vote_commit(self, generation: int, step: int, ids: list[int] | tuple[int, ...],
-                    mb_s: float | None = None) -> None:
+                    mb_s: float | None = None, fp: str | None = None) -> None:
         flag = torch.tensor([1.0 if self.stop_requested else 0.0])
         if dist.is_initialized() and dist.get_world_size() > 1:
             if dist.get_backend() == "nccl":
@@ -142,3 +142,13 @@ class CommitAll:
         self.stopping = bool(flag.item() > 0)
         self.committed_step = step
         return None
+
+    def report_nonfinite(self, generation: int, step: int, ids: list[int]) -> None:
+        """No other replica can recompute them here: the training diverged."""
+        from recover.coord.client import Diverged
+
+        raise Diverged("nonfinite", f"microbatches {ids} of step {step} have a loss or gradient that is not finite; "
+                                    "the training diverged (lower the learning rate, check the data)")
+
+    def wait_for_generation(self, after: int, timeout: float) -> None:
+        raise RuntimeError("a static group has no next generation")

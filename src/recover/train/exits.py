@@ -20,6 +20,12 @@ continue with ``--resume``."""
 EXIT_COORDINATOR_LOST = 7
 """the coordinator did not come back within ``fault_tolerance.coordinator_reconnect_s``; a complete
 checkpoint of the last committed step was saved; continue with ``--resume``."""
+EXIT_DIVERGED = 8
+"""the replicas' parameters disagree with no majority to trust (silent data corruption on as many
+replicas as are healthy); each side's state was saved under ``checkpoints/diverged/``."""
+EXIT_NONFINITE = 9
+"""a microbatch's loss or gradient was not finite on two replicas: the training itself diverged; the
+last committed state was saved."""
 
 
 def replica_log_path(out: Path, replica: int) -> Path:

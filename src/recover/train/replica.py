@@ -26,6 +26,9 @@ surfaces as an exception within it and the caller treats the whole replica as lo
 - ``apply(reduced, divisor, step)`` (collective): the learning rate of ``step``; ``grad = reduced /
   divisor`` on the local shards; clipped by the global norm over the whole replica (each shard
   counted once); ``optimizer.step()``. Returns that norm.
+- A pass whose loss or gradient is not finite is not folded into the buffers; its id goes to
+  ``nonfinite`` (with ``pp > 1`` only the loss, on the last stage, is checked) for the step protocol
+  to report. ``fingerprint()`` is an exact fingerprint of this rank's parameter shards.
 - With ``training.device_time_s`` every microbatch (pass) takes at least that wall time: an emulated
   dedicated device, for benchmarks and tests on shared CPU cores; the arithmetic is unchanged.
   ``slowdown`` (fault injection: a throttled device) multiplies each pass's time.
@@ -63,6 +66,15 @@ Hook = Callable[[int, str], Any]  # (step, phase) -> fault injection point
 
 def _no_hook(step: int, phase: str) -> None:
     return None
+
+
+_MASK = (1 << 64) - 1
+_INT_OF_SIZE = {1: torch.int8, 2: torch.int16, 4: torch.int32, 8: torch.int64}
+
+
+def _bits(t: torch.Tensor) -> torch.Tensor:
+    """A flat integer view of ``t``'s bytes (same storage: writing it writes ``t``)."""
+    return t.contiguous().view(-1).view(_INT_OF_SIZE[t.element_size()])
 
 
 class MicrobatchSource(Protocol):
@@ -135,6 +147,8 @@ class Replica:
             self.pipe = PipelineRunner(self.model, self.coord.pp, dims.pp, mesh[MeshAxis.PP.value].get_group(),
                                        self.device, model_cfg.dim, model_cfg.vocab_size, schedule)
         self.slowdown = 1.0  # >1: every pass takes this many times as long (--slow fault injection)
+        self.poison: set[tuple[int, int]] = set()  # (step, id) whose gradient becomes NaN (--nan injection)
+        self.nonfinite: list[int] = []  # ids of this step whose loss or gradient was not finite here
         self.ledger: list[int] = []
         self.losses: dict[int, float] = {}
         self.loss_sum = 0.0
@@ -184,6 +198,7 @@ class Replica:
         for buf in self.buffers:
             buf.zero_()
         self.ledger, self.losses, self.loss_sum = [], {}, 0.0
+        self.nonfinite = []
 
     def compute(self, step: int, ids: list[int], hook: Hook = _no_hook) -> None:
         """(collective) Forward and backward of the replica's microbatches ``ids`` of ``step``.
@@ -215,11 +230,32 @@ class Replica:
             loss = lm_loss(self.model(inputs.to(self.device)), targets.to(self.device))  # mean over B x T
             hook(step, Phase.BACKWARD)
             (loss if mb is not None else loss * 0.0).backward()
-            self._fold()
-            if mb is not None:
-                out[mb] = float(loss.detach())
+            if mb is not None and (step, mb) in self.poison:
+                self._poison_gradient()
+            if mb is not None and not (math.isfinite(value := float(loss.detach())) and self._gradient_finite()):
+                self.nonfinite.append(mb)  # never folded: the buffers stay finite (the caller reports it)
+                for p in self.params:
+                    p.grad = None
+            else:
+                self._fold()
+                if mb is not None:
+                    out[mb] = value
             self._emulate_device(t0, 1)
         return out
+
+    @torch.no_grad()
+    def _gradient_finite(self) -> bool:
+        """Whether every gradient element of the pass just run is finite (one read of the gradients)."""
+        grads = [local(p.grad) for p in self.params if p.grad is not None]
+        return not grads or bool(torch.stack(torch._foreach_norm(grads)).sum().isfinite())
+
+    @torch.no_grad()
+    def _poison_gradient(self) -> None:
+        """Fault injection (``--nan``): the gradient of the pass just run becomes NaN."""
+        for p in self.params:
+            if p.grad is not None:
+                local(p.grad).mul_(float("nan"))
+                return
 
     def _emulate_device(self, t0: float, microbatches: int) -> None:
         """With ``training.device_time_s``, sleeps until ``microbatches`` x that time has passed since ``t0``;
@@ -243,7 +279,9 @@ class Replica:
         hook(step, Phase.BACKWARD)
         self._fold()
         self._emulate_device(t0, n)
-        return {column[k]: v for k, v in by_position.items() if column[k] is not None}
+        losses = {column[k]: v for k, v in by_position.items() if column[k] is not None}
+        self.nonfinite += [mb for mb, v in losses.items() if not math.isfinite(v)]  # the last stage sees it
+        return losses
 
     @torch.no_grad()
     def _fold(self) -> None:
@@ -307,6 +345,25 @@ class Replica:
             return DTensor.from_local(t, p.device_mesh, p.placements, run_check=False, shape=p.shape,
                                       stride=p.stride())
         return t
+
+    # ---- integrity -----------------------------------------------------------------------------
+    @torch.no_grad()
+    def fingerprint(self) -> str:
+        """(local) An exact fingerprint of this rank's parameter shards, computed where they live: the sum,
+        modulo 2**64, of each shard's bit patterns read as integers, times an odd constant per shard.
+        Any single changed bit changes it (the change is +-2**k times an odd number: never 0 modulo
+        2**64), and so does moving values between shards. One read of the parameters; 16 hex digits."""
+        total = torch.zeros((), dtype=torch.int64, device=self.device)
+        for k, p in enumerate(self.params):
+            total += _bits(local(p.detach())).sum(dtype=torch.int64) * (2 * k + 1)
+        return f"{int(total) & _MASK:016x}"
+
+    def corrupt(self) -> None:
+        """Fault injection (``--corrupt``): one bit of one element of this rank's first parameter shard
+        flips in memory, as silent data corruption would (nothing else notices)."""
+        with torch.no_grad():
+            bits = _bits(local(self.params[0].detach()))
+            bits[bits.numel() // 2] ^= 1 << 3
 
     # ---- evaluation ----------------------------------------------------------------------------
     @property

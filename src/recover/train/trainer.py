@@ -30,6 +30,7 @@ from typing import Any
 import torch
 
 from recover.config import Config
+from recover.coord.client import Diverged
 from recover.data.prepare import resolve_data_dir
 from recover.data.sampler import EvalSampler, Sampler, open_samplers
 from recover.model import model_stats
@@ -118,6 +119,10 @@ def train(cfg: Config, out: str | os.PathLike[str], ctx: DistContext | None = No
     restore = _stop_on_signals(commit, display)
     try:
         loop.run(end)
+    except Diverged as exc:  # a microbatch was not finite: save the last committed state, then stop
+        path = loop.save(blocking=True)
+        raise Diverged(exc.code, f"{exc}; the last committed state (step {step.progress.step}) is saved at "
+                                 f"{path}") from None
     finally:
         restore()
         display.close()

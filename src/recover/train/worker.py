@@ -18,6 +18,10 @@ Stops and coordinator loss (exit statuses in ``train/exits.py``):
 - SIGTERM or SIGINT (:meth:`ReplicaWorker.request_stop`): the next vote asks for a stop; the commit
   that carries it ends the job for every member after that step, the lowest live replica saving a
   complete checkpoint: status 6. A process not yet training exits at once with status 6.
+- Silent data corruption and non-finite values: a replica the coordinator fences as ``divergent`` or
+  faulty exits like any fenced one; when it ends the job (no majority among the parameter
+  fingerprints, or a microbatch not finite on two replicas) the state is saved (each side's under
+  ``checkpoints/diverged/``, or the last committed one) and every replica exits with status 8 or 9.
 - The coordinator lost: the client reconnects for ``fault_tolerance.coordinator_reconnect_s`` while
   the training thread keeps its state (see :mod:`recover.coord.client`); if it does not come back,
   the lowest member saves a complete checkpoint and every replica exits with status 7.
@@ -41,7 +45,7 @@ from typing import Any
 
 from recover.baselines import JobFailed, ShrinkStep, step_class
 from recover.config import Config
-from recover.coord.client import CoordinatorLost
+from recover.coord.client import CoordinatorLost, Diverged
 from recover.data.sampler import EvalSampler
 from recover.errors import QuorumLost, RecoverError
 from recover.faults import FailureSpec, FaultInjector
@@ -52,8 +56,10 @@ from recover.train.checkpoint import Checkpointer
 from recover.train.dist import DistContext, init_from_env
 from recover.train.exits import (
     EXIT_COORDINATOR_LOST,
+    EXIT_DIVERGED,
     EXIT_FENCED,
     EXIT_JOB_FAILED,
+    EXIT_NONFINITE,
     EXIT_QUORUM_LOST,
     EXIT_STOPPED,
     replica_log_path,
@@ -104,11 +110,16 @@ class ReplicaWorker:
         self.cut: set[int] = set()  # replicas this one cannot reach (--cut fault injection)
         self.client: Any = None  # the coordinator client, once training starts
         self.injector = FaultInjector(failures, replica, self.rank, self.ranks, before_kill=self._before_kill,
-                                      slow=self._slow_down, cut=self.cut.add)
+                                      slow=self._slow_down, cut=self.cut.add, corrupt=self.replica.corrupt,
+                                      nan=lambda step, mb: self.replica.poison.add((step, mb)))
 
     def _before_kill(self, spec: FailureSpec) -> None:
         if spec.fault is Fault.CUT:
             self._event("link_cut", step=spec.step, peer=int(spec.factor))
+            return
+        if spec.fault in (Fault.CORRUPT, Fault.NAN):  # nothing dies here: the coordinator must find it
+            self._event("injected", fault=spec.fault, step=spec.step,
+                        **({"microbatch": int(spec.factor)} if spec.fault is Fault.NAN else {}))
             return
         if not spec.kills:
             self._event("slowed", step=spec.step, factor=spec.factor)
@@ -155,7 +166,7 @@ class ReplicaWorker:
         step = step_class(self.baseline)(
             self.replica, group, client, tc.global_microbatches, self.start, ft.min_replicas,
             hook=hook, on_event=self._event, assignment=tc.assignment, seed=tc.seed,
-            policy=self.cfg.workload.policy, **extra)
+            policy=self.cfg.workload.policy, fingerprint_every=ft.fingerprint_every, **extra)
         if self.join:
             step.join()
         self._event("started", generation=step.group.generation, members=list(step.group.members),
@@ -189,7 +200,11 @@ class ReplicaWorker:
             return self._save_and_stop(loop, "quorum_lost", exc, "resume with more replicas", EXIT_QUORUM_LOST)
         except JobFailed:
             return EXIT_JOB_FAILED
+        except Diverged as exc:
+            return self._on_divergence(loop, exc)
         except CoordinatorLost as exc:
+            if client.diverged is not None:  # the coordinator ended the job while this replica waited
+                return self._on_divergence(loop, client.diverged)
             if client.gone:  # it did not come back
                 return self._save_and_stop(loop, "coordinator_lost", exc, "continue with --resume",
                                            EXIT_COORDINATOR_LOST)
@@ -219,6 +234,26 @@ class ReplicaWorker:
         self._event("fenced_exit", reason=why)
         sys.stdout.flush()
         os._exit(EXIT_FENCED)
+
+    def _on_divergence(self, loop: Loop, exc: Diverged) -> int:
+        """The coordinator ended the job. ``nonfinite``: the lowest live replica saves the last committed
+        state. ``diverged``: the lowest replica of each side saves that side's state under
+        ``checkpoints/diverged/replicas_A-B/`` (never over a checkpoint of the run)."""
+        print(f"recover: replica {self.replica_id} rank {self.rank}: {exc}", file=sys.stderr, flush=True)
+        step, members = loop.step, self.client.membership.members
+        if exc.code == "nonfinite":
+            if step.me == min(members):
+                path = loop.save(blocking=True)
+                self._event("nonfinite_stop", step=step.progress.step, checkpoint=str(path), message=str(exc))
+            return EXIT_NONFINITE
+        side = next((sorted(rs) for rs in exc.sides.values() if step.me in rs), [step.me])
+        if step.me == side[0]:
+            root = self.out / "checkpoints" / "diverged" / f"replicas_{'-'.join(map(str, side))}"
+            p = step.progress
+            path = Checkpointer(root, self.replica, self.cfg, self.replica.data.epoch_of).save(
+                p.step, p.data_step, p.tokens, blocking=True)
+            self._event("diverged_stop", step=p.step, checkpoint=str(path), side=side)
+        return EXIT_DIVERGED
 
     def _save_and_stop(self, loop: Loop, kind: str, exc: Exception, advice: str, status: int) -> int:
         """The job cannot go on (``kind``: ``quorum_lost``, ``coordinator_lost``): the lowest member of
