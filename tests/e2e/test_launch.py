@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import json
 import os
+import re
 import shutil
 import signal
 import subprocess
@@ -407,3 +408,51 @@ def test_sigterm_to_the_launcher_saves_a_checkpoint_and_resume_finishes_bitwise(
     recs = rows(run)
     assert [r["step"] for r in recs] == list(range(STEPS)) and all(r["microbatches"] == M for r in recs)
     assert losses(run) == losses(reference_det)
+
+
+def test_a_corrupted_replica_and_a_nan_are_found_and_healed_in_their_step(reference_det: Path, corpus: Path,
+                                                                          tmp_path: Path) -> None:
+    """One bit of replica 2's parameters flips before step 8 (nothing crashes): its fingerprint differs
+    from the other three at step 8's vote, it is fenced as divergent, the others recompute its
+    microbatches in that step, and it rejoins with their state. At step 16 the gradient of microbatch 2
+    is NaN on replica 1: never folded, replica 1 fenced, microbatch 2 recomputed elsewhere. Every step
+    holds M microbatches, bitwise equal to the failure-free run (neither is counted as a kill)."""
+    launch(tmp_path, corpus, "--deterministic", "--corrupt", "2@8", "--nan", "1@16:2", "--rejoin-after", "0",
+           "--device-time-s", "0.02", "--workload.policy=even")
+    recs = rows(tmp_path)
+    assert [r["step"] for r in recs] == list(range(STEPS)) and all(r["microbatches"] == M for r in recs)
+    assert losses(tmp_path) == losses(reference_det)
+    ev = events(tmp_path)
+    divergent = [e for e in ev if e["kind"] == "divergent"]
+    assert [(d["step"], d["replicas"], d["majority"]) for d in divergent] == [(8, [2], [0, 1, 3])]
+    assert [(e["replica"], e["step"], e["ids"]) for e in ev if e["kind"] == "nonfinite" and "generation" in e] \
+        == [(1, 16, [2])]
+    assert 2 in [e["replica"] for e in ev if e["kind"] == "state_received"]  # it came back with their state
+    assert not any(e["kind"] == "kill" for e in ev)
+
+
+def test_nan_everywhere_and_a_two_replica_split_stop_the_job_with_their_state_saved(corpus: Path,
+                                                                                   tmp_path: Path) -> None:
+    """The same microbatch NaN on every replica is a true divergence: exit 9, the step and the id named,
+    the last committed state saved. Two replicas whose parameters disagree have no majority: exit 8, each
+    side's state saved under checkpoints/diverged/, the run's own checkpoints untouched."""
+    nan = tmp_path / "nan"
+    res = launch(nan, corpus, "--deterministic", *(a for r in range(4) for a in ("--nan", f"{r}@6:2")), check=False)
+    assert res.returncode == 9, res.stderr[-2000:]
+    named = re.search(r"microbatch 2 of step 6 was not finite on replicas \[(\d), (\d)\]: the training diverged",
+                      res.stderr)
+    assert named is not None and "1" in named.groups(), res.stderr  # replica 1 computes it first, then another
+    assert [p.name for p in (nan / "checkpoints").iterdir()] == ["step_000006"]
+
+    split = tmp_path / "split"
+    res = run_recover(["launch", "--config", "debug", "--replicas", "2", "--steps", str(STEPS), "--out", str(split),
+                       "--no-progress", "--data.path", str(corpus), "--deterministic", "--corrupt", "1@5",
+                       "--training.checkpoint_every=2", "--training.eval_every=0"], timeout=300, check=False)
+    assert res.returncode == 8, res.stderr[-2000:]
+    assert "disagree at step 5 with no majority to trust (replicas [0] hold" in res.stderr
+    ckpts = split / "checkpoints"
+    assert sorted(p.name for p in ckpts.iterdir()) == ["diverged", "step_000002", "step_000004"]
+    sides = sorted((ckpts / "diverged").iterdir())
+    assert [p.name for p in sides] == ["replicas_0", "replicas_1"]
+    manifests = [json.loads((p / "step_000005" / "manifest.json").read_text())["files"] for p in sides]
+    assert manifests[0] != manifests[1]  # two different states, each kept whole
