@@ -280,3 +280,38 @@ def test_replicas_leaving_at_the_end_are_no_failure_and_lose_no_quorum() -> None
     st2 = make(2)
     acts = st2.on_dead(1, "connection_closed", 1.0) + st2.on_ack(0, 1, 1.0)
     assert logs(acts, "quorum_lost") and logs(acts, "failure_detected")
+
+
+# ---- silent data corruption and non-finite microbatches ----------------------------------------------
+
+def test_a_minority_fingerprint_is_fenced_before_the_step_commits() -> None:
+    st = make(3)
+    st.on_vote(0, 10, 1, 4, [0, 1], 0.1, fp="aa")
+    st.on_vote(1, 11, 1, 4, [0, 1], 0.1, fp="bb")  # its parameters changed
+    acts = st.on_vote(2, 12, 1, 4, [0, 1], 0.1, fp="aa")
+    assert st.committed_step == -1 and sent(acts, "committed") == {}
+    assert set(sent(acts, "aborted")) == {0, 2}
+    assert [(a.replica, a.reason.split(":")[0]) for a in acts if isinstance(a, Fence)] == [(1, "divergent")]
+    assert logs(acts, "divergent")[0]["fingerprints"] == {"aa": [0, 2], "bb": [1]}
+
+
+def test_fingerprints_without_a_strict_majority_end_the_job() -> None:
+    st = make(2)
+    st.on_vote(0, 10, 1, 4, [0], 0.1, fp="aa")
+    acts = st.on_vote(1, 11, 1, 4, [0], 0.1, fp="bb")
+    errors = sent(acts, "error")
+    assert {r: (e["code"], e["sides"]) for r, e in errors.items()} == {
+        0: ("diverged", {"aa": [0], "bb": [1]}), 1: ("diverged", {"aa": [0], "bb": [1]})}
+    assert st.stopped and not [a for a in acts if isinstance(a, Fence)]
+
+
+def test_a_nonfinite_microbatch_fences_its_replica_and_a_second_one_ends_the_job() -> None:
+    st = make(3)
+    acts = st.on_nonfinite(1, 5, 1, 7, [3], 0.1)
+    assert sent(acts, "ok") and [a.replica for a in acts if isinstance(a, Fence)] == [1]
+    st.on_dead(1, "fenced", 0.1)
+    st.on_ack(0, 1, 0.1)
+    st.on_ack(2, 1, 0.1)
+    acts = st.on_nonfinite(2, 6, 2, 7, [3], 0.2)  # recomputed on replica 2: not finite there either
+    assert st.stopped and logs(acts, "nonfinite_divergence") == [{"step": 7, "id": 3, "replicas": [1, 2]}]
+    assert {r: m["code"] for r, m in sent(acts, "error").items()} == {2: "nonfinite", 0: "nonfinite"}
