@@ -6,7 +6,10 @@ Contract:
   ``rounds`` rounds whose order alternates (A B C D, then D C B A, ...) so a drift in machine
   load does not favour one system:
 
-  * ``recover``: ``recover launch`` (coordinator, fault-tolerant all-reduce, commit vote);
+  * ``recover``: ``recover launch`` (coordinator, fault-tolerant all-reduce, commit vote with the
+    parameter fingerprint of every replica);
+  * ``recover-nofp``: the same without fingerprints (``fault_tolerance.fingerprint_every = 0``):
+    ``recover / it`` is what the silent-data-corruption check costs;
   * ``ddp``: ``torch.nn.parallel.DistributedDataParallel`` under ``torchrun`` (gloo, bucketed
     all-reduce overlapped with the last microbatch's backward, ``no_sync`` for the others,
     ``broadcast_buffers=False``: the model's only buffer is a constant RoPE table):
@@ -53,9 +56,10 @@ from recover.bench.common import (
 from recover.errors import ConfigError
 from recover.observe.plots import load_metrics
 
-SYSTEMS = ("recover", "ddp", "allreduce", "torchft")
+SYSTEMS = ("recover", "recover-nofp", "ddp", "allreduce", "torchft")
 LABELS = {
-    "recover": "recover launch (fault-tolerant all-reduce + commit vote)",
+    "recover": "recover launch (fault-tolerant all-reduce + commit vote + parameter fingerprint)",
+    "recover-nofp": "recover launch without parameter fingerprints (fault_tolerance.fingerprint_every = 0)",
     "ddp": "torch DistributedDataParallel under torchrun (gloo)",
     "allreduce": "recover train under torchrun (plain all_reduce after backward)",
     "torchft": "torchft 0.2.0 DDP + Lighthouse",
@@ -127,6 +131,9 @@ def run_system(name: str, run_dir: Path, config: str, replicas: int, steps: int,
               f"--parallel.replicas={replicas}", *overrides]
     if name == "recover":
         return launch_run(run_dir, config, replicas, steps, (), None, overrides, timeout_s)
+    if name == "recover-nofp":
+        return launch_run(run_dir, config, replicas, steps, (), None,
+                          [*overrides, "--fault_tolerance.fingerprint_every=0"], timeout_s)
     if name == "allreduce":
         return run_child(_torchrun(replicas, "recover", "train", "--no-progress", *common), log_path, timeout_s)
     if name == "ddp":
