@@ -302,6 +302,12 @@ class FaultToleranceConfig:
     them on its device) and a minority that differs is fenced before the step commits (silent data
     corruption). 0: never. Larger values cost less but let a corrupted replica's gradients into the
     committed steps until its next fingerprint, and a joiner may take its state meanwhile."""
+    audit_every: int = 0
+    """Every this many steps one microbatch, drawn from (seed, step), is computed by its owner and by the
+    two replicas after it, and their gradients compared (exact fingerprints in deterministic mode,
+    norms within 1e-5 otherwise): the odd one is fenced. Catches corrupted arithmetic, which parameter
+    fingerprints cannot (every replica applies the same reduced gradient). Costs two extra microbatches
+    per audit; one-process replicas only. 0: off."""
     stop_grace_s: float = 20.0
     """After SIGTERM or SIGINT, how long ``recover launch`` waits for the job to reach a step boundary,
     save a complete checkpoint and exit (exit status 6) before it kills every process."""
@@ -313,8 +319,10 @@ class FaultToleranceConfig:
                      "intra_replica_timeout_s", "fence_exit_s", "coordinator_reconnect_s", "stop_grace_s"):
             value = getattr(self, name)
             _require(value > 0, f"fault_tolerance.{name}", value, "a positive number of seconds")
-        _require(isinstance(self.fingerprint_every, int) and self.fingerprint_every >= 0,
-                 "fault_tolerance.fingerprint_every", self.fingerprint_every, "an integer >= 0 (0: never)")
+        for name in ("fingerprint_every", "audit_every"):
+            value = getattr(self, name)
+            _require(isinstance(value, int) and value >= 0, f"fault_tolerance.{name}", value,
+                     "an integer >= 0 (0: never)")
         _require(self.hang_timeout_s >= 0, "fault_tolerance.hang_timeout_s", self.hang_timeout_s,
                  "a number of seconds >= 0 (0: derived from the step time)")
         _require(self.heartbeat_interval_s < self.heartbeat_timeout_s, "fault_tolerance.heartbeat_interval_s",

@@ -94,6 +94,8 @@ class Fault(_Named):
                   "neither reaches the other (a failed cable or switch port)")
     CORRUPT = "corrupt", "one bit of one parameter element flips in its memory (silent data corruption)"
     NAN = "nan", "the gradient of microbatch ID becomes NaN on it (a faulty kernel or device)"
+    MISCOMPUTE = "miscompute", ("every gradient it computes from then on is off by 2**-8 relative while its "
+                                "parameters stay right (corrupted arithmetic: only an audit finds it)")
 
 
 FAULTS: tuple[str, ...] = Fault.values()

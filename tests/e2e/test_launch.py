@@ -429,6 +429,14 @@ def test_a_corrupted_replica_and_a_nan_are_found_and_healed_in_their_step(refere
         == [(1, 16, [2])]
     assert 2 in [e["replica"] for e in ev if e["kind"] == "state_received"]  # it came back with their state
     assert not any(e["kind"] == "kill" for e in ev)
+    # corrupted arithmetic, parameters intact (every replica applies the same reduced gradient): only the
+    # audit sees it; replica 1 owns the audited microbatch of step 0 with 3 replicas (seed 1234)
+    audited = tmp_path / "audited"
+    launch(audited, corpus, "--replicas", "3", "--deterministic", "--miscompute", "1@0",
+           "--fault_tolerance.audit_every=1", "--workload.policy=even")
+    assert losses(audited) == losses(reference_det) and all(r["microbatches"] == M for r in rows(audited))
+    audits = [e for e in events(audited) if e["kind"] == "audit"]
+    assert [(a["step"], a["replicas"], a["majority"]) for a in audits] == [(0, [1], [0, 2])]
 
 
 def test_nan_everywhere_and_a_two_replica_split_stop_the_job_with_their_state_saved(corpus: Path,

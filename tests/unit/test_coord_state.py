@@ -292,7 +292,7 @@ def test_a_minority_fingerprint_is_fenced_before_the_step_commits() -> None:
     assert st.committed_step == -1 and sent(acts, "committed") == {}
     assert set(sent(acts, "aborted")) == {0, 2}
     assert [(a.replica, a.reason.split(":")[0]) for a in acts if isinstance(a, Fence)] == [(1, "divergent")]
-    assert logs(acts, "divergent")[0]["fingerprints"] == {"aa": [0, 2], "bb": [1]}
+    assert logs(acts, "divergent")[0]["values"] == {"aa": [0, 2], "bb": [1]}
 
 
 def test_fingerprints_without_a_strict_majority_end_the_job() -> None:

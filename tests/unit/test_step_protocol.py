@@ -173,7 +173,8 @@ class FakeCoordinator:
         self.committed_step = -1
 
     def vote_commit(self, generation: int, step: int, ids: list[int],
-                    mb_s: float | None = None, fp: str | None = None) -> FakeMembership | None:
+                    mb_s: float | None = None, fp: str | None = None,
+                    audit: dict | None = None) -> FakeMembership | None:
         group = self.protocol[0].group
         group.seq += 1
         admitted, self.speeds = self.world.vote(generation, group.seq, self.me, tuple(ids), step, mb_s)
@@ -188,6 +189,7 @@ class FakeReplica:
     def __init__(self, mb_s: float = 0.0) -> None:
         self.mb_s = mb_s  # each microbatch sleeps this long (a slow device)
         self.nonfinite: list[int] = []
+        self.audit_value = None
         self.weights = torch.zeros(M, dtype=torch.float64)
         self.grad = torch.zeros(M, dtype=torch.float64)
         self.ledger: list[int] = []

@@ -370,11 +370,12 @@ class CoordinatorClient:
 
     def vote_commit(self, generation: int, step: int, ids: list[int] | tuple[int, ...],
                     timeout: float | None = None, mb_s: float | None = None,
-                    fp: str | None = None) -> Membership | None:
+                    fp: str | None = None, audit: dict[str, Any] | None = None) -> Membership | None:
         """Commit vote for ``step`` of ``generation`` with the microbatch ``ids`` in the reduced gradient
         and ``mb_s``, the seconds per microbatch this rank measured in the step (None: it computed none).
         A commit sets :attr:`speeds` to the times the next step is planned with. ``fp``: the fingerprint
-        of this rank's parameters (the coordinator fences a minority that differs from the majority).
+        of this rank's parameters (the coordinator fences a minority that differs from the majority);
+        ``audit``: ``{id, fp, norm, exact}`` of the audited microbatch's gradient, when this replica took part.
 
         Returns:
             None when all members agreed and the step is committed; a new Membership when the step
@@ -391,6 +392,8 @@ class CoordinatorClient:
             vote["stop"] = True
         if fp is not None:
             vote["fp"] = fp
+        if audit is not None:
+            vote["audit"] = audit
         try:
             reply = self._request(vote, timeout)
         except Diverged:

@@ -16,7 +16,8 @@ coordinator holds: see :func:`resume_info`), ``hb`` (heartbeat, with the trainin
 thread's progress, activity and newest generation), ``ack`` (of a ``failing`` notice), ``report`` (a
 collective failed), ``nonfinite`` (microbatches whose loss or gradient was not finite on it), ``vote`` (commit vote,
 with ``mb_s``, the seconds per microbatch the voter measured in the step, ``stop`` when its process
-was asked to stop, and ``fp``, the fingerprint of its parameters), ``bye``. Coordinator ->
+was asked to stop, ``fp``, the fingerprint of its parameters, and ``audit``, that of the audited
+microbatch's gradient), ``bye``. Coordinator ->
 client: ``ok`` / ``error`` / ``committed`` (with the ``speeds`` to plan the next step with, and
 ``stop``: every member stops after this step) / ``aborted`` replies (``re`` names the request ``id``; an
 ``error`` of code ``diverged`` or ``nonfinite`` ends the job and ``sides`` maps each parameter
@@ -60,7 +61,7 @@ SCHEMAS: dict[str, dict[str, str]] = {
     "report": {"id": _INT, "generation": _INT, "suspects": _INTS, "timeout": _ABSENT_BOOL},
     "nonfinite": {"id": _INT, "generation": _INT, "step": _INT, "ids": _INTS},
     "vote": {"id": _INT, "generation": _INT, "step": _INT, "ids": _INTS, "mb_s": _ABSENT_NUM,
-             "stop": _ABSENT_BOOL, "fp": _ABSENT_STR},
+             "stop": _ABSENT_BOOL, "fp": _ABSENT_STR, "audit": _ABSENT_DICT},
     "bye": {},
     "ok": {"re": _INT},
     "error": {"re": _OPT_INT, "code": _STR, "message": _STR, "sides": _ABSENT_DICT},

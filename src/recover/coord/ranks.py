@@ -369,8 +369,9 @@ class RankAggregator:
         slot.stop = slot.stop or msg.get("stop") is True
         if msg.get("fp") is not None:
             slot.fps[link.rank] = msg["fp"]
+        audit = msg.get("audit") if slot.ranks == 1 else None  # replicas of several ranks do not audit
         forward = lambda i: self.state.on_vote(r, i, g, step, ids, now, max(slot.mb_s.values(), default=None),
-                                               slot.stop, _replica_fp(slot))
+                                               slot.stop, _replica_fp(slot), audit)
         if slot.ranks == 1 or not self.state.accepts_vote(r, g, step):
             self._forward(slot, [(link, cid)], False, now, forward)  # P = 1, or settled at once: this rank alone
             slot.mb_s.pop(link.rank, None)

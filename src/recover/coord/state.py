@@ -50,6 +50,9 @@ from typing import Any
 from recover.coord.protocol import Membership, Resume, speeds_to_wire
 from recover.workload.speeds import SpeedTracker
 
+AUDIT_TOLERANCE = 1e-5
+"""Relative difference of the audited gradient's norm tolerated outside deterministic mode."""
+
 
 @dataclass(frozen=True)
 class Send:
@@ -125,6 +128,7 @@ class MembershipState:
         self.late: set[int] = set()  # replicas that came back after the rebuild, waiting to be admitted
         self.left: set[int] = set()  # replicas that said goodbye (their departure is no failure)
         self._fps: dict[int, str | None] = {}  # the parameter fingerprints of the pending votes
+        self._audits: dict[int, dict[str, Any]] = {}  # the audit values of the pending votes
         self._nonfinite: dict[tuple[int, int], set[int]] = {}  # (step, id) -> replicas it was not finite on
 
     @property
@@ -243,10 +247,12 @@ class MembershipState:
         return acts
 
     def on_vote(self, replica: int, req_id: int, generation: int, step: int, ids: list[int],
-                now: float, mb_s: float | None = None, stop: bool = False, fp: str | None = None) -> list[Action]:
+                now: float, mb_s: float | None = None, stop: bool = False, fp: str | None = None,
+                audit: dict[str, Any] | None = None) -> list[Action]:
         """A member's commit vote; ``mb_s`` is the seconds per microbatch it measured in the step;
         ``stop``: its process was asked to stop (the commit, if it happens, is a stop); ``fp``: the
-        fingerprint of its parameters (see :meth:`_check_fingerprints`)."""
+        fingerprint of its parameters (see :meth:`_check_fingerprints`); ``audit``: its value of the step's
+        audited microbatch, if it computed it (see :meth:`_check_audits`)."""
         cur = self.current
         if cur is None or generation != cur.generation or replica not in cur.members:
             raise Refused("stale_generation",
@@ -266,11 +272,14 @@ class MembershipState:
         if mb_s is not None:
             self._mb_s[replica] = mb_s
         self._fps[replica] = fp
+        if audit is not None:
+            self._audits[replica] = audit
         if set(self.votes) != set(cur.members):
             return acts
         votes, self.votes = self.votes, {}
         measured, self._mb_s = self._mb_s, {}
         fps, self._fps = self._fps, {}
+        audits, self._audits = self._audits, {}
         ballots = {(s, i) for _, s, i in votes.values()}
         if len(ballots) != 1:
             acts += [Log("vote_disagreement", {"generation": generation, "ballots": {
@@ -279,6 +288,8 @@ class MembershipState:
                               "reason": "commit vote disagreement"}) for r, (rid, _, _) in votes.items()]
             return acts + self._start_round("commit vote disagreement", now) + self._check_round(now)
         if (split := self._check_fingerprints(generation, step, votes, fps)) is not None:
+            return acts + split
+        if (split := self._check_audits(generation, step, votes, audits)) is not None:
             return acts + split
         self.committed_step = step
         self.fresh.clear()
@@ -299,30 +310,62 @@ class MembershipState:
 
     def _check_fingerprints(self, generation: int, step: int, votes: dict[int, tuple[int, int, tuple[int, ...]]],
                             fps: dict[int, str | None]) -> list[Action] | None:
-        """Silent data corruption: when the members' parameter fingerprints differ, nothing is committed.
-        A strict majority holding one fingerprint is trusted: the others are fenced as ``divergent`` (the
-        majority's votes are aborted; it recomputes their microbatches in the step). No strict majority:
-        the job ends (``diverged`` to every voter, with each side's replicas). None when all agree."""
+        """Silent data corruption: when the members' parameter fingerprints differ, nothing is committed
+        (see :meth:`_split`). None when all agree, or when not every member sent one."""
         held = {r: f for r, f in fps.items() if f is not None}
-        if len(held) < len(votes) or len(set(held.values())) < 2:
+        if len(held) < len(votes):
             return None
         sides: dict[str, list[int]] = {}
         for r, f in sorted(held.items()):
             sides.setdefault(f, []).append(r)
+        return self._split(generation, step, votes, sides, "divergent", "its parameters")
+
+    def _check_audits(self, generation: int, step: int, votes: dict[int, tuple[int, int, tuple[int, ...]]],
+                      audits: dict[int, dict[str, Any]]) -> list[Action] | None:
+        """Corrupted arithmetic: the replicas that computed the audited microbatch compare their gradients
+        (fingerprints when ``exact``, else norms within a relative 1e-5); see :meth:`_split`."""
+        if len(audits) < 2:
+            return None
+        sides: dict[str, list[int]] = {}
+        if all(a.get("exact") for a in audits.values()):
+            for r, a in sorted(audits.items()):
+                sides.setdefault(str(a["fp"]), []).append(r)
+        else:
+            first = 0.0
+            for r, a in sorted(audits.items(), key=lambda kv: kv[1]["norm"]):
+                n = float(a["norm"])
+                if not sides or abs(n - first) > AUDIT_TOLERANCE * max(abs(first), 1e-30):
+                    first = n
+                    sides[f"norm {n:.9g}"] = []
+                sides[f"norm {first:.9g}"].append(r)
+        what = f"its gradient of the audited microbatch {next(iter(audits.values()))['id']}"
+        return self._split(generation, step, votes, sides, "audit", what)
+
+    def _split(self, generation: int, step: int, votes: dict[int, tuple[int, int, tuple[int, ...]]],
+               sides: dict[str, list[int]], kind: str, what: str) -> list[Action] | None:
+        """Replicas that should hold the same value (``sides``: value -> replicas) and do not. A strict
+        majority of them holding one value is trusted: the others are fenced (``kind``) before the step
+        commits, every other vote is aborted, and the members left recompute the fenced ones'
+        microbatches in the step. No strict majority: the job ends (``diverged`` to every voter, with
+        the sides). None when all agree."""
+        if len(sides) < 2:
+            return None
         trusted, largest = max(sides.items(), key=lambda kv: len(kv[1]))
-        if 2 * len(largest) > len(votes):
-            minority = sorted(set(votes) - set(largest))
-            acts: list[Action] = [Log("divergent", {"generation": generation, "step": step, "replicas": minority,
-                                                    "majority": largest, "fingerprints": sides})]
-            acts += [Send(r, {"type": "aborted", "re": votes[r][0], "generation": generation,
-                              "reason": f"divergent replicas {minority} fenced"}) for r in largest]
-            return acts + [Fence(r, f"divergent: its parameters (fingerprint {held[r]}) differ from those of "
-                                    f"replicas {largest} ({trusted}) at step {step}") for r in minority]
+        if 2 * len(largest) > sum(len(rs) for rs in sides.values()):
+            minority = sorted(r for v, rs in sides.items() if v != trusted for r in rs)
+            acts: list[Action] = [Log(kind, {"generation": generation, "step": step, "replicas": minority,
+                                             "majority": largest, "values": sides})]
+            acts += [Send(r, {"type": "aborted", "re": rid, "generation": generation,
+                              "reason": f"{kind} replicas {minority} fenced"})
+                     for r, (rid, _, _) in votes.items() if r not in minority]
+            return acts + [Fence(r, f"{kind}: {what} ({v}) differs from that of replicas {largest} ({trusted}) at "
+                                    f"step {step}") for v, rs in sides.items() if v != trusted for r in rs]
         self.stopped = True
-        text = "; ".join(f"replicas {rs} hold {f}" for f, rs in sides.items())
-        msg = (f"the replicas' parameters disagree at step {step} with no majority to trust ({text}); each side's "
-               "state is saved under checkpoints/diverged/; find the faulty device before resuming")
-        return [Log("diverged", {"generation": generation, "step": step, "sides": sides}),
+        text = "; ".join(f"replicas {rs} hold {v}" for v, rs in sides.items())
+        msg = (f"the replicas disagree on {what.replace('its ', '')} at step {step} with no majority to trust "
+               f"({text}); each side's state is saved under checkpoints/diverged/; find the faulty device "
+               "before resuming")
+        return [Log("diverged", {"generation": generation, "step": step, "sides": sides, "check": kind}),
                 *(Send(r, {"type": "error", "re": rid, "code": "diverged", "message": msg, "sides": sides})
                   for r, (rid, _, _) in votes.items())]
 
@@ -479,7 +522,7 @@ class MembershipState:
         acts: list[Action] = [Send(r, {"type": "aborted", "re": rid, "generation": old.generation if old else 0,
                                        "reason": f"generation replaced ({reason})"})
                               for r, (rid, _, _) in self.votes.items() if r in self.live]
-        self.votes, self._mb_s, self._fps = {}, {}, {}
+        self.votes, self._mb_s, self._fps, self._audits = {}, {}, {}, {}
         self.current = m
         self.initial.clear()
         fields: dict[str, Any] = {"generation": m.generation, "members": list(m.members), "dead": list(dead),

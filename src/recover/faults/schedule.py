@@ -27,6 +27,8 @@ parameter element of replica R (its spec's rank, default the last) before the fo
 STEP: silent data corruption that nothing but the parameter fingerprints notices. A ``nan`` spec
 (``--nan R@STEP:ID``, text ``R@STEP:forward=nan:ID``) makes the gradient of microbatch ID of STEP NaN
 on replica R, if R computes it (then R is fenced; a corruption always loses R, and counts as a failure).
+A ``miscompute`` spec (``--miscompute R@STEP``) makes every gradient R computes from STEP on off by
+2**-8 relative, its parameters staying right: corrupted arithmetic, found only by audits.
 """
 
 from __future__ import annotations
@@ -190,15 +192,16 @@ def parse_nan(text: str) -> FailureSpec:
     return parse_failure(f"{head}:{DEFAULT_PHASE}={Fault.NAN}:{mb}")
 
 
-def parse_corrupt(text: str) -> FailureSpec:
-    """Parses ``--corrupt R@STEP`` (one parameter bit of replica R flips before STEP's forward passes).
+def parse_corrupt(text: str, fault: Fault = Fault.CORRUPT) -> FailureSpec:
+    """Parses ``--corrupt R@STEP`` (one parameter bit of replica R flips before STEP's forward passes),
+    or ``--miscompute R@STEP`` with ``fault=Fault.MISCOMPUTE`` (its gradients are off from then on).
 
     Raises:
         ConfigError: a malformed text, in one line with the form to write.
     """
     if ":" in text:
-        raise ConfigError(f"bad corruption {text!r}: write R@STEP, e.g. 2@12")
-    return parse_failure(f"{text}:{DEFAULT_PHASE}={Fault.CORRUPT}")
+        raise ConfigError(f"bad {fault} {text!r}: write R@STEP, e.g. 2@12")
+    return parse_failure(f"{text}:{DEFAULT_PHASE}={fault}")
 
 
 def parse_cut(text: str) -> FailureSpec:
@@ -378,7 +381,7 @@ class FaultInjector:
         before_kill: called with the spec just before the kill (e.g. to write and flush an event).
         slow: called with a ``slow`` spec's factor when it fires (on every rank of the replica).
         cut: called with a ``cut`` spec's peer replica when it fires (on every rank of the replica).
-        corrupt: called when a ``corrupt`` spec fires (on its rank).
+        corrupt: called with False when a ``corrupt`` spec fires, True for ``miscompute`` (on its rank).
         nan: called with ``(step, id)`` when a ``nan`` spec fires (on every rank of the replica).
     """
 
@@ -387,7 +390,7 @@ class FaultInjector:
                  hang: Callable[[], Any] = lambda: threading.Event().wait(),
                  slow: Callable[[float], Any] = lambda factor: None,
                  cut: Callable[[int], Any] = lambda peer: None,
-                 corrupt: Callable[[], Any] = lambda: None,
+                 corrupt: Callable[[bool], Any] = lambda arithmetic: None,
                  nan: Callable[[int, int], Any] = lambda step, mb: None) -> None:
         if not 0 <= rank < ranks:
             raise ValueError(f"rank = {rank} must be in 0..{ranks - 1} (ranks = {ranks})")
@@ -419,8 +422,8 @@ class FaultInjector:
                 if spec.fault is Fault.CUT:
                     self.cut(int(spec.factor))
                     return True
-                if spec.fault is Fault.CORRUPT:
-                    self.corrupt()
+                if spec.fault in (Fault.CORRUPT, Fault.MISCOMPUTE):
+                    self.corrupt(spec.fault is Fault.MISCOMPUTE)
                     return True
                 if spec.fault is Fault.NAN:
                     self.nan(spec.step, int(spec.factor))

@@ -56,6 +56,9 @@ def register(sub: argparse._SubParsersAction) -> None:
     p.add_argument("--corrupt", action="append", default=[], metavar="R@STEP",
                    help=f"before STEP's forward passes, {Fault.CORRUPT.help} on replica R; the parameter "
                         "fingerprints find it at that step's vote; repeatable")
+    p.add_argument("--miscompute", action="append", default=[], metavar="R@STEP",
+                   help=f"from STEP on, {Fault.MISCOMPUTE.help.replace('it computes', 'replica R computes')}; "
+                        "found by --fault_tolerance.audit_every K; repeatable")
     p.add_argument("--nan", action="append", default=[], metavar="R@STEP:ID",
                    help=f"at STEP, {Fault.NAN.help.replace('on it', 'on replica R')}; the microbatch is recomputed "
                         "elsewhere; repeatable")
@@ -288,7 +291,8 @@ def launch(req: LaunchRequest) -> int:
         last = [e for e in read_jsonl(opts.out / "events.jsonl") if e.get("kind") == kinds[code]][-1:]
         if code == EXIT_DIVERGED:
             sides = "; ".join(f"replicas {rs} hold {fp}" for fp, rs in (last[0]["sides"] if last else {}).items())
-            what = (f"the replicas' parameters disagree at step {last[0]['step'] if last else '?'} with no majority "
+            of = "gradients of the audited microbatch" if last and last[0].get("check") == "audit" else "parameters"
+            what = (f"the replicas' {of} disagree at step {last[0]['step'] if last else '?'} with no majority "
                     f"to trust ({sides}); each side's state is under {opts.out / 'checkpoints' / 'diverged'}")
         else:
             e = last[0] if last else {"id": "?", "step": "?", "replicas": []}
@@ -344,7 +348,8 @@ def run_launch(args: argparse.Namespace) -> int:
         deterministic=args.deterministic, device_time_s=args.device_time_s, fail_rank=args.fail_rank,
         failures=(*args.fail, *(f"{f}={Fault.HANG}" for f in args.hang), *(f"{f}={Fault.FREEZE}" for f in args.freeze),
                   *(str(parse_slow(f)) for f in args.slow), *(str(parse_cut(f)) for f in args.cut),
-                  *(str(parse_corrupt(f)) for f in args.corrupt), *(str(parse_nan(f)) for f in args.nan)),
+                  *(str(parse_corrupt(f)) for f in args.corrupt), *(str(parse_nan(f)) for f in args.nan),
+                  *(str(parse_corrupt(f, Fault.MISCOMPUTE)) for f in args.miscompute)),
         random_mtbf_s=args.random_failures, rejoin_after_s=args.rejoin_after,
         random_faults=tuple(f.strip().lower() for f in args.random_faults.split(",") if f.strip()),
         rejoin_replicas=_ids("--rejoin-replicas", args.rejoin_replicas),

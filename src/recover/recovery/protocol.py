@@ -36,7 +36,7 @@ from recover.comm.transfer import receive_state, send_state, source_rank
 from recover.errors import PeerFailure, QuorumLost
 from recover.names import Phase
 from recover.recovery.interfaces import Coordinator, Group, Hook, Membership, StepReplica
-from recover.workload import plan_step, replan, slowdowns
+from recover.workload import audit_plan, plan_step, replan, slowdowns
 from recover.workload.speeds import STRAGGLER_RATIO
 
 
@@ -141,19 +141,23 @@ class ResilientStep:
         policy: ``weighted`` (quotas by the speeds agreed at the last commit) or ``even``.
         fingerprint_every: every this many steps the vote carries the fingerprint of this replica's
             parameters (0: never), so the coordinator can fence a corrupted minority before the commit.
+        audit_every: every this many steps one microbatch, drawn from (seed, step), is computed by its
+            owner and by the two members after it, and their gradients' fingerprints go with their
+            votes (0: never; one-process replicas only): the coordinator fences the odd one out.
     """
 
     def __init__(self, replica: StepReplica, group: Group, coordinator: Coordinator, M: int,
                  progress: Progress | None = None, min_replicas: int = 1, hook: Hook = _no_hook,
                  on_event: Callable[..., Any] = _no_event, assignment: str = "blocks", seed: int = 0,
-                 policy: str = "weighted", fingerprint_every: int = 0) -> None:
+                 policy: str = "weighted", fingerprint_every: int = 0, audit_every: int = 0) -> None:
         self.replica, self.group, self.coordinator = replica, group, coordinator
         self.me = group.members[group.rank]
         self.M, self.min_replicas = M, min_replicas
         self.progress = progress or Progress()
         self.hook, self.on_event = hook, on_event
         self.assignment, self.seed, self.policy = assignment, seed, policy
-        self.fingerprint_every = fingerprint_every
+        self.fingerprint_every, self.audit_every = fingerprint_every, audit_every
+        self._audit: dict[str, Any] | None = None  # this replica's audit value of the step, if it takes part
         self.speeds = group.membership.speeds  # a joiner's: those of the commit that admitted it
         self._compute_s = 0.0  # this step's compute time so far
 
@@ -181,12 +185,18 @@ class ResilientStep:
         plan = self.plan(data_step)
         todo = plan[self.me]
         self.replica.reset()
+        audit = self._audit_of(step, plan)
+        if audit is not None and audit[1] == self.me:
+            self.replica.audit_id = audit[0]  # the owner fingerprints its gradient as it computes it
         recoveries: list[dict[str, Any]] = []
         computed = 0
         self._compute_s = 0.0
         while True:
             t0 = time.perf_counter()
             self.replica.compute(data_step, todo, self.hook)
+            if audit is not None and self.me in audit[2]:
+                self._audit = {"id": audit[0], **self.replica.audit(data_step, audit[0])}
+                audit = None  # once per step, even if the step recovers
             self._compute_s += time.perf_counter() - t0
             computed += len(todo)
             if self.replica.nonfinite:
@@ -223,7 +233,10 @@ class ResilientStep:
         mb_s = self._compute_s / computed if computed else None
         every = self.fingerprint_every
         fp = self.replica.fingerprint() if every and step % every == 0 else None
-        admitted = self.coordinator.vote_commit(self.group.generation, step, ids, mb_s=mb_s, fp=fp)
+        audit, self._audit = self._audit, None
+        if audit is None and self.replica.audit_value is not None:  # the owner's
+            audit = {"id": self.replica.audit_id, **self.replica.audit_value}
+        admitted = self.coordinator.vote_commit(self.group.generation, step, ids, mb_s=mb_s, fp=fp, audit=audit)
         self.speeds = self.coordinator.speeds
         quotas = {r: len(share) for r, share in sorted(plan.items())}
         return Committed(reduced, ids, self.group.generation, tuple(self.group.members), computed, quotas,
@@ -243,6 +256,13 @@ class ResilientStep:
         self.progress.data_step += 1
         self.progress.tokens += tokens
         return outcome
+
+    def _audit_of(self, step: int, plan: dict[int, list[int]]) -> tuple[int, int, list[int]] | None:
+        """This step's audit (``(id, owner, auditors)``), when one is due and replicas can audit."""
+        self._audit = None
+        if not (self.audit_every and step % self.audit_every == 0 and getattr(self.replica, "audits", False)):
+            return None
+        return audit_plan(plan, step, self.seed)
 
     def report_nonfinite(self, step: int) -> None:
         """Microbatches whose loss or gradient was not finite here: the coordinator fences this replica

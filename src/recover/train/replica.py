@@ -148,6 +148,9 @@ class Replica:
                                        self.device, model_cfg.dim, model_cfg.vocab_size, schedule)
         self.slowdown = 1.0  # >1: every pass takes this many times as long (--slow fault injection)
         self.poison: set[tuple[int, int]] = set()  # (step, id) whose gradient becomes NaN (--nan injection)
+        self.miscompute = False  # every gradient off by 2**-8 relative (--miscompute injection: a bad ALU)
+        self.audit_id: int | None = None  # the audited microbatch of this step, if this replica owns it
+        self.audit_value: dict[str, Any] | None = None  # its gradient's fingerprint, once computed
         self.nonfinite: list[int] = []  # ids of this step whose loss or gradient was not finite here
         self.ledger: list[int] = []
         self.losses: dict[int, float] = {}
@@ -199,6 +202,7 @@ class Replica:
             buf.zero_()
         self.ledger, self.losses, self.loss_sum = [], {}, 0.0
         self.nonfinite = []
+        self.audit_id, self.audit_value = None, None
 
     def compute(self, step: int, ids: list[int], hook: Hook = _no_hook) -> None:
         """(collective) Forward and backward of the replica's microbatches ``ids`` of ``step``.
@@ -230,18 +234,59 @@ class Replica:
             loss = lm_loss(self.model(inputs.to(self.device)), targets.to(self.device))  # mean over B x T
             hook(step, Phase.BACKWARD)
             (loss if mb is not None else loss * 0.0).backward()
-            if mb is not None and (step, mb) in self.poison:
-                self._poison_gradient()
+            self._inject(step, mb)
             if mb is not None and not (math.isfinite(value := float(loss.detach())) and self._gradient_finite()):
                 self.nonfinite.append(mb)  # never folded: the buffers stay finite (the caller reports it)
                 for p in self.params:
                     p.grad = None
             else:
+                if mb is not None and mb == self.audit_id:
+                    self.audit_value = self._gradient_fingerprint()
                 self._fold()
                 if mb is not None:
                     out[mb] = value
             self._emulate_device(t0, 1)
         return out
+
+    def _inject(self, step: int, mb: int | None) -> None:
+        """Fault injection on the gradient of the pass just run (``--nan``, ``--miscompute``)."""
+        if mb is not None and (step, mb) in self.poison:
+            self._poison_gradient()
+        if self.miscompute:
+            with torch.no_grad():
+                for p in self.params:
+                    if p.grad is not None:
+                        local(p.grad).mul_(1 + 2**-8)
+
+    @property
+    def audits(self) -> bool:
+        """Whether this replica can audit (one process: a microbatch's gradient is its own, unmixed)."""
+        return self.group is None and self.pipe is None
+
+    def audit(self, step: int, mb: int) -> dict[str, Any]:
+        """(local) Computes microbatch ``mb`` of ``step`` a second time, on its own, for the audit: the
+        fingerprint and norm of its gradient (see :meth:`_gradient_fingerprint`). Nothing is folded
+        into the buffers or the ledger."""
+        t0 = time.perf_counter()
+        inputs, targets = self._batch(step, mb)
+        lm_loss(self.model(inputs.to(self.device)), targets.to(self.device)).backward()
+        self._inject(step, None)
+        value = self._gradient_fingerprint()
+        for p in self.params:
+            p.grad = None
+        self._emulate_device(t0, 1)
+        return value
+
+    @torch.no_grad()
+    def _gradient_fingerprint(self) -> dict[str, Any]:
+        """The gradient of the pass just run: its exact fingerprint (as :meth:`fingerprint`), its L2 norm,
+        and ``exact`` (deterministic mode: compare fingerprints; otherwise norms, within a tolerance)."""
+        grads = [local(p.grad.detach()) for p in self.params if p.grad is not None]
+        total = torch.zeros((), dtype=torch.int64, device=self.device)
+        for k, g in enumerate(grads):
+            total += _bits(g).sum(dtype=torch.int64) * (2 * k + 1)
+        norm = float(torch.stack(torch._foreach_norm(grads)).double().norm()) if grads else 0.0
+        return {"fp": f"{int(total) & _MASK:016x}", "norm": norm, "exact": self.training.deterministic}
 
     @torch.no_grad()
     def _gradient_finite(self) -> bool:

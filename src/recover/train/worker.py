@@ -110,14 +110,14 @@ class ReplicaWorker:
         self.cut: set[int] = set()  # replicas this one cannot reach (--cut fault injection)
         self.client: Any = None  # the coordinator client, once training starts
         self.injector = FaultInjector(failures, replica, self.rank, self.ranks, before_kill=self._before_kill,
-                                      slow=self._slow_down, cut=self.cut.add, corrupt=self.replica.corrupt,
+                                      slow=self._slow_down, cut=self.cut.add, corrupt=self._corrupt,
                                       nan=lambda step, mb: self.replica.poison.add((step, mb)))
 
     def _before_kill(self, spec: FailureSpec) -> None:
         if spec.fault is Fault.CUT:
             self._event("link_cut", step=spec.step, peer=int(spec.factor))
             return
-        if spec.fault in (Fault.CORRUPT, Fault.NAN):  # nothing dies here: the coordinator must find it
+        if spec.fault in (Fault.CORRUPT, Fault.MISCOMPUTE, Fault.NAN):  # nothing dies: the coordinator must find it
             self._event("injected", fault=spec.fault, step=spec.step,
                         **({"microbatch": int(spec.factor)} if spec.fault is Fault.NAN else {}))
             return
@@ -126,6 +126,13 @@ class ReplicaWorker:
             return
         self.events.event("kill", replica=self.replica_id, rank=self.rank, step=spec.step, phase=spec.phase,
                           fault=spec.fault, pid=os.getpid())
+
+    def _corrupt(self, arithmetic: bool) -> None:
+        """``--corrupt``: one parameter bit flips; ``--miscompute``: every gradient from now on is off."""
+        if arithmetic:
+            self.replica.miscompute = True
+        else:
+            self.replica.corrupt()
 
     def _slow_down(self, factor: float) -> None:
         self.replica.slowdown = factor
@@ -166,7 +173,8 @@ class ReplicaWorker:
         step = step_class(self.baseline)(
             self.replica, group, client, tc.global_microbatches, self.start, ft.min_replicas,
             hook=hook, on_event=self._event, assignment=tc.assignment, seed=tc.seed,
-            policy=self.cfg.workload.policy, fingerprint_every=ft.fingerprint_every, **extra)
+            policy=self.cfg.workload.policy, fingerprint_every=ft.fingerprint_every, audit_every=ft.audit_every,
+            **extra)
         if self.join:
             step.join()
         self._event("started", generation=step.group.generation, members=list(step.group.members),

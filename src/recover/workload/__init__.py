@@ -2,6 +2,7 @@
 
 from recover.workload.policy import (
     assign,
+    audit_plan,
     check_assignment,
     even_split,
     makespan,
@@ -13,5 +14,5 @@ from recover.workload.policy import (
 )
 from recover.workload.speeds import SpeedChange, SpeedTracker, slowdowns
 
-__all__ = ["assign", "check_assignment", "even_split", "makespan", "plan_step", "quotas", "replan",
+__all__ = ["assign", "audit_plan", "check_assignment", "even_split", "makespan", "plan_step", "quotas", "replan",
            "split_within_replica", "static_assignment", "SpeedChange", "SpeedTracker", "slowdowns"]

@@ -258,3 +258,19 @@ def _blocks(ids: list[int], reps: list[int], sizes: list[int]) -> Assignment:
         out[rep] = ids[start:start + size]
         start += size
     return out
+
+
+def audit_plan(plan: Mapping[int, Sequence[int]], step: int, seed: int = 0,
+               auditors: int = 2) -> tuple[int, int, list[int]] | None:
+    """The audit of ``step`` (``fault_tolerance.audit_every``): ``(id, owner, auditors)``, one microbatch
+    id drawn from (seed, step), the member whose share holds it, and the ``auditors`` members after it
+    (in member order, wrapping around) that compute it a second and third time. Pure: every member
+    derives the same audit from the same plan. None when fewer than two members hold work."""
+    members = sorted(plan)
+    ids = sorted(i for share in plan.values() for i in share)
+    if len(members) < 2 or not ids:
+        return None
+    audited = ids[random.Random(f"audit:{seed}:{step}").randrange(len(ids))]
+    owner = next(r for r in members if audited in plan[r])
+    at = members.index(owner)
+    return audited, owner, [members[(at + k) % len(members)] for k in range(1, min(auditors, len(members) - 1) + 1)]
