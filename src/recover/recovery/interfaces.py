@@ -94,9 +94,11 @@ class Coordinator(Protocol):
     """The last step this replica holds committed (set after a resume or a state transfer)."""
 
     def vote_commit(self, generation: int, step: int, ids: list[int] | tuple[int, ...], *,
-                    mb_s: float | None = None, fp: str | None = None) -> Membership | None:
+                    mb_s: float | None = None, fp: str | None = None,
+                    audit: dict[str, Any] | None = None) -> Membership | None:
         """``mb_s``: the seconds per microbatch this replica measured in the step (None: it computed none);
-        ``fp``: the fingerprint of its parameters (None: not this step).
+        ``fp``: the fingerprint of its parameters (None: not this step); ``audit``: its value of the
+        step's audited microbatch, when it computed it.
         Returns None: committed. A membership: committed, and joiners are admitted in that new generation.
         Raises PeerFailure: a member died or the votes disagreed; nothing was committed."""
         ...

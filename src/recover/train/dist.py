@@ -13,6 +13,7 @@ import os
 from collections.abc import Sequence
 from dataclasses import dataclass
 from datetime import timedelta
+from typing import Any
 
 import torch
 import torch.distributed as dist
@@ -133,7 +134,7 @@ class CommitAll:
         self.committed_step = -1
 
     def vote_commit(self, generation: int, step: int, ids: list[int] | tuple[int, ...],
-                    mb_s: float | None = None, fp: str | None = None) -> None:
+                    mb_s: float | None = None, fp: str | None = None, audit: dict[str, Any] | None = None) -> None:
         flag = torch.tensor([1.0 if self.stop_requested else 0.0])
         if dist.is_initialized() and dist.get_world_size() > 1:
             if dist.get_backend() == "nccl":
