@@ -75,7 +75,8 @@ class _Bench:
         token.write_text("bench-token\n")
         cmd = recover_cmd("coordinator", "--port", "0", "--token-file", str(token), "--replicas",
                           str(self.replicas), "--events", str(self.workdir / "events.jsonl"),
-                          "--heartbeat-timeout", str(self.timeout_s))
+                          "--heartbeat-timeout", str(self.timeout_s), "--ranks-per-replica", str(self.ranks),
+                          "--connections", "replica" if self.relay else "rank")
         if self.heartbeat != "auto":
             cmd += ["--heartbeat-interval", self.heartbeat]
         from recover.bench.common import child_env

@@ -34,9 +34,9 @@ import time
 from dataclasses import dataclass, field
 from typing import Any
 
-from recover.coord.protocol import SCHEMAS, FrameDecoder, ProtocolError, encode
+from recover.coord.protocol import SERVER_TYPES, FrameDecoder, ProtocolError, encode
 
-_SERVER_TYPES = frozenset(SCHEMAS) - frozenset({"register", "hb", "hbs", "ack", "report", "vote", "bye"})
+_SERVER_TYPES = SERVER_TYPES
 
 
 @dataclass(eq=False)

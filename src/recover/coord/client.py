@@ -55,12 +55,12 @@ from collections.abc import Callable, Iterator
 from contextlib import contextmanager
 from typing import Any
 
-from recover.coord.protocol import SCHEMAS, FrameDecoder, Membership, ProtocolError, encode, speeds_from_wire
+from recover.coord.protocol import SERVER_TYPES, FrameDecoder, Membership, ProtocolError, encode, speeds_from_wire
 from recover.errors import PeerFailure, QuorumLost, RecoverError
 
 PROBE_TIMEOUT_S = 2.0
 """How long a link probe waits for a peer's answer."""
-_SERVER_TYPES = frozenset(SCHEMAS) - frozenset({"register", "hb", "ack", "report", "vote", "bye"})
+_SERVER_TYPES = SERVER_TYPES
 
 
 class CoordinatorLost(RecoverError):
@@ -142,8 +142,10 @@ class CoordinatorClient:
         sock.settimeout(None)
         self._sock = sock
         self._spawn(self._reader, "recover-coord-reader")
-        self._request({"type": "register", "token": self._token, "replica": self.replica_id, "join": join,
-                       "rank": self.rank, "ranks": self.ranks, "pid": os.getpid()}, timeout)
+        ok = self._request({"type": "register", "token": self._token, "replica": self.replica_id, "join": join,
+                            "rank": self.rank, "ranks": self.ranks, "pid": os.getpid()}, timeout)
+        if "heartbeat_s" in ok:  # the coordinator adapts the interval to the job's size (recover.coord.scale)
+            self.heartbeat_interval_s = max(self.heartbeat_interval_s, float(ok["heartbeat_s"]))
         self._spawn(self._heartbeat, "recover-coord-heartbeat")
         return self._wait(lambda: self._admitted(), timeout, "admission to a generation")
 

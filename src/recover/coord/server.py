@@ -20,6 +20,12 @@ Invariants:
   * Bad peers (wrong token, garbage, oversized or malformed frames, stale generations, too many
     connections, unread output piling up) are refused or dropped, logged to ``events.jsonl``, and
     never stop the service.
+
+Scale (:mod:`recover.coord.scale`): the heartbeat interval and timeout are adapted to the job's
+size (its replicas, ranks per replica and connections per replica), and every worker is told the
+interval in its ``ok``; timeouts are judged on a coarser scan clock; one notice to every member is
+encoded once, whatever the number of connections; the open-files limit is raised to the hard limit
+at start, and a job that needs more connections than it allows is refused before anything binds.
 """
 
 from __future__ import annotations
@@ -33,14 +39,18 @@ from dataclasses import dataclass, field
 from datetime import timedelta
 from typing import Any
 
+from recover.coord import scale
 from recover.coord.liveness import Liveness
 from recover.coord.protocol import CLIENT_TYPES, FrameDecoder, ProtocolError, encode
 from recover.coord.ranks import Close, Out, RankAggregator, SendTo
 from recover.coord.state import MembershipState
+from recover.errors import ConfigError
 from recover.observe.events import EventLog
 
 MAX_OUTBUF = 4 << 20  # a peer that lets this much pile up unread is dropped
 MAX_CONNECTIONS = 4096
+"""Connections accepted before :meth:`Coordinator.start` has read the open-files limit; from then on
+``Coordinator.max_connections`` (that limit less :data:`recover.coord.scale.RESERVED_FDS`)."""
 
 
 @dataclass(eq=False)
@@ -60,20 +70,25 @@ class Coordinator:
         host, port: where workers connect (127.0.0.1 unless told otherwise; 0 picks a free port).
         token: the shared secret a worker must present to register.
         events_path: ``events.jsonl`` for membership changes, failures and refusals (None: no log).
-        heartbeat_interval_s: how often workers heartbeat (sets the loop's tick).
-        heartbeat_timeout_s: silence after which a registered replica is declared dead.
+        heartbeat_interval_s: how often workers heartbeat, at least (raised for large jobs, see
+            :func:`recover.coord.scale.cadence`; sets the loop's tick).
+        heartbeat_timeout_s: silence after which a registered replica is declared dead, at least.
         store_port: the c10d TCPStore's port (0 picks a free one).
         min_members: the quorum; generations below it are logged as ``quorum_lost``.
         expected_replicas: the first generation forms when this many replicas have registered.
         register_timeout_s: an unregistered connection is closed after this long.
         hang_timeout_s: a replica that makes no progress this long while others wait for it is fenced
             as hung; 0 derives it from the step time (:mod:`recover.coord.liveness`).
+        ranks_per_replica: processes per replica (for the job's size).
+        per_replica_connections: each replica reaches the coordinator through one connection (a relay,
+            :mod:`recover.coord.relay`) instead of one per rank.
     """
 
     def __init__(self, host: str = "127.0.0.1", port: int = 0, *, token: str, events_path: str | None = None,
                  heartbeat_interval_s: float = 0.1, heartbeat_timeout_s: float = 1.0, store_port: int = 0,
                  min_members: int = 1, expected_replicas: int = 1, register_timeout_s: float = 10.0,
-                 hang_timeout_s: float = 0.0) -> None:
+                 hang_timeout_s: float = 0.0, ranks_per_replica: int = 1,
+                 per_replica_connections: bool = False) -> None:
         if not token:
             raise ValueError("token must be a non-empty string")
         if heartbeat_timeout_s <= heartbeat_interval_s:
@@ -84,13 +99,15 @@ class Coordinator:
         self._req_store_port = store_port
         self._token = token
         self._events = EventLog(events_path) if events_path else None
-        self.heartbeat_interval_s = heartbeat_interval_s
-        self.heartbeat_timeout_s = heartbeat_timeout_s
+        self.connections, ranks = scale.job_connections(expected_replicas, ranks_per_replica, per_replica_connections)
+        self.heartbeat_interval_s, self.heartbeat_timeout_s = scale.cadence(
+            heartbeat_interval_s, heartbeat_timeout_s, self.connections, ranks)
+        self.max_connections = MAX_CONNECTIONS
         self.min_members = min_members
         self.expected_replicas = expected_replicas
         self.register_timeout_s = register_timeout_s
         self.hang_timeout_s = hang_timeout_s
-        self._tick_s = min(0.02, heartbeat_interval_s / 2)
+        self._tick_s = min(0.02, self.heartbeat_interval_s / 2)
         self._cond = threading.Condition()
         self._conns: set[_Conn] = set()
         self._stopping = False
@@ -104,8 +121,18 @@ class Coordinator:
     # ------------------------------------------------------------- lifecycle
 
     def start(self) -> Coordinator:
-        """Binds the store and the service, then serves in a background thread; returns at once."""
+        """Binds the store and the service, then serves in a background thread; returns at once.
+
+        Raises:
+            ConfigError: the job needs more connections than the open-files limit allows.
+        """
         from torch.distributed import TCPStore
+
+        soft, hard = scale.raise_open_files()
+        problem = scale.check_connections(self.connections, soft, hard)
+        if problem is not None:
+            raise ConfigError(problem)
+        self.max_connections = scale.max_connections(soft)
 
         self._store = TCPStore(self.host, self._req_store_port, None, True, timedelta(seconds=300),
                                wait_for_workers=False, multi_tenant=False)
@@ -121,11 +148,15 @@ class Coordinator:
         self.state = MembershipState(expected=self.expected_replicas, min_members=self.min_members,
                                      store_host=self.host, store_port=self.store_port,
                                      ack_timeout_s=self.heartbeat_timeout_s)
-        self.aggregator = RankAggregator(self.state, token=self._token, heartbeat_timeout_s=self.heartbeat_timeout_s,
-                                         register_timeout_s=self.register_timeout_s,
-                                         liveness=Liveness(self.hang_timeout_s))
+        self.aggregator = RankAggregator(
+            self.state, token=self._token, heartbeat_timeout_s=self.heartbeat_timeout_s,
+            register_timeout_s=self.register_timeout_s, liveness=Liveness(self.hang_timeout_s),
+            heartbeat_s=self.heartbeat_interval_s,
+            scan_s=scale.scan_interval(self.heartbeat_timeout_s, self.register_timeout_s, self.hang_timeout_s))
         self._log("coordinator_start", host=self.host, port=self.port, store_port=self.store_port,
-                  expected_replicas=self.expected_replicas, heartbeat_timeout_s=self.heartbeat_timeout_s)
+                  expected_replicas=self.expected_replicas, heartbeat_s=self.heartbeat_interval_s,
+                  heartbeat_timeout_s=self.heartbeat_timeout_s, connections=self.connections,
+                  max_connections=self.max_connections)
         self._thread = threading.Thread(target=self._loop, name="recover-coordinator", daemon=True)
         self._thread.start()
         return self
@@ -236,7 +267,7 @@ class Coordinator:
             except (BlockingIOError, InterruptedError):
                 return
             peer = f"{addr[0]}:{addr[1]}"
-            if len(self._conns) >= MAX_CONNECTIONS:
+            if len(self._conns) >= self.max_connections:
                 sock.close()
                 self._log("refused", peer=peer, code="too_many_connections")
                 continue
@@ -276,18 +307,22 @@ class Coordinator:
     # ------------------------------------------------------------- actions
 
     def _run(self, actions: list[Out]) -> None:
-        for act in actions:
+        frames: dict[int, bytes] = {}  # a notice to every member is one dict: encoded once (ids stay valid
+        for act in actions:            # while ``actions`` holds the messages)
             if isinstance(act, SendTo):
-                self._send(act.conn, act.msg)
+                frame = frames.get(id(act.msg))
+                if frame is None:
+                    frame = frames[id(act.msg)] = encode(act.msg)
+                self._send(act.conn, frame)
             elif isinstance(act, Close):
                 self._close(act.conn)
             else:
                 self._log(act.kind, **act.fields)
 
-    def _send(self, conn: _Conn, msg: dict[str, Any]) -> None:
+    def _send(self, conn: _Conn, frame: bytes) -> None:
         if conn.closed:
             return
-        conn.out += encode(msg)
+        conn.out += frame
         if len(conn.out) > MAX_OUTBUF:
             assert self.aggregator is not None
             self._run(self.aggregator.on_closed(conn, "slow_consumer", time.monotonic()))

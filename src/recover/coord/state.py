@@ -73,6 +73,8 @@ class _Round:
     deadline: float
     dead: set[int] = field(default_factory=set)
     acked: set[int] = field(default_factory=set)
+    pending: set[int] = field(default_factory=set)
+    """Members neither acked nor dead: kept up to date so each ack costs O(1), not O(members)."""
 
 
 class MembershipState:
@@ -161,6 +163,7 @@ class MembershipState:
             acts += self._start_round(f"replica {replica}: {cause}", now)
             assert self.round is not None
             self.round.dead.add(replica)
+            self.round.pending.discard(replica)
             acts += self._check_round(now)
         return acts
 
@@ -168,8 +171,9 @@ class MembershipState:
         r = self.round
         if r is None or r.generation != generation or self.current is None:
             return []
-        if replica in self.current.members:
+        if replica in r.pending:
             r.acked.add(replica)
+            r.pending.discard(replica)
         return self._check_round(now)
 
     def on_report(self, replica: int, req_id: int, generation: int, suspects: list[int],
@@ -257,7 +261,9 @@ class MembershipState:
         if self.round is not None or self.current is None:
             return []
         g = self.current.generation
-        self.round = _Round(g, reason, now, now + self.ack_timeout_s)
+        members = self.current.members
+        self.round = _Round(g, reason, now, now + self.ack_timeout_s, dead={m for m in members if m not in self.live},
+                            pending={m for m in members if m in self.live})
         msg = {"type": "failing", "generation": g, "dead": [], "reason": reason}
         acts: list[Action] = [Log("failing", {"generation": g, "reason": reason})]
         return acts + [Send(m, msg) for m in self.current.members if m in self.live]
@@ -266,14 +272,10 @@ class MembershipState:
         r, cur = self.round, self.current
         if r is None or cur is None:
             return []
-        for m in cur.members:
-            if m not in self.live:
-                r.dead.add(m)
-        pending = [m for m in cur.members if m not in r.acked and m not in r.dead]
-        if pending and now < r.deadline:
-            return []
+        if r.pending and now < r.deadline:
+            return []  # O(1) per ack and per tick: the members are walked once, when the round closes
         acts: list[Action] = []
-        for m in pending:
+        for m in sorted(r.pending):
             r.dead.add(m)
             self.live.discard(m)
             acts.append(Fence(m, f"no ack of failure notice for generation {r.generation} "
