@@ -183,7 +183,8 @@ class Launcher:
                            str(token_file), "--events", str(self.out / "events.jsonl"), "--replicas", str(expected),
                            "--min-replicas", str(ft.min_replicas), "--heartbeat-interval", str(ft.heartbeat_interval_s),
                            "--heartbeat-timeout", str(ft.heartbeat_timeout_s), "--hang-timeout", str(ft.hang_timeout_s),
-                           "--ranks-per-replica", str(self.cfg.parallel.procs_per_replica))
+                           "--ranks-per-replica", str(self.cfg.parallel.procs_per_replica),
+                           "--connections", ft.connections)
         log = open(self.out / "logs" / "coordinator.log", "wb")  # noqa: SIM115 - lives with the process
         self.coordinator = subprocess.Popen(cmd, stdout=log, stderr=subprocess.STDOUT, start_new_session=True,
                                             env=child_env())
