@@ -60,6 +60,15 @@ def job(tmp_path: Path) -> Iterator[tuple[Coordinator, dict[tuple[int, int], Ran
                         heartbeat_interval_s=0.05, heartbeat_timeout_s=1.0, ranks_per_replica=2,
                         per_replica_connections=True).start()
     ranks: dict[tuple[int, int], Rank] = {}
+    seen = coord.aggregator.on_message
+    coord.votes = []  # type: ignore[attr-defined] - the vote messages the coordinator got
+
+    def counting(conn: Any, msg: dict[str, Any], now: float) -> Any:
+        if msg["type"] == "vote":
+            coord.votes.append(msg)  # type: ignore[attr-defined]
+        return seen(conn, msg, now)
+
+    coord.aggregator.on_message = counting  # type: ignore[method-assign]
     try:
         for r in (0, 1):
             ranks[r, 0] = Rank(coord.port, TOKEN, r, 0, 2)
@@ -67,6 +76,10 @@ def job(tmp_path: Path) -> Iterator[tuple[Coordinator, dict[tuple[int, int], Ran
             ranks[r, 1] = Rank(coord.port, TOKEN, r, 1, 2, relay_port)
         for rank in ranks.values():
             assert rank.next() == {"generation": 1, "members": [0, 1]}
+        for rank in ranks.values():
+            assert rank.next()["committed"] is True
+        # every rank voted; each relay sent one vote for its replica, with its slower rank's speed
+        assert sorted((v.get("rank"), v["mb_s"]) for v in coord.votes) == [(None, 0.2), (None, 0.2)]  # type: ignore[attr-defined]
         yield coord, ranks
     finally:
         for rank in ranks.values():

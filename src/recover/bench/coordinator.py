@@ -80,9 +80,11 @@ class _Bench:
         if self.heartbeat != "auto":
             cmd += ["--heartbeat-interval", self.heartbeat]
         from recover.bench.common import child_env
+        from recover.launch import lifeline
 
+        # the coordinator dies with this process, however it ends (PR_SET_PDEATHSIG, recover.launch.lifeline)
         self.coord = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=open(self.workdir / "coordinator.log", "w"),
-                                      text=True, env=child_env(), start_new_session=True)
+                                      text=True, env=lifeline.child_env(child_env()), start_new_session=True)
         assert self.coord.stdout is not None
         line = self.coord.stdout.readline()
         if not line.startswith("{"):
@@ -168,6 +170,9 @@ def run(layout: str, connections: str, rounds: int = 3, steady_s: float = 5.0, p
     if rounds < 1 or rounds > replicas - 1:
         raise ConfigError(f"--rounds must be in 1..{replicas - 1} (one replica is killed per round), got {rounds}")
     relay = connections == "replica"
+    from recover.launch.lifeline import terminate_as_interrupt
+
+    terminate_as_interrupt()  # SIGTERM (timeout, Slurm) runs the cleanup below, as Ctrl-C does
     load_before = machine_load()
     with tempfile.TemporaryDirectory(prefix="recover-bench-coord-") as tmp:
         bench = _Bench(replicas, ranks, relay, procs, heartbeat, timeout_s, step_s, Path(tmp), log)

@@ -9,8 +9,8 @@ connection speaks the real wire protocol (:mod:`recover.coord.protocol`) to a re
   with a step rate, its own commit ``vote``: what every rank's ``CoordinatorClient`` does today.
 * ``replica`` mode: one connection per replica, registered with ``relay=true`` for its P ranks:
   one batched ``hbs`` per interval (every rank's progress, activity and generation), one ``ack``
-  for all ranks, and one ``vote`` per rank (``rank`` field), as a replica's relay sends them
-  (:mod:`recover.coord.relay`); the relay's own fan-out to its local ranks is not simulated.
+  for all ranks, and one ``vote`` for all ranks, as a replica's relay sends them once its ranks
+  agree (:mod:`recover.coord.relay`); the relay's own fan-out to its local ranks is not simulated.
 
 Heartbeats follow the interval the coordinator's ``ok`` reply names (``heartbeat_s``; the given
 interval when it names none), spread evenly over the interval across the connections. Progress
@@ -184,9 +184,8 @@ class Sim:
         for c in self.conns:
             if c.dead or not c.newest:
                 continue
-            vote = {"type": "vote", "generation": c.newest, "step": c.committed + 1, "ids": ids}
-            for k in range(c.ranks) if c.relay else (c.rank,):
-                self._send(c, {**vote, "id": next(c.ids), **({"rank": k} if c.relay else {})})
+            self._send(c, {"type": "vote", "generation": c.newest, "step": c.committed + 1, "ids": ids,
+                           "id": next(c.ids)})
 
     # ------------------------------------------------------------ control
 

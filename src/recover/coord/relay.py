@@ -16,8 +16,14 @@ What it does:
     rank heard since the last batch. A rank that went silent is left out, so the coordinator, which
     times out every rank on its own, still fences the replica when one rank freezes.
   * ``ack`` of generation g: one upstream ``ack`` (for every rank) once all P ranks acked g.
-  * ``vote``, ``report``: forwarded with the sender's ``rank`` under an upstream request id; the
-    reply goes back to that rank with its own id. ``bye``: forwarded (the replica leaves).
+  * ``vote``: held until every rank voted; the same ballot (generation, step, ids) from all P is one
+    upstream ``vote`` for the whole replica (the slowest rank's ``mb_s``), whose reply goes to every
+    rank with its own id, so a commit costs the coordinator one message per replica. Ranks that
+    vote differently are forwarded one by one with their ``rank`` (the coordinator fences the
+    replica); held votes of a generation that a ``failing`` or ``membership`` push ends are answered
+    ``aborted`` here, as the coordinator answers the votes it holds.
+  * ``report``: forwarded with the sender's ``rank`` under an upstream request id; the reply goes
+    back to that rank with its own id. ``bye``: forwarded (the replica leaves).
   * Pushes (``failing``, ``membership``, ``fenced``) are encoded once and fanned out to every rank.
 
 Invariants: the relay lives and dies with rank 0's process, and a rank's death is the replica's:
@@ -89,6 +95,7 @@ class Relay:
         self._ids = itertools.count(1)
         self._beats: dict[int, tuple[int, str, int]] = {}  # rank -> newest (progress, letter, generation)
         self._acks: dict[int, set[int]] = {}
+        self._votes: dict[int, tuple[_Local, dict[str, Any]]] = {}  # rank -> its held vote
         self._registered = False
         self._reg_uid: int | None = None  # the upstream register's request id
         self._next_batch = 0.0
@@ -224,12 +231,40 @@ class Relay:
                 for g in [g for g in self._acks if g <= msg["generation"]]:
                     del self._acks[g]
                 self._send_up({"type": "ack", "generation": msg["generation"]})
-        elif kind in ("vote", "report"):
+        elif kind == "vote":
+            self._vote(loc, msg)
+        elif kind == "report":
             self._forward(msg, [(loc, msg["id"])], rank=loc.rank)
         elif kind == "bye":
             self._send_up({"type": "bye", "rank": loc.rank})
         else:
             self._reply_error(loc, msg.get("id"), "already_registered", f"rank {loc.rank} is already registered")
+
+    def _vote(self, loc: _Local, msg: dict[str, Any]) -> None:
+        """Holds a rank's vote; all P alike go up as one, any difference goes up rank by rank."""
+        assert loc.rank is not None
+        self._votes[loc.rank] = (loc, msg)
+        ballots = {_ballot(m) for _, m in self._votes.values()}
+        if len(ballots) > 1:
+            votes, self._votes = self._votes, {}
+            for k, (held, m) in sorted(votes.items()):
+                self._forward(m, [(held, m["id"])], rank=k)
+        elif len(self._votes) == self.ranks:
+            votes, self._votes = self._votes, {}
+            first = votes[min(votes)][1]
+            vote = {k: first[k] for k in ("type", "generation", "step", "ids")}
+            speeds = [m["mb_s"] for _, m in votes.values() if "mb_s" in m]
+            if speeds:
+                vote["mb_s"] = max(speeds)
+            self._forward(vote, [(held, m["id"]) for _, (held, m) in sorted(votes.items())])
+
+    def _abort_votes(self, below: int, reason: str) -> None:
+        """Answers ``aborted`` to the held votes of generations before ``below``."""
+        for k, (held, m) in list(self._votes.items()):
+            if m["generation"] < below:
+                del self._votes[k]
+                self._send(held, encode({"type": "aborted", "re": m["id"], "generation": m["generation"],
+                                         "reason": reason}))
 
     def _register_local(self, loc: _Local, msg: dict[str, Any]) -> None:
         req = msg.get("id")
@@ -324,6 +359,10 @@ class Relay:
         frame = encode(msg)  # a push: encoded once, to every rank
         for loc in list(self._by_rank.values()):
             self._send(loc, frame)
+        if msg["type"] == "failing":
+            self._abort_votes(msg["generation"] + 1, "generation is failing")
+        elif msg["type"] == "membership" and msg["membership"] is not None:
+            self._abort_votes(msg["membership"]["generation"], "generation replaced")
 
     # ------------------------------------------------------------- bytes out
 
@@ -392,3 +431,7 @@ class Relay:
         self._sel.close()
         self._wake_r.close()
         self._wake_w.close()
+
+
+def _ballot(vote: dict[str, Any]) -> tuple[int, int, tuple[int, ...]]:
+    return vote["generation"], vote["step"], tuple(sorted(vote["ids"]))

@@ -3,7 +3,8 @@
 Usage: ``relay_rank.py COORD_PORT TOKEN REPLICA RANK RANKS [RELAY_PORT]``. Rank 0 starts the
 replica's :class:`~recover.coord.relay.Relay` and prints ``{"relay_port": ...}`` first; every rank
 then registers through the relay and prints one JSON line per generation it learns
-(``{"generation": g, "members": [...]}``), then ``{"lost": why}`` when the coordinator is gone.
+(``{"generation": g, "members": [...]}``; after the first, its commit vote for step 0), then
+``{"lost": why}`` when the coordinator is gone.
 """
 
 from __future__ import annotations
@@ -33,6 +34,8 @@ def main() -> None:
     try:
         m = client.register(timeout=30)
         say(generation=m.generation, members=list(m.members))
+        say(committed=client.vote_commit(m.generation, 0, [0, 1, 2, 3], timeout=30, mb_s=0.1 * (rank + 1)) is None,
+            speeds=client.speeds)
         while True:
             m = client.wait_for_generation(m.generation, timeout=60)
             say(generation=m.generation, members=list(m.members))
