@@ -117,6 +117,11 @@ class Slot:
     mb_s: dict[int, float] = field(default_factory=dict)  # rank -> seconds per microbatch in its vote
     routes: dict[int, list[tuple[_Link, int]]] = field(default_factory=dict)  # forwarded id -> who asked
     seen: dict[int, float] = field(default_factory=dict)  # relay: rank -> its newest entry in a batched heartbeat
+    conns: list[_Link] = field(default_factory=list)  # its distinct connections (a relay: one), for pushes
+    every: tuple[int, ...] = ()  # all its ranks, 0..ranks-1
+
+    def __post_init__(self) -> None:
+        self.every = tuple(range(self.ranks))
 
     def who(self, rank: int) -> str:
         return f"replica {self.replica}" + (f" rank {rank}" if self.ranks > 1 else "")
@@ -313,7 +318,7 @@ class RankAggregator:
                 raise Refused("bad_rank", f"this connection is {slot.who(link.rank)}, not rank {rank}")
             return (link.rank,)
         if rank is None:
-            return tuple(range(slot.ranks))
+            return slot.every
         if not 0 <= rank < slot.ranks:
             raise Refused("bad_rank", f"rank must be in 0..{slot.ranks - 1} for replica {slot.replica}, got {rank}")
         return (rank,)
@@ -344,6 +349,7 @@ class RankAggregator:
         for k in range(ranks) if relay else (rank,):
             slot.links[k] = link
             slot.reg_ids[k] = req
+        slot.conns.append(link)
         if ranks > 1 and not relay:
             self._log("rank_register", replica=r, rank=rank, ranks=ranks, registered=len(slot.links))
         if len(slot.links) < ranks:
@@ -397,10 +403,11 @@ class RankAggregator:
         self._apply(acts, now)
 
     def _ack(self, slot: Slot, ranks: tuple[int, ...], generation: int, now: float) -> None:
-        got = slot.acks.setdefault(generation, set())
-        got.update(ranks)
-        if len(got) < slot.ranks:
-            return
+        if len(ranks) < slot.ranks:  # else one ack for every rank (a relay's): nothing to gather
+            got = slot.acks.setdefault(generation, set())
+            got.update(ranks)
+            if len(got) < slot.ranks:
+                return
         for g in [g for g in slot.acks if g <= generation]:
             del slot.acks[g]
         self._apply(self.state.on_ack(slot.replica, generation, now), now)
@@ -410,7 +417,7 @@ class RankAggregator:
         r, cid = slot.replica, msg["id"]
         g, step, ids = msg["generation"], msg["step"], msg["ids"]
         if g == self.state.generation:
-            for k in ranks:
+            for k in ranks if len(ranks) < slot.ranks else (None,):
                 self.liveness.voted(r, k, now)
         if msg.get("mb_s") is not None:
             slot.mb_s.update(dict.fromkeys(ranks, float(msg["mb_s"])))
@@ -422,6 +429,10 @@ class RankAggregator:
             return
         if again := [k for k in ranks if k in slot.votes]:
             raise Refused("duplicate_vote", f"{slot.who(again[0])} already voted in generation {g}")
+        if len(ranks) == slot.ranks:  # one vote for every rank (a relay's): nothing to gather
+            self._forward(slot, [(link, cid)], False, now, forward)
+            slot.mb_s.clear()
+            return
         ballot = (g, step, tuple(sorted(ids)))
         slot.votes.update(dict.fromkeys(ranks, (cid, ballot)))
         if len({b for _, b in slot.votes.values()}) > 1:
@@ -531,7 +542,7 @@ class RankAggregator:
             for link, cid in slot.routes.pop(re):
                 self._send(link, {**msg, "re": cid, **extra})
             return
-        for link in dict.fromkeys(slot.links.values()):  # once per connection (a relay carries them all)
+        for link in slot.conns:  # once per connection (a relay carries them all)
             self._send(link, msg)
         if msg["type"] == "failing":  # the votes a replica's ranks are still collecting can't commit
             self._abort_votes(slot, msg["generation"] + 1, "generation is failing")
@@ -573,7 +584,7 @@ class RankAggregator:
         del self._slots[r]
         self.liveness.forget(r)
         why = detail if first is None else f"{slot.who(first.rank)} is gone ({cause}{': ' + detail if detail else ''})"
-        for link in list(slot.links.values()):
+        for link in slot.conns:
             if link is not first and not link.closed:
                 self._send(link, _fenced(why))
                 self._close(link)
