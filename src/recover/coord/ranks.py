@@ -427,7 +427,7 @@ class RankAggregator:
             for k in ranks:
                 slot.mb_s.pop(k, None)
             return
-        if again := [k for k in ranks if k in slot.votes]:
+        if slot.votes and (again := [k for k in ranks if k in slot.votes]):
             raise Refused("duplicate_vote", f"{slot.who(again[0])} already voted in generation {g}")
         if len(ranks) == slot.ranks:  # one vote for every rank (a relay's): nothing to gather
             self._forward(slot, [(link, cid)], False, now, forward)

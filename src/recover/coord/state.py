@@ -99,6 +99,7 @@ class MembershipState:
         self.votes: dict[int, tuple[int, int, tuple[int, ...]]] = {}
         self.speeds = speeds or SpeedTracker()
         self._mb_s: dict[int, float] = {}  # the measured seconds per microbatch of the pending votes
+        self._members: frozenset[int] = frozenset()  # the current generation's, for O(1) lookups
 
     @property
     def generation(self) -> int:
@@ -119,7 +120,7 @@ class MembershipState:
         """True when ``on_vote(replica, _, generation, step, ...)`` would record the vote and wait
         for the other members; False when it would refuse it or answer ``aborted`` at once."""
         cur = self.current
-        return (cur is not None and generation == cur.generation and replica in cur.members
+        return (cur is not None and generation == cur.generation and replica in self._members
                 and self.round is None and step > self.committed_step and replica not in self.votes)
 
     def summary(self) -> dict[str, Any]:
@@ -159,7 +160,7 @@ class MembershipState:
         self.speeds.forget(replica)
         acts: list[Action] = [Log("failure_detected", {"replica": replica, "cause": cause,
                                                        "generation": self.generation})]
-        if self.current is not None and replica in self.current.members:
+        if self.current is not None and replica in self._members:
             acts += self._start_round(f"replica {replica}: {cause}", now)
             assert self.round is not None
             self.round.dead.add(replica)
@@ -181,7 +182,7 @@ class MembershipState:
         if self.current is None or not 1 <= generation <= self.generation:
             raise Refused("bad_generation", f"report for generation {generation}; current is {self.generation}")
         stale = generation < self.generation
-        if not stale and replica not in self.current.members:
+        if not stale and replica not in self._members:
             raise Refused("not_member", f"replica {replica} is not a member of generation {generation}")
         acts: list[Action] = [
             Log("failure_report", {"replica": replica, "generation": generation, "suspects": suspects,
@@ -197,7 +198,7 @@ class MembershipState:
                 now: float, mb_s: float | None = None) -> list[Action]:
         """A member's commit vote; ``mb_s`` is the seconds per microbatch it measured in the step."""
         cur = self.current
-        if cur is None or generation != cur.generation or replica not in cur.members:
+        if cur is None or generation != cur.generation or replica not in self._members:
             raise Refused("stale_generation",
                           f"vote of replica {replica} for generation {generation}; current is {self.generation}")
         if self.round is not None:
@@ -311,6 +312,7 @@ class MembershipState:
                               for r, (rid, _, _) in self.votes.items() if r in self.live]
         self.votes, self._mb_s = {}, {}
         self.current = m
+        self._members = frozenset(m.members)
         self.initial.clear()
         fields: dict[str, Any] = {"generation": m.generation, "members": list(m.members), "dead": list(dead),
                                   "joined": list(joined), "reason": reason, "step": m.step}
