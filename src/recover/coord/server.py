@@ -26,10 +26,14 @@ size (its replicas, ranks per replica and connections per replica), and every wo
 interval in its ``ok``; timeouts are judged on a coarser scan clock; one notice to every member is
 encoded once, whatever the number of connections; the open-files limit is raised to the hard limit
 at start, and a job that needs more connections than it allows is refused before anything binds.
+Long-lived objects (torch's modules, every registered rank's records) are moved out of the garbage
+collector's reach (``gc.freeze``) at start and whenever a generation forms, so that a full collection
+over them (tens to hundreds of ms) never lands inside a failure round.
 """
 
 from __future__ import annotations
 
+import gc
 import selectors
 import socket
 import threading
@@ -137,6 +141,7 @@ class Coordinator:
         self._store = TCPStore(self.host, self._req_store_port, None, True, timedelta(seconds=300),
                                wait_for_workers=False, multi_tenant=False)
         self.store_port = int(self._store.port)
+        gc.freeze()  # torch's objects live as long as this process: no collection should walk them
         self._listener = socket.create_server((self.host, self._req_port), backlog=512)
         self._listener.setblocking(False)
         self.port = self._listener.getsockname()[1]
@@ -223,6 +228,7 @@ class Coordinator:
         agg = self.aggregator
         assert agg is not None
         last = time.monotonic()
+        formed = 0
         while not self._stopping:
             events = self._sel.select(self._tick_s)
             now = time.monotonic()
@@ -238,6 +244,9 @@ class Coordinator:
                     self._run(agg.on_resumed(stall, now))
                 self._run(agg.on_tick(now))
                 self._cond.notify_all()
+                if agg.state.generation != formed:  # the records of its members will live on
+                    formed = agg.state.generation
+                    gc.freeze()
             last = time.monotonic()
 
     def _handle(self, events: list[tuple[Any, int]], now: float) -> None:
