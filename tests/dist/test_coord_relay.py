@@ -106,3 +106,23 @@ def test_a_frozen_rank_behind_a_live_relay_fences_its_replica(job, tmp_path: Pat
     assert "lost" in ranks[0, 0].next()
     detected = [e for e in read_jsonl(tmp_path / "events.jsonl") if e["kind"] == "failure_detected"]
     assert [(e["replica"], e["cause"]) for e in detected] == [(0, "heartbeat_timeout")]
+
+
+def test_a_relay_refuses_a_local_peer_without_the_token_and_ends(tmp_path: Path) -> None:
+    from recover.coord import CoordinatorClient, CoordinatorRefused
+    from recover.coord.relay import Relay
+
+    coord = Coordinator(token=TOKEN, expected_replicas=1, ranks_per_replica=2, per_replica_connections=True).start()
+    relay = Relay("127.0.0.1", coord.port, TOKEN, 0, 2).start()
+    try:
+        stranger = CoordinatorClient(*relay.address, "not-the-token", 0, rank=0, ranks=2)
+        with pytest.raises(CoordinatorRefused, match="unauthorized"):
+            stranger.register(timeout=10)
+        stranger.close()
+        assert relay._thread is not None
+        relay._thread.join(5)
+        assert "refused: unauthorized" in (relay.closed_why or "")
+        assert coord.snapshot()["live"] == []  # the coordinator never heard of replica 0
+    finally:
+        relay.stop()
+        coord.stop()
