@@ -119,9 +119,15 @@ class _Bench:
 
     def wait_formed(self, timeout_s: float) -> None:
         deadline = time.monotonic() + timeout_s
+        total = sum(len(share) for _, _, share in self.workers) * (1 if self.relay else self.ranks)
         while True:
             st = self.ask(("status",))
-            if sum(s[1] for s in st) == sum(s[0] for s in st):
+            live, fenced = sum(s[0] for s in st), sum(s[3] for s in st)
+            if live < total or fenced:
+                raise RuntimeError(f"{total - live} of {total} connections were lost ({fenced} fenced) before the "
+                                   "first generation formed (heartbeat timeouts while the others registered): the "
+                                   "coordinator or this machine cannot carry this layout at this heartbeat")
+            if sum(s[1] for s in st) == live:
                 return
             if time.monotonic() > deadline:
                 raise TimeoutError(f"the first generation did not reach every connection within {timeout_s:.0f} s: "

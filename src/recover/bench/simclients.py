@@ -37,6 +37,8 @@ from typing import Any
 from recover.coord.protocol import SERVER_TYPES, FrameDecoder, ProtocolError, encode
 
 _SERVER_TYPES = SERVER_TYPES
+CONNECT_CHUNK = 64
+"""Connections opened between two turns of serving those already open."""
 
 
 @dataclass(eq=False)
@@ -76,9 +78,13 @@ class Sim:
     # ------------------------------------------------------------ setup
 
     def connect_all(self) -> None:
-        """Connects and registers every connection (blocking connects, then non-blocking I/O)."""
+        """Connects and registers every connection (blocking connects, then non-blocking I/O), serving
+        the ones already connected between chunks: a replica registered early must not miss its
+        heartbeats while thousands of others still connect."""
         now = time.monotonic()
         for i, c in enumerate(self.conns):
+            if i % CONNECT_CHUNK == 0 and i:
+                self.pump(0.0)
             sock = socket.create_connection((self.host, self.port), timeout=60)
             sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
             sock.setblocking(False)
@@ -206,27 +212,32 @@ class Sim:
                     for c in self.conns if not c.dead]
         raise ValueError(f"unknown command {cmd!r}")
 
+    def pump(self, wait: float, ctrl: Any = None) -> bool:
+        """One turn: I/O ready within ``wait`` seconds, then due heartbeats and votes. Returns False
+        once ``ctrl`` says stop."""
+        for key, mask in self.sel.select(wait):
+            now = time.monotonic()
+            if key.data == "ctrl":
+                cmd = ctrl.recv()
+                if cmd[0] == "stop":
+                    return False
+                ctrl.send(self.command(cmd))
+                continue
+            c: SimConn = key.data
+            if mask & selectors.EVENT_WRITE and not c.dead:
+                self._flush(c)
+            if mask & selectors.EVENT_READ and not c.dead:
+                self._read(c, now)
+        now = time.monotonic()
+        self._heartbeats(now)
+        self._votes(now)
+        return True
+
     def loop(self, ctrl: Any) -> None:
         """Serves the connections and the control channel ``ctrl`` until ``("stop",)``."""
         self.sel.register(ctrl, selectors.EVENT_READ, "ctrl")
-        while True:
-            wait = max(0.0, min(self._due[0][0] - time.monotonic() if self._due else 0.05, 0.05))
-            for key, mask in self.sel.select(wait):
-                now = time.monotonic()
-                if key.data == "ctrl":
-                    cmd = ctrl.recv()
-                    if cmd[0] == "stop":
-                        return
-                    ctrl.send(self.command(cmd))
-                    continue
-                c: SimConn = key.data
-                if mask & selectors.EVENT_WRITE and not c.dead:
-                    self._flush(c)
-                if mask & selectors.EVENT_READ and not c.dead:
-                    self._read(c, now)
-            now = time.monotonic()
-            self._heartbeats(now)
-            self._votes(now)
+        while self.pump(max(0.0, min(self._due[0][0] - time.monotonic() if self._due else 0.05, 0.05)), ctrl):
+            pass
 
 
 def layout_conns(replicas: list[int], ranks: int, relay: bool) -> list[SimConn]:
