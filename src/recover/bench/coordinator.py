@@ -178,9 +178,6 @@ def run(layout: str, connections: str, rounds: int = 3, steady_s: float = 5.0, p
     if rounds < 1 or rounds > replicas - 1:
         raise ConfigError(f"--rounds must be in 1..{replicas - 1} (one replica is killed per round), got {rounds}")
     relay = connections == "replica"
-    from recover.launch.lifeline import terminate_as_interrupt
-
-    terminate_as_interrupt()  # SIGTERM (timeout, Slurm) runs the cleanup below, as Ctrl-C does
     load_before = machine_load()
     with tempfile.TemporaryDirectory(prefix="recover-bench-coord-") as tmp:
         bench = _Bench(replicas, ranks, relay, procs, heartbeat, timeout_s, step_s, Path(tmp), log)
@@ -277,6 +274,9 @@ def run_from_args(args: argparse.Namespace) -> int:
                               f"got {args.heartbeat!r}") from None
     if args.procs < 1 or args.steady <= 0:
         raise ConfigError(f"--procs must be >= 1 and --steady > 0, got {args.procs} and {args.steady}")
+    from recover.launch.lifeline import terminate_as_interrupt
+
+    terminate_as_interrupt()  # SIGTERM (timeout, Slurm) runs run()'s cleanup, as Ctrl-C does
     res = run(args.layout, args.connections, args.rounds, args.steady, args.procs, args.heartbeat,
               args.heartbeat_timeout, args.step_s)
     print_table(res)
