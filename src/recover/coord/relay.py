@@ -237,8 +237,10 @@ class Relay:
             self._forward(msg, [(loc, msg["id"])], rank=loc.rank)
         elif kind == "bye":
             self._send_up({"type": "bye", "rank": loc.rank})
-        else:
+        elif kind == "register":
             self._reply_error(loc, msg.get("id"), "already_registered", f"rank {loc.rank} is already registered")
+        else:
+            self._reply_error(loc, msg.get("id"), "unknown_type", f"a rank does not send {kind} to its relay")
 
     def _vote(self, loc: _Local, msg: dict[str, Any]) -> None:
         """Holds a rank's vote; all P alike go up as one, any difference goes up rank by rank."""
