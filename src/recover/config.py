@@ -30,7 +30,7 @@ from pathlib import Path
 from typing import Any, ClassVar, Literal
 
 from recover.errors import ConfigError
-from recover.names import Assignment, Backend, Policy, Schedule, ShardFormat
+from recover.names import Assignment, Backend, Connections, Policy, Schedule, ShardFormat
 
 if sys.version_info >= (3, 11):
     import tomllib
@@ -279,7 +279,9 @@ class FaultToleranceConfig:
     min_replicas: int = 1
     """Below this many live replicas the job saves a checkpoint and stops."""
     heartbeat_interval_s: float = 0.1
-    """How often a worker tells the coordinator it is alive."""
+    """How often a worker tells the coordinator it is alive, at least: the coordinator raises it for
+    large jobs so that its heartbeat load stays bounded (:mod:`recover.coord.scale`); crashes are seen
+    from closed connections at once, whatever the interval."""
     heartbeat_timeout_s: float = 1.0
     """Silence after which a worker counts as frozen (SIGSTOP, livelock)."""
     collective_timeout_s: float = 60.0
@@ -290,6 +292,10 @@ class FaultToleranceConfig:
     """A replica whose training loop makes no progress for this long while others wait for it is fenced
     as hung (its process and heartbeats may be alive: a stuck kernel, a deadlocked loader). 0: derived
     from the measured step time, max(60 s, 10 x the median step)."""
+    connections: Connections = "replica"
+    """A replica of several ranks reaches the coordinator through one connection (``replica``: rank 0
+    runs a relay that batches its ranks' heartbeats, :mod:`recover.coord.relay`) or one per rank
+    (``rank``). Either way any rank's death or silence fences the whole replica."""
     fence_exit_s: float = 1.0
     """A fenced process that has not exited this long after the coordinator told it is ended by its own
     watchdog (its training thread may be stuck) and, failing that, SIGKILLed by the launcher."""
@@ -313,6 +319,7 @@ class FaultToleranceConfig:
     save a complete checkpoint and exit (exit status 6) before it kills every process."""
 
     def __post_init__(self) -> None:
+        _check_choices(self)
         _require(isinstance(self.min_replicas, int) and self.min_replicas >= 1,
                  "fault_tolerance.min_replicas", self.min_replicas, "an integer >= 1")
         for name in ("heartbeat_interval_s", "heartbeat_timeout_s", "collective_timeout_s",

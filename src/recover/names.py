@@ -74,6 +74,9 @@ Assignment = Literal["blocks", "strided", "shuffled"]
 """Failure-free ids -> replicas: contiguous blocks, strided, or shuffled by (seed, step)."""
 Policy = Literal["weighted", "even"]
 """Workload policy: quotas weighted by the replicas' measured speeds (stragglers get fewer) or even."""
+Connections = Literal["replica", "rank"]
+"""Coordinator connections of a replica of several ranks: one through its relay (rank 0 runs it,
+heartbeats batched: :mod:`recover.coord.relay`), or one per rank."""
 ShardFormat = Literal["auto", "llmc", "nanogpt"]
 """Token shard format: ``auto`` (from the header), ``llmc`` (256 x int32 header) or ``nanogpt``."""
 

@@ -35,8 +35,13 @@ def register(subparsers: argparse._SubParsersAction) -> None:
     p.add_argument("--events", default=None, help="events.jsonl to append membership changes to")
     p.add_argument("--replicas", type=int, default=1, help="replicas that form the first generation")
     p.add_argument("--min-replicas", type=int, default=1, help="quorum; fewer live replicas is logged")
-    p.add_argument("--heartbeat-interval", type=float, default=0.1, help="seconds between heartbeats")
-    p.add_argument("--heartbeat-timeout", type=float, default=1.0, help="silence (s) that marks a replica dead")
+    p.add_argument("--heartbeat-interval", type=float, default=0.1,
+                   help="seconds between heartbeats, at least: raised for large jobs (recover.coord.scale)")
+    p.add_argument("--heartbeat-timeout", type=float, default=1.0,
+                   help="silence (s) that marks a replica dead, at least (follows the heartbeat interval)")
+    p.add_argument("--ranks-per-replica", type=int, default=1, help="processes per replica (default 1)")
+    p.add_argument("--connections", choices=("rank", "replica"), default="rank",
+                   help="one coordinator connection per rank, or per replica through its relay (default rank)")
     p.add_argument("--hang-timeout", type=float, default=0.0,
                    help="no progress (s) while others wait that marks a replica hung; 0: from the step time")
     p.add_argument("--die-at-commit", default=None, metavar="STEP[:SENT]", help=argparse.SUPPRESS)
@@ -77,6 +82,8 @@ def run(args: argparse.Namespace) -> int:
 
     if args.replicas < 1:
         raise ConfigError(f"--replicas must be >= 1, got {args.replicas}")
+    if args.ranks_per_replica < 1:
+        raise ConfigError(f"--ranks-per-replica must be >= 1, got {args.ranks_per_replica}")
     if args.hang_timeout < 0:
         raise ConfigError(f"--hang-timeout must be >= 0 seconds (0: from the step time), got {args.hang_timeout}")
     if args.heartbeat_timeout <= args.heartbeat_interval:
@@ -86,12 +93,17 @@ def run(args: argparse.Namespace) -> int:
                         heartbeat_interval_s=args.heartbeat_interval, heartbeat_timeout_s=args.heartbeat_timeout,
                         store_port=args.store_port, min_members=args.min_replicas,
                         expected_replicas=args.replicas, hang_timeout_s=args.hang_timeout,
-                        die_at_commit=parse_die_at_commit(args.die_at_commit))
+                        die_at_commit=parse_die_at_commit(args.die_at_commit),
+                        ranks_per_replica=args.ranks_per_replica,
+                        per_replica_connections=args.connections == "replica")
     try:
         coord.start()
+    except ConfigError:
+        raise
     except (OSError, RuntimeError) as exc:
         raise ConfigError(f"cannot bind {args.host}:{args.port} or store port {args.store_port}: {exc}") from None
-    print(json.dumps({"ready": True, "host": args.host, "port": coord.port, "store_port": coord.store_port}),
+    print(json.dumps({"ready": True, "host": args.host, "port": coord.port, "store_port": coord.store_port,
+                      "heartbeat_s": coord.heartbeat_interval_s, "heartbeat_timeout_s": coord.heartbeat_timeout_s}),
           flush=True)
 
     def stop_job(signum: int, frame: Any) -> None:

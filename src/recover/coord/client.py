@@ -70,8 +70,7 @@ from contextlib import contextmanager
 from typing import Any
 
 from recover.coord.protocol import (
-    CLIENT_TYPES,
-    SCHEMAS,
+    SERVER_TYPES,
     FrameDecoder,
     Membership,
     ProtocolError,
@@ -85,7 +84,7 @@ PROBE_TIMEOUT_S = 2.0
 """How long a link probe waits for a peer's answer."""
 RECONNECT_EVERY_S = 0.2
 """How often a client that lost the coordinator tries to reach it again."""
-_SERVER_TYPES = frozenset(SCHEMAS) - CLIENT_TYPES
+_SERVER_TYPES = SERVER_TYPES
 
 
 class CoordinatorLost(RecoverError):
@@ -190,7 +189,9 @@ class CoordinatorClient:
             raise CoordinatorLost(f"{self._who} cannot reach the coordinator at "
                                   f"{self.host}:{self.port}: {exc}; is `recover coordinator` running?") from None
         self._join = join
-        self._request(self._register_msg(), timeout)
+        ok = self._request(self._register_msg(), timeout)
+        if "heartbeat_s" in ok:  # the coordinator adapts the interval to the job's size (recover.coord.scale)
+            self.heartbeat_interval_s = max(self.heartbeat_interval_s, float(ok["heartbeat_s"]))
         self._registered = True
         self._spawn(self._heartbeat, "recover-coord-heartbeat")
         return self._wait(lambda: self._admitted(), timeout, "admission to a generation")

@@ -63,7 +63,7 @@ class Liveness:
         self._replicas: dict[int, dict[int, _Rank]] = {}
         self._commits: deque[tuple[int, float]] = deque(maxlen=21)
         self._formed: tuple[int, tuple[int, ...], float] | None = None  # (generation, members, when)
-        self._ballot: tuple[float, set[tuple[int, int]]] | None = None  # (first vote, (replica, rank) voted)
+        self._ballot: tuple[float, set[tuple[int, int | None]]] | None = None  # (first vote, (replica, rank) voted)
 
     def start(self, replica: int, ranks: int, now: float) -> None:
         """Replica ``replica`` of ``ranks`` ranks is registered: its clocks start now."""
@@ -91,8 +91,9 @@ class Liveness:
             self._formed = (generation, tuple(members), now)
             self._ballot = None
 
-    def voted(self, replica: int, rank: int, now: float) -> None:
-        """Rank ``rank`` of ``replica`` sent its commit vote for the current generation's next step."""
+    def voted(self, replica: int, rank: int | None, now: float) -> None:
+        """Rank ``rank`` of ``replica`` (None: every rank of it) sent its commit vote for the current
+        generation's next step."""
         if self._ballot is None:
             self._ballot = (now, set())
         self._ballot[1].add((replica, rank))
@@ -161,7 +162,8 @@ class Liveness:
         if now - first <= limit:
             return None
         for k, r in ranks.items():
-            if (replica, k) not in voted and r.progress >= 0 and now - r.since > limit:
+            if (replica, k) not in voted and (replica, None) not in voted and r.progress >= 0 \
+                    and now - r.since > limit:
                 return (f"rank {k} has not voted {now - first:.1f} s after the others began to (hang timeout "
                         f"{limit:.1f} s) and made no progress since: its training thread is stuck")
         return None

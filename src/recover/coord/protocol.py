@@ -28,6 +28,15 @@ Replicas of several ranks: each rank (process) of a replica keeps its own connec
 its own requests 1, 2, 3...; ``re`` always names the id *that connection* sent. Every rank of a
 replica declares the same ``ranks`` and ``join``; :func:`register_ranks` checks ``0 <= rank < ranks``
 (the coordinator refuses anything else with ``bad_rank``).
+
+One connection per replica (a *relay*, :mod:`recover.coord.relay`): ``register`` with ``relay=true``
+registers all ``ranks`` ranks of the replica on that one connection. On it, ``hbs`` (a batched
+heartbeat: parallel lists ``ranks``, ``progress``, ``generation`` and an ``activity`` string of one
+letter per rank, :data:`ACTIVITY_LETTERS`) replaces ``hb``; ``ack``, ``vote``, ``report`` and
+``bye`` carry the ``rank`` they speak for, and without one they speak for every rank of the
+replica (one ``ack`` once all ranks acked, one ``vote`` when all ranks cast the same ballot).
+Pushes go once per connection. The ``ok`` reply to a ``register`` may name ``heartbeat_s``, the
+interval the coordinator asks for (adapted to the job size, :mod:`recover.coord.scale`).
 """
 
 from __future__ import annotations
@@ -55,15 +64,16 @@ _ABSENT_DICT = "dict|absent?"
 MAX_RANKS = 1 << 16
 SCHEMAS: dict[str, dict[str, str]] = {
     "register": {"id": _INT, "token": _STR, "replica": _INT, "join": _BOOL, "rank": _ABSENT_INT,
-                 "ranks": _ABSENT_INT, "resume": _ABSENT_DICT},
+                 "ranks": _ABSENT_INT, "relay": _ABSENT_BOOL, "resume": _ABSENT_DICT},
     "hb": {"progress": _ABSENT_INT, "activity": _ABSENT_STR, "generation": _ABSENT_INT},
-    "ack": {"generation": _INT},
-    "report": {"id": _INT, "generation": _INT, "suspects": _INTS, "timeout": _ABSENT_BOOL},
-    "nonfinite": {"id": _INT, "generation": _INT, "step": _INT, "ids": _INTS},
-    "vote": {"id": _INT, "generation": _INT, "step": _INT, "ids": _INTS, "mb_s": _ABSENT_NUM,
+    "hbs": {"ranks": _INTS, "progress": _INTS, "activity": _STR, "generation": _INTS},
+    "ack": {"generation": _INT, "rank": _ABSENT_INT},
+    "report": {"id": _INT, "generation": _INT, "suspects": _INTS, "timeout": _ABSENT_BOOL, "rank": _ABSENT_INT},
+    "nonfinite": {"id": _INT, "generation": _INT, "step": _INT, "ids": _INTS, "rank": _ABSENT_INT},
+    "vote": {"id": _INT, "generation": _INT, "step": _INT, "ids": _INTS, "mb_s": _ABSENT_NUM, "rank": _ABSENT_INT,
              "stop": _ABSENT_BOOL, "fp": _ABSENT_STR, "audit": _ABSENT_DICT},
-    "bye": {},
-    "ok": {"re": _INT},
+    "bye": {"rank": _ABSENT_INT},
+    "ok": {"re": _INT, "heartbeat_s": _ABSENT_NUM},
     "error": {"re": _OPT_INT, "code": _STR, "message": _STR, "sides": _ABSENT_DICT},
     "committed": {"re": _INT, "generation": _INT, "step": _INT, "new_generation": _OPT_INT, "speeds": _OPT_DICT,
                   "stop": _ABSENT_BOOL},
@@ -71,7 +81,10 @@ SCHEMAS: dict[str, dict[str, str]] = {
     "failing": {"generation": _INT, "dead": _INTS, "reason": _STR},
     "membership": {"membership": _OPT_DICT},
 }
-CLIENT_TYPES = frozenset({"register", "hb", "ack", "report", "nonfinite", "vote", "bye"})
+CLIENT_TYPES = frozenset({"register", "hb", "hbs", "ack", "report", "nonfinite", "vote", "bye"})
+SERVER_TYPES = frozenset(SCHEMAS) - CLIENT_TYPES
+ACTIVITY_LETTERS = {"c": "compute", "w": "wait", "i": "io"}
+"""The one-letter activities of a batched heartbeat (``hbs``), by letter."""
 
 
 class ProtocolError(Exception):
@@ -250,6 +263,24 @@ def register_ranks(msg: dict[str, Any]) -> tuple[int, int]:
     if not 0 <= rank < ranks:
         raise ProtocolError("bad_rank", f"rank must be in 0..{ranks - 1} for a replica of {ranks} ranks, got {rank}")
     return rank, ranks
+
+
+def batch_beats(msg: dict[str, Any]) -> list[tuple[int, int, str, int]]:
+    """``(rank, progress, activity, generation)`` per rank of a validated ``hbs`` message.
+
+    Raises ProtocolError ``malformed`` unless the lists are equally long and every activity letter
+    is one of :data:`ACTIVITY_LETTERS`.
+    """
+    ranks, progress, activity, gens = msg["ranks"], msg["progress"], msg["activity"], msg["generation"]
+    if not len(ranks) == len(progress) == len(activity) == len(gens):
+        raise ProtocolError("malformed", f"hbs lists differ in length: ranks {len(ranks)}, progress "
+                                         f"{len(progress)}, activity {len(activity)}, generation {len(gens)}")
+    try:
+        acts = [ACTIVITY_LETTERS[a] for a in activity]
+    except KeyError as exc:
+        raise ProtocolError("malformed", f"hbs activity letter {exc.args[0]!r} is not one of "
+                                         f"{''.join(ACTIVITY_LETTERS)}") from None
+    return list(zip(ranks, progress, acts, gens, strict=True))
 
 
 def encode(msg: dict[str, Any]) -> bytes:

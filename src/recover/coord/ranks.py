@@ -24,6 +24,12 @@ Invariants:
   * Each rank k of replica R registers on its own connection with ``rank=k, ranks=P``. R reaches the
     state once, when all P ranks have (same P and ``join``); a duplicate rank, a different P or
     ``join``, or an R already alive is refused and that connection closed.
+  * Or one connection carries all P ranks of R (a *relay*: ``register`` with ``relay=true``); then
+    each message names the ``rank`` it speaks for (none: every rank of R), the same rules hold per
+    rank, pushes and shared replies go once per connection, and a rank's silence is that of its
+    entries in the batched ``hbs`` heartbeats (bytes on the connection prove only the relay alive).
+  * Timeouts (heartbeat, registration, hangs) are judged on a coarser clock (``scan_s``,
+    :func:`recover.coord.scale.scan_interval`), not at every tick: at most one scan late.
   * Every request forwarded to the state gets a unique id; the state's reply goes back to exactly
     the connection(s) that asked, each with its own request id. Pushes go to all P ranks.
   * ``ack`` of g reaches the state once all P acked g; ``report`` at once (reply to that rank);
@@ -57,7 +63,7 @@ from types import MappingProxyType
 from typing import Any
 
 from recover.coord.liveness import Liveness
-from recover.coord.protocol import ProtocolError, Resume, register_ranks
+from recover.coord.protocol import ProtocolError, Resume, batch_beats, register_ranks
 from recover.coord.state import Action, Fence, Log, MembershipState, Refused, Send
 
 Ballot = tuple[int, int, tuple[int, ...]]  # (generation, step, sorted ids)
@@ -93,6 +99,7 @@ class _Link:
     replica: int | None = None  # set once its register is accepted (its replica may still wait for ranks)
     rank: int = 0
     closed: bool = False
+    relay: bool = False  # carries every rank of its replica (one connection per replica)
 
 
 @dataclass(eq=False)
@@ -113,6 +120,12 @@ class Slot:
     fps: dict[int, str] = field(default_factory=dict)  # rank -> the fingerprint of its parameter shards
     resume: dict[int, Resume] = field(default_factory=dict)  # rank -> what it holds (a restarted coordinator)
     routes: dict[int, list[tuple[_Link, int]]] = field(default_factory=dict)  # forwarded id -> who asked
+    seen: dict[int, float] = field(default_factory=dict)  # relay: rank -> its newest entry in a batched heartbeat
+    conns: list[_Link] = field(default_factory=list)  # its distinct connections (a relay: one), for pushes
+    every: tuple[int, ...] = ()  # all its ranks, 0..ranks-1
+
+    def __post_init__(self) -> None:
+        self.every = tuple(range(self.ranks))
 
     def who(self, rank: int) -> str:
         return f"replica {self.replica}" + (f" rank {rank}" if self.ranks > 1 else "")
@@ -129,11 +142,13 @@ class RankAggregator:
         liveness: the progress rule that fences hung replicas (default: the automatic hang timeout).
         link_grace_s: how long the timed-out reports of a collective every member reached are
             gathered before the replica they implicate is fenced (see :meth:`_hold`).
+        heartbeat_s: the heartbeat interval named in every ``ok`` reply to a ``register`` (None: none).
+        scan_s: seconds between timeout scans (0: at every tick).
     """
 
     def __init__(self, state: MembershipState, *, token: str, heartbeat_timeout_s: float,
                  register_timeout_s: float, liveness: Liveness | None = None,
-                 link_grace_s: float = LINK_GRACE_S) -> None:
+                 link_grace_s: float = LINK_GRACE_S, heartbeat_s: float | None = None, scan_s: float = 0.0) -> None:
         if not token:
             raise ValueError("token must be a non-empty string")
         self.state = state
@@ -148,6 +163,9 @@ class RankAggregator:
         self._out: list[Out] = []
         self._now = 0.0  # the time of the event whose actions are being applied
         self._held: dict[int, dict[str, Any]] = {}  # generation -> timed-out reports held (see _hold)
+        self.heartbeat_s = heartbeat_s
+        self.scan_s = scan_s
+        self._next_scan = float("-inf")
 
     @property
     def slots(self) -> Mapping[int, Slot]:
@@ -169,7 +187,7 @@ class RankAggregator:
     def on_heard(self, conn: Hashable, now: float) -> None:
         """Bytes arrived on ``conn``: it is not silent."""
         link = self._links.get(conn)
-        if link is not None:
+        if link is not None and not link.relay:
             link.last_seen = now
 
     def on_message(self, conn: Hashable, msg: dict[str, Any], now: float) -> list[Out]:
@@ -204,6 +222,9 @@ class RankAggregator:
         for link in self._links.values():
             link.last_seen = max(link.last_seen, now)
             link.opened += stall_s
+        for slot in self._slots.values():
+            for k in slot.seen:
+                slot.seen[k] = max(slot.seen[k], now)
         self.liveness.pause(stall_s)
         self.state.pause(stall_s)
         for held in self._held.values():
@@ -217,7 +238,16 @@ class RankAggregator:
         return self._take()
 
     def on_tick(self, now: float) -> list[Out]:
-        """Register and heartbeat timeouts, then the state's own deadlines."""
+        """Register and heartbeat timeouts (every ``scan_s``), then the state's own deadlines."""
+        if now >= self._next_scan:
+            self._next_scan = now + self.scan_s
+            self._scan(now)
+        self._settle_links(now)
+        self._apply(self.state.on_tick(now), now)
+        return self._take()
+
+    def _scan(self, now: float) -> None:
+        """The timeouts: O(connections + ranks), so run on the ``scan_s`` clock."""
         for link in list(self._links.values()):
             if link.closed:
                 continue  # fenced with a replica-mate earlier in this loop
@@ -233,9 +263,6 @@ class RankAggregator:
             slot = self._slots.get(replica)
             if slot is not None:
                 self._kill(slot, "hung", detail, now)
-        self._settle_links(now)
-        self._apply(self.state.on_tick(now), now)
-        return self._take()
 
     # ------------------------------------------------------------- requests
 
@@ -255,10 +282,19 @@ class RankAggregator:
             return  # its replica is gone; the connection is being closed
         kind = msg["type"]
         try:
+            ranks = self._ranks_of(slot, link, msg)
             if kind == "hb":
+                if link.relay:
+                    raise Refused("not_batched", "a relay connection heartbeats with hbs (one entry per rank)")
                 if slot.registered:
                     self.liveness.heartbeat(slot.replica, link.rank, msg.get("progress"), msg.get("activity"), now,
                                             msg.get("generation"))
+                return
+            if kind == "hbs":
+                if not link.relay:
+                    raise Refused("not_relay", "hbs is for a connection registered with relay=true")
+                if slot.registered:
+                    self._beats(slot, link, msg, now)
                 return
             if kind == "bye":
                 self._drop(link, "left", now)
@@ -269,7 +305,7 @@ class RankAggregator:
                 raise Refused("not_registered", f"replica {slot.replica} waits for its other ranks "
                                                 f"({len(slot.links)} of {slot.ranks} registered)")
             if kind == "ack":
-                self._ack(slot, link, msg["generation"], now)
+                self._ack(slot, ranks, msg["generation"], now)
             elif kind == "nonfinite":
                 self._forward(slot, [(link, msg["id"])], False, now, lambda i: self.state.on_nonfinite(
                     slot.replica, i, msg["generation"], msg["step"], msg["ids"], now))
@@ -281,13 +317,40 @@ class RankAggregator:
                 self._forward(slot, [(link, msg["id"])], False, now, lambda i: self.state.on_report(
                     slot.replica, i, msg["generation"], msg["suspects"], now))
             else:
-                self._vote(slot, link, msg, now)
+                self._vote(slot, link, ranks, msg, now)
         except Refused as ref:
             self._refuse(link, ref.code, ref.message, msg.get("id"), False, now)
 
+    def _ranks_of(self, slot: Slot, link: _Link, msg: dict[str, Any]) -> tuple[int, ...]:
+        """The ranks a message speaks for: its connection's rank, or on a relay the ``rank`` it names
+        (none: every rank of the replica). Raises Refused ``bad_rank``."""
+        rank = msg.get("rank")
+        if not link.relay:
+            if rank is not None and rank != link.rank:
+                raise Refused("bad_rank", f"this connection is {slot.who(link.rank)}, not rank {rank}")
+            return (link.rank,)
+        if rank is None:
+            return slot.every
+        if not 0 <= rank < slot.ranks:
+            raise Refused("bad_rank", f"rank must be in 0..{slot.ranks - 1} for replica {slot.replica}, got {rank}")
+        return (rank,)
+
+    def _beats(self, slot: Slot, link: _Link, msg: dict[str, Any], now: float) -> None:
+        """A relay's batched heartbeat: each rank named in it is heard; the connection is as silent as
+        its most silent rank."""
+        try:
+            beats = batch_beats(msg)
+        except ProtocolError as exc:
+            raise Refused(exc.code, exc.message) from None
+        for k, progress, activity, generation in beats:
+            if 0 <= k < slot.ranks:
+                slot.seen[k] = now
+                self.liveness.heartbeat(slot.replica, k, progress, activity, now, generation)
+        link.last_seen = min(slot.seen.values())
+
     def _register(self, link: _Link, msg: dict[str, Any], now: float) -> None:
         """Rank ``rank`` of replica ``r`` registers; the state hears of ``r`` once all its ranks did."""
-        r, join, req = msg["replica"], msg["join"], msg["id"]
+        r, join, req, relay = msg["replica"], msg["join"], msg["id"], bool(msg.get("relay"))
         try:
             rank, ranks = self._check_register(r, join, msg)
             resume = Resume.from_wire(msg["resume"]) if msg.get("resume") is not None else None
@@ -298,19 +361,23 @@ class RankAggregator:
             self._refuse(link, ref.code, ref.message, req, True, now)
             return
         slot = self._slots.setdefault(r, Slot(r, ranks, join))
-        link.replica, link.rank = r, rank
-        slot.links[rank] = link
-        slot.reg_ids[rank] = req
+        link.replica, link.rank, link.relay = r, rank, relay
+        for k in range(ranks) if relay else (rank,):
+            slot.links[k] = link
+            slot.reg_ids[k] = req
+        slot.conns.append(link)
         if resume is not None:
             slot.resume[rank] = resume
-        if ranks > 1:
+        if ranks > 1 and not relay:
             self._log("rank_register", replica=r, rank=rank, ranks=ranks, registered=len(slot.links))
         if len(slot.links) < ranks:
             return
         for other in slot.links.values():
             other.last_seen = now  # the heartbeats start with the ok reply
+        if relay:
+            slot.seen = dict.fromkeys(range(ranks), now)
         self.liveness.start(r, ranks, now)
-        asked = [(slot.links[k], slot.reg_ids[k]) for k in sorted(slot.links)]
+        asked = _unique([(slot.links[k], slot.reg_ids[k]) for k in sorted(slot.links)])
         held = _replica_resume(slot.resume.values())
         self._forward(slot, asked, True, now, lambda i: self.state.on_register(r, join, i, now, held))
 
@@ -325,6 +392,11 @@ class RankAggregator:
         slot = self._slots.get(r)
         if self.state.is_live(r) or (slot is not None and slot.registered):
             raise Refused("duplicate_replica", f"replica {r} is already registered and alive")
+        if slot is not None and msg.get("relay"):
+            raise Refused("rank_mismatch", f"a relay registers every rank of replica {r}, but its rank(s) "
+                                           f"{sorted(slot.links)} registered on connections of their own")
+        if msg.get("relay") and "rank" in msg:
+            raise Refused("bad_rank", f"a relay of replica {r} speaks for all its ranks: its register names no rank")
         if slot is not None and (slot.ranks != ranks or slot.join != join):
             raise Refused("rank_mismatch", f"rank {rank} of replica {r} declares ranks={ranks} join={join}, "
                                            f"but its rank(s) {sorted(slot.links)} declared ranks={slot.ranks} "
@@ -349,37 +421,46 @@ class RankAggregator:
         slot.registered = True  # the state accepted a request of it: its ok and pushes go out now
         self._apply(acts, now)
 
-    def _ack(self, slot: Slot, link: _Link, generation: int, now: float) -> None:
-        got = slot.acks.setdefault(generation, set())
-        got.add(link.rank)
-        if len(got) < slot.ranks:
-            return
+    def _ack(self, slot: Slot, ranks: tuple[int, ...], generation: int, now: float) -> None:
+        if len(ranks) < slot.ranks:  # else one ack for every rank (a relay's): nothing to gather
+            got = slot.acks.setdefault(generation, set())
+            got.update(ranks)
+            if len(got) < slot.ranks:
+                return
         for g in [g for g in slot.acks if g <= generation]:
             del slot.acks[g]
         self._apply(self.state.on_ack(slot.replica, generation, now), now)
 
-    def _vote(self, slot: Slot, link: _Link, msg: dict[str, Any], now: float) -> None:
-        """Buffers a rank's vote until all ranks of the replica voted; then one vote to the state."""
+    def _vote(self, slot: Slot, link: _Link, ranks: tuple[int, ...], msg: dict[str, Any], now: float) -> None:
+        """Buffers the vote of ``ranks`` until all ranks of the replica voted; then one vote to the state."""
         r, cid = slot.replica, msg["id"]
         g, step, ids = msg["generation"], msg["step"], msg["ids"]
         if g == self.state.generation:
-            self.liveness.voted(r, link.rank, now)
+            for k in ranks if len(ranks) < slot.ranks else (None,):
+                self.liveness.voted(r, k, now)
         if msg.get("mb_s") is not None:
-            slot.mb_s[link.rank] = float(msg["mb_s"])
+            slot.mb_s.update(dict.fromkeys(ranks, float(msg["mb_s"])))
         slot.stop = slot.stop or msg.get("stop") is True
-        if msg.get("fp") is not None:
-            slot.fps[link.rank] = msg["fp"]
+        if msg.get("fp") is not None:  # one rank's, or (a relay's, or one rank of one) the whole replica's
+            slot.fps[WHOLE if len(ranks) == slot.ranks else ranks[0]] = msg["fp"]
         audit = msg.get("audit") if slot.ranks == 1 else None  # replicas of several ranks do not audit
         forward = lambda i: self.state.on_vote(r, i, g, step, ids, now, max(slot.mb_s.values(), default=None),
                                                slot.stop, _replica_fp(slot), audit)
-        if slot.ranks == 1 or not self.state.accepts_vote(r, g, step):
-            self._forward(slot, [(link, cid)], False, now, forward)  # P = 1, or settled at once: this rank alone
-            slot.mb_s.pop(link.rank, None)
-            slot.fps.pop(link.rank, None)
+        if not self.state.accepts_vote(r, g, step):
+            self._forward(slot, [(link, cid)], False, now, forward)  # settled at once: this voice alone
+            for k in (*ranks, WHOLE):
+                slot.mb_s.pop(k, None)
+                slot.fps.pop(k, None)
             return
-        if link.rank in slot.votes:
-            raise Refused("duplicate_vote", f"{slot.who(link.rank)} already voted in generation {g}")
-        slot.votes[link.rank] = (cid, (g, step, tuple(sorted(ids))))
+        if slot.votes and (again := [k for k in ranks if k in slot.votes]):
+            raise Refused("duplicate_vote", f"{slot.who(again[0])} already voted in generation {g}")
+        if len(ranks) == slot.ranks:  # one vote for every rank (a relay's): nothing to gather
+            self._forward(slot, [(link, cid)], False, now, forward)
+            slot.mb_s.clear()
+            slot.fps.clear()
+            return
+        ballot = (g, step, tuple(sorted(ids)))
+        slot.votes.update(dict.fromkeys(ranks, (cid, ballot)))
         if len({b for _, b in slot.votes.values()}) > 1:
             self._log("rank_vote_disagreement", replica=r, generation=g, ballots={
                 str(k): {"generation": b[0], "step": b[1], "ids": len(b[2])} for k, (_, b) in slot.votes.items()})
@@ -389,7 +470,7 @@ class RankAggregator:
         if len(slot.votes) < slot.ranks:
             return
         votes, slot.votes = slot.votes, {}
-        self._forward(slot, [(slot.links[k], votes[k][0]) for k in sorted(votes)], False, now, forward)
+        self._forward(slot, _unique([(slot.links[k], votes[k][0]) for k in sorted(votes)]), False, now, forward)
         slot.mb_s.clear()
         slot.fps.clear()
 
@@ -484,10 +565,11 @@ class RankAggregator:
             m = msg["membership"]
             self.liveness.formed(m["generation"], m["members"], self._now)
         if re is not None and re in slot.routes:
+            extra = {"heartbeat_s": self.heartbeat_s} if msg["type"] == "ok" and self.heartbeat_s else {}
             for link, cid in slot.routes.pop(re):
-                self._send(link, {**msg, "re": cid})
+                self._send(link, {**msg, "re": cid, **extra})
             return
-        for link in list(slot.links.values()):
+        for link in slot.conns:  # once per connection (a relay carries them all)
             self._send(link, msg)
         if msg["type"] == "failing":  # the votes a replica's ranks are still collecting can't commit
             self._abort_votes(slot, msg["generation"] + 1, "generation is failing")
@@ -495,12 +577,16 @@ class RankAggregator:
             self._abort_votes(slot, msg["membership"]["generation"], "generation replaced")
 
     def _abort_votes(self, slot: Slot, below: int, reason: str) -> None:
-        """Answers ``aborted`` to buffered rank votes for generations before ``below``."""
+        """Answers ``aborted`` to buffered rank votes for generations before ``below`` (once per request)."""
+        asked = []
         for k, (cid, (g, _, _)) in list(slot.votes.items()):
             if g < below:
                 del slot.votes[k]
                 slot.mb_s.pop(k, None)
-                self._send(slot.links[k], {"type": "aborted", "re": cid, "generation": g, "reason": reason})
+                slot.fps.pop(k, None)
+                asked.append((slot.links[k], cid, g))
+        for link, cid, g in dict.fromkeys(asked):
+            self._send(link, {"type": "aborted", "re": cid, "generation": g, "reason": reason})
 
     # --------------------------------------------------------------- endings
 
@@ -526,7 +612,7 @@ class RankAggregator:
         del self._slots[r]
         self.liveness.forget(r)
         why = detail if first is None else f"{slot.who(first.rank)} is gone ({cause}{': ' + detail if detail else ''})"
-        for link in list(slot.links.values()):
+        for link in slot.conns:
             if link is not first and not link.closed:
                 self._send(link, _fenced(why))
                 self._close(link)
@@ -563,8 +649,15 @@ class RankAggregator:
         return out
 
 
+WHOLE = -1
+"""``Slot.fps`` key of a fingerprint that speaks for the whole replica (one voice for all its ranks)."""
+
+
 def _replica_fp(slot: Slot) -> str | None:
-    """The fingerprint of a replica: its ranks' (lanes') fingerprints in rank order; None unless all voted one."""
+    """The fingerprint of a replica: its ranks' (lanes') fingerprints in rank order (a relay sends them
+    joined already); None unless all voted one."""
+    if WHOLE in slot.fps:
+        return slot.fps[WHOLE]
     if len(slot.fps) < slot.ranks:
         return None
     return "|".join(slot.fps[k] for k in range(slot.ranks))
@@ -579,6 +672,11 @@ def _replica_resume(held: Any) -> Resume | None:
     least = min(held, key=lambda r: r.committed)
     newest = max(held, key=lambda r: r.generation)
     return Resume(newest.generation, newest.members, least.committed, least.speeds)
+
+
+def _unique(asked: list[tuple[_Link, int]]) -> list[tuple[_Link, int]]:
+    """``asked`` without repeats (the ranks of a relay share its connection and request id)."""
+    return list(dict.fromkeys(asked))
 
 
 def _fenced(reason: str) -> dict[str, Any]:

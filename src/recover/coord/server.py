@@ -20,10 +20,20 @@ Invariants:
   * Bad peers (wrong token, garbage, oversized or malformed frames, stale generations, too many
     connections, unread output piling up) are refused or dropped, logged to ``events.jsonl``, and
     never stop the service.
+
+Scale (:mod:`recover.coord.scale`): the heartbeat interval and timeout are adapted to the job's
+size (its replicas, ranks per replica and connections per replica), and every worker is told the
+interval in its ``ok``; timeouts are judged on a coarser scan clock; one notice to every member is
+encoded once, whatever the number of connections; the open-files limit is raised to the hard limit
+at start, and a job that needs more connections than it allows is refused before anything binds.
+Long-lived objects (torch's modules, every registered rank's records) are moved out of the garbage
+collector's reach (``gc.freeze``) at start and whenever a generation forms, so that a full collection
+over them (tens to hundreds of ms) never lands inside a failure round.
 """
 
 from __future__ import annotations
 
+import gc
 import os
 import selectors
 import signal
@@ -35,14 +45,18 @@ from dataclasses import dataclass, field
 from datetime import timedelta
 from typing import Any
 
+from recover.coord import scale
 from recover.coord.liveness import Liveness
 from recover.coord.protocol import CLIENT_TYPES, FrameDecoder, ProtocolError, encode
 from recover.coord.ranks import Close, Out, RankAggregator, SendTo
 from recover.coord.state import MembershipState
+from recover.errors import ConfigError
 from recover.observe.events import EventLog
 
 MAX_OUTBUF = 4 << 20  # a peer that lets this much pile up unread is dropped
 MAX_CONNECTIONS = 4096
+"""Connections accepted before :meth:`Coordinator.start` has read the open-files limit; from then on
+``Coordinator.max_connections`` (that limit less :data:`recover.coord.scale.RESERVED_FDS`)."""
 
 
 @dataclass(eq=False)
@@ -62,8 +76,9 @@ class Coordinator:
         host, port: where workers connect (127.0.0.1 unless told otherwise; 0 picks a free port).
         token: the shared secret a worker must present to register.
         events_path: ``events.jsonl`` for membership changes, failures and refusals (None: no log).
-        heartbeat_interval_s: how often workers heartbeat (sets the loop's tick).
-        heartbeat_timeout_s: silence after which a registered replica is declared dead.
+        heartbeat_interval_s: how often workers heartbeat, at least (raised for large jobs, see
+            :func:`recover.coord.scale.cadence`; sets the loop's tick).
+        heartbeat_timeout_s: silence after which a registered replica is declared dead, at least.
         store_port: the c10d TCPStore's port (0 picks a free one).
         min_members: the quorum; generations below it are logged as ``quorum_lost``.
         expected_replicas: the first generation forms when this many replicas have registered.
@@ -72,12 +87,16 @@ class Coordinator:
             as hung; 0 derives it from the step time (:mod:`recover.coord.liveness`).
         die_at_commit: fault injection: ``(step, sent)`` SIGKILLs this process in the middle of step
             ``step``'s commit, once ``sent`` of its ``committed`` replies went out (0: none did).
+        ranks_per_replica: processes per replica (for the job's size).
+        per_replica_connections: each replica reaches the coordinator through one connection (a relay,
+            :mod:`recover.coord.relay`) instead of one per rank.
     """
 
     def __init__(self, host: str = "127.0.0.1", port: int = 0, *, token: str, events_path: str | None = None,
                  heartbeat_interval_s: float = 0.1, heartbeat_timeout_s: float = 1.0, store_port: int = 0,
                  min_members: int = 1, expected_replicas: int = 1, register_timeout_s: float = 10.0,
-                 hang_timeout_s: float = 0.0, die_at_commit: tuple[int, int] | None = None) -> None:
+                 hang_timeout_s: float = 0.0, die_at_commit: tuple[int, int] | None = None,
+                 ranks_per_replica: int = 1, per_replica_connections: bool = False) -> None:
         if not token:
             raise ValueError("token must be a non-empty string")
         if heartbeat_timeout_s <= heartbeat_interval_s:
@@ -88,14 +107,16 @@ class Coordinator:
         self._req_store_port = store_port
         self._token = token
         self._events = EventLog(events_path) if events_path else None
-        self.heartbeat_interval_s = heartbeat_interval_s
-        self.heartbeat_timeout_s = heartbeat_timeout_s
+        self.connections, ranks = scale.job_connections(expected_replicas, ranks_per_replica, per_replica_connections)
+        self.heartbeat_interval_s, self.heartbeat_timeout_s = scale.cadence(
+            heartbeat_interval_s, heartbeat_timeout_s, self.connections, ranks)
+        self.max_connections = MAX_CONNECTIONS
         self.min_members = min_members
         self.expected_replicas = expected_replicas
         self.register_timeout_s = register_timeout_s
         self.hang_timeout_s = hang_timeout_s
         self.die_at_commit = die_at_commit
-        self._tick_s = min(0.02, heartbeat_interval_s / 2)
+        self._tick_s = min(0.02, self.heartbeat_interval_s / 2)
         self._cond = threading.Condition()
         self._conns: set[_Conn] = set()
         self._stopping = False
@@ -110,12 +131,23 @@ class Coordinator:
     # ------------------------------------------------------------- lifecycle
 
     def start(self) -> Coordinator:
-        """Binds the store and the service, then serves in a background thread; returns at once."""
+        """Binds the store and the service, then serves in a background thread; returns at once.
+
+        Raises:
+            ConfigError: the job needs more connections than the open-files limit allows.
+        """
         from torch.distributed import TCPStore
+
+        soft, hard = scale.raise_open_files()
+        problem = scale.check_connections(self.connections, soft, hard)
+        if problem is not None:
+            raise ConfigError(problem)
+        self.max_connections = scale.max_connections(soft)
 
         self._store = TCPStore(self.host, self._req_store_port, None, True, timedelta(seconds=300),
                                wait_for_workers=False, multi_tenant=False)
         self.store_port = int(self._store.port)
+        gc.freeze()  # torch's objects live as long as this process: no collection should walk them
         self._listener = socket.create_server((self.host, self._req_port), backlog=512)
         self._listener.setblocking(False)
         self.port = self._listener.getsockname()[1]
@@ -127,11 +159,15 @@ class Coordinator:
         self.state = MembershipState(expected=self.expected_replicas, min_members=self.min_members,
                                      store_host=self.host, store_port=self.store_port,
                                      ack_timeout_s=self.heartbeat_timeout_s)
-        self.aggregator = RankAggregator(self.state, token=self._token, heartbeat_timeout_s=self.heartbeat_timeout_s,
-                                         register_timeout_s=self.register_timeout_s,
-                                         liveness=Liveness(self.hang_timeout_s))
+        self.aggregator = RankAggregator(
+            self.state, token=self._token, heartbeat_timeout_s=self.heartbeat_timeout_s,
+            register_timeout_s=self.register_timeout_s, liveness=Liveness(self.hang_timeout_s),
+            heartbeat_s=self.heartbeat_interval_s,
+            scan_s=scale.scan_interval(self.heartbeat_timeout_s, self.register_timeout_s, self.hang_timeout_s))
         self._log("coordinator_start", host=self.host, port=self.port, store_port=self.store_port,
-                  expected_replicas=self.expected_replicas, heartbeat_timeout_s=self.heartbeat_timeout_s)
+                  expected_replicas=self.expected_replicas, heartbeat_s=self.heartbeat_interval_s,
+                  heartbeat_timeout_s=self.heartbeat_timeout_s, connections=self.connections,
+                  max_connections=self.max_connections)
         self._thread = threading.Thread(target=self._loop, name="recover-coordinator", daemon=True)
         self._thread.start()
         return self
@@ -214,6 +250,7 @@ class Coordinator:
         agg = self.aggregator
         assert agg is not None
         last = time.monotonic()
+        formed = 0
         while not self._stopping:
             events = self._sel.select(self._tick_s)
             now = time.monotonic()
@@ -232,6 +269,9 @@ class Coordinator:
                     self._run(agg.on_resumed(stall, now))
                 self._run(agg.on_tick(now))
                 self._cond.notify_all()
+                if agg.state.generation != formed:  # the records of its members will live on
+                    formed = agg.state.generation
+                    gc.freeze()
             last = time.monotonic()
 
     def _handle(self, events: list[tuple[Any, int]], now: float) -> None:
@@ -261,7 +301,7 @@ class Coordinator:
             except (BlockingIOError, InterruptedError):
                 return
             peer = f"{addr[0]}:{addr[1]}"
-            if len(self._conns) >= MAX_CONNECTIONS:
+            if len(self._conns) >= self.max_connections:
                 sock.close()
                 self._log("refused", peer=peer, code="too_many_connections")
                 continue
@@ -301,10 +341,14 @@ class Coordinator:
     # ------------------------------------------------------------- actions
 
     def _run(self, actions: list[Out]) -> None:
-        for act in actions:
+        frames: dict[int, bytes] = {}  # a notice to every member is one dict: encoded once (ids stay valid
+        for act in actions:            # while ``actions`` holds the messages)
             if isinstance(act, SendTo):
                 self._maybe_die(act.msg, before=True)
-                self._send(act.conn, act.msg)
+                frame = frames.get(id(act.msg))
+                if frame is None:
+                    frame = frames[id(act.msg)] = encode(act.msg)
+                self._send(act.conn, frame)
                 self._maybe_die(act.msg, before=False)
             elif isinstance(act, Close):
                 self._close(act.conn)
@@ -320,10 +364,10 @@ class Coordinator:
             self._log("coordinator_killed", step=msg["step"], replies_sent=self._replies_sent)
             os.kill(os.getpid(), signal.SIGKILL)
 
-    def _send(self, conn: _Conn, msg: dict[str, Any]) -> None:
+    def _send(self, conn: _Conn, frame: bytes) -> None:
         if conn.closed:
             return
-        conn.out += encode(msg)
+        conn.out += frame
         if len(conn.out) > MAX_OUTBUF:
             assert self.aggregator is not None
             self._run(self.aggregator.on_closed(conn, "slow_consumer", time.monotonic()))

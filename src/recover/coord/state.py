@@ -94,6 +94,8 @@ class _Round:
     deadline: float
     dead: set[int] = field(default_factory=set)
     acked: set[int] = field(default_factory=set)
+    pending: set[int] = field(default_factory=set)
+    """Members neither acked nor dead: kept up to date so each ack costs O(1), not O(members)."""
 
 
 class MembershipState:
@@ -130,6 +132,7 @@ class MembershipState:
         self._fps: dict[int, str | None] = {}  # the parameter fingerprints of the pending votes
         self._audits: dict[int, dict[str, Any]] = {}  # the audit values of the pending votes
         self._nonfinite: dict[tuple[int, int], set[int]] = {}  # (step, id) -> replicas it was not finite on
+        self._members: frozenset[int] = frozenset()  # the current generation's, for O(1) lookups
 
     @property
     def generation(self) -> int:
@@ -150,7 +153,7 @@ class MembershipState:
         """True when ``on_vote(replica, _, generation, step, ...)`` would record the vote and wait
         for the other members; False when it would refuse it or answer ``aborted`` at once."""
         cur = self.current
-        return (cur is not None and generation == cur.generation and replica in cur.members
+        return (cur is not None and generation == cur.generation and replica in self._members
                 and self.round is None and step > self.committed_step and replica not in self.votes)
 
     def summary(self) -> dict[str, Any]:
@@ -214,10 +217,11 @@ class MembershipState:
             acts = [Log("failure_detected", {"replica": replica, "cause": cause, "generation": self.generation})]
         if self.rebuild.pop(replica, None) is not None:
             acts += self._check_rebuild(now)
-        if self.current is not None and replica in self.current.members:
+        if self.current is not None and replica in self._members:
             acts += self._start_round(f"replica {replica}: {cause}", now)
             assert self.round is not None
             self.round.dead.add(replica)
+            self.round.pending.discard(replica)
             acts += self._check_round(now)
         return acts
 
@@ -225,8 +229,9 @@ class MembershipState:
         r = self.round
         if r is None or r.generation != generation or self.current is None:
             return []
-        if replica in self.current.members:
+        if replica in r.pending:
             r.acked.add(replica)
+            r.pending.discard(replica)
         return self._check_round(now)
 
     def on_report(self, replica: int, req_id: int, generation: int, suspects: list[int],
@@ -234,7 +239,7 @@ class MembershipState:
         if self.current is None or not 1 <= generation <= self.generation:
             raise Refused("bad_generation", f"report for generation {generation}; current is {self.generation}")
         stale = generation < self.generation
-        if not stale and replica not in self.current.members:
+        if not stale and replica not in self._members:
             raise Refused("not_member", f"replica {replica} is not a member of generation {generation}")
         acts: list[Action] = [
             Log("failure_report", {"replica": replica, "generation": generation, "suspects": suspects,
@@ -254,7 +259,7 @@ class MembershipState:
         fingerprint of its parameters (see :meth:`_check_fingerprints`); ``audit``: its value of the step's
         audited microbatch, if it computed it (see :meth:`_check_audits`)."""
         cur = self.current
-        if cur is None or generation != cur.generation or replica not in cur.members:
+        if cur is None or generation != cur.generation or replica not in self._members:
             raise Refused("stale_generation",
                           f"vote of replica {replica} for generation {generation}; current is {self.generation}")
         if self.round is not None:
@@ -274,7 +279,7 @@ class MembershipState:
         self._fps[replica] = fp
         if audit is not None:
             self._audits[replica] = audit
-        if set(self.votes) != set(cur.members):
+        if len(self.votes) < len(cur.members):  # only members vote, once each: O(1), not O(members)
             return acts
         votes, self.votes = self.votes, {}
         measured, self._mb_s = self._mb_s, {}
@@ -468,7 +473,9 @@ class MembershipState:
         if self.round is not None or self.current is None:
             return []
         g = self.current.generation
-        self.round = _Round(g, reason, now, now + self.ack_timeout_s)
+        members = self.current.members
+        self.round = _Round(g, reason, now, now + self.ack_timeout_s, dead={m for m in members if m not in self.live},
+                            pending={m for m in members if m in self.live})
         msg = {"type": "failing", "generation": g, "dead": [], "reason": reason}
         acts: list[Action] = [Log("failing", {"generation": g, "reason": reason})]
         return acts + [Send(m, msg) for m in self.current.members if m in self.live]
@@ -477,14 +484,10 @@ class MembershipState:
         r, cur = self.round, self.current
         if r is None or cur is None:
             return []
-        for m in cur.members:
-            if m not in self.live:
-                r.dead.add(m)
-        pending = [m for m in cur.members if m not in r.acked and m not in r.dead]
-        if pending and now < r.deadline:
-            return []
+        if r.pending and now < r.deadline:
+            return []  # O(1) per ack and per tick: the members are walked once, when the round closes
         acts: list[Action] = []
-        for m in pending:
+        for m in sorted(r.pending):
             r.dead.add(m)
             self.live.discard(m)
             acts.append(Fence(m, f"no ack of failure notice for generation {r.generation} "
@@ -524,6 +527,7 @@ class MembershipState:
                               for r, (rid, _, _) in self.votes.items() if r in self.live]
         self.votes, self._mb_s, self._fps, self._audits = {}, {}, {}, {}
         self.current = m
+        self._members = frozenset(m.members)
         self.initial.clear()
         fields: dict[str, Any] = {"generation": m.generation, "members": list(m.members), "dead": list(dead),
                                   "joined": list(joined), "reason": reason, "step": m.step}

@@ -225,7 +225,9 @@ class Launcher:
                            str(self.store_port), "--token-file", str(self.token_file), "--events",
                            str(self.out / "events.jsonl"), "--replicas", str(expected), "--min-replicas",
                            str(ft.min_replicas), "--heartbeat-interval", str(ft.heartbeat_interval_s),
-                           "--heartbeat-timeout", str(ft.heartbeat_timeout_s), "--hang-timeout", str(ft.hang_timeout_s))
+                           "--heartbeat-timeout", str(ft.heartbeat_timeout_s), "--hang-timeout", str(ft.hang_timeout_s),
+                           "--ranks-per-replica", str(self.cfg.parallel.procs_per_replica), "--connections",
+                           ft.connections)
         if self.o.kill_coordinator and not self.coordinator_restarts:
             cmd += ["--die-at-commit", self.o.kill_coordinator]
         log = open(self.out / "logs" / "coordinator.log", "ab")  # noqa: SIM115 - lives with the process

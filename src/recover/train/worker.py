@@ -27,9 +27,10 @@ Stops and coordinator loss (exit statuses in ``train/exits.py``):
   the lowest member saves a complete checkpoint and every replica exits with status 7.
 
 A replica of several ranks (``parallel.pp x fsdp x tp > 1``) is one torchrun-style job: every rank
-runs this same loop with the same control flow. Rank k holds its own coordinator connection and
-its own fault-tolerant group, *lane* k (rank k of every live replica), on which it sums its shard
-of the gradient; the coordinator treats the replica's connections as one member (registered,
+runs this same loop with the same control flow. Rank k holds its own coordinator client (through
+the replica's relay in rank 0, one connection per replica, unless ``fault_tolerance.connections``
+is ``rank``) and its own fault-tolerant group, *lane* k (rank k of every live replica), on which it
+sums its shard of the gradient; the coordinator treats the replica's ranks as one member (registered,
 acked and voted only when all ranks have), so a step commits only if every rank of every live
 replica voted for it, and the death of any rank fences the whole replica: its other ranks leave
 with :data:`EXIT_FENCED` (or fail fast on the bounded intra-replica groups) and the launcher
@@ -109,6 +110,7 @@ class ReplicaWorker:
         self.log = JsonlWriter(replica_log_path(self.out, replica)) if self.rank == 0 else None
         self.cut: set[int] = set()  # replicas this one cannot reach (--cut fault injection)
         self.client: Any = None  # the coordinator client, once training starts
+        self.relay: Any = None  # rank 0's relay of the replica's coordinator connection, if any
         self.injector = FaultInjector(failures, replica, self.rank, self.ranks, before_kill=self._before_kill,
                                       slow=self._slow_down, cut=self.cut.add, corrupt=self._corrupt,
                                       nan=lambda step, mb: self.replica.poison.add((step, mb)))
@@ -152,7 +154,8 @@ class ReplicaWorker:
         from recover.coord.client import CoordinatorClient
 
         ft, tc = self.cfg.fault_tolerance, self.cfg.training
-        client = CoordinatorClient(self.host, self.port, self.token, self.replica_id,
+        host, port = self._coordinator_address()
+        client = CoordinatorClient(host, port, self.token, self.replica_id,
                                    heartbeat_interval_s=ft.heartbeat_interval_s, rank=self.rank, ranks=self.ranks,
                                    fence_exit_s=ft.fence_exit_s, on_fenced=self._exit_fenced,
                                    reconnect_s=ft.coordinator_reconnect_s,
@@ -190,6 +193,28 @@ class ReplicaWorker:
         if not self.client.stop_requested:
             self.client.stop_requested = True
             self._event("stop_signal", signal=signum)
+
+    def _coordinator_address(self) -> tuple[str, int]:
+        """Where this rank's client connects: the coordinator, or its replica's relay (one connection per
+        replica, ``fault_tolerance.connections = "replica"``): rank 0 starts it and publishes its address
+        in the replica's own store, the other ranks read it there."""
+        if self.ranks == 1 or self.cfg.fault_tolerance.connections != "replica":
+            return self.host, self.port
+        from torch.distributed.distributed_c10d import _get_default_store
+
+        from recover.coord.relay import Relay
+
+        store, key = _get_default_store(), f"recover/relay/{self.replica_id}"
+        if self.rank == 0:
+            try:
+                self.relay = Relay(self.host, self.port, self.token, self.replica_id, self.ranks,
+                                   self.cfg.fault_tolerance.heartbeat_interval_s).start()
+            except OSError as exc:
+                raise CoordinatorLost(f"replica {self.replica_id}: its relay cannot reach the coordinator at "
+                                      f"{self.host}:{self.port}: {exc}") from None
+            store.set(key, "{}:{}".format(*self.relay.address))
+        host, _, port = store.get(key).decode().rpartition(":")
+        return host, int(port)
 
     def run(self) -> int:
         """Trains to ``training.steps``; returns the process's exit status (see ``train/exits.py``)."""
@@ -232,6 +257,8 @@ class ReplicaWorker:
             self._event("finished", step=step.progress.step, generation=step.group.generation)
         step.group.close()
         client.close()
+        if self.relay is not None:
+            self.relay.stop()
         return EXIT_STOPPED if loop.stopped else 0
 
     def _exit_fenced(self, why: str) -> None:
