@@ -116,3 +116,20 @@ def test_a_corrupted_rank_of_an_fsdp_replica_is_fenced_at_that_steps_vote(plain:
     divergent = [e for e in events(run) if e["kind"] == "divergent"]
     assert [(d["step"], d["replicas"]) for d in divergent] == [(4, [1])]
     assert {r["step"]: r["live_replicas"] for r in recs}[4] == 2
+
+
+def test_a_coordinator_killed_mid_commit_is_survived_through_the_relays(plain: Path, corpus: Path,
+                                                                        tmp_path: Path) -> None:
+    """2 replicas of 2 pipeline stages, each reaching the coordinator through its relay; the coordinator
+    SIGKILLs itself in step 4's commit after one reply went out: the relays keep their ranks, register
+    again with what the replica holds, the replica behind takes the state of the one ahead; every step
+    holds M microbatches and the losses follow plain training."""
+    run = tmp_path / "restart"
+    launch(run, corpus, "--pp", "2", "--kill-coordinator", "4:1")
+    recs = rows(run)
+    assert [r["step"] for r in recs] == list(range(STEPS)) and all(r["microbatches"] == M for r in recs)
+    assert max_rel_diff(losses(plain), losses(run)) <= 2e-5
+    ev = events(run)
+    rebuilt = [e for e in ev if e["kind"] == "rebuilt"]
+    assert len(rebuilt) == 1 and rebuilt[0]["committed_step"] == 4 and rebuilt[0]["back"] == [0, 1]
+    assert len(rebuilt[0]["behind"]) == 1 and not [e for e in ev if e["kind"] == "fenced"]

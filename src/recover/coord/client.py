@@ -610,6 +610,9 @@ class CoordinatorClient:
             elif msg["code"] == "stopping":
                 self.stopping = True
                 self._mark_lost(msg["message"])
+            elif msg["code"] == "coordinator_gone":  # from the replica's relay: it gave up reconnecting
+                self.gone = True
+                self._mark_lost(msg["message"])
             elif msg["code"] in ("diverged", "nonfinite"):
                 self.diverged = Diverged(msg["code"], msg["message"], msg.get("sides"))
                 self._mark_lost(msg["message"])

@@ -27,9 +27,17 @@ What it does:
   * Pushes (``failing``, ``membership``, ``fenced``) are encoded once and fanned out to every rank.
 
 Invariants: the relay lives and dies with rank 0's process, and a rank's death is the replica's:
-when any local connection closes, or the upstream one does, or :meth:`Relay.stop` is called, the
-relay closes every connection, upstream and local, so the coordinator fences the replica at once
-(``connection_closed``) and every rank's waiting calls raise ``CoordinatorLost``. A local peer that
+when any local connection closes, or :meth:`Relay.stop` is called, the relay closes every
+connection, upstream and local, so the coordinator fences the replica at once
+(``connection_closed``) and every rank's waiting calls raise ``CoordinatorLost``.
+
+Coordinator restart: when the upstream connection ends without a fence, the ranks keep their
+connections and notice nothing but requests answered ``coordinator_restarted`` (as their own
+clients would answer them, :mod:`recover.coord.client`); the relay reconnects every
+``RECONNECT_EVERY_S`` for ``reconnect_s`` and registers again with what the replica holds (newest
+generation and members, last committed step, speeds: it sees every membership and commit go by).
+Not back in time: every rank gets ``coordinator_gone`` (its client gives up at once), then the
+relay ends. A local peer that
 does not speak the protocol is refused and closed, which also ends the relay (it cannot be a rank).
 """
 
@@ -44,6 +52,7 @@ import time
 from dataclasses import dataclass, field
 from typing import Any
 
+from recover.coord.client import RECONNECT_EVERY_S
 from recover.coord.protocol import (
     ACTIVITY_LETTERS,
     CLIENT_TYPES,
@@ -81,7 +90,7 @@ class Relay:
 
     def __init__(self, host: str, port: int, token: str, replica_id: int, ranks: int,
                  heartbeat_interval_s: float = 0.1, bind_host: str | None = None,
-                 connect_timeout_s: float = 10.0) -> None:
+                 connect_timeout_s: float = 10.0, reconnect_s: float = 0.0) -> None:
         if ranks < 1:
             raise ValueError(f"a relay speaks for ranks >= 1, got {ranks}")
         self.upstream_addr = (host, int(port))
@@ -105,6 +114,13 @@ class Relay:
         self._thread: threading.Thread | None = None
         self.closed_why: str | None = None
         """Why the relay ended (None while it runs)."""
+        self.reconnect_s = reconnect_s
+        self._fenced = False
+        self._join = False
+        self._held: dict[str, Any] = {"generation": 0, "members": [], "committed": -1, "speeds": None}
+        """What the replica holds, from the memberships and commits relayed (a re-registration's ``resume``)."""
+        self._lost_at: float | None = None  # when the upstream connection ended (None: connected)
+        self._next_try = 0.0
 
     # ------------------------------------------------------------- lifecycle
 
@@ -153,11 +169,15 @@ class Relay:
             while not self._stop.is_set() and self.closed_why is None:
                 now = time.monotonic()
                 wait = max(0.0, self._next_batch - now) if self._registered else 0.5
+                if self._lost_at is not None:
+                    wait = RECONNECT_EVERY_S
                 for key, mask in self._sel.select(min(wait, 0.5)):
                     self._event(key.data, mask)
                     if self.closed_why is not None:
                         break
-                if self._registered and time.monotonic() >= self._next_batch:
+                if self._lost_at is not None:
+                    self._try_reconnect()
+                elif self._registered and time.monotonic() >= self._next_batch:
                     self._batch()
         finally:
             self._close_all(self.closed_why or "relay stopped")
@@ -233,7 +253,7 @@ class Relay:
                 self._send_up({"type": "ack", "generation": msg["generation"]})
         elif kind == "vote":
             self._vote(loc, msg)
-        elif kind == "report":
+        elif kind in ("report", "nonfinite"):
             self._forward(msg, [(loc, msg["id"])], rank=loc.rank)
         elif kind == "bye":
             self._send_up({"type": "bye", "rank": loc.rank})
@@ -258,6 +278,10 @@ class Relay:
             speeds = [m["mb_s"] for _, m in votes.values() if "mb_s" in m]
             if speeds:
                 vote["mb_s"] = max(speeds)
+            if any(m.get("stop") for _, m in votes.values()):
+                vote["stop"] = True
+            if all("fp" in m for _, m in votes.values()):  # the lanes' parameter fingerprints, in rank order
+                vote["fp"] = "|".join(votes[k][1]["fp"] for k in sorted(votes))
             self._forward(vote, [(held, m["id"]) for _, (held, m) in sorted(votes.items())])
 
     def _abort_votes(self, below: int, reason: str) -> None:
@@ -296,6 +320,7 @@ class Relay:
         loc.rank = rank
         self._by_rank[rank] = loc
         self._reg[rank] = (req, msg["join"])
+        self._join = msg["join"]
         if len(self._reg) == self.ranks:
             asked = [(self._by_rank[k], rid) for k, (rid, _) in sorted(self._reg.items())]
             self._reg_uid = self._forward({"type": "register", "token": self._token, "replica": self.replica_id,
@@ -308,9 +333,13 @@ class Relay:
     # ------------------------------------------------------------- upstream
 
     def _forward(self, msg: dict[str, Any], asked: list[tuple[_Local, int]], rank: int | None = None) -> int:
-        """Sends ``msg`` upstream under a fresh id whose reply goes to ``asked``; returns the id."""
+        """Sends ``msg`` upstream under a fresh id whose reply goes to ``asked``; returns the id. While
+        the coordinator is away the request is answered ``coordinator_restarted`` at once."""
         uid = next(self._ids)
         self._routes[uid] = asked
+        if self._lost_at is not None:
+            self._answer_restarted()
+            return uid
         extra = {} if rank is None else {"rank": rank}
         self._send_up({**msg, **extra, "id": uid})
         return uid
@@ -333,7 +362,7 @@ class Relay:
         except OSError:
             data = b""
         if not data:
-            self._end("the coordinator closed the relay's connection")
+            self._upstream_ended("the coordinator closed the relay's connection")
             return
         try:
             items = self._up_decoder.feed(data)
@@ -346,6 +375,7 @@ class Relay:
             self._on_up(msg)
 
     def _on_up(self, msg: dict[str, Any]) -> None:
+        self._remember(msg)
         re = msg.get("re")
         if re is not None:
             asked = self._routes.pop(re, [])
@@ -355,6 +385,14 @@ class Relay:
             if re == self._reg_uid and msg["type"] == "ok":
                 self._registered = True
                 self._next_batch = time.monotonic() + self.interval_s
+            elif re == self._reg_uid and msg["type"] == "error" and not asked:  # refused after a restart
+                gone = encode({"type": "error", "re": None, "code": "coordinator_gone",
+                               "message": f"the restarted coordinator refused replica {self.replica_id}: "
+                                          f"{msg['code']}: {msg['message']}"})
+                for loc in list(self._by_rank.values()):
+                    self._send(loc, gone)
+                self._end(f"the restarted coordinator refused the relay: {msg['message']}")
+                return
             for loc, cid in asked:
                 self._send(loc, encode({**msg, "re": cid}))
             return
@@ -366,9 +404,86 @@ class Relay:
         elif msg["type"] == "membership" and msg["membership"] is not None:
             self._abort_votes(msg["membership"]["generation"], "generation replaced")
 
+    def _remember(self, msg: dict[str, Any]) -> None:
+        """Keeps what the replica holds (for a registration again after a coordinator restart)."""
+        kind = msg["type"]
+        if kind == "committed":
+            self._held["committed"] = max(self._held["committed"], msg["step"])
+            self._held["speeds"] = msg.get("speeds")
+        elif kind == "membership" and msg["membership"] is not None:
+            m = msg["membership"]
+            if m["generation"] > self._held["generation"]:
+                self._held.update(generation=m["generation"], members=m["members"])
+                if self._held["committed"] < 0:
+                    self._held["speeds"] = m.get("speeds")
+        elif kind == "error" and msg.get("re") is None and msg["code"] == "fenced":
+            self._fenced = True
+
+    # ------------------------------------------------------------- coordinator restart
+    def _upstream_ended(self, why: str) -> None:
+        """Without a fence, a registered relay that may reconnect waits for the coordinator; else it ends."""
+        if self._fenced or not self._registered or self.reconnect_s <= 0:
+            self._end(why)
+        elif self._lost_at is None:
+            self._lose_upstream()
+
+    def _lose_upstream(self) -> None:
+        """The coordinator went away (no fence): keep the ranks, answer what is in flight, reconnect."""
+        self._lost_at = time.monotonic()
+        self._next_try = 0.0
+        self._registered = False
+        try:
+            self._sel.unregister(self._up)
+        except (KeyError, ValueError):
+            pass
+        self._up.close()
+        self._up_out.clear()
+        self._up_decoder = FrameDecoder(SERVER_TYPES)
+        self._answer_restarted()
+        for k, (held, m) in list(self._votes.items()):
+            del self._votes[k]
+            self._send(held, encode({"type": "error", "re": m["id"], "code": "coordinator_restarted",
+                                     "message": "the coordinator restarted while this vote was held"}))
+
+    def _answer_restarted(self) -> None:
+        routes, self._routes = self._routes, {}
+        for asked in routes.values():
+            for loc, cid in asked:
+                self._send(loc, encode({"type": "error", "re": cid, "code": "coordinator_restarted",
+                                        "message": "the coordinator restarted while this request was in flight"}))
+
+    def _try_reconnect(self) -> None:
+        assert self._lost_at is not None
+        now = time.monotonic()
+        if now - self._lost_at > self.reconnect_s:
+            gone = encode({"type": "error", "re": None, "code": "coordinator_gone",
+                           "message": f"the coordinator did not come back within {self.reconnect_s:g} s"})
+            for loc in list(self._by_rank.values()):
+                self._send(loc, gone)
+            self._end(f"the coordinator did not come back within {self.reconnect_s:g} s")
+            return
+        if now < self._next_try:
+            return
+        self._next_try = now + RECONNECT_EVERY_S
+        try:
+            up = socket.create_connection(self.upstream_addr, timeout=min(1.0, self.connect_timeout_s))
+        except OSError:
+            return
+        up.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
+        up.setblocking(False)
+        self._up, self._lost_at = up, None
+        self._sel.register(up, selectors.EVENT_READ, "up")
+        msg = {"type": "register", "token": self._token, "replica": self.replica_id, "join": self._join,
+               "ranks": self.ranks, "relay": True}
+        if self._held["generation"] > 0:
+            msg["resume"] = dict(self._held)
+        self._reg_uid = self._forward(msg, [])  # the ranks asked nothing: the reply stays here
+
     # ------------------------------------------------------------- bytes out
 
     def _send_up(self, msg: dict[str, Any]) -> None:
+        if self._lost_at is not None:
+            return  # the coordinator is away: nothing goes up until the relay registers again
         self._up_out += encode(msg)
         self._flush_up()
 
@@ -379,7 +494,7 @@ class Relay:
         except (BlockingIOError, InterruptedError):
             pass
         except OSError as exc:
-            self._end(f"the coordinator connection failed: {exc}")
+            self._upstream_ended(f"the coordinator connection failed: {exc}")
             return
         self._want(self._up, "up", bool(self._up_out))
 

@@ -207,8 +207,9 @@ class ReplicaWorker:
         store, key = _get_default_store(), f"recover/relay/{self.replica_id}"
         if self.rank == 0:
             try:
+                ft = self.cfg.fault_tolerance
                 self.relay = Relay(self.host, self.port, self.token, self.replica_id, self.ranks,
-                                   self.cfg.fault_tolerance.heartbeat_interval_s).start()
+                                   ft.heartbeat_interval_s, reconnect_s=ft.coordinator_reconnect_s).start()
             except OSError as exc:
                 raise CoordinatorLost(f"replica {self.replica_id}: its relay cannot reach the coordinator at "
                                       f"{self.host}:{self.port}: {exc}") from None
