@@ -155,6 +155,7 @@ class CoordinatorClient:
         self._registered = False  # the coordinator accepted this client's register (a reconnect makes sense)
         self._pending: dict[int, dict[str, Any]] = {}  # request id -> request, until its reply
         self._reconnecting = False
+        self._attempt_failed = False
         self.gone = False
         """The coordinator did not come back within ``reconnect_s``."""
         self.committed_step = -1
@@ -533,7 +534,12 @@ class CoordinatorClient:
         if self._closing:
             self._mark_lost("closed")
         elif self._lost is None and self.reconnect_s > 0 and self._registered and not self.stopping:
-            self._reconnecting = True  # one reconnect at a time: only the current connection's reader starts it
+            with self._cond:
+                if self._reconnecting:  # the reconnect's own new connection ended: it tries again
+                    self._attempt_failed = True
+                    self._cond.notify_all()
+                    return
+                self._reconnecting = True  # one reconnect at a time, started by the current connection's reader
             self._spawn(lambda: self._reconnect(why), "recover-coord-reconnect")
         else:
             self._mark_lost(why)
@@ -541,34 +547,36 @@ class CoordinatorClient:
     def _reconnect(self, why: str) -> None:
         """The coordinator connection ended without a fence: reach it again within ``reconnect_s``,
         register with what this replica holds, then answer the requests in flight (see the module
-        docstring). Not back in time: lost for good (``gone``)."""
+        docstring). A new connection that ends before its register is answered (a dying listener took
+        it) is tried again. Not back in time: lost for good (``gone``)."""
         t0 = time.monotonic()
         deadline = t0 + self.reconnect_s
-        rid = next(self._ids)
-        while not self._stop.is_set() and self._lost is None:
+        reply = None
+        while reply is None:
+            if self._stop.is_set() or self._lost is not None:
+                return
             if time.monotonic() >= deadline:
                 self.gone = True
                 self._mark_lost(f"the coordinator did not come back within {self.reconnect_s:g} s ({why})")
                 return
-            sock = None
+            rid, sock = next(self._ids), None
             try:
                 sock = self._connect()
                 sock.sendall(encode({**self._register_msg(), "id": rid}))
-                with self._send_lock:
-                    self._use(sock)
-                break
             except OSError:
                 if sock is not None:
                     sock.close()
                 self._stop.wait(RECONNECT_EVERY_S)
-        with self._cond:  # not _wait: that would mark the training thread's activity
-            while (reply := self._replies.pop(rid, None)) is None and self._lost is None \
-                    and time.monotonic() < deadline:
-                self._cond.wait(max(0.01, deadline - time.monotonic()))
-        if reply is None:
-            self.gone = self._lost is None
-            self._mark_lost(f"the coordinator did not take this replica back within {self.reconnect_s:g} s ({why})")
-            return
+                continue
+            with self._send_lock, self._cond:
+                self._attempt_failed = False
+                self._use(sock)
+            with self._cond:  # not _wait: that would mark the training thread's activity
+                while (reply := self._replies.pop(rid, None)) is None and self._lost is None \
+                        and not self._attempt_failed and time.monotonic() < deadline:
+                    self._cond.wait(max(0.01, deadline - time.monotonic()))
+            if reply is None and self._attempt_failed:
+                self._stop.wait(RECONNECT_EVERY_S)
         if reply["type"] == "error":
             self._mark_lost(f"the restarted coordinator refused this replica: {reply['code']}: {reply['message']}")
             return

@@ -47,6 +47,7 @@ import hmac
 import itertools
 import selectors
 import socket
+import sys
 import threading
 import time
 from dataclasses import dataclass, field
@@ -120,6 +121,7 @@ class Relay:
         self._held: dict[str, Any] = {"generation": 0, "members": [], "committed": -1, "speeds": None}
         """What the replica holds, from the memberships and commits relayed (a re-registration's ``resume``)."""
         self._lost_at: float | None = None  # when the upstream connection ended (None: connected)
+        self._outage_since: float | None = None  # when the coordinator went away (None: registered with it)
         self._next_try = 0.0
 
     # ------------------------------------------------------------- lifecycle
@@ -179,8 +181,14 @@ class Relay:
                     self._try_reconnect()
                 elif self._registered and time.monotonic() >= self._next_batch:
                     self._batch()
+        except BaseException as exc:  # a bug here must not pass silently: the replica is lost with it
+            self._end(f"the relay failed: {type(exc).__name__}: {exc}")
+            raise
         finally:
             self._close_all(self.closed_why or "relay stopped")
+            if self.closed_why is not None and not self._stop.is_set():
+                print(f"recover: replica {self.replica_id}'s relay ended: {self.closed_why}", file=sys.stderr,
+                      flush=True)
 
     def _event(self, what: Any, mask: int) -> None:
         if what == "accept":
@@ -383,7 +391,7 @@ class Relay:
                 self.interval_s = max(self.interval_s, float(msg["heartbeat_s"]))
                 msg = {k: v for k, v in msg.items() if k != "heartbeat_s"}  # the ranks keep their own pace
             if re == self._reg_uid and msg["type"] == "ok":
-                self._registered = True
+                self._registered, self._outage_since = True, None
                 self._next_batch = time.monotonic() + self.interval_s
             elif re == self._reg_uid and msg["type"] == "error" and not asked:  # refused after a restart
                 gone = encode({"type": "error", "re": None, "code": "coordinator_gone",
@@ -422,15 +430,19 @@ class Relay:
     # ------------------------------------------------------------- coordinator restart
     def _upstream_ended(self, why: str) -> None:
         """Without a fence, a registered relay that may reconnect waits for the coordinator; else it ends."""
-        if self._fenced or not self._registered or self.reconnect_s <= 0:
+        if self._lost_at is not None:
+            return  # already lost (its write and its read both fail): reconnecting
+        if self._fenced or self._outage_since is None and not self._registered or self.reconnect_s <= 0:
             self._end(why)
-        elif self._lost_at is None:
+        else:  # also a new connection that ends before its register is answered (a dying listener took it)
             self._lose_upstream()
 
     def _lose_upstream(self) -> None:
         """The coordinator went away (no fence): keep the ranks, answer what is in flight, reconnect."""
         self._lost_at = time.monotonic()
-        self._next_try = 0.0
+        if self._outage_since is None:
+            self._outage_since = self._lost_at
+        self._next_try = time.monotonic() + RECONNECT_EVERY_S
         self._registered = False
         try:
             self._sel.unregister(self._up)
@@ -455,7 +467,8 @@ class Relay:
     def _try_reconnect(self) -> None:
         assert self._lost_at is not None
         now = time.monotonic()
-        if now - self._lost_at > self.reconnect_s:
+        assert self._outage_since is not None
+        if now - self._outage_since > self.reconnect_s:
             gone = encode({"type": "error", "re": None, "code": "coordinator_gone",
                            "message": f"the coordinator did not come back within {self.reconnect_s:g} s"})
             for loc in list(self._by_rank.values()):
