@@ -38,7 +38,7 @@ def reference(tmp_path_factory: pytest.TempPathFactory, corpus: Path) -> Path:
     return out
 
 
-@pytest.mark.parametrize(("nproc", "assignment"), [(2, "blocks"), (4, "blocks"), (4, "shuffled")])
+@pytest.mark.parametrize(("nproc", "assignment"), [(2, "blocks"), (4, "shuffled")])
 def test_data_parallel_matches_single_process(reference: Path, corpus: Path, tmp_path: Path, nproc: int,
                                               assignment: str) -> None:
     run_recover(train_args(tmp_path, corpus, f"--parallel.replicas={nproc}", f"--training.assignment={assignment}"),

@@ -50,7 +50,6 @@ def plain(tmp_path_factory: pytest.TempPathFactory, corpus: Path) -> Path:
 
 CONFIGS = {
     "pp2": ["--pp", "2"],
-    "tp2": ["--tp", "2"],
     "fsdp2": ["--fsdp", "2"],
     "pp2xtp2": ["--pp", "2", "--tp", "2", "--procs-per-replica", "4"],
 }
