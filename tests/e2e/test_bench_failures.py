@@ -231,9 +231,8 @@ def test_bench_failures_end_to_end(tmp_path: Path, corpus: Path) -> None:
     assert restart["max_rel_loss_dev"] < 1e-5  # resumed from a complete checkpoint
     assert restart["effective_tokens_per_s"] < by["recover"]["effective_tokens_per_s"]
     assert restart["wall_s"] > by["recover"]["wall_s"] and restart["checkpoint_async"]
-    yd = res["young_daly"]
-    assert yd["checkpoint_every"] >= 1 and yd["save_cost_s"] > 0
-    assert 0 < yd["async"]["save_cost_s"] < yd["save_cost_s"] and yd["async"]["checkpoint_every"] >= 1
+    yd = res["young_daly"]  # Young/Daly of the asynchronous saves (no synchronous restart system ran)
+    assert yd["async"]["save_cost_s"] > 0 and yd["async"]["checkpoint_every"] >= 1
     ideal = res["ideal"]
     assert ideal["tokens_per_s"] > 0 and ideal["recover_fraction"] == by["recover"]["vs_ideal"] > 0
     assert len(ideal["recover_fraction_per_round"]) == 2

@@ -168,16 +168,21 @@ def parse_failure(text: str, rank: int | None = None, fault: Fault | str | None 
     return FailureSpec(int(rep), int(step), Phase(phase), rank, fault, arg)
 
 
+def _parse_with_arg(text: str, fault: Fault, form: str, what: str) -> FailureSpec:
+    """``R@STEP:ARG`` of a fault that takes an argument (its phase: the forward passes)."""
+    head, sep, arg = text.rpartition(":")
+    if not sep or "@" not in head:
+        raise ConfigError(f"bad {what} {text!r}: write {form}")
+    return parse_failure(f"{head}:{DEFAULT_PHASE}={fault}:{arg}")
+
+
 def parse_slow(text: str) -> FailureSpec:
     """Parses ``--slow R@STEP:FACTOR`` (replica R's microbatches take FACTOR times as long from STEP on).
 
     Raises:
         ConfigError: a malformed text or a factor below 1, in one line with the form to write.
     """
-    head, sep, factor = text.rpartition(":")
-    if not sep or "@" not in head:
-        raise ConfigError(f"bad slow-down {text!r}: write R@STEP:FACTOR, e.g. 2@10:4")
-    return parse_failure(f"{head}:{DEFAULT_PHASE}={Fault.SLOW}:{factor}")
+    return _parse_with_arg(text, Fault.SLOW, "R@STEP:FACTOR, e.g. 2@10:4", "slow-down")
 
 
 def parse_nan(text: str) -> FailureSpec:
@@ -186,10 +191,7 @@ def parse_nan(text: str) -> FailureSpec:
     Raises:
         ConfigError: a malformed text, in one line with the form to write.
     """
-    head, sep, mb = text.rpartition(":")
-    if not sep or "@" not in head:
-        raise ConfigError(f"bad NaN {text!r}: write R@STEP:ID, e.g. 1@5:3")
-    return parse_failure(f"{head}:{DEFAULT_PHASE}={Fault.NAN}:{mb}")
+    return _parse_with_arg(text, Fault.NAN, "R@STEP:ID, e.g. 1@5:3", "NaN")
 
 
 def parse_corrupt(text: str, fault: Fault = Fault.CORRUPT) -> FailureSpec:
@@ -210,10 +212,7 @@ def parse_cut(text: str) -> FailureSpec:
     Raises:
         ConfigError: a malformed text, in one line with the form to write.
     """
-    head, sep, peer = text.rpartition(":")
-    if not sep or "@" not in head:
-        raise ConfigError(f"bad cut {text!r}: write R@STEP:PEER, e.g. 1@5:2")
-    return parse_failure(f"{head}:{DEFAULT_PHASE}={Fault.CUT}:{peer}")
+    return _parse_with_arg(text, Fault.CUT, "R@STEP:PEER, e.g. 1@5:2", "cut")
 
 
 def _phase_hint(phase: str) -> str:
