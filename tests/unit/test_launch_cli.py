@@ -84,3 +84,32 @@ def test_help_lists_every_phase_and_baseline_from_their_enums(capsys: pytest.Cap
 def test_demo_failures_scale_with_the_run() -> None:
     assert demo_failures(60) == ("1@12:backward", "3@30:reduce")
     assert demo_failures(6) == ("1@1:backward", "3@3:reduce")
+
+
+def test_placement_gives_every_rank_its_own_gpu_and_refuses_more_ranks_than_gpus() -> None:
+    from recover.launch.placement import parse_gpus, place
+
+    plan = place(2, 2, parse_gpus("0,1,2,3"))
+    assert plan.gpus == {(0, 0): "0", (0, 1): "1", (1, 0): "2", (1, 1): "3"} and not plan.shared
+    assert plan.env(1, 1) == {"CUDA_VISIBLE_DEVICES": "3"} and place(2, 2, []).env(0, 0) == {}
+    with pytest.raises(ConfigError, match="3 replicas x 2 ranks need 6 GPUs, 4 given"):
+        place(3, 2, parse_gpus("0,1,2,3"))
+    shared = place(2, 1, ["0"], share=True)
+    assert shared.shared and set(shared.gpus.values()) == {"0"}
+    with pytest.raises(ConfigError, match="distinct device ids"):
+        parse_gpus("0,0")
+
+
+def test_dry_run_prints_the_plan_and_starts_nothing(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    """2 replicas of tp=2 on --gpus 0,1,2,3: 4 distinct devices, nothing created; sharing forces gloo."""
+    from recover.cli import main
+
+    base = ["launch", "--config", "debug", "--tp", "2", "--gpus", "0,1,2,3", "--dry-run", "--out", str(tmp_path / "r")]
+    assert main([*base, "--replicas", "2"]) == 0
+    lines = [line for line in capsys.readouterr().out.splitlines() if line.startswith("replica ")]
+    assert sorted(line.split("CUDA_VISIBLE_DEVICES=")[1].split()[0] for line in lines) == ["0", "1", "2", "3"]
+    assert not (tmp_path / "r").exists()
+    assert main([*base, "--replicas", "3"]) == 2
+    assert "3 replicas x 2 ranks need 6 GPUs, 4 given" in capsys.readouterr().err
+    assert main([*base, "--replicas", "3", "--share-gpus"]) == 0
+    assert "--parallel.backend=gloo" in capsys.readouterr().out

@@ -14,12 +14,13 @@ import json
 import os
 import signal
 import sys
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
 from recover.config import Config, load_config
 from recover.errors import ConfigError, RecoverError
+from recover.launch.placement import parse_gpus, place, visible_gpus
 from recover.names import BASELINES, RANDOM_FAULTS, Baseline, Fault, Phase
 from recover.observe.rundir import check_out, clear_run
 
@@ -92,6 +93,13 @@ def register(sub: argparse._SubParsersAction) -> None:
                    help="float64 accumulation: every committed step bitwise equal to the failure-free run's")
     p.add_argument("--seed", type=int, default=0, help="seed of --random-failures")
     p.add_argument("--reference", default=None, help="a failure-free run directory to draw under loss.png")
+    p.add_argument("--gpus", default=None, metavar="LIST",
+                   help="GPUs to use, e.g. 0,1,2,3 (default: all visible): every rank of every replica gets one of "
+                        "its own (CUDA_VISIBLE_DEVICES per process); more ranks than GPUs is refused")
+    p.add_argument("--share-gpus", action="store_true",
+                   help="let ranks share GPUs round robin (for tests on one GPU): every collective runs on gloo")
+    p.add_argument("--dry-run", action="store_true",
+                   help="print the plan (per process: replica, rank, device, environment, command) and start nothing")
     p.add_argument("--resume", action="store_true",
                    help="continue the run in --out from its newest complete checkpoint (same flags as before)")
     p.add_argument("--overwrite", action="store_true",
@@ -168,6 +176,11 @@ class LaunchRequest:
     """Replace the run ``out`` holds (its records and checkpoints are deleted when the launch starts)."""
     kill_coordinator: str | None = None
     """Fault injection ``STEP[:SENT]`` (see :class:`~recover.launch.launcher.LaunchOptions`)."""
+    gpus: str | None = None
+    """``--gpus``: the GPUs to place ranks on (None: all visible)."""
+    share_gpus: bool = False
+    dry_run: bool = False
+    """Print the plan and start nothing."""
 
 
 def launch_config(req: LaunchRequest) -> tuple[Config, list[str]]:
@@ -194,6 +207,10 @@ def check_launch(req: LaunchRequest) -> LaunchOptions:
     cfg, overrides = launch_config(req)
     p, ft = cfg.parallel, cfg.fault_tolerance
     P = p.procs_per_replica
+    placement = place(p.replicas, P, parse_gpus(req.gpus) if req.gpus else visible_gpus(), req.share_gpus)
+    if placement.shared and p.backend != "gloo":  # NCCL allows one rank per device
+        cfg, overrides = launch_config(replace(req, overrides=(*req.overrides, "--parallel.backend=gloo")))
+        p, ft = cfg.parallel, cfg.fault_tolerance
     if req.procs_per_replica is not None and req.procs_per_replica != P:
         raise ConfigError(f"--procs-per-replica {req.procs_per_replica} does not match pp x tp x fsdp = {p.pp} x "
                           f"{p.tp} x {p.fsdp} = {P}; give the degrees with --pp/--tp/--fsdp so their product is P")
@@ -245,6 +262,7 @@ def check_launch(req: LaunchRequest) -> LaunchOptions:
                          random_faults=tuple(Fault(f) for f in req.random_faults), rejoin_after_s=req.rejoin_after_s,
                          rejoin_replicas=req.rejoin_replicas, seed=req.seed, baseline=req.baseline,
                          progress=req.progress, resume=req.resume, kill_coordinator=req.kill_coordinator,
+                         placement=placement,
                          title=f"{cfg.name} x{p.replicas}" + (f" (x{P} ranks)" if P > 1 else ""))
 
 
@@ -270,6 +288,10 @@ def launch(req: LaunchRequest) -> int:
     )
 
     opts = check_launch(req)
+    if req.dry_run:
+        for line in Launcher(opts).plan():
+            print(line)
+        return 0
     if req.overwrite:
         clear_run(opts.out)
     opts.out.mkdir(parents=True, exist_ok=True)
@@ -355,7 +377,8 @@ def run_launch(args: argparse.Namespace) -> int:
         rejoin_replicas=_ids("--rejoin-replicas", args.rejoin_replicas),
         baseline=Baseline(args.baseline) if args.baseline else None, seed=args.seed,
         reference=Path(args.reference) if args.reference else None, progress=not args.no_progress,
-        resume=args.resume, overwrite=args.overwrite, kill_coordinator=args.kill_coordinator))
+        resume=args.resume, overwrite=args.overwrite, kill_coordinator=args.kill_coordinator, gpus=args.gpus,
+        share_gpus=args.share_gpus, dry_run=args.dry_run))
 
 
 def run_compare(args: argparse.Namespace) -> int:

@@ -52,6 +52,7 @@ from typing import Any
 from recover.config import Config
 from recover.faults import HANG_SIGNAL, FailureSchedule
 from recover.launch.lifeline import child_env
+from recover.launch.placement import Placement
 from recover.names import Baseline, Fault
 from recover.observe.events import EventLog, JsonlWriter
 from recover.observe.progress import ProgressDisplay
@@ -99,6 +100,8 @@ class LaunchOptions:
     title: str = "launch"
     resume: bool = False
     """Start from the newest complete checkpoint in ``out`` (keeping the step records before it)."""
+    placement: Placement = field(default_factory=Placement)
+    """The device of every rank (:mod:`recover.launch.placement`)."""
     kill_coordinator: str | None = None
     """Fault injection ``STEP[:SENT]``: the first coordinator SIGKILLs itself in step STEP's commit after
     SENT of its replies went out (the launcher then restarts it)."""
@@ -259,27 +262,48 @@ class Launcher:
         """Failure specs of replica ``rid`` as the worker reads them: ``R@STEP:PHASE[#RANK]``."""
         return [str(spec) if spec.rank is None else f"{spec}#{spec.rank}" for spec in self.o.failures.for_replica(rid)]
 
-    def _spawn(self, cmd: list[str], name: str, stdin: Any = None) -> list[tuple[subprocess.Popen[bytes], Any, Path]]:
+    def _env(self, rid: int | None, k: int, port: int | str) -> dict[str, str]:
+        """What rank ``k`` of replica ``rid`` gets on top of this environment: torchrun's variables
+        (P > 1) and its device (:mod:`recover.launch.placement`; a spare, ``rid`` None, none)."""
+        env = self.o.placement.env(rid, k) if rid is not None else {}
+        if self.P > 1:
+            env.update({"RANK": str(k), "LOCAL_RANK": str(k), "WORLD_SIZE": str(self.P),
+                        "LOCAL_WORLD_SIZE": str(self.P), "MASTER_ADDR": self.o.host, "MASTER_PORT": str(port)})
+        return env
+
+    def _spawn(self, cmd: list[str], name: str, rid: int | None,
+               stdin: Any = None) -> list[tuple[subprocess.Popen[bytes], Any, Path]]:
         """The P processes of one replica, each in its own session; P > 1 get torchrun's environment."""
         port = free_port(self.o.host) if self.P > 1 else 0
         out = []
         for k in range(self.P):
             path = self.out / "logs" / (f"{name}.log" if self.P == 1 else f"{name}_rank{k}.log")
             log = open(path, "ab")  # noqa: SIM115 - lives with the process
-            env = child_env()
-            if self.P > 1:
-                env = {**env, "RANK": str(k), "LOCAL_RANK": str(k), "WORLD_SIZE": str(self.P),
-                       "LOCAL_WORLD_SIZE": str(self.P), "MASTER_ADDR": self.o.host, "MASTER_PORT": str(port)}
             proc = subprocess.Popen(cmd, stdin=stdin, stdout=log, stderr=subprocess.STDOUT, start_new_session=True,
-                                    env=env)
+                                    env={**child_env(), **self._env(rid, k, port)})
             out.append((proc, log, path))
         return out
+
+    def plan(self) -> list[str]:
+        """``--dry-run``: one line per process it would start (replica, rank, device, environment,
+        command), starting nothing."""
+        self.port, self.token_file = "<port>", self.out / "token"  # type: ignore[assignment]
+        lines = [f"coordinator: {' '.join(self._python('coordinator', '--port', '<port>', '...'))}"]
+        for rid in range(self.n):
+            cmd = " ".join([*self._worker_cmd(), "--replica", str(rid)])
+            for k in range(self.P):
+                env = " ".join(f"{key}={v}" for key, v in sorted(self._env(rid, k, "<port>").items()))
+                lines.append(f"replica {rid} rank {k}: {self.o.placement.device(rid, k)}; env {env or '-'}; {cmd}")
+        if self.o.rejoin_after_s is not None:
+            lines.append("rejoins: a replica restarts on the devices of the one it replaces"
+                         + ("" if self.o.placement.gpus else "; a hot spare waits on the CPU"))
+        return lines
 
     def _start_spare(self) -> None:
         """A hot spare: a replica's workers that have started up (torch, model, data) and wait to be told who to be."""
         name = f"spare_{self.spares_started}"
         self.spares_started += 1
-        self.spare = self._spawn([*self._worker_cmd(), "--spare"], name, stdin=subprocess.PIPE)
+        self.spare = self._spawn([*self._worker_cmd(), "--spare"], name, None, stdin=subprocess.PIPE)
 
     def _start_replica(self, rid: int, join: bool) -> None:
         if join and self.spare is not None and all(p.poll() is None for p, _, _ in self.spare):
@@ -294,7 +318,7 @@ class Launcher:
             cmd = [*self._worker_cmd(), "--replica", str(rid), *(a for f in self._fails(rid) for a in ("--fail", f))]
             if join:
                 cmd.append("--join")
-            ranks = self._spawn(cmd, f"replica_{rid}")
+            ranks = self._spawn(cmd, f"replica_{rid}", rid)
         self.replicas[rid] = Replica(rid, [p for p, _, _ in ranks], [lg for _, lg, _ in ranks],
                                      [path for _, _, path in ranks], time.time(), join)
         if join:
@@ -555,8 +579,8 @@ class Launcher:
             self._start_coordinator(self.n)
             for rid in range(self.n):
                 self._start_replica(rid, join=False)
-            if self.o.rejoin_after_s is not None:
-                self._start_spare()
+            if self.o.rejoin_after_s is not None and not self.o.placement.gpus:  # a spare needs its device
+                self._start_spare()                                                  # before it knows its replica
             while True:
                 now = time.time()
                 if self.stop_signal is not None and self.stop_started is None:

@@ -50,8 +50,8 @@ def init_from_env(backend: str = "auto", timeout_s: float = 300.0) -> DistContex
         local_world_size=int(os.environ.get("LOCAL_WORLD_SIZE", os.environ["WORLD_SIZE"])),
         backend=pick_backend(backend),
     )
-    if ctx.backend == "nccl":
-        ctx.device = torch.device("cuda", ctx.local_rank)
+    if ctx.backend == "nccl" or torch.cuda.is_available():  # a launcher that gave each rank its own GPU
+        ctx.device = torch.device("cuda", ctx.local_rank % torch.cuda.device_count())  # shows it as cuda:0
         torch.cuda.set_device(ctx.device)
     dist.init_process_group(ctx.backend, timeout=timedelta(seconds=timeout_s))
     return ctx

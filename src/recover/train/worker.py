@@ -81,7 +81,7 @@ def build(cfg: Config, procs: int) -> Built:
     """
     from recover.data.prepare import resolve_data_dir
 
-    ctx = DistContext(local_world_size=procs)
+    ctx = DistContext(local_world_size=procs, device=_own_device())
     if cfg.parallel.procs_per_replica > 1:
         if "RANK" not in os.environ or "WORLD_SIZE" not in os.environ:
             raise RecoverError(f"a replica of {cfg.parallel.procs_per_replica} ranks (parallel.pp x fsdp x tp) "
@@ -91,6 +91,13 @@ def build(cfg: Config, procs: int) -> Built:
         ctx.local_world_size = procs
     replica, eval_data = build_replica(cfg, ctx, resolve_data_dir(cfg.data, prepare=False))
     return replica, eval_data, ctx
+
+
+def _own_device() -> Any:
+    """A one-process replica's device: the GPU the launcher gave it (``cuda:0`` in its own view), else the CPU."""
+    import torch
+
+    return torch.device("cuda", 0) if torch.cuda.is_available() else torch.device("cpu")
 
 
 class ReplicaWorker:
