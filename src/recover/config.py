@@ -30,7 +30,7 @@ from pathlib import Path
 from typing import Any, ClassVar, Literal
 
 from recover.errors import ConfigError
-from recover.names import Assignment, Backend, Connections, Policy, Schedule, ShardFormat
+from recover.names import Assignment, Backend, Connections, Dtype, Policy, Schedule, ShardFormat
 
 if sys.version_info >= (3, 11):
     import tomllib
@@ -192,6 +192,10 @@ class TrainingConfig:
     """torch intra-op threads per process; 0 means cores / local processes."""
     deterministic: bool = False
     """Accumulate and reduce gradients in float64 so a step does not depend on who computed what."""
+    dtype: Dtype = "float32"
+    """Compute dtype: ``bfloat16`` runs forward and backward under autocast (matmuls in bf16) while the
+    master weights, the optimizer state, the accumulation over microbatches and the cross-replica
+    reduction stay float32 (float64 in deterministic mode)."""
     assignment: Assignment = "blocks"
     """Failure-free ids -> replicas: ``blocks``, ``strided`` or ``shuffled`` (the trajectory is the same)."""
     device_time_s: float = 0.0

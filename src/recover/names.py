@@ -73,6 +73,8 @@ Schedule = Literal["1f1b", "gpipe"]
 Assignment = Literal["blocks", "strided", "shuffled"]
 """Failure-free ids -> replicas: contiguous blocks, strided, or shuffled by (seed, step)."""
 Policy = Literal["weighted", "even"]
+Dtype = Literal["float32", "bfloat16"]
+"""Compute dtype (``training.dtype``); master weights, optimizer state and reductions stay float32."""
 """Workload policy: quotas weighted by the replicas' measured speeds (stragglers get fewer) or even."""
 Connections = Literal["replica", "rank"]
 """Coordinator connections of a replica of several ranks: one through its relay (rank 0 runs it,

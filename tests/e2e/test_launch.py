@@ -464,3 +464,13 @@ def test_nan_everywhere_and_a_two_replica_split_stop_the_job_with_their_state_sa
     assert [p.name for p in sides] == ["replicas_0", "replicas_1"]
     manifests = [json.loads((p / "step_000005" / "manifest.json").read_text())["files"] for p in sides]
     assert manifests[0] != manifests[1]  # two different states, each kept whole
+
+
+def test_bfloat16_compute_survives_a_kill_and_stays_near_float32(reference_det: Path, corpus: Path,
+                                                                 tmp_path: Path) -> None:
+    launch(tmp_path, corpus, "--deterministic", "--training.dtype=bfloat16", "--fail", "2@10:backward")
+    recs = rows(tmp_path)
+    assert [r["step"] for r in recs] == list(range(STEPS)) and all(r["microbatches"] == M for r in recs)
+    assert recs[10]["live_replicas"] == 3
+    ref = losses(reference_det)[STEPS - 1]
+    assert abs(recs[-1]["loss"] - ref) <= 0.03 * ref

@@ -42,6 +42,7 @@ from __future__ import annotations
 import math
 import time
 from collections.abc import Callable
+from contextlib import AbstractContextManager, nullcontext
 from typing import TYPE_CHECKING, Any, Protocol
 
 import torch
@@ -231,7 +232,8 @@ class Replica:
             t0 = time.perf_counter()
             inputs, targets = self._batch(step, mb)
             hook(step, Phase.FORWARD)
-            loss = lm_loss(self.model(inputs.to(self.device)), targets.to(self.device))  # mean over B x T
+            with self.compute_dtype():
+                loss = lm_loss(self.model(inputs.to(self.device)), targets.to(self.device))  # mean over B x T
             hook(step, Phase.BACKWARD)
             (loss if mb is not None else loss * 0.0).backward()
             self._inject(step, mb)
@@ -269,7 +271,9 @@ class Replica:
         into the buffers or the ledger."""
         t0 = time.perf_counter()
         inputs, targets = self._batch(step, mb)
-        lm_loss(self.model(inputs.to(self.device)), targets.to(self.device)).backward()
+        with self.compute_dtype():
+            loss = lm_loss(self.model(inputs.to(self.device)), targets.to(self.device))
+        loss.backward()
         self._inject(step, None)
         value = self._gradient_fingerprint()
         for p in self.params:
@@ -302,6 +306,12 @@ class Replica:
                 local(p.grad).mul_(float("nan"))
                 return
 
+    def compute_dtype(self) -> AbstractContextManager[Any]:
+        """Autocast to bfloat16 when ``training.dtype`` says so (parameters and gradients stay float32)."""
+        if self.training.dtype == "bfloat16":
+            return torch.autocast(device_type=self.device.type, dtype=torch.bfloat16)
+        return nullcontext()
+
     def _emulate_device(self, t0: float, microbatches: int) -> None:
         """With ``training.device_time_s``, sleeps until ``microbatches`` x that time has passed since ``t0``;
         with a ``slowdown`` s, until s times that time (or s times the real compute, if longer)."""
@@ -320,7 +330,8 @@ class Replica:
             inputs = torch.cat([x for x, _ in batches])  # (n*B, T)
             targets = torch.cat([y for _, y in batches])
         hook(step, Phase.FORWARD)
-        by_position = self.pipe.run(n, B, T, inputs, targets, [0.0 if mb is None else 1.0 for mb in column])
+        with self.compute_dtype():
+            by_position = self.pipe.run(n, B, T, inputs, targets, [0.0 if mb is None else 1.0 for mb in column])
         hook(step, Phase.BACKWARD)
         self._fold()
         self._emulate_device(t0, n)
@@ -446,7 +457,8 @@ class Replica:
     def _mean_loss(self, model: torch.nn.Module, batches: list[tuple[torch.Tensor, torch.Tensor]]) -> float:
         was_training = model.training
         model.eval()
-        losses = [float(lm_loss(model(x.to(self.device)), y.to(self.device))) for x, y in batches]
+        with self.compute_dtype():
+            losses = [float(lm_loss(model(x.to(self.device)), y.to(self.device))) for x, y in batches]
         model.train(was_training)
         return sum(losses) / len(losses)
 
