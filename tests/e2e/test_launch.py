@@ -445,11 +445,12 @@ def test_nan_everywhere_and_a_two_replica_split_stop_the_job_with_their_state_sa
     the last committed state saved. Two replicas whose parameters disagree have no majority: exit 8, each
     side's state saved under checkpoints/diverged/, the run's own checkpoints untouched."""
     nan = tmp_path / "nan"
-    res = launch(nan, corpus, "--deterministic", *(a for r in range(4) for a in ("--nan", f"{r}@6:2")), check=False)
+    res = launch(nan, corpus, "--deterministic", "--workload.policy=even",
+                 *(a for r in range(4) for a in ("--nan", f"{r}@6:2")), check=False)
     assert res.returncode == 9, res.stderr[-2000:]
     named = re.search(r"microbatch 2 of step 6 was not finite on replicas \[(\d), (\d)\]: the training diverged",
                       res.stderr)
-    assert named is not None and "1" in named.groups(), res.stderr  # replica 1 computes it first, then another
+    assert named is not None and len(set(named.groups())) == 2, res.stderr  # its owner, then the one it went to
     assert [p.name for p in (nan / "checkpoints").iterdir()] == ["step_000006"]
 
     split = tmp_path / "split"
