@@ -15,14 +15,17 @@ from recover.config import TrainingConfig
 
 
 def build_optimizer(model: nn.Module, cfg: TrainingConfig) -> torch.optim.AdamW:
-    """AdamW; weight decay on parameters with >= 2 dims (not on norms), foreach off for exactness."""
+    """AdamW; weight decay on parameters with >= 2 dims (not on norms); the fused CUDA kernel when every
+    parameter is on a GPU (every replica uses the same update, so replicas stay identical)."""
     decay = [p for p in model.parameters() if p.requires_grad and p.dim() >= 2]
     no_decay = [p for p in model.parameters() if p.requires_grad and p.dim() < 2]
     groups = [
         {"params": decay, "weight_decay": cfg.weight_decay},
         {"params": no_decay, "weight_decay": 0.0},
     ]
-    return torch.optim.AdamW(groups, lr=lr_at(0, cfg), betas=(cfg.beta1, cfg.beta2), eps=1e-8)
+    on_gpu = all(p.is_cuda for p in decay + no_decay)  # the fused kernel: one launch for every parameter
+    return torch.optim.AdamW(groups, lr=lr_at(0, cfg), betas=(cfg.beta1, cfg.beta2), eps=1e-8,
+                             **({"fused": True} if on_gpu else {}))
 
 
 def lr_at(step: int, cfg: TrainingConfig) -> float:
