@@ -166,4 +166,5 @@ def test_bfloat16_compute_trains_like_float32(corpus: Path, tmp_path: Path, caps
         assert main(train_args(out, corpus, "--training.steps=40", f"--training.dtype={dtype}")) == 0
         final[dtype] = losses(out)[39]
     capsys.readouterr()
+    assert final["bfloat16"] != final["float32"]  # bf16 really computed: not float32's arithmetic
     assert abs(final["bfloat16"] - final["float32"]) <= 0.03 * final["float32"]

@@ -474,4 +474,4 @@ def test_bfloat16_compute_survives_a_kill_and_stays_near_float32(reference_det: 
     assert [r["step"] for r in recs] == list(range(STEPS)) and all(r["microbatches"] == M for r in recs)
     assert recs[10]["live_replicas"] == 3
     ref = losses(reference_det)[STEPS - 1]
-    assert abs(recs[-1]["loss"] - ref) <= 0.03 * ref
+    assert recs[-1]["loss"] != ref and abs(recs[-1]["loss"] - ref) <= 0.03 * ref  # bf16 arithmetic, near fp32

@@ -116,6 +116,7 @@ class Coordinator:
         self.register_timeout_s = register_timeout_s
         self.hang_timeout_s = hang_timeout_s
         self.die_at_commit = die_at_commit
+        self._replies_sent = 0  # committed replies of the die_at_commit step sent so far
         self._tick_s = min(0.02, self.heartbeat_interval_s / 2)
         self._cond = threading.Condition()
         self._conns: set[_Conn] = set()
@@ -359,7 +360,7 @@ class Coordinator:
         """Fault injection (``die_at_commit``): a coordinator killed while its commit replies go out."""
         if self.die_at_commit is None or msg["type"] != "committed" or msg["step"] != self.die_at_commit[0]:
             return
-        self._replies_sent = getattr(self, "_replies_sent", 0) + (0 if before else 1)
+        self._replies_sent += 0 if before else 1
         if self._replies_sent >= self.die_at_commit[1]:
             self._log("coordinator_killed", step=msg["step"], replies_sent=self._replies_sent)
             os.kill(os.getpid(), signal.SIGKILL)

@@ -30,8 +30,8 @@ Contract:
   ``--resume``), 7 the coordinator was lost for good (a checkpoint was saved), 8 the replicas'
   parameters disagree with no majority (each side saved), 9 the training diverged (a microbatch not
   finite on two replicas), 1 otherwise.
-- ``resume``: the workers start from the newest complete checkpoint in ``out``; the step records
-  before it are kept (``metrics.jsonl`` holds each step once).
+- ``resume``: the workers start from the newest complete checkpoint in ``out``; the records of
+  ``metrics.jsonl`` before it are kept (it holds each step once).
 """
 
 from __future__ import annotations
@@ -492,7 +492,7 @@ class Launcher:
     # ---- the run ---------------------------------------------------------------------------
     def _prepare_out(self) -> None:
         """The run directory; with ``resume``, the step records before the newest checkpoint are kept."""
-        from recover.observe.events import read_jsonl
+        from recover.observe.events import records_before
         from recover.train.integrity import list_checkpoints, remove_leftovers
 
         for sub in ("logs", "replicas"):
@@ -502,12 +502,7 @@ class Launcher:
         kept: dict[int, dict[str, Any]] = {}
         if self.o.resume:
             found = list_checkpoints(self.out / "checkpoints")
-            resume_step = found[-1][0] if found else 0
-            for path in [self.out / "metrics.jsonl", *old_logs]:
-                if path.is_file():
-                    for rec in read_jsonl(path):
-                        if rec.get("step", resume_step) < resume_step and "elapsed_s" in rec:
-                            kept.setdefault(rec["step"], rec)
+            kept = records_before(self.out / "metrics.jsonl", found[-1][0] if found else 0)
             self.resume = True
         for stale in ["metrics.jsonl", "summary.json", *(p.relative_to(self.out) for p in old_logs)]:
             (self.out / stale).unlink(missing_ok=True)

@@ -63,16 +63,24 @@ def read_jsonl(path: str | os.PathLike[str]) -> Iterator[dict[str, Any]]:
                 continue
 
 
+def records_before(path: str | os.PathLike[str], step: int) -> dict[int, dict[str, Any]]:
+    """The step records of ``metrics.jsonl`` at ``path`` (if any) for steps before ``step``, by step,
+    the first of each (a resumed run writes the steps from its checkpoint on again)."""
+    path = Path(path)
+    kept: dict[int, dict[str, Any]] = {}
+    if path.is_file():
+        for rec in read_jsonl(path):
+            if isinstance(rec.get("step"), int) and rec["step"] < step:
+                kept.setdefault(rec["step"], rec)
+    return kept
+
+
 def keep_records_before(path: str | os.PathLike[str], step: int) -> None:
-    """Rewrites ``metrics.jsonl`` at ``path`` (if any) with only its records of steps before ``step``,
-    each once (a resumed run writes the steps from its checkpoint on again)."""
+    """Rewrites ``metrics.jsonl`` at ``path`` (if any) with only :func:`records_before` ``step``."""
     path = Path(path)
     if not path.is_file():
         return
-    kept: dict[int, dict[str, Any]] = {}
-    for rec in read_jsonl(path):
-        if isinstance(rec.get("step"), int) and rec["step"] < step:
-            kept.setdefault(rec["step"], rec)
+    kept = records_before(path, step)
     tmp = path.with_name(path.name + ".tmp")
     tmp.write_text("".join(json.dumps(kept[s], separators=(",", ":")) + "\n" for s in sorted(kept)), encoding="utf-8")
     os.replace(tmp, path)
