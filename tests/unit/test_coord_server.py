@@ -220,3 +220,20 @@ def test_link_probes_reach_a_listening_peer_and_not_a_cut_or_closed_one() -> Non
     finally:
         a.close()
         b.close()
+
+
+def test_a_coordinator_bound_to_every_interface_tells_replicas_a_store_address_they_can_reach() -> None:
+    """0.0.0.0 names no machine to connect to: the replicas are told --advertise-host (or this
+    machine's name), and they rendezvous on the store there."""
+    from recover.coord.server import advertised
+
+    assert advertised("0.0.0.0") == advertised("::") == socket.gethostname()
+    assert advertised("10.1.2.3") == "10.1.2.3" and advertised("0.0.0.0", "coord.svc") == "coord.svc"
+    c = Coordinator("0.0.0.0", token=TOKEN, advertise_host="127.0.0.1", expected_replicas=1).start()
+    cl = CoordinatorClient("127.0.0.1", c.port, TOKEN, 0, heartbeat_interval_s=0.05)
+    try:
+        m = cl.register(timeout=10)
+        assert (m.store_host, m.store_port) == ("127.0.0.1", c.store_port)
+    finally:
+        cl.close()
+        c.stop()

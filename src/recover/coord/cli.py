@@ -1,6 +1,7 @@
 """``recover coordinator``: run the coordinator service (and the c10d store) in the foreground.
 
-Contract: start it before the replicas; it binds 127.0.0.1 unless ``--host`` says otherwise, reads
+Contract: start it before the replicas; it binds 127.0.0.1 unless ``--host`` says otherwise (the
+replicas are told to reach its store at ``--advertise-host``, by default that address), reads
 the shared token from ``--token-file`` (never from the command line, which other users can see),
 prints one ``ready`` line with both ports, and serves until interrupted.
 
@@ -29,6 +30,9 @@ def register(subparsers: argparse._SubParsersAction) -> None:
     p = subparsers.add_parser("coordinator", help="run the membership coordinator and rendezvous store",
                               description=__doc__)
     p.add_argument("--host", default="127.0.0.1", help="address to bind (default 127.0.0.1)")
+    p.add_argument("--advertise-host", default=None, metavar="HOST",
+                   help="the address the replicas reach this coordinator and its store at (default: --host, or "
+                        "this machine's name when --host is 0.0.0.0 or ::); e.g. a Kubernetes Service's DNS name")
     p.add_argument("--port", type=int, default=29400, help="service port (0 picks a free one)")
     p.add_argument("--store-port", type=int, default=0, help="c10d TCPStore port (0 picks a free one)")
     p.add_argument("--token-file", required=True, help="file holding the shared registration token")
@@ -95,14 +99,16 @@ def run(args: argparse.Namespace) -> int:
                         expected_replicas=args.replicas, hang_timeout_s=args.hang_timeout,
                         die_at_commit=parse_die_at_commit(args.die_at_commit),
                         ranks_per_replica=args.ranks_per_replica,
-                        per_replica_connections=args.connections == "replica")
+                        per_replica_connections=args.connections == "replica",
+                        advertise_host=args.advertise_host)
     try:
         coord.start()
     except ConfigError:
         raise
     except (OSError, RuntimeError) as exc:
         raise ConfigError(f"cannot bind {args.host}:{args.port} or store port {args.store_port}: {exc}") from None
-    print(json.dumps({"ready": True, "host": args.host, "port": coord.port, "store_port": coord.store_port,
+    print(json.dumps({"ready": True, "host": args.host, "advertise_host": coord.advertise_host, "port": coord.port,
+                      "store_port": coord.store_port,
                       "heartbeat_s": coord.heartbeat_interval_s, "heartbeat_timeout_s": coord.heartbeat_timeout_s}),
           flush=True)
 

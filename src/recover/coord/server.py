@@ -69,6 +69,19 @@ class _Conn:
     closed: bool = False
 
 
+WILDCARDS = ("", "0.0.0.0", "::")
+
+
+def advertised(host: str, advertise_host: str | None = None) -> str:
+    """Where replicas reach the coordinator's store: ``advertise_host`` when given, else the bound
+    ``host``, unless that is a wildcard (0.0.0.0, ::), which names no machine to connect to: then this
+    machine's name. Behind a Kubernetes Service, or when the name does not resolve to a reachable
+    address elsewhere, give ``advertise_host`` (``recover coordinator --advertise-host``)."""
+    if advertise_host:
+        return advertise_host
+    return socket.gethostname() if host in WILDCARDS else host
+
+
 class Coordinator:
     """Serves membership for ``expected_replicas`` replicas (see the module docstring).
 
@@ -90,19 +103,22 @@ class Coordinator:
         ranks_per_replica: processes per replica (for the job's size).
         per_replica_connections: each replica reaches the coordinator through one connection (a relay,
             :mod:`recover.coord.relay`) instead of one per rank.
+        advertise_host: the address replicas are told to reach the c10d store at (:func:`advertised`).
     """
 
     def __init__(self, host: str = "127.0.0.1", port: int = 0, *, token: str, events_path: str | None = None,
                  heartbeat_interval_s: float = 0.1, heartbeat_timeout_s: float = 1.0, store_port: int = 0,
                  min_members: int = 1, expected_replicas: int = 1, register_timeout_s: float = 10.0,
                  hang_timeout_s: float = 0.0, die_at_commit: tuple[int, int] | None = None,
-                 ranks_per_replica: int = 1, per_replica_connections: bool = False) -> None:
+                 ranks_per_replica: int = 1, per_replica_connections: bool = False,
+                 advertise_host: str | None = None) -> None:
         if not token:
             raise ValueError("token must be a non-empty string")
         if heartbeat_timeout_s <= heartbeat_interval_s:
             raise ValueError(f"heartbeat_timeout_s ({heartbeat_timeout_s}) must exceed "
                              f"heartbeat_interval_s ({heartbeat_interval_s})")
         self.host = host
+        self.advertise_host = advertised(host, advertise_host)
         self._req_port = port
         self._req_store_port = store_port
         self._token = token
@@ -158,14 +174,15 @@ class Coordinator:
         self._sel.register(self._listener, selectors.EVENT_READ, "accept")
         self._sel.register(self._wake_r, selectors.EVENT_READ, "wake")
         self.state = MembershipState(expected=self.expected_replicas, min_members=self.min_members,
-                                     store_host=self.host, store_port=self.store_port,
+                                     store_host=self.advertise_host, store_port=self.store_port,
                                      ack_timeout_s=self.heartbeat_timeout_s)
         self.aggregator = RankAggregator(
             self.state, token=self._token, heartbeat_timeout_s=self.heartbeat_timeout_s,
             register_timeout_s=self.register_timeout_s, liveness=Liveness(self.hang_timeout_s),
             heartbeat_s=self.heartbeat_interval_s,
             scan_s=scale.scan_interval(self.heartbeat_timeout_s, self.register_timeout_s, self.hang_timeout_s))
-        self._log("coordinator_start", host=self.host, port=self.port, store_port=self.store_port,
+        self._log("coordinator_start", host=self.host, advertise_host=self.advertise_host, port=self.port,
+                  store_port=self.store_port,
                   expected_replicas=self.expected_replicas, heartbeat_s=self.heartbeat_interval_s,
                   heartbeat_timeout_s=self.heartbeat_timeout_s, connections=self.connections,
                   max_connections=self.max_connections)

@@ -128,7 +128,9 @@ def register(sub: argparse._SubParsersAction) -> None:
     w.add_argument("--procs", type=int, default=1, help="replica processes sharing this machine (threads)")
     w.add_argument("--fail", action="append", default=[], metavar="R@STEP:PHASE[#RANK]",
                    help=f"die at STEP and PHASE (on RANK, default the last); phases: {Phase.describe()}")
-    w.add_argument("--join", action="store_true")
+    w.add_argument("--join", action="store_true",
+                   help="join the running job at its next step boundary, taking the live replicas' state (a worker "
+                        "that registers after the job began does so without it: a restarted pod or srun step)")
     w.add_argument("--baseline", choices=BASELINES, default=None, help=Baseline.describe())
     w.add_argument("--resume", action="store_true", help="start from the newest complete checkpoint in --out")
     w.set_defaults(func=run_worker, accepts_overrides=True)

@@ -48,10 +48,11 @@ def _median(xs: list[float]) -> float | None:
 
 
 def _stopped(events: list[dict[str, Any]]) -> bool:
-    """Whether the last launch in ``events`` (a resumed run appends to them) ended in a graceful stop."""
+    """Whether the last launch in ``events`` (a resumed run appends to them) ended in a graceful stop
+    (a job without a launcher: whether its replicas' last word was ``stopped`` or ``finished``)."""
     stopped = False
     for e in events:
-        if e.get("kind") in ("launch", "stopped"):
+        if e.get("kind") in ("launch", "stopped", "finished"):
             stopped = e["kind"] == "stopped"
     return stopped
 

@@ -10,9 +10,10 @@ It composes the layers and runs the loop shared with ``recover train``:
                                                       # commit, apply, admit; records; eval; checkpoints
 
 Contract: every committed step this replica applies holds exactly M microbatches; a joiner starts
-from state bitwise equal to the live replicas' at a step boundary; if fewer than
-``fault_tolerance.min_replicas`` survive, the lowest live replica saves a complete checkpoint
-and every survivor exits with status 3 and a message saying so.
+from state bitwise equal to the live replicas' at a step boundary (a worker joins when started with
+``--join``, or when the coordinator admits it after the job began: a restarted pod or srun step); if
+fewer than ``fault_tolerance.min_replicas`` survive, the lowest live replica saves a complete
+checkpoint and every survivor exits with status 3 and a message saying so.
 
 Stops and coordinator loss (exit statuses in ``train/exits.py``):
 - SIGTERM or SIGINT (:meth:`ReplicaWorker.request_stop`): the next vote asks for a stop; the commit
@@ -185,6 +186,8 @@ class ReplicaWorker:
             hook=hook, on_event=self._event, assignment=tc.assignment, seed=tc.seed,
             policy=self.cfg.workload.policy, fingerprint_every=ft.fingerprint_every, audit_every=ft.audit_every,
             **extra)
+        # admitted as a joiner: --join, or started after the job began (a restarted pod or srun step)
+        self.join = self.join or self.replica_id in membership.joined
         if self.join:
             step.join()
         self._event("started", generation=step.group.generation, members=list(step.group.members),
