@@ -1,0 +1,272 @@
+"""The cluster recipes of examples/ run on this machine: the Slurm batch script under bash with local
+stand-ins for srun and scontrol, and the Kubernetes manifests rendered, parsed and their containers'
+commands run as the pods would run them (the Service names mapped to 127.0.0.1).
+
+Each job is 2 replicas of 1 process (`debug` preset, emulated devices). Every process a test starts
+is found by its parentage (torchrun starts its workers in sessions of their own) and SIGKILLed by
+PID at the end, whatever happened.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import signal
+import subprocess
+import sys
+import time
+from collections.abc import Iterator
+from pathlib import Path
+
+import pytest
+
+from conftest import ROOT, subprocess_env
+from recover.launch.launcher import free_port
+
+STEPS = 12
+FLAGS = ["--training.steps", str(STEPS), "--training.device_time_s", "0.05", "--training.eval_every", "6"]
+
+SRUN = """#!/bin/bash
+# srun stand-in: runs the step's command here, as its one task, with the task's Slurm variables
+out=""
+while [ $# -gt 0 ]; do
+  case "$1" in
+    --output=*) out=${1#--output=}; shift ;;
+    --*=*|--exact|--overlap) shift ;;
+    *) break ;;
+  esac
+done
+echo "srun $*" >> "$FAKE_SLURM_LOG"
+export SLURM_PROCID=0 SLURM_LOCALID=0 SLURM_NODEID=0 SLURM_NTASKS=1 SLURM_STEP_ID=$$
+if [ -n "$out" ]; then exec "$@" >> "$out" 2>&1; else exec "$@"; fi
+"""
+SCONTROL = """#!/bin/bash
+# scontrol stand-in: `show hostnames LIST` (a plain comma-separated list) and `requeue JOBID`
+case "$1 $2" in
+  "show hostnames") echo "$3" | tr ',' '\\n' ;;
+  requeue*) echo "requeue $2" >> "$FAKE_SLURM_LOG" ;;
+  *) echo "scontrol stand-in: $*: not supported" >&2; exit 1 ;;
+esac
+"""
+
+
+def descendants(pid: int) -> list[int]:
+    """Every living process below ``pid`` (by parent PID, through sessions), deepest first."""
+    children: dict[int, list[int]] = {}
+    for stat in Path("/proc").glob("[0-9]*/stat"):
+        try:
+            fields = stat.read_text().rsplit(")", 1)[1].split()
+        except OSError:
+            continue
+        children.setdefault(int(fields[1]), []).append(int(stat.parent.name))
+    out, todo = [], [pid]
+    while todo:
+        for child in children.get(todo.pop(), []):
+            out.append(child)
+            todo.append(child)
+    return out[::-1]
+
+
+class Procs:
+    """Processes a test started, each in its own session; :meth:`kill_all` SIGKILLs them and everything
+    below them by PID."""
+
+    def __init__(self) -> None:
+        self.procs: list[subprocess.Popen[str]] = []
+        self.seen: set[int] = set()
+
+    def start(self, cmd: list[str], env: dict[str, str], log: Path) -> subprocess.Popen[str]:
+        with open(log, "a") as f:
+            proc = subprocess.Popen(cmd, env=env, stdout=f, stderr=subprocess.STDOUT, text=True, cwd=ROOT,
+                                    start_new_session=True)
+        self.procs.append(proc)
+        return proc
+
+    def track(self) -> None:
+        """Remembers the processes below the started ones now (an orphan is still killed at the end)."""
+        for p in self.procs:
+            self.seen.update(descendants(p.pid))
+
+    def kill_all(self) -> None:
+        self.track()
+        for pid in [*sorted(self.seen, reverse=True), *(p.pid for p in self.procs)]:
+            try:
+                os.kill(pid, signal.SIGKILL)
+            except ProcessLookupError:
+                pass
+        for p in self.procs:
+            p.wait(10)
+
+
+@pytest.fixture
+def procs() -> Iterator[Procs]:
+    p = Procs()
+    try:
+        yield p
+    finally:
+        p.kill_all()
+
+
+def wait_for(proc: subprocess.Popen[str], procs: Procs, timeout: float, log: Path) -> int:
+    deadline = time.time() + timeout
+    while proc.poll() is None:
+        assert time.time() < deadline, f"timed out after {timeout} s:\n{log.read_text()[-3000:]}"
+        procs.track()
+        time.sleep(0.2)
+    return proc.returncode
+
+
+def committed(run: Path) -> list[dict]:
+    """The run's step records (metrics.jsonl, written by `recover collect`)."""
+    return [json.loads(line) for line in (run / "metrics.jsonl").read_text().splitlines()]
+
+
+def replica_steps(run: Path) -> int:
+    path = run / "replicas" / "replica_0.jsonl"
+    return len(path.read_text().splitlines()) if path.is_file() else 0
+
+
+def test_slurm_script_runs_is_preempted_requeues_and_resumes(tmp_path: Path, corpus: Path, procs: Procs) -> None:
+    """The sbatch script with srun and scontrol stand-ins: the coordinator and 2 replicas (each a torchrun
+    job) train; SIGTERM to the batch shell (what --signal=B:TERM@120 sends) stops the job at a step
+    boundary with a checkpoint, exit 6 and a requeue; the requeued start resumes and commits every step."""
+    bin_dir = tmp_path / "bin"
+    bin_dir.mkdir()
+    for name, text in (("srun", SRUN), ("scontrol", SCONTROL)):
+        (bin_dir / name).write_text(text)
+        (bin_dir / name).chmod(0o755)
+    run, slurm_log = tmp_path / "run", tmp_path / "slurm.log"
+    env = {**subprocess_env(), "PATH": f"{bin_dir}{os.pathsep}{os.environ['PATH']}", "FAKE_SLURM_LOG": str(slurm_log),
+           "SLURM_JOB_ID": "4242", "SLURM_JOB_NODELIST": "localhost", "SLURM_JOB_NUM_NODES": "1",
+           "SLURM_SUBMIT_DIR": str(tmp_path), "OUT": str(run), "CONFIG": "debug", "GPUS_PER_NODE": "0",
+           "RANKS_PER_NODE": "2", "PORT": str(free_port()), "STORE_PORT": str(free_port()),
+           "RECOVER": f"{sys.executable} -m recover", "TORCHRUN": f"{sys.executable} -m torch.distributed.run"}
+    cmd = ["bash", str(ROOT / "examples" / "slurm" / "recover.sbatch"), "--data.path", str(corpus), *FLAGS]
+
+    log = tmp_path / "job.out"
+    job = procs.start(cmd, env, log)
+    deadline = time.time() + 60
+    while replica_steps(run) < 3:
+        assert job.poll() is None and time.time() < deadline, log.read_text()[-3000:]
+        procs.track()
+        time.sleep(0.1)
+    job.send_signal(signal.SIGTERM)  # --signal=B:TERM: the batch shell only
+    assert wait_for(job, procs, 60, log) == 6, log.read_text()[-3000:]
+    stopped = committed(run)
+    assert 3 <= len(stopped) < STEPS and (run / "checkpoints" / f"step_{len(stopped):06d}" / "COMMITTED").is_file()
+    assert "requeue 4242" in slurm_log.read_text()
+    assert json.loads((run / "summary.json").read_text())["stopped"]
+
+    job = procs.start(cmd, {**env, "SLURM_RESTART_COUNT": "1"}, log)  # what Slurm runs after the requeue
+    assert wait_for(job, procs, 90, log) == 0, log.read_text()[-3000:]
+    rows = committed(run)
+    assert [r["step"] for r in rows] == list(range(STEPS)) and {r["microbatches"] for r in rows} == {8}
+    assert [r["loss"] for r in rows[:len(stopped)]] == [r["loss"] for r in stopped]
+    summary = json.loads((run / "summary.json").read_text())
+    assert summary["committed_steps"] == STEPS and not summary["stopped"]
+    assert "--resume" in slurm_log.read_text().splitlines()[-1] and "continuing from" in log.read_text()
+
+
+def load_render() -> object:
+    import importlib.util
+
+    spec = importlib.util.spec_from_file_location("k8s_render", ROOT / "examples" / "k8s" / "render.py")
+    assert spec is not None and spec.loader is not None
+    mod = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(mod)
+    return mod
+
+
+def pod_command(pod: dict, root: Path, services: list[str], docs: list[dict]) -> list[str]:
+    """The pod's container command as this machine runs it: each volume a directory under ``root``
+    (a Secret's keys written into it), each Service name resolved to 127.0.0.1."""
+    (container,) = pod["spec"]["containers"]
+    volumes = {v["name"]: v for v in pod["spec"].get("volumes", [])}
+    mounts = {}
+    for m in container.get("volumeMounts", []):
+        vol = volumes[m["name"]]
+        if "emptyDir" in vol:
+            continue
+        local = root / m["name"]
+        local.mkdir(exist_ok=True)
+        if "secret" in vol:
+            name = vol["secret"]["secretName"]
+            (secret,) = [d for d in docs if d["kind"] == "Secret" and d["metadata"]["name"] == name]
+            for key, value in secret["stringData"].items():
+                (local / key).write_text(value)
+        mounts[m["mountPath"]] = str(local)
+
+    def local(arg: str) -> str:
+        for path, there in mounts.items():
+            arg = arg.replace(path + "/", there + "/").replace("=" + path, "=" + there)
+        for name in services:
+            arg = arg.replace(name + ":", "127.0.0.1:").replace("=" + name, "=127.0.0.1")
+        return arg
+
+    return [local(a) for a in container["command"]]
+
+
+def test_kubernetes_manifests_render_parse_and_their_pods_commands_train(tmp_path: Path, corpus: Path,
+                                                                        procs: Procs) -> None:
+    """render.py fills the template (and refuses a bad value); the manifests parse (PyYAML and the
+    subset reader agree); the coordinator's and both replica pods' commands run here with the
+    Service name mapped to 127.0.0.1; replica 1's container is SIGKILLed and started again as the
+    kubelet restarts it, and it joins the running job; every step is committed with all microbatches."""
+    render = [sys.executable, str(ROOT / "examples" / "k8s" / "render.py")]
+    bad = subprocess.run([*render, "--set", "GRACE_S=10"], capture_output=True, text=True, timeout=30)
+    assert bad.returncode == 2 and "GRACE_S=10" in bad.stderr and not bad.stdout
+    overrides = " ".join(["--data.path", str(corpus), *FLAGS])
+    sets = {"NAME": "rt", "CONFIG": "debug", "REPLICAS": "2", "GPUS_PER_REPLICA": "0", "OVERRIDES": overrides,
+            "PORT": str(free_port()), "STORE_PORT": str(free_port())}
+    out = subprocess.run([*render, *(a for k, v in sets.items() for a in ("--set", f"{k}={v}"))],
+                         capture_output=True, text=True, timeout=30, check=True).stdout
+    mod = load_render()
+    docs = mod.load_all(out)  # type: ignore[attr-defined]
+    assert docs == mod.load_subset(out)  # type: ignore[attr-defined]
+    kinds = {f"{d['kind']}/{d['metadata']['name']}" for d in docs}
+    assert kinds == {"Secret/rt-token", "PersistentVolumeClaim/rt-runs", "Service/rt-coordinator",
+                     "Deployment/rt-coordinator", "Service/rt-replicas", "Job/rt-replicas"}
+    coord_pod, job = [d["spec"]["template"] for d in docs if d["kind"] == "Deployment"], \
+        next(d for d in docs if d["kind"] == "Job")
+    assert job["spec"]["completionMode"] == "Indexed" and job["spec"]["completions"] == 2
+    assert job["spec"]["template"]["spec"]["terminationGracePeriodSeconds"] > 20
+
+    bin_dir = tmp_path / "bin"  # the image's entry points
+    bin_dir.mkdir()
+    for name, module in (("recover", "recover"), ("torchrun", "torch.distributed.run")):
+        (bin_dir / name).write_text(f"#!/bin/sh\nexec {sys.executable} -m {module} \"$@\"\n")
+        (bin_dir / name).chmod(0o755)
+    services = [d["metadata"]["name"] for d in docs if d["kind"] == "Service"]
+    env = {**subprocess_env(), "PATH": f"{bin_dir}{os.pathsep}{os.environ['PATH']}", "PYTHONUNBUFFERED": "1"}
+    coord_cmd = pod_command(coord_pod[0], tmp_path, services, docs)
+    replica_cmd = pod_command(job["spec"]["template"], tmp_path, services, docs)
+    run = tmp_path / "runs" / "rt"
+
+    coordinator = procs.start(coord_cmd, env, tmp_path / "coordinator.log")
+    deadline = time.time() + 60
+    while not (tmp_path / "coordinator.log").read_text().startswith("{\"ready\""):
+        assert coordinator.poll() is None and time.time() < deadline, (tmp_path / "coordinator.log").read_text()
+        time.sleep(0.1)
+    pods = {i: procs.start(replica_cmd, {**env, "JOB_COMPLETION_INDEX": str(i)}, tmp_path / f"replica_{i}.log")
+            for i in (0, 1)}
+    deadline = time.time() + 60
+    while replica_steps(run) < 3:
+        assert all(p.poll() is None for p in pods.values()) and time.time() < deadline, \
+            (tmp_path / "replica_0.log").read_text()[-3000:]
+        procs.track()
+        time.sleep(0.1)
+    for pid in [*descendants(pods[1].pid), pods[1].pid]:  # the container dies (OOM kill, a lost GPU)
+        os.kill(pid, signal.SIGKILL)
+    pods[1].wait(10)
+    pods[1] = procs.start(replica_cmd, {**env, "JOB_COMPLETION_INDEX": "1"}, tmp_path / "replica_1.log")  # restarted
+    for i, pod in pods.items():
+        assert wait_for(pod, procs, 90, tmp_path / f"replica_{i}.log") == 0
+
+    subprocess.run([str(bin_dir / "recover"), "collect", str(run)], env=env, check=True, timeout=60,
+                   capture_output=True)  # kubectl exec deploy/rt-coordinator -- recover collect /runs/rt
+    rows = committed(run)
+    assert [r["step"] for r in rows] == list(range(STEPS)) and {r["microbatches"] for r in rows} == {8}
+    events = [json.loads(line) for line in (run / "events.jsonl").read_text().splitlines()]
+    assert any(e["kind"] == "started" and e["replica"] == 1 and e["joined"] for e in events)
+    coordinator.send_signal(signal.SIGTERM)  # kubectl delete: with no job running it exits at once
+    assert coordinator.wait(20) == 0
