@@ -1,6 +1,7 @@
 """The cluster recipes of examples/ run on this machine: the Slurm batch script under bash with local
-stand-ins for srun and scontrol, and the Kubernetes manifests rendered, parsed and their containers'
-commands run as the pods would run them (the Service names mapped to 127.0.0.1).
+stand-ins for srun, scontrol and torchrun, and the Kubernetes manifests rendered, parsed and their
+containers' commands run as the pods would run them, real torchrun included (the Service names
+mapped to 127.0.0.1).
 
 Each job is 2 replicas of 1 process (`debug` preset, emulated devices). Every process a test starts
 is found by its parentage (torchrun starts its workers in sessions of their own) and SIGKILLed by
@@ -39,6 +40,13 @@ done
 echo "srun $*" >> "$FAKE_SLURM_LOG"
 export SLURM_PROCID=0 SLURM_LOCALID=0 SLURM_NODEID=0 SLURM_NTASKS=1 SLURM_STEP_ID=$$
 if [ -n "$out" ]; then exec "$@" >> "$out" 2>&1; else exec "$@"; fi
+"""
+TORCHRUN = """#!/bin/bash
+# torchrun stand-in for replicas of one process: runs the module itself (saves two torch imports per
+# replica; the Kubernetes test runs the real torchrun)
+while [ $# -gt 0 ] && [ "$1" != "-m" ]; do shift; done
+shift
+exec "$PYTHON" -m "$@"
 """
 SCONTROL = """#!/bin/bash
 # scontrol stand-in: `show hostnames LIST` (a plain comma-separated list) and `requeue JOBID`
@@ -132,7 +140,7 @@ def test_slurm_script_runs_is_preempted_requeues_and_resumes(tmp_path: Path, cor
     boundary with a checkpoint, exit 6 and a requeue; the requeued start resumes and commits every step."""
     bin_dir = tmp_path / "bin"
     bin_dir.mkdir()
-    for name, text in (("srun", SRUN), ("scontrol", SCONTROL)):
+    for name, text in (("srun", SRUN), ("scontrol", SCONTROL), ("torchrun", TORCHRUN)):
         (bin_dir / name).write_text(text)
         (bin_dir / name).chmod(0o755)
     run, slurm_log = tmp_path / "run", tmp_path / "slurm.log"
@@ -140,20 +148,20 @@ def test_slurm_script_runs_is_preempted_requeues_and_resumes(tmp_path: Path, cor
            "SLURM_JOB_ID": "4242", "SLURM_JOB_NODELIST": "localhost", "SLURM_JOB_NUM_NODES": "1",
            "SLURM_SUBMIT_DIR": str(tmp_path), "OUT": str(run), "CONFIG": "debug", "GPUS_PER_NODE": "0",
            "RANKS_PER_NODE": "2", "PORT": str(free_port()), "STORE_PORT": str(free_port()),
-           "RECOVER": f"{sys.executable} -m recover", "TORCHRUN": f"{sys.executable} -m torch.distributed.run"}
+           "RECOVER": f"{sys.executable} -m recover", "TORCHRUN": str(bin_dir / "torchrun"), "PYTHON": sys.executable}
     cmd = ["bash", str(ROOT / "examples" / "slurm" / "recover.sbatch"), "--data.path", str(corpus), *FLAGS]
 
     log = tmp_path / "job.out"
     job = procs.start(cmd, env, log)
     deadline = time.time() + 60
-    while replica_steps(run) < 3:
+    while replica_steps(run) < 2:
         assert job.poll() is None and time.time() < deadline, log.read_text()[-3000:]
         procs.track()
         time.sleep(0.1)
     job.send_signal(signal.SIGTERM)  # --signal=B:TERM: the batch shell only
     assert wait_for(job, procs, 60, log) == 6, log.read_text()[-3000:]
     stopped = committed(run)
-    assert 3 <= len(stopped) < STEPS and (run / "checkpoints" / f"step_{len(stopped):06d}" / "COMMITTED").is_file()
+    assert 2 <= len(stopped) < STEPS and (run / "checkpoints" / f"step_{len(stopped):06d}" / "COMMITTED").is_file()
     assert "requeue 4242" in slurm_log.read_text()
     assert json.loads((run / "summary.json").read_text())["stopped"]
 
@@ -250,7 +258,7 @@ def test_kubernetes_manifests_render_parse_and_their_pods_commands_train(tmp_pat
     pods = {i: procs.start(replica_cmd, {**env, "JOB_COMPLETION_INDEX": str(i)}, tmp_path / f"replica_{i}.log")
             for i in (0, 1)}
     deadline = time.time() + 60
-    while replica_steps(run) < 3:
+    while replica_steps(run) < 2:
         assert all(p.poll() is None for p in pods.values()) and time.time() < deadline, \
             (tmp_path / "replica_0.log").read_text()[-3000:]
         procs.track()

@@ -282,6 +282,20 @@ def test_replicas_leaving_at_the_end_are_no_failure_and_lose_no_quorum() -> None
     assert logs(acts, "quorum_lost") and logs(acts, "failure_detected")
 
 
+def test_a_replica_registering_after_every_replica_left_at_the_end_is_told_the_job_finished() -> None:
+    st = make(2)
+    st.on_dead(1, "left", 1.0)
+    st.on_ack(0, 1, 1.0)
+    assert not st.finished
+    st.on_dead(0, "left", 1.1)
+    assert st.finished and st.current.members == ()
+    with pytest.raises(Refused, match="finished"):
+        st.on_register(1, False, 2, 1.2)  # a restarted pod after the end: nothing to join
+    crashed = make(1)
+    crashed.on_dead(0, "connection_closed", 0.0)  # a failure is not an end
+    assert not crashed.finished
+
+
 # ---- silent data corruption and non-finite microbatches ----------------------------------------------
 
 def test_a_minority_fingerprint_is_fenced_before_the_step_commits() -> None:

@@ -11,7 +11,8 @@ It composes the layers and runs the loop shared with ``recover train``:
 
 Contract: every committed step this replica applies holds exactly M microbatches; a joiner starts
 from state bitwise equal to the live replicas' at a step boundary (a worker joins when started with
-``--join``, or when the coordinator admits it after the job began: a restarted pod or srun step); if
+``--join``, or when the coordinator admits it after the job began: a restarted pod or srun step; one
+that registers after every replica finished exits with status 0, nothing to join); if
 fewer than ``fault_tolerance.min_replicas`` survive, the lowest live replica saves a complete
 checkpoint and every survivor exits with status 3 and a message saying so.
 
@@ -47,7 +48,7 @@ from typing import Any
 
 from recover.baselines import JobFailed, ShrinkStep, step_class
 from recover.config import Config
-from recover.coord.client import CoordinatorLost, Diverged
+from recover.coord.client import CoordinatorLost, CoordinatorRefused, Diverged
 from recover.data.sampler import EvalSampler
 from recover.errors import QuorumLost, RecoverError
 from recover.faults import FailureSpec, FaultInjector
@@ -231,6 +232,12 @@ class ReplicaWorker:
         """Trains to ``training.steps``; returns the process's exit status (see ``train/exits.py``)."""
         try:
             client, step = self._step()
+        except CoordinatorRefused as exc:
+            if exc.code != "finished":
+                raise
+            print(f"recover: replica {self.replica_id}: the job already finished; nothing to join", file=sys.stderr,
+                  flush=True)
+            return 0
         except CoordinatorLost as exc:
             if self.client is None or not self.client.stopping:
                 raise
