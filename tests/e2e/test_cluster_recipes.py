@@ -24,6 +24,8 @@ import pytest
 from conftest import ROOT, subprocess_env
 from recover.launch.launcher import free_port
 
+pytestmark = pytest.mark.slow
+
 STEPS = 12
 FLAGS = ["--training.steps", str(STEPS), "--training.device_time_s", "0.05", "--training.eval_every", "6"]
 
@@ -153,20 +155,20 @@ def test_slurm_script_runs_is_preempted_requeues_and_resumes(tmp_path: Path, cor
 
     log = tmp_path / "job.out"
     job = procs.start(cmd, env, log)
-    deadline = time.time() + 60
+    deadline = time.time() + 120
     while replica_steps(run) < 2:
         assert job.poll() is None and time.time() < deadline, log.read_text()[-3000:]
         procs.track()
         time.sleep(0.1)
     job.send_signal(signal.SIGTERM)  # --signal=B:TERM: the batch shell only
-    assert wait_for(job, procs, 60, log) == 6, log.read_text()[-3000:]
+    assert wait_for(job, procs, 120, log) == 6, log.read_text()[-3000:]
     stopped = committed(run)
     assert 2 <= len(stopped) < STEPS and (run / "checkpoints" / f"step_{len(stopped):06d}" / "COMMITTED").is_file()
     assert "requeue 4242" in slurm_log.read_text()
     assert json.loads((run / "summary.json").read_text())["stopped"]
 
     job = procs.start(cmd, {**env, "SLURM_RESTART_COUNT": "1"}, log)  # what Slurm runs after the requeue
-    assert wait_for(job, procs, 90, log) == 0, log.read_text()[-3000:]
+    assert wait_for(job, procs, 180, log) == 0, log.read_text()[-3000:]
     rows = committed(run)
     assert [r["step"] for r in rows] == list(range(STEPS)) and {r["microbatches"] for r in rows} == {8}
     assert [r["loss"] for r in rows[:len(stopped)]] == [r["loss"] for r in stopped]
@@ -254,13 +256,13 @@ def test_kubernetes_manifests_render_parse_and_their_pods_commands_train(tmp_pat
     run = tmp_path / "runs" / "rt"
 
     coordinator = procs.start(coord_cmd, env, tmp_path / "coordinator.log")
-    deadline = time.time() + 60
-    while not (tmp_path / "coordinator.log").read_text().startswith("{\"ready\""):
+    deadline = time.time() + 120
+    while '"ready": true' not in (tmp_path / "coordinator.log").read_text():
         assert coordinator.poll() is None and time.time() < deadline, (tmp_path / "coordinator.log").read_text()
         time.sleep(0.1)
     pods = {i: procs.start(replica_cmd, {**env, "JOB_COMPLETION_INDEX": str(i)}, tmp_path / f"replica_{i}.log")
             for i in (0, 1)}
-    deadline = time.time() + 60
+    deadline = time.time() + 120
     while replica_steps(run) < 1:
         assert all(p.poll() is None for p in pods.values()) and time.time() < deadline, \
             (tmp_path / "replica_0.log").read_text()[-3000:]
@@ -271,7 +273,7 @@ def test_kubernetes_manifests_render_parse_and_their_pods_commands_train(tmp_pat
     pods[1].wait(10)
     pods[1] = procs.start(replica_cmd, {**env, "JOB_COMPLETION_INDEX": "1"}, tmp_path / "replica_1.log")  # restarted
     for i, pod in pods.items():
-        assert wait_for(pod, procs, 90, tmp_path / f"replica_{i}.log") == 0
+        assert wait_for(pod, procs, 180, tmp_path / f"replica_{i}.log") == 0
 
     subprocess.run([str(bin_dir / "recover"), "collect", str(run)], env=env, check=True, timeout=60,
                    capture_output=True)  # kubectl exec deploy/rt-coordinator -- recover collect /runs/rt
