@@ -26,24 +26,25 @@ from pathlib import Path
 from typing import Any
 
 TEMPLATE = Path(__file__).with_name("recover.yaml")
-DEFAULTS = {
-    "NAME": "recover",  # prefix of every object's name; the coordinator's Service is NAME-coordinator
-    "IMAGE": "recover:latest",  # an image with recover (and torch) installed
-    "CONFIG": "tiny",  # preset name or a .toml path inside the image or on the volume
-    "OVERRIDES": "",  # config overrides for every replica, e.g. --data.path /runs/data/mine
-    "RUN": "",  # run directory under /runs on the volume (default NAME)
-    "REPLICAS": "2",
-    "PROCS_PER_REPLICA": "1",  # ranks per replica, = parallel.pp x tp x fsdp (one pod, one torchrun)
-    "GPUS_PER_REPLICA": "",  # GPUs per replica pod (default PROCS_PER_REPLICA; 0 on CPU nodes)
-    "MIN_REPLICAS": "1",  # fault_tolerance.min_replicas
-    "STORAGE": "100Gi",
-    "STORAGE_CLASS": "standard-rwx",  # a class that provides ReadWriteMany volumes (NFS, CephFS, Filestore, EFS)
-    "PORT": "29400",
-    "STORE_PORT": "29401",
-    "GRACE_S": "90",  # terminationGracePeriodSeconds: above stop_grace_s plus a checkpoint save
-    "BACKOFF_LIMIT": "100",  # replica pod restarts before the Job gives up
-    "TOKEN": "",  # the registration secret (default: a fresh random one)
+SETTINGS = {  # name: (default, what it is)
+    "NAME": ("recover", "prefix of every object's name; the coordinator's Service is NAME-coordinator"),
+    "IMAGE": ("recover:latest", "an image with recover (and torch) installed"),
+    "CONFIG": ("tiny", "preset name, or a .toml path in the image or on the volume"),
+    "OVERRIDES": ("", "config overrides for every replica, e.g. --data.path /runs/data/mine"),
+    "RUN": ("", "the run directory under /runs on the volume (default NAME)"),
+    "REPLICAS": ("2", "replicas, one pod each"),
+    "PROCS_PER_REPLICA": ("1", "ranks per replica, = parallel.pp x tp x fsdp (one pod, one torchrun)"),
+    "GPUS_PER_REPLICA": ("", "GPUs per replica pod (default PROCS_PER_REPLICA; 0 on CPU nodes)"),
+    "MIN_REPLICAS": ("1", "fault_tolerance.min_replicas"),
+    "STORAGE": ("100Gi", "size of the claim"),
+    "STORAGE_CLASS": ("standard-rwx", "a class with ReadWriteMany volumes (NFS, CephFS, Filestore, EFS)"),
+    "PORT": ("29400", "the coordinator's port"),
+    "STORE_PORT": ("29401", "the coordinator's c10d store port"),
+    "GRACE_S": ("90", "terminationGracePeriodSeconds: above recover's stop grace plus a checkpoint save"),
+    "BACKOFF_LIMIT": ("100", "replica pod restarts before the Job gives up"),
+    "TOKEN": ("", "the registration secret (default: a fresh random one)"),
 }
+DEFAULTS = {name: default for name, (default, _) in SETTINGS.items()}
 STOP_GRACE_S = 20  # recover's fault_tolerance.stop_grace_s default
 PLACEHOLDER = re.compile(r"\$\{([A-Z_][A-Z0-9_]*)\}")
 
@@ -222,8 +223,9 @@ def check(docs: list[dict[str, Any]]) -> None:
 
 
 def main(argv: list[str] | None = None) -> int:
-    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0],
-                                epilog="values: " + "; ".join(f"{k} (default {v or '-'})" for k, v in DEFAULTS.items()))
+    values_help = "\n".join(f"  {k:<18} {what}" + (f" [{d}]" if d else "") for k, (d, what) in SETTINGS.items())
+    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0], epilog="values:\n" + values_help,
+                                formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--set", action="append", default=[], metavar="KEY=VALUE", help="a value; repeatable")
     p.add_argument("--template", default=str(TEMPLATE), help="the template (default: recover.yaml beside this script)")
     p.add_argument("--out", default=None, help="write here instead of standard output")
