@@ -52,6 +52,7 @@ from recover.coord.client import CoordinatorClient, CoordinatorLost
 from recover.coord.protocol import Membership
 from recover.errors import PeerFailure
 
+
 def rendezvous_prefix(generation: int, rank: int = 0, ranks: int = 1) -> str:
     """The store prefix of generation ``generation``'s group for rank ``rank`` of a replica of
     ``ranks`` processes: ``gen{g}`` for one, ``gen{g}/lane{rank}`` for several."""

@@ -34,11 +34,12 @@ surfaces as an exception within it and the caller treats the whole replica as lo
   divisor`` on the local shards; clipped by the global norm over the whole replica (each shard
   counted once); ``optimizer.step()``. Returns that norm.
 - A pass whose loss or gradient is not finite puts its id in ``nonfinite`` (with ``pp > 1`` only the
-  loss, on the last stage, is checked); the step protocol reports it
-  and the replica is fenced (its buffers, now not finite, are never reduced) or the job ends. Which
-  pass it was: from the losses; on one process, a gradient that is not finite shows in the buffers
-  (checked once per call) and is found by computing the call's microbatches again one by one (a
-  fault path); a replica of several ranks keeps a finiteness flag per pass on the device. ``fingerprint()`` is an exact fingerprint of this rank's parameter shards.
+  loss, on the last stage, is checked); the step protocol reports it and the replica is fenced (its
+  buffers, now not finite, are never reduced) or the job ends. Which pass it was: from the losses;
+  on one process, a gradient that is not finite shows in the buffers (checked once per call) and is
+  found by computing the call's microbatches again one by one (a fault path); a replica of several
+  ranks keeps a finiteness flag per pass on the device.
+- ``fingerprint()`` is an exact fingerprint of this rank's parameter shards.
 - With ``training.device_time_s`` every microbatch (pass) takes at least that wall time: an emulated
   dedicated device, for benchmarks and tests on shared CPU cores; the arithmetic is unchanged.
   ``slowdown`` (fault injection: a throttled device) multiplies each pass's time.
