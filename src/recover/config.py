@@ -30,7 +30,7 @@ from pathlib import Path
 from typing import Any, ClassVar, Literal
 
 from recover.errors import ConfigError
-from recover.names import Assignment, Backend, Connections, Dtype, Policy, Schedule, ShardFormat
+from recover.names import Assignment, Backend, CompileBackend, Connections, Dtype, Policy, Schedule, ShardFormat
 
 if sys.version_info >= (3, 11):
     import tomllib
@@ -196,6 +196,13 @@ class TrainingConfig:
     """Compute dtype: ``bfloat16`` runs forward and backward under autocast (matmuls in bf16) while the
     master weights, the optimizer state, the accumulation over microbatches and the cross-replica
     reduction stay float32 (float64 in deterministic mode)."""
+    compile: bool = False
+    """``torch.compile`` each transformer block (inductor; the first steps pay the compilation, a few
+    seconds to minutes by model size; on CPU it needs a C++ compiler). Every replica compiles the same
+    kernels, so deterministic mode stays bitwise between a run and its failure-free reference."""
+    compile_backend: CompileBackend = "inductor"
+    """The ``torch.compile`` backend when ``compile`` is on: ``inductor`` (generated kernels), or
+    ``aot_eager`` (traced, no code generation: for debugging and CPU tests)."""
     assignment: Assignment = "blocks"
     """Failure-free ids -> replicas: ``blocks``, ``strided`` or ``shuffled`` (the trajectory is the same)."""
     device_time_s: float = 0.0

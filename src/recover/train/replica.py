@@ -147,7 +147,8 @@ class Replica:
             from recover.parallel.pipeline import PipelineRunner, split_stage  # ~1 s import: only when used
 
             split_stage(model, dims, self.coord.pp)
-        self.model = parallelize(model, dims, mesh, activation_checkpointing, sequence_parallel)
+        self.model = parallelize(model, dims, mesh, activation_checkpointing, sequence_parallel,
+                                 training.compile_backend if training.compile else None)
         self.optimizer = build_optimizer(self.model, training)
         named = [(n, p) for n, p in self.model.named_parameters() if p.requires_grad]
         self.names = [clean_name(n) for n, _ in named]
