@@ -117,6 +117,7 @@ def test_missing_shards_name_what_was_looked_for_and_the_options(tmp_path: Path)
         assert text in line, line
     assert "\n" not in line and "re-create" not in line
     np.zeros(100, dtype=np.uint16).tofile(tmp_path / "train.bin")  # nanoGPT's train.bin, but no val.bin
+    assert train_config("debug", ["--data.path", str(tmp_path)], 1).model.vocab_size == 50304  # no meta.pkl: GPT-2
     with pytest.raises(DataError, match=r"no validation shards .*val\.bin .*--data\.val_pattern"):
         check_data(train_config("debug", ["--data.path", str(tmp_path)], 1).data, tmp_path, 50304)
     np.zeros(100, dtype=np.uint16).tofile(tmp_path / "my.heldout")
@@ -140,11 +141,14 @@ def test_prepare_format_nanogpt_writes_what_nanogpt_reads_and_reads_it_back(tmp_
     with open(out / "meta.pkl", "rb") as f:
         assert pickle.load(f) == {"vocab_size": 257}  # what nanoGPT's train.py reads
     train = np.memmap(out / "train.bin", dtype=np.uint16, mode="r")  # as nanoGPT's get_batch reads it
+    head = np.frombuffer(b"\xc8\xd4\x34\x01", dtype=np.uint16)  # tokens that spell llm.c's GPT-2 magic
+    np.concatenate([head, train]).astype(np.uint16).tofile(out / "val.bin")  # still raw tokens: no sniffing
     meta = json.loads((out / "meta.json").read_text())
     assert len(train) == meta["train"]["tokens"] and bytes(train[1:11].astype(np.uint8)) == b"document 0"
     cfg = train_config("debug", ["--data.path", str(out)], 1)
     assert cfg.model.vocab_size == 320
-    assert check_data(cfg.data, out, cfg.model.vocab_size)[0].num_tokens == len(train)
+    sets = check_data(cfg.data, out, 65536)
+    assert sets[0].num_tokens == len(train) and sets[1].shards[0][:2].tolist() == [54472, 308]
     assert main(["prepare", str(corpus), "--out", str(out), "--format", "nanogpt", "--shard-tokens", "9"]) == 2
     assert "--shard-tokens 9 applies to --format llmc" in capsys.readouterr().err
 

@@ -6,7 +6,8 @@ Contract:
       nanoGPT's (``train.bin`` / ``val.bin``, as its ``prepare.py`` leaves them, and as
       ``recover prepare --format nanogpt`` writes them) and llm.c's (``*_train*.bin`` /
       ``*_val*.bin``: ``fineweb_train_000001.bin``, ``tiny_shakespeare_val.bin``). Each split is
-      detected on its own; ``data.train_pattern`` / ``data.val_pattern``, when set, win. A split that
+      detected on its own (nanoGPT's files are read as raw uint16, never sniffed for an llm.c header);
+      ``data.train_pattern`` / ``data.val_pattern``, when set, win. A split that
       matches no layout, or several, is refused in one line that lists what was looked for and names
       the options.
     * **The data's vocabulary** (:func:`data_vocab`): a ``builtin:`` corpus's byte tokenizer (257);
@@ -106,6 +107,15 @@ def split_pattern(data: DataConfig, directory: str | Path, split: str) -> str:
     """The glob of ``split`` inside ``directory``: ``data.<split>_pattern`` when set, else detected."""
     given = data.train_pattern if split == "train" else data.val_pattern
     return given or detect_split(directory, split).pattern(split)
+
+
+def split_format(data: DataConfig, directory: str | Path, split: str) -> str:
+    """``data.format``, except that ``auto`` on nanoGPT's detected ``train.bin``/``val.bin`` is ``nanogpt``:
+    raw tokens by definition, never taken for an llm.c header whatever their first bytes."""
+    given = data.train_pattern if split == "train" else data.val_pattern
+    if data.format != "auto" or given or detect_split(directory, split).name != "nanogpt":
+        return data.format
+    return "nanogpt"
 
 
 def split_paths(data: DataConfig, directory: str | Path, split: str) -> list[Path]:

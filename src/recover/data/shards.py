@@ -329,13 +329,13 @@ def check_data(cfg: DataConfig, data_dir: Path, vocab_size: int) -> tuple[TokenD
         DataError: missing splits (naming what was looked for and the options), a vocabulary smaller
             than the data's, or the first bad shard, named, with the problem and the fix.
     """
-    from recover.data.layout import check_vocab_fits, data_vocab, split_paths, split_pattern
+    from recover.data.layout import check_vocab_fits, data_vocab, split_format, split_paths, split_pattern
 
     check_vocab_fits(vocab_size, data_vocab(cfg, data_dir))
     for split in ("train", "val"):
         split_paths(cfg, data_dir, split)  # none: one line naming what was looked for and the option
-    train, val = (TokenDataset(str(data_dir / split_pattern(cfg, data_dir, split)), fmt=cfg.format)
-                  for split in ("train", "val"))
+    train, val = (TokenDataset(str(data_dir / split_pattern(cfg, data_dir, split)),
+                               fmt=split_format(cfg, data_dir, split)) for split in ("train", "val"))
     for ds in (train, val):
         ds.check_vocab(vocab_size)
     return train, val
