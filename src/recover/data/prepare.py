@@ -12,13 +12,11 @@ Contract:
       Val and train each get at least one file; a single input file is split by its tail instead.
     * ``max_bytes`` keeps a deterministic, well-spread subset: files in order of a second (salted)
       path hash until the budget is spent; the last one may be cut.
-    * Output, llm.c format: ``out_dir/train_000000.bin ...`` and ``out_dir/val_000000.bin ...``, shards
-      of ``shard_tokens`` tokens whose last one takes the split's remainder, so no shard is shorter than
-      ``shard_tokens`` unless the whole split is (llm.c's loaders refuse a shard with fewer than
-      ``processes x B x T + 1`` tokens: a corpus whose full shards they accept, they accept whole). The
-      flavour is chosen by the largest token id written, over the whole corpus: GPT-2's uint16
-      (magic 20240520, which llm.c's C loader reads) when every id is below 65,536, else Llama 3's
-      uint32 (20240801) for every shard; never by the tokenizer's size.
+    * Output, llm.c format (:mod:`recover.data.writers`): ``out_dir/train_000000.bin ...`` and
+      ``out_dir/val_000000.bin ...``, shards of ``shard_tokens`` tokens whose last one takes the split's
+      remainder (no shard shorter than llm.c's loaders accept when they accept a full one); uint16
+      (magic 20240520) when every id written is below 65,536, else uint32 (20240801) for every shard:
+      chosen by the largest id written, never by the tokenizer's size.
     * Output, nanoGPT format: exactly what nanoGPT's ``train.py`` reads: ``out_dir/train.bin`` and
       ``out_dir/val.bin`` (raw uint16, no header, one file per split) and ``out_dir/meta.pkl``
       (``{"vocab_size": V}``; recover has no character-level tokenizer, so no ``stoi``/``itos``).
@@ -32,7 +30,6 @@ from __future__ import annotations
 import hashlib
 import json
 import os
-import pickle
 import platform
 import re
 import sysconfig
@@ -45,8 +42,9 @@ from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, T
 
 from recover.config import DataConfig
 from recover.data.layout import META_PKL
-from recover.data.shards import GPT2_MAGIC, META_NAME, UINT16_LIMIT, read_shard, write_shard
+from recover.data.shards import META_NAME, UINT16_LIMIT, read_shard
 from recover.data.tokenizer import Tokenizer, load_tokenizer
+from recover.data.writers import NanoGPTWriter, ShardWriter, one_flavour, write_meta_pkl
 from recover.errors import ConfigError, DataError
 
 META_VERSION = 1
@@ -196,87 +194,6 @@ def split_files(pieces: list[Piece], val_fraction: float) -> dict[str, list[Piec
 # ---------------------------------------------------------------- writing shards
 
 
-class _ShardWriter:
-    """Writes one split in llm.c's format: shards of exactly ``shard_tokens``, the remainder appended to
-    the last one (see the module docstring); each in the width of its own largest id (:func:`_one_flavour`
-    makes the corpus agree afterwards)."""
-
-    def __init__(self, out_dir: Path, split: str, shard_tokens: int) -> None:
-        self.out_dir, self.split, self.shard_tokens = out_dir, split, shard_tokens
-        self.buffer: list[np.ndarray] = []
-        self.buffered = 0
-        self.names: list[str] = []
-        self.tokens = 0
-
-    def add(self, tokens: np.ndarray) -> None:
-        self.buffer.append(tokens)
-        self.buffered += len(tokens)
-        self.tokens += len(tokens)
-        while self.buffered >= self.shard_tokens:
-            self._flush(self.shard_tokens)
-
-    def _flush(self, n: int) -> None:
-        data = self.buffer[0] if len(self.buffer) == 1 else np.concatenate(self.buffer)
-        name = f"{self.split}_{len(self.names):06d}.bin"
-        write_shard(self.out_dir / name, data[:n], "llmc")
-        self.names.append(name)
-        self.buffer = [data[n:]] if len(data) > n else []
-        self.buffered = len(data) - n
-
-    def close(self) -> None:
-        if not self.names:
-            self._flush(self.buffered)
-        elif self.buffered:  # a short tail: appended to the last full shard
-            last = self.out_dir / self.names[-1]
-            tail = self.buffer[0] if len(self.buffer) == 1 else np.concatenate(self.buffer)
-            write_shard(last, np.concatenate([np.asarray(read_shard(last, "llmc")), tail]), "llmc")
-            self.buffer, self.buffered = [], 0
-
-
-class _NanoGPTWriter:
-    """Writes one split as nanoGPT's single raw-uint16 ``{split}.bin``, streamed to a hidden file and
-    renamed when complete."""
-
-    def __init__(self, out_dir: Path, split: str) -> None:
-        self.path = out_dir / f"{split}.bin"
-        self.tmp = out_dir / f".{split}.bin.tmp{os.getpid()}"
-        self.file = open(self.tmp, "wb")
-        self.names = [self.path.name]
-        self.tokens = 0
-
-    def add(self, tokens: np.ndarray) -> None:
-        if len(tokens) and int(tokens.max()) >= UINT16_LIMIT:
-            self.file.close()
-            self.tmp.unlink(missing_ok=True)
-            raise DataError(f"token id {int(tokens.max())} does not fit nanoGPT's uint16 train.bin/val.bin "
-                            "(ids < 65536); use --format llmc")
-        self.file.write(tokens.astype("<u2", copy=False).tobytes())
-        self.tokens += len(tokens)
-
-    def close(self) -> None:
-        self.file.close()
-        os.replace(self.tmp, self.path)
-
-
-def _one_flavour(out_dir: Path, names: list[str]) -> None:
-    """Rewrites uint16 llm.c shards as uint32 when another shard of the corpus needed uint32."""
-    magics = {name: int(np.fromfile(out_dir / name, dtype="<i4", count=1)[0]) for name in names}
-    if set(magics.values()) == {GPT2_MAGIC} or GPT2_MAGIC not in magics.values():
-        return
-    for name, magic in magics.items():
-        if magic == GPT2_MAGIC:
-            tokens = np.asarray(read_shard(out_dir / name, "llmc"))
-            write_shard(out_dir / name, tokens, "llmc", vocab_size=UINT16_LIMIT + 1)
-
-
-def _write_meta_pkl(out_dir: Path, vocab_size: int) -> None:
-    """nanoGPT's ``meta.pkl``: what its ``train.py`` reads (``vocab_size``)."""
-    tmp = out_dir / f".{META_PKL}.tmp"
-    with open(tmp, "wb") as f:
-        pickle.dump({"vocab_size": int(vocab_size)}, f)
-    os.replace(tmp, out_dir / META_PKL)
-
-
 def _clear_outputs(out_dir: Path) -> None:
     """Remove a previous run's meta.json first (so a crash never looks complete), then its shards."""
     (out_dir / META_NAME).unlink(missing_ok=True)
@@ -299,9 +216,9 @@ def _tokenize_splits(
     with Progress(*columns, disable=quiet) as progress:
         task = progress.add_task(f"tokenising {total} files", total=total)
         for split in SPLITS:
-            writer: _ShardWriter | _NanoGPTWriter = (
-                _NanoGPTWriter(out_dir, split) if options["format"] == "nanogpt"
-                else _ShardWriter(out_dir, split, options["shard_tokens"]))
+            writer: ShardWriter | NanoGPTWriter = (
+                NanoGPTWriter(out_dir, split) if options["format"] == "nanogpt"
+                else ShardWriter(out_dir, split, options["shard_tokens"]))
             for piece in splits[split]:
                 data = piece.read()
                 content.update(f"{split}:{piece.rel}:{piece.start}:{len(data)}\n".encode())
@@ -317,9 +234,9 @@ def _tokenize_splits(
                 "shards": writer.names,
             }
     if options["format"] == "llmc":
-        _one_flavour(out_dir, [name for split in SPLITS for name in stats[split]["shards"]])
+        one_flavour(out_dir, [name for split in SPLITS for name in stats[split]["shards"]])
     else:
-        _write_meta_pkl(out_dir, tok.vocab_size)
+        write_meta_pkl(out_dir, tok.vocab_size)
     return stats, content.hexdigest()
 
 
