@@ -15,8 +15,9 @@ Contract:
 :func:`read_shard` returns a read-only ``np.memmap`` (no copy); :func:`write_shard` writes atomically
 (temporary file, then rename), so a crash never leaves a half-written shard under the final name.
 :class:`TokenDataset` opens a file, a directory (all ``*.bin``, sorted) or a glob, and checks token
-ids against a model's vocabulary; :func:`check_data` does all of it for a run's splits, without
-torch, so ``recover launch`` refuses bad data before it starts anything. Every bad input raises
+ids against a model's vocabulary; :func:`check_data` does all of it for a run's splits (found by
+:mod:`recover.data.layout`: recover's, nanoGPT's or llm.c's names), without torch, so ``recover
+launch`` refuses bad data before it starts anything. Every bad input raises
 :class:`~recover.errors.DataError` naming the file, the problem and the fix.
 """
 
