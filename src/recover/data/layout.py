@@ -122,7 +122,8 @@ def split_paths(data: DataConfig, directory: str | Path, split: str) -> list[Pat
     """The files of ``split``, sorted.
 
     Raises:
-        DataError: none (a given pattern that matches nothing is named with its option).
+        DataError: no file: a given pattern is named with its option, a detected one as in
+            :func:`detect_split`.
     """
     directory = Path(directory)
     pattern = split_pattern(data, directory, split)
