@@ -65,7 +65,9 @@ class ModelConfig:
     SECTION: ClassVar[str] = "model"
 
     vocab_size: int = 320
-    """Embedding rows; must exceed every token id in the data (byte tokenizer: 257)."""
+    """Embedding rows. Unless given on the command line, ``recover train``/``launch`` take the data's
+    vocabulary (meta.json, meta.pkl, an llm.c header) rounded up to a multiple of 64 (byte tokenizer:
+    257 -> 320); never smaller than the data's (:mod:`recover.data.layout`)."""
     dim: int = 128
     """Residual stream width."""
     n_layers: int = 4
@@ -125,13 +127,16 @@ class DataConfig:
     SECTION: ClassVar[str] = "data"
 
     path: str = "builtin:stdlib"
-    """A directory of prepared shards (``recover prepare``), or ``builtin:stdlib`` (prepared on demand)."""
+    """A directory of token shards: ``recover prepare``'s, nanoGPT's (``train.bin``, ``val.bin``, ``meta.pkl``)
+    or llm.c's (``*_train*.bin``, ``*_val*.bin``), told apart by the files present; or ``builtin:stdlib``
+    (prepared on demand)."""
     cache_dir: str = "data"
     """Where ``builtin:`` corpora are prepared."""
-    train_pattern: str = "train_*.bin"
-    """Glob of training shards inside ``path``."""
-    val_pattern: str = "val_*.bin"
-    """Glob of validation shards inside ``path``."""
+    train_pattern: str = ""
+    """Glob of training shards inside ``path``; empty: detected from the files present
+    (``train_*.bin``, ``train.bin`` or ``*_train*.bin``)."""
+    val_pattern: str = ""
+    """Glob of validation shards inside ``path``; empty: detected (``val_*.bin``, ``val.bin`` or ``*_val*.bin``)."""
     format: ShardFormat = "auto"
     """Shard format: ``auto``, ``llmc`` (256 x int32 header) or ``nanogpt`` (raw uint16)."""
     seq_len: int = 128
