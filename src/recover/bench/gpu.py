@@ -93,6 +93,7 @@ def plain_worker(args: argparse.Namespace) -> int:
     import torch
 
     from recover.config import load_config
+    from recover.data.layout import given, resolve_vocab
     from recover.data.prepare import resolve_data_dir
     from recover.data.sampler import open_samplers
     from recover.model import build_model, lm_loss
@@ -100,11 +101,12 @@ def plain_worker(args: argparse.Namespace) -> int:
     from recover.train.optim import build_optimizer, lr_at, set_lr
 
     cfg = load_config(args.config, args.overrides)
+    data_dir = resolve_data_dir(cfg.data, prepare=True, quiet=True)
+    cfg = resolve_vocab(cfg, data_dir, given(args.overrides, "model.vocab_size"))  # as `recover train` does
     tc, M = cfg.training, cfg.training.global_microbatches
     device = torch.device("cuda", 0) if torch.cuda.is_available() else torch.device("cpu")
     configure_torch(cfg, 1)
-    sampler, _ = open_samplers(cfg.data, resolve_data_dir(cfg.data, prepare=True, quiet=True), cfg.model.vocab_size,
-                               M, tc.seed)
+    sampler, _ = open_samplers(cfg.data, data_dir, cfg.model.vocab_size, M, tc.seed)
     model = build_model(cfg.model, tc.seed, device)
     if tc.compile:
         for block in model.layers.values():
@@ -237,7 +239,8 @@ def print_result(res: dict[str, Any]) -> None:
             rows.append([f"{preset} {system}", fmt(s["step_s"] * 1000, ".1f"), fmt(s["tokens_per_s"], ".0f"),
                          fmt(s["peak_gb"], ".2f"), fmt(s["mfu"] * 100 if s["mfu"] is not None else None, ".1f"),
                          fmt(ratio, ".3f")])
-    notes = [f"{m['name']} ({'bf16 peak ' + format(m['peak_flops'] / 1e12, '.0f') + ' TFLOP/s' if m['peak_flops'] else 'no known peak: no MFU'}); "
+    peak = f"bf16 peak {m['peak_flops'] / 1e12:.0f} TFLOP/s" if m["peak_flops"] else "no known peak: no MFU"
+    notes = [f"{m['name']} ({peak}); "
              f"dtype {res['dtype']}, compile {res['compile']}, M = {res['microbatches']}, {res['steps']} steps "
              f"({res['warmup']} warm-up), {res['rounds']} round(s); load {res['load_before']} -> {res['load_after']}"]
     if "kill" in res:
