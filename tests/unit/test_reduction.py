@@ -13,13 +13,12 @@ from typing import Any
 
 import pytest
 import torch
+from test_parallel import CFG, _Sampler
 
 from recover.comm.reduction import Reduction, plan_buckets
-from recover.config import TrainingConfig, load_config
+from recover.config import TrainingConfig
 from recover.recovery.protocol import totals
 from recover.train.replica import Replica
-
-CFG = load_config("debug").model
 
 
 class Recording(Reduction):
@@ -70,15 +69,6 @@ def test_a_failed_launch_is_kept_for_result_and_nothing_after_it_is_launched() -
     assert r.launched == 1
     with pytest.raises(RuntimeError, match="peer gone"):
         r.result()
-
-
-class _Sampler:
-    microbatch_size, seq_len = 2, 8
-
-    def microbatch(self, step: int, mb: int) -> tuple[torch.Tensor, torch.Tensor]:
-        g = torch.Generator().manual_seed(1000 * step + mb)
-        data = torch.randint(0, CFG.vocab_size, (2, 9), generator=g)
-        return data[:, :-1], data[:, 1:]
 
 
 @pytest.mark.parametrize("deterministic", [False, True])
