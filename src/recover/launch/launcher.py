@@ -209,6 +209,9 @@ class Launcher:
         """The signal (SIGTERM, SIGINT) that asked for a graceful stop, once one did."""
         self.stop_started: float | None = None
         self.coordinator_restarts = 0
+        self.seen_events: list[dict[str, Any]] = []
+        """Every record of ``events.jsonl`` read so far (the live goodput reads them)."""
+        self.goodput_at, self.goodput_line = 0.0, None
 
     # ---- processes -------------------------------------------------------------------------
     def _python(self, *args: str) -> list[str]:
@@ -446,6 +449,7 @@ class Launcher:
         """A replica the coordinator declared dead (fenced, hung, silent) that still runs ``fence_exit_s``
         + 1 s later is SIGKILLed: a hung or frozen process cannot be trusted to exit by itself."""
         for rec in self._new_lines(self.out / "events.jsonl"):
+            self.seen_events.append(rec)
             if rec.get("kind") == "kill" and rec.get("pid") is not None:
                 self.known_kills.add(rec["pid"])
             elif rec.get("kind") == "failure_detected":
@@ -487,7 +491,18 @@ class Launcher:
             rec = dict(self.records[self.written])
             rec["elapsed_s"] = round(rec.pop("t") - self.t0, 3)
             self.metrics.write(rec)
-            self.display.update(rec)
+            self.display.update(rec, self._goodput(final))
+
+    def _goodput(self, final: bool) -> str | None:
+        """The job's goodput so far, for the progress display (recomputed at most once a second)."""
+        from recover.observe.goodput import describe, goodput
+
+        now = time.time()
+        if final or now - self.goodput_at >= 1.0:
+            self.goodput_at = now
+            rows = [self.records[s] for s in range(self.written + 1)]
+            self.goodput_line = describe(goodput(rows, self.seen_events, now=now))
+        return self.goodput_line
 
     # ---- the run ---------------------------------------------------------------------------
     def _prepare_out(self) -> None:

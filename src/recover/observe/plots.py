@@ -117,3 +117,49 @@ def plot_throughput(run_dir: str | os.PathLike[str], out: str | os.PathLike[str]
     fig.savefig(out)
     plt.close(fig)
     return out
+
+
+CAUSE_COLORS = {"useful": "tab:green", "startup": "0.65", "restart": "tab:brown", "recovery": "tab:red",
+                "rejoin": "tab:purple", "checkpoint": "tab:blue", "evaluation": "tab:cyan",
+                "stragglers": "tab:orange", "degraded": "tab:pink", "other": "0.85"}
+
+
+def plot_goodput(run_dir: str | os.PathLike[str], g: Any, out: str | os.PathLike[str] | None = None) -> Path:
+    """``goodput.png``: useful time against wall time over the run (the lost part of every step
+    interval shaded by its cause), and the whole wall time split into useful time and lost time by
+    cause. ``g`` is the run's :class:`~recover.observe.goodput.Goodput`."""
+    plt = _pyplot()
+    run_dir = Path(run_dir)
+    out = Path(out) if out else run_dir / "goodput.png"
+    fig, (ax1, ax2) = plt.subplots(2, 1, figsize=(8, 6), dpi=110, gridspec_kw={"height_ratios": [3, 1]})
+    xs, ys, used = [0.0], [0.0], 0.0
+    for s in g.steps:
+        xs.append(s.end)
+        used += s.useful
+        ys.append(used)
+        at = s.start + s.useful
+        for cause, secs in s.lost.items():
+            ax1.axvspan(at, at + secs, color=CAUSE_COLORS[cause], alpha=0.5, lw=0, label=cause)
+            at += secs
+    ax1.plot(xs, ys, color=CAUSE_COLORS["useful"], lw=1.8, label="useful (committed) time")
+    ax1.plot([0, g.wall_s], [0, g.wall_s], color="0.5", ls=":", lw=1, label="wall time")
+    ax1.set_xlabel("job time (s)")
+    ax1.set_ylabel("useful time (s)")
+    ax1.set_title(f"{run_dir.name}: goodput {100 * g.ratio:.1f}% (planned step {g.planned_step_s * 1000:.0f} ms)")
+    ax1.grid(alpha=0.3)
+    _legend(ax1)
+    left = 0.0
+    for cause, secs in [("useful", g.useful_s), *g.lost_s.items()]:
+        if secs <= 0:
+            continue
+        ax2.barh(0, secs, left=left, color=CAUSE_COLORS[cause], edgecolor="white")
+        if secs / max(g.wall_s, 1e-9) > 0.06:
+            ax2.text(left + secs / 2, 0, f"{cause}\n{100 * secs / g.wall_s:.0f}%", ha="center", va="center", fontsize=7)
+        left += secs
+    ax2.set_yticks([])
+    ax2.set_xlabel("wall time (s)")
+    ax2.set_xlim(0, max(g.wall_s, 1e-9))
+    fig.tight_layout()
+    fig.savefig(out)
+    plt.close(fig)
+    return out
