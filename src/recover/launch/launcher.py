@@ -471,7 +471,7 @@ class Launcher:
                 rep.kill()
 
     def _collect(self) -> list[dict[str, Any]]:
-        """New per-replica records; merges them per step (first writer wins, val_loss from any)."""
+        """New per-replica records; merges them per step (first writer wins, val_loss and eval_s from any)."""
         fresh = []
         for path in sorted((self.out / "replicas").glob("replica_*.jsonl")):
             for rec in self._new_lines(path):
@@ -482,6 +482,8 @@ class Launcher:
                     fresh.append(rec)
                 elif "val_loss" in rec and "val_loss" not in prev:
                     prev["val_loss"] = rec["val_loss"]
+                    if "eval_s" in rec:
+                        prev["eval_s"] = rec["eval_s"]
         return fresh
 
     def _flush_metrics(self, final: bool) -> None:
