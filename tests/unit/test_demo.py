@@ -29,3 +29,14 @@ def test_check_launch_accepts_both_demo_runs_deterministic_with_rejoins(tmp_path
         assert opts.config.fault_tolerance.hang_timeout_s > 0  # a hang is found in seconds, not 60
     assert not reference.failures and faults.rejoin_after_s is not None
     assert len(check_launch(faults).failures.specs) == len(DEMO_FAULTS)
+
+
+def test_the_printed_launch_flags_inject_the_same_faults() -> None:
+    """What the demo prints (to reproduce it with `recover launch`) is what it runs."""
+    from recover.faults import parse_corrupt, parse_slow
+
+    parse = {"--fail": parse_failure, "--hang": lambda t: parse_failure(t, fault=Fault.HANG),
+             "--slow": parse_slow, "--corrupt": parse_corrupt}
+    for fault, spec in zip(DEMO_FAULTS, demo_failures(STEPS), strict=True):
+        name, value = fault.flag(STEPS).split()
+        assert str(parse[name](value)) == spec

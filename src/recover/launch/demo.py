@@ -16,12 +16,15 @@ import argparse
 import json
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from rich.console import Console
 from rich.table import Table
 
 from recover.names import Fault, Phase
+
+if TYPE_CHECKING:
+    from recover.launch.cli import LaunchRequest
 
 REPLICAS, STEPS, REJOIN_AFTER_S, HANG_TIMEOUT_S = 4, 40, 1.0, 3.0
 
@@ -47,6 +50,12 @@ class DemoFault:
             return str(parse_corrupt(at))
         return str(parse_failure(f"{at}:{self.arg}", fault=self.fault))
 
+    def flag(self, steps: int) -> str:
+        """The ``recover launch`` flag that injects it, e.g. ``--hang 2@10:forward``."""
+        at = f"{self.replica}@{int(self.fraction * steps)}"
+        name = {Fault.KILL: "fail", Fault.HANG: "hang", Fault.SLOW: "slow", Fault.CORRUPT: "corrupt"}[self.fault]
+        return f"--{name} {at}" + (f":{self.arg}" if self.arg else "")
+
 
 DEMO_FAULTS: tuple[DemoFault, ...] = (
     DemoFault(Fault.KILL, 1, 0.10, Phase.BACKWARD),   # a crash: SIGKILL in a backward pass
@@ -65,7 +74,8 @@ def register(sub: argparse._SubParsersAction) -> None:
                        description=__doc__)
     d.add_argument("--out", default="runs/demo", help="directory for both runs (default runs/demo)")
     d.add_argument("--config", default="tiny", help="preset (default tiny)")
-    d.add_argument("--steps", type=int, default=STEPS, help=f"training.steps (default {STEPS}; the faults scale with it)")
+    d.add_argument("--steps", type=int, default=STEPS,
+                   help=f"training.steps (default {STEPS}; the faults scale with it)")
     d.add_argument("--no-progress", action="store_true")
     d.set_defaults(func=run_demo)
 
@@ -75,17 +85,20 @@ def demo_failures(steps: int) -> tuple[str, ...]:
     return tuple(f.spec(steps) for f in DEMO_FAULTS)
 
 
-def demo_requests(out: Path, config: str = "tiny", steps: int | None = STEPS, progress: bool = True) -> tuple[Any, Any]:
-    """The two launches of the demo: the failure-free reference and the run with every fault."""
+def demo_requests(out: Path, config: str = "tiny", steps: int | None = STEPS,
+                  progress: bool = True) -> tuple[LaunchRequest, LaunchRequest]:
+    """The two launches of the demo: the failure-free reference and the run with every fault (both
+    deterministic, so the faulty run's losses are bitwise the reference's)."""
     from recover.config import load_config
     from recover.launch.cli import LaunchRequest
 
     n = steps or load_config(config).training.steps
-    common = dict(config=config, replicas=REPLICAS, steps=steps, progress=progress, overwrite=True,  # the demo
-                  deterministic=True, overrides=(f"--fault_tolerance.hang_timeout_s={HANG_TIMEOUT_S:g}",))  # owns them
-    reference = LaunchRequest(out=out / "reference", **common)  # type: ignore[arg-type]
+    common: dict[str, Any] = dict(  # overwrite: the demo owns its directories
+        config=config, replicas=REPLICAS, steps=steps, progress=progress, overwrite=True, deterministic=True,
+        overrides=(f"--fault_tolerance.hang_timeout_s={HANG_TIMEOUT_S:g}",))
+    reference = LaunchRequest(out=out / "reference", **common)
     faults = LaunchRequest(out=out / "failures", failures=demo_failures(n), rejoin_after_s=REJOIN_AFTER_S,
-                           reference=out / "reference", **common)  # type: ignore[arg-type]
+                           reference=out / "reference", **common)
     return reference, faults
 
 
@@ -97,12 +110,13 @@ def run_demo(args: argparse.Namespace) -> int:
     out = Path(args.out)
     reference, faults = demo_requests(out, args.config, args.steps, not args.no_progress)
     for request in (reference, faults):
-        check_launch(request)  # refuse a bad request before the first run starts
+        opts = check_launch(request)  # refuse a bad request before the first run starts
     console.print(f"[bold]1/2[/] failure-free reference: {REPLICAS} replicas, deterministic")
     if (code := launch(reference)) != 0:
         return code
+    flags = " ".join(f.flag(args.steps or opts.config.training.steps) for f in DEMO_FAULTS)
     console.print(f"[bold]2/2[/] the same job meeting a crash, a hang, a straggler and a corrupted replica "
-                  f"({', '.join(faults.failures)}); lost replicas rejoin {REJOIN_AFTER_S:g} s after they go")
+                  f"({flags} --rejoin-after {REJOIN_AFTER_S:g})")
     if (code := launch(faults)) != 0:
         return code
     s_ref = json.loads((reference.out / "summary.json").read_text())
