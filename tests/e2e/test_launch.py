@@ -190,7 +190,7 @@ def test_hangs_in_forward_backward_and_reduce_are_fenced_and_recovered(reference
     g = summary["goodput"]
     assert 0 < g["ettr"] < g["ettr_after_startup"] <= 1 and g["committed_steps"] == STEPS
     assert g["tokens_committed"] == sum(r["tokens"] for r in rows(tmp_path))
-    assert 3 * HANG_S <= g["lost_s"]["recovery"] <= 3 * (HANG_S + 1.5) and g["lost_s"]["startup"] > 0
+    assert 3 * (HANG_S - 0.5) <= g["lost_s"]["recovery"] <= 3 * (HANG_S + 2.5) and g["lost_s"]["startup"] > 0
     assert g["useful_s"] + sum(g["lost_s"].values()) == pytest.approx(g["wall_s"], abs=0.01)
     assert [(f["fault"], f["replica"], f["detected_by"]) for f in summary["faults"]] == \
         [("hang", 1, "hung"), ("hang", 2, "hung"), ("hang", 3, "hung")]

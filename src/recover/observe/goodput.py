@@ -104,28 +104,31 @@ class Goodput:
         return (cause, self.lost_s[cause]) if self.lost_s.get(cause, 0.0) > 0 else None
 
 
-@dataclass
+@dataclass(frozen=True)
 class _Segment:
     """One launch: [start, end] in Unix time, and where it starts on the job clock."""
 
     start: float
-    end: float | None
+    end: float
     offset: float = 0.0
 
 
 def _segments(events: list[dict[str, Any]], last_t: float) -> list[_Segment]:
-    segs: list[_Segment] = []
+    """The launches, each from its ``launch`` to its ``end`` event; one with no end (killed, or still
+    running) ends at the next launch, or at ``last_t``."""
+    spans: list[list[float | None]] = []
     for e in events:
         if e.get("kind") == "launch":
-            segs.append(_Segment(e["t"], None))
-        elif e.get("kind") == "end" and segs and segs[-1].end is None:
-            segs[-1].end = e["t"]
-    for i, seg in enumerate(segs):  # a launch with no end: it ended (killed) or runs still
-        if seg.end is None:
-            seg.end = segs[i + 1].start if i + 1 < len(segs) else max(last_t, seg.start)
-    offset = 0.0
-    for seg in segs:
-        seg.offset, offset = offset, offset + (seg.end - seg.start)
+            spans.append([e["t"], None])
+        elif e.get("kind") == "end" and spans and spans[-1][1] is None:
+            spans[-1][1] = e["t"]
+    segs, offset = [], 0.0
+    for i, (start, end) in enumerate(spans):
+        assert start is not None
+        if end is None:
+            end = spans[i + 1][0] if i + 1 < len(spans) else max(last_t, start)
+        segs.append(_Segment(start, end, offset))  # type: ignore[arg-type]
+        offset += end - start  # type: ignore[operator]
     return segs
 
 
@@ -198,6 +201,60 @@ def _split(excess: float, ckpt: float, evals: float, cause: str) -> dict[str, fl
     return lost
 
 
+@dataclass
+class _Interval:
+    """A committed step's interval: its record, launch (index), [start, end] in Unix time, whether it is
+    its launch's first, the causes that apply, and the checkpoint and evaluation seconds it holds."""
+
+    row: dict[str, Any]
+    seg: int
+    start: float
+    end: float
+    first: bool
+    flags: list[str] = field(default_factory=list)
+    ckpt: float = 0.0
+    eval_s: float = 0.0
+
+    @property
+    def clean(self) -> bool:
+        return not (self.first or self.flags or self.ckpt or self.eval_s)
+
+
+def _intervals(rows: list[dict[str, Any]], ends: dict[int, float], segs: list[_Segment],
+               events: list[dict[str, Any]], ts: list[float], full: int) -> list[_Interval]:
+    """The committed steps' intervals in commit order, each with what happened in it."""
+    out: list[_Interval] = []
+    for r in sorted(rows, key=lambda r: ends[r["step"]]):
+        end = ends[r["step"]]
+        k = max((i for i, s in enumerate(segs) if s.start <= end), default=0)
+        prev = out[-1] if out and out[-1].seg == k else None
+        # an evaluation runs after its step's commit: it delays the next interval
+        out.append(_Interval(r, k, prev.end if prev else segs[k].start, end, prev is None,
+                             eval_s=prev.row.get("eval_s", 0.0) if prev else 0.0))
+    slow = _slow_spans(events)
+    for iv in out:
+        inside = _within(events, ts, iv.start, iv.end)
+        iv.flags, iv.ckpt = _flags(iv.row, inside, iv.start, iv.end, full, slow), _io(inside)
+    return out
+
+
+def _tail_losses(segs: list[_Segment], intervals: list[_Interval], events: list[dict[str, Any]],
+                 ts: list[float]) -> dict[str, float]:
+    """Lost time after each launch's last commit (all of a launch that committed nothing): its last
+    evaluation and saves; the rest is ``other`` for the last launch, ``restart`` for a stopped one."""
+    lost: dict[str, float] = {}
+    for k, seg in enumerate(segs):
+        mine = [iv for iv in intervals if iv.seg == k]
+        since = mine[-1].end if mine else seg.start
+        last = k == len(segs) - 1
+        cause = ("other" if last else "restart") if mine else ("startup" if k == 0 else "restart")
+        last_eval = mine[-1].row.get("eval_s", 0.0) if mine else 0.0
+        parts = _split(max(0.0, seg.end - since), _io(_within(events, ts, since, seg.end)), last_eval, cause)
+        for c, v in parts.items():
+            lost[c] = lost.get(c, 0.0) + v
+    return lost
+
+
 def goodput(rows: Iterable[dict[str, Any]], events: Iterable[dict[str, Any]], now: float | None = None,
             planned_step_s: float | None = None) -> Goodput:
     """The goodput of a run from its step records and events (see the module docstring).
@@ -215,64 +272,35 @@ def goodput(rows: Iterable[dict[str, Any]], events: Iterable[dict[str, Any]], no
     by_step = {int(r["step"]): r for r in rows if "step" in r}
     rows = [by_step[s] for s in sorted(by_step)]
     events = sorted((e for e in events if "t" in e), key=lambda e: e["t"])
+    ts = [e["t"] for e in events]
     launches = [e for e in events if e.get("kind") == "launch"]
     ends = _step_ends(rows, events, launches[0]["t"] if launches else None)
-    last_t = max([*ends.values(), *(e["t"] for e in events)], default=0.0)
+    last_t = max([*ends.values(), *ts], default=0.0)
     segs = _segments(events, now if now is not None else last_t)
     if not segs and rows:  # no launch recorded: from the first step's start to the last commit
         first = min(rows, key=lambda r: ends[r["step"]])
         segs = [_Segment(ends[first["step"]] - first.get("time_s", 0.0), last_t)]
-    if not rows or not segs:
-        wall = sum(s.end - s.start for s in segs)  # type: ignore[operator]
+    wall = sum(s.end - s.start for s in segs)
+    if not rows:
         return Goodput(wall, 0.0, planned_step_s or 0.0, 0, 0, {"startup": wall} if wall > 0 else {})
     full = max([e.get("replicas", 0) for e in launches] + [r.get("live_replicas", 1) for r in rows])
-    slow = _slow_spans(events)
-    order = sorted(rows, key=lambda r: ends[r["step"]])
-    intervals = []  # (row, seg index, start, end, first of its launch)
-    for r in order:
-        end = ends[r["step"]]
-        k = max((i for i, s in enumerate(segs) if s.start <= end), default=0)
-        prev = intervals[-1] if intervals and intervals[-1][1] == k else None
-        intervals.append((r, k, prev[3] if prev else segs[k].start, end, prev is None))
-    evals = {}  # an evaluation runs after its step's commit: it delays the next interval
-    for prev, cur in zip(intervals, intervals[1:], strict=False):
-        if prev[1] == cur[1]:
-            evals[cur[0]["step"]] = prev[0].get("eval_s", 0.0)
-    ts = [e["t"] for e in events]
-    info = []
-    for iv in intervals:
-        inside = _within(events, ts, iv[2], iv[3])
-        info.append((iv, _flags(iv[0], inside, iv[2], iv[3], full, slow), _io(inside)))
-    clean = [iv[3] - iv[2] for iv, flags, ckpt in info if not iv[4] and not flags and not ckpt
-             and not evals.get(iv[0]["step"])]
-    T = planned_step_s or (statistics.median(clean) if clean else statistics.median(
-        r.get("time_s", 0.0) for r in rows))
-    lost = dict.fromkeys(CAUSES, 0.0)
+    intervals = _intervals(rows, ends, segs, events, ts, full)
+    clean = [iv.end - iv.start for iv in intervals if iv.clean]
+    T = planned_step_s or statistics.median(clean or [r.get("time_s", 0.0) for r in rows])
+    lost = _tail_losses(segs, intervals, events, ts)
     steps, useful = [], 0.0
-    for (r, k, a, b, first), flags, ckpt in info:
-        length = max(0.0, b - a)
-        cause = ("startup" if k == 0 else "restart") if first else (flags[0] if flags else "other")
-        parts = _split(length - T, ckpt, evals.get(r["step"], 0.0), cause)
-        used = min(length, T)
-        useful += used
+    for iv in intervals:
+        length = max(0.0, iv.end - iv.start)
+        cause = ("startup" if iv.seg == 0 else "restart") if iv.first else (iv.flags[0] if iv.flags else "other")
+        parts = _split(length - T, iv.ckpt, iv.eval_s, cause)
+        useful += min(length, T)
         for c, v in parts.items():
-            lost[c] += v
-        off = segs[k].offset - segs[k].start
-        steps.append(StepTime(r["step"], round(a + off, 6), round(b + off, 6), used, parts))
-    for k, seg in enumerate(segs):  # after each launch's last commit (or a launch with no commit at all)
-        mine = [iv for iv in intervals if iv[1] == k]
-        since = mine[-1][3] if mine else seg.start
-        tail = max(0.0, seg.end - since)  # type: ignore[operator]
-        last_eval = mine[-1][0].get("eval_s", 0.0) if mine else 0.0
-        cause = "other" if k == len(segs) - 1 else "restart"
-        if not mine:
-            cause = "startup" if k == 0 else "restart"
-        ckpt = _io(_within(events, ts, since, seg.end))  # type: ignore[arg-type]
-        for c, v in _split(tail, ckpt, last_eval, cause).items():
-            lost[c] += v
-    wall = sum(s.end - s.start for s in segs)  # type: ignore[operator]
+            lost[c] = lost.get(c, 0.0) + v
+        off = segs[iv.seg].offset - segs[iv.seg].start
+        steps.append(StepTime(iv.row["step"], round(iv.start + off, 6), round(iv.end + off, 6), min(length, T), parts))
     tokens = sum(int(r.get("tokens", 0)) for r in rows)
-    return Goodput(wall, useful, T, len(rows), tokens, {c: v for c, v in lost.items() if v > 0}, tuple(steps))
+    return Goodput(wall, useful, T, len(rows), tokens, {c: lost[c] for c in CAUSES if lost.get(c, 0.0) > 0},
+                   tuple(steps))
 
 
 def describe(g: Goodput) -> str:
