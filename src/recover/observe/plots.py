@@ -38,13 +38,26 @@ def load_events(run_dir: str | os.PathLike[str]) -> list[dict[str, Any]]:
     return list(read_jsonl(path)) if path.is_file() else []
 
 
+def _marker_kind(e: dict[str, Any]) -> str | None:
+    """Which marker an event gets: a kill (a hang or freeze: the replica is lost too), a rejoin, a
+    corruption injected, a slow-down injected (not its end), or none."""
+    kind = e.get("kind")
+    if kind == "started" and e.get("joined"):
+        return "rejoined"
+    if kind == "slowed":
+        return "slowed" if e.get("factor", 1.0) > 1.0 and not e.get("rank") else None
+    return kind if kind in ("kill", "injected") else None
+
+
 def _markers(ax: Any, events: list[dict[str, Any]], by: str) -> None:
-    """Dashed lines at replica kills (red) and rejoins (green), placed by step or by elapsed seconds."""
+    """Dashed lines at replica kills (red), corruptions (purple), slow-downs (orange) and rejoins
+    (green), placed by step or by elapsed seconds."""
     t0 = min((e["t"] for e in events if e.get("kind") == "launch"), default=None)
-    styles = {"kill": ("tab:red", "replica killed"), "rejoined": ("tab:green", "replica rejoined")}
+    styles = {"kill": ("tab:red", "replica lost (crash, hang)"), "rejoined": ("tab:green", "replica rejoined"),
+              "injected": ("tab:purple", "corruption injected"), "slowed": ("tab:orange", "replica slowed")}
     for e in events:
-        kind = "rejoined" if e.get("kind") == "started" and e.get("joined") else e.get("kind")
-        if kind not in styles:
+        kind = _marker_kind(e)
+        if kind is None:
             continue
         pos = (e.get("step") or 0) + 1 if by == "step" else (e["t"] - t0 if t0 is not None else None)
         if pos is not None:
