@@ -25,6 +25,7 @@ COMMAND_MODULES = (
     "recover.train.cli",  # train
     "recover.data.cli",  # prepare
     "recover.launch.cli",  # launch, compare, worker
+    "recover.launch.report",  # report
     "recover.coord.cli",  # coordinator
     "recover.bench.cli",  # bench ...
     "recover.sim.cli",  # simulate

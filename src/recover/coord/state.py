@@ -194,6 +194,10 @@ class MembershipState:
             self.initial.add(replica)
             if len(self.initial) >= self.expected:
                 acts += self._form(sorted(self.initial), "initial", now)
+        elif not self.current.members and self.round is None and self.left:  # everyone finished (or stopped)
+            acts += [Log("join_refused", {"replica": replica, "reason": "finished"}),
+                     Send(replica, {"type": "error", "re": None, "code": "stopping",
+                                    "message": "the job has finished: nothing to join"})]
         elif not self.current.members and self.round is None:
             self.pending_join.add(replica)
             acts += self._admit_joiners(now)

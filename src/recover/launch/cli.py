@@ -366,6 +366,7 @@ def _report(launcher: Launcher, opts: LaunchOptions, reference: Path | None) -> 
     print(f"{summary['committed_steps']} steps committed in {summary['wall_s']:.1f} s; microbatches per step "
           f"{summary['min_microbatches']}..{summary['max_microbatches']}; kills {summary['kills']}, rejoins "
           f"{summary['rejoins']}; median recovery {lat if lat is not None else '-'} ms; "
+          f"goodput {100 * summary['goodput']['ettr']:.1f}%; "
           f"final val loss {summary['final_val_loss']}; outputs in {out}", flush=True)
 
 

@@ -234,7 +234,8 @@ class ReplicaWorker:
             print(f"recover: replica {self.replica_id}: {exc}", file=sys.stderr, flush=True)
             return EXIT_STOPPED
         loop = Loop(self.cfg, step, self.replica, self.eval_data, self.checkpointer, self._write,
-                    after_step=lambda s: step.hook(s, Phase.IDLE), busy=client.activity)
+                    after_step=lambda s: step.hook(s, Phase.IDLE), busy=client.activity,
+                    on_event=self._event if self.rank == 0 else lambda kind, **fields: None)
         try:
             loop.run(self.cfg.training.steps)
         except QuorumLost as exc:
