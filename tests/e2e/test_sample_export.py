@@ -17,7 +17,7 @@ from pathlib import Path
 import pytest
 import torch
 
-from conftest import losses
+from conftest import losses, run_recover
 from recover.cli import main
 from recover.config import ModelConfig, load_config
 from recover.data.tokenizer import ByteTokenizer
@@ -37,6 +37,12 @@ def train_args(out: Path, corpus: Path, *extra: str) -> list[str]:
     return ["train", "--config", "debug", "--out", str(out), "--no-progress", "--data.path", str(corpus),
             "--training.eval_every=0", "--training.threads=1", "--training.lr=1e-5", "--training.min_lr=0",
             *MODEL, *extra]
+
+
+def first_step(out: Path, corpus: Path, source: Path, *extra: str) -> list[str]:
+    """One step of training that starts from the weights at ``source``."""
+    return train_args(out, corpus, "--training.steps=1", "--training.warmup_steps=0", "--init-from", str(source),
+                      *extra)
 
 
 @pytest.fixture(scope="module")
@@ -192,8 +198,7 @@ def test_init_from_hf_torch_and_checkpoint_start_from_the_same_parameters(
     first = {}
     for source in (resolve_checkpoint(run), tmp_path / "hf"):
         out = tmp_path / f"from_{source.name}"
-        assert main(train_args(out, corpus, "--training.steps=1", "--training.warmup_steps=0", "--init-from",
-                              str(source))) == 0
+        assert main(first_step(out, corpus, source)) == 0
         first[source.name] = losses(out)[0]
         assert json.loads((out / "config.json").read_text())["training"]["init_from"] == str(source.resolve())
     trained_loss = losses(run)[0]  # the seeded model's loss at step 0 (same data: a pure function of the step)
@@ -218,3 +223,14 @@ def test_init_from_a_mismatched_model_is_one_line_naming_the_tensor(
 
     with pytest.raises(ConfigError, match=r"tok_embeddings.weight has shape \[320, 64\] there and \[320, 32\]"):
         check_launch(LaunchRequest(out=out, config="debug", overrides=("--model.dim=32",), init_from=str(run)))
+
+
+@pytest.mark.slow
+def test_init_from_under_tensor_parallelism_starts_every_rank_from_the_same_weights(
+        run: Path, corpus: Path, tmp_path: Path) -> None:
+    """A replica of 2 TP ranks (DTensor shards) loads the whole tensors on each rank before sharding them:
+    its step-0 loss is the single process's."""
+    single, tp = tmp_path / "single", tmp_path / "tp2"
+    assert main(first_step(single, corpus, run)) == 0
+    run_recover(first_step(tp, corpus, run, "--parallel.tp=2"), nproc=2)
+    assert abs(losses(tp)[0] - losses(single)[0]) <= 1e-6 * losses(single)[0]
