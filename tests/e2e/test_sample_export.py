@@ -223,14 +223,22 @@ def test_init_from_a_mismatched_model_is_one_line_naming_the_tensor(
 
     with pytest.raises(ConfigError, match=r"tok_embeddings.weight has shape \[320, 64\] there and \[320, 32\]"):
         check_launch(LaunchRequest(out=out, config="debug", overrides=("--model.dim=32",), init_from=str(run)))
+    opts = check_launch(LaunchRequest(out=out, config="debug", overrides=tuple(MODEL), init_from=str(run)))
+    assert opts.config.training.init_from == str(run.resolve())  # and every worker gets it as an override:
+    assert f"--training.init_from={run.resolve()}" in opts.overrides
 
 
 @pytest.mark.slow
 def test_init_from_under_tensor_parallelism_starts_every_rank_from_the_same_weights(
         run: Path, corpus: Path, tmp_path: Path) -> None:
     """A replica of 2 TP ranks (DTensor shards) loads the whole tensors on each rank before sharding them:
-    its step-0 loss is the single process's."""
+    its step-0 loss is the single process's. Its checkpoint, saved in shards, is read whole by sample/export."""
     single, tp = tmp_path / "single", tmp_path / "tp2"
-    assert main(first_step(single, corpus, run)) == 0
-    run_recover(first_step(tp, corpus, run, "--parallel.tp=2"), nproc=2)
+    assert main(first_step(single, corpus, run, "--training.checkpoint_every=1")) == 0
+    run_recover(first_step(tp, corpus, run, "--parallel.tp=2", "--training.checkpoint_every=1"), nproc=2)
     assert abs(losses(tp)[0] - losses(single)[0]) <= 1e-6 * losses(single)[0]
+    sharded, whole = (read_checkpoint_state(resolve_checkpoint(r)) for r in (tp, single))
+    assert sharded.keys() == whole.keys()
+    for name, t in whole.items():
+        torch.testing.assert_close(sharded[name], t, rtol=1e-5, atol=1e-6, msg=name)
+    assert read_description(resolve_checkpoint(tp)).tokenizer_record["spec"] == "byte"

@@ -29,6 +29,7 @@ from typing import Any
 
 import torch
 
+from recover.config import ModelConfig
 from recover.data.tokenizer import ByteTokenizer, HFTokenizer
 from recover.errors import ConfigError
 from recover.model import hf
@@ -92,7 +93,8 @@ def _move_into_place(tmp: Path, out: Path) -> None:
     shutil.rmtree(aside, ignore_errors=True)
 
 
-def _write_hf(tmp: Path, state: dict[str, torch.Tensor], model: Any, tok: ByteTokenizer | HFTokenizer | None) -> None:
+def _write_hf(tmp: Path, state: dict[str, torch.Tensor], model: ModelConfig,
+              tok: ByteTokenizer | HFTokenizer | None) -> None:
     from recover.train.weights import require_safetensors
 
     safetensors = require_safetensors()
@@ -101,6 +103,7 @@ def _write_hf(tmp: Path, state: dict[str, torch.Tensor], model: Any, tok: ByteTo
     _write_json(tmp / "generation_config.json", {"bos_token_id": None, "eos_token_id": eot, "pad_token_id": eot})
     tensors = {k: v.float().contiguous() for k, v in hf.to_hf(state, model).items()}
     safetensors.torch.save_file(tensors, str(tmp / "model.safetensors"), metadata={"format": "pt"})
+    os.chmod(tmp / "model.safetensors", (tmp / "config.json").stat().st_mode & 0o777)  # as umask says, not 0600
     _write_tokenizer(tmp, tok, model.max_seq_len)
 
 

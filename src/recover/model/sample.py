@@ -17,11 +17,15 @@ Contract:
 from __future__ import annotations
 
 from pathlib import Path
+from typing import TYPE_CHECKING
 
 import torch
 
 from recover.errors import ConfigError
 from recover.model.llama import Transformer
+
+if TYPE_CHECKING:
+    from recover.train.describe import Description
 
 
 def next_token(logits: torch.Tensor, temperature: float, top_k: int | None,
@@ -76,7 +80,7 @@ def check_options(max_new_tokens: int, temperature: float, top_k: int | None) ->
         raise ConfigError(f"--top-k {top_k} is not allowed: a positive number of candidates")
 
 
-def load_checkpoint_model(path: str | Path, device: str | torch.device = "cpu") -> tuple[Transformer, object]:
+def load_checkpoint_model(path: str | Path, device: str | torch.device = "cpu") -> tuple[Transformer, Description]:
     """The model of the checkpoint ``path`` names (RUN_DIR or CHECKPOINT) and its description.
 
     Raises:

@@ -34,7 +34,7 @@ from pathlib import Path
 from typing import Any
 
 from recover.config import Config, ModelConfig
-from recover.data.tokenizer import BYTE_SPEC, ByteTokenizer, HFTokenizer, Tokenizer, load_tokenizer
+from recover.data.tokenizer import BYTE_SPEC, ByteTokenizer, HFTokenizer, load_tokenizer
 from recover.errors import CheckpointError, ConfigError, RecoverError
 from recover.train.integrity import MARKER, list_checkpoints, verify
 
@@ -194,10 +194,3 @@ def _data_tokenizer(config: dict[str, Any] | None) -> dict[str, Any] | None:
     except ConfigError:
         return None
     return describe_run(cfg).meta["tokenizer"]
-
-
-def tokenizer_files(desc: Description, tok: Tokenizer) -> dict[str, bytes]:
-    """The ``tokenizer.json`` bytes of a HuggingFace tokenizer (empty for the byte tokenizer)."""
-    if isinstance(tok, HFTokenizer):
-        return {TOKENIZER_FILE: tok.path.read_bytes()}
-    return {}
