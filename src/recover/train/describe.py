@@ -91,6 +91,9 @@ def resolve_checkpoint(path: str | Path) -> Path:
         CheckpointError: not a checkpoint or run directory, none complete, or every one damaged.
     """
     path = Path(path)
+    if not path.is_dir():
+        raise CheckpointError(f"{path} is not a directory; give a run directory or a checkpoint directory "
+                              "(RUN/checkpoints/step_NNNNNN)")
     if (path / MARKER).is_file():
         verify(path)
         return path
