@@ -107,6 +107,11 @@ def test_a_huggingface_tokenizer_travels_inside_the_checkpoint(tmp_path: Path) -
     tok_file.unlink()  # the original is gone: the checkpoint's copy is used
     tok = read_description(ckpt).tokenizer()
     assert tok.path == ckpt / "tokenizer.json" and tok.decode(tok.encode("héllo\n")) == "héllo\n"
+    transformers = pytest.importorskip("transformers", reason="needs transformers: pip install 'recover-llm[export]'")
+    assert main(["export", str(ckpt), "--format", "hf", "--out", str(tmp_path / "hf")]) == 0
+    auto = transformers.AutoTokenizer.from_pretrained(tmp_path / "hf")  # the run's own tokenizer.json
+    text = "x = 'ü' <|endoftext|>"
+    assert auto(text)["input_ids"] == tok.encode(text).tolist() and auto.eos_token_id == 256
 
 
 def test_sample_greedy_is_deterministic_and_crops_past_max_seq_len(run: Path,
