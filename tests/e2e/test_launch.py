@@ -133,6 +133,8 @@ def test_bad_shards_are_refused_before_anything_starts(corpus: Path, tmp_path: P
         train.write_bytes(bytes(raw))
     elif damage == "truncated":
         val.write_bytes(val.read_bytes()[:100])
+    else:  # without meta.json (whose 257 would refuse --model.vocab_size 256 first), every id is checked
+        (data / "meta.json").unlink()
     t0 = time.monotonic()
     res = run_recover(["launch", "--config", "debug", "--replicas", "2", "--out", str(tmp_path / "run"),
                        "--no-progress", "--data.path", str(data),

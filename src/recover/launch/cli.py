@@ -1,8 +1,11 @@
-"""``recover launch``, ``recover compare`` and the hidden ``recover worker`` (one replica process).
+"""``recover launch``, ``recover compare`` and ``recover worker`` (one replica process, started by
+``recover launch`` or by hand on each host).
 
 Contract: a launch is a :class:`LaunchRequest` (typed; ``recover launch``'s flags map onto it one
 to one) run by :func:`launch`. :func:`check_launch` does every check first, with no side effect:
-the config (whose ``__post_init__`` holds every layout rule), the flags and the failure schedule.
+the config (whose ``__post_init__`` holds every layout rule; ``model.vocab_size`` resolved from the
+data unless given, :func:`recover.data.layout.resolve_vocab`, and passed to every worker as an
+override), the flags and the failure schedule.
 Only then does :func:`launch` create the run directory, prepare the data and start processes, so
 a bad request is refused in well under a second with one line and exit status 2.
 """
@@ -118,8 +121,11 @@ def register(sub: argparse._SubParsersAction) -> None:
     c.add_argument("--json", default=None, help="also write the comparison to this file")
     c.set_defaults(func=run_compare)
 
-    w = sub.add_parser("worker", help="(internal) one replica process of `recover launch`")
-    sub._choices_actions.pop()  # internal: keep it out of `recover --help`
+    w = sub.add_parser("worker", help="one replica process of a fault-tolerant job (started by `recover launch`, or "
+                                      "by hand on each host with `recover coordinator`)",
+                       description="One replica of a fault-tolerant job, connected to a coordinator. `recover launch` "
+                                   "starts these itself; across machines start one per replica (under torchrun for a "
+                                   "replica of several ranks). Config overrides: --section.field VALUE.")
     w.add_argument("--config", required=True)
     w.add_argument("--out", required=True)
     w.add_argument("--replica", type=int, default=None)
@@ -195,7 +201,19 @@ def launch_config(req: LaunchRequest) -> tuple[Config, list[str]]:
              "training.device_time_s": req.device_time_s}
     overrides = [*req.overrides, *(f"--{key}={value}" for key, value in flags.items() if value is not None),
                  *init_from_override(req.init_from)]
-    return load_config(req.config, overrides), overrides
+    cfg = load_config(req.config, overrides)
+    resolved = _resolve_vocab(cfg, overrides)
+    if resolved.model.vocab_size != cfg.model.vocab_size:  # the workers get the same vocabulary
+        overrides.append(f"--model.vocab_size={resolved.model.vocab_size}")
+    return resolved, overrides
+
+
+def _resolve_vocab(cfg: Config, overrides: list[str]) -> Config:
+    """``cfg`` with the data's vocabulary unless ``--model.vocab_size`` is among ``overrides``."""
+    from recover.data.layout import given, resolve_vocab
+    from recover.data.prepare import resolve_data_dir
+
+    return resolve_vocab(cfg, resolve_data_dir(cfg.data, prepare=False), given(overrides, "model.vocab_size"))
 
 
 def check_launch(req: LaunchRequest) -> LaunchOptions:
@@ -424,7 +442,7 @@ def run_worker(args: argparse.Namespace) -> int:
 
     signal.signal(signal.SIGTERM, stop)
     signal.signal(signal.SIGINT, stop)
-    cfg = load_config(args.config, args.overrides)
+    cfg = _resolve_vocab(load_config(args.config, args.overrides), args.overrides)
     host, _, port = args.coordinator.rpartition(":")
     if not host or not port.isdigit():
         raise RecoverError(f"--coordinator {args.coordinator!r}: expected HOST:PORT")

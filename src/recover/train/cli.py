@@ -1,11 +1,20 @@
-"""``recover train``: one process, or one rank under torchrun (failure-free data parallelism)."""
+"""``recover train``: one process, or one rank under torchrun (failure-free data parallelism).
+
+Contract: the config is resolved once, before any process group exists (:func:`train_config`):
+``parallel.replicas`` becomes what this job runs (:func:`torchrun_replicas`: one replica per
+torchrun process when a replica is one process, else ONE replica whose ranks are the processes; a
+``--parallel.replicas`` that says otherwise is refused, never ignored), and ``model.vocab_size`` the
+data's unless given (:func:`recover.data.layout.resolve_vocab`).
+"""
 
 from __future__ import annotations
 
 import argparse
+import os
 import sys
 
-from recover.config import available_presets, load_config
+from recover.config import Config, ParallelConfig, available_presets, load_config
+from recover.errors import ConfigError
 
 
 def register(sub: argparse._SubParsersAction) -> None:
@@ -40,6 +49,56 @@ def init_from_override(path: str | None) -> list[str]:
     return [f"--training.init_from={Path(path).resolve()}"] if path else []
 
 
+def torchrun_replicas(parallel: ParallelConfig, world_size: int, explicit: bool) -> int:
+    """The data-parallel replicas ``recover train`` runs with ``world_size`` processes (1 without
+    torchrun): one per process when ``pp x tp x fsdp = 1``, else one replica of all of them.
+
+    Raises:
+        ConfigError: ``explicit`` (``--parallel.replicas`` was given) and it says another number; the
+            message says what to pass instead.
+    """
+    P = parallel.procs_per_replica
+    n = world_size if P == 1 else 1
+    if not explicit or parallel.replicas == n:
+        return n
+    r = parallel.replicas
+    if P > 1:
+        raise ConfigError(f"--parallel.replicas {r} is not allowed with pp x tp x fsdp = {P}: under torchrun "
+                          f"`recover train` runs one replica whose ranks are the {world_size} processes; for {r} "
+                          f"replicas of {P} ranks use `recover launch --replicas {r}` (or one `torchrun ... recover "
+                          "worker` per replica)")
+    if world_size == 1:
+        raise ConfigError(f"--parallel.replicas {r} is not allowed in one process: `recover train` runs one "
+                          f"data-parallel replica per process; start {r} with `torchrun --nproc-per-node {r} -m "
+                          f"recover train ...`, or use `recover launch --replicas {r}` for fault-tolerant replicas")
+    raise ConfigError(f"--parallel.replicas {r} does not match torchrun's {world_size} processes: `recover train` runs "
+                      f"one data-parallel replica per process; pass --nproc-per-node {r} to torchrun (or the nodes x "
+                      "processes that make it), or leave --parallel.replicas out")
+
+
+def world_size() -> int:
+    """torchrun's WORLD_SIZE (with RANK, as :func:`~recover.train.dist.init_from_env` reads it), else 1."""
+    return int(os.environ["WORLD_SIZE"]) if "RANK" in os.environ and "WORLD_SIZE" in os.environ else 1
+
+
+def train_config(config: str, overrides: list[str], world_size: int) -> Config:
+    """The config ``recover train`` runs: the preset with ``overrides``, its replicas and vocabulary
+    resolved (see the module docstring).
+
+    Raises:
+        ConfigError, DataError: a bad config, a refused ``--parallel.replicas``, a data directory without
+            shards, or a model vocabulary smaller than the data's.
+    """
+    from recover.data.layout import given, resolve_vocab
+    from recover.data.prepare import resolve_data_dir
+
+    cfg = load_config(config, overrides)
+    replicas = torchrun_replicas(cfg.parallel, world_size, given(overrides, "parallel.replicas"))
+    if replicas != cfg.parallel.replicas:
+        cfg = cfg.replace({"parallel.replicas": replicas})
+    return resolve_vocab(cfg, resolve_data_dir(cfg.data, prepare=False), given(overrides, "model.vocab_size"))
+
+
 def run_train(args: argparse.Namespace) -> int:
     from pathlib import Path
 
@@ -49,7 +108,7 @@ def run_train(args: argparse.Namespace) -> int:
     from recover.train.exits import EXIT_NONFINITE, EXIT_STOPPED
     from recover.train.trainer import train
 
-    cfg = load_config(args.config, [*args.overrides, *init_from_override(args.init_from)])
+    cfg = train_config(args.config, [*args.overrides, *init_from_override(args.init_from)], world_size())
     check_out(Path(args.out), args.resume, args.overwrite)
     if cfg.training.init_from:  # refused before anything starts, with one line
         from recover.train.weights import check_init_from

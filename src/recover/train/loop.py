@@ -98,6 +98,8 @@ class Loop:
                 continue
             record = step_record(outcome, time.perf_counter() - t0, lr_at(outcome.step, tc))
             record["total_tokens"] = self.step.progress.tokens
+            if self.replica.device.type == "cuda":
+                record["gpu_mem_gb"] = round(torch.cuda.max_memory_allocated(self.replica.device) / 2**30, 3)
             leader = self.step.me == min(outcome.live)
             if leader and tc.eval_due(outcome.step, end):
                 with self.busy("io"):
