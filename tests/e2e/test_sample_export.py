@@ -27,7 +27,7 @@ from recover.model.llama import Transformer
 from recover.model.sample import generate, load_checkpoint_model
 from recover.train.describe import read_description, resolve_checkpoint
 from recover.train.integrity import verify, write_manifest
-from recover.train.weights import load_initial_weights, read_checkpoint_state
+from recover.train.weights import check_init_from, load_initial_weights, read_checkpoint_state
 
 MODEL = ["--model.n_kv_heads=2", "--model.tie_embeddings=false", "--model.init_std=0.1", "--model.rope_theta=500"]
 PROMPT = "    def __init__(self, name):\n"  # 30 bytes: 30 + 30 new tokens stay inside max_seq_len = 64
@@ -224,6 +224,8 @@ def test_init_from_a_mismatched_model_is_one_line_naming_the_tensor(
     assert "tensor layers.0.attention.wk.weight has shape [32, 64] there and [64, 64]" in capsys.readouterr().err
     assert main(train_args(out, corpus, "--init-from", str(tmp_path / "nowhere"))) == 2
     assert "--init-from: " in capsys.readouterr().err
+    check_init_from(run, load_config("debug", [*MODEL, "--model.rope_theta=10000"]).model)  # fits: a warning
+    assert "model.rope_theta is 500.0 there and 10000.0 here" in capsys.readouterr().err
     from recover.launch.cli import LaunchRequest, check_launch  # launch refuses it before starting anything
 
     with pytest.raises(ConfigError, match=r"tok_embeddings.weight has shape \[320, 64\] there and \[320, 32\]"):

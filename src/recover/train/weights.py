@@ -25,6 +25,7 @@ Contract:
 from __future__ import annotations
 
 import json
+import sys
 import warnings
 from collections.abc import Callable
 from dataclasses import asdict, dataclass
@@ -240,8 +241,16 @@ def _open_init(path: str | Path) -> Weights:
 
 
 def check_init_from(path: str | Path, model_cfg: ModelConfig) -> None:
-    """Everything about ``--init-from path`` that can be checked without reading the tensors."""
-    check_fits(_open_init(path), model_cfg)
+    """Everything about ``--init-from path`` that can be checked without reading the tensors; a rotary
+    base or norm epsilon that differs from the source's (the weights still fit) is named on stderr."""
+    src = _open_init(path)
+    check_fits(src, model_cfg)
+    for name in ("rope_theta", "norm_eps"):
+        theirs, ours = getattr(src.model, name), getattr(model_cfg, name)
+        if theirs != ours:
+            print(f"recover: warning: --init-from {src.path}: model.{name} is {theirs} there and {ours} here; the "
+                  f"weights are taken as they are (set --model.{name} {theirs} to compute as the source did)",
+                  file=sys.stderr, flush=True)
 
 
 @torch.no_grad()
