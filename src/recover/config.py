@@ -215,6 +215,10 @@ class TrainingConfig:
     sleep for the rest), so replicas sharing a few CPU cores behave like dedicated accelerators in
     benchmarks and tests (a step takes its quota's time; a lost replica's work costs the survivors).
     0: off."""
+    init_from: str = ""
+    """Start from these weights instead of the seeded initialisation (``--init-from``): a recover run or
+    checkpoint directory, a Hugging Face Llama directory, or a ``recover export --format torch`` file.
+    Step 0 and a fresh optimizer; the shapes must match the model. Empty: the seeded initialisation."""
 
     def __post_init__(self) -> None:
         _check_choices(self)

@@ -26,6 +26,7 @@ from recover.errors import ConfigError, RecoverError
 from recover.launch.placement import parse_gpus, place, visible_gpus
 from recover.names import BASELINES, RANDOM_FAULTS, Baseline, Fault, Phase
 from recover.observe.rundir import check_out, clear_run
+from recover.train.cli import INIT_FROM_HELP, init_from_override
 
 if TYPE_CHECKING:
     from recover.launch.launcher import Launcher, LaunchOptions
@@ -105,6 +106,7 @@ def register(sub: argparse._SubParsersAction) -> None:
                    help="print the plan (per process: replica, rank, device, environment, command) and start nothing")
     p.add_argument("--resume", action="store_true",
                    help="continue the run in --out from its newest complete checkpoint (same flags as before)")
+    p.add_argument("--init-from", default=None, metavar="PATH", help=INIT_FROM_HELP)
     p.add_argument("--overwrite", action="store_true",
                    help="start afresh in an --out that holds another run (deletes its records and checkpoints)")
     p.add_argument("--no-progress", action="store_true", help="no live progress display")
@@ -187,6 +189,8 @@ class LaunchRequest:
     share_gpus: bool = False
     dry_run: bool = False
     """Print the plan and start nothing."""
+    init_from: str | None = None
+    """``--init-from``: the weights every replica starts from (``training.init_from``)."""
 
 
 def launch_config(req: LaunchRequest) -> tuple[Config, list[str]]:
@@ -195,7 +199,8 @@ def launch_config(req: LaunchRequest) -> tuple[Config, list[str]]:
              "parallel.tp": req.tp, "parallel.fsdp": req.fsdp,
              "training.deterministic": "true" if req.deterministic else None,
              "training.device_time_s": req.device_time_s}
-    overrides = [*req.overrides, *(f"--{key}={value}" for key, value in flags.items() if value is not None)]
+    overrides = [*req.overrides, *(f"--{key}={value}" for key, value in flags.items() if value is not None),
+                 *init_from_override(req.init_from)]
     cfg = load_config(req.config, overrides)
     resolved = _resolve_vocab(cfg, overrides)
     if resolved.model.vocab_size != cfg.model.vocab_size:  # the workers get the same vocabulary
@@ -272,6 +277,10 @@ def check_launch(req: LaunchRequest) -> LaunchOptions:
                               "training.checkpoint_every steps)")
         if req.baseline:
             raise ConfigError("--resume continues a recover run; the baselines restart by themselves")
+    if cfg.training.init_from:  # a source that does not fit is refused here, not by every worker
+        from recover.train.weights import check_init_from
+
+        check_init_from(cfg.training.init_from, cfg.model)
     data_dir = resolve_data_dir(cfg.data, prepare=False)  # a missing directory is refused here, not by the workers
     if data_dir.is_dir() and any(data_dir.iterdir()):  # every shard checked (a built-in corpus is prepared later)
         check_data(cfg.data, data_dir, cfg.model.vocab_size)
@@ -397,7 +406,7 @@ def run_launch(args: argparse.Namespace) -> int:
         baseline=Baseline(args.baseline) if args.baseline else None, seed=args.seed,
         reference=Path(args.reference) if args.reference else None, progress=not args.no_progress,
         resume=args.resume, overwrite=args.overwrite, kill_coordinator=args.kill_coordinator, gpus=args.gpus,
-        share_gpus=args.share_gpus, dry_run=args.dry_run))
+        share_gpus=args.share_gpus, dry_run=args.dry_run, init_from=args.init_from))
 
 
 def run_compare(args: argparse.Namespace) -> int:

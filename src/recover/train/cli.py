@@ -32,8 +32,21 @@ def register(sub: argparse._SubParsersAction) -> None:
                    help="start afresh in an --out that holds another run (deletes its records and checkpoints)")
     p.add_argument("--stop-at-step", type=int, default=None, help="stop after this many committed steps "
                    "(the schedule still spans training.steps)")
+    p.add_argument("--init-from", default=None, metavar="PATH", help=INIT_FROM_HELP)
     p.add_argument("--no-progress", action="store_true", help="no progress display")
     p.set_defaults(func=run_train, accepts_overrides=True)
+
+
+INIT_FROM_HELP = ("start from these weights (step 0, fresh optimizer): a recover run or checkpoint directory, a "
+                  "Hugging Face Llama directory or a model.pt from `recover export --format torch` "
+                  "(training.init_from)")
+
+
+def init_from_override(path: str | None) -> list[str]:
+    """``--init-from PATH`` as the config override every process gets (an absolute path)."""
+    from pathlib import Path
+
+    return [f"--training.init_from={Path(path).resolve()}"] if path else []
 
 
 def torchrun_replicas(parallel: ParallelConfig, world_size: int, explicit: bool) -> int:
@@ -95,8 +108,12 @@ def run_train(args: argparse.Namespace) -> int:
     from recover.train.exits import EXIT_NONFINITE, EXIT_STOPPED
     from recover.train.trainer import train
 
-    cfg = train_config(args.config, args.overrides, world_size())
+    cfg = train_config(args.config, [*args.overrides, *init_from_override(args.init_from)], world_size())
     check_out(Path(args.out), args.resume, args.overwrite)
+    if cfg.training.init_from:  # refused before anything starts, with one line
+        from recover.train.weights import check_init_from
+
+        check_init_from(cfg.training.init_from, cfg.model)
     ctx = init_from_env(cfg.parallel.backend)
     if args.overwrite and ctx.is_main:
         clear_run(Path(args.out))  # the other ranks read nothing of it before the data barrier

@@ -43,6 +43,9 @@ surfaces as an exception within it and the caller treats the whole replica as lo
 - With ``training.device_time_s`` every microbatch (pass) takes at least that wall time: an emulated
   dedicated device, for benchmarks and tests on shared CPU cores; the arithmetic is unchanged.
   ``slowdown`` (fault injection: a throttled device) multiplies each pass's time.
+- With ``training.init_from`` (``--init-from``) the whole model is loaded from those weights right after
+  it is built, on every rank, before the pipeline split, TP and FSDP (:mod:`recover.train.weights`):
+  every replica starts from the same parameters, as with the seeded initialisation.
 - In deterministic mode the buffers are float64: a sum of float32 microbatch gradients in float64 does
   not depend on who computed which id, so a step is bitwise reproducible (per rank's own passes; not
   inside FSDP reduce-scatters or pipeline chunks).
@@ -67,6 +70,7 @@ from recover.names import Phase
 from recover.parallel.apply import clean_name, parallelize
 from recover.parallel.dims import AXES, Coord, MeshAxis, ParallelDims
 from recover.train.optim import build_optimizer, lr_at, set_lr
+from recover.train.weights import load_initial_weights
 from recover.workload.policy import split_within_replica
 
 if TYPE_CHECKING:
@@ -143,6 +147,8 @@ class Replica:
         self.device = torch.device(device)
         self.coord = Coord(*mesh.get_coordinate()) if mesh is not None else Coord(0, 0, 0)
         model = build_model(model_cfg, training.seed, self.device)  # whole model, same values on every rank
+        if training.init_from:  # the same full tensors on every rank, before any split or shard
+            load_initial_weights(model, training.init_from)
         if dims.pp > 1:
             from recover.parallel.pipeline import PipelineRunner, split_stage  # ~1 s import: only when used
 
