@@ -19,7 +19,7 @@ $(STAMP): pyproject.toml
 	@$(PYTHON) -c 'import sys; sys.exit(0 if sys.version_info >= (3, 10) else "recover needs Python >= 3.10; found " + sys.version.split()[0] + " at " + sys.executable + ". Run: make PYTHON=python3.11 ...")'
 	@test -x $(PY) || $(PYTHON) -m venv $(VENV)
 	@$(PY) -c 'import torch' 2>/dev/null || { echo "installing $(TORCH) into $(VENV)"; $(PY) -m pip install -q "$(TORCH)"; }
-	@$(PY) -m pip install -q -e '.[dev]'
+	@$(PY) -m pip install -q -e '.[dev,export]'
 	@touch $(STAMP)
 
 demo: $(STAMP)

@@ -23,8 +23,10 @@ from recover.errors import RecoverError
 COMMAND_MODULES = (
     "recover.launch.demo",  # demo
     "recover.train.cli",  # train
+    "recover.model.cli",  # sample, export
     "recover.data.cli",  # prepare
     "recover.launch.cli",  # launch, compare, worker
+    "recover.launch.report",  # report
     "recover.launch.collect",  # collect
     "recover.coord.cli",  # coordinator
     "recover.bench.cli",  # bench ...

@@ -30,7 +30,7 @@ from pathlib import Path
 from typing import Any, ClassVar, Literal
 
 from recover.errors import ConfigError
-from recover.names import Assignment, Backend, Connections, Dtype, Policy, Schedule, ShardFormat
+from recover.names import Assignment, Backend, CompileBackend, Connections, Dtype, Policy, Schedule, ShardFormat
 
 if sys.version_info >= (3, 11):
     import tomllib
@@ -65,7 +65,9 @@ class ModelConfig:
     SECTION: ClassVar[str] = "model"
 
     vocab_size: int = 320
-    """Embedding rows; must exceed every token id in the data (byte tokenizer: 257)."""
+    """Embedding rows. Unless given on the command line, ``recover train``/``launch`` take the data's
+    vocabulary (meta.json, meta.pkl, an llm.c header) rounded up to a multiple of 64 (byte tokenizer:
+    257 -> 320); never smaller than the data's (:mod:`recover.data.layout`)."""
     dim: int = 128
     """Residual stream width."""
     n_layers: int = 4
@@ -125,13 +127,16 @@ class DataConfig:
     SECTION: ClassVar[str] = "data"
 
     path: str = "builtin:stdlib"
-    """A directory of prepared shards (``recover prepare``), or ``builtin:stdlib`` (prepared on demand)."""
+    """A directory of token shards: ``recover prepare``'s, nanoGPT's (``train.bin``, ``val.bin``, ``meta.pkl``)
+    or llm.c's (``*_train*.bin``, ``*_val*.bin``), told apart by the files present; or ``builtin:stdlib``
+    (prepared on demand)."""
     cache_dir: str = "data"
     """Where ``builtin:`` corpora are prepared."""
-    train_pattern: str = "train_*.bin"
-    """Glob of training shards inside ``path``."""
-    val_pattern: str = "val_*.bin"
-    """Glob of validation shards inside ``path``."""
+    train_pattern: str = ""
+    """Glob of training shards inside ``path``; empty: detected from the files present
+    (``train_*.bin``, ``train.bin`` or ``*_train*.bin``)."""
+    val_pattern: str = ""
+    """Glob of validation shards inside ``path``; empty: detected (``val_*.bin``, ``val.bin`` or ``*_val*.bin``)."""
     format: ShardFormat = "auto"
     """Shard format: ``auto``, ``llmc`` (256 x int32 header) or ``nanogpt`` (raw uint16)."""
     seq_len: int = 128
@@ -196,6 +201,13 @@ class TrainingConfig:
     """Compute dtype: ``bfloat16`` runs forward and backward under autocast (matmuls in bf16) while the
     master weights, the optimizer state, the accumulation over microbatches and the cross-replica
     reduction stay float32 (float64 in deterministic mode)."""
+    compile: bool = False
+    """``torch.compile`` each transformer block (inductor; the first steps pay the compilation, a few
+    seconds to minutes by model size; on CPU it needs a C++ compiler). Every replica compiles the same
+    kernels, so deterministic mode stays bitwise between a run and its failure-free reference."""
+    compile_backend: CompileBackend = "inductor"
+    """The ``torch.compile`` backend when ``compile`` is on: ``inductor`` (generated kernels), or
+    ``aot_eager`` (traced, no code generation: for debugging and CPU tests)."""
     assignment: Assignment = "blocks"
     """Failure-free ids -> replicas: ``blocks``, ``strided`` or ``shuffled`` (the trajectory is the same)."""
     device_time_s: float = 0.0
@@ -203,6 +215,10 @@ class TrainingConfig:
     sleep for the rest), so replicas sharing a few CPU cores behave like dedicated accelerators in
     benchmarks and tests (a step takes its quota's time; a lost replica's work costs the survivors).
     0: off."""
+    init_from: str = ""
+    """Start from these weights instead of the seeded initialisation (``--init-from``): a recover run or
+    checkpoint directory, a Hugging Face Llama directory, or a ``recover export --format torch`` file.
+    Step 0 and a fresh optimizer; the shapes must match the model. Empty: the seeded initialisation."""
 
     def __post_init__(self) -> None:
         _check_choices(self)

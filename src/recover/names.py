@@ -75,6 +75,8 @@ Assignment = Literal["blocks", "strided", "shuffled"]
 Policy = Literal["weighted", "even"]
 Dtype = Literal["float32", "bfloat16"]
 """Compute dtype (``training.dtype``); master weights, optimizer state and reductions stay float32."""
+CompileBackend = Literal["inductor", "aot_eager"]
+"""``training.compile_backend``: generated kernels, or a trace run eagerly (debugging, CPU tests)."""
 """Workload policy: quotas weighted by the replicas' measured speeds (stragglers get fewer) or even."""
 Connections = Literal["replica", "rank"]
 """Coordinator connections of a replica of several ranks: one through its relay (rank 0 runs it,

@@ -133,6 +133,8 @@ def test_bad_shards_are_refused_before_anything_starts(corpus: Path, tmp_path: P
         train.write_bytes(bytes(raw))
     elif damage == "truncated":
         val.write_bytes(val.read_bytes()[:100])
+    else:  # without meta.json (whose 257 would refuse --model.vocab_size 256 first), every id is checked
+        (data / "meta.json").unlink()
     t0 = time.monotonic()
     res = run_recover(["launch", "--config", "debug", "--replicas", "2", "--out", str(tmp_path / "run"),
                        "--no-progress", "--data.path", str(data),
@@ -185,6 +187,22 @@ def test_hangs_in_forward_backward_and_reduce_are_fenced_and_recovered(reference
         assert gone(hang["pid"])  # nothing left running
     live = {r["step"]: r["live_replicas"] for r in rows(tmp_path)}
     assert live[1] == 4 and live[2] == 3 and live[5] == 2 and live[8] == 1
+    # goodput: the three hangs' detection is time lost to recovery; each fault in the summary and the report
+    summary = json.loads((tmp_path / "summary.json").read_text())
+    g = summary["goodput"]
+    assert 0 < g["ettr"] < g["ettr_after_startup"] <= 1 and g["committed_steps"] == STEPS
+    assert g["tokens_committed"] == sum(r["tokens"] for r in rows(tmp_path))
+    assert 3 * (HANG_S - 0.5) <= g["lost_s"]["recovery"] <= 3 * (HANG_S + 2.5) and g["lost_s"]["startup"] > 0
+    assert g["useful_s"] + sum(g["lost_s"].values()) == pytest.approx(g["wall_s"], abs=0.01)
+    assert [(f["fault"], f["replica"], f["detected_by"]) for f in summary["faults"]] == \
+        [("hang", 1, "hung"), ("hang", 2, "hung"), ("hang", 3, "hung")]
+    assert all(HANG_S * 1000 <= f["detection_ms"] <= (HANG_S + 1) * 1000 for f in summary["faults"])
+    for png in tmp_path.glob("*.png"):
+        png.unlink()
+    report = run_recover(["report", str(tmp_path), "--reference", str(reference_det)])
+    assert "goodput (effective training time ratio)" in report.stdout and "lost: recovery" in report.stdout
+    assert "hung" in report.stdout and "(bitwise equal)" in report.stdout
+    assert all((tmp_path / name).stat().st_size > 0 for name in ("loss.png", "throughput.png", "goodput.png"))
 
 
 def test_a_replica_frozen_for_good_is_fenced_reaped_and_replaced(reference_det: Path, corpus: Path,
@@ -219,6 +237,8 @@ def test_a_straggler_gets_fewer_microbatches_without_changing_the_trajectory(ref
     late = [r["quotas"]["3"] for r in recs[10:]]
     assert max(late) <= 1 and all(sum(r["quotas"].values()) == M for r in recs[10:])
     assert all(r["stragglers"] == {"3": pytest.approx(4, rel=0.2)} for r in recs[10:20])
+    g = json.loads((tmp_path / "summary.json").read_text())["goodput"]
+    assert g["lost_s"]["stragglers"] > 0 and g["lost_s"]["recovery"] == 0
 
 
 def test_random_hangs_sent_from_outside_are_fenced_reaped_and_rejoined(reference_det: Path, corpus: Path,

@@ -72,8 +72,9 @@ def test_nccl_strategy_selection_without_a_gpu() -> None:
     assert nccl.choose_strategy([0, 1, 2], [0, 2], backend="gloo", shrink_ok=True) == "rebuild"
     assert nccl.excluded_ranks([2, 5, 7, 9], [2, 7]) == [1, 3]
     env: dict[str, str] = {"TORCH_NCCL_ASYNC_ERROR_HANDLING": "1"}
-    assert nccl.apply_env_defaults(env) == {"TORCH_NCCL_ASYNC_ERROR_HANDLING": "1"}  # the user's choice wins
-    assert nccl.apply_env_defaults({})["TORCH_NCCL_ASYNC_ERROR_HANDLING"] == "2"
+    assert nccl.apply_env_defaults(env)["TORCH_NCCL_ASYNC_ERROR_HANDLING"] == "1"  # the user's choice wins
+    assert nccl.apply_env_defaults({}) == {"TORCH_NCCL_ASYNC_ERROR_HANDLING": "2",
+                                          "TORCH_NCCL_USE_COMM_NONBLOCKING": "1"}
     assert nccl.nccl_version() is None or len(nccl.nccl_version() or ()) == 3
     assert isinstance(nccl.has_shrink_api(), bool)
 

@@ -143,6 +143,17 @@ def test_joiner_with_nobody_left_is_admitted_at_once() -> None:
     assert st.current.members == (5,) and st.current.joined == (5,)
 
 
+def test_a_joiner_after_every_member_finished_is_told_the_job_is_over() -> None:
+    """A replica restarted late (--rejoin-after) registers after the others trained to the end and left:
+    it must not form a generation of its own (it would wait for state nobody can send)."""
+    st = make(2)
+    st.on_dead(0, "left", 1.0)
+    st.on_dead(1, "left", 1.1)
+    acts = st.on_register(0, True, 1, 1.2)
+    assert st.current.members == () and logs(acts, "join_refused") == [{"replica": 0, "reason": "finished"}]
+    assert sent(acts, "error")[0]["code"] == "finished"  # the worker exits with 0: a Job's pod completes
+
+
 def test_commits_carry_the_agreed_speeds_to_every_member_and_joiner() -> None:
     """Measured seconds per microbatch in the votes; the committed replies and later memberships carry
     the planned times (relative), a straggler is logged once, a dead replica's time is dropped."""
@@ -280,20 +291,6 @@ def test_replicas_leaving_at_the_end_are_no_failure_and_lose_no_quorum() -> None
     st2 = make(2)
     acts = st2.on_dead(1, "connection_closed", 1.0) + st2.on_ack(0, 1, 1.0)
     assert logs(acts, "quorum_lost") and logs(acts, "failure_detected")
-
-
-def test_a_replica_registering_after_every_replica_left_at_the_end_is_told_the_job_finished() -> None:
-    st = make(2)
-    st.on_dead(1, "left", 1.0)
-    st.on_ack(0, 1, 1.0)
-    assert not st.finished
-    st.on_dead(0, "left", 1.1)
-    assert st.finished and st.current.members == ()
-    with pytest.raises(Refused, match="finished"):
-        st.on_register(1, False, 2, 1.2)  # a restarted pod after the end: nothing to join
-    crashed = make(1)
-    crashed.on_dead(0, "connection_closed", 0.0)  # a failure is not an end
-    assert not crashed.finished
 
 
 # ---- silent data corruption and non-finite microbatches ----------------------------------------------

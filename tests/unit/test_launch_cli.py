@@ -82,8 +82,9 @@ def test_help_lists_every_phase_and_baseline_from_their_enums(capsys: pytest.Cap
 
 
 def test_demo_failures_scale_with_the_run() -> None:
-    assert demo_failures(60) == ("1@12:backward", "3@30:reduce")
-    assert demo_failures(6) == ("1@1:backward", "3@3:reduce")
+    assert demo_failures(40) == ("1@4:backward", "2@10:forward=hang", "3@16:forward=slow:3", "3@24:forward=slow:1",
+                                 "0@28:forward=corrupt")
+    assert demo_failures(80)[-1] == "0@57:forward=corrupt"
 
 
 def test_placement_gives_every_rank_its_own_gpu_and_refuses_more_ranks_than_gpus() -> None:

@@ -25,3 +25,29 @@ def test_a_replica_killed_twice_has_two_latencies_each_its_own() -> None:
 def test_an_external_kill_is_timed_from_when_the_coordinator_saw_it() -> None:
     events = [recovered(5.03, 0, [1]), kill(5.5, 1, source="external", at=5.0)]  # logged after its exit
     assert [x["latency_ms"] for x in recovery_latencies(events)] == [30.0]
+
+
+def test_each_fault_is_timed_from_injection_to_detection_to_recovery_and_rejoin() -> None:
+    """A crash, a hang, a straggler and a corruption, each found by its own check."""
+    from recover.launch.report import incidents
+
+    ev = [
+        kill(10.0, 1, fault="kill"),
+        {"t": 10.03, "kind": "failure_detected", "replica": 1, "cause": "connection_closed"},
+        recovered(10.05, 0, [1]), recovered(10.06, 2, [1]),
+        {"t": 12.0, "kind": "state_received", "replica": 1, "step": 9},
+        kill(20.0, 2, fault="hang"),
+        {"t": 23.0, "kind": "failure_detected", "replica": 2, "cause": "hung"},
+        recovered(23.01, 0, [2]),
+        {"t": 30.0, "kind": "slowed", "replica": 3, "step": 30, "factor": 4.0},
+        {"t": 30.5, "kind": "rebalanced", "step": 33, "speeds": {}},
+        {"t": 30.5, "kind": "straggler", "replica": 3, "step": 33, "slowdown": 4.0},
+        {"t": 40.0, "kind": "injected", "replica": 0, "fault": "corrupt", "step": 40},
+        {"t": 40.1, "kind": "divergent", "replicas": [0], "majority": [1, 2, 3], "step": 40},
+        {"t": 40.11, "kind": "failure_detected", "replica": 0, "cause": "fenced"},
+        recovered(40.13, 1, [0]),
+    ]
+    got = [(f["fault"], f["replica"], f["detected_by"], f["detection_ms"], f["recovery_ms"], f["rejoin_s"])
+           for f in incidents(ev)]
+    assert got == [("crash", 1, "connection_closed", 30.0, 30.0, 2.0), ("hang", 2, "hung", 3000.0, 10.0, None),
+                   ("straggler", 3, "straggler", 500.0, 0.0, None), ("corruption", 0, "divergent", 110.0, 20.0, None)]

@@ -20,6 +20,7 @@ import pytest
 import torch
 
 from recover.baselines import JobFailed, ShrinkStep, StopOnFailureStep
+from recover.comm.reduction import DeferredReduction
 from recover.errors import PeerFailure, QuorumLost
 from recover.recovery.protocol import Progress, ResilientStep
 from recover.workload import SpeedTracker
@@ -135,6 +136,9 @@ class FakeGroup:
         copies = [t.clone() for t in tensors]
         return self._op(copies, lambda by: [sum(ts) for ts in zip(*by.values(), strict=True)])
 
+    def reduction(self, tensors: list[torch.Tensor], order: Any = None) -> DeferredReduction:
+        return DeferredReduction(self.allreduce, tensors)
+
     def barrier(self) -> None:
         self._op(None, lambda by: None)
 
@@ -193,23 +197,28 @@ class FakeReplica:
         self.weights = torch.zeros(M, dtype=torch.float64)
         self.grad = torch.zeros(M, dtype=torch.float64)
         self.ledger: list[int] = []
+        self.stats = torch.zeros(2, dtype=torch.float64)
         self.applied: list[tuple[int, list[float], int]] = []  # (step, reduced gradient, divisor)
+
+    reduce_order = None
 
     def reset(self) -> None:
         self.grad.zero_()
+        self.stats.zero_()
         self.ledger = []
 
-    def compute(self, step: int, ids: list[int], hook: Any) -> None:
+    def compute(self, step: int, ids: list[int], hook: Any, final: Any = None) -> None:
         for i in ids:
             hook(step, "forward")
             hook(step, "backward")
             time.sleep(self.mb_s)
             self.grad[i] += 1.0
             self.ledger.append(i)
+        loss_sum = float(sum(self.ledger))  # loss of id i is i: the reduced loss says which ids are in
+        self.stats.copy_(torch.tensor([loss_sum, float(len(self.ledger))], dtype=torch.float64))
 
     def payload(self) -> list[torch.Tensor]:
-        loss_sum = float(sum(self.ledger))  # loss of id i is i: the reduced loss says which ids are in
-        return [self.grad, torch.tensor([loss_sum, float(len(self.ledger))], dtype=torch.float64)]
+        return [self.grad, self.stats]
 
     def apply(self, reduced: list[torch.Tensor], divisor: int, step: int) -> float:
         self.applied.append((step, reduced[0].tolist(), divisor))

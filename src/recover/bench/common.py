@@ -27,6 +27,7 @@ import signal
 import statistics
 import subprocess
 import sys
+import threading
 import time
 from collections.abc import Callable, Iterable, Sequence
 from pathlib import Path
@@ -59,23 +60,35 @@ def recover_cmd(*args: str, python: str | None = None) -> list[str]:
 
 def run_child(cmd: Sequence[str], log_path: Path, timeout_s: float, env: dict[str, str] | None = None) -> int:
     """Runs ``cmd`` with its output in ``log_path``; stops its process group (:func:`kill_group` with
-    :data:`STOP_GRACE_S`) past ``timeout_s`` or when this process is interrupted.
+    :data:`STOP_GRACE_S`) past ``timeout_s`` or when this process is interrupted (SIGINT) or terminated
+    (SIGTERM: while the child runs, it raises SystemExit(143) here instead of ending this process
+    with the child left running).
 
     Returns:
         the exit status, or 124 when the time limit was reached.
     """
     log_path.parent.mkdir(parents=True, exist_ok=True)
-    with open(log_path, "ab") as log:
-        proc = subprocess.Popen(list(cmd), stdout=log, stderr=subprocess.STDOUT, start_new_session=True,
-                                env=env or child_env())
-        try:
-            return proc.wait(timeout=timeout_s)
-        except subprocess.TimeoutExpired:
-            kill_group(proc, STOP_GRACE_S)
-            return 124
-        except BaseException:
-            kill_group(proc, STOP_GRACE_S)
-            raise
+    main = threading.current_thread() is threading.main_thread()
+    previous = signal.signal(signal.SIGTERM, _exit_on_signal) if main else None
+    try:
+        with open(log_path, "ab") as log:
+            proc = subprocess.Popen(list(cmd), stdout=log, stderr=subprocess.STDOUT, start_new_session=True,
+                                    env=env or child_env())
+            try:
+                return proc.wait(timeout=timeout_s)
+            except subprocess.TimeoutExpired:
+                kill_group(proc, STOP_GRACE_S)
+                return 124
+            except BaseException:
+                kill_group(proc, STOP_GRACE_S)
+                raise
+    finally:
+        if main:
+            signal.signal(signal.SIGTERM, previous)
+
+
+def _exit_on_signal(signum: int, frame: Any) -> None:
+    raise SystemExit(128 + signum)
 
 
 def kill_group(proc: subprocess.Popen[Any], grace_s: float = 0.0) -> None:

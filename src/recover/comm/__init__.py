@@ -18,7 +18,8 @@ Typical use (one replica)::
 
 from recover.comm.buffers import BufferPool
 from recover.comm.graveyard import Graveyard
-from recover.comm.group import FaultTolerantGroup, plan_buckets
+from recover.comm.group import FaultTolerantGroup
+from recover.comm.reduction import plan_buckets
 from recover.comm.transfer import StateTransferError, receive_state, send_state, source_rank
 
 __all__ = ["BufferPool", "FaultTolerantGroup", "Graveyard", "StateTransferError", "plan_buckets", "receive_state",

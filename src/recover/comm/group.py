@@ -39,51 +39,24 @@ from torch import Tensor
 from recover.comm.backends import default_device, detect_backend, make_process_group
 from recover.comm.buffers import BufferPool
 from recover.comm.graveyard import Graveyard
+from recover.comm.reduction import (
+    DEFAULT_BUCKET_BYTES,
+    FIRST_BUCKET_BYTES,
+    Reduction,
+    flatten_into,
+    plan_buckets,
+    unflatten,
+)
 from recover.comm.watch import POLL_MAX_S, POLL_MIN_S, Waiter, peer_failure, run_watched
 from recover.coord.client import CoordinatorClient, CoordinatorLost
 from recover.coord.protocol import Membership
 from recover.errors import PeerFailure
-
-DEFAULT_BUCKET_BYTES = 16 << 20
-
-
-def plan_buckets(tensors: Sequence[Tensor], bucket_bytes: int) -> list[list[int]]:
-    """Consecutive runs of tensors with one (device, dtype), each at most ``bucket_bytes`` (a larger
-    tensor gets a bucket of its own). Pure; the same on every rank for the same shapes."""
-    buckets: list[list[int]] = []
-    key, size = None, 0
-    for i, t in enumerate(tensors):
-        nbytes = t.numel() * t.element_size()
-        k = (t.device, t.dtype)
-        if not buckets or k != key or size + nbytes > bucket_bytes:
-            buckets.append([])
-            key, size = k, 0
-        buckets[-1].append(i)
-        size += nbytes
-    return buckets
 
 
 def rendezvous_prefix(generation: int, rank: int = 0, ranks: int = 1) -> str:
     """The store prefix of generation ``generation``'s group for rank ``rank`` of a replica of
     ``ranks`` processes: ``gen{g}`` for one, ``gen{g}/lane{rank}`` for several."""
     return f"gen{generation}" if ranks <= 1 else f"gen{generation}/lane{rank}"
-
-
-def _flatten_into(buf: Tensor, ts: list[Tensor]) -> Tensor:
-    if len(ts) == 1:
-        return buf.copy_(ts[0].detach().reshape(-1))
-    return torch.cat([t.detach().reshape(-1) for t in ts], out=buf)
-
-
-def _unflatten(like: Sequence[Tensor], buckets: list[list[int]], flats: list[Tensor]) -> list[Tensor]:
-    out: list[Tensor | None] = [None] * len(like)
-    for idx, flat in zip(buckets, flats, strict=True):
-        off = 0
-        for i in idx:
-            n = like[i].numel()
-            out[i] = flat[off:off + n].view(like[i].shape)
-            off += n
-    return out  # type: ignore[return-value]
 
 
 class FaultTolerantGroup:
@@ -203,20 +176,14 @@ class FaultTolerantGroup:
         is reused by a later collective of this group chain. Raises PeerFailure if a member fails.
         """
         self._check("all-reduce")
-        if not tensors:
-            return []
-        if self.client.cut and self.client.cut & set(self.members):  # fault injection only (--cut)
-            self._withhold("all-reduce")
-        buckets = plan_buckets(tensors, self.bucket_bytes)
-        flats: list[Tensor] = []
-        works: list[Any] = []
-        for idx in buckets:
-            ts = [tensors[i] for i in idx]
-            flat = self.pool.take(sum(t.numel() for t in ts), ts[0].dtype, ts[0].device, flats)
-            flats.append(_flatten_into(flat, ts))
-            works.append(self._launch("all-reduce", lambda f=flat: self._pg.allreduce([f]), flats))
-        self._wait(works, "all-reduce", flats)
-        return _unflatten(tensors, buckets, flats)
+        return self.reduction(tensors).result() if tensors else []
+
+    def reduction(self, tensors: Sequence[Tensor], order: Sequence[int] | None = None) -> Reduction:
+        """An all-reduce of a copy of ``tensors`` whose buckets (planned along ``order``) are launched as
+        the caller marks their tensors final (:mod:`recover.comm.reduction`): launched from autograd
+        hooks, it overlaps a backward. Nothing is launched until then; ``result()`` raises PeerFailure
+        if a member fails, as :meth:`allreduce` does."""
+        return _GroupReduction(self, tensors, order)
 
     def broadcast(self, tensors: Sequence[Tensor], src_rank: int) -> list[Tensor]:
         """Copies of rank ``src_rank``'s ``tensors`` on every rank (others pass tensors of the same
@@ -231,9 +198,9 @@ class FaultTolerantGroup:
         for idx in buckets:
             ts = [tensors[i] for i in idx]
             flat = self.pool.take(sum(t.numel() for t in ts), ts[0].dtype, ts[0].device, flats)
-            flats.append(_flatten_into(flat, ts) if self.rank == src_rank else flat)
+            flats.append(flatten_into(flat, ts) if self.rank == src_rank else flat)
         self.broadcast_into(flats, src_rank)
-        return _unflatten(tensors, buckets, flats)
+        return unflatten(tensors, buckets, flats)
 
     def broadcast_into(self, buffers: Sequence[Tensor], src_rank: int) -> None:
         """In-place broadcast of caller-owned contiguous buffers (no copy; for bulk state transfer).
@@ -367,6 +334,33 @@ class FaultTolerantGroup:
         if pg is not None or works:
             self.graveyard.park(self.generation, *([pg] if pg is not None else []), *works,
                                 abort=self.backend == "nccl" and self._broken)
+
+
+class _GroupReduction(Reduction):
+    """A :class:`~recover.comm.reduction.Reduction` on one generation's group: pooled copies, launches
+    that turn a backend error into PeerFailure (kept for ``result()``), a wait that watches notices."""
+
+    def __init__(self, group: FaultTolerantGroup, tensors: Sequence[Tensor], order: Sequence[int] | None) -> None:
+        first = min(FIRST_BUCKET_BYTES, group.bucket_bytes) if order is not None else None  # streamed: start early
+        super().__init__(tensors, order, group.bucket_bytes, first)
+        self.group = group
+        self.withheld = bool(group.client.cut and group.client.cut & set(group.members))  # --cut injection
+
+    def _take(self, numel: int, dtype: torch.dtype, device: torch.device) -> Tensor:
+        return self.group.pool.take(numel, dtype, device, self.flats)
+
+    def _start(self, flat: Tensor) -> Any:
+        g = self.group
+        if not self.works:  # the first bucket: the group may have failed since the reduction began
+            g._check("all-reduce")
+        if self.withheld:
+            return None
+        return g._launch("all-reduce", lambda: g._pg.allreduce([flat]), self.flats)
+
+    def _finish(self, works: list[Any], flats: list[Tensor]) -> None:
+        if self.withheld:
+            self.group._withhold("all-reduce")
+        self.group._wait(works, "all-reduce", flats)
 
 
 def _is_timeout(error: str) -> bool:

@@ -12,6 +12,21 @@ its decisions are pure functions, unit-tested without a GPU:
 Invariant: the old communicator is aborted (never waited on) before it is dropped; NCCL's watchdog
 is told to clean up, not to kill the process (``TORCH_NCCL_ASYNC_ERROR_HANDLING=2``) unless the user
 set it.
+
+Settings this layer relies on (:data:`NCCL_ENV_DEFAULTS`, set in each process before its first
+communicator unless the user set them):
+  * ``TORCH_NCCL_ASYNC_ERROR_HANDLING=2`` (clean up only): a failed or timed-out collective aborts
+    its communicator and the process lives on to join the next generation (1 would tear it down, 3
+    and 0 leave it to us but skip the clean-up);
+  * ``TORCH_NCCL_USE_COMM_NONBLOCKING=1``: communicators are created and aborted in NCCL's
+    non-blocking mode, so ``ncclCommAbort`` of a communicator whose peer died returns instead of
+    waiting on the dead peer's proxy thread, and a rendezvous or a shrink that a failure interrupts
+    can be abandoned (this module polls; it never blocks a stream or the host on NCCL);
+  * left as they are: ``TORCH_NCCL_BLOCKING_WAIT`` (unset: ``wait()`` does not block the host; layer 1
+    polls ``is_completed()`` and watches the coordinator's notices), the watchdog's heartbeat monitor
+    (``TORCH_NCCL_ENABLE_MONITORING``, ``TORCH_NCCL_HEARTBEAT_TIMEOUT_SEC``: it kills a process whose
+    watchdog itself is stuck, the launcher then sees the replica lost), and the per-collective timeout,
+    which is the group's ``timeout_s`` (``fault_tolerance.collective_timeout_s``).
 """
 
 from __future__ import annotations
@@ -24,6 +39,7 @@ from typing import Any
 SHRINK_MIN_NCCL = (2, 27, 0)
 NCCL_ENV_DEFAULTS = {
     "TORCH_NCCL_ASYNC_ERROR_HANDLING": "2",  # abort communicators on error, keep the process alive
+    "TORCH_NCCL_USE_COMM_NONBLOCKING": "1",  # init, abort and shrink return instead of waiting on the dead
 }
 
 

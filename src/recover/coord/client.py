@@ -164,6 +164,8 @@ class CoordinatorClient:
         """Set by the worker when its process is asked to stop; sent with the next vote."""
         self.stopping = False
         """The job stops: the last commit was a stop, or this replica was told while waiting to join."""
+        self.finished = False
+        """The job had finished when this replica registered: nothing to join."""
         self.diverged: Diverged | None = None
         """The coordinator ended the job for a divergence (pushed to a member not voting at the time)."""
 
@@ -615,8 +617,9 @@ class CoordinatorClient:
             if msg["code"] == "fenced":  # otherwise a refused frame; a fatal one is followed by EOF
                 self._mark_lost(f"fenced by the coordinator: {msg['message']}")
                 self._start_watchdog(msg["message"])
-            elif msg["code"] == "stopping":
+            elif msg["code"] in ("stopping", "finished"):
                 self.stopping = True
+                self.finished = msg["code"] == "finished"
                 self._mark_lost(msg["message"])
             elif msg["code"] == "coordinator_gone":  # from the replica's relay: it gave up reconnecting
                 self.gone = True

@@ -30,8 +30,8 @@ Invariants:
     coordinator's own) makes the next commit a stop: its ``committed`` replies carry ``stop``, so
     every member stops after that same step; no joiner is admitted at it, waiting joiners are told
     ``stopping``, and later registrations are refused.
-  * End: once every member has left by saying goodbye (trained to the end), a registration is
-    refused with ``finished`` (a restarted pod or srun step has nothing to join; it exits 0).
+  * End: once every member has left (trained to the end), a replica that registers is told
+    ``finished`` (a late rejoin, a restarted pod or srun step: nothing to join; it exits with 0).
   * Restart: a coordinator that starts afresh while a job runs learns the job from the registers'
     ``resume`` (:class:`~recover.coord.protocol.Resume`). It waits for every member of the newest
     generation reported, at most ``rebuild_window_s`` after the first such register, then forms the
@@ -164,14 +164,6 @@ class MembershipState:
                 "committed_step": self.committed_step, "live": sorted(self.live),
                 "pending_join": sorted(self.pending_join), "failing": self.failing}
 
-    @property
-    def finished(self) -> bool:
-        """The job is over: every member of the last generation left by saying goodbye (at the end of
-        training), none failed. A replica that registers then (a restarted pod) has nothing to join."""
-        m = self.current
-        return (m is not None and not m.members and bool(m.dead) and set(m.dead) <= self.left
-                and self.round is None and not self.pending_join)
-
     # ----------------------------------------------------------------- events
 
     def on_register(self, replica: int, join: bool, req_id: int, now: float,
@@ -183,8 +175,6 @@ class MembershipState:
             raise Refused("duplicate_replica", f"replica {replica} is already registered and alive")
         if self.stopped:
             raise Refused("stopping", "the job is stopping (a stop was committed); nothing to join")
-        if self.finished:
-            raise Refused("finished", "the job finished: every replica trained to the end and left; nothing to join")
         self.live.add(replica)
         acts: list[Action] = [Send(replica, {"type": "ok", "re": req_id, "generation": self.generation}),
                               Log("register", {"replica": replica, "join": join,
@@ -206,6 +196,10 @@ class MembershipState:
             self.initial.add(replica)
             if len(self.initial) >= self.expected:
                 acts += self._form(sorted(self.initial), "initial", now)
+        elif not self.current.members and self.round is None and self.left:  # everyone finished (or stopped)
+            acts += [Log("join_refused", {"replica": replica, "reason": "finished"}),
+                     Send(replica, {"type": "error", "re": None, "code": "finished",
+                                    "message": "the job has finished: nothing to join"})]
         elif not self.current.members and self.round is None:
             self.pending_join.add(replica)
             acts += self._admit_joiners(now)

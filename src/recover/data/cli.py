@@ -21,16 +21,20 @@ def register(sub: argparse._SubParsersAction) -> None:
         "prepare",
         help="tokenise text files (or a built-in corpus) into train/val token shards",
         description="Tokenise text files or directories (or --builtin stdlib, which needs no network) into "
-        "train/val token shards plus meta.json. Files are split into train/val by a stable hash of "
-        "their relative path.",
+        "train/val token shards plus meta.json, in llm.c's or nanoGPT's format; `recover train --data.path OUT` "
+        "reads either. Files are split into train/val by a stable hash of their relative path.",
     )
     p.add_argument("inputs", nargs="*", type=Path, help="text files or directories (searched recursively)")
     p.add_argument("--builtin", choices=BUILTINS, help="an embedded corpus instead of inputs")
     p.add_argument("--out", required=True, type=Path, help="output directory for shards and meta.json")
     p.add_argument("--tokenizer", default="byte", help="'byte' (default) or a HuggingFace tokenizer.json")
     p.add_argument("--val-fraction", type=float, default=0.05, help="share of files for validation (0.05)")
-    p.add_argument("--format", dest="fmt", choices=("llmc", "nanogpt"), default="llmc", help="shard format")
-    p.add_argument("--shard-tokens", type=int, default=50_000_000, help="tokens per shard (50000000)")
+    p.add_argument("--format", dest="fmt", choices=("llmc", "nanogpt"), default="llmc",
+                   help="llmc (default): train_NNNNNN.bin/val_NNNNNN.bin with llm.c's header, uint16 when every "
+                        "id < 65536, else uint32; nanogpt: train.bin, val.bin (raw uint16) and meta.pkl, as "
+                        "nanoGPT's train.py reads them")
+    p.add_argument("--shard-tokens", type=int, default=None,
+                   help="llmc: tokens per shard (50000000); the last shard takes the remainder, so none is shorter")
     p.add_argument("--max-bytes", type=int, default=None, help="read at most this many bytes of text")
     p.add_argument("--quiet", action="store_true", help="no progress bar")
     p.set_defaults(func=run)

@@ -12,9 +12,17 @@ Contract:
       Val and train each get at least one file; a single input file is split by its tail instead.
     * ``max_bytes`` keeps a deterministic, well-spread subset: files in order of a second (salted)
       path hash until the budget is spent; the last one may be cut.
-    * Output: ``out_dir/train_000000.bin ...``, ``out_dir/val_000000.bin ...`` and, written last
-      and atomically, ``out_dir/meta.json``. A re-run with the same inputs (names, sizes, mtimes)
-      and options finds a matching ``meta.json`` with its shards in place and skips the work.
+    * Output, llm.c format (:mod:`recover.data.writers`): ``out_dir/train_000000.bin ...`` and
+      ``out_dir/val_000000.bin ...``, shards of ``shard_tokens`` tokens whose last one takes the split's
+      remainder (no shard shorter than llm.c's loaders accept when they accept a full one); uint16
+      (magic 20240520) when every id written is below 65,536, else uint32 (20240801) for every shard:
+      chosen by the largest id written, never by the tokenizer's size.
+    * Output, nanoGPT format: exactly what nanoGPT's ``train.py`` reads: ``out_dir/train.bin`` and
+      ``out_dir/val.bin`` (raw uint16, no header, one file per split) and ``out_dir/meta.pkl``
+      (``{"vocab_size": V}``; recover has no character-level tokenizer, so no ``stoi``/``itos``).
+    * Either way ``out_dir/meta.json`` is written last and atomically. A re-run with the same inputs
+      (names, sizes, mtimes) and options finds a matching ``meta.json`` with its shards in place and
+      skips the work.
 """
 
 from __future__ import annotations
@@ -33,8 +41,10 @@ import numpy as np
 from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn
 
 from recover.config import DataConfig
-from recover.data.shards import META_NAME, UINT16_LIMIT, read_shard, write_shard
+from recover.data.layout import META_PKL
+from recover.data.shards import META_NAME, UINT16_LIMIT, read_shard
 from recover.data.tokenizer import Tokenizer, load_tokenizer
+from recover.data.writers import NanoGPTWriter, ShardWriter, one_flavour, write_meta_pkl
 from recover.errors import ConfigError, DataError
 
 META_VERSION = 1
@@ -47,7 +57,9 @@ TEXT_SUFFIXES = frozenset(
 STDLIB_EXCLUDED_DIRS = frozenset(
     {"site-packages", "dist-packages", "__pycache__", "test", "tests", "idlelib"}
 )
-SHARD_NAME = re.compile(r"^(train|val)_\d{6}\.bin$")
+SHARD_NAME = re.compile(r"^(train|val)(_\d{6})?\.bin$")
+DEFAULT_SHARD_TOKENS = 50_000_000
+MAX_SHARD_TOKENS = (2**31 - 1) // 2  # llm.c's header counts tokens in an int32; the last shard may double
 
 
 @dataclass(frozen=True)
@@ -182,40 +194,10 @@ def split_files(pieces: list[Piece], val_fraction: float) -> dict[str, list[Piec
 # ---------------------------------------------------------------- writing shards
 
 
-class _ShardWriter:
-    """Buffers tokens of one split and writes shards of exactly ``shard_tokens`` (the last shorter)."""
-
-    def __init__(self, out_dir: Path, split: str, fmt: str, shard_tokens: int, vocab_size: int) -> None:
-        self.out_dir, self.split, self.fmt = out_dir, split, fmt
-        self.shard_tokens, self.vocab_size = shard_tokens, vocab_size
-        self.buffer: list[np.ndarray] = []
-        self.buffered = 0
-        self.names: list[str] = []
-        self.tokens = 0
-
-    def add(self, tokens: np.ndarray) -> None:
-        self.buffer.append(tokens)
-        self.buffered += len(tokens)
-        self.tokens += len(tokens)
-        while self.buffered >= self.shard_tokens:
-            self._flush(self.shard_tokens)
-
-    def _flush(self, n: int) -> None:
-        data = self.buffer[0] if len(self.buffer) == 1 else np.concatenate(self.buffer)
-        name = f"{self.split}_{len(self.names):06d}.bin"
-        write_shard(self.out_dir / name, data[:n], self.fmt, vocab_size=self.vocab_size)
-        self.names.append(name)
-        self.buffer = [data[n:]] if len(data) > n else []
-        self.buffered = len(data) - n
-
-    def close(self) -> None:
-        if self.buffered or not self.names:
-            self._flush(self.buffered)
-
-
 def _clear_outputs(out_dir: Path) -> None:
     """Remove a previous run's meta.json first (so a crash never looks complete), then its shards."""
     (out_dir / META_NAME).unlink(missing_ok=True)
+    (out_dir / META_PKL).unlink(missing_ok=True)
     for path in out_dir.iterdir():
         if SHARD_NAME.match(path.name):
             path.unlink()
@@ -234,7 +216,9 @@ def _tokenize_splits(
     with Progress(*columns, disable=quiet) as progress:
         task = progress.add_task(f"tokenising {total} files", total=total)
         for split in SPLITS:
-            writer = _ShardWriter(out_dir, split, options["format"], options["shard_tokens"], tok.vocab_size)
+            writer: ShardWriter | NanoGPTWriter = (
+                NanoGPTWriter(out_dir, split) if options["format"] == "nanogpt"
+                else ShardWriter(out_dir, split, options["shard_tokens"]))
             for piece in splits[split]:
                 data = piece.read()
                 content.update(f"{split}:{piece.rel}:{piece.start}:{len(data)}\n".encode())
@@ -249,28 +233,30 @@ def _tokenize_splits(
                 "bytes": sum(p.stop - p.start for p in splits[split]),
                 "shards": writer.names,
             }
+    if options["format"] == "llmc":
+        one_flavour(out_dir, [name for split in SPLITS for name in stats[split]["shards"]])
+    else:
+        write_meta_pkl(out_dir, tok.vocab_size)
     return stats, content.hexdigest()
 
 
 # ---------------------------------------------------------------- the entry points
 
 
-def _check_options(
-    tok: Tokenizer, val_fraction: float, fmt: str, shard_tokens: int, max_bytes: int | None
-) -> None:
+def _check_options(val_fraction: float, fmt: str, shard_tokens: int | None, max_bytes: int | None) -> None:
     if not 0.0 < val_fraction < 1.0:
         raise DataError(f"val_fraction must be between 0 and 1 (exclusive), got {val_fraction}; try 0.05")
     if fmt not in ("llmc", "nanogpt"):
         raise DataError(f"format {fmt!r} is not supported for writing; use 'llmc' or 'nanogpt'")
-    if shard_tokens < 1:
-        raise DataError(f"shard_tokens must be >= 1, got {shard_tokens}; the default is 50000000")
+    if fmt == "nanogpt" and shard_tokens is not None:
+        raise DataError(f"--shard-tokens {shard_tokens} applies to --format llmc: nanoGPT reads one train.bin "
+                        "and one val.bin; leave --shard-tokens out")
+    if shard_tokens is not None and not 1 <= shard_tokens <= MAX_SHARD_TOKENS:
+        raise DataError(f"--shard-tokens {shard_tokens} is not allowed: between 1 and {MAX_SHARD_TOKENS} (the last "
+                        f"shard takes the remainder and llm.c counts tokens in an int32); the default is "
+                        f"{DEFAULT_SHARD_TOKENS}")
     if max_bytes is not None and max_bytes < 1:
         raise DataError(f"max_bytes must be >= 1 or unset, got {max_bytes}")
-    if fmt == "nanogpt" and tok.vocab_size > UINT16_LIMIT:
-        raise DataError(
-            f"tokenizer {tok.spec!r} has {tok.vocab_size} ids, more than nanoGPT's uint16 shards hold; "
-            "use --format llmc"
-        )
 
 
 def _request(tok: Tokenizer, splits: dict[str, list[Piece]], options: dict) -> str:
@@ -290,6 +276,8 @@ def _existing(out_dir: Path, request: str) -> dict | None:
         return None
     if not isinstance(meta, dict) or meta.get("request_sha256") != request:
         return None
+    if meta.get("format") == "nanogpt" and not (out_dir / META_PKL).is_file():
+        return None
     try:
         for split in SPLITS:
             shards = [read_shard(out_dir / name, meta["format"]) for name in meta[split]["shards"]]
@@ -307,13 +295,15 @@ def _prepare(
     tokenizer: str,
     val_fraction: float,
     fmt: str,
-    shard_tokens: int,
+    shard_tokens: int | None,
     max_bytes: int | None,
     quiet: bool,
 ) -> dict:
     out_dir = Path(out_dir)
+    _check_options(val_fraction, fmt, shard_tokens, max_bytes)
     tok = load_tokenizer(tokenizer)
-    _check_options(tok, val_fraction, fmt, shard_tokens, max_bytes)
+    if fmt == "llmc" and shard_tokens is None:
+        shard_tokens = DEFAULT_SHARD_TOKENS
     if not pieces:
         raise DataError(
             f"no non-empty text files in {source}; suffixes read from directories: "
@@ -361,7 +351,7 @@ def prepare_files(
     tokenizer: str = "byte",
     val_fraction: float = 0.05,
     fmt: str = "llmc",
-    shard_tokens: int = 50_000_000,
+    shard_tokens: int | None = None,
     max_bytes: int | None = None,
     quiet: bool = False,
 ) -> dict:
@@ -390,7 +380,7 @@ def prepare_builtin(
     tokenizer: str = "byte",
     val_fraction: float = 0.05,
     fmt: str = "llmc",
-    shard_tokens: int = 50_000_000,
+    shard_tokens: int | None = None,
     max_bytes: int | None = None,
     quiet: bool = False,
 ) -> dict:

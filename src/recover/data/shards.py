@@ -15,8 +15,9 @@ Contract:
 :func:`read_shard` returns a read-only ``np.memmap`` (no copy); :func:`write_shard` writes atomically
 (temporary file, then rename), so a crash never leaves a half-written shard under the final name.
 :class:`TokenDataset` opens a file, a directory (all ``*.bin``, sorted) or a glob, and checks token
-ids against a model's vocabulary; :func:`check_data` does all of it for a run's splits, without
-torch, so ``recover launch`` refuses bad data before it starts anything. Every bad input raises
+ids against a model's vocabulary; :func:`check_data` does all of it for a run's splits (found by
+:mod:`recover.data.layout`: recover's, nanoGPT's or llm.c's names), without torch, so ``recover
+launch`` refuses bad data before it starts anything. Every bad input raises
 :class:`~recover.errors.DataError` naming the file, the problem and the fix.
 """
 
@@ -242,8 +243,8 @@ def resolve_shards(source: str | Path) -> list[Path]:
         paths = sorted(Path(p) for p in glob.glob(pattern) if Path(p).is_file())
     if not paths:
         raise DataError(
-            f"no token shards match {pattern!r}; check the path, or create shards with "
-            "`recover prepare --out DIR`"
+            f"no token shards match {pattern!r}; check the path (a data directory's splits are chosen with "
+            "--data.train_pattern and --data.val_pattern), or create shards with `recover prepare FILES --out DIR`"
         )
     return paths
 
@@ -285,8 +286,10 @@ class TokenDataset:
 
     @classmethod
     def from_split(cls, directory: str | Path, split: str, fmt: str = "auto") -> TokenDataset:
-        """The ``train`` or ``val`` shards of a directory written by ``recover prepare``."""
-        return cls(Path(directory) / f"{split}_*.bin", fmt)
+        """The ``train`` or ``val`` shards of a directory in any layout (:mod:`recover.data.layout`)."""
+        from recover.data.layout import detect_split
+
+        return cls(Path(directory) / detect_split(directory, split).pattern(split), fmt)
 
     def __len__(self) -> int:
         return self.num_tokens
@@ -318,15 +321,22 @@ class TokenDataset:
 
 
 def check_data(cfg: DataConfig, data_dir: Path, vocab_size: int) -> tuple[TokenDataset, TokenDataset]:
-    """Opens the training and validation shards and checks every one: header (magic, version, size)
-    and every token id against ``vocab_size``. Torch-free: ``recover launch`` runs it before it starts
-    any process.
+    """Opens the training and validation shards (of the directory's layout, or ``cfg``'s patterns) and
+    checks every one: header (magic, version, size) and every token id against ``vocab_size``, which
+    must also cover the data's recorded vocabulary (:func:`recover.data.layout.check_vocab_fits`).
+    Torch-free: ``recover launch`` runs it before it starts any process.
 
     Raises:
-        DataError: the first bad shard, named, with the problem and the fix.
+        DataError: missing splits (naming what was looked for and the options), a vocabulary smaller
+            than the data's, or the first bad shard, named, with the problem and the fix.
     """
-    train = TokenDataset(str(data_dir / cfg.train_pattern), fmt=cfg.format)
-    val = TokenDataset(str(data_dir / cfg.val_pattern), fmt=cfg.format)
+    from recover.data.layout import check_vocab_fits, data_vocab, split_format, split_paths, split_pattern
+
+    check_vocab_fits(vocab_size, data_vocab(cfg, data_dir))
+    for split in ("train", "val"):
+        split_paths(cfg, data_dir, split)  # none: one line naming what was looked for and the option
+    train, val = (TokenDataset(str(data_dir / split_pattern(cfg, data_dir, split)),
+                               fmt=split_format(cfg, data_dir, split)) for split in ("train", "val"))
     for ds in (train, val):
         ds.check_vocab(vocab_size)
     return train, val

@@ -96,6 +96,10 @@ class HFTokenizer:
     def decode(self, ids: Sequence[int] | np.ndarray) -> str:
         return self._tok.decode([int(i) for i in ids], skip_special_tokens=False)
 
+    def id_to_token(self, token_id: int) -> str | None:
+        """The token string of ``token_id`` (None when there is none)."""
+        return self._tok.id_to_token(int(token_id))
+
     def __repr__(self) -> str:
         return f"HFTokenizer({str(self.path)!r})"
 

@@ -1,8 +1,11 @@
-"""``recover launch``, ``recover compare`` and the hidden ``recover worker`` (one replica process).
+"""``recover launch``, ``recover compare`` and ``recover worker`` (one replica process, started by
+``recover launch`` or by hand on each host).
 
 Contract: a launch is a :class:`LaunchRequest` (typed; ``recover launch``'s flags map onto it one
 to one) run by :func:`launch`. :func:`check_launch` does every check first, with no side effect:
-the config (whose ``__post_init__`` holds every layout rule), the flags and the failure schedule.
+the config (whose ``__post_init__`` holds every layout rule; ``model.vocab_size`` resolved from the
+data unless given, :func:`recover.data.layout.resolve_vocab`, and passed to every worker as an
+override), the flags and the failure schedule.
 Only then does :func:`launch` create the run directory, prepare the data and start processes, so
 a bad request is refused in well under a second with one line and exit status 2.
 """
@@ -23,6 +26,7 @@ from recover.errors import ConfigError, RecoverError
 from recover.launch.placement import parse_gpus, place, visible_gpus
 from recover.names import BASELINES, RANDOM_FAULTS, Baseline, Fault, Phase
 from recover.observe.rundir import check_out, clear_run
+from recover.train.cli import INIT_FROM_HELP, init_from_override
 
 if TYPE_CHECKING:
     from recover.launch.launcher import Launcher, LaunchOptions
@@ -102,6 +106,7 @@ def register(sub: argparse._SubParsersAction) -> None:
                    help="print the plan (per process: replica, rank, device, environment, command) and start nothing")
     p.add_argument("--resume", action="store_true",
                    help="continue the run in --out from its newest complete checkpoint (same flags as before)")
+    p.add_argument("--init-from", default=None, metavar="PATH", help=INIT_FROM_HELP)
     p.add_argument("--overwrite", action="store_true",
                    help="start afresh in an --out that holds another run (deletes its records and checkpoints)")
     p.add_argument("--no-progress", action="store_true", help="no live progress display")
@@ -116,8 +121,11 @@ def register(sub: argparse._SubParsersAction) -> None:
     c.add_argument("--json", default=None, help="also write the comparison to this file")
     c.set_defaults(func=run_compare)
 
-    w = sub.add_parser("worker", help="(internal) one replica process of `recover launch`")
-    sub._choices_actions.pop()  # internal: keep it out of `recover --help`
+    w = sub.add_parser("worker", help="one replica process of a fault-tolerant job (started by `recover launch`, or "
+                                      "by hand on each host with `recover coordinator`)",
+                       description="One replica of a fault-tolerant job, connected to a coordinator. `recover launch` "
+                                   "starts these itself; across machines start one per replica (under torchrun for a "
+                                   "replica of several ranks). Config overrides: --section.field VALUE.")
     w.add_argument("--config", required=True)
     w.add_argument("--out", required=True)
     w.add_argument("--replica", type=int, default=None)
@@ -183,6 +191,8 @@ class LaunchRequest:
     share_gpus: bool = False
     dry_run: bool = False
     """Print the plan and start nothing."""
+    init_from: str | None = None
+    """``--init-from``: the weights every replica starts from (``training.init_from``)."""
 
 
 def launch_config(req: LaunchRequest) -> tuple[Config, list[str]]:
@@ -191,8 +201,21 @@ def launch_config(req: LaunchRequest) -> tuple[Config, list[str]]:
              "parallel.tp": req.tp, "parallel.fsdp": req.fsdp,
              "training.deterministic": "true" if req.deterministic else None,
              "training.device_time_s": req.device_time_s}
-    overrides = [*req.overrides, *(f"--{key}={value}" for key, value in flags.items() if value is not None)]
-    return load_config(req.config, overrides), overrides
+    overrides = [*req.overrides, *(f"--{key}={value}" for key, value in flags.items() if value is not None),
+                 *init_from_override(req.init_from)]
+    cfg = load_config(req.config, overrides)
+    resolved = _resolve_vocab(cfg, overrides)
+    if resolved.model.vocab_size != cfg.model.vocab_size:  # the workers get the same vocabulary
+        overrides.append(f"--model.vocab_size={resolved.model.vocab_size}")
+    return resolved, overrides
+
+
+def _resolve_vocab(cfg: Config, overrides: list[str]) -> Config:
+    """``cfg`` with the data's vocabulary unless ``--model.vocab_size`` is among ``overrides``."""
+    from recover.data.layout import given, resolve_vocab
+    from recover.data.prepare import resolve_data_dir
+
+    return resolve_vocab(cfg, resolve_data_dir(cfg.data, prepare=False), given(overrides, "model.vocab_size"))
 
 
 def check_launch(req: LaunchRequest) -> LaunchOptions:
@@ -256,6 +279,10 @@ def check_launch(req: LaunchRequest) -> LaunchOptions:
                               "training.checkpoint_every steps)")
         if req.baseline:
             raise ConfigError("--resume continues a recover run; the baselines restart by themselves")
+    if cfg.training.init_from:  # a source that does not fit is refused here, not by every worker
+        from recover.train.weights import check_init_from
+
+        check_init_from(cfg.training.init_from, cfg.model)
     data_dir = resolve_data_dir(cfg.data, prepare=False)  # a missing directory is refused here, not by the workers
     if data_dir.is_dir() and any(data_dir.iterdir()):  # every shard checked (a built-in corpus is prepared later)
         check_data(cfg.data, data_dir, cfg.model.vocab_size)
@@ -350,6 +377,7 @@ def _report(launcher: Launcher, opts: LaunchOptions, reference: Path | None) -> 
     print(f"{summary['committed_steps']} steps committed in {summary['wall_s']:.1f} s; microbatches per step "
           f"{summary['min_microbatches']}..{summary['max_microbatches']}; kills {summary['kills']}, rejoins "
           f"{summary['rejoins']}; median recovery {lat if lat is not None else '-'} ms; "
+          f"goodput {100 * summary['goodput']['ettr']:.1f}%; "
           f"final val loss {summary['final_val_loss']}; outputs in {out}", flush=True)
 
 
@@ -380,7 +408,7 @@ def run_launch(args: argparse.Namespace) -> int:
         baseline=Baseline(args.baseline) if args.baseline else None, seed=args.seed,
         reference=Path(args.reference) if args.reference else None, progress=not args.no_progress,
         resume=args.resume, overwrite=args.overwrite, kill_coordinator=args.kill_coordinator, gpus=args.gpus,
-        share_gpus=args.share_gpus, dry_run=args.dry_run))
+        share_gpus=args.share_gpus, dry_run=args.dry_run, init_from=args.init_from))
 
 
 def run_compare(args: argparse.Namespace) -> int:
@@ -417,7 +445,7 @@ def run_worker(args: argparse.Namespace) -> int:
 
     signal.signal(signal.SIGTERM, stop)
     signal.signal(signal.SIGINT, stop)
-    cfg = load_config(args.config, args.overrides)
+    cfg = _resolve_vocab(load_config(args.config, args.overrides), args.overrides)
     host, _, port = args.coordinator.rpartition(":")
     if not host or not port.isdigit():
         raise RecoverError(f"--coordinator {args.coordinator!r}: expected HOST:PORT")

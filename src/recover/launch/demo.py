@@ -1,87 +1,158 @@
-"""``recover demo``: the main job on the embedded default, with real failures.
+"""``recover demo``: the main job on the embedded default, meeting every kind of fault in one run.
 
-Runs the ``tiny`` preset on the stdlib corpus twice with 4 replicas: a failure-free reference,
-then the same job with two replicas SIGKILLed at different phases (one of them rejoining), and
-prints a table comparing the two: the loss curve of the failed run should lie on top of the
-reference's, with M microbatches in every step. Both launches are checked before the first starts.
+Runs the ``tiny`` preset for 40 steps on the stdlib corpus twice with 4 replicas, both in
+deterministic mode: a failure-free reference, then the same job meeting, in turn, a crash (a SIGKILL
+in a backward pass), a hang (a training thread stuck for good while its heartbeats go on), a straggler (a replica 3x
+slower for a while) and a corrupted replica (one parameter bit flipped); each lost replica rejoins
+with the others' state. It prints, per fault, its detection and recovery times, and the two runs
+side by side: microbatches per step (all M), the largest loss deviation from the reference (0:
+bitwise equal), and goodput with the time lost by cause. Both launches are checked before the first
+starts; the plots (loss over the reference, throughput, goodput) stay in the run directory.
 """
 
 from __future__ import annotations
 
 import argparse
 import json
+from dataclasses import dataclass
 from pathlib import Path
+from typing import TYPE_CHECKING, Any
 
 from rich.console import Console
 from rich.table import Table
 
-from recover.names import Phase
+from recover.names import Fault, Phase
 
-DEMO_FAILURES: tuple[tuple[int, float, Phase], ...] = ((1, 0.2, Phase.BACKWARD), (3, 0.5, Phase.REDUCE))
-"""(replica, fraction of the run, phase) of each kill: ``1@12:backward`` and ``3@30:reduce`` in 60 steps."""
-REPLICAS, REJOIN_AFTER_S = 4, 3.0
+if TYPE_CHECKING:
+    from recover.launch.cli import LaunchRequest
+
+REPLICAS, STEPS, REJOIN_AFTER_S, HANG_TIMEOUT_S = 4, 40, 1.0, 3.0
+
+
+@dataclass(frozen=True)
+class DemoFault:
+    """One fault of the demo: ``fault`` on ``replica`` at ``fraction`` of the run (``arg``: the phase,
+    or the slow-down factor)."""
+
+    fault: Fault
+    replica: int
+    fraction: float
+    arg: str = ""
+
+    def spec(self, steps: int) -> str:
+        """The failure spec as ``recover launch`` passes it on (``R@STEP:PHASE[=FAULT[:ARG]]``)."""
+        from recover.faults import parse_corrupt, parse_failure, parse_slow
+
+        at = f"{self.replica}@{int(self.fraction * steps)}"
+        if self.fault is Fault.SLOW:
+            return str(parse_slow(f"{at}:{self.arg}"))
+        if self.fault is Fault.CORRUPT:
+            return str(parse_corrupt(at))
+        return str(parse_failure(f"{at}:{self.arg}", fault=self.fault))
+
+    def flag(self, steps: int) -> str:
+        """The ``recover launch`` flag that injects it, e.g. ``--hang 2@10:forward``."""
+        at = f"{self.replica}@{int(self.fraction * steps)}"
+        name = {Fault.KILL: "fail", Fault.HANG: "hang", Fault.SLOW: "slow", Fault.CORRUPT: "corrupt"}[self.fault]
+        return f"--{name} {at}" + (f":{self.arg}" if self.arg else "")
+
+
+DEMO_FAULTS: tuple[DemoFault, ...] = (
+    DemoFault(Fault.KILL, 1, 0.10, Phase.BACKWARD),   # a crash: SIGKILL in a backward pass
+    DemoFault(Fault.HANG, 2, 0.25, Phase.FORWARD),    # a stuck training thread, heartbeats alive
+    DemoFault(Fault.SLOW, 3, 0.40, "3"),              # a straggler: 3x slower ...
+    DemoFault(Fault.SLOW, 3, 0.60, "1"),              # ... until 60% of the run
+    DemoFault(Fault.CORRUPT, 0, 0.72),                # one parameter bit of replica 0 flips
+)
+"""At 40 steps: ``--fail 1@4:backward --hang 2@10:forward --slow 3@16:3 --slow 3@24:1 --corrupt 0@28``.
+Spaced so that each lost replica is back before the next loses one (the corruption needs a strict
+majority of healthy replicas to be found) and the last is back before the run ends."""
 
 
 def register(sub: argparse._SubParsersAction) -> None:
-    d = sub.add_parser("demo", help="the main job: 4 replicas on the stdlib corpus, 2 killed, 1 rejoins",
+    d = sub.add_parser("demo", help="the main job: 4 replicas meet a crash, a hang, a straggler and a corruption",
                        description=__doc__)
     d.add_argument("--out", default="runs/demo", help="directory for both runs (default runs/demo)")
     d.add_argument("--config", default="tiny", help="preset (default tiny)")
-    d.add_argument("--steps", type=int, default=None, help="override training.steps (the kills scale with it)")
+    d.add_argument("--steps", type=int, default=STEPS,
+                   help=f"training.steps (default {STEPS}; the faults scale with it)")
     d.add_argument("--no-progress", action="store_true")
     d.set_defaults(func=run_demo)
 
 
 def demo_failures(steps: int) -> tuple[str, ...]:
-    """The demo's kills as ``R@STEP:PHASE`` for a run of ``steps`` steps."""
-    return tuple(f"{replica}@{int(fraction * steps)}:{phase}" for replica, fraction, phase in DEMO_FAILURES)
+    """The demo's faults as failure specs for a run of ``steps`` steps."""
+    return tuple(f.spec(steps) for f in DEMO_FAULTS)
+
+
+def demo_requests(out: Path, config: str = "tiny", steps: int | None = STEPS,
+                  progress: bool = True) -> tuple[LaunchRequest, LaunchRequest]:
+    """The two launches of the demo: the failure-free reference and the run with every fault (both
+    deterministic, so the faulty run's losses are bitwise the reference's)."""
+    from recover.config import load_config
+    from recover.launch.cli import LaunchRequest
+
+    n = steps or load_config(config).training.steps
+    common: dict[str, Any] = dict(  # overwrite: the demo owns its directories
+        config=config, replicas=REPLICAS, steps=steps, progress=progress, overwrite=True, deterministic=True,
+        overrides=(f"--fault_tolerance.hang_timeout_s={HANG_TIMEOUT_S:g}",))
+    reference = LaunchRequest(out=out / "reference", **common)
+    faults = LaunchRequest(out=out / "failures", failures=demo_failures(n), rejoin_after_s=REJOIN_AFTER_S,
+                           reference=out / "reference", **common)
+    return reference, faults
 
 
 def run_demo(args: argparse.Namespace) -> int:
-    from recover.config import load_config
-    from recover.launch.cli import LaunchRequest, check_launch, launch
-    from recover.launch.report import compare
+    from recover.launch.cli import check_launch, launch
+    from recover.launch.report import compare, faults_table
 
     console = Console()
     out = Path(args.out)
-    ref, run = out / "reference", out / "failures"
-    steps = args.steps or load_config(args.config).training.steps
-    failures = demo_failures(steps)
-    reference = LaunchRequest(out=ref, config=args.config, replicas=REPLICAS, steps=args.steps,
-                              progress=not args.no_progress, overwrite=True)  # the demo owns its directories
-    with_failures = LaunchRequest(out=run, config=args.config, replicas=REPLICAS, steps=args.steps,
-                                  progress=not args.no_progress, overwrite=True, failures=failures,
-                                  rejoin_after_s=REJOIN_AFTER_S, rejoin_replicas=frozenset({DEMO_FAILURES[0][0]}),
-                                  reference=ref)
-    for request in (reference, with_failures):
-        check_launch(request)  # refuse a bad request before the first run starts
-    console.print(f"[bold]1/2[/] failure-free reference: {REPLICAS} replicas")
+    reference, faults = demo_requests(out, args.config, args.steps, not args.no_progress)
+    for request in (reference, faults):
+        opts = check_launch(request)  # refuse a bad request before the first run starts
+    console.print(f"[bold]1/2[/] failure-free reference: {REPLICAS} replicas, deterministic")
     if (code := launch(reference)) != 0:
         return code
-    console.print(f"[bold]2/2[/] same job, killing replica 1 in a backward pass and replica 3 in an all-reduce "
-                  f"({', '.join(failures)}); replica 1 rejoins {REJOIN_AFTER_S:g} s after its death")
-    if (code := launch(with_failures)) != 0:
+    flags = " ".join(f.flag(args.steps or opts.config.training.steps) for f in DEMO_FAULTS)
+    console.print(f"[bold]2/2[/] the same job meeting a crash, a hang, a straggler and a corrupted replica "
+                  f"({flags} --rejoin-after {REJOIN_AFTER_S:g})")
+    if (code := launch(faults)) != 0:
         return code
-    cmp = compare(ref, run)
-    s_ref = json.loads((ref / "summary.json").read_text())
-    s_run = json.loads((run / "summary.json").read_text())
-    table = Table(title=f"recover demo: failure-free vs {s_run['kills']} replicas killed ({s_run['rejoins']} rejoined)")
+    s_ref = json.loads((reference.out / "summary.json").read_text())
+    s_run = json.loads((faults.out / "summary.json").read_text())
+    console.print(faults_table(s_run["faults"], title="recover demo: each fault, found and recovered from in-step"))
+    console.print(comparison_table(s_ref, s_run, compare(reference.out, faults.out)))
+    console.print(f"plots in {faults.out}: loss.png (over the reference), throughput.png, goodput.png; "
+                  f"`recover report {faults.out}` prints these tables again")
+    return 0
+
+
+def comparison_table(s_ref: dict[str, Any], s_run: dict[str, Any], cmp: dict[str, Any]) -> Table:
+    """The two runs side by side: trajectory (microbatches, loss deviation) and goodput."""
+    table = Table(title="recover demo: failure-free reference vs the same job with the faults")
     table.add_column("")
     table.add_column("reference", justify="right")
-    table.add_column("with failures", justify="right")
+    table.add_column("with faults", justify="right")
+    g_ref, g_run = s_ref["goodput"], s_run["goodput"]
+    rejoined = sum(1 for f in s_run["faults"] if f["rejoin_s"] is not None)
     rows = [
         ("committed steps", s_ref["committed_steps"], s_run["committed_steps"]),
         ("microbatches per step (min..max)", f"{s_ref['min_microbatches']}..{s_ref['max_microbatches']}",
          f"{s_run['min_microbatches']}..{s_run['max_microbatches']}"),
-        ("replicas killed / rejoined", "0 / 0", f"{s_run['kills']} / {s_run['rejoins']}"),
-        ("recovery latency, kill -> all survivors computing (ms)", "-",
-         ", ".join(f"{r['latency_ms']:.0f}" for r in s_run["recoveries"]) or "-"),
-        ("max relative loss deviation from reference", "0", f"{cmp['max_rel_loss_diff']:.2e}"),
+        ("faults / replicas rejoined", "0 / 0", f"{len(s_run['faults'])} / {rejoined}"),
+        ("max relative loss deviation from reference", "0",
+         f"{cmp['max_rel_loss_diff']:.2e}" + (" (bitwise)" if cmp["bitwise_equal"] else "")),
         ("final validation loss", f"{s_ref['final_val_loss']:.4f}", f"{s_run['final_val_loss']:.4f}"),
-        ("wall time (s)", f"{s_ref['wall_s']:.1f}", f"{s_run['wall_s']:.1f}"),
+        ("goodput (effective training time ratio)", f"{100 * g_ref['ettr']:.1f}%", f"{100 * g_run['ettr']:.1f}%"),
+        ("goodput after start-up", f"{100 * g_ref['ettr_after_startup']:.1f}%",
+         f"{100 * g_run['ettr_after_startup']:.1f}%"),
+        ("tokens committed", f"{g_ref['tokens_committed']:,}", f"{g_run['tokens_committed']:,}"),
     ]
+    for cause, secs in g_run["lost_s"].items():
+        if secs >= 0.005 or g_ref["lost_s"].get(cause, 0) >= 0.005:
+            rows.append((f"  time lost: {cause} (s)", f"{g_ref['lost_s'].get(cause, 0.0):.2f}", f"{secs:.2f}"))
+    rows.append(("wall time (s)", f"{s_ref['wall_s']:.1f}", f"{s_run['wall_s']:.1f}"))
     for row in rows:
         table.add_row(*(str(x) for x in row))
-    console.print(table)
-    console.print(f"plots: {run / 'loss.png'} (over the reference) and {run / 'throughput.png'}")
-    return 0
+    return table

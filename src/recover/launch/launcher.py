@@ -209,6 +209,9 @@ class Launcher:
         """The signal (SIGTERM, SIGINT) that asked for a graceful stop, once one did."""
         self.stop_started: float | None = None
         self.coordinator_restarts = 0
+        self.seen_events: list[dict[str, Any]] = []
+        """Every record of ``events.jsonl`` read so far (the live goodput reads them)."""
+        self.goodput_at, self.goodput_line = 0.0, None
 
     # ---- processes -------------------------------------------------------------------------
     def _python(self, *args: str) -> list[str]:
@@ -446,6 +449,7 @@ class Launcher:
         """A replica the coordinator declared dead (fenced, hung, silent) that still runs ``fence_exit_s``
         + 1 s later is SIGKILLed: a hung or frozen process cannot be trusted to exit by itself."""
         for rec in self._new_lines(self.out / "events.jsonl"):
+            self.seen_events.append(rec)
             if rec.get("kind") == "kill" and rec.get("pid") is not None:
                 self.known_kills.add(rec["pid"])
             elif rec.get("kind") == "failure_detected":
@@ -467,7 +471,7 @@ class Launcher:
                 rep.kill()
 
     def _collect(self) -> list[dict[str, Any]]:
-        """New per-replica records; merges them per step (first writer wins, val_loss from any)."""
+        """New per-replica records; merges them per step (first writer wins, val_loss and eval_s from any)."""
         fresh = []
         for path in sorted((self.out / "replicas").glob("replica_*.jsonl")):
             for rec in self._new_lines(path):
@@ -478,6 +482,8 @@ class Launcher:
                     fresh.append(rec)
                 elif "val_loss" in rec and "val_loss" not in prev:
                     prev["val_loss"] = rec["val_loss"]
+                    if "eval_s" in rec:
+                        prev["eval_s"] = rec["eval_s"]
         return fresh
 
     def _flush_metrics(self, final: bool) -> None:
@@ -487,7 +493,19 @@ class Launcher:
             rec = dict(self.records[self.written])
             rec["elapsed_s"] = round(rec.pop("t") - self.t0, 3)
             self.metrics.write(rec)
-            self.display.update(rec)
+            self.display.update(rec, self._goodput(final))
+
+    def _goodput(self, final: bool) -> str | None:
+        """The job's goodput so far, for the progress display: recomputed for every step while that costs
+        little, and for at most 5% of the launcher's time (it reads every record so far)."""
+        from recover.observe.goodput import describe, goodput
+
+        now = time.time()
+        if final or now >= self.goodput_at:
+            rows = [self.records[s] for s in range(self.written + 1)]
+            self.goodput_line = describe(goodput(rows, self.seen_events, now=now))
+            self.goodput_at = now + 20 * (time.time() - now)
+        return self.goodput_line
 
     # ---- the run ---------------------------------------------------------------------------
     def _prepare_out(self) -> None:

@@ -1,11 +1,19 @@
-"""What a run directory says: summary, recovery latencies, plots, and comparison with a reference.
+"""What a run directory says: summary, goodput, faults, recovery latencies, plots, comparison with a
+reference, and ``recover report RUN_DIR``.
 
 Contract: pure readers of ``metrics.jsonl`` and ``events.jsonl`` (DESIGN section 5); they never
-change a run directory except to write ``summary.json`` and PNGs.
+change a run directory except to write ``summary.json`` (the launcher, at the end of a run) and PNGs
+(``recover report`` writes only PNGs).
 
 Recovery latency of a kill = time from the kill (``kind: kill``) to the moment the LAST survivor
 has re-formed its group and re-planned the orphans (``kind: recovered`` naming the dead replica),
 i.e. kill -> all survivors computing again; in a replica of several ranks, every rank counts.
+
+A fault's detection time (:func:`incidents`) = from its injection (``kill``: a crash, hang or freeze;
+``injected``: a corruption, NaN or miscomputation; ``slowed``: a straggler; ``link_cut``) to the
+coordinator naming the replica (``failure_detected``; ``straggler`` for a slow one); its recovery time =
+from then to the last survivor computing again (``recovered``; ``rebalanced`` for a straggler); its
+rejoin = from the injection to the replica training again with the others' state (``state_received``).
 """
 
 from __future__ import annotations
@@ -13,11 +21,19 @@ from __future__ import annotations
 import json
 import math
 import statistics
+import sys
 from pathlib import Path
 from typing import Any
 
+from rich.table import Table
+
 from recover.errors import RecoverError
-from recover.observe.plots import load_events, load_metrics, plot_loss, plot_throughput
+from recover.observe.goodput import CAUSES, Goodput, goodput
+from recover.observe.plots import load_events, load_metrics, plot_goodput, plot_loss, plot_throughput
+
+FAULT_NAMES = {"kill": "crash", "random": "crash", "hang": "hang", "freeze": "freeze", "corrupt": "corruption",
+               "nan": "NaN gradient", "miscompute": "miscompute", "slow": "straggler", "cut": "broken link"}
+"""How the fault table names each injected fault (``fault`` of its event)."""
 
 
 def recovery_latencies(events: list[dict[str, Any]]) -> list[dict[str, Any]]:
@@ -40,6 +56,65 @@ def recovery_latencies(events: list[dict[str, Any]]) -> list[dict[str, Any]]:
             out.append({"replica": kill["replica"], "step": kill.get("step"), "phase": kill.get("phase"),
                         "latency_ms": round((max(firsts.values()) - start) * 1000, 2),
                         "survivors": sorted({r for r, _ in firsts})})
+    return out
+
+
+def _injections(events: list[dict[str, Any]]) -> list[dict[str, Any]]:
+    """Every injected fault, in time order: fault, replica, step, t (when it struck)."""
+    out, seen = [], set()
+    for e in events:
+        kind, fault = e.get("kind"), None
+        if kind == "kill":
+            fault = e.get("fault") or "kill"
+        elif kind == "injected":
+            fault = e.get("fault")
+        elif kind == "slowed" and e.get("factor", 1.0) > 1.0:
+            fault = "slow"
+        elif kind == "link_cut":
+            fault = "cut"
+        key = (fault, e.get("replica"), e.get("step"))
+        if fault is not None and key not in seen:  # every rank of a replica logs its slow-down: one fault
+            seen.add(key)
+            out.append({"fault": fault, "replica": e["replica"], "step": e.get("step"), "t": e.get("at", e["t"])})
+    return sorted(out, key=lambda x: x["t"])
+
+
+def _detected_by(det: dict[str, Any], events: list[dict[str, Any]]) -> str:
+    """How the coordinator found a replica: the cause of its ``failure_detected`` (``connection_closed``,
+    ``hung``, ...); for a fence, the check that named it (``divergent``, ``audit``, ``nonfinite``)."""
+    if det.get("cause") != "fenced":
+        return det.get("cause") or det["kind"]
+    checks = [e["kind"] for e in events if e.get("kind") in ("divergent", "audit", "nonfinite")
+              and det["t"] - 5 <= e["t"] <= det["t"] and det["replica"] in e.get("replicas", [e.get("replica")])]
+    return checks[-1] if checks else "fenced"
+
+
+def incidents(events: list[dict[str, Any]]) -> list[dict[str, Any]]:
+    """One entry per injected fault (see the module docstring): ``fault`` (as :data:`FAULT_NAMES` names
+    it), ``replica``, ``step``, ``detected_by``, ``detection_ms``, ``recovery_ms``, ``rejoin_s`` (None
+    where it did not happen)."""
+    out = []
+    for inj in _injections(events):
+        r, t, slow = inj["replica"], inj["t"], inj["fault"] == "slow"
+        det = next((e for e in events if e["t"] >= t and e.get("replica") == r
+                    and e.get("kind") == ("straggler" if slow else "failure_detected")), None)
+        rec, back = None, None
+        if det is not None and slow:  # the rebalance is logged with the naming, in the same commit
+            rec = next((e["t"] for e in events if e.get("kind") == "rebalanced"
+                        and (e.get("step") == det.get("step") or e["t"] >= det["t"])), None)
+            rec = max(rec, det["t"]) if rec is not None else None
+        elif det is not None:
+            survivors = {(e["replica"], e.get("rank", 0)): e["t"] for e in events
+                         if e.get("kind") == "recovered" and e["t"] >= det["t"] and r in e.get("dead", [])
+                         and e["t"] - det["t"] < 60}
+            rec = max(survivors.values(), default=None)
+            back = next((e["t"] for e in events if e["t"] > det["t"] and e.get("kind") == "state_received"
+                         and e.get("replica") == r and not e.get("rank")), None)
+        out.append({"fault": FAULT_NAMES.get(inj["fault"], inj["fault"]), "replica": r, "step": inj["step"],
+                    "detected_by": _detected_by(det, events) if det else None,
+                    "detection_ms": round((det["t"] - t) * 1000, 1) if det else None,
+                    "recovery_ms": round((rec - det["t"]) * 1000, 1) if det and rec is not None else None,
+                    "rejoin_s": round(back - t, 2) if back is not None else None})
     return out
 
 
@@ -87,14 +162,18 @@ def summarize(run_dir: Path, name: str, wall_s: float) -> dict[str, Any]:
         "coordinator_outage_ms_max": max((e["outage_ms"] for e in events if e.get("kind") == "coordinator_reconnected"),
                                          default=None),
         "stopped": _stopped(events),
+        "goodput": goodput(rows, events).to_dict(),
+        "faults": incidents(events),
     }
     (Path(run_dir) / "summary.json").write_text(json.dumps(summary, indent=1))
     return summary
 
 
 def plot_run(run_dir: Path, reference: Path | None = None) -> list[Path]:
-    """``loss.png`` (over the reference when given) and ``throughput.png``, both with event markers."""
-    return [plot_loss(run_dir, reference=reference), plot_throughput(run_dir)]
+    """``loss.png`` (over the reference when given) and ``throughput.png``, both with event markers, and
+    ``goodput.png`` (where the wall time went)."""
+    return [plot_loss(run_dir, reference=reference), plot_throughput(run_dir),
+            plot_goodput(run_dir, goodput(load_metrics(run_dir), load_events(run_dir)))]
 
 
 def compare(ref_dir: Path, run_dir: Path) -> dict[str, Any]:
@@ -115,3 +194,89 @@ def compare(ref_dir: Path, run_dir: Path) -> dict[str, Any]:
             "max_rel_loss_diff": worst, "worst_step": worst_step, "bitwise_equal": bitwise and len(common) == len(ref),
             "final_val_loss_ref": val(ref), "final_val_loss_run": val(run),
             "min_microbatches_run": min(r["microbatches"] for r in run)}
+
+
+def _ms(x: float | None) -> str:
+    return "-" if x is None else (f"{x / 1000:.2f} s" if x >= 1000 else f"{x:.0f} ms")
+
+
+def goodput_rows(g: Goodput) -> list[tuple[str, str]]:
+    """(label, value) rows: the ratio, useful and wall time, tokens, then the lost time by cause."""
+    d = g.to_dict()
+    rows = [("goodput (effective training time ratio)", f"{100 * g.ratio:.1f}%"),
+            ("goodput after start-up", f"{100 * g.ratio_after_startup:.1f}%"),
+            ("useful time / wall time", f"{g.useful_s:.1f} s / {g.wall_s:.1f} s"),
+            ("planned (failure-free) step time", f"{1000 * g.planned_step_s:.0f} ms"),
+            ("tokens committed", f"{g.tokens:,} ({d['tokens_per_s']:,.0f}/s)")]
+    for cause in CAUSES:
+        secs = g.lost_s.get(cause, 0.0)
+        if secs > 0:
+            rows.append((f"  lost: {cause}", f"{secs:.2f} s ({100 * secs / g.wall_s:.1f}%)"))
+    return rows
+
+
+def goodput_table(g: Goodput, title: str) -> Table:
+    table = Table(title=title)
+    table.add_column("")
+    table.add_column("value", justify="right")
+    for label, value in goodput_rows(g):
+        table.add_row(label, value)
+    return table
+
+
+SHORT_CAUSES = {"connection_closed": "connection lost", "heartbeat_timeout": "no heartbeat"}
+
+
+def faults_table(faults: list[dict[str, Any]], title: str = "faults") -> Table:
+    """Per injected fault: replica, step, what detected it, detection, recovery and rejoin times."""
+    table = Table(title=title)
+    for name in ("fault", "at", "found as", "detection", "recovery", "rejoin"):
+        table.add_column(name, justify="left" if name in ("fault", "found as") else "right", no_wrap=True)
+    for f in faults:
+        found = SHORT_CAUSES.get(f["detected_by"], f["detected_by"] or "-")
+        table.add_row(f["fault"], f"{f['replica']}@{f['step']}", found, _ms(f["detection_ms"]),
+                      _ms(f["recovery_ms"]), "-" if f["rejoin_s"] is None else f"{f['rejoin_s']:.1f} s")
+    return table
+
+
+def register(sub: Any) -> None:
+    r = sub.add_parser("report", help="goodput, faults and plots of a run directory",
+                       description="Print a run's goodput (effective training time ratio, tokens committed, time "
+                                   "lost by cause) and its faults (detection and recovery times) as tables, and "
+                                   "write loss.png, throughput.png and goodput.png into the run directory.")
+    r.add_argument("run", help="a run directory (recover launch/train --out)")
+    r.add_argument("--reference", default=None, help="a failure-free run: drawn under loss.png and compared")
+    r.add_argument("--json", action="store_true", help="print the goodput and faults as JSON instead of tables")
+    r.set_defaults(func=run_report)
+
+
+def run_report(args: Any) -> int:
+    """``recover report RUN_DIR``: tables on stdout, plots into RUN_DIR; 2 when it holds no steps."""
+    from rich.console import Console
+
+    run = Path(args.run)
+    rows, events = load_metrics(run), load_events(run)
+    if not rows:
+        raise RecoverError(f"{run}/metrics.jsonl has no steps: is {run} a run directory?")
+    g, faults = goodput(rows, events), incidents(events)
+    reference = Path(args.reference) if args.reference else None
+    cmp = compare(reference, run) if reference is not None else None
+    if args.json:
+        print(json.dumps({"goodput": g.to_dict(), "faults": faults, "compare": cmp}, indent=1))
+    else:
+        console = Console()
+        console.print(goodput_table(g, f"{run}: {len(rows)} steps, {min(r['microbatches'] for r in rows)}.."
+                                       f"{max(r['microbatches'] for r in rows)} microbatches per step"))
+        if faults:
+            console.print(faults_table(faults))
+        if cmp is not None:
+            console.print(f"max relative loss deviation from {reference}: {cmp['max_rel_loss_diff']:.2e}"
+                          + (" (bitwise equal)" if cmp["bitwise_equal"] else ""))
+    try:
+        paths = plot_run(run, reference)
+    except Exception as exc:  # noqa: BLE001 - the tables stand without the plots
+        print(f"warning: plots not written: {exc}", file=sys.stderr)
+        return 1
+    if not args.json:
+        print("plots: " + ", ".join(str(p) for p in paths))
+    return 0

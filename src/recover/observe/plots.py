@@ -38,13 +38,26 @@ def load_events(run_dir: str | os.PathLike[str]) -> list[dict[str, Any]]:
     return list(read_jsonl(path)) if path.is_file() else []
 
 
+def _marker_kind(e: dict[str, Any]) -> str | None:
+    """Which marker an event gets: a kill (a hang or freeze: the replica is lost too), a rejoin, a
+    corruption injected, a slow-down injected (not its end), or none."""
+    kind = e.get("kind")
+    if kind == "started" and e.get("joined"):
+        return "rejoined"
+    if kind == "slowed":
+        return "slowed" if e.get("factor", 1.0) > 1.0 and not e.get("rank") else None
+    return kind if kind in ("kill", "injected") else None
+
+
 def _markers(ax: Any, events: list[dict[str, Any]], by: str) -> None:
-    """Dashed lines at replica kills (red) and rejoins (green), placed by step or by elapsed seconds."""
+    """Dashed lines at replica kills (red), corruptions (purple), slow-downs (orange) and rejoins
+    (green), placed by step or by elapsed seconds."""
     t0 = min((e["t"] for e in events if e.get("kind") == "launch"), default=None)
-    styles = {"kill": ("tab:red", "replica killed"), "rejoined": ("tab:green", "replica rejoined")}
+    styles = {"kill": ("tab:red", "replica lost (crash, hang)"), "rejoined": ("tab:green", "replica rejoined"),
+              "injected": ("tab:purple", "corruption injected"), "slowed": ("tab:orange", "replica slowed")}
     for e in events:
-        kind = "rejoined" if e.get("kind") == "started" and e.get("joined") else e.get("kind")
-        if kind not in styles:
+        kind = _marker_kind(e)
+        if kind is None:
             continue
         pos = (e.get("step") or 0) + 1 if by == "step" else (e["t"] - t0 if t0 is not None else None)
         if pos is not None:
@@ -113,6 +126,52 @@ def plot_throughput(run_dir: str | os.PathLike[str], out: str | os.PathLike[str]
     ax2.yaxis.get_major_locator().set_params(integer=True)
     ax2.set_xlabel("elapsed time (s)")
     ax2.grid(alpha=0.3)
+    fig.tight_layout()
+    fig.savefig(out)
+    plt.close(fig)
+    return out
+
+
+CAUSE_COLORS = {"useful": "tab:green", "startup": "0.65", "restart": "tab:brown", "recovery": "tab:red",
+                "rejoin": "tab:purple", "checkpoint": "tab:blue", "evaluation": "tab:cyan",
+                "stragglers": "tab:orange", "degraded": "tab:pink", "other": "0.85"}
+
+
+def plot_goodput(run_dir: str | os.PathLike[str], g: Any, out: str | os.PathLike[str] | None = None) -> Path:
+    """``goodput.png``: useful time against wall time over the run (the lost part of every step
+    interval shaded by its cause), and the whole wall time split into useful time and lost time by
+    cause. ``g`` is the run's :class:`~recover.observe.goodput.Goodput`."""
+    plt = _pyplot()
+    run_dir = Path(run_dir)
+    out = Path(out) if out else run_dir / "goodput.png"
+    fig, (ax1, ax2) = plt.subplots(2, 1, figsize=(8, 6), dpi=110, gridspec_kw={"height_ratios": [3, 1]})
+    xs, ys, used = [0.0], [0.0], 0.0
+    for s in g.steps:
+        xs.append(s.end)
+        used += s.useful
+        ys.append(used)
+        at = s.start + s.useful
+        for cause, secs in s.lost.items():
+            ax1.axvspan(at, at + secs, color=CAUSE_COLORS[cause], alpha=0.5, lw=0, label=cause)
+            at += secs
+    ax1.plot(xs, ys, color=CAUSE_COLORS["useful"], lw=1.8, label="useful (committed) time")
+    ax1.plot([0, g.wall_s], [0, g.wall_s], color="0.5", ls=":", lw=1, label="wall time")
+    ax1.set_xlabel("job time (s)")
+    ax1.set_ylabel("useful time (s)")
+    ax1.set_title(f"{run_dir.name}: goodput {100 * g.ratio:.1f}% (planned step {g.planned_step_s * 1000:.0f} ms)")
+    ax1.grid(alpha=0.3)
+    _legend(ax1)
+    left = 0.0
+    for cause, secs in [("useful", g.useful_s), *g.lost_s.items()]:
+        if secs <= 0:
+            continue
+        ax2.barh(0, secs, left=left, color=CAUSE_COLORS[cause], edgecolor="white")
+        if secs / max(g.wall_s, 1e-9) > 0.06:
+            ax2.text(left + secs / 2, 0, f"{cause}\n{100 * secs / g.wall_s:.0f}%", ha="center", va="center", fontsize=7)
+        left += secs
+    ax2.set_yticks([])
+    ax2.set_xlabel("wall time (s)")
+    ax2.set_xlim(0, max(g.wall_s, 1e-9))
     fig.tight_layout()
     fig.savefig(out)
     plt.close(fig)

@@ -2,7 +2,8 @@
 
 On a terminal: a rich progress bar with step, loss, tokens/s, live replicas and ETA, redrawn in
 place. Elsewhere (CI logs, pipes): one plain line every ``every`` steps and at the end, so logs
-stay readable. ``update`` takes the same record that goes to ``metrics.jsonl``.
+stay readable. ``update`` takes the same record that goes to ``metrics.jsonl`` and, from the
+launcher, the job's goodput so far (:func:`recover.observe.goodput.describe`).
 """
 
 from __future__ import annotations
@@ -14,7 +15,7 @@ from rich.console import Console
 from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeRemainingColumn
 
 
-def _fmt(record: dict[str, Any]) -> str:
+def _fmt(record: dict[str, Any], goodput: str | None = None) -> str:
     parts = [f"loss {record['loss']:.4f}"]
     if record.get("val_loss") is not None:
         parts.append(f"val {record['val_loss']:.4f}")
@@ -29,6 +30,8 @@ def _fmt(record: dict[str, Any]) -> str:
                                          for r, s in record["stragglers"].items()))
     if record.get("recovery_ms") is not None:
         parts.append(f"last recovery {record['recovery_ms']:.0f} ms")
+    if goodput:
+        parts.append(goodput)
     return "  ".join(parts)
 
 
@@ -50,14 +53,14 @@ class ProgressDisplay:
             self._task = self._progress.add_task(title, total=total_steps, completed=first_step, info="")
             self._progress.start()
 
-    def update(self, record: dict[str, Any]) -> None:
+    def update(self, record: dict[str, Any], goodput: str | None = None) -> None:
         if not self.enabled:
             return
         step = record["step"] + 1
         if self._progress is not None:
-            self._progress.update(self._task, completed=step, info=_fmt(record))
+            self._progress.update(self._task, completed=step, info=_fmt(record, goodput))
         elif step % self.every == 0 or step == self.total or record.get("val_loss") is not None:
-            print(f"step {step:>5}/{self.total}  {_fmt(record)}", flush=True)
+            print(f"step {step:>5}/{self.total}  {_fmt(record, goodput)}", flush=True)
 
     def message(self, text: str) -> None:
         if self.enabled:

@@ -1,10 +1,11 @@
-"""One ordered ``parallelize``: tensor parallel, then activation checkpointing, then FSDP2.
+"""One ordered ``parallelize``: tensor parallel, then activation checkpointing, then compile, then FSDP2.
 
 Contract:
 - Input: a whole model or a pipeline stage (:func:`recover.parallel.pipeline.split_stage`) whose
   parameters already hold their initial values (every rank built the same values from the seed).
 - Order (torchtitan's): TP over the ``tp`` mesh axis, then per-block activation checkpointing, then
-  ``fully_shard`` of every block and of the root over the ``fsdp`` axis ONLY. FSDP2 never gets a
+  ``torch.compile`` of each block in place (parameter names unchanged), then ``fully_shard`` of every
+  block and of the root over the ``fsdp`` axis ONLY. FSDP2 never gets a
   replicate axis: the cross-replica reduction is layer 1's, interruptible and fault tolerant,
   whereas FSDP2's own replicate all-reduce cannot be interrupted (DESIGN 4.2).
 - FSDP2's gradient reduce-scatter SUMS over the shard ranks (divide factor 1), because each shard
@@ -28,8 +29,9 @@ WRAPPED = "_checkpoint_wrapped_module."
 
 
 def parallelize(model: nn.Module, dims: ParallelDims, mesh: DeviceMesh | None,
-                activation_checkpointing: bool = False, sequence_parallel: bool = False) -> nn.Module:
-    """Applies TP, then activation checkpointing, then FSDP2 to ``model`` in place; returns it.
+                activation_checkpointing: bool = False, sequence_parallel: bool = False,
+                compile_blocks: str | None = None) -> nn.Module:
+    """Applies TP, then activation checkpointing, then compile, then FSDP2 to ``model`` in place; returns it.
 
     Args:
         model: a :class:`~recover.model.llama.Transformer` or a stage of one.
@@ -37,6 +39,7 @@ def parallelize(model: nn.Module, dims: ParallelDims, mesh: DeviceMesh | None,
         mesh: the replica's mesh from :meth:`ParallelDims.build_mesh` (None only when tp = fsdp = 1).
         activation_checkpointing: recompute each block in backward instead of storing activations.
         sequence_parallel: shard norms and the residual stream along the sequence (needs tp > 1, pp = 1).
+        compile_blocks: ``torch.compile`` every transformer block with this backend (``training.compile``).
 
     Raises:
         ConfigError: sequence parallelism asked for with tp = 1 or pp > 1.
@@ -50,6 +53,9 @@ def parallelize(model: nn.Module, dims: ParallelDims, mesh: DeviceMesh | None,
         apply_tp(model, mesh[MeshAxis.TP.value], sequence_parallel)
     if activation_checkpointing:
         apply_activation_checkpointing(model)
+    if compile_blocks:
+        for block in model.layers.values():
+            block.compile(backend=compile_blocks)  # in place: the module and its parameter names stay
     if dims.fsdp > 1:
         apply_fsdp(model, mesh[MeshAxis.FSDP.value])
     return model

@@ -54,6 +54,14 @@ class Membership(Protocol):
         ...
 
 
+class Reduction(Protocol):
+    """An all-reduce in flight (:mod:`recover.comm.reduction`)."""
+
+    def final(self, i: int) -> None: ...
+
+    def result(self) -> list[Tensor]: ...
+
+
 class Group(Protocol):
     """Collectives over the members of one generation."""
 
@@ -72,6 +80,11 @@ class Group(Protocol):
 
     def allreduce(self, tensors: Sequence[Tensor]) -> list[Tensor]:
         """SUM over members of each tensor, as new tensors."""
+        ...
+
+    def reduction(self, tensors: Sequence[Tensor], order: Sequence[int] | None = None) -> Reduction:
+        """The same sum, its buckets launched as the caller marks tensors final (see
+        :mod:`recover.comm.reduction`; a group may launch everything in ``result()``)."""
         ...
 
     def barrier(self) -> None: ...
@@ -120,9 +133,18 @@ class StepReplica(Protocol):
 
     def reset(self) -> None: ...
 
-    def compute(self, step: int, ids: list[int], hook: Hook) -> None: ...
+    def compute(self, step: int, ids: list[int], hook: Hook, final: Callable[[int], None] | None = None) -> None:
+        """``final(i)``: payload tensor ``i`` (a gradient buffer) is complete for this call."""
+        ...
 
-    def payload(self) -> list[Tensor]: ...
+    def payload(self) -> list[Tensor]:
+        """The same tensors all step (reduced on copies)."""
+        ...
+
+    @property
+    def reduce_order(self) -> list[int] | None:
+        """Payload indices in the order they become final (None: index order)."""
+        ...
 
     def apply(self, reduced: list[Tensor], divisor: int, step: int) -> float: ...
 

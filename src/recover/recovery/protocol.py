@@ -3,7 +3,8 @@
     plan      ids 0..M-1 -> live replicas (layer 3, deterministic: every survivor computes the same plan;
               weighted by the replicas' speeds agreed at the last commit, so stragglers get fewer)
     compute   this replica runs its ids; the replica's ledger records each finished id
-    reduce    all-reduce a COPY of the replica's payload on generation g (layer 1)
+    reduce    all-reduce a COPY of the replica's payload on generation g (layer 1), its buckets launched
+              as the last microbatch's backward finalises them (overlapped, as DDP does)
       on PeerFailure: move to generation g+1; orphans = ids the dead replicas held in the plan;
                       re-plan the orphans over the survivors; compute ours; reduce again (repeat)
     commit    the coordinator's vote on (g, step, ids == all M), with this replica's measured seconds
@@ -35,7 +36,7 @@ import torch
 from recover.comm.transfer import receive_state, send_state, source_rank
 from recover.errors import PeerFailure, QuorumLost
 from recover.names import Phase
-from recover.recovery.interfaces import Coordinator, Group, Hook, Membership, StepReplica
+from recover.recovery.interfaces import Coordinator, Group, Hook, Membership, Reduction, StepReplica
 from recover.workload import audit_plan, plan_step, replan, slowdowns
 from recover.workload.speeds import STRAGGLER_RATIO
 
@@ -193,7 +194,8 @@ class ResilientStep:
         self._compute_s = 0.0
         while True:
             t0 = time.perf_counter()
-            self.replica.compute(data_step, todo, self.hook)
+            reduction = self.group.reduction(self.replica.payload(), self.replica.reduce_order)
+            self.replica.compute(data_step, todo, self.hook, reduction.final)
             if audit is not None and self.me in audit[2]:
                 self._audit = {"id": audit[0], **self.replica.audit(data_step, audit[0])}
                 audit = None  # once per step, even if the step recovers
@@ -202,7 +204,7 @@ class ResilientStep:
             if self.replica.nonfinite:
                 self.report_nonfinite(step)
             try:
-                return self._reduce_and_vote(step, plan, recoveries, computed)
+                return self._reduce_and_vote(step, plan, recoveries, computed, reduction)
             except PeerFailure as failure:
                 plan, todo = self.on_failure(step, plan, failure, recoveries)
 
@@ -215,9 +217,9 @@ class ResilientStep:
         return self.M
 
     def _reduce_and_vote(self, step: int, plan: dict[int, list[int]], recoveries: list[dict[str, Any]],
-                         computed: int) -> Committed:
+                         computed: int, reduction: Reduction) -> Committed:
         self.hook(step, Phase.REDUCE)
-        reduced = self.group.allreduce(self.replica.payload())
+        reduced = reduction.result()  # launches the stats (and any bucket not launched yet), waits
         return self.vote(step, plan, reduced, recoveries, computed)
 
     def vote(self, step: int, plan: dict[int, list[int]], reduced: list[torch.Tensor],

@@ -1,9 +1,11 @@
 """Checkpoints with ``torch.distributed.checkpoint`` (DCP), visible only once complete.
 
 Layout: ``CKPT_ROOT/step_000010/`` holds the DCP files (model, optimizer, RNG), ``meta.json``
-(step, data cursor, model config, tokens) and ``manifest.json`` (size and SHA-256 of every file:
-:mod:`recover.train.integrity`). It is written as ``step_000010.partial/`` first; the
-``COMMITTED`` marker is written and fsynced last and the directory renamed into place, so a
+(step, data cursor, model config, tokens; from a :class:`Checkpointer` also the run config and the
+tokenizer's record, with a copy of a HuggingFace ``tokenizer.json``: :mod:`recover.train.describe`)
+and ``manifest.json`` (size and SHA-256 of every file: :mod:`recover.train.integrity`). It is
+written as ``step_000010.partial/`` first; the ``COMMITTED`` marker is written and fsynced last
+and the directory renamed into place, so a
 checkpoint directory without the marker (a save killed halfway) is never loaded and never
 replaces an older complete one. An older complete save of the same step is first renamed aside
 (``.replaced``), never deleted in place, so a crash between the renames leaves no torn
@@ -51,6 +53,7 @@ from torch import nn
 
 from recover.config import ModelConfig
 from recover.errors import CheckpointError
+from recover.train.describe import RunDescription, describe_run
 from recover.train.integrity import (  # noqa: F401 - the on-disk helpers are part of this module's API
     MARKER,
     checkpoint_path,
@@ -76,11 +79,13 @@ def _state(model: nn.Module, optimizer: torch.optim.Optimizer) -> dict[str, Any]
 
 def save_checkpoint(root: str | os.PathLike[str], step: int, model: nn.Module,
                     optimizer: torch.optim.Optimizer, meta: dict[str, Any], model_cfg: ModelConfig,
-                    process_group: Any = None, is_writer: bool = True, keep: int = 0) -> Path:
+                    process_group: Any = None, is_writer: bool = True, keep: int = 0,
+                    files: dict[str, bytes] | None = None) -> Path:
     """Saves the state after ``step`` committed steps; returns the final directory.
 
     Args:
         meta: JSON-serialisable extras (data cursor, tokens, ...), stored in ``meta.json``.
+        files: name -> bytes stored in the checkpoint directory too (before its manifest and marker).
         process_group: the group whose ranks share the state's shards; None saves from this rank alone.
         is_writer: the one rank that writes ``meta.json``, the manifest and the marker, renames the
             directory and deletes older checkpoints beyond ``keep`` (0: none).
@@ -99,7 +104,7 @@ def save_checkpoint(root: str | os.PathLike[str], step: int, model: nn.Module,
         dcp.save(_state(model, optimizer), checkpoint_id=str(partial), process_group=process_group,
                  no_dist=process_group is None)
     if is_writer:  # DCP's save returns on its coordinator (this rank) once every rank's files are written
-        _commit(partial, final, step, meta, model_cfg, keep)
+        _commit(partial, final, step, meta, model_cfg, keep, files)
     return final
 
 
@@ -113,8 +118,14 @@ def _begin(root: str | os.PathLike[str], step: int) -> tuple[Path, Path]:
 
 
 def _commit(partial: Path, final: Path, step: int, meta: dict[str, Any], model_cfg: ModelConfig,
-            keep: int = 0) -> None:
-    """Makes a fully written ``partial`` directory the checkpoint of ``step`` (the last act of a save)."""
+            keep: int = 0, files: dict[str, bytes] | None = None) -> None:
+    """Makes a fully written ``partial`` directory the checkpoint of ``step`` (the last act of a save);
+    ``files`` (name -> bytes, e.g. the run's ``tokenizer.json``) are stored with it, under the manifest."""
+    for name, data in (files or {}).items():
+        with open(partial / name, "wb") as f:
+            f.write(data)
+            f.flush()
+            os.fsync(f.fileno())
     record = {"step": step, "model": dataclasses.asdict(model_cfg), **meta}
     _write_synced(partial / "meta.json", json.dumps(record, indent=1))
     t0 = time.perf_counter()
@@ -147,11 +158,12 @@ class AsyncSave:
         self.committed: Future[Path] = Future()
         """Resolves to ``path`` once committed, or to the write's or commit's error."""
 
-    def _finish(self, upload: Future[Any], meta: dict[str, Any], model_cfg: ModelConfig, keep: int) -> None:
+    def _finish(self, upload: Future[Any], meta: dict[str, Any], model_cfg: ModelConfig, keep: int,
+                files: dict[str, bytes] | None = None) -> None:
         """Runs when DCP's write finished (in its writer thread): commit only a successful write."""
         try:
             upload.result()
-            _commit(self.partial, self.path, self.step, meta, model_cfg, keep)
+            _commit(self.partial, self.path, self.step, meta, model_cfg, keep, files)
         except BaseException as exc:  # handed to whoever waits
             self.committed.set_exception(exc)
         else:
@@ -179,7 +191,7 @@ class AsyncSave:
 
 def save_checkpoint_async(root: str | os.PathLike[str], step: int, model: nn.Module,
                           optimizer: torch.optim.Optimizer, meta: dict[str, Any],
-                          model_cfg: ModelConfig, keep: int = 0) -> AsyncSave:
+                          model_cfg: ModelConfig, keep: int = 0, files: dict[str, bytes] | None = None) -> AsyncSave:
     """Like :func:`save_checkpoint` from one rank holding the full state, but the write runs in the background.
 
     Returns as soon as the state is copied to CPU memory (training may then change the model and
@@ -202,7 +214,7 @@ def save_checkpoint_async(root: str | os.PathLike[str], step: int, model: nn.Mod
         warnings.filterwarnings("ignore", message="torch.distributed is disabled")  # no_dist is intended
         upload = dcp.async_save(_state(model, optimizer), checkpoint_id=str(partial), no_dist=True)
     pending = AsyncSave(step, final, partial, time.perf_counter() - t0)
-    upload.add_done_callback(lambda fut: pending._finish(fut, meta, model_cfg, keep))
+    upload.add_done_callback(lambda fut: pending._finish(fut, meta, model_cfg, keep, files))
     return pending
 
 
@@ -287,6 +299,7 @@ class Checkpointer:
                  epoch_of: Callable[[int], float] = lambda step: 0) -> None:
         self.root, self.replica, self.cfg, self.epoch_of = Path(root), replica, cfg, epoch_of
         self._pending: AsyncSave | None = None
+        self._description: RunDescription | None = None
         self.last_blocking_s = 0.0
         """Seconds the last :meth:`save` blocked training (with an asynchronous save: staging only)."""
 
@@ -302,19 +315,23 @@ class Checkpointer:
         t0 = time.perf_counter()
         self.wait()
         r, tc = self.replica, self.cfg.training
+        if self._description is None:  # the run config and tokenizer every checkpoint carries
+            self._description = describe_run(self.cfg)
         meta = {"total_tokens": total_tokens, "seed": tc.seed,
-                "data_cursor": {"step": data_step, "epoch": self.epoch_of(data_step)}}
+                "data_cursor": {"step": data_step, "epoch": self.epoch_of(data_step)}, **self._description.meta}
+        files = self._description.files
         if blocking is None:
             blocking = step >= tc.steps or sys.exc_info()[0] is not None
         if tc.checkpoint_async and r.group is None:
             self._pending = save_checkpoint_async(self.root, step, r.model, r.optimizer, meta, self.cfg.model,
-                                                  tc.keep_checkpoints)
+                                                  tc.keep_checkpoints, files)
             path = self._pending.path
             if blocking:
                 self.wait()
         else:
             path = save_checkpoint(self.root, step, r.model, r.optimizer, meta, self.cfg.model,
-                                   process_group=r.group, is_writer=r.is_writer, keep=tc.keep_checkpoints)
+                                   process_group=r.group, is_writer=r.is_writer, keep=tc.keep_checkpoints,
+                                   files=files)
         self.last_blocking_s = time.perf_counter() - t0
         return path
 

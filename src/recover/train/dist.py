@@ -18,6 +18,8 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
+from recover.comm.reduction import DeferredReduction
+
 
 @dataclass
 class DistContext:
@@ -102,6 +104,10 @@ class StaticGroup:
                 out[i] = flat[offset:offset + n].view_as(tensors[i])
                 offset += n
         return out  # type: ignore[return-value]
+
+    def reduction(self, tensors: Sequence[torch.Tensor], order: Sequence[int] | None = None) -> DeferredReduction:
+        """Everything reduced in ``result()`` (no overlap: this is the plain trainer)."""
+        return DeferredReduction(self.allreduce, tensors)
 
     def barrier(self) -> None:
         if len(self.members) > 1:

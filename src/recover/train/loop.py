@@ -71,6 +71,8 @@ class Loop:
         after_step: called with the step after its record (fault injection at ``idle``).
         busy: ``busy("io")`` is a context around validation and checkpoints (the coordinator does not
             judge the progress of a replica inside it: see :mod:`recover.coord.liveness`).
+        on_event: called as ``(kind, **fields)``: ``checkpoint`` (step, blocking_s) after each save, for
+            the goodput's lost time (:mod:`recover.observe.goodput`).
     """
 
     cfg: Config
@@ -81,6 +83,7 @@ class Loop:
     write: Callable[[dict[str, Any]], None]
     after_step: Callable[[int], Any] = lambda step: None
     busy: Callable[[str], AbstractContextManager[Any]] = lambda kind: nullcontext()
+    on_event: Callable[..., Any] = lambda kind, **fields: None
     val_loss: float | None = None
     """The last validation loss this replica computed."""
     stopped: bool = False
@@ -98,10 +101,14 @@ class Loop:
                 continue
             record = step_record(outcome, time.perf_counter() - t0, lr_at(outcome.step, tc))
             record["total_tokens"] = self.step.progress.tokens
+            if self.replica.device.type == "cuda":
+                record["gpu_mem_gb"] = round(torch.cuda.max_memory_allocated(self.replica.device) / 2**30, 3)
             leader = self.step.me == min(outcome.live)
             if leader and tc.eval_due(outcome.step, end):
+                t_eval = time.perf_counter()
                 with self.busy("io"):
                     self.val_loss = record["val_loss"] = self.evaluate()
+                record["eval_s"] = round(time.perf_counter() - t_eval, 6)
             self.write(record)
             due = tc.checkpoint_due(outcome.step, end)
             if leader and (due or outcome.stop):
@@ -119,4 +126,6 @@ class Loop:
     def save(self, blocking: bool | None = None) -> Any:
         """A checkpoint of the committed progress (collective in a replica of several ranks)."""
         p = self.step.progress
-        return self.checkpointer.save(p.step, p.data_step, p.tokens, blocking)
+        path = self.checkpointer.save(p.step, p.data_step, p.tokens, blocking)
+        self.on_event("checkpoint", step=p.step, blocking_s=round(self.checkpointer.last_blocking_s, 6))
+        return path

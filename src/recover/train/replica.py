@@ -12,7 +12,7 @@ Contract (a method marked *collective* must be called by every rank of the repli
 order, with the same arguments; the intra-replica groups have a bounded timeout, so a dead peer
 surfaces as an exception within it and the caller treats the whole replica as lost):
 
-- ``compute(step, ids, hook)`` (collective): the replica runs exactly ``ids`` of ``step``. FSDP shard
+- ``compute(step, ids, hook, final)`` (collective): the replica runs exactly ``ids`` of ``step``. FSDP shard
   column ``f`` takes block ``f`` of ``split_within_replica(ids, fsdp)``, padded with zero-weight
   passes so every rank runs the same number; with ``pp > 1`` the column's microbatches go through
   one pipeline schedule. Afterwards this rank's buffers hold its LOCAL part (TP shard, FSDP shard,
@@ -20,18 +20,32 @@ surfaces as an exception within it and the caller treats the whole replica as lo
   The buffers belong to the replica and a reduction never writes them: a microbatch is in the
   ledger if and only if its gradient is in the buffers. Callable several times in a step (orphans
   after a failure); ``reset()`` starts a step; an empty ``ids`` is a no-op on every rank.
+  ``final(i)`` (optional) is told when gradient buffer ``i`` is complete for this call: a one-process
+  replica folds its last pass's gradients from autograd hooks as they become final and calls it
+  there, so a streamed reduction (:mod:`recover.comm.reduction`, in ``reduce_order``) overlaps that
+  backward, as DDP does; other layouts call it for every buffer at the end.
+- No host synchronisation per microbatch: losses stay on the device until the end of the call, and
+  finiteness is checked once per call, on the losses and the buffers.
 - ``payload()`` (local): this rank's gradient buffers in ``model.parameters()`` order, then a float64
-  ``[loss_sum, count]`` of the WHOLE replica. Summed with the payloads of the SAME replica-local rank
+  ``[loss_sum, count]`` of the WHOLE replica (the same tensors all step: ``reduce_order`` lists them in
+  the order they become final). Summed with the payloads of the SAME replica-local rank
   of the other replicas (one lane per rank), every sum holds the global gradient shard and ``[sum, M]``.
 - ``apply(reduced, divisor, step)`` (collective): the learning rate of ``step``; ``grad = reduced /
   divisor`` on the local shards; clipped by the global norm over the whole replica (each shard
   counted once); ``optimizer.step()``. Returns that norm.
-- A pass whose loss or gradient is not finite is not folded into the buffers; its id goes to
-  ``nonfinite`` (with ``pp > 1`` only the loss, on the last stage, is checked) for the step protocol
-  to report. ``fingerprint()`` is an exact fingerprint of this rank's parameter shards.
+- A pass whose loss or gradient is not finite puts its id in ``nonfinite`` (with ``pp > 1`` only the
+  loss, on the last stage, is checked); the step protocol reports it and the replica is fenced (its
+  buffers, now not finite, are never reduced) or the job ends. Which pass it was: from the losses;
+  on one process, a gradient that is not finite shows in the buffers (checked once per call) and is
+  found by computing the call's microbatches again one by one (a fault path); a replica of several
+  ranks keeps a finiteness flag per pass on the device.
+- ``fingerprint()`` is an exact fingerprint of this rank's parameter shards.
 - With ``training.device_time_s`` every microbatch (pass) takes at least that wall time: an emulated
   dedicated device, for benchmarks and tests on shared CPU cores; the arithmetic is unchanged.
   ``slowdown`` (fault injection: a throttled device) multiplies each pass's time.
+- With ``training.init_from`` (``--init-from``) the whole model is loaded from those weights right after
+  it is built, on every rank, before the pipeline split, TP and FSDP (:mod:`recover.train.weights`):
+  every replica starts from the same parameters, as with the seeded initialisation.
 - In deterministic mode the buffers are float64: a sum of float32 microbatch gradients in float64 does
   not depend on who computed which id, so a step is bitwise reproducible (per rank's own passes; not
   inside FSDP reduce-scatters or pipeline chunks).
@@ -56,6 +70,7 @@ from recover.names import Phase
 from recover.parallel.apply import clean_name, parallelize
 from recover.parallel.dims import AXES, Coord, MeshAxis, ParallelDims
 from recover.train.optim import build_optimizer, lr_at, set_lr
+from recover.train.weights import load_initial_weights
 from recover.workload.policy import split_within_replica
 
 if TYPE_CHECKING:
@@ -63,6 +78,7 @@ if TYPE_CHECKING:
     from recover.train.dist import DistContext
 
 Hook = Callable[[int, str], Any]  # (step, phase) -> fault injection point
+Final = Callable[[int], None]  # final(i): gradient buffer i is complete (a streamed reduction may launch it)
 
 
 def _no_hook(step: int, phase: str) -> None:
@@ -131,17 +147,21 @@ class Replica:
         self.device = torch.device(device)
         self.coord = Coord(*mesh.get_coordinate()) if mesh is not None else Coord(0, 0, 0)
         model = build_model(model_cfg, training.seed, self.device)  # whole model, same values on every rank
+        if training.init_from:  # the same full tensors on every rank, before any split or shard
+            load_initial_weights(model, training.init_from)
         if dims.pp > 1:
             from recover.parallel.pipeline import PipelineRunner, split_stage  # ~1 s import: only when used
 
             split_stage(model, dims, self.coord.pp)
-        self.model = parallelize(model, dims, mesh, activation_checkpointing, sequence_parallel)
+        self.model = parallelize(model, dims, mesh, activation_checkpointing, sequence_parallel,
+                                 training.compile_backend if training.compile else None)
         self.optimizer = build_optimizer(self.model, training)
         named = [(n, p) for n, p in self.model.named_parameters() if p.requires_grad]
         self.names = [clean_name(n) for n, _ in named]
         self.params = [p for _, p in named]
         self.dtype = torch.float64 if training.deterministic else torch.float32
         self.buffers = [torch.zeros_like(local(p), dtype=self.dtype) for p in self.params]
+        self.stats = torch.zeros(2, dtype=torch.float64, device=self.device)  # the replica's [loss_sum, count]
         self._copies = [self._copies_of(p) for p in self.params]
         self.pipe: PipelineRunner | None = None
         if dims.pp > 1:
@@ -201,64 +221,126 @@ class Replica:
         """Starts a step: empty buffers and ledger."""
         for buf in self.buffers:
             buf.zero_()
+        self.stats.zero_()
         self.ledger, self.losses, self.loss_sum = [], {}, 0.0
         self.nonfinite = []
         self.audit_id, self.audit_value = None, None
 
-    def compute(self, step: int, ids: list[int], hook: Hook = _no_hook) -> None:
+    @property
+    def reduce_order(self) -> list[int]:
+        """Payload indices in the order they become final: the gradient buffers in reverse parameter
+        order (the order a backward completes them), then the stats."""
+        return [*reversed(range(len(self.params))), len(self.params)]
+
+    def compute(self, step: int, ids: list[int], hook: Hook = _no_hook, final: Final | None = None) -> None:
         """(collective) Forward and backward of the replica's microbatches ``ids`` of ``step``.
 
-        ``hook(step, phase)`` runs before each forward and each backward (fault injection points).
+        ``hook(step, phase)`` runs before each forward and each backward (fault injection points);
+        ``final(i)`` is told when gradient buffer ``i`` is complete for this call (see the module docstring).
         """
         ids = [int(i) for i in ids]
-        if not ids:
-            return
-        column = split_within_replica(ids, self.dims.fsdp)[self.coord.fsdp]
-        if self.pipe is not None:
-            mine = self._run_pipeline(step, column, hook)
-        else:
-            mine = self._run_passes(step, column, hook)
-        self._record(ids, mine)
+        if ids:
+            column = split_within_replica(ids, self.dims.fsdp)[self.coord.fsdp]
+            if self.pipe is not None:
+                mine = self._run_pipeline(step, column, hook)
+            else:
+                mine = self._run_passes(step, column, hook, final if self.streams else None)
+            self._record(ids, mine)
+        if final is not None:
+            for i in range(len(self.buffers)):
+                final(i)  # a no-op for those the last backward already finalised
+
+    @property
+    def streams(self) -> bool:
+        """Whether the last pass folds its gradients from autograd hooks as they become final (plain
+        tensors on one process; DTensor gradients of sharded layouts are folded after the backward)."""
+        return self.group is None and self.pipe is None
 
     def _batch(self, step: int, mb: int | None) -> tuple[torch.Tensor, torch.Tensor]:
+        """Microbatch ``mb`` of ``step`` on this rank's device (pinned, asynchronous copies to a GPU)."""
         if mb is None:  # zero-weight padding pass: any valid tokens will do
             zeros = torch.zeros(self.data.microbatch_size, self.data.seq_len, dtype=torch.long)
-            return zeros, zeros
-        return self.data.microbatch(step, mb)
+            inputs, targets = zeros, zeros
+        else:
+            inputs, targets = self.data.microbatch(step, mb)
+        if self.device.type != "cuda":
+            return inputs.to(self.device), targets.to(self.device)
+        return (inputs.pin_memory().to(self.device, non_blocking=True),
+                targets.pin_memory().to(self.device, non_blocking=True))
 
-    def _run_passes(self, step: int, column: list[int | None], hook: Hook) -> dict[int, float]:
-        out: dict[int, float] = {}
-        for mb in column:
+    def _run_passes(self, step: int, column: list[int | None], hook: Hook, final: Final | None) -> dict[int, float]:
+        checks: list[tuple[int, torch.Tensor, torch.Tensor]] = []  # (id, loss, gradient finite) on the device
+        yes = torch.ones((), dtype=torch.bool, device=self.device)
+        for k, mb in enumerate(column):
             t0 = time.perf_counter()
             inputs, targets = self._batch(step, mb)
             hook(step, Phase.FORWARD)
             with self.compute_dtype():
-                loss = lm_loss(self.model(inputs.to(self.device)), targets.to(self.device))  # mean over B x T
+                loss = lm_loss(self.model(inputs), targets)  # mean over B x T
             hook(step, Phase.BACKWARD)
-            (loss if mb is not None else loss * 0.0).backward()
-            self._inject(step, mb)
-            if mb is not None and not (math.isfinite(value := float(loss.detach())) and self._gradient_finite()):
-                self.nonfinite.append(mb)  # never folded: the buffers stay finite (the caller reports it)
-                for p in self.params:
-                    p.grad = None
-            else:
+            streamed = final is not None and k == len(column) - 1 and mb is not None and mb != self.audit_id
+            handles = self._fold_as_final(step, mb, final) if streamed else []
+            try:
+                (loss if mb is not None else loss * 0.0).backward()
+            finally:
+                for h in handles:
+                    h.remove()
+            finite = yes
+            if not streamed:
+                self._inject(step, mb)
                 if mb is not None and mb == self.audit_id:
                     self.audit_value = self._gradient_fingerprint()
+                if not self.streams:
+                    finite = self._gradient_finite()
                 self._fold()
-                if mb is not None:
-                    out[mb] = value
+            if mb is not None:
+                checks.append((mb, loss.detach().float(), finite))
             self._emulate_device(t0, 1)
-        return out
+        if not checks:
+            return {}
+        losses = torch.stack([loss for _, loss, _ in checks])
+        finite = torch.stack([ok for _, _, ok in checks]) & losses.isfinite()
+        values, oks = losses.double().cpu().tolist(), finite.cpu().tolist()  # the one host sync of the call
+        bad = [mb for (mb, _, _), ok in zip(checks, oks, strict=True) if not ok]
+        if not bad and self.streams and not self._buffers_finite():
+            bad = self._find_nonfinite(step, [mb for mb, _, _ in checks])
+        self.nonfinite += bad
+        return {mb: v for (mb, _, _), v in zip(checks, values, strict=True) if mb not in bad}
+
+    def _fold_as_final(self, step: int, mb: int, final: Final) -> list[Any]:
+        """Autograd hooks that fold each parameter's gradient into its buffer as soon as the backward has
+        accumulated it, then call ``final`` (the streamed reduction launches the buckets that are ready)."""
+        poison = [(step, mb) in self.poison]
+
+        def fold(i: int) -> Callable[[torch.Tensor], None]:
+            @torch.no_grad()
+            def hook(p: torch.Tensor) -> None:
+                if p.grad is None:
+                    return
+                self._inject_one(p.grad, poison)
+                self.buffers[i].add_(p.grad.to(self.dtype))
+                p.grad = None
+                final(i)
+            return hook
+
+        return [p.register_post_accumulate_grad_hook(fold(i)) for i, p in enumerate(self.params)]
 
     def _inject(self, step: int, mb: int | None) -> None:
         """Fault injection on the gradient of the pass just run (``--nan``, ``--miscompute``)."""
-        if mb is not None and (step, mb) in self.poison:
-            self._poison_gradient()
+        poison = [mb is not None and (step, mb) in self.poison]
+        with torch.no_grad():
+            for p in self.params:
+                if p.grad is not None:
+                    self._inject_one(local(p.grad), poison)
+
+    def _inject_one(self, grad: torch.Tensor, poison: list[bool]) -> None:
+        """``--nan``: the first gradient seen while ``poison[0]`` becomes NaN (and clears it);
+        ``--miscompute``: every gradient is off by 2**-8 relative."""
+        if poison[0]:
+            grad.mul_(float("nan"))
+            poison[0] = False
         if self.miscompute:
-            with torch.no_grad():
-                for p in self.params:
-                    if p.grad is not None:
-                        local(p.grad).mul_(1 + 2**-8)
+            grad.mul_(1 + 2**-8)
 
     @property
     def audits(self) -> bool:
@@ -272,7 +354,7 @@ class Replica:
         t0 = time.perf_counter()
         inputs, targets = self._batch(step, mb)
         with self.compute_dtype():
-            loss = lm_loss(self.model(inputs.to(self.device)), targets.to(self.device))
+            loss = lm_loss(self.model(inputs), targets)
         loss.backward()
         self._inject(step, None)
         value = self._gradient_fingerprint()
@@ -293,18 +375,34 @@ class Replica:
         return {"fp": f"{int(total) & _MASK:016x}", "norm": norm, "exact": self.training.deterministic}
 
     @torch.no_grad()
-    def _gradient_finite(self) -> bool:
-        """Whether every gradient element of the pass just run is finite (one read of the gradients)."""
-        grads = [local(p.grad) for p in self.params if p.grad is not None]
-        return not grads or bool(torch.stack(torch._foreach_norm(grads)).sum().isfinite())
+    def _buffers_finite(self) -> bool:
+        """Whether every element of the gradient buffers is finite (one read of the buffers). A sum that
+        holds a non-finite gradient is not finite (NaN and infinities survive addition)."""
+        return not self.buffers or bool(torch.stack(torch._foreach_norm(self.buffers)).sum().isfinite())
 
     @torch.no_grad()
-    def _poison_gradient(self) -> None:
-        """Fault injection (``--nan``): the gradient of the pass just run becomes NaN."""
-        for p in self.params:
-            if p.grad is not None:
-                local(p.grad).mul_(float("nan"))
-                return
+    def _gradient_finite(self) -> torch.Tensor:
+        """Whether every element of this rank's gradients of the pass just run is finite: a boolean on the
+        device (one read of the gradients, no host synchronisation)."""
+        grads = [local(p.grad) for p in self.params if p.grad is not None]
+        if not grads:
+            return torch.ones((), dtype=torch.bool, device=self.device)
+        return torch.stack(torch._foreach_norm(grads)).sum().isfinite()
+
+    def _find_nonfinite(self, step: int, ids: list[int]) -> list[int]:
+        """The ids among ``ids`` whose gradient is not finite, each computed again on its own (the
+        fault path; nothing is folded)."""
+        bad = []
+        for mb in ids:
+            inputs, targets = self._batch(step, mb)
+            with self.compute_dtype():
+                lm_loss(self.model(inputs), targets).backward()
+            self._inject(step, mb)
+            if not self._gradient_finite().item():
+                bad.append(mb)
+            for p in self.params:
+                p.grad = None
+        return bad
 
     def compute_dtype(self) -> AbstractContextManager[Any]:
         """Autocast to bfloat16 when ``training.dtype`` says so (parameters and gradients stay float32)."""
@@ -364,12 +462,11 @@ class Replica:
             self.losses[mb] = v
         self.loss_sum += float(values.sum())
         self.ledger.extend(ids)
+        self.stats.copy_(torch.tensor([self.loss_sum, float(len(self.ledger))], dtype=torch.float64))
 
     def payload(self) -> list[torch.Tensor]:
         """This rank's gradient buffers, then the replica's float64 ``[loss_sum, count]``."""
-        stats = torch.tensor([self.loss_sum, float(len(self.ledger))], dtype=torch.float64,
-                             device=self.buffers[0].device if self.buffers else "cpu")
-        return [*self.buffers, stats]
+        return [*self.buffers, self.stats]
 
     def apply(self, reduced: list[torch.Tensor], divisor: int, step: int) -> float:
         """(collective) The optimizer update of ``step`` from the reduced gradient sum; returns the norm."""

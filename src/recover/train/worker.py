@@ -48,7 +48,7 @@ from typing import Any
 
 from recover.baselines import JobFailed, ShrinkStep, step_class
 from recover.config import Config
-from recover.coord.client import CoordinatorLost, CoordinatorRefused, Diverged
+from recover.coord.client import CoordinatorLost, Diverged
 from recover.data.sampler import EvalSampler
 from recover.errors import QuorumLost, RecoverError
 from recover.faults import FailureSpec, FaultInjector
@@ -232,19 +232,14 @@ class ReplicaWorker:
         """Trains to ``training.steps``; returns the process's exit status (see ``train/exits.py``)."""
         try:
             client, step = self._step()
-        except CoordinatorRefused as exc:
-            if exc.code != "finished":
-                raise
-            print(f"recover: replica {self.replica_id}: the job already finished; nothing to join", file=sys.stderr,
-                  flush=True)
-            return 0
         except CoordinatorLost as exc:
             if self.client is None or not self.client.stopping:
                 raise
             print(f"recover: replica {self.replica_id}: {exc}", file=sys.stderr, flush=True)
-            return EXIT_STOPPED
+            return 0 if self.client.finished else EXIT_STOPPED
         loop = Loop(self.cfg, step, self.replica, self.eval_data, self.checkpointer, self._write,
-                    after_step=lambda s: step.hook(s, Phase.IDLE), busy=client.activity)
+                    after_step=lambda s: step.hook(s, Phase.IDLE), busy=client.activity,
+                    on_event=self._event if self.rank == 0 else lambda kind, **fields: None)
         try:
             loop.run(self.cfg.training.steps)
         except QuorumLost as exc:

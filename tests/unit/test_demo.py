@@ -1,0 +1,42 @@
+"""`recover demo`'s configuration, checked without running it: one run meets every kind of fault."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+from recover.faults import parse_failure
+from recover.launch.cli import check_launch
+from recover.launch.demo import DEMO_FAULTS, STEPS, demo_failures, demo_requests
+from recover.names import Fault
+
+
+def test_the_demo_meets_a_crash_a_hang_a_straggler_and_a_corruption_in_order() -> None:
+    specs = [parse_failure(text) for text in demo_failures(STEPS)]
+    assert [s.fault for s in specs] == [Fault.KILL, Fault.HANG, Fault.SLOW, Fault.SLOW, Fault.CORRUPT]
+    assert [s.step for s in specs] == sorted(s.step for s in specs) and specs[-1].step < STEPS - 5
+    assert specs[3].replica == specs[2].replica and specs[3].factor == 1  # the straggler recovers
+    lost = [s.replica for s in specs if s.kills]
+    assert len(set(lost)) == len(lost) == 3  # three distinct replicas lost: a strict majority always healthy
+    assert len(DEMO_FAULTS) == len(specs)
+
+
+def test_check_launch_accepts_both_demo_runs_deterministic_with_rejoins(tmp_path: Path) -> None:
+    reference, faults = demo_requests(tmp_path, progress=False)
+    assert reference.out.parent == faults.out.parent == tmp_path and faults.reference == reference.out
+    for request in (reference, faults):
+        opts = check_launch(request)
+        assert opts.config.training.deterministic and opts.config.parallel.replicas == 4
+        assert opts.config.fault_tolerance.hang_timeout_s > 0  # a hang is found in seconds, not 60
+    assert not reference.failures and faults.rejoin_after_s is not None
+    assert len(check_launch(faults).failures.specs) == len(DEMO_FAULTS)
+
+
+def test_the_printed_launch_flags_inject_the_same_faults() -> None:
+    """What the demo prints (to reproduce it with `recover launch`) is what it runs."""
+    from recover.faults import parse_corrupt, parse_slow
+
+    parse = {"--fail": parse_failure, "--hang": lambda t: parse_failure(t, fault=Fault.HANG),
+             "--slow": parse_slow, "--corrupt": parse_corrupt}
+    for fault, spec in zip(DEMO_FAULTS, demo_failures(STEPS), strict=True):
+        name, value = fault.flag(STEPS).split()
+        assert str(parse[name](value)) == spec
