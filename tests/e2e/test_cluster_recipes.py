@@ -22,12 +22,13 @@ from pathlib import Path
 import pytest
 
 from conftest import ROOT, subprocess_env
+from recover.launch.collect import merge_records
 from recover.launch.launcher import free_port
 
 pytestmark = pytest.mark.slow
 
-STEPS = 12
-FLAGS = ["--training.steps", str(STEPS), "--training.device_time_s", "0.05", "--training.eval_every", "6"]
+STEPS = 8
+FLAGS = ["--training.steps", str(STEPS), "--training.device_time_s", "0.05", "--training.eval_every", "4"]
 
 SRUN = """#!/bin/bash
 # srun stand-in: runs the step's command here, as its one task, with the task's Slurm variables
@@ -225,9 +226,9 @@ def test_kubernetes_manifests_render_parse_and_their_pods_commands_train(tmp_pat
     render = [sys.executable, str(ROOT / "examples" / "k8s" / "render.py")]
     bad = subprocess.run([*render, "--set", "GRACE_S=10"], capture_output=True, text=True, timeout=30)
     assert bad.returncode == 2 and "GRACE_S=10" in bad.stderr and not bad.stdout
-    # 2 pods on 2 cores: one thread each; 14 steps of 0.1 s per microbatch leave replica 0 alone for
-    # over 10 s after the kill, time enough for the restarted pod to start up and join
-    overrides = " ".join(["--data.path", str(corpus), "--training.threads", "1", "--training.steps", "14",
+    # 2 pods on 2 cores: one thread each; 16 steps of 0.1 s per microbatch leave replica 0 alone for
+    # 12 s after the kill (0.8 s a step), time enough for the restarted pod to start up (~4 s) and join
+    overrides = " ".join(["--data.path", str(corpus), "--training.threads", "1", "--training.steps", "16",
                           "--training.device_time_s", "0.1"])
     sets = {"NAME": "rt", "CONFIG": "debug", "REPLICAS": "2", "GPUS_PER_REPLICA": "0", "OVERRIDES": overrides,
             "PORT": str(free_port()), "STORE_PORT": str(free_port())}
@@ -275,10 +276,11 @@ def test_kubernetes_manifests_render_parse_and_their_pods_commands_train(tmp_pat
     for i, pod in pods.items():
         assert wait_for(pod, procs, 180, tmp_path / f"replica_{i}.log") == 0
 
-    subprocess.run([str(bin_dir / "recover"), "collect", str(run)], env=env, check=True, timeout=60,
-                   capture_output=True)  # kubectl exec deploy/rt-coordinator -- recover collect /runs/rt
-    rows = committed(run)
-    assert [r["step"] for r in rows] == list(range(14)) and {r["microbatches"] for r in rows} == {8}
+    # the step records as `recover collect` merges them (the Slurm test runs the command itself)
+    merged = merge_records([json.loads(line) for path in sorted((run / "replicas").glob("*.jsonl"))
+                            for line in path.read_text().splitlines()])
+    rows = [merged[s] for s in sorted(merged)]
+    assert [r["step"] for r in rows] == list(range(16)) and {r["microbatches"] for r in rows} == {8}
     events = [json.loads(line) for line in (run / "events.jsonl").read_text().splitlines()]
     joined = [e["step"] for e in events if e["kind"] == "started" and e["replica"] == 1 and e["joined"]]
     assert joined and rows[-1]["live_replicas"] == 2, (tmp_path / "replica_1.log").read_text()[-2000:]
