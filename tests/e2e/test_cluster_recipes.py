@@ -138,9 +138,10 @@ def replica_steps(run: Path) -> int:
 
 
 def test_slurm_script_runs_is_preempted_requeues_and_resumes(tmp_path: Path, corpus: Path, procs: Procs) -> None:
-    """The sbatch script with srun and scontrol stand-ins: the coordinator and 2 replicas (each a torchrun
-    job) train; SIGTERM to the batch shell (what --signal=B:TERM@120 sends) stops the job at a step
-    boundary with a checkpoint, exit 6 and a requeue; the requeued start resumes and commits every step."""
+    """The sbatch script with srun, scontrol and torchrun stand-ins: the coordinator and 2 replicas train;
+    SIGTERM to the batch shell (what --signal=B:TERM@120 sends) stops the job at a step boundary with a
+    checkpoint, exit 6, `recover collect` and a requeue; the requeued start resumes (--resume) and every
+    step ends up in metrics.jsonl once, the steps before the stop unchanged."""
     bin_dir = tmp_path / "bin"
     bin_dir.mkdir()
     for name, text in (("srun", SRUN), ("scontrol", SCONTROL), ("torchrun", TORCHRUN)):
