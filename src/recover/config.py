@@ -323,6 +323,14 @@ class FaultToleranceConfig:
     """How long workers that lost the coordinator keep their state and retry to reach it (``recover
     launch`` restarts it at once; across hosts, restart ``recover coordinator`` with the same flags).
     Past it, the lowest live replica saves a complete checkpoint and the job stops (exit status 7)."""
+    overlap_reduction: bool = True
+    """The cross-replica reduction of a one-process replica's last microbatch overlaps its backward:
+    each gradient bucket is launched (on a copy) as soon as the backward has finished it, in reverse
+    parameter order, as DDP does. False: everything is reduced after the backward (for comparison)."""
+    bucket_mb: float = 16.0
+    """Size of the cross-replica all-reduce buckets in MiB (the first bucket of an overlapped reduction
+    is at most 1 MiB, so communication starts early). Smaller buckets overlap more of the backward but
+    launch more collectives."""
     fingerprint_every: int = 1
     """Every this many steps each replica votes with an exact fingerprint of its parameters (one read of
     them on its device) and a minority that differs is fenced before the step commits (silent data
@@ -350,6 +358,7 @@ class FaultToleranceConfig:
             value = getattr(self, name)
             _require(isinstance(value, int) and value >= 0, f"fault_tolerance.{name}", value,
                      "an integer >= 0 (0: never)")
+        _require(self.bucket_mb > 0, "fault_tolerance.bucket_mb", self.bucket_mb, "a positive number of MiB")
         _require(self.hang_timeout_s >= 0, "fault_tolerance.hang_timeout_s", self.hang_timeout_s,
                  "a number of seconds >= 0 (0: derived from the step time)")
         _require(self.heartbeat_interval_s < self.heartbeat_timeout_s, "fault_tolerance.heartbeat_interval_s",

@@ -145,12 +145,14 @@ class ResilientStep:
         audit_every: every this many steps one microbatch, drawn from (seed, step), is computed by its
             owner and by the two members after it, and their gradients' fingerprints go with their
             votes (0: never; one-process replicas only): the coordinator fences the odd one out.
+        overlap: launch the reduction's buckets while the last backward finalises them (else after it).
     """
 
     def __init__(self, replica: StepReplica, group: Group, coordinator: Coordinator, M: int,
                  progress: Progress | None = None, min_replicas: int = 1, hook: Hook = _no_hook,
                  on_event: Callable[..., Any] = _no_event, assignment: str = "blocks", seed: int = 0,
-                 policy: str = "weighted", fingerprint_every: int = 0, audit_every: int = 0) -> None:
+                 policy: str = "weighted", fingerprint_every: int = 0, audit_every: int = 0,
+                 overlap: bool = True) -> None:
         self.replica, self.group, self.coordinator = replica, group, coordinator
         self.me = group.members[group.rank]
         self.M, self.min_replicas = M, min_replicas
@@ -158,6 +160,7 @@ class ResilientStep:
         self.hook, self.on_event = hook, on_event
         self.assignment, self.seed, self.policy = assignment, seed, policy
         self.fingerprint_every, self.audit_every = fingerprint_every, audit_every
+        self.overlap = overlap
         self._audit: dict[str, Any] | None = None  # this replica's audit value of the step, if it takes part
         self.speeds = group.membership.speeds  # a joiner's: those of the commit that admitted it
         self._compute_s = 0.0  # this step's compute time so far
@@ -194,8 +197,9 @@ class ResilientStep:
         self._compute_s = 0.0
         while True:
             t0 = time.perf_counter()
-            reduction = self.group.reduction(self.replica.payload(), self.replica.reduce_order)
-            self.replica.compute(data_step, todo, self.hook, reduction.final)
+            order = self.replica.reduce_order if self.overlap else None
+            reduction = self.group.reduction(self.replica.payload(), order)
+            self.replica.compute(data_step, todo, self.hook, reduction.final if self.overlap else None)
             if audit is not None and self.me in audit[2]:
                 self._audit = {"id": audit[0], **self.replica.audit(data_step, audit[0])}
                 audit = None  # once per step, even if the step recovers

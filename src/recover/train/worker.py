@@ -180,13 +180,13 @@ class ReplicaWorker:
         client.cut = self.cut
         membership = client.register(join=self.join)
         group = FaultTolerantGroup.create(client, membership, backend=self.cfg.parallel.backend,
-                                          timeout_s=ft.collective_timeout_s)
+                                          timeout_s=ft.collective_timeout_s, bucket_bytes=int(ft.bucket_mb * 2**20))
         extra = {"initial_replicas": self.cfg.parallel.replicas} if step_class(self.baseline) is ShrinkStep else {}
         step = step_class(self.baseline)(
             self.replica, group, client, tc.global_microbatches, self.start, ft.min_replicas,
             hook=hook, on_event=self._event, assignment=tc.assignment, seed=tc.seed,
             policy=self.cfg.workload.policy, fingerprint_every=ft.fingerprint_every, audit_every=ft.audit_every,
-            **extra)
+            overlap=ft.overlap_reduction, **extra)
         # admitted as a joiner: --join, or started after the job began (a restarted pod or srun step)
         self.join = self.join or self.replica_id in membership.joined
         if self.join:
