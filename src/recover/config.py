@@ -30,7 +30,17 @@ from pathlib import Path
 from typing import Any, ClassVar, Literal
 
 from recover.errors import ConfigError
-from recover.names import Assignment, Backend, CompileBackend, Connections, Dtype, Policy, Schedule, ShardFormat
+from recover.names import (
+    Assignment,
+    Backend,
+    CompileBackend,
+    Connections,
+    Dtype,
+    Overlap,
+    Policy,
+    Schedule,
+    ShardFormat,
+)
 
 if sys.version_info >= (3, 11):
     import tomllib
@@ -323,10 +333,12 @@ class FaultToleranceConfig:
     """How long workers that lost the coordinator keep their state and retry to reach it (``recover
     launch`` restarts it at once; across hosts, restart ``recover coordinator`` with the same flags).
     Past it, the lowest live replica saves a complete checkpoint and the job stops (exit status 7)."""
-    overlap_reduction: bool = True
-    """The cross-replica reduction of a one-process replica's last microbatch overlaps its backward:
-    each gradient bucket is launched (on a copy) as soon as the backward has finished it, in reverse
-    parameter order, as DDP does. False: everything is reduced after the backward (for comparison)."""
+    overlap_reduction: Overlap = "auto"
+    """Whether the cross-replica reduction of a one-process replica's last microbatch overlaps its
+    backward: each gradient bucket is launched (on a copy) as soon as the backward has finished it, in
+    reverse parameter order, as DDP does. ``auto``: on when the replica computes on a GPU (the host and
+    the network are idle during its backward), off on CPUs, where the compute already occupies the
+    cores that gloo would reduce on (measured: 4-11% slower on the 2-core VM, docs/BENCHMARKS.md)."""
     bucket_mb: float = 16.0
     """Size of the cross-replica all-reduce buckets in MiB (the first bucket of an overlapped reduction
     is at most 1 MiB, so communication starts early). Smaller buckets overlap more of the backward but
@@ -364,6 +376,11 @@ class FaultToleranceConfig:
         _require(self.heartbeat_interval_s < self.heartbeat_timeout_s, "fault_tolerance.heartbeat_interval_s",
                  self.heartbeat_interval_s,
                  f"less than fault_tolerance.heartbeat_timeout_s = {self.heartbeat_timeout_s}")
+
+
+    def overlaps(self, device_type: str) -> bool:
+        """Whether a replica computing on ``device_type`` overlaps its reduction (``overlap_reduction``)."""
+        return self.overlap_reduction == "on" or (self.overlap_reduction == "auto" and device_type == "cuda")
 
 
 @dataclass(frozen=True)

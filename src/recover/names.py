@@ -77,6 +77,8 @@ Dtype = Literal["float32", "bfloat16"]
 """Compute dtype (``training.dtype``); master weights, optimizer state and reductions stay float32."""
 CompileBackend = Literal["inductor", "aot_eager"]
 """``training.compile_backend``: generated kernels, or a trace run eagerly (debugging, CPU tests)."""
+Overlap = Literal["auto", "on", "off"]
+"""``fault_tolerance.overlap_reduction``: ``auto`` overlaps on GPUs only."""
 """Workload policy: quotas weighted by the replicas' measured speeds (stragglers get fewer) or even."""
 Connections = Literal["replica", "rank"]
 """Coordinator connections of a replica of several ranks: one through its relay (rank 0 runs it,

@@ -129,3 +129,13 @@ def test_cli_prints_one_line_error_and_exits_2(capsys: pytest.CaptureFixture[str
     err = capsys.readouterr().err.strip()
     assert rc == 2
     assert err == "recover: error: training.lr = -1.0 is not allowed: a positive number"
+
+
+def test_the_reduction_overlaps_the_backward_on_gpus_unless_told() -> None:
+    from recover.config import FaultToleranceConfig
+
+    assert FaultToleranceConfig().overlaps("cuda") and not FaultToleranceConfig().overlaps("cpu")
+    assert FaultToleranceConfig(overlap_reduction="on").overlaps("cpu")
+    assert not FaultToleranceConfig(overlap_reduction="off").overlaps("cuda")
+    with pytest.raises(ConfigError, match="overlap_reduction"):
+        FaultToleranceConfig(overlap_reduction="sometimes")  # type: ignore[arg-type]

@@ -8,8 +8,9 @@ Contract:
 
   * ``recover``: ``recover launch`` (coordinator, fault-tolerant all-reduce, commit vote with the
     parameter fingerprint of every replica);
-  * ``recover-serial``: the same with the reduction after the last backward instead of overlapping it
-    (``fault_tolerance.overlap_reduction = false``): ``it / recover`` is what the overlap gains;
+  * ``recover-overlap``: the same with the reduction overlapping the last backward
+    (``fault_tolerance.overlap_reduction = on``; its default, ``auto``, overlaps on GPUs only):
+    ``recover / it`` is what the overlap gains on this machine;
   * ``recover-nofp``: the same without fingerprints (``fault_tolerance.fingerprint_every = 0``):
     ``recover / it`` is what the silent-data-corruption check costs;
   * ``ddp``: ``torch.nn.parallel.DistributedDataParallel`` under ``torchrun`` (gloo, bucketed
@@ -58,11 +59,11 @@ from recover.bench.common import (
 from recover.errors import ConfigError
 from recover.observe.plots import load_metrics
 
-SYSTEMS = ("recover", "recover-nofp", "recover-serial", "ddp", "allreduce", "torchft")
+SYSTEMS = ("recover", "recover-nofp", "recover-overlap", "ddp", "allreduce", "torchft")
 LABELS = {
     "recover": "recover launch (fault-tolerant all-reduce + commit vote + parameter fingerprint)",
     "recover-nofp": "recover launch without parameter fingerprints (fault_tolerance.fingerprint_every = 0)",
-    "recover-serial": "recover launch reducing after the last backward (fault_tolerance.overlap_reduction = false)",
+    "recover-overlap": "recover launch overlapping the reduction with the last backward (overlap_reduction = on)",
     "ddp": "torch DistributedDataParallel under torchrun (gloo)",
     "allreduce": "recover train under torchrun (plain all_reduce after backward)",
     "torchft": "torchft 0.2.0 DDP + Lighthouse",
@@ -137,9 +138,9 @@ def run_system(name: str, run_dir: Path, config: str, replicas: int, steps: int,
     if name == "recover-nofp":
         return launch_run(run_dir, config, replicas, steps, (), None,
                           [*overrides, "--fault_tolerance.fingerprint_every=0"], timeout_s)
-    if name == "recover-serial":
+    if name == "recover-overlap":
         return launch_run(run_dir, config, replicas, steps, (), None,
-                          [*overrides, "--fault_tolerance.overlap_reduction=false"], timeout_s)
+                          [*overrides, "--fault_tolerance.overlap_reduction=on"], timeout_s)
     if name == "allreduce":
         return run_child(_torchrun(replicas, "recover", "train", "--no-progress", *common), log_path, timeout_s)
     if name == "ddp":

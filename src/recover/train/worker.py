@@ -186,7 +186,8 @@ class ReplicaWorker:
             self.replica, group, client, tc.global_microbatches, self.start, ft.min_replicas,
             hook=hook, on_event=self._event, assignment=tc.assignment, seed=tc.seed,
             policy=self.cfg.workload.policy, fingerprint_every=ft.fingerprint_every, audit_every=ft.audit_every,
-            overlap=ft.overlap_reduction, **extra)
+            overlap=ft.overlaps(self.replica.device.type),
+            **extra)
         # admitted as a joiner: --join, or started after the job began (a restarted pod or srun step)
         self.join = self.join or self.replica_id in membership.joined
         if self.join:
