@@ -51,6 +51,20 @@ def run_recover(args: list[str], nproc: int | None = None, timeout: float = 240,
     return result
 
 
+def refusal(args: list[str], capsys: pytest.CaptureFixture[str]) -> tuple[int, str]:
+    """``recover ARGS`` run in this process (for requests that must be refused before anything starts:
+    milliseconds instead of a Python start-up each): its exit status and its stderr."""
+    from recover.cli import main
+
+    try:
+        code = main(args)
+    except SystemExit as exc:  # argparse's usage errors
+        code = int(exc.code or 0)
+    captured = capsys.readouterr()
+    assert captured.out == "", captured.out
+    return code, captured.err
+
+
 def losses(run_dir: Path) -> dict[int, float]:
     out = {}
     for line in (Path(run_dir) / "metrics.jsonl").read_text().splitlines():

@@ -20,7 +20,7 @@ from pathlib import Path
 
 import pytest
 
-from conftest import losses, max_rel_diff, run_recover, subprocess_env
+from conftest import losses, max_rel_diff, refusal, run_recover, subprocess_env
 
 STEPS = 30
 M = 8
@@ -113,10 +113,11 @@ def test_two_at_once_then_a_failure_during_recovery(reference_det: Path, corpus:
     ],
 )
 def test_impossible_requests_are_refused_before_starting(corpus: Path, tmp_path: Path, flags: list[str],
-                                                         message: str) -> None:
-    res = launch(tmp_path / "run", corpus, *flags, check=False)
-    assert res.returncode == 2
-    assert message in res.stderr and "Traceback" not in res.stderr
+                                                         message: str, capsys: pytest.CaptureFixture[str]) -> None:
+    code, err = refusal(["launch", "--config", "debug", "--replicas", "4", "--steps", str(STEPS), "--out",
+                         str(tmp_path / "run"), "--no-progress", "--data.path", str(corpus), *flags], capsys)
+    assert code == 2 and len(err.splitlines()) == 1
+    assert message in err and "Traceback" not in err
     assert not (tmp_path / "run" / "events.jsonl").exists()  # nothing was started
 
 

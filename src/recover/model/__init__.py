@@ -1,46 +1,22 @@
-"""Decoder-only transformer (Llama-style) and its size and cost figures."""
+"""Decoder-only transformer (Llama-style) and its size and cost figures.
+
+Its names load on first use (PEP 562), so that ``recover.model.cli`` registers ``recover sample`` and
+``recover export`` without importing torch: ``recover --help`` and the launcher start in a fraction of
+a second.
+"""
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+import importlib
+from typing import Any
 
-import torch
+_WHERE = {"Transformer": "recover.model.llama", "lm_loss": "recover.model.llama", "build_model": "recover.model.build",
+          "ModelStats": "recover.model.build", "model_stats": "recover.model.build"}
 
-from recover.config import ModelConfig
-from recover.model.llama import Transformer, lm_loss
-
-__all__ = ["ModelStats", "Transformer", "build_model", "lm_loss", "model_stats"]
-
-
-def build_model(cfg: ModelConfig, seed: int, device: str | torch.device = "cpu") -> Transformer:
-    """Builds the model on ``device`` and initialises it deterministically from ``seed``."""
-    with torch.device(device):
-        model = Transformer(cfg)
-    model.init_weights(seed)
-    return model
+__all__ = sorted(_WHERE)
 
 
-@dataclass(frozen=True)
-class ModelStats:
-    params: int
-    """All parameters (a tied embedding counted once)."""
-    non_embedding_params: int
-    """Parameters outside the token embedding (the output projection counts when untied)."""
-    flops_per_token: int
-    """Training FLOPs per token (forward + backward): 6 N + 12 L d T (attention)."""
-
-    def describe(self) -> str:
-        return (f"{self.params / 1e6:.2f}M parameters ({self.non_embedding_params / 1e6:.2f}M non-embedding), "
-                f"{self.flops_per_token / 1e6:.1f} MFLOPs per token")
-
-
-def model_stats(cfg: ModelConfig, seq_len: int) -> ModelStats:
-    with torch.device("meta"):
-        model = Transformer(cfg)
-    params = sum(p.numel() for p in model.parameters())
-    embedding = cfg.vocab_size * cfg.dim
-    non_embedding = params - embedding
-    flops = 6 * non_embedding + 12 * cfg.n_layers * cfg.dim * seq_len
-    if cfg.tie_embeddings:
-        flops += 6 * embedding  # the tied output projection is a real matmul per token
-    return ModelStats(params=params, non_embedding_params=non_embedding, flops_per_token=flops)
+def __getattr__(name: str) -> Any:
+    if name not in _WHERE:
+        raise AttributeError(f"module 'recover.model' has no attribute {name!r}")
+    return getattr(importlib.import_module(_WHERE[name]), name)
