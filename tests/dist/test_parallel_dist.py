@@ -1,5 +1,6 @@
-"""Multi-process tests of ``recover.parallel`` under torchrun/gloo: 2 replicas x (PP | TP | FSDP | PP x TP),
-and one replica of FSDP x TP with sequence parallelism (the 2-D FSDP-over-TP layout).
+"""Multi-process tests of ``recover.parallel`` under torchrun/gloo: 2 replicas x (PP | TP | FSDP), and one
+replica of FSDP x TP with sequence parallelism (the 2-D FSDP-over-TP layout). PP x TP (8 processes,
+GPipe) is compared with a single process, through a kill, in tests/e2e/test_launch_parallel.py.
 
 The runs of one process count share one torchrun job (each torch import costs seconds on 2 cores).
 In a run the replicas (layer 1 emulated by a plain all-reduce per replica-local rank) follow
@@ -76,7 +77,6 @@ RUNS: dict[str, tuple[int, int, str, bool]] = {
     "2x_tp2_tied_ac": (4, 2, "tp=2,tied=1,ac=1", True),
     "2x_fsdp2_hsdp": (4, 2, "fsdp=2,tied=1", True),
     "1x_fsdp2_tp2_sp": (4, 1, "fsdp=2,tp=2,sp=1,tied=1,replicas=1", True),
-    "2x_pp2_tp2_gpipe": (8, 2, "pp=2,tp=2,schedule=gpipe", False),
 }
 
 

@@ -1,8 +1,9 @@
 """End to end: replicas of several ranks (pipeline, tensor parallel, FSDP2 shards) under `recover launch`.
 
-Each configuration runs 2 replicas of a 2-layer untied `debug` model (M = 8) with the LAST rank of
-replica 1 SIGKILLed mid-step (its replica's other ranks are reaped, the surviving replica's ranks
-recover in-step on their lanes); in the pipeline case the whole replica then rejoins from a hot
+Each configuration (pp2 with 1F1B, fsdp2, pp2 x tp2 with GPipe) runs 2 replicas of a 2-layer untied
+`debug` model (M = 8) with the LAST rank of replica 1 SIGKILLed (pp2 x tp2) or SIGSTOPped for good
+mid-step (its replica's other ranks are reaped, the surviving replica's ranks recover in-step on
+their lanes); in the pp2 and fsdp2 cases the whole replica then rejoins from a hot
 spare and takes its state, rank by rank, from the survivor. Checks: every step commits all M
 microbatches; the per-step losses are within 2e-5 relative of a plain one-process run with the same
 global batch (the failure-free layouts alone are compared with it in tests/dist/test_parallel_dist.py);
@@ -51,7 +52,7 @@ def plain(tmp_path_factory: pytest.TempPathFactory, corpus: Path) -> Path:
 CONFIGS = {
     "pp2": ["--pp", "2"],
     "fsdp2": ["--fsdp", "2"],
-    "pp2xtp2": ["--pp", "2", "--tp", "2", "--procs-per-replica", "4"],
+    "pp2xtp2": ["--pp", "2", "--tp", "2", "--procs-per-replica", "4", "--parallel.schedule=gpipe"],
 }
 FROZEN = {"pp2", "fsdp2"}
 """Cases whose rank is SIGSTOPped for good instead of SIGKILLed: fenced by its silence; its partners,
