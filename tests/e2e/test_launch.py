@@ -76,8 +76,10 @@ def test_reference_is_failure_free_and_matches_plain_training(reference_det: Pat
 
 def test_compute_phase_failures_down_to_one_replica_deterministic(reference_det: Path, corpus: Path,
                                                                    tmp_path: Path) -> None:
+    """With the reduction overlapping each last backward (on, whatever the device; 10 KB buckets, so many
+    are in flight when the kills land), bitwise equal to the reference, which reduces after it."""
     launch(tmp_path, corpus, "--deterministic", "--fail", "1@2:forward", "--fail", "2@5:backward",
-           "--fail", "3@8:reduce")
+           "--fail", "3@8:reduce", "--fault_tolerance.overlap_reduction=on", "--fault_tolerance.bucket_mb=0.01")
     check_run(tmp_path, reference_det, bitwise=True, kills=3)
     live = {r["step"]: r["live_replicas"] for r in rows(tmp_path)}
     assert live[1] == 4 and live[2] == 3 and live[5] == 2 and live[8] == 1 and live[STEPS - 1] == 1
