@@ -75,9 +75,12 @@ def peak_flops(device_name: str) -> float | None:
     return None
 
 
-def overrides(args: argparse.Namespace) -> list[str]:
-    """The config every system of a preset runs with (one replica on one device)."""
-    return [f"--training.steps={args.steps}", f"--training.global_microbatches={args.microbatches}",
+def overrides(args: argparse.Namespace, vocab_size: int | None = None) -> list[str]:
+    """The config every system of a preset runs with (one replica on one device). ``vocab_size``: the
+    preset's, given explicitly so that a small tokenizer's data (the built-in corpus) does not shrink
+    the model's vocabulary (:func:`recover.data.layout.resolve_vocab`): the preset's shape is measured."""
+    given = [f"--model.vocab_size={vocab_size}"] if vocab_size else []
+    return [*given, f"--training.steps={args.steps}", f"--training.global_microbatches={args.microbatches}",
             f"--training.dtype={args.dtype}", f"--training.compile={str(args.compile).lower()}",
             "--training.warmup_steps=0", "--training.eval_every=0", "--training.eval_batches=1",
             "--training.checkpoint_every=0", "--parallel.replicas=1", "--parallel.fsdp=1", "--parallel.tp=1",
@@ -133,7 +136,8 @@ def plain_worker(args: argparse.Namespace) -> int:
         float(loss_sum)  # the one host synchronisation of the step
         times.append(time.perf_counter() - t0)
     peak = torch.cuda.max_memory_allocated(device) / 2**30 if device.type == "cuda" else None
-    Path(args.result).write_text(json.dumps({"time_s": times, "peak_gb": peak}), encoding="utf-8")
+    Path(args.result).write_text(json.dumps({"time_s": times, "peak_gb": peak, "vocab_size": cfg.model.vocab_size}),
+                                 encoding="utf-8")
     return 0
 
 
@@ -151,9 +155,9 @@ def device_info(device: str) -> dict[str, Any]:
     return {"device": "cuda", "name": name, "peak_flops": peak_flops(name)}
 
 
-def run_system(system: str, preset: str, out: Path, args: argparse.Namespace) -> dict[str, Any]:
+def run_system(system: str, preset: str, out: Path, args: argparse.Namespace, vocab_size: int) -> dict[str, Any]:
     """One run of ``system``: its per-step times and peak memory."""
-    extra = overrides(args)
+    extra = overrides(args, vocab_size)
     timeout = args.timeout
     if system == "plain":
         result = out / "plain.json"
@@ -171,11 +175,11 @@ def run_system(system: str, preset: str, out: Path, args: argparse.Namespace) ->
     return {"time_s": [r["time_s"] for r in rows], "peak_gb": rows[-1].get("gpu_mem_gb")}
 
 
-def kill_run(preset: str, out: Path, args: argparse.Namespace) -> dict[str, Any]:
+def kill_run(preset: str, out: Path, args: argparse.Namespace, vocab_size: int) -> dict[str, Any]:
     """2 replicas of ``preset`` sharing the device, replica 1 SIGKILLed mid-run."""
     step = max(1, args.steps // 2)
     run = out / "kill"
-    extra = [o for o in overrides(args) if not o.startswith("--parallel.replicas")]
+    extra = [o for o in overrides(args, vocab_size) if not o.startswith("--parallel.replicas")]
     cmd = recover_cmd("launch", "--config", preset, "--replicas", "2", "--out", str(run), "--no-progress",
                       "--overwrite", "--fail", f"1@{step}:backward", *extra)
     if args.device == "cuda":
@@ -205,14 +209,15 @@ def run_bench(args: argparse.Namespace) -> dict[str, Any]:
                               "warmup": args.warmup, "rounds": args.rounds, "microbatches": args.microbatches,
                               "dtype": args.dtype, "compile": args.compile, "presets": {}}
     for preset in args.presets:
-        cfg = load_config(preset, overrides(args))
+        cfg = load_config(preset, overrides(args))  # the preset's shape, as every run is given it
         tokens = args.microbatches * cfg.data.microbatch_size * cfg.data.seq_len
         flops_per_token = model_stats(cfg.model, cfg.data.seq_len).flops_per_token
         runs: dict[str, list[dict[str, Any]]] = {s: [] for s in SYSTEMS}
         for r, order in enumerate(round_orders(SYSTEMS, args.rounds)):
             for system in order:
                 stderr_log(f"[{time.strftime('%H:%M:%S')}] {preset} round {r + 1}: {system}")
-                runs[system].append(run_system(system, preset, out / preset / f"round{r + 1}", args))
+                runs[system].append(run_system(system, preset, out / preset / f"round{r + 1}", args,
+                                               cfg.model.vocab_size))
         rows = {}
         for system, rs in runs.items():
             s = summarise(rs, args.warmup)
@@ -220,12 +225,14 @@ def run_bench(args: argparse.Namespace) -> dict[str, Any]:
             peak = info["peak_flops"]
             s["mfu"] = flops_per_token * s["tokens_per_s"] / peak if peak else None
             rows[system] = s
-        entry: dict[str, Any] = {"tokens_per_step": tokens, "flops_per_token": flops_per_token, "systems": rows,
+        entry: dict[str, Any] = {"vocab_size": cfg.model.vocab_size, "tokens_per_step": tokens,
+                                 "flops_per_token": flops_per_token, "systems": rows,
                                  "recover_over_plain": rows["recover"]["step_s"] / rows["plain"]["step_s"]}
         result["presets"][preset] = entry
     if args.kill:
         stderr_log(f"[{time.strftime('%H:%M:%S')}] {args.presets[0]}: 2 replicas on one device, one killed")
-        result["kill"] = kill_run(args.presets[0], out / args.presets[0], args)
+        first = args.presets[0]
+        result["kill"] = kill_run(first, out / first, args, result["presets"][first]["vocab_size"])
     result["load_after"] = machine_load()
     return result
 
