@@ -72,6 +72,8 @@ def test_reference_is_failure_free_and_matches_plain_training(reference_det: Pat
     run_recover(["train", "--config", "debug", "--out", str(tmp_path), "--no-progress", "--data.path", str(corpus),
                  f"--training.steps={STEPS}", "--training.eval_every=20"])
     assert max_rel_diff(losses(tmp_path), losses(reference_det)) <= 1e-5
+    g = json.loads((tmp_path / "summary.json").read_text())["goodput"]  # recover train reports it too
+    assert 0 < g["ettr"] <= 1 and g["tokens_committed"] == sum(r["tokens"] for r in rows(tmp_path))
 
 
 def test_compute_phase_failures_down_to_one_replica_deterministic(reference_det: Path, corpus: Path,

@@ -72,7 +72,7 @@ def train(cfg: Config, out: str | os.PathLike[str], ctx: DistContext | None = No
           stop_at_step: int | None = None, progress: bool = True) -> dict[str, Any]:
     """Trains ``cfg`` from scratch (or the newest checkpoint in ``out``); returns the run's summary.
 
-    Writes ``metrics.jsonl``, ``config.json``, ``summary.json``, ``loss.png`` and ``checkpoints/``
+    Writes ``metrics.jsonl``, ``config.json``, ``summary.json`` (with the goodput), ``loss.png`` and ``checkpoints/``
     under ``out`` (rank 0).
     """
     ctx, out = ctx or DistContext(), Path(out)
@@ -137,6 +137,10 @@ def train(cfg: Config, out: str | os.PathLike[str], ctx: DistContext | None = No
                "tokens_per_s": done * tokens_per_step / wall if wall > 0 else 0.0,
                "params": stats.params, "world_size": ctx.world_size, "stopped": loop.stopped}
     if writer:
+        from recover.observe.goodput import goodput
+        from recover.observe.plots import load_metrics
+
+        summary["goodput"] = goodput(load_metrics(out), []).to_dict()  # no launch events: first step to last
         (out / "summary.json").write_text(json.dumps(summary, indent=1))
         try:
             from recover.observe.plots import plot_loss
