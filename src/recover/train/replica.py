@@ -244,16 +244,17 @@ class Replica:
             if self.pipe is not None:
                 mine = self._run_pipeline(step, column, hook)
             else:
-                mine = self._run_passes(step, column, hook, final if self.streams else None)
+                mine = self._run_passes(step, column, hook, final if self.alone else None)
             self._record(ids, mine)
         if final is not None:
             for i in range(len(self.buffers)):
                 final(i)  # a no-op for those the last backward already finalised
 
     @property
-    def streams(self) -> bool:
-        """Whether the last pass folds its gradients from autograd hooks as they become final (plain
-        tensors on one process; DTensor gradients of sharded layouts are folded after the backward)."""
+    def alone(self) -> bool:
+        """A one-process replica: its gradients are plain tensors and each pass's are its own. Only such a
+        replica folds its last pass from autograd hooks (DTensor gradients of sharded layouts are folded
+        after the backward), finds a non-finite gradient in its buffers, and audits."""
         return self.group is None and self.pipe is None
 
     def _batch(self, step: int, mb: int | None) -> tuple[torch.Tensor, torch.Tensor]:
@@ -290,7 +291,7 @@ class Replica:
                 self._inject(step, mb)
                 if mb is not None and mb == self.audit_id:
                     self.audit_value = self._gradient_fingerprint()
-                if not self.streams:
+                if not self.alone:
                     finite = self._gradient_finite()
                 self._fold()
             if mb is not None:
@@ -302,7 +303,7 @@ class Replica:
         finite = torch.stack([ok for _, _, ok in checks]) & losses.isfinite()
         values, oks = losses.double().cpu().tolist(), finite.cpu().tolist()  # the one host sync of the call
         bad = [mb for (mb, _, _), ok in zip(checks, oks, strict=True) if not ok]
-        if not bad and self.streams and not self._buffers_finite():
+        if not bad and self.alone and not self._buffers_finite():
             bad = self._find_nonfinite(step, [mb for mb, _, _ in checks])
         self.nonfinite += bad
         return {mb: v for (mb, _, _), v in zip(checks, values, strict=True) if mb not in bad}
@@ -344,8 +345,8 @@ class Replica:
 
     @property
     def audits(self) -> bool:
-        """Whether this replica can audit (one process: a microbatch's gradient is its own, unmixed)."""
-        return self.group is None and self.pipe is None
+        """Whether this replica can audit (a microbatch's gradient is its own, unmixed: :attr:`alone`)."""
+        return self.alone
 
     def audit(self, step: int, mb: int) -> dict[str, Any]:
         """(local) Computes microbatch ``mb`` of ``step`` a second time, on its own, for the audit: the
