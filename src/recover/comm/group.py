@@ -175,8 +175,10 @@ class FaultTolerantGroup:
         The inputs are never modified. The results own their memory until dropped; after that it
         is reused by a later collective of this group chain. Raises PeerFailure if a member fails.
         """
-        self._check("all-reduce")
-        return self.reduction(tensors).result() if tensors else []
+        if not tensors:
+            self._check("all-reduce")
+            return []
+        return self.reduction(tensors).result()  # its first launch checks the group
 
     def reduction(self, tensors: Sequence[Tensor], order: Sequence[int] | None = None) -> Reduction:
         """An all-reduce of a copy of ``tensors`` whose buckets (planned along ``order``) are launched as
