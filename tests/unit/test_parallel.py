@@ -11,7 +11,6 @@ from recover.errors import ConfigError
 from recover.model import build_model, lm_loss
 from recover.parallel import MeshAxis, ParallelDims, parallelize, split_stage
 from recover.parallel.pipeline import PipelineRunner
-from recover.recovery.protocol import totals
 from recover.train.optim import build_optimizer, lr_at, set_lr
 from recover.train.replica import Replica
 
@@ -143,10 +142,11 @@ def test_one_process_replica_is_plain_pytorch_gradient_accumulation() -> None:
         assert replica.loss_sum == pytest.approx(sum(losses), rel=1e-6)
         assert sorted(replica.losses) == [0, 2, 3]
         payload = replica.payload()
-        assert totals(payload) == (pytest.approx(sum(losses), rel=1e-6), 3)
+        t = replica.totals(payload)
+        assert (t.loss_sum, t.microbatches) == (pytest.approx(sum(losses), rel=1e-6), 3)
         for a, b in zip(payload, grads, strict=False):
             torch.testing.assert_close(a, b, rtol=1e-5, atol=1e-6)
-        norm = replica.apply(payload, M, step)
+        norm = replica.apply(payload, M, step, t.sum_norm)
         for p, g in zip(model.parameters(), grads, strict=True):
             p.grad = g / M
         set_lr(opt, lr_at(step, TC))
@@ -161,7 +161,7 @@ def test_transfer_state_round_trip() -> None:
     sampler = _Sampler()
     src = Replica(CFG, TC, sampler)
     src.compute(0, [0])
-    src.apply(src.payload(), 1, 0)
+    src.apply(src.payload(), 1, 0, src.totals(src.payload()).sum_norm)
     dst = Replica(CFG, TrainingConfig(seed=4), sampler)
     counters = dst.load_transfer_state(src.transfer_state({"step": 7, "data_step": 9}))
     assert counters == {"step": 7, "data_step": 9}

@@ -17,7 +17,6 @@ from test_parallel import CFG, _Sampler
 
 from recover.comm.reduction import Reduction, plan_buckets
 from recover.config import TrainingConfig
-from recover.recovery.protocol import totals
 from recover.train.replica import Replica
 
 
@@ -85,7 +84,6 @@ def test_the_last_backward_launches_buckets_before_it_ends_and_sums_equal_the_pl
     assert early and len(early) < len(r.buckets)
     assert not r._final[len(payload) - 1]  # the stats are the protocol's to finalise (after its checks)
     reduced = r.result()
-    assert totals(reduced) == totals(plain.payload())
     for a, b in zip(reduced, plain.payload(), strict=True):
         assert torch.equal(a, b)
     assert streamed.ledger == plain.ledger and streamed.nonfinite == []

@@ -22,6 +22,7 @@ import torch
 from recover.baselines import JobFailed, ShrinkStep, StopOnFailureStep
 from recover.comm.reduction import DeferredReduction
 from recover.errors import PeerFailure, QuorumLost
+from recover.recovery.interfaces import Totals
 from recover.recovery.protocol import Progress, ResilientStep
 from recover.workload import SpeedTracker
 
@@ -220,10 +221,14 @@ class FakeReplica:
     def payload(self) -> list[torch.Tensor]:
         return [self.grad, self.stats]
 
-    def apply(self, reduced: list[torch.Tensor], divisor: int, step: int) -> float:
+    def totals(self, reduced: list[torch.Tensor], fingerprint: bool = False) -> Totals:
+        fp = f"{int(self.weights.sum()):016x}" if fingerprint else None
+        return Totals(float(reduced[-1][0]), int(reduced[-1][1]), float(reduced[0].norm()), fp)
+
+    def apply(self, reduced: list[torch.Tensor], divisor: int, step: int, sum_norm: float) -> float:
         self.applied.append((step, reduced[0].tolist(), divisor))
         self.weights -= reduced[0] / divisor
-        return float(reduced[0].norm())
+        return sum_norm / divisor
 
     def transfer_state(self, counters: dict[str, int]) -> dict[str, torch.Tensor]:
         return {"model.w": self.weights.clone(), **{f"counter.{k}": torch.tensor(v) for k, v in counters.items()}}

@@ -22,6 +22,7 @@ computed from the same plan and the same dead on each, agree.
 from __future__ import annotations
 
 from collections.abc import Callable, Sequence
+from dataclasses import dataclass
 from typing import Any, Protocol
 
 import torch
@@ -125,6 +126,18 @@ class Coordinator(Protocol):
         ...
 
 
+@dataclass(frozen=True)
+class Totals:
+    """What a step's reduced payload holds, as one host read gives it (:meth:`StepReplica.totals`)."""
+
+    loss_sum: float
+    microbatches: int
+    sum_norm: float
+    """L2 norm of the reduced gradient SUM over the whole replica (the step's norm is this / divisor)."""
+    fingerprint: str | None = None
+    """This replica's parameter fingerprint, when it was asked for."""
+
+
 class StepReplica(Protocol):
     """One replica's share of a step (see :class:`~recover.train.replica.Replica` for the contract)."""
 
@@ -146,14 +159,20 @@ class StepReplica(Protocol):
         """Payload indices in the order they become final (None: index order)."""
         ...
 
-    def apply(self, reduced: list[Tensor], divisor: int, step: int) -> float: ...
+    def totals(self, reduced: list[Tensor], fingerprint: bool = False) -> Totals:
+        """What the reduced payload holds, read to the host at once (with this replica's parameter
+        fingerprint when ``fingerprint``): the one host synchronisation after the reduction."""
+        ...
+
+    def apply(self, reduced: list[Tensor], divisor: int, step: int, sum_norm: float) -> float:
+        """The optimizer update from the reduced sum (consumed) and its norm (from :meth:`totals`)."""
+        ...
 
     @property
     def nonfinite(self) -> list[int]:
         """Ids of this step whose loss or gradient was not finite here (not in the buffers)."""
         ...
 
-    def fingerprint(self) -> str: ...
 
     def transfer_state(self, counters: dict[str, int]) -> dict[str, Tensor]: ...
 

@@ -36,15 +36,9 @@ import torch
 from recover.comm.transfer import receive_state, send_state, source_rank
 from recover.errors import PeerFailure, QuorumLost
 from recover.names import Phase
-from recover.recovery.interfaces import Coordinator, Group, Hook, Membership, Reduction, StepReplica
+from recover.recovery.interfaces import Coordinator, Group, Hook, Membership, Reduction, StepReplica, Totals
 from recover.workload import audit_plan, plan_step, replan, slowdowns
 from recover.workload.speeds import STRAGGLER_RATIO
-
-
-def totals(reduced: list[torch.Tensor]) -> tuple[float, int]:
-    """(loss_sum, microbatch_count) of a reduced payload (its last tensor)."""
-    stats = reduced[-1]
-    return float(stats[0]), int(round(float(stats[1])))
 
 
 @dataclass
@@ -71,6 +65,8 @@ class Committed:
     """A step the coordinator committed, before it is applied."""
 
     reduced: list[torch.Tensor]
+    totals: Totals
+    """What ``reduced`` holds, read once (loss, microbatches, norm, fingerprint)."""
     ids: list[int]
     generation: int
     live: tuple[int, ...]
@@ -228,31 +224,32 @@ class ResilientStep:
 
     def vote(self, step: int, plan: dict[int, list[int]], reduced: list[torch.Tensor],
              recoveries: list[dict[str, Any]], computed: int) -> Committed:
-        """Checks the reduced payload against the plan, then the coordinator's commit vote."""
-        _, count = totals(reduced)
+        """Checks the reduced payload against the plan, then the coordinator's commit vote. The payload's
+        totals and the fingerprint (when due) come to the host in one read (``replica.totals``)."""
+        self.hook(step, Phase.COMMIT)
+        every = self.fingerprint_every
+        t = self.replica.totals(reduced, fingerprint=bool(every and step % every == 0))
         ids = sorted(i for share in plan.values() for i in share)
         expected = self.expected_ids(plan)
-        if count != len(expected) or ids != expected:
-            raise RuntimeError(f"step {step}: reduced gradient holds {count} microbatches and the plan covers "
-                               f"{len(ids)}, expected {len(expected)}: the ledger is inconsistent")
-        self.hook(step, Phase.COMMIT)
+        if t.microbatches != len(expected) or ids != expected:
+            raise RuntimeError(f"step {step}: reduced gradient holds {t.microbatches} microbatches and the plan "
+                               f"covers {len(ids)}, expected {len(expected)}: the ledger is inconsistent")
         mb_s = self._compute_s / computed if computed else None
-        every = self.fingerprint_every
-        fp = self.replica.fingerprint() if every and step % every == 0 else None
         audit, self._audit = self._audit, None
         if audit is None and self.replica.audit_value is not None:  # the owner's
             audit = {"id": self.replica.audit_id, **self.replica.audit_value}
-        admitted = self.coordinator.vote_commit(self.group.generation, step, ids, mb_s=mb_s, fp=fp, audit=audit)
+        admitted = self.coordinator.vote_commit(self.group.generation, step, ids, mb_s=mb_s, fp=t.fingerprint,
+                                                audit=audit)
         self.speeds = self.coordinator.speeds
         quotas = {r: len(share) for r, share in sorted(plan.items())}
-        return Committed(reduced, ids, self.group.generation, tuple(self.group.members), computed, quotas,
+        return Committed(reduced, t, ids, self.group.generation, tuple(self.group.members), computed, quotas,
                          recoveries, admitted, self.coordinator.stopping)
 
     def apply(self, step: int, c: Committed) -> StepOutcome:
         """The optimizer update of a committed step; the progress advances."""
-        loss_sum, count = totals(c.reduced)
+        loss_sum, count = c.totals.loss_sum, c.totals.microbatches
         self.hook(step, Phase.OPTIMIZER)
-        grad_norm = self.replica.apply(c.reduced, self.divisor(count), step)
+        grad_norm = self.replica.apply(c.reduced, self.divisor(count), step, c.totals.sum_norm)
         tokens = count * self.replica.tokens_per_microbatch
         slow = {r: round(s, 2) for r, s in slowdowns(self.speeds or {}).items()
                 if s >= STRAGGLER_RATIO and r in c.live}

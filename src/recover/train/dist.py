@@ -79,7 +79,7 @@ class StaticGroup:
     """The :class:`~recover.recovery.interfaces.Group` of ``recover train``: the ranks of a plain
     ``torch.distributed`` group (or this process alone), generation 0 for good.
 
-    Collectives work on copies (SUM over one flattened buffer per dtype); a failure is the
+    Collectives of several ranks work on copies (SUM over one flattened buffer per dtype); a failure is the
     backend's error, not a :class:`~recover.errors.PeerFailure`: there is no fault tolerance here
     (``recover launch`` has it), so there is never a next generation.
     """
@@ -91,8 +91,10 @@ class StaticGroup:
         self.device = torch.device("cpu")
 
     def allreduce(self, tensors: Sequence[torch.Tensor]) -> list[torch.Tensor]:
+        """SUM over the ranks, as new tensors; with one member the sum is the input itself (no copy: a
+        committed step's update consumes it, and the next step starts from ``reset()``)."""
         if len(self.members) == 1:
-            return [t.clone() for t in tensors]
+            return list(tensors)
         out: list[torch.Tensor | None] = [None] * len(tensors)
         for dtype in sorted({t.dtype for t in tensors}, key=str):
             idx = [i for i, t in enumerate(tensors) if t.dtype == dtype]
@@ -141,12 +143,13 @@ class CommitAll:
 
     def vote_commit(self, generation: int, step: int, ids: list[int] | tuple[int, ...],
                     mb_s: float | None = None, fp: str | None = None, audit: dict[str, Any] | None = None) -> None:
-        flag = torch.tensor([1.0 if self.stop_requested else 0.0])
+        self.stopping = self.stop_requested
         if dist.is_initialized() and dist.get_world_size() > 1:
+            flag = torch.tensor([1.0 if self.stop_requested else 0.0])
             if dist.get_backend() == "nccl":
                 flag = flag.cuda()
             dist.all_reduce(flag, op=dist.ReduceOp.MAX)
-        self.stopping = bool(flag.item() > 0)
+            self.stopping = bool(flag.item() > 0)
         self.committed_step = step
         return None
 

@@ -25,14 +25,21 @@ surfaces as an exception within it and the caller treats the whole replica as lo
   there, so a streamed reduction (:mod:`recover.comm.reduction`, in ``reduce_order``) overlaps that
   backward, as DDP does; other layouts call it for every buffer at the end.
 - No host synchronisation per microbatch: losses stay on the device until the end of the call, and
-  finiteness is checked once per call, on the losses and the buffers.
+  finiteness is checked once per call, on the losses and the buffers, in ONE read to the host
+  (:func:`to_host`). Every tensor a collective inside the replica sees lives on ``device`` (an NCCL
+  group has no CPU backend).
 - ``payload()`` (local): this rank's gradient buffers in ``model.parameters()`` order, then a float64
   ``[loss_sum, count]`` of the WHOLE replica (the same tensors all step: ``reduce_order`` lists them in
   the order they become final). Summed with the payloads of the SAME replica-local rank
   of the other replicas (one lane per rank), every sum holds the global gradient shard and ``[sum, M]``.
-- ``apply(reduced, divisor, step)`` (collective): the learning rate of ``step``; ``grad = reduced /
-  divisor`` on the local shards; clipped by the global norm over the whole replica (each shard
-  counted once); ``optimizer.step()``. Returns that norm.
+- ``totals(reduced, fingerprint)`` (collective): what the step's reduced payload holds, read to the host
+  at once (the one synchronisation after the reduction): ``[loss_sum, count]``, the L2 norm of the
+  summed gradient over the whole replica (each shard counted once) and, when asked, this rank's
+  parameter fingerprint.
+- ``apply(reduced, divisor, step, sum_norm)`` (collective): the learning rate of ``step``; ``grad =
+  reduced / divisor`` on the local shards, clipped by the global norm ``sum_norm / divisor``;
+  ``optimizer.step()``. No host synchronisation; it consumes ``reduced`` (scaled in place where its
+  dtype is the parameters'). Returns the norm.
 - A pass whose loss or gradient is not finite puts its id in ``nonfinite`` (with ``pp > 1`` only the
   loss, on the last stage, is checked); the step protocol reports it and the replica is fenced (its
   buffers, now not finite, are never reduced) or the job ends. Which pass it was: from the losses;
@@ -54,6 +61,7 @@ surfaces as an exception within it and the caller treats the whole replica as lo
 from __future__ import annotations
 
 import math
+import struct
 import time
 from collections.abc import Callable
 from contextlib import AbstractContextManager, nullcontext
@@ -69,6 +77,7 @@ from recover.model import build_model, lm_loss
 from recover.names import Phase
 from recover.parallel.apply import clean_name, parallelize
 from recover.parallel.dims import AXES, Coord, MeshAxis, ParallelDims
+from recover.recovery.interfaces import Totals
 from recover.train.optim import build_optimizer, lr_at, set_lr
 from recover.train.weights import load_initial_weights
 from recover.workload.policy import split_within_replica
@@ -94,6 +103,49 @@ def _bits(t: torch.Tensor) -> torch.Tensor:
     return t.contiguous().view(-1).view(_INT_OF_SIZE[t.element_size()])
 
 
+AUDIT_TOLERANCES = {"float32": 1e-5, "bfloat16": 1e-3}
+"""Relative difference of an audited gradient's norm tolerated outside deterministic mode, by compute
+dtype: kernels that are not bitwise reproducible (atomics in attention backward, split-K matmuls) move a
+norm by ~1e-7 relative in float32 and by up to ~1e-4 in bfloat16 (one bfloat16 unit is 2**-8 = 3.9e-3
+per element, averaged over the tensor); a systematically wrong gradient of 2**-8 stays far above both."""
+
+
+def audit_tolerance(dtype: str) -> float:
+    return AUDIT_TOLERANCES.get(dtype, AUDIT_TOLERANCES["float32"])
+
+
+def _bit_sum(tensors: list[torch.Tensor], device: torch.device) -> torch.Tensor:
+    """The exact fingerprint of ``tensors`` on the device: the sum, modulo 2**64, of each tensor's bit
+    patterns read as integers times an odd constant per tensor (int64 arithmetic wraps). Any single
+    changed bit changes it (the change is +-2**k times an odd number: never 0 modulo 2**64), and so
+    does moving values between tensors."""
+    total = torch.zeros((), dtype=torch.int64, device=device)
+    for k, t in enumerate(tensors):
+        total += _bits(t).sum(dtype=torch.int64) * (2 * k + 1)
+    return total
+
+
+_STRUCT = {torch.float64: "d", torch.float32: "f", torch.int64: "q", torch.int32: "i", torch.bool: "?"}
+
+
+def to_host(*tensors: torch.Tensor) -> list[list[Any]]:
+    """The values of several small tensors as Python lists, read with ONE device-to-host copy (one
+    synchronisation, where a ``.item()`` or ``.cpu()`` per tensor would drain the device queue once
+    each): their bytes travel in one buffer, each part padded to 8 bytes."""
+    flat = [t.detach().reshape(-1).contiguous() for t in tensors]
+    parts = []
+    for t in flat:
+        raw = t.view(torch.uint8)
+        pad = -raw.numel() % 8
+        parts.append(torch.cat([raw, raw.new_zeros(pad)]) if pad else raw)
+    data = bytes(torch.cat(parts).tolist()) if parts else b""  # the one read
+    out, offset = [], 0
+    for t, part in zip(flat, parts, strict=True):
+        out.append(list(struct.unpack_from(f"<{t.numel()}{_STRUCT[t.dtype]}", data, offset)))
+        offset += part.numel()
+    return out
+
+
 class MicrobatchSource(Protocol):
     """What a replica needs from :class:`~recover.data.sampler.Sampler`: samples by (step, id)."""
 
@@ -106,6 +158,8 @@ class MicrobatchSource(Protocol):
 def local(t: torch.Tensor) -> torch.Tensor:
     """The tensor this rank holds (a DTensor's local shard)."""
     return t.to_local() if isinstance(t, DTensor) else t
+
+
 
 
 class Replica:
@@ -162,7 +216,8 @@ class Replica:
         self.dtype = torch.float64 if training.deterministic else torch.float32
         self.buffers = [torch.zeros_like(local(p), dtype=self.dtype) for p in self.params]
         self.stats = torch.zeros(2, dtype=torch.float64, device=self.device)  # the replica's [loss_sum, count]
-        self._copies = [self._copies_of(p) for p in self.params]
+        self._copies = torch.tensor([float(self._copies_of(p)) for p in self.params], dtype=torch.float64,
+                                    device=self.device)  # each shard of the whole gradient counted once
         self.pipe: PipelineRunner | None = None
         if dims.pp > 1:
             self.pipe = PipelineRunner(self.model, self.coord.pp, dims.pp, mesh[MeshAxis.PP.value].get_group(),
@@ -260,10 +315,9 @@ class Replica:
     def _batch(self, step: int, mb: int | None) -> tuple[torch.Tensor, torch.Tensor]:
         """Microbatch ``mb`` of ``step`` on this rank's device (pinned, asynchronous copies to a GPU)."""
         if mb is None:  # zero-weight padding pass: any valid tokens will do
-            zeros = torch.zeros(self.data.microbatch_size, self.data.seq_len, dtype=torch.long)
-            inputs, targets = zeros, zeros
-        else:
-            inputs, targets = self.data.microbatch(step, mb)
+            zeros = torch.zeros(self.data.microbatch_size, self.data.seq_len, dtype=torch.long, device=self.device)
+            return zeros, zeros
+        inputs, targets = self.data.microbatch(step, mb)
         if self.device.type != "cuda":
             return inputs.to(self.device), targets.to(self.device)
         return (inputs.pin_memory().to(self.device, non_blocking=True),
@@ -301,9 +355,10 @@ class Replica:
             return {}
         losses = torch.stack([loss for _, loss, _ in checks])
         finite = torch.stack([ok for _, _, ok in checks]) & losses.isfinite()
-        values, oks = losses.double().cpu().tolist(), finite.cpu().tolist()  # the one host sync of the call
+        buffers = self._buffers_finite() if self.alone else yes
+        values, oks, (buffers_ok,) = to_host(losses.double(), finite, buffers)  # the one host sync of the call
         bad = [mb for (mb, _, _), ok in zip(checks, oks, strict=True) if not ok]
-        if not bad and self.alone and not self._buffers_finite():
+        if not bad and not buffers_ok:
             bad = self._find_nonfinite(step, [mb for mb, _, _ in checks])
         self.nonfinite += bad
         return {mb: v for (mb, _, _), v in zip(checks, values, strict=True) if mb not in bad}
@@ -369,17 +424,17 @@ class Replica:
         """The gradient of the pass just run: its exact fingerprint (as :meth:`fingerprint`), its L2 norm,
         and ``exact`` (deterministic mode: compare fingerprints; otherwise norms, within a tolerance)."""
         grads = [local(p.grad.detach()) for p in self.params if p.grad is not None]
-        total = torch.zeros((), dtype=torch.int64, device=self.device)
-        for k, g in enumerate(grads):
-            total += _bits(g).sum(dtype=torch.int64) * (2 * k + 1)
-        norm = float(torch.stack(torch._foreach_norm(grads)).double().norm()) if grads else 0.0
-        return {"fp": f"{int(total) & _MASK:016x}", "norm": norm, "exact": self.training.deterministic}
+        norm = torch.stack(torch._foreach_norm(grads, 2, dtype=torch.float64)).norm() if grads else self.stats.new_zeros(())
+        (fp,), (value,) = to_host(_bit_sum(grads, self.device), norm)
+        return {"fp": f"{fp & _MASK:016x}", "norm": value, "exact": self.training.deterministic,
+                "tol": audit_tolerance(self.training.dtype)}
 
     @torch.no_grad()
-    def _buffers_finite(self) -> bool:
-        """Whether every element of the gradient buffers is finite (one read of the buffers). A sum that
-        holds a non-finite gradient is not finite (NaN and infinities survive addition)."""
-        return not self.buffers or bool(torch.stack(torch._foreach_norm(self.buffers)).sum().isfinite())
+    def _buffers_finite(self) -> torch.Tensor:
+        """Whether every element of the gradient buffers is finite: a boolean on the device (one read of
+        the buffers). A sum that holds a non-finite gradient is not finite (NaN and infinities survive
+        addition)."""
+        return torch.stack(torch._foreach_norm(self.buffers)).sum().isfinite()
 
     @torch.no_grad()
     def _gradient_finite(self) -> torch.Tensor:
@@ -451,46 +506,51 @@ class Replica:
             p.grad = None
 
     def _record(self, ids: list[int], mine: dict[int, float]) -> None:
-        """Shares per-id losses over the replica (one owner per id) and extends the ledger."""
-        values = torch.zeros(len(ids), dtype=torch.float64)
-        if self.owns_loss:
-            for k, mb in enumerate(ids):
-                if mb in mine:
-                    values[k] = mine[mb]
-        if self.group is not None:
-            dist.all_reduce(values, group=self.group)
-        for mb, v in zip(ids, values.tolist(), strict=True):
-            self.losses[mb] = v
-        self.loss_sum += float(values.sum())
+        """Shares per-id losses over the replica (one owner per id) and extends the ledger. The stats
+        are filled from host values (a fill, not a pageable copy: no synchronisation)."""
+        values = [mine.get(mb, 0.0) if self.owns_loss else 0.0 for mb in ids]
+        if self.group is not None:  # every rank learns every id's loss: one all-reduce on the device
+            shared = torch.tensor(values, dtype=torch.float64, device="cpu")
+            shared = shared.pin_memory() if self.device.type == "cuda" else shared
+            shared = shared.to(self.device, non_blocking=True)
+            dist.all_reduce(shared, group=self.group)
+            (values,) = to_host(shared)
+        self.losses.update(zip(ids, values, strict=True))
+        self.loss_sum += sum(values)
         self.ledger.extend(ids)
-        self.stats.copy_(torch.tensor([self.loss_sum, float(len(self.ledger))], dtype=torch.float64))
+        self.stats[0].fill_(self.loss_sum)
+        self.stats[1].fill_(float(len(self.ledger)))
 
     def payload(self) -> list[torch.Tensor]:
         """This rank's gradient buffers, then the replica's float64 ``[loss_sum, count]``."""
         return [*self.buffers, self.stats]
 
-    def apply(self, reduced: list[torch.Tensor], divisor: int, step: int) -> float:
-        """(collective) The optimizer update of ``step`` from the reduced gradient sum; returns the norm."""
+    def totals(self, reduced: list[torch.Tensor], fingerprint: bool = False) -> Totals:
+        """(collective) What the reduced payload holds (see the module docstring), in one host read."""
+        norms = torch._foreach_norm(reduced[: len(self.params)], 2, dtype=torch.float64)
+        sq = (torch.stack(norms).square() / self._copies).sum()  # this rank's shards, each copy counted once
+        if self.group is not None:
+            dist.all_reduce(sq, group=self.group)
+        parts = [reduced[-1], sq] + ([self._fingerprint()] if fingerprint else [])
+        (loss_sum, count), (sq_sum,), *fp = to_host(*parts)
+        return Totals(loss_sum, int(round(count)), math.sqrt(sq_sum), f"{fp[0][0] & _MASK:016x}" if fp else None)
+
+    @torch.no_grad()
+    def apply(self, reduced: list[torch.Tensor], divisor: int, step: int, sum_norm: float) -> float:
+        """(collective) The optimizer update of ``step`` from the reduced gradient sum (consumed: scaled in
+        place where it has the parameters' dtype) and its norm ``sum_norm`` (:meth:`totals`); returns the
+        step's gradient norm. No host synchronisation."""
         set_lr(self.optimizer, lr_at(step, self.training))
-        grads = [(g / divisor).to(p.dtype) for g, p in zip(reduced[: len(self.params)], self.params, strict=True)]
-        norm = self.global_norm(grads)
+        grads = [g.div_(divisor).to(p.dtype) for g, p in zip(reduced[: len(self.params)], self.params, strict=True)]
+        norm = sum_norm / divisor
         clip = self.training.grad_clip
         if clip > 0 and norm + 1e-6 > clip:
-            grads = [g * (clip / (norm + 1e-6)) for g in grads]
+            torch._foreach_mul_(grads, clip / (norm + 1e-6))
         for p, g in zip(self.params, grads, strict=True):
             p.grad = self._like(p, g)
         self.optimizer.step()
         self.optimizer.zero_grad(set_to_none=True)
         return norm
-
-    def global_norm(self, grads: list[torch.Tensor]) -> float:
-        """(collective) The L2 norm of the replica's whole gradient from each rank's local shards."""
-        sq = torch.zeros(1, dtype=torch.float64)
-        for g, copies in zip(grads, self._copies, strict=True):
-            sq += g.double().pow(2).sum().cpu() / copies
-        if self.group is not None:
-            dist.all_reduce(sq, group=self.group)
-        return math.sqrt(float(sq))
 
     @staticmethod
     def _like(p: torch.Tensor, t: torch.Tensor) -> torch.Tensor:
@@ -503,14 +563,13 @@ class Replica:
     # ---- integrity -----------------------------------------------------------------------------
     @torch.no_grad()
     def fingerprint(self) -> str:
-        """(local) An exact fingerprint of this rank's parameter shards, computed where they live: the sum,
-        modulo 2**64, of each shard's bit patterns read as integers, times an odd constant per shard.
-        Any single changed bit changes it (the change is +-2**k times an odd number: never 0 modulo
-        2**64), and so does moving values between shards. One read of the parameters; 16 hex digits."""
-        total = torch.zeros((), dtype=torch.int64, device=self.device)
-        for k, p in enumerate(self.params):
-            total += _bits(local(p.detach())).sum(dtype=torch.int64) * (2 * k + 1)
-        return f"{int(total) & _MASK:016x}"
+        """(local) An exact fingerprint of this rank's parameter shards, computed where they live
+        (:func:`_bit_sum`): any single changed bit changes it. One read of the parameters; 16 hex digits."""
+        ((total,),) = to_host(self._fingerprint())
+        return f"{total & _MASK:016x}"
+
+    def _fingerprint(self) -> torch.Tensor:
+        return _bit_sum([local(p.detach()) for p in self.params], self.device)
 
     def corrupt(self) -> None:
         """Fault injection (``--corrupt``): one bit of one element of this rank's first parameter shard
@@ -540,7 +599,7 @@ class Replica:
         leader = dist.get_rank() == root
         gathered: list[Any] = [None] * self.dims.world if leader else []
         dist.gather_object(mine, gathered if leader else None, dst=root, group=self.group)
-        value = torch.zeros(1, dtype=torch.float64)
+        value = torch.zeros(1, dtype=torch.float64, device=self.device)  # the group may have no CPU backend
         if leader:
             assert self._eval_model is not None
             whole: dict[str, torch.Tensor] = {}
@@ -550,7 +609,7 @@ class Replica:
                 p.copy_(whole[name])
             value[0] = self._mean_loss(self._eval_model, batches)
         dist.all_reduce(value, group=self.group)  # only rank 0 holds a value: a broadcast
-        return float(value)
+        return float(value.item())
 
     def _mean_loss(self, model: torch.nn.Module, batches: list[tuple[torch.Tensor, torch.Tensor]]) -> float:
         was_training = model.training
@@ -590,11 +649,21 @@ class Replica:
         missing = [n for n in self.names if f"model.{n}" not in state]
         if missing:
             raise ValueError(f"transferred state lacks parameters {missing[:3]} ({len(missing)} missing)")
+        on_device = {id(p): bool(g.get("fused") or g.get("capturable"))
+                     for g in self.optimizer.param_groups for p in g["params"]}
         for name, p in zip(self.names, self.params, strict=True):
             local(p).copy_(state[f"model.{name}"])
             prefix = f"optim.{name}."
-            moments = {k[len(prefix):]: v.clone() for k, v in state.items()
+            moments = {k[len(prefix):]: v for k, v in state.items()
                        if k.startswith(prefix) and "." not in k[len(prefix):]}
             if moments:  # moments are shaped like the parameter; AdamW's "step" is a scalar
-                self.optimizer.state[p] = {k: self._like(p, v) if v.dim() else v for k, v in moments.items()}
+                self.optimizer.state[p] = {k: self._state_value(p, v, on_device[id(p)]) for k, v in moments.items()}
         return {k[len("counter."):]: int(v) for k, v in state.items() if k.startswith("counter.")}
+
+    def _state_value(self, p: torch.Tensor, v: torch.Tensor, scalars_on_device: bool) -> torch.Tensor:
+        """A transferred optimizer state tensor where the optimizer keeps it (the payload lives on the
+        group's device, the CPU over gloo): moments on the parameter's device, as its kind (DTensor);
+        a scalar ("step") on the device for fused or capturable AdamW, else on the CPU."""
+        if v.dim():
+            return self._like(p, v.to(local(p).device, copy=True))
+        return v.to(local(p).device if scalars_on_device else "cpu", copy=True)

@@ -29,7 +29,6 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 from _parallel_workers.common import SEED, STEPS, M, make_sampler, model_cfg, plan, train_cfg  # noqa: E402
 from recover.parallel import MeshAxis, ParallelDims  # noqa: E402
-from recover.recovery.protocol import totals  # noqa: E402
 from recover.train.dist import StaticGroup  # noqa: E402
 from recover.train.replica import Replica  # noqa: E402
 
@@ -76,10 +75,10 @@ def train(run: dict[str, Any], data: Path, out: Path, timeout_s: float) -> None:
         for ids in plan(step, q, R):
             engine.compute(step, ids)
         reduced = lane.allreduce(engine.payload())
-        loss_sum, count = totals(reduced)
-        assert count == M, f"step {step}: {count} microbatches reduced, expected {M}"
-        norms.append(engine.apply(reduced, M, step))
-        losses.append(loss_sum / M)
+        t = engine.totals(reduced)
+        assert t.microbatches == M, f"step {step}: {t.microbatches} microbatches reduced, expected {M}"
+        norms.append(engine.apply(reduced, M, step, t.sum_norm))
+        losses.append(t.loss_sum / M)
         times.append(time.perf_counter() - t0)
         ledgers.append(list(engine.ledger))
     params = engine.full_parameters()
