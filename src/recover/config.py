@@ -206,15 +206,24 @@ class TrainingConfig:
     threads: int = 0
     """torch intra-op threads per process; 0 means cores / local processes."""
     deterministic: bool = False
-    """Accumulate and reduce gradients in float64 so a step does not depend on who computed what."""
+    """Accumulate and reduce gradients in float64 so a step does not depend on who computed what, and use
+    deterministic kernels (``torch.use_deterministic_algorithms``; on CUDA also
+    ``CUBLAS_WORKSPACE_CONFIG``; inductor does not autotune): a run with faults is then bitwise equal to
+    its failure-free run for one-process and tensor-parallel replicas, on the same hardware and
+    software (every replica on the same GPU model; exact audits compare fingerprints). Pipeline and FSDP
+    replicas sum inside their schedules and reduce-scatters in float32: equal within ~1e-5 there.
+    Slower on GPUs (deterministic attention backward)."""
     dtype: Dtype = "float32"
     """Compute dtype: ``bfloat16`` runs forward and backward under autocast (matmuls in bf16) while the
     master weights, the optimizer state, the accumulation over microbatches and the cross-replica
     reduction stay float32 (float64 in deterministic mode)."""
     compile: bool = False
-    """``torch.compile`` each transformer block (inductor; the first steps pay the compilation, a few
-    seconds to minutes by model size; on CPU it needs a C++ compiler). Every replica compiles the same
-    kernels, so deterministic mode stays bitwise between a run and its failure-free reference."""
+    """``torch.compile`` each transformer block (inductor; on CPU it needs a C++ compiler). Each replica
+    compiles before it joins, in one warm-up pass (seconds to minutes by model size), so a replacement
+    never makes the others wait on its compiler. In deterministic mode inductor picks kernels without
+    on-device benchmarks, so every replica runs the same kernels and deterministic mode stays bitwise;
+    outside it replicas may autotune to different kernels (their parameters still agree: the update
+    is the same elementwise arithmetic on the same reduced gradient)."""
     compile_backend: CompileBackend = "inductor"
     """The ``torch.compile`` backend when ``compile`` is on: ``inductor`` (generated kernels), or
     ``aot_eager`` (traced, no code generation: for debugging and CPU tests)."""

@@ -326,3 +326,15 @@ def test_a_nonfinite_microbatch_fences_its_replica_and_a_second_one_ends_the_job
     acts = st.on_nonfinite(2, 6, 2, 7, [3], 0.2)  # recomputed on replica 2: not finite there either
     assert st.stopped and logs(acts, "nonfinite_divergence") == [{"step": 7, "id": 3, "replicas": [1, 2]}]
     assert {r: m["code"] for r, m in sent(acts, "error").items()} == {2: "nonfinite", 0: "nonfinite"}
+
+
+@pytest.mark.parametrize("tol, fenced", [(None, [2]), (1e-3, [])])
+def test_audited_norms_are_compared_within_the_tolerance_their_dtype_names(tol: float | None, fenced: list) -> None:
+    """bfloat16 kernels that are not bitwise reproducible move a norm by ~1e-4: within its 1e-3, not 1e-5."""
+    st = make(3)
+    acts = []
+    for r, norm in enumerate((2.0, 2.0, 2.0004)):
+        audit = {"id": 1, "fp": f"{r:016x}", "norm": norm, "exact": False, **({"tol": tol} if tol else {})}
+        acts += st.on_vote(r, 10 + r, 1, 0, [0, 1], 0.1, audit=audit)
+    assert sorted(a.replica for a in acts if isinstance(a, Fence)) == fenced
+    assert bool(sent(acts, "committed")) == (not fenced)

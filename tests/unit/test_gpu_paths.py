@@ -9,6 +9,7 @@ the CPU where the parameters live elsewhere shows as a device mismatch.
 
 from __future__ import annotations
 
+import os
 import traceback
 from collections.abc import Iterator
 from contextlib import contextmanager
@@ -144,3 +145,40 @@ def test_a_joiner_keeps_its_optimizer_state_on_its_parameters_device() -> None:
         moments = dst.optimizer.state[p]
         assert moments["exp_avg"].device == p.device and moments["exp_avg_sq"].device == p.device
         assert moments["step"].device == torch.device("cpu")  # AdamW without fused/capturable keeps it there
+
+
+def test_the_warm_up_compiles_before_joining_and_leaves_nothing_behind() -> None:
+    """A replacement compiles in :meth:`Replica.warm_up`, at start-up, not in its first step while the others
+    wait in the reduction (a cold compile outlasts the hang rule); the step after it is unchanged."""
+    from torch._dynamo.utils import counters
+
+    tc = TrainingConfig(seed=3, compile=True, compile_backend="aot_eager")
+    warm, cold = Replica(CFG, tc, _Sampler()), Replica(CFG, TrainingConfig(seed=3), _Sampler())
+    counters.clear()
+    warm.warm_up()
+    compiled = counters["stats"]["unique_graphs"]
+    assert compiled > 0  # the blocks' forward and backward graphs were built here
+    assert warm.ledger == [] and all(not b.any() for b in warm.buffers) and all(p.grad is None for p in warm.params)
+    warm.compute(0, [0, 1])
+    cold.compute(0, [0, 1])
+    assert counters["stats"]["unique_graphs"] == compiled  # nothing left to compile in the step
+    assert warm.ledger == cold.ledger
+    for a, b in zip(warm.payload(), cold.payload(), strict=True):
+        torch.testing.assert_close(a, b, rtol=1e-5, atol=1e-7)
+
+
+def test_deterministic_mode_switches_on_deterministic_kernels(monkeypatch: pytest.MonkeyPatch) -> None:
+    from recover.config import load_config
+    from recover.train.loop import configure_torch
+
+    monkeypatch.delenv("CUBLAS_WORKSPACE_CONFIG", raising=False)
+    threads = torch.get_num_threads()
+    try:
+        configure_torch(load_config("debug", []), 1)
+        assert not torch.are_deterministic_algorithms_enabled()
+        configure_torch(load_config("debug", ["--training.deterministic=true"]), 1)
+        assert torch.are_deterministic_algorithms_enabled()
+        assert os.environ["CUBLAS_WORKSPACE_CONFIG"] == ":4096:8"  # before any cuBLAS handle exists
+    finally:
+        torch.use_deterministic_algorithms(False)
+        torch.set_num_threads(threads)

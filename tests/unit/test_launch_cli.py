@@ -90,15 +90,17 @@ def test_demo_failures_scale_with_the_run() -> None:
 
 
 def test_placement_gives_every_rank_its_own_gpu_and_refuses_more_ranks_than_gpus() -> None:
-    from recover.launch.placement import parse_gpus, place
+    from recover.launch.placement import PLACEMENT_ENV, parse_gpus, place
 
     plan = place(2, 2, parse_gpus("0,1,2,3"))
     assert plan.gpus == {(0, 0): "0", (0, 1): "1", (1, 0): "2", (1, 1): "3"} and not plan.shared
-    assert plan.env(1, 1) == {"CUDA_VISIBLE_DEVICES": "3"} and place(2, 2, []).env(0, 0) == {}
+    assert plan.env(1, 1) == {"CUDA_VISIBLE_DEVICES": "3"} and place(2, 2, []).env(0, 0) == {PLACEMENT_ENV: "none"}
     with pytest.raises(ConfigError, match="3 replicas x 2 ranks need 6 GPUs, 4 given"):
         place(3, 2, parse_gpus("0,1,2,3"))
     shared = place(2, 1, ["0"], share=True)
     assert shared.shared and set(shared.gpus.values()) == {"0"}
+    assert place(2, 1, [], share=True).shared  # no GPU found: still gloo, the workers share cuda:0 if CUDA works
+    assert place(2, 1, [], share=True).env(1, 0) == {PLACEMENT_ENV: "shared"}
     with pytest.raises(ConfigError, match="distinct device ids"):
         parse_gpus("0,0")
 
@@ -116,3 +118,31 @@ def test_dry_run_prints_the_plan_and_starts_nothing(tmp_path: Path, capsys: pyte
     assert "3 replicas x 2 ranks need 6 GPUs, 4 given" in capsys.readouterr().err
     assert main([*base, "--replicas", "3", "--share-gpus"]) == 0
     assert "--parallel.backend=gloo" in capsys.readouterr().out
+
+
+def test_gpus_are_found_by_nvidia_smi_when_the_driver_shows_no_proc_entries(
+        tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """Containers often show neither CUDA_VISIBLE_DEVICES nor /proc/driver/nvidia while CUDA works."""
+    from recover.launch import placement
+
+    smi = tmp_path / "nvidia-smi"
+    smi.write_text("#!/bin/sh\necho 'GPU 0: NVIDIA H100 80GB HBM3 (UUID: GPU-a)'\necho '  MIG 1g.10gb Device 0: (UUID: MIG-b)'\n"
+                   "echo 'GPU 1: NVIDIA H100 80GB HBM3 (UUID: GPU-c)'\n")
+    smi.chmod(0o755)
+    monkeypatch.delenv("CUDA_VISIBLE_DEVICES", raising=False)
+    monkeypatch.setattr(placement, "NVIDIA_PROC", tmp_path / "absent")
+    monkeypatch.setenv("PATH", str(tmp_path))
+    assert placement.visible_gpus() == ["0", "1"]
+    monkeypatch.setenv("PATH", str(tmp_path / "nowhere"))
+    assert placement.visible_gpus() == []
+
+
+def test_a_worker_that_sees_cuda_the_launcher_did_not_refuses_to_share_gpu_0_silently() -> None:
+    from recover.launch.placement import worker_device
+
+    assert worker_device(0, "none", 4) == "cpu"
+    assert worker_device(1, None, 4) == "cuda:0"  # given its own GPU (or started by torchrun / a cluster recipe)
+    assert worker_device(8, "none", 1) == "cuda:0"  # one process alone cannot collide
+    assert worker_device(1, "shared", 4) == "cuda:0"  # --share-gpus: on purpose, over gloo
+    with pytest.raises(ConfigError, match="would all use GPU 0: pass --gpus 0,1,... .* or --share-gpus"):
+        worker_device(8, "none", 4)

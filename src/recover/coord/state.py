@@ -53,7 +53,8 @@ from recover.coord.protocol import Membership, Resume, speeds_to_wire
 from recover.workload.speeds import SpeedTracker
 
 AUDIT_TOLERANCE = 1e-5
-"""Relative difference of the audited gradient's norm tolerated outside deterministic mode."""
+"""Relative difference of the audited gradient's norm tolerated outside deterministic mode, unless the
+audits name a larger one (``tol``: their compute dtype's, e.g. bfloat16's)."""
 
 
 @dataclass(frozen=True)
@@ -334,7 +335,8 @@ class MembershipState:
     def _check_audits(self, generation: int, step: int, votes: dict[int, tuple[int, int, tuple[int, ...]]],
                       audits: dict[int, dict[str, Any]]) -> list[Action] | None:
         """Corrupted arithmetic: the replicas that computed the audited microbatch compare their gradients
-        (fingerprints when ``exact``, else norms within a relative 1e-5); see :meth:`_split`."""
+        (fingerprints when ``exact``, else norms within the largest relative ``tol`` they name, 1e-5 by
+        default); see :meth:`_split`."""
         if len(audits) < 2:
             return None
         sides: dict[str, list[int]] = {}
@@ -342,10 +344,10 @@ class MembershipState:
             for r, a in sorted(audits.items()):
                 sides.setdefault(str(a["fp"]), []).append(r)
         else:
-            first = 0.0
+            first, tol = 0.0, max(float(a.get("tol", AUDIT_TOLERANCE)) for a in audits.values())
             for r, a in sorted(audits.items(), key=lambda kv: kv[1]["norm"]):
                 n = float(a["norm"])
-                if not sides or abs(n - first) > AUDIT_TOLERANCE * max(abs(first), 1e-30):
+                if not sides or abs(n - first) > tol * max(abs(first), 1e-30):
                     first = n
                     sides[f"norm {n:.9g}"] = []
                 sides[f"norm {first:.9g}"].append(r)

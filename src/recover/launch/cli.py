@@ -233,7 +233,7 @@ def check_launch(req: LaunchRequest) -> LaunchOptions:
     p, ft = cfg.parallel, cfg.fault_tolerance
     P = p.procs_per_replica
     placement = place(p.replicas, P, parse_gpus(req.gpus) if req.gpus else visible_gpus(), req.share_gpus)
-    if placement.shared and p.backend != "gloo":  # NCCL allows one rank per device
+    if placement.shared and p.backend != "gloo":  # NCCL allows one rank per device (also when no GPU was found)
         cfg, overrides = launch_config(replace(req, overrides=(*req.overrides, "--parallel.backend=gloo")))
         p, ft = cfg.parallel, cfg.fault_tolerance
     if req.procs_per_replica is not None and req.procs_per_replica != P:

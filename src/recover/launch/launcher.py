@@ -268,7 +268,7 @@ class Launcher:
     def _env(self, rid: int | None, k: int, port: int | str) -> dict[str, str]:
         """What rank ``k`` of replica ``rid`` gets on top of this environment: torchrun's variables
         (P > 1) and its device (:mod:`recover.launch.placement`; a spare, ``rid`` None, none)."""
-        env = self.o.placement.env(rid, k) if rid is not None else {}
+        env = self.o.placement.env(rid, k)
         if self.P > 1:
             env.update({"RANK": str(k), "LOCAL_RANK": str(k), "WORLD_SIZE": str(self.P),
                         "LOCAL_WORLD_SIZE": str(self.P), "MASTER_ADDR": self.o.host, "MASTER_PORT": str(port)})

@@ -2,26 +2,33 @@
 
 Contract:
 - :func:`visible_gpus` lists the GPUs this machine shows: ``CUDA_VISIBLE_DEVICES`` when set (ids or
-  UUIDs, as given), else the NVIDIA driver's entries under ``/proc/driver/nvidia/gpus``; none on a
-  machine without NVIDIA GPUs.
+  UUIDs, as given), else the NVIDIA driver's entries under ``/proc/driver/nvidia/gpus``, else the
+  GPUs ``nvidia-smi -L`` lists (containers often show neither of the first two while CUDA works);
+  none on a machine without NVIDIA GPUs.
 - :func:`place` gives rank k of replica r the GPU ``gpus[r * P + k]``: every rank of every replica a
   device of its own, passed to the process as ``CUDA_VISIBLE_DEVICES`` (it then sees that one GPU as
   ``cuda:0``, whatever its ``LOCAL_RANK``). More ranks than GPUs is refused, with one line, unless
   ``share`` (``--share-gpus``, for tests on one GPU): ranks then share the GPUs round robin and every
-  collective runs on gloo (NCCL allows one rank per device). Without GPUs every rank computes on
-  the CPU and nothing is set.
+  collective runs on gloo (NCCL allows one rank per device), also when no GPU was found.
+- A process given no GPU is told so (``RECOVER_PLACEMENT``: ``none``, or ``shared`` under
+  ``--share-gpus``), and :func:`worker_device` decides in the worker, which can ask CUDA: the CPU,
+  ``cuda:0`` when the GPU is its alone or shared on purpose, or a refusal in one line when several
+  processes would silently share GPU 0 because the launcher could not see the GPUs.
 - A replica that rejoins takes the devices of the one it replaces.
 """
 
 from __future__ import annotations
 
 import os
+import subprocess
 from dataclasses import dataclass, field
 from pathlib import Path
 
 from recover.errors import ConfigError
 
 NVIDIA_PROC = Path("/proc/driver/nvidia/gpus")
+PLACEMENT_ENV = "RECOVER_PLACEMENT"
+"""Set for a process ``recover launch`` gave no GPU: ``none`` (it found none), ``shared`` (``--share-gpus``)."""
 
 
 def visible_gpus() -> list[str]:
@@ -31,7 +38,30 @@ def visible_gpus() -> list[str]:
         return [d.strip() for d in env.split(",") if d.strip() and d.strip() != "-1"]
     if NVIDIA_PROC.is_dir():
         return [str(i) for i in range(len(list(NVIDIA_PROC.iterdir())))]
-    return []
+    return smi_gpus()
+
+
+def smi_gpus(timeout_s: float = 10.0) -> list[str]:
+    """The GPUs ``nvidia-smi -L`` lists (``GPU 0: ...`` lines; MIG instances under them are not counted),
+    or none when it is missing, fails or does not answer in time."""
+    try:
+        out = subprocess.run(["nvidia-smi", "-L"], capture_output=True, text=True, timeout=timeout_s, check=True)
+    except (OSError, subprocess.SubprocessError):
+        return []
+    return [str(i) for i, _ in enumerate(line for line in out.stdout.splitlines() if line.startswith("GPU "))]
+
+
+def worker_device(cuda_devices: int, placement: str | None, processes: int) -> str:
+    """The device of a worker that sees ``cuda_devices`` CUDA GPUs, given its ``RECOVER_PLACEMENT``
+    (None: the launcher gave it a GPU, or it was not started by ``recover launch``) in a job of
+    ``processes`` processes. Raises ConfigError when it would silently share GPU 0 with the others."""
+    if cuda_devices == 0:
+        return "cpu"
+    if placement == "none" and processes > 1:
+        raise ConfigError(f"this worker sees {cuda_devices} CUDA GPU(s), but `recover launch` found none to give its "
+                          f"{processes} processes (no CUDA_VISIBLE_DEVICES, /proc/driver/nvidia/gpus or nvidia-smi), so "
+                          "they would all use GPU 0: pass --gpus 0,1,... to give each rank its own, or --share-gpus")
+    return "cuda:0"
 
 
 def parse_gpus(text: str) -> list[str]:
@@ -48,12 +78,15 @@ class Placement:
 
     gpus: dict[tuple[int, int], str] = field(default_factory=dict)
     shared: bool = False
-    """Several ranks share a GPU: every collective must run on gloo."""
+    """Several ranks share a GPU (``--share-gpus`` with fewer GPUs than ranks, or none found): every
+    collective must run on gloo."""
 
-    def env(self, replica: int, rank: int) -> dict[str, str]:
-        """The environment that puts rank ``rank`` of ``replica`` on its device."""
-        gpu = self.gpus.get((replica, rank))
-        return {} if gpu is None else {"CUDA_VISIBLE_DEVICES": gpu}
+    def env(self, replica: int | None, rank: int) -> dict[str, str]:
+        """The environment that puts rank ``rank`` of ``replica`` (None: a hot spare) on its device."""
+        gpu = self.gpus.get((replica, rank)) if replica is not None else None
+        if gpu is None:
+            return {PLACEMENT_ENV: "shared" if self.shared else "none"}
+        return {"CUDA_VISIBLE_DEVICES": gpu}
 
     def device(self, replica: int, rank: int) -> str:
         gpu = self.gpus.get((replica, rank))
@@ -63,7 +96,7 @@ class Placement:
 def place(replicas: int, ranks: int, gpus: list[str], share: bool = False) -> Placement:
     """Rank k of replica r on ``gpus[r * ranks + k]`` (see the module docstring). Raises ConfigError."""
     if not gpus:
-        return Placement()
+        return Placement(shared=share)
     need = replicas * ranks
     if need > len(gpus) and not share:
         raise ConfigError(f"{replicas} replicas x {ranks} ranks need {need} GPUs, {len(gpus)} given "

@@ -69,10 +69,9 @@ class Attention(nn.Module):
         v = self.wv(x).view(B, T, -1, self.head_dim)
         q, k = apply_rotary(q, rot), apply_rotary(k, rot)
         q, k, v = (t.transpose(1, 2) for t in (q, k, v))  # (B, H, T, D)
-        if k.shape[1] != q.shape[1]:  # grouped-query attention: share each kv head
-            repeat = q.shape[1] // k.shape[1]
-            k, v = k.repeat_interleave(repeat, dim=1), v.repeat_interleave(repeat, dim=1)
-        y = F.scaled_dot_product_attention(q, k, v, is_causal=True)  # (B, Hq, T, D)
+        # grouped-query attention: each kv head serves Hq / Hkv query heads inside the kernel (no copies of
+        # K and V, and no repeat_interleave, whose backward is not deterministic on CUDA)
+        y = F.scaled_dot_product_attention(q, k, v, is_causal=True, enable_gqa=k.shape[1] != q.shape[1])
         return self.wo(y.transpose(1, 2).reshape(B, T, -1))
 
 

@@ -31,14 +31,30 @@ from recover.train.replica import Replica
 
 
 def configure_torch(cfg: Config, local_procs: int) -> None:
-    """Threads per process (``training.threads``, else cores / local processes) and denormal flushing.
+    """Threads per process (``training.threads``, else cores / local processes), denormal flushing, and
+    deterministic kernels in deterministic mode (:func:`use_deterministic_kernels`).
 
     Unseen vocabulary rows get ~1e-20 gradients whose squares are subnormal in AdamW's state: on CPUs
     subnormal arithmetic is ~100x slower, so they are flushed to zero (no effect on GPUs).
+    Call it before the first matrix multiplication on a GPU (cuBLAS reads its workspace setting then).
     """
     threads = cfg.training.threads or max(1, (os.cpu_count() or 1) // max(1, local_procs))
     torch.set_num_threads(threads)
     torch.set_flush_denormal(True)
+    if cfg.training.deterministic:
+        use_deterministic_kernels()
+
+
+def use_deterministic_kernels() -> None:
+    """The same inputs give the same bits on the same hardware and software: ``CUBLAS_WORKSPACE_CONFIG``
+    (unless set; cuBLAS reads it when it creates its handle, at the first matrix multiplication) and
+    ``torch.use_deterministic_algorithms(True)``, which makes attention's backward and index
+    accumulations use deterministic kernels on CUDA, stops inductor from autotuning by on-device
+    benchmarks (two processes would pick different kernels), and makes any operation that has no
+    deterministic kernel raise instead of differing silently. No effect on CPU arithmetic, which is
+    already deterministic for a fixed thread count."""
+    os.environ.setdefault("CUBLAS_WORKSPACE_CONFIG", ":4096:8")
+    torch.use_deterministic_algorithms(True)
 
 
 def step_record(outcome: StepOutcome, dt: float, lr: float) -> dict[str, Any]:

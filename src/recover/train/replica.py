@@ -272,6 +272,17 @@ class Replica:
         return self.dims.tp * self.dims.fsdp // shards
 
     # ---- a step ------------------------------------------------------------------------------
+    def warm_up(self) -> None:
+        """(collective) One zero-weight forward and backward, folded into nothing: compiled blocks compile
+        and a GPU's libraries and allocator warm up here, at start-up, not inside the first step (where a
+        replacement replica would make every other replica wait on its compiler until the hang rule
+        fences it). Leaves the buffers, ledger and gradients empty; needs no samples."""
+        if self.pipe is not None:
+            self._run_pipeline(0, [None], _no_hook)
+        else:
+            self._run_passes(0, [None], _no_hook, None)
+        self.reset()
+
     def reset(self) -> None:
         """Starts a step: empty buffers and ledger."""
         for buf in self.buffers:
@@ -424,7 +435,7 @@ class Replica:
         """The gradient of the pass just run: its exact fingerprint (as :meth:`fingerprint`), its L2 norm,
         and ``exact`` (deterministic mode: compare fingerprints; otherwise norms, within a tolerance)."""
         grads = [local(p.grad.detach()) for p in self.params if p.grad is not None]
-        norm = torch.stack(torch._foreach_norm(grads, 2, dtype=torch.float64)).norm() if grads else self.stats.new_zeros(())
+        norm = torch.stack(torch._foreach_norm(grads, 2, dtype=torch.float64)).norm()
         (fp,), (value,) = to_host(_bit_sum(grads, self.device), norm)
         return {"fp": f"{fp & _MASK:016x}", "norm": value, "exact": self.training.deterministic,
                 "tol": audit_tolerance(self.training.dtype)}

@@ -54,11 +54,15 @@ def prepare_data(cfg: Config, ctx: DistContext, quiet: bool = False) -> Path:
 
 
 def build_replica(cfg: Config, ctx: DistContext, data_dir: Path) -> tuple[Replica, EvalSampler]:
-    """This rank's replica on the prepared data, and the validation batches."""
+    """This rank's replica on the prepared data, and the validation batches. With compiled blocks or on a
+    GPU it is warmed up (:meth:`Replica.warm_up`): a joiner compiles before it registers."""
     configure_torch(cfg, ctx.local_world_size)
     sampler, eval_data = open_samplers(cfg.data, data_dir, cfg.model.vocab_size,
                                        cfg.training.global_microbatches, cfg.training.seed)
-    return Replica.from_config(cfg, sampler, ctx), eval_data
+    replica = Replica.from_config(cfg, sampler, ctx)
+    if cfg.training.compile or ctx.device.type == "cuda":
+        replica.warm_up()
+    return replica, eval_data
 
 
 def data_parallel_group(cfg: Config, ctx: DistContext) -> StaticGroup:

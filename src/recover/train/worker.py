@@ -83,7 +83,7 @@ def build(cfg: Config, procs: int) -> Built:
     """
     from recover.data.prepare import resolve_data_dir
 
-    ctx = DistContext(local_world_size=procs, device=_own_device())
+    ctx = DistContext(local_world_size=procs, device=_own_device(cfg))
     if cfg.parallel.procs_per_replica > 1:
         if "RANK" not in os.environ or "WORLD_SIZE" not in os.environ:
             raise RecoverError(f"a replica of {cfg.parallel.procs_per_replica} ranks (parallel.pp x fsdp x tp) "
@@ -95,11 +95,16 @@ def build(cfg: Config, procs: int) -> Built:
     return replica, eval_data, ctx
 
 
-def _own_device() -> Any:
-    """A one-process replica's device: the GPU the launcher gave it (``cuda:0`` in its own view), else the CPU."""
+def _own_device(cfg: Config) -> Any:
+    """A one-process replica's device: the GPU the launcher gave it (``cuda:0`` in its own view), else the CPU
+    (:func:`~recover.launch.placement.worker_device`; checked for every rank). Raises ConfigError."""
     import torch
 
-    return torch.device("cuda", 0) if torch.cuda.is_available() else torch.device("cpu")
+    from recover.launch.placement import PLACEMENT_ENV, worker_device
+
+    gpus = torch.cuda.device_count() if torch.cuda.is_available() else 0
+    processes = cfg.parallel.replicas * cfg.parallel.procs_per_replica
+    return torch.device(worker_device(gpus, os.environ.get(PLACEMENT_ENV), processes))
 
 
 class ReplicaWorker:
