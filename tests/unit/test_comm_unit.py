@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import json
 import threading
+import time
 from collections.abc import Iterator
 from typing import Any
 
@@ -73,8 +74,7 @@ def test_nccl_strategy_selection_without_a_gpu() -> None:
     assert nccl.excluded_ranks([2, 5, 7, 9], [2, 7]) == [1, 3]
     env: dict[str, str] = {"TORCH_NCCL_ASYNC_ERROR_HANDLING": "1"}
     assert nccl.apply_env_defaults(env)["TORCH_NCCL_ASYNC_ERROR_HANDLING"] == "1"  # the user's choice wins
-    assert nccl.apply_env_defaults({}) == {"TORCH_NCCL_ASYNC_ERROR_HANDLING": "2",
-                                          "TORCH_NCCL_USE_COMM_NONBLOCKING": "1"}
+    assert nccl.apply_env_defaults({}) == nccl.NCCL_ENV_DEFAULTS  # more in test_comm_nccl.py
     assert nccl.nccl_version() is None or len(nccl.nccl_version() or ()) == 3
     assert isinstance(nccl.has_shrink_api(), bool)
 
@@ -88,22 +88,63 @@ class _Probe:
         _Probe.ran_on.append(threading.current_thread().name)
 
 
-def test_graveyard_releases_off_the_callers_thread() -> None:
-    yard = Graveyard()
-    gate = threading.Event()
-    stuck = threading.Thread(target=gate.wait, daemon=True)  # like an abandoned rendezvous
-    stuck.start()
-    yard.park(1, stuck)
-    del stuck
-    yard.park(2, _Probe())  # its last reference is the caller's until park() returns
-    assert yard.parked == 2 and yard.released == 0  # park() returned although the thread is stuck
-    gate.set()
-    for _ in range(1000):
-        if yard.released == 2:
-            break
-        threading.Event().wait(0.01)
-    assert yard.released == 2
-    assert _Probe.ran_on == ["recover-graveyard"]
+class _SlowToDie:
+    """A destructor that blocks until ``gate`` is set (a gloo group with a stuck operation)."""
+
+    def __init__(self, entered: threading.Event, gate: threading.Event) -> None:
+        self.entered, self.gate = entered, gate
+
+    def __del__(self) -> None:
+        self.entered.set()
+        self.gate.wait(30)
+
+
+class _Communicator:
+    aborted_on: str | None = None
+
+    def abort(self) -> None:
+        self.aborted_on = threading.current_thread().name
+
+
+def _until(predicate: Any, timeout_s: float = 10.0) -> bool:
+    deadline = time.monotonic() + timeout_s
+    while not predicate() and time.monotonic() < deadline:
+        threading.Event().wait(0.005)
+    return bool(predicate())
+
+
+def _stuck_thread(gate: threading.Event) -> threading.Thread:
+    t = threading.Thread(target=gate.wait, daemon=True)  # like an abandoned rendezvous
+    t.start()
+    return t
+
+
+def test_graveyard_releases_off_the_callers_thread_and_never_waits_for_a_parked_thread() -> None:
+    yard, gate = Graveyard(), threading.Event()
+    try:
+        yard.park(1, _stuck_thread(gate))
+        yard.park(2, _Probe())  # its last reference is the caller's until park() returns
+        assert yard.parked == 2
+        assert _until(lambda: yard.released == 2)  # while the parked thread still runs: never joined
+        assert _Probe.ran_on == ["recover-graveyard"]
+    finally:
+        gate.set()
+
+
+def test_graveyard_aborts_wait_for_no_parked_thread_and_no_blocking_destructor() -> None:
+    yard, gate, entered = Graveyard(), threading.Event(), threading.Event()
+    try:
+        yard.park(1, _stuck_thread(gate))
+        yard.park(1, _SlowToDie(entered, gate))
+        assert entered.wait(10)  # the releaser is now blocked in that destructor
+        comm = _Communicator()
+        assert yard.park(2, comm, abort=True).wait(10)  # returns long before the gate opens
+        assert comm.aborted_on == "recover-graveyard-abort" and yard.aborted == 1
+        assert not gate.is_set() and yard.released == 1  # the thread's batch; the destructor still blocks
+        del comm
+    finally:
+        gate.set()
+    assert _until(lambda: yard.released == 3)
 
 
 @pytest.fixture
