@@ -23,7 +23,7 @@ from recover.comm import (
     send_state,
 )
 from recover.comm.backends import resolve_backend
-from recover.comm.transfer import FORMAT, _broadcast_bytes
+from recover.comm.transfer import FORMAT, _broadcast_bytes, checksum
 from recover.coord import Coordinator, CoordinatorClient
 from recover.errors import ConfigError
 
@@ -208,7 +208,7 @@ def test_state_transfer_is_bitwise_and_checked(pair: list[FaultTolerantGroup]) -
     state = {"w": torch.randn(17, 3), "h": torch.randn(5).to(torch.bfloat16), "n": torch.tensor(7),
              "m": torch.tensor([True, False, True]), "e": torch.empty(0, 2), "c": torch.randn(2, dtype=torch.complex64)}
     digest, got = run_pair([lambda: send_state(pair[0], state), lambda: receive_state(pair[1], 0)])
-    assert list(got) == list(state) and len(digest) == 64
+    assert list(got) == list(state) and len(digest) == 16
     for k in state:
         assert got[k].dtype == state[k].dtype and got[k].shape == state[k].shape
         assert torch.equal(got[k].reshape(-1).view(torch.uint8), state[k].reshape(-1).view(torch.uint8))
@@ -219,7 +219,7 @@ def test_state_transfer_is_bitwise_and_checked(pair: list[FaultTolerantGroup]) -
             pair[0].broadcast_into([payload], 0)
 
     entry = {"name": "w", "dtype": "float32", "shape": [2], "offset": 0, "nbytes": 8}
-    header = {"format": FORMAT, "total_bytes": 16, "sha256": "0" * 64, "tensors": [entry]}
+    header = {"format": FORMAT, "total_bytes": 16, "checksum": "0123456789abcdef", "tensors": [entry]}
     with pytest.raises(StateTransferError, match="checksum mismatch"):
         run_pair([lambda: bad_sender(header, torch.zeros(16, dtype=torch.uint8)), lambda: receive_state(pair[1], 0)])
     evil = {**header, "tensors": [{**entry, "dtype": "object"}]}
@@ -228,3 +228,26 @@ def test_state_transfer_is_bitwise_and_checked(pair: list[FaultTolerantGroup]) -
     lying = {**header, "tensors": [{**entry, "nbytes": 4000}]}
     with pytest.raises(StateTransferError, match="inconsistent size"):
         run_pair([lambda: bad_sender(lying, None), lambda: receive_state(pair[1], 0)])
+    ragged = {**header, "total_bytes": 17}  # the payload is read as 8-byte words
+    with pytest.raises(StateTransferError, match="multiple of 16"):
+        run_pair([lambda: bad_sender(ragged, None), lambda: receive_state(pair[1], 0)])
+
+
+def test_state_checksum_is_position_weighted_and_chunked_exactly(monkeypatch: pytest.MonkeyPatch) -> None:
+    def reference(payload: torch.Tensor) -> str:
+        words = payload.view(torch.int64).tolist()
+        return f"{sum(x * (2 * i + 1) for i, x in enumerate(words)) % 2**64:016x}"
+
+    payload = torch.randint(0, 256, (8 * 37,), dtype=torch.uint8)
+    payload[:8] = 255  # a word of -1 and large words: the sum wraps modulo 2**64
+    want = reference(payload)
+    assert checksum(payload) == want and checksum(torch.empty(0, dtype=torch.uint8)) == "0" * 16
+    monkeypatch.setattr("recover.comm.transfer.CHECKSUM_CHUNK_WORDS", 5)  # 37 words: 8 chunks, the last short
+    assert checksum(payload) == want
+    for byte, bit in ((0, 0), (100, 7), (8 * 37 - 1, 7)):  # any single flipped bit, sign bit included
+        flipped = payload.clone()
+        flipped[byte] ^= 1 << bit
+        assert checksum(flipped) != want
+    swapped = payload.view(torch.int64).clone()
+    swapped[[3, 30]] = swapped[[30, 3]]
+    assert checksum(swapped.view(torch.uint8)) != want or swapped[3] == swapped[30]
