@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import json
 import threading
+import time
 from collections.abc import Iterator
 from typing import Any
 
@@ -22,7 +23,7 @@ from recover.comm import (
     send_state,
 )
 from recover.comm.backends import resolve_backend
-from recover.comm.transfer import FORMAT, _broadcast_bytes
+from recover.comm.transfer import FORMAT, _broadcast_bytes, checksum
 from recover.coord import Coordinator, CoordinatorClient
 from recover.errors import ConfigError
 
@@ -73,8 +74,7 @@ def test_nccl_strategy_selection_without_a_gpu() -> None:
     assert nccl.excluded_ranks([2, 5, 7, 9], [2, 7]) == [1, 3]
     env: dict[str, str] = {"TORCH_NCCL_ASYNC_ERROR_HANDLING": "1"}
     assert nccl.apply_env_defaults(env)["TORCH_NCCL_ASYNC_ERROR_HANDLING"] == "1"  # the user's choice wins
-    assert nccl.apply_env_defaults({}) == {"TORCH_NCCL_ASYNC_ERROR_HANDLING": "2",
-                                          "TORCH_NCCL_USE_COMM_NONBLOCKING": "1"}
+    assert nccl.apply_env_defaults({}) == nccl.NCCL_ENV_DEFAULTS  # more in test_comm_nccl.py
     assert nccl.nccl_version() is None or len(nccl.nccl_version() or ()) == 3
     assert isinstance(nccl.has_shrink_api(), bool)
 
@@ -88,22 +88,63 @@ class _Probe:
         _Probe.ran_on.append(threading.current_thread().name)
 
 
-def test_graveyard_releases_off_the_callers_thread() -> None:
-    yard = Graveyard()
-    gate = threading.Event()
-    stuck = threading.Thread(target=gate.wait, daemon=True)  # like an abandoned rendezvous
-    stuck.start()
-    yard.park(1, stuck)
-    del stuck
-    yard.park(2, _Probe())  # its last reference is the caller's until park() returns
-    assert yard.parked == 2 and yard.released == 0  # park() returned although the thread is stuck
-    gate.set()
-    for _ in range(1000):
-        if yard.released == 2:
-            break
-        threading.Event().wait(0.01)
-    assert yard.released == 2
-    assert _Probe.ran_on == ["recover-graveyard"]
+class _SlowToDie:
+    """A destructor that blocks until ``gate`` is set (a gloo group with a stuck operation)."""
+
+    def __init__(self, entered: threading.Event, gate: threading.Event) -> None:
+        self.entered, self.gate = entered, gate
+
+    def __del__(self) -> None:
+        self.entered.set()
+        self.gate.wait(30)
+
+
+class _Communicator:
+    aborted_on: str | None = None
+
+    def abort(self) -> None:
+        self.aborted_on = threading.current_thread().name
+
+
+def _until(predicate: Any, timeout_s: float = 10.0) -> bool:
+    deadline = time.monotonic() + timeout_s
+    while not predicate() and time.monotonic() < deadline:
+        threading.Event().wait(0.005)
+    return bool(predicate())
+
+
+def _stuck_thread(gate: threading.Event) -> threading.Thread:
+    t = threading.Thread(target=gate.wait, daemon=True)  # like an abandoned rendezvous
+    t.start()
+    return t
+
+
+def test_graveyard_releases_off_the_callers_thread_and_never_waits_for_a_parked_thread() -> None:
+    yard, gate = Graveyard(), threading.Event()
+    try:
+        yard.park(1, _stuck_thread(gate))
+        yard.park(2, _Probe())  # its last reference is the caller's until park() returns
+        assert yard.parked == 2
+        assert _until(lambda: yard.released == 2)  # while the parked thread still runs: never joined
+        assert _Probe.ran_on == ["recover-graveyard"]
+    finally:
+        gate.set()
+
+
+def test_graveyard_aborts_wait_for_no_parked_thread_and_no_blocking_destructor() -> None:
+    yard, gate, entered = Graveyard(), threading.Event(), threading.Event()
+    try:
+        yard.park(1, _stuck_thread(gate))
+        yard.park(1, _SlowToDie(entered, gate))
+        assert entered.wait(10)  # the releaser is now blocked in that destructor
+        comm = _Communicator()
+        assert yard.park(2, comm, abort=True).wait(10)  # returns long before the gate opens
+        assert comm.aborted_on == "recover-graveyard-abort" and yard.aborted == 1
+        assert not gate.is_set() and yard.released == 1  # the thread's batch; the destructor still blocks
+        del comm
+    finally:
+        gate.set()
+    assert _until(lambda: yard.released == 3)
 
 
 @pytest.fixture
@@ -167,7 +208,7 @@ def test_state_transfer_is_bitwise_and_checked(pair: list[FaultTolerantGroup]) -
     state = {"w": torch.randn(17, 3), "h": torch.randn(5).to(torch.bfloat16), "n": torch.tensor(7),
              "m": torch.tensor([True, False, True]), "e": torch.empty(0, 2), "c": torch.randn(2, dtype=torch.complex64)}
     digest, got = run_pair([lambda: send_state(pair[0], state), lambda: receive_state(pair[1], 0)])
-    assert list(got) == list(state) and len(digest) == 64
+    assert list(got) == list(state) and len(digest) == 16
     for k in state:
         assert got[k].dtype == state[k].dtype and got[k].shape == state[k].shape
         assert torch.equal(got[k].reshape(-1).view(torch.uint8), state[k].reshape(-1).view(torch.uint8))
@@ -178,7 +219,7 @@ def test_state_transfer_is_bitwise_and_checked(pair: list[FaultTolerantGroup]) -
             pair[0].broadcast_into([payload], 0)
 
     entry = {"name": "w", "dtype": "float32", "shape": [2], "offset": 0, "nbytes": 8}
-    header = {"format": FORMAT, "total_bytes": 16, "sha256": "0" * 64, "tensors": [entry]}
+    header = {"format": FORMAT, "total_bytes": 16, "checksum": "0123456789abcdef", "tensors": [entry]}
     with pytest.raises(StateTransferError, match="checksum mismatch"):
         run_pair([lambda: bad_sender(header, torch.zeros(16, dtype=torch.uint8)), lambda: receive_state(pair[1], 0)])
     evil = {**header, "tensors": [{**entry, "dtype": "object"}]}
@@ -187,3 +228,26 @@ def test_state_transfer_is_bitwise_and_checked(pair: list[FaultTolerantGroup]) -
     lying = {**header, "tensors": [{**entry, "nbytes": 4000}]}
     with pytest.raises(StateTransferError, match="inconsistent size"):
         run_pair([lambda: bad_sender(lying, None), lambda: receive_state(pair[1], 0)])
+    ragged = {**header, "total_bytes": 17}  # the payload is read as 8-byte words
+    with pytest.raises(StateTransferError, match="multiple of 16"):
+        run_pair([lambda: bad_sender(ragged, None), lambda: receive_state(pair[1], 0)])
+
+
+def test_state_checksum_is_position_weighted_and_chunked_exactly(monkeypatch: pytest.MonkeyPatch) -> None:
+    def reference(payload: torch.Tensor) -> str:
+        words = payload.view(torch.int64).tolist()
+        return f"{sum(x * (2 * i + 1) for i, x in enumerate(words)) % 2**64:016x}"
+
+    payload = torch.randint(0, 256, (8 * 37,), dtype=torch.uint8)
+    payload[:8] = 255  # a word of -1 and large words: the sum wraps modulo 2**64
+    want = reference(payload)
+    assert checksum(payload) == want and checksum(torch.empty(0, dtype=torch.uint8)) == "0" * 16
+    monkeypatch.setattr("recover.comm.transfer.CHECKSUM_CHUNK_WORDS", 5)  # 37 words: 8 chunks, the last short
+    assert checksum(payload) == want
+    for byte, bit in ((0, 0), (100, 7), (8 * 37 - 1, 7)):  # any single flipped bit, sign bit included
+        flipped = payload.clone()
+        flipped[byte] ^= 1 << bit
+        assert checksum(flipped) != want
+    swapped = payload.view(torch.int64).clone()
+    swapped[[3, 30]] = swapped[[30, 3]]
+    assert checksum(swapped.view(torch.uint8)) != want or swapped[3] == swapped[30]

@@ -1,20 +1,27 @@
 """Where broken (or retired) process groups go to die, off the hot path.
 
-Contract: ``park(generation, *objs)`` returns at once. A daemon reaper thread later releases the
-objects one at a time: it joins a parked thread (a group construction abandoned mid-rendezvous),
-aborts objects parked with ``abort=True`` (NCCL communicators, where abort unblocks pending work),
-then drops the references, so a process-group destructor that blocks on a stuck operation (gloo:
-until that operation's timeout, ~30 s) blocks only the reaper, which holds no lock the caller needs.
-Measured on torch 2.13 CPU: such a destructor releases the GIL, so the caller keeps running.
-
-The reaper releases an object only once it holds the last reference (CPython reference counts),
-so the destructor cannot end up running on the caller's thread when the caller's locals go away.
+Contract: ``park(generation, *objs, abort=False)`` returns at once with an event that is set once the
+aborts of ``objs`` have returned (at once when there is nothing to abort). Two daemon threads do the
+rest, so that neither kind of work waits behind the other:
+  * the aborter calls ``abort()`` on each object parked with ``abort=True`` (NCCL communicators: the
+    abort unblocks pending work and frees the SMs and memory its kernels hold) as soon as it is
+    parked, in parking order; it waits for nothing else, so an abort never queues behind a
+    destructor or behind an abandoned thread;
+  * the releaser drops the references. A parked batch is dropped once the releaser holds the last
+    reference to every object in it (CPython reference counts), so a process-group destructor that
+    blocks on a stuck operation (gloo: until that operation's timeout, ~30 s) blocks only the
+    releaser, never the caller. Measured on torch 2.13 CPU: such a destructor releases the GIL, so
+    the caller keeps running. Batches wait for their owners side by side: one whose owner lets go
+    late holds up no other; after ``SOLE_OWNER_WAIT_S`` a batch is dropped regardless.
+A parked thread (a group construction abandoned mid-rendezvous) is a daemon: it is never joined or
+waited for, only its reference is dropped (a running thread keeps itself alive; what it holds is
+released on it, off the caller's path, when it ends).
 
 Invariant: nothing parked is ever used again; parking is the only way a group leaves service.
-The reaper drops an object only once it holds the last reference: a caller that parks a group
-still has it in a local variable for a moment, and if the reaper dropped its reference first,
-the caller's own release would run the blocking destructor on the hot path (seen: a survivor
-stalled for the full 60 s backend timeout).
+Why the releaser waits to be the sole owner: a caller that parks a group still has it in a local
+variable for a moment, and if the releaser dropped its reference first, the caller's own release
+would run the blocking destructor on the hot path (seen: a survivor stalled for the full 60 s
+backend timeout).
 """
 
 from __future__ import annotations
@@ -26,61 +33,84 @@ import time
 from typing import Any
 
 SOLE_OWNER_WAIT_S = 120.0
+OWNER_POLL_S = 0.005
+
+
+class _Batch:
+    """Objects parked together, held by the releaser until it is their sole owner."""
+
+    def __init__(self, objs: list[Any]) -> None:
+        self.objs = objs
+        self.deadline = time.monotonic() + SOLE_OWNER_WAIT_S
+
+    def releasable(self) -> bool:
+        # references we hold: the list slot and getrefcount's own argument (no loop variable)
+        objs = self.objs
+        return time.monotonic() >= self.deadline or all(sys.getrefcount(objs[i]) <= 2 for i in range(len(objs)))
 
 
 class Graveyard:
     """One per process (shared by the chain of generations that ``next_generation`` builds)."""
 
     def __init__(self) -> None:
-        self._queue: queue.SimpleQueue[tuple[int, tuple[Any, ...], bool]] = queue.SimpleQueue()
+        self._to_abort: queue.SimpleQueue[tuple[tuple[Any, ...], bool, threading.Event]] = queue.SimpleQueue()
+        self._to_release: queue.SimpleQueue[_Batch] = queue.SimpleQueue()
         self._lock = threading.Lock()
-        self._thread: threading.Thread | None = None
+        self._started = False
         self.parked = 0
+        self.aborted = 0
         self.released = 0
 
-    def park(self, generation: int, *objs: Any, abort: bool = False) -> None:
-        """Hands ``objs`` over for release; the caller must drop its own references."""
-        self._queue.put((generation, objs, abort))
+    def park(self, generation: int, *objs: Any, abort: bool = False) -> threading.Event:
+        """Hands ``objs`` over for release (after ``abort()`` on each, with ``abort``); the caller must
+        drop its own references. The returned event is set once those aborts have returned."""
+        done = threading.Event()
+        self._to_abort.put((objs, abort, done))
         with self._lock:
             self.parked += 1
-            if self._thread is None:
-                self._thread = threading.Thread(target=self._reap, name="recover-graveyard", daemon=True)
-                self._thread.start()
+            if not self._started:
+                self._started = True
+                for target, name in ((self._abort_loop, "recover-graveyard-abort"),
+                                     (self._release_loop, "recover-graveyard")):
+                    threading.Thread(target=target, name=name, daemon=True).start()
+        return done
 
-    def _reap(self) -> None:
+    def _abort_loop(self) -> None:
         while True:
-            _, parked, abort = self._queue.get()
-            objs = list(parked)
+            parked, abort, done = self._to_abort.get()
+            objs = [o for o in parked if not isinstance(o, threading.Thread)]  # threads: dropped here
             del parked
-            self._wait_sole_owner(objs)
-            for obj in objs:
-                if isinstance(obj, threading.Thread):
-                    obj.join()
-                elif abort and hasattr(obj, "abort"):
-                    try:
-                        obj.abort()
-                    except Exception:  # noqa: BLE001 - an already-broken communicator may refuse
-                        pass
-            obj = None
-            objs.clear()  # the destructors run here, on the reaper
-            with self._lock:
-                self.released += 1
+            if abort:
+                _abort_each(objs)
+            done.set()
+            self._to_release.put(_Batch(objs))
+            del objs, done
+            if abort:
+                with self._lock:
+                    self.aborted += 1
 
-    @staticmethod
-    def _wait_sole_owner(objs: list[Any]) -> None:
-        """Waits until the parker has dropped its references (it does so right after ``park``), so
-        that the last reference, and with it a possibly blocking destructor, is the reaper's."""
-        deadline = time.monotonic() + SOLE_OWNER_WAIT_S
-        while time.monotonic() < deadline:
-            # references we hold: the list slot and getrefcount's own argument (no loop variable)
-            if all(sys.getrefcount(objs[i]) <= 2 for i in range(len(objs))):
-                return
-            time.sleep(0.005)
+    def _release_loop(self) -> None:
+        pending: list[_Batch] = []
+        while True:
+            try:
+                pending.append(self._to_release.get(timeout=OWNER_POLL_S if pending else None))
+            except queue.Empty:
+                pass
+            waiting = []
+            for batch in pending:
+                if batch.releasable():
+                    batch.objs.clear()  # the destructors run here, on the releaser
+                    with self._lock:
+                        self.released += 1
+                else:
+                    waiting.append(batch)
+            pending = waiting
 
 
-def _wait_until_sole_owner(objs: tuple[Any, ...]) -> None:
-    """Waits (bounded) until the tuple ``objs`` holds the only reference to each object in it."""
-    deadline = time.monotonic() + SOLE_OWNER_WAIT_S
-    # references: the tuple, the loop variable and getrefcount's own argument
-    while any(sys.getrefcount(o) > 3 for o in objs) and time.monotonic() < deadline:
-        time.sleep(0.005)
+def _abort_each(objs: list[Any]) -> None:
+    for i in range(len(objs)):  # no loop variable: it would be one more reference to the object
+        if hasattr(objs[i], "abort"):
+            try:
+                objs[i].abort()
+            except Exception:  # noqa: BLE001 - an already-broken communicator may refuse
+                pass

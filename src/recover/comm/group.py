@@ -82,6 +82,7 @@ class FaultTolerantGroup:
         self._shrinkable: Any = None  # NCCL: a broken communicator kept for next_generation's shrink
         self._waiter = Waiter(membership.generation)
         self._broken = False
+        self._aborting: threading.Event | None = None  # set once this group's communicator is aborted
 
     # ------------------------------------------------------------- forming
 
@@ -123,39 +124,47 @@ class FaultTolerantGroup:
         Waits for a generation newer than this one; if that one fails while forming, moves on to
         the next (see :meth:`create`). On NCCL, a direct successor with no joiners is made by
         shrinking this group's communicator where supported (see :mod:`recover.comm.nccl`), else
-        by a new communicator.
+        by a new communicator, which is built only once the old one is aborted (its kernels and
+        buffers would compete with the new one's); a shrunk one's parent is aborted after the shrink.
         Raises QuorumLost, Expelled, CoordinatorLost or TimeoutError (no group can form).
         """
-        old_pg, self._shrinkable = self._shrinkable, None
-        if old_pg is None and self.backend == "nccl":
-            old_pg, self._pg = self._pg, None
+        parent, self._shrinkable = self._shrinkable, None
+        if parent is None and self.backend == "nccl":
+            parent, self._pg = self._pg, None
         self._retire()
         wait_s = timeout_s if timeout_s is not None else self.timeout_s
+        if parent is not None and not _shrink_possible():
+            self._abort(parent)  # nothing can be shrunk: abort now, while the coordinator decides
+            parent = None
         try:
             m = self.client.wait_for_generation(self.generation, wait_s)
-            if old_pg is not None and m.generation == self.generation + 1:
+            if parent is not None and m.generation == self.generation + 1:
                 try:
                     self.client.entering(m.generation)
-                    pg = _try_shrink(self, old_pg, m)
+                    pg = _try_shrink(self, parent, m)
                 except PeerFailure:
                     pg, m = None, self.client.wait_for_generation(m.generation, wait_s)
                 if pg is not None:
                     return FaultTolerantGroup(self.client, m, pg, backend=self.backend, device=self.device,
                                               timeout_s=self.timeout_s, bucket_bytes=self.bucket_bytes,
                                               graveyard=self.graveyard, store=self.store, pool=self.pool)
+            if parent is not None:
+                self._abort(parent)  # rebuilding: the old communicator goes first
+                parent = None
+            self._await_abort(wait_s)
             return FaultTolerantGroup.create(self.client, m, self.backend, self.timeout_s,
                                              bucket_bytes=self.bucket_bytes, graveyard=self.graveyard,
                                              device=self.device, pool=self.pool)
         finally:
-            if old_pg is not None:
-                self.graveyard.park(self.generation, old_pg, abort=True)
+            if parent is not None:  # shrunk (every rank aborts the parent), or an error on the way
+                self.graveyard.park(self.generation, parent, abort=True)
 
     def close(self) -> None:
         """Retires the group (released on the graveyard's thread). Idempotent."""
         self._retire()
         old, self._shrinkable = self._shrinkable, None
         if old is not None:
-            self.graveyard.park(self.generation, old, abort=True)
+            self._abort(old)
 
     @property
     def broken(self) -> bool:
@@ -324,18 +333,30 @@ class FaultTolerantGroup:
     def _retire(self, broken: bool = False, *work_lists: list[Any]) -> None:
         """Parks the process group and any pending work (emptying the caller's lists): a group
         with a stuck operation must be released on the graveyard's thread, never on ours. A broken
-        NCCL communicator is kept aside instead, for ``next_generation`` to shrink."""
+        NCCL communicator is aborted at once, or kept aside for ``next_generation`` to shrink where
+        NCCL can shrink it."""
         self._broken = self._broken or broken
         pg, self._pg = self._pg, None
         self._waiter.stop()
         works = [w for ws in work_lists for w in ws]
         for ws in work_lists:
             ws.clear()
-        if pg is not None and self.backend == "nccl" and broken:
+        if pg is not None and self.backend == "nccl" and broken and _shrink_possible():
             self._shrinkable, pg = pg, None
         if pg is not None or works:
-            self.graveyard.park(self.generation, *([pg] if pg is not None else []), *works,
-                                abort=self.backend == "nccl" and self._broken)
+            abort = self.backend == "nccl" and self._broken
+            aborting = self.graveyard.park(self.generation, *([pg] if pg is not None else []), *works, abort=abort)
+            if abort and pg is not None:
+                self._aborting = aborting
+
+    def _abort(self, pg: Any) -> None:
+        """Parks communicator ``pg`` for abort now (the caller drops its reference); see :meth:`_await_abort`."""
+        self._aborting = self.graveyard.park(self.generation, pg, abort=True)
+
+    def _await_abort(self, bound_s: float) -> None:
+        """Waits (at most ``bound_s``) until this group's communicator, parked for abort, is aborted."""
+        if self._aborting is not None:
+            self._aborting.wait(bound_s)
 
 
 class _GroupReduction(Reduction):
@@ -372,17 +393,25 @@ def _is_timeout(error: str) -> bool:
     return "timed out" in text or "timeout" in text
 
 
-def _try_shrink(old: FaultTolerantGroup, old_pg: Any, m: Membership) -> Any | None:
-    """NCCL only: the shrunk communicator for ``m``, or None to rebuild instead."""
+def _shrink_possible() -> bool:
+    """Whether this process's torch and NCCL can shrink a communicator at all."""
     from recover.comm import nccl
 
-    ok = nccl.shrink_supported(nccl.nccl_version(), nccl.has_shrink_api())
-    if nccl.choose_strategy(old.members, m.members, backend=old.backend, shrink_ok=ok) != "shrink":
+    return nccl.shrink_supported(nccl.nccl_version(), nccl.has_shrink_api())
+
+
+def _try_shrink(old: FaultTolerantGroup, old_pg: Any, m: Membership) -> Any | None:
+    """NCCL only: the shrunk communicator for ``m`` (ready: :func:`recover.comm.nccl.make_ready`), or
+    None to rebuild instead."""
+    from recover.comm import nccl
+
+    if nccl.choose_strategy(old.members, m.members, backend=old.backend, shrink_ok=_shrink_possible()) != "shrink":
         return None
     excluded = nccl.excluded_ranks(old.members, m.members)
     pg = run_watched(old.client, m.generation, old.graveyard, old.timeout_s,
-                     lambda: nccl.shrink_nccl_group(old_pg, excluded), "shrink")
-    if pg is None or pg.rank() != m.rank_of(old.client.replica_id) or pg.size() != m.size:
+                     lambda: nccl.shrink_nccl_group(old_pg, excluded, old.device, old.timeout_s), "shrink")
+    if pg is not None and (pg.rank() != m.rank_of(old.client.replica_id) or pg.size() != m.size):
+        old.graveyard.park(m.generation, pg, abort=True)
         return None
     return pg
 

@@ -77,13 +77,13 @@ def run_watched(client: CoordinatorClient, g: int, yard: Graveyard, timeout_s: f
     raises PeerFailure / CoordinatorLost (parking the thread) if generation ``g`` fails meanwhile."""
     box: dict[str, Any] = {}
 
-    def run() -> None:
+    def run(out: dict[str, Any]) -> None:  # an argument, not a closure cell: ``del box`` below keeps it
         try:
-            box["value"] = fn()
+            out["value"] = fn()
         except BaseException as exc:  # noqa: BLE001 - handed to the caller
-            box["error"] = exc
+            out["error"] = exc
 
-    t = threading.Thread(target=run, name=f"recover-{what}-gen{g}", daemon=True)
+    t = threading.Thread(target=run, args=(box,), name=f"recover-{what}-gen{g}", daemon=True)
     t.start()
     pause = POLL_MIN_S
     while t.is_alive():
