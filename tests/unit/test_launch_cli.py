@@ -126,8 +126,8 @@ def test_gpus_are_found_by_nvidia_smi_when_the_driver_shows_no_proc_entries(
     from recover.launch import placement
 
     smi = tmp_path / "nvidia-smi"
-    smi.write_text("#!/bin/sh\necho 'GPU 0: NVIDIA H100 80GB HBM3 (UUID: GPU-a)'\necho '  MIG 1g.10gb Device 0: (UUID: MIG-b)'\n"
-                   "echo 'GPU 1: NVIDIA H100 80GB HBM3 (UUID: GPU-c)'\n")
+    smi.write_text("#!/bin/sh\necho 'GPU 0: NVIDIA H100 80GB HBM3 (UUID: GPU-a)'\n"
+                   "echo '  MIG 1g.10gb Device 0: (UUID: MIG-b)'\necho 'GPU 1: NVIDIA H100 80GB HBM3 (UUID: GPU-c)'\n")
     smi.chmod(0o755)
     monkeypatch.delenv("CUDA_VISIBLE_DEVICES", raising=False)
     monkeypatch.setattr(placement, "NVIDIA_PROC", tmp_path / "absent")

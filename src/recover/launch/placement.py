@@ -59,8 +59,8 @@ def worker_device(cuda_devices: int, placement: str | None, processes: int) -> s
         return "cpu"
     if placement == "none" and processes > 1:
         raise ConfigError(f"this worker sees {cuda_devices} CUDA GPU(s), but `recover launch` found none to give its "
-                          f"{processes} processes (no CUDA_VISIBLE_DEVICES, /proc/driver/nvidia/gpus or nvidia-smi), so "
-                          "they would all use GPU 0: pass --gpus 0,1,... to give each rank its own, or --share-gpus")
+                          f"{processes} processes (no CUDA_VISIBLE_DEVICES, /proc/driver/nvidia/gpus or nvidia-smi), "
+                          "so they would all use GPU 0: pass --gpus 0,1,... to give each rank its own, or --share-gpus")
     return "cuda:0"
 
 

@@ -81,8 +81,10 @@ def build(cfg: Config, procs: int) -> Built:
     (RANK, WORLD_SIZE, MASTER_ADDR, MASTER_PORT) and forms its own process group with the
     intra-replica timeout first.
     """
+    from recover.comm.nccl import apply_env_defaults
     from recover.data.prepare import resolve_data_dir
 
+    apply_env_defaults(collective_timeout_s=cfg.fault_tolerance.collective_timeout_s)  # before any NCCL use
     ctx = DistContext(local_world_size=procs, device=_own_device(cfg))
     if cfg.parallel.procs_per_replica > 1:
         if "RANK" not in os.environ or "WORLD_SIZE" not in os.environ:
