@@ -26,8 +26,8 @@ surfaces as an exception within it and the caller treats the whole replica as lo
   backward, as DDP does; other layouts call it for every buffer at the end.
 - No host synchronisation per microbatch: losses stay on the device until the end of the call, and
   finiteness is checked once per call, on the losses and the buffers, in ONE read to the host
-  (:func:`to_host`). Every tensor a collective inside the replica sees lives on ``device`` (an NCCL
-  group has no CPU backend).
+  (:func:`~recover.train.bits.to_host`). Every tensor a collective inside the replica sees lives on
+  ``device`` (an NCCL group has no CPU backend).
 - ``payload()`` (local): this rank's gradient buffers in ``model.parameters()`` order, then a float64
   ``[loss_sum, count]`` of the WHOLE replica (the same tensors all step: ``reduce_order`` lists them in
   the order they become final). Summed with the payloads of the SAME replica-local rank
@@ -61,7 +61,6 @@ surfaces as an exception within it and the caller treats the whole replica as lo
 from __future__ import annotations
 
 import math
-import struct
 import time
 from collections.abc import Callable
 from contextlib import AbstractContextManager, nullcontext
@@ -78,6 +77,7 @@ from recover.names import Phase
 from recover.parallel.apply import clean_name, parallelize
 from recover.parallel.dims import AXES, Coord, MeshAxis, ParallelDims
 from recover.recovery.interfaces import Totals
+from recover.train.bits import MASK, bit_sum, bits, to_host
 from recover.train.optim import build_optimizer, lr_at, set_lr
 from recover.train.weights import load_initial_weights
 from recover.workload.policy import split_within_replica
@@ -94,15 +94,6 @@ def _no_hook(step: int, phase: str) -> None:
     return None
 
 
-_MASK = (1 << 64) - 1
-_INT_OF_SIZE = {1: torch.int8, 2: torch.int16, 4: torch.int32, 8: torch.int64}
-
-
-def _bits(t: torch.Tensor) -> torch.Tensor:
-    """A flat integer view of ``t``'s bytes (same storage: writing it writes ``t``)."""
-    return t.contiguous().view(-1).view(_INT_OF_SIZE[t.element_size()])
-
-
 AUDIT_TOLERANCES = {"float32": 1e-5, "bfloat16": 1e-3}
 """Relative difference of an audited gradient's norm tolerated outside deterministic mode, by compute
 dtype: kernels that are not bitwise reproducible (atomics in attention backward, split-K matmuls) move a
@@ -112,38 +103,6 @@ per element, averaged over the tensor); a systematically wrong gradient of 2**-8
 
 def audit_tolerance(dtype: str) -> float:
     return AUDIT_TOLERANCES.get(dtype, AUDIT_TOLERANCES["float32"])
-
-
-def _bit_sum(tensors: list[torch.Tensor], device: torch.device) -> torch.Tensor:
-    """The exact fingerprint of ``tensors`` on the device: the sum, modulo 2**64, of each tensor's bit
-    patterns read as integers times an odd constant per tensor (int64 arithmetic wraps). Any single
-    changed bit changes it (the change is +-2**k times an odd number: never 0 modulo 2**64), and so
-    does moving values between tensors."""
-    total = torch.zeros((), dtype=torch.int64, device=device)
-    for k, t in enumerate(tensors):
-        total += _bits(t).sum(dtype=torch.int64) * (2 * k + 1)
-    return total
-
-
-_STRUCT = {torch.float64: "d", torch.float32: "f", torch.int64: "q", torch.int32: "i", torch.bool: "?"}
-
-
-def to_host(*tensors: torch.Tensor) -> list[list[Any]]:
-    """The values of several small tensors as Python lists, read with ONE device-to-host copy (one
-    synchronisation, where a ``.item()`` or ``.cpu()`` per tensor would drain the device queue once
-    each): their bytes travel in one buffer, each part padded to 8 bytes."""
-    flat = [t.detach().reshape(-1).contiguous() for t in tensors]
-    parts = []
-    for t in flat:
-        raw = t.view(torch.uint8)
-        pad = -raw.numel() % 8
-        parts.append(torch.cat([raw, raw.new_zeros(pad)]) if pad else raw)
-    data = bytes(torch.cat(parts).tolist()) if parts else b""  # the one read
-    out, offset = [], 0
-    for t, part in zip(flat, parts, strict=True):
-        out.append(list(struct.unpack_from(f"<{t.numel()}{_STRUCT[t.dtype]}", data, offset)))
-        offset += part.numel()
-    return out
 
 
 class MicrobatchSource(Protocol):
@@ -158,8 +117,6 @@ class MicrobatchSource(Protocol):
 def local(t: torch.Tensor) -> torch.Tensor:
     """The tensor this rank holds (a DTensor's local shard)."""
     return t.to_local() if isinstance(t, DTensor) else t
-
-
 
 
 class Replica:
@@ -436,8 +393,8 @@ class Replica:
         and ``exact`` (deterministic mode: compare fingerprints; otherwise norms, within a tolerance)."""
         grads = [local(p.grad.detach()) for p in self.params if p.grad is not None]
         norm = torch.stack(torch._foreach_norm(grads, 2, dtype=torch.float64)).norm()
-        (fp,), (value,) = to_host(_bit_sum(grads, self.device), norm)
-        return {"fp": f"{fp & _MASK:016x}", "norm": value, "exact": self.training.deterministic,
+        (fp,), (value,) = to_host(bit_sum(grads, self.device), norm)
+        return {"fp": f"{fp & MASK:016x}", "norm": value, "exact": self.training.deterministic,
                 "tol": audit_tolerance(self.training.dtype)}
 
     @torch.no_grad()
@@ -544,7 +501,7 @@ class Replica:
             dist.all_reduce(sq, group=self.group)
         parts = [reduced[-1], sq] + ([self._fingerprint()] if fingerprint else [])
         (loss_sum, count), (sq_sum,), *fp = to_host(*parts)
-        return Totals(loss_sum, int(round(count)), math.sqrt(sq_sum), f"{fp[0][0] & _MASK:016x}" if fp else None)
+        return Totals(loss_sum, int(round(count)), math.sqrt(sq_sum), f"{fp[0][0] & MASK:016x}" if fp else None)
 
     @torch.no_grad()
     def apply(self, reduced: list[torch.Tensor], divisor: int, step: int, sum_norm: float) -> float:
@@ -575,19 +532,20 @@ class Replica:
     @torch.no_grad()
     def fingerprint(self) -> str:
         """(local) An exact fingerprint of this rank's parameter shards, computed where they live
-        (:func:`_bit_sum`): any single changed bit changes it. One read of the parameters; 16 hex digits."""
+        (:func:`~recover.train.bits.bit_sum`): any single changed bit changes it. One read of the
+        parameters; 16 hex digits."""
         ((total,),) = to_host(self._fingerprint())
-        return f"{total & _MASK:016x}"
+        return f"{total & MASK:016x}"
 
     def _fingerprint(self) -> torch.Tensor:
-        return _bit_sum([local(p.detach()) for p in self.params], self.device)
+        return bit_sum([local(p.detach()) for p in self.params], self.device)
 
     def corrupt(self) -> None:
         """Fault injection (``--corrupt``): one bit of one element of this rank's first parameter shard
         flips in memory, as silent data corruption would (nothing else notices)."""
         with torch.no_grad():
-            bits = _bits(local(self.params[0].detach()))
-            bits[bits.numel() // 2] ^= 1 << 3
+            flat = bits(local(self.params[0].detach()))
+            flat[flat.numel() // 2] ^= 1 << 3
 
     # ---- evaluation ----------------------------------------------------------------------------
     @property
