@@ -106,7 +106,10 @@ def _own_device(cfg: Config) -> Any:
 
     gpus = torch.cuda.device_count() if torch.cuda.is_available() else 0
     processes = cfg.parallel.replicas * cfg.parallel.procs_per_replica
-    return torch.device(worker_device(gpus, os.environ.get(PLACEMENT_ENV), processes))
+    device = torch.device(worker_device(gpus, os.environ.get(PLACEMENT_ENV), processes))
+    if device.type == "cuda":
+        torch.cuda.set_device(device)  # NCCL's barrier-like calls use the current device
+    return device
 
 
 class ReplicaWorker:
