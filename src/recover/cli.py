@@ -29,6 +29,7 @@ COMMAND_MODULES = (
     "recover.launch.report",  # report
     "recover.launch.collect",  # collect
     "recover.coord.cli",  # coordinator
+    "recover.ops.check",  # check
     "recover.bench.cli",  # bench ...
     "recover.sim.cli",  # simulate
 )

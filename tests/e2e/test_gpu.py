@@ -15,8 +15,11 @@ import pytest
 import torch
 
 from conftest import losses, run_recover
+from recover.launch.placement import visible_gpus
 
 GPUS = torch.cuda.device_count() if torch.cuda.is_available() else 0
+ONE_GPU = ["--gpus", visible_gpus()[0]] if GPUS and visible_gpus() else []
+"""Both replicas on the first visible GPU: with --share-gpus they share it even where there are more."""
 one_gpu = pytest.mark.skipif(GPUS < 1, reason="needs a CUDA GPU; none is visible")
 two_gpus = pytest.mark.skipif(GPUS < 2, reason=f"needs 2 CUDA GPUs (NCCL allows one rank per device); {GPUS} visible")
 STEPS, M = 16, 8
@@ -48,8 +51,8 @@ def test_one_replica_trains_on_its_gpu_in_bf16_with_compiled_blocks(tmp_path: Pa
 
 @one_gpu
 def test_two_replicas_sharing_one_gpu_keep_every_microbatch_through_a_kill(tmp_path: Path, corpus: Path) -> None:
-    reference = launch(tmp_path / "ref", corpus, "--share-gpus")
-    killed = launch(tmp_path / "kill", corpus, "--share-gpus", "--fail", "1@5:backward")
+    reference = launch(tmp_path / "ref", corpus, *ONE_GPU, "--share-gpus")
+    killed = launch(tmp_path / "kill", corpus, *ONE_GPU, "--share-gpus", "--fail", "1@5:backward")
     assert killed[5]["live_replicas"] == 1
     assert [r["loss"] for r in killed] == [r["loss"] for r in reference]
 
