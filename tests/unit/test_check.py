@@ -1,7 +1,7 @@
 """``recover check`` and ``make gpu-check``'s pure parts: the rows built from versions and from probe results
 (GPUs as H100s of several kinds report them, failures, timeouts), the one-line verdict, the fingerprint,
 the stage plan on a CPU and on a GPU, and the report. The processes themselves run in
-tests/e2e/test_check.py."""
+tests/e2e/test_check_command.py."""
 
 from __future__ import annotations
 
