@@ -7,3 +7,15 @@ normalises the gradient by M. See README.md and the module docstrings of each la
 """
 
 __version__ = "0.1.0"
+
+_API = {"init": "recover.api", "Job": "recover.api", "Runtime": "recover.api"}
+
+
+def __getattr__(name: str) -> object:
+    """``recover.init`` and ``recover.Job`` (:mod:`recover.api`), imported on first use: ``recover --help``
+    and the launcher stay free of torch."""
+    if name in _API:
+        import importlib
+
+        return getattr(importlib.import_module(_API[name]), name)
+    raise AttributeError(f"module 'recover' has no attribute {name!r}")

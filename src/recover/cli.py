@@ -61,7 +61,14 @@ def one_line(text: str) -> str:
 
 def main(argv: list[str] | None = None) -> int:
     parser = build_parser()
+    argv = list(sys.argv[1:] if argv is None else argv)
+    script: list[str] = []
+    if "--" in argv:  # recover launch [flags] -- CMD ...: the replicas run CMD
+        script, argv = argv[argv.index("--") + 1:], argv[:argv.index("--")]
     args, extra = parser.parse_known_args(argv)
+    if script and args.command != "launch":
+        parser.error("only `recover launch ... -- CMD` takes a command after --")
+    args.script = script
     if args.command is None:
         parser.print_help()
         return 2

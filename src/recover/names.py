@@ -110,3 +110,9 @@ class Fault(_Named):
 FAULTS: tuple[str, ...] = Fault.values()
 RANDOM_FAULTS: tuple[str, ...] = (Fault.KILL.value, Fault.HANG.value, Fault.FREEZE.value)
 """What ``recover launch --random-failures`` can do to a replica from outside (``--random-faults``)."""
+
+
+WORKER_ENV = "RECOVER_WORKER"
+"""Set by ``recover launch ... -- CMD`` in each replica's process, as JSON: ``coordinator`` (HOST:PORT),
+``token_file``, ``out`` (the run directory), ``replica``, ``fail`` (its fault specs ``R@STEP:PHASE[=FAULT]``)
+and ``join`` (it joins a running job). :func:`recover.api.init` reads it."""

@@ -193,6 +193,8 @@ class LaunchRequest:
     """Print the plan and start nothing."""
     init_from: str | None = None
     """``--init-from``: the weights every replica starts from (``training.init_from``)."""
+    script: tuple[str, ...] = ()
+    """``-- CMD ...``: each replica runs this command (a script on :mod:`recover.api`), not ``recover worker``."""
 
 
 def launch_config(req: LaunchRequest) -> tuple[Config, list[str]]:
@@ -291,7 +293,7 @@ def check_launch(req: LaunchRequest) -> LaunchOptions:
                          random_faults=tuple(Fault(f) for f in req.random_faults), rejoin_after_s=req.rejoin_after_s,
                          rejoin_replicas=req.rejoin_replicas, seed=req.seed, baseline=req.baseline,
                          progress=req.progress, resume=req.resume, kill_coordinator=req.kill_coordinator,
-                         placement=placement,
+                         placement=placement, script=req.script,
                          title=f"{cfg.name} x{p.replicas}" + (f" (x{P} ranks)" if P > 1 else ""))
 
 
@@ -408,7 +410,8 @@ def run_launch(args: argparse.Namespace) -> int:
         baseline=Baseline(args.baseline) if args.baseline else None, seed=args.seed,
         reference=Path(args.reference) if args.reference else None, progress=not args.no_progress,
         resume=args.resume, overwrite=args.overwrite, kill_coordinator=args.kill_coordinator, gpus=args.gpus,
-        share_gpus=args.share_gpus, dry_run=args.dry_run, init_from=args.init_from))
+        share_gpus=args.share_gpus, dry_run=args.dry_run, init_from=args.init_from,
+        script=tuple(getattr(args, "script", ()))))
 
 
 def run_compare(args: argparse.Namespace) -> int:

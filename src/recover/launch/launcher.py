@@ -53,7 +53,7 @@ from recover.config import Config
 from recover.faults import HANG_SIGNAL, FailureSchedule
 from recover.launch.lifeline import child_env
 from recover.launch.placement import Placement
-from recover.names import Baseline, Fault
+from recover.names import WORKER_ENV, Baseline, Fault
 from recover.observe.events import EventLog, JsonlWriter
 from recover.observe.progress import ProgressDisplay
 from recover.train.exits import (
@@ -102,6 +102,9 @@ class LaunchOptions:
     """Start from the newest complete checkpoint in ``out`` (keeping the step records before it)."""
     placement: Placement = field(default_factory=Placement)
     """The device of every rank (:mod:`recover.launch.placement`)."""
+    script: tuple[str, ...] = ()
+    """Each replica runs this command (a user's script on :mod:`recover.api`) instead of ``recover worker``;
+    it learns its job from :data:`recover.api.WORKER_ENV`. No hot spare is kept for a script."""
     kill_coordinator: str | None = None
     """Fault injection ``STEP[:SENT]``: the first coordinator SIGKILLs itself in step STEP's commit after
     SENT of its replies went out (the launcher then restarts it)."""
@@ -274,8 +277,8 @@ class Launcher:
                         "LOCAL_WORLD_SIZE": str(self.P), "MASTER_ADDR": self.o.host, "MASTER_PORT": str(port)})
         return env
 
-    def _spawn(self, cmd: list[str], name: str, rid: int | None,
-               stdin: Any = None) -> list[tuple[subprocess.Popen[bytes], Any, Path]]:
+    def _spawn(self, cmd: list[str], name: str, rid: int | None, stdin: Any = None,
+               extra_env: dict[str, str] | None = None) -> list[tuple[subprocess.Popen[bytes], Any, Path]]:
         """The P processes of one replica, each in its own session; P > 1 get torchrun's environment."""
         port = free_port(self.o.host) if self.P > 1 else 0
         out = []
@@ -283,7 +286,7 @@ class Launcher:
             path = self.out / "logs" / (f"{name}.log" if self.P == 1 else f"{name}_rank{k}.log")
             log = open(path, "ab")  # noqa: SIM115 - lives with the process
             proc = subprocess.Popen(cmd, stdin=stdin, stdout=log, stderr=subprocess.STDOUT, start_new_session=True,
-                                    env={**child_env(), **self._env(rid, k, port)})
+                                    env={**child_env(), **self._env(rid, k, port), **(extra_env or {})})
             out.append((proc, log, path))
         return out
 
@@ -304,6 +307,8 @@ class Launcher:
 
     def _start_spare(self) -> None:
         """A hot spare: a replica's workers that have started up (torch, model, data) and wait to be told who to be."""
+        if self.o.script:
+            return  # a user's script starts as the replica it is told to be
         name = f"spare_{self.spares_started}"
         self.spares_started += 1
         self.spare = self._spawn([*self._worker_cmd(), "--spare"], name, None, stdin=subprocess.PIPE)
@@ -317,6 +322,10 @@ class Launcher:
                 proc.stdin.write(order)
                 proc.stdin.close()
             self._start_spare()
+        elif self.o.script:
+            job = {"coordinator": f"{self.o.host}:{self.port}", "token_file": str(self.token_file),
+                   "out": str(self.out), "replica": rid, "fail": self._fails(rid), "join": join}
+            ranks = self._spawn(list(self.o.script), f"replica_{rid}", rid, extra_env={WORKER_ENV: json.dumps(job)})
         else:
             cmd = [*self._worker_cmd(), "--replica", str(rid), *(a for f in self._fails(rid) for a in ("--fail", f))]
             if join:

@@ -27,7 +27,7 @@ only what a failure does and what a step is divided by.
 from __future__ import annotations
 
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Generator
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -107,6 +107,17 @@ class StepOutcome:
         return self.loss_sum / self.microbatches
 
 
+@dataclass(frozen=True)
+class Work:
+    """Microbatches this replica computes now: its share of step ``data_step``'s ids, or the orphans of a
+    failure. ``final(i)``, when given, is told as payload tensor ``i`` becomes complete (the reduction
+    launches its buckets then)."""
+
+    data_step: int
+    ids: list[int]
+    final: Callable[[int], None] | None = None
+
+
 class Resynced(Exception):  # noqa: N818 - not an error: the step starts over
     """A restarted coordinator's ``resync`` generation moved state to the members that were behind:
     the step in progress is abandoned and :meth:`ResilientStep.run` is called again (from the progress
@@ -165,7 +176,18 @@ class ResilientStep:
     def run(self) -> StepOutcome:
         """Plans, computes, reduces, recovers, commits and applies the next step; admits joiners."""
         step = self.progress.step
-        committed = self.commit(step, self.progress.data_step)
+        return self._finish(step, self.commit(step, self.progress.data_step))
+
+    def run_iter(self) -> Generator[Work, None, StepOutcome]:
+        """:meth:`run` for a caller that computes the microbatches itself (a user's own loop,
+        :mod:`recover.api`): yields each :class:`Work` to compute (the replica's share, then the orphans
+        of any failure) and returns the step's outcome; the caller folds every yielded id's gradient
+        into ``replica.payload()`` before asking for the next."""
+        step = self.progress.step
+        committed = yield from self.commit_iter(step, self.progress.data_step)
+        return self._finish(step, committed)
+
+    def _finish(self, step: int, committed: Committed) -> StepOutcome:
         outcome = self.apply(step, committed)
         if committed.admitted is not None and not committed.stop:
             self.admit()
@@ -182,6 +204,17 @@ class ResilientStep:
 
     def commit(self, step: int, data_step: int) -> Committed:
         """Computes this replica's ids of ``data_step``, reduces and votes until the step commits."""
+        work = self.commit_iter(step, data_step)
+        try:
+            order = next(work)
+            while True:
+                self.replica.compute(order.data_step, order.ids, self.hook, order.final)
+                order = work.send(None)
+        except StopIteration as done:
+            return done.value
+
+    def commit_iter(self, step: int, data_step: int) -> Generator[Work, None, Committed]:
+        """:meth:`commit` with the computing left to the caller: yields :class:`Work`, returns the commit."""
         plan = self.plan(data_step)
         todo = plan[self.me]
         self.replica.reset()
@@ -195,7 +228,7 @@ class ResilientStep:
             t0 = time.perf_counter()
             order = self.replica.reduce_order if self.overlap else None
             reduction = self.group.reduction(self.replica.payload(), order)
-            self.replica.compute(data_step, todo, self.hook, reduction.final if self.overlap else None)
+            yield Work(data_step, list(todo), reduction.final if self.overlap else None)
             if audit is not None and self.me in audit[2]:
                 self._audit = {"id": audit[0], **self.replica.audit(data_step, audit[0])}
                 audit = None  # once per step, even if the step recovers

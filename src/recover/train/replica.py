@@ -79,6 +79,7 @@ from recover.parallel.dims import AXES, Coord, MeshAxis, ParallelDims
 from recover.recovery.interfaces import Totals
 from recover.train.bits import MASK, bit_sum, bits, to_host
 from recover.train.optim import build_optimizer, lr_at, set_lr
+from recover.train.update import apply_sum, read_totals
 from recover.train.weights import load_initial_weights
 from recover.workload.policy import split_within_replica
 
@@ -495,38 +496,15 @@ class Replica:
 
     def totals(self, reduced: list[torch.Tensor], fingerprint: bool = False) -> Totals:
         """(collective) What the reduced payload holds (see the module docstring), in one host read."""
-        norms = torch._foreach_norm(reduced[: len(self.params)], 2, dtype=torch.float64)
-        sq = (torch.stack(norms).square() / self._copies).sum()  # this rank's shards, each copy counted once
-        if self.group is not None:
-            dist.all_reduce(sq, group=self.group)
-        parts = [reduced[-1], sq] + ([self._fingerprint()] if fingerprint else [])
-        (loss_sum, count), (sq_sum,), *fp = to_host(*parts)
-        return Totals(loss_sum, int(round(count)), math.sqrt(sq_sum), f"{fp[0][0] & MASK:016x}" if fp else None)
+        return read_totals(reduced, len(self.params), self._copies, self._fingerprint() if fingerprint else None,
+                           self.group)
 
-    @torch.no_grad()
     def apply(self, reduced: list[torch.Tensor], divisor: int, step: int, sum_norm: float) -> float:
         """(collective) The optimizer update of ``step`` from the reduced gradient sum (consumed: scaled in
         place where it has the parameters' dtype) and its norm ``sum_norm`` (:meth:`totals`); returns the
         step's gradient norm. No host synchronisation."""
         set_lr(self.optimizer, lr_at(step, self.training))
-        grads = [g.div_(divisor).to(p.dtype) for g, p in zip(reduced[: len(self.params)], self.params, strict=True)]
-        norm = sum_norm / divisor
-        clip = self.training.grad_clip
-        if clip > 0 and norm + 1e-6 > clip:
-            torch._foreach_mul_(grads, clip / (norm + 1e-6))
-        for p, g in zip(self.params, grads, strict=True):
-            p.grad = self._like(p, g)
-        self.optimizer.step()
-        self.optimizer.zero_grad(set_to_none=True)
-        return norm
-
-    @staticmethod
-    def _like(p: torch.Tensor, t: torch.Tensor) -> torch.Tensor:
-        """``t`` (a local shard of ``p``'s shape) as a tensor of ``p``'s kind (DTensor with its layout)."""
-        if isinstance(p, DTensor):
-            return DTensor.from_local(t, p.device_mesh, p.placements, run_check=False, shape=p.shape,
-                                      stride=p.stride())
-        return t
+        return apply_sum(self.optimizer, self.params, reduced, divisor, sum_norm, self.training.grad_clip, like)
 
     # ---- integrity -----------------------------------------------------------------------------
     @torch.no_grad()
@@ -599,40 +577,61 @@ class Replica:
         """This rank's parameter shards, optimizer state and ``counters`` as plain tensors, for a joiner
         (the same replica-local rank of an identically built replica takes them with :meth:`load_transfer_state`).
         Tensors only, in a deterministic order: no pickling over the network."""
-        out: dict[str, torch.Tensor] = {}
-        for name, p in zip(self.names, self.params, strict=True):
-            out[f"model.{name}"] = local(p.detach())
-            for key, value in sorted(self.optimizer.state.get(p, {}).items()):
-                out[f"optim.{name}.{key}"] = local(value) if torch.is_tensor(value) else torch.tensor(value)
-        for key, value in sorted(counters.items()):
-            out[f"counter.{key}"] = torch.tensor(int(value), dtype=torch.int64)
-        return out
+        return transfer_tensors(self.names, self.params, self.optimizer, counters)
 
-    @torch.no_grad()
     def load_transfer_state(self, state: dict[str, torch.Tensor]) -> dict[str, int]:
         """Inverse of :meth:`transfer_state`; returns the counters.
 
         Raises:
             ValueError: ``state`` lacks parameters of this replica (built from another config).
         """
-        missing = [n for n in self.names if f"model.{n}" not in state]
-        if missing:
-            raise ValueError(f"transferred state lacks parameters {missing[:3]} ({len(missing)} missing)")
-        on_device = {id(p): bool(g.get("fused") or g.get("capturable"))
-                     for g in self.optimizer.param_groups for p in g["params"]}
-        for name, p in zip(self.names, self.params, strict=True):
-            local(p).copy_(state[f"model.{name}"])
-            prefix = f"optim.{name}."
-            moments = {k[len(prefix):]: v for k, v in state.items()
-                       if k.startswith(prefix) and "." not in k[len(prefix):]}
-            if moments:  # moments are shaped like the parameter; AdamW's "step" is a scalar
-                self.optimizer.state[p] = {k: self._state_value(p, v, on_device[id(p)]) for k, v in moments.items()}
-        return {k[len("counter."):]: int(v) for k, v in state.items() if k.startswith("counter.")}
+        return load_transferred(self.names, self.params, self.optimizer, state)
 
-    def _state_value(self, p: torch.Tensor, v: torch.Tensor, scalars_on_device: bool) -> torch.Tensor:
-        """A transferred optimizer state tensor where the optimizer keeps it (the payload lives on the
-        group's device, the CPU over gloo): moments on the parameter's device, as its kind (DTensor);
-        a scalar ("step") on the device for fused or capturable AdamW, else on the CPU."""
-        if v.dim():
-            return self._like(p, v.to(local(p).device, copy=True))
-        return v.to(local(p).device if scalars_on_device else "cpu", copy=True)
+
+def like(p: torch.Tensor, t: torch.Tensor) -> torch.Tensor:
+    """``t`` (a local shard of ``p``'s shape) as a tensor of ``p``'s kind (DTensor with its layout)."""
+    if isinstance(p, DTensor):
+        return DTensor.from_local(t, p.device_mesh, p.placements, run_check=False, shape=p.shape, stride=p.stride())
+    return t
+
+
+def transfer_tensors(names: list[str], tensors: list[torch.Tensor], optimizer: torch.optim.Optimizer,
+                     counters: dict[str, int]) -> dict[str, torch.Tensor]:
+    """``tensors`` (this rank's shards), their optimizer state and ``counters`` as plain tensors keyed by name,
+    in a deterministic order (see :meth:`Replica.transfer_state`)."""
+    out: dict[str, torch.Tensor] = {}
+    for name, p in zip(names, tensors, strict=True):
+        out[f"model.{name}"] = local(p.detach())
+        for key, value in sorted(optimizer.state.get(p, {}).items()):
+            out[f"optim.{name}.{key}"] = local(value) if torch.is_tensor(value) else torch.tensor(value)
+    for key, value in sorted(counters.items()):
+        out[f"counter.{key}"] = torch.tensor(int(value), dtype=torch.int64)
+    return out
+
+
+@torch.no_grad()
+def load_transferred(names: list[str], tensors: list[torch.Tensor], optimizer: torch.optim.Optimizer,
+                     state: dict[str, torch.Tensor]) -> dict[str, int]:
+    """Inverse of :func:`transfer_tensors`: copies the values into ``tensors``, puts the optimizer state where
+    the optimizer keeps it (:func:`_state_value`); returns the counters. Raises ValueError: a tensor is missing."""
+    missing = [n for n in names if f"model.{n}" not in state]
+    if missing:
+        raise ValueError(f"transferred state lacks parameters {missing[:3]} ({len(missing)} missing)")
+    on_device = {id(p): bool(g.get("fused") or g.get("capturable"))
+                 for g in optimizer.param_groups for p in g["params"]}
+    for name, p in zip(names, tensors, strict=True):
+        local(p).copy_(state[f"model.{name}"])
+        prefix = f"optim.{name}."
+        moments = {k[len(prefix):]: v for k, v in state.items() if k.startswith(prefix) and "." not in k[len(prefix):]}
+        if moments:  # moments are shaped like the parameter; AdamW's "step" is a scalar
+            optimizer.state[p] = {k: _state_value(p, v, on_device.get(id(p), False)) for k, v in moments.items()}
+    return {k[len("counter."):]: int(v) for k, v in state.items() if k.startswith("counter.")}
+
+
+def _state_value(p: torch.Tensor, v: torch.Tensor, scalars_on_device: bool) -> torch.Tensor:
+    """A transferred optimizer state tensor where the optimizer keeps it (the payload lives on the group's
+    device, the CPU over gloo): moments on the parameter's device, as its kind (DTensor); a scalar ("step")
+    on the device for fused or capturable AdamW, else on the CPU."""
+    if v.dim():
+        return like(p, v.to(local(p).device, copy=True))
+    return v.to(local(p).device if scalars_on_device else "cpu", copy=True)

@@ -85,7 +85,7 @@ def build(cfg: Config, procs: int) -> Built:
     from recover.data.prepare import resolve_data_dir
 
     apply_env_defaults(collective_timeout_s=cfg.fault_tolerance.collective_timeout_s)  # before any NCCL use
-    ctx = DistContext(local_world_size=procs, device=_own_device(cfg))
+    ctx = DistContext(local_world_size=procs, device=own_device(cfg))
     if cfg.parallel.procs_per_replica > 1:
         if "RANK" not in os.environ or "WORLD_SIZE" not in os.environ:
             raise RecoverError(f"a replica of {cfg.parallel.procs_per_replica} ranks (parallel.pp x fsdp x tp) "
@@ -97,7 +97,7 @@ def build(cfg: Config, procs: int) -> Built:
     return replica, eval_data, ctx
 
 
-def _own_device(cfg: Config) -> Any:
+def own_device(cfg: Config) -> Any:
     """A one-process replica's device: the GPU the launcher gave it (``cuda:0`` in its own view), else the CPU
     (:func:`~recover.launch.placement.worker_device`; checked for every rank). Raises ConfigError."""
     import torch
