@@ -1,7 +1,9 @@
 # Two commands do all the set-up on a fresh machine with Python >= 3.10:
 #   make demo   the main job: a small multi-replica run on the embedded stdlib corpus
-#   make test   the whole test suite: tests/unit, tests/dist (multi-process gloo), tests/e2e (launch runs)
+#   make test   the whole test suite: tests/unit, tests/dist (multi-process gloo), tests/e2e (launch runs),
+#               all but the interop tests
 #   make test-unit   the unit tier alone (under a minute)
+#   make test-interop   Hugging Face models trained through recover.api (CI runs it too)
 #   make gpu-check   on a GPU node: check, test and benchmark everything one GPU can, into one report
 # Both create and reuse ./.venv. Override the interpreter with PYTHON=..., and the
 # PyTorch requirement installed when torch is absent with TORCH=... (e.g. TORCH='torch==2.6.0').
@@ -12,7 +14,7 @@ TORCH  ?= torch==2.13.0
 PY     := $(VENV)/bin/python
 STAMP  := $(VENV)/.recover-installed
 
-.PHONY: demo test test-unit lint venv clean gpu-check
+.PHONY: demo test test-unit test-interop lint venv clean gpu-check
 
 venv: $(STAMP)
 
@@ -27,7 +29,12 @@ demo: $(STAMP)
 	$(VENV)/bin/recover demo
 
 test: $(STAMP)
-	$(PY) -m pytest -q --durations=15
+	$(PY) -m pytest -q --durations=15 -m "not interop"
+
+# test-interop: other projects' model code (transformers' Llama and GPT-2) trained through recover.api under
+# recover launch with a kill, a hang and a corruption (~2 min; CI runs it after make test)
+test-interop: $(STAMP)
+	$(PY) -m pytest -q -m interop tests/e2e
 
 test-unit: $(STAMP)
 	$(PY) -m pytest -q tests/unit

@@ -1,5 +1,5 @@
-"""Your own model and loop under recover: `python examples/train_own.py` trains one replica;
-`recover launch --replicas 3 --fail 1@5:backward --deterministic -- python examples/train_own.py`
+"""Your own model and loop under recover: `python examples/train_own.py` trains one replica; `recover launch
+--replicas 3 --steps 12 --fail 1@5:backward --deterministic --out runs/own -- python examples/train_own.py`
 trains three through a kill, every step bitwise the failure-free run's."""
 import torch
 from torch import nn

@@ -1,0 +1,71 @@
+"""`recover.api` in one process (no launch): a Job's update equals the plain gradient-accumulation loop, every
+microbatch's RNG follows (seed, step, id), and a loop that skips a microbatch is told which one."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+from torch import nn
+
+import recover
+from recover.api import microbatch_seed
+
+M, CLIP = 4, 0.5
+
+
+def model_and_optimizer() -> tuple[nn.Module, torch.optim.Optimizer]:
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Embedding(32, 16), nn.Dropout(0.1), nn.Linear(16, 32))
+    return model, torch.optim.AdamW(model.parameters(), lr=1e-2)
+
+
+def sample(step: int, i: int) -> torch.Tensor:
+    return torch.randint(0, 32, (2, 8), generator=torch.Generator().manual_seed(100 * step + i))
+
+
+def loss_of(model: nn.Module, x: torch.Tensor) -> torch.Tensor:
+    return nn.functional.cross_entropy(model(x).flatten(0, 1), x.flatten())
+
+
+def test_a_job_is_plain_gradient_accumulation_divided_by_m_and_clipped() -> None:
+    model, optimizer = model_and_optimizer()
+    job = recover.Job(model, optimizer, samples=sample, microbatches=M, lr=lambda s: 1e-2 / (s + 1), clip=CLIP,
+                      seed=7)
+    losses = []
+    for step in job.steps(3):
+        for mb in step:
+            mb.backward(loss_of(model, mb.batch))
+        losses.append(step.loss)
+        assert step.microbatches == M
+
+    plain, opt = model_and_optimizer()
+    for s in range(3):
+        total = 0.0
+        for i in range(M):
+            torch.manual_seed(microbatch_seed(7, s, i))  # dropout follows the sample
+            loss = loss_of(plain, sample(s, i))
+            (loss / M).backward()
+            total += float(loss.detach())
+        torch.nn.utils.clip_grad_norm_(plain.parameters(), CLIP)
+        for g in opt.param_groups:
+            g["lr"] = 1e-2 / (s + 1)
+        opt.step()
+        opt.zero_grad()
+        assert losses[s] == pytest.approx(total / M, rel=1e-6)
+    for a, b in zip(model.parameters(), plain.parameters(), strict=True):
+        torch.testing.assert_close(a, b, rtol=1e-5, atol=1e-6)
+
+
+def test_microbatch_seeds_are_a_pure_function_of_seed_step_and_id() -> None:
+    assert microbatch_seed(1, 2, 3) == microbatch_seed(1, 2, 3)
+    assert len({microbatch_seed(1, s, i) for s in range(20) for i in range(20)}) == 400
+
+
+def test_a_loop_that_skips_a_microbatch_is_told_which() -> None:
+    model, optimizer = model_and_optimizer()
+    job = recover.Job(model, optimizer, samples=sample, microbatches=M)
+    with pytest.raises(RuntimeError, match=r"microbatches \[3\] were handed out but not backwarded"):
+        for step in job.steps(1):
+            for mb in step:
+                if mb.id != 3:
+                    mb.backward(loss_of(model, mb.batch))
