@@ -60,18 +60,16 @@ class Runtime:
 def init() -> Runtime:
     """This process's replica id, device and run directory: from ``recover launch``'s environment, else one
     replica on its own (``cuda:0`` when a GPU is visible, else the CPU)."""
-    from recover.train.worker import own_device
-
     raw = os.environ.get(WORKER_ENV)
     if raw is None:
         return Runtime(device=torch.device("cuda", 0) if torch.cuda.is_available() else torch.device("cpu"))
-    job = json.loads(raw)
     from recover.comm.nccl import apply_env_defaults
+    from recover.config import from_dict
     from recover.launch.lifeline import die_with_launcher
+    from recover.train.worker import own_device
 
     die_with_launcher()
-    from recover.config import from_dict
-
+    job = json.loads(raw)
     cfg = from_dict(json.loads((Path(job["out"]) / "config.json").read_text()))
     apply_env_defaults(collective_timeout_s=cfg.fault_tolerance.collective_timeout_s)  # before any NCCL use
     job["config"] = cfg
