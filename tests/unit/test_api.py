@@ -3,6 +3,8 @@ microbatch's RNG follows (seed, step, id), and a loop that skips a microbatch is
 
 from __future__ import annotations
 
+from pathlib import Path
+
 import pytest
 import torch
 from torch import nn
@@ -69,3 +71,17 @@ def test_a_loop_that_skips_a_microbatch_is_told_which() -> None:
             for mb in step:
                 if mb.id != 3:
                     mb.backward(loss_of(model, mb.batch))
+
+
+def test_token_shards_are_samples_for_a_job(corpus: Path, tmp_path: Path) -> None:
+    """``recover.data.tokens``: the built-in trainer's (seed, step, id) windows, checked against the vocabulary."""
+    from recover.data import DataError, tokens
+
+    samples = tokens(corpus, seq_len=16, microbatch_size=2, microbatches=M, seed=3)
+    x, y = samples(5, 1)
+    assert x.shape == y.shape == (2, 16) and torch.equal(x[:, 1:], y[:, :-1])
+    assert torch.equal(samples(5, 1)[0], x) and not torch.equal(samples(5, 2)[0], x)  # pure, per id
+    with pytest.raises(DataError, match="vocab"):
+        tokens(corpus, seq_len=16, microbatch_size=2, microbatches=M, vocab_size=8)
+    with pytest.raises(DataError):
+        tokens(tmp_path, seq_len=16, microbatch_size=2, microbatches=M)  # no training split there

@@ -23,6 +23,7 @@ _EXPORTS = {
     "prepare_builtin": "recover.data.prepare",
     "Sampler": "recover.data.sampler",
     "EvalSampler": "recover.data.sampler",
+    "tokens": "recover.data.sampler",
 }
 
 __all__ = [
@@ -37,12 +38,13 @@ __all__ = [
     "prepare_builtin",
     "prepare_files",
     "read_shard",
+    "tokens",
     "write_shard",
 ]
 
 if TYPE_CHECKING:
     from recover.data.prepare import prepare_builtin, prepare_files
-    from recover.data.sampler import EvalSampler, Sampler
+    from recover.data.sampler import EvalSampler, Sampler, tokens
     from recover.data.shards import TokenDataset, detect_format, read_shard, write_shard
     from recover.data.tokenizer import ByteTokenizer, HFTokenizer, load_tokenizer
     from recover.errors import DataError

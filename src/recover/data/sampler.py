@@ -20,6 +20,7 @@ from a shard directory.
 from __future__ import annotations
 
 import math
+from collections.abc import Callable
 from pathlib import Path
 
 import numpy as np
@@ -185,3 +186,28 @@ def open_samplers(cfg: DataConfig, data_dir: Path, vocab_size: int, microbatches
     train, val = check_data(cfg, data_dir, vocab_size)
     return (Sampler(train, cfg.seq_len, cfg.microbatch_size, microbatches, seed),
             EvalSampler(val, cfg.seq_len, cfg.microbatch_size))
+
+
+def tokens(path: str | Path, *, seq_len: int, microbatch_size: int, microbatches: int,
+           seed: int = 0, vocab_size: int | None = None) -> Callable[[int, int], tuple[torch.Tensor, torch.Tensor]]:
+    """Token shards as ``samples(step, id) -> (inputs, targets)`` for :class:`recover.api.Job`: the training
+    split of a directory of recover's, nanoGPT's or llm.c's shards (or ``builtin:stdlib``, prepared on
+    first use), windows of ``seq_len`` + 1 tokens drawn by (seed, step, id) as for the built-in trainer.
+    Every shard is checked first: token ids below ``vocab_size`` (default: the data's recorded vocabulary).
+
+    Raises:
+        DataError: no training split, a damaged shard, or an id beyond the vocabulary (one line, named).
+    """
+    from recover.data.layout import check_vocab_fits, data_vocab, split_format, split_pattern
+    from recover.data.prepare import resolve_data_dir
+
+    data = DataConfig(path=str(path), seq_len=seq_len, microbatch_size=microbatch_size)
+    directory = resolve_data_dir(data, prepare=True, quiet=True)
+    recorded = data_vocab(data, directory)
+    vocab = vocab_size or (recorded[0] if recorded else None)
+    train = TokenDataset(str(directory / split_pattern(data, directory, "train")),
+                         fmt=split_format(data, directory, "train"))
+    if vocab is not None:
+        check_vocab_fits(vocab, recorded)
+        train.check_vocab(vocab)
+    return Sampler(train, seq_len, microbatch_size, microbatches, seed).microbatch
