@@ -114,6 +114,10 @@ def run_train(args: argparse.Namespace) -> int:
         from recover.train.weights import check_init_from
 
         check_init_from(cfg.training.init_from, cfg.model)
+    if cfg.training.deterministic:  # before CUDA initialises (init_from_env picks this rank's GPU)
+        from recover.train.loop import use_deterministic_kernels
+
+        use_deterministic_kernels()
     ctx = init_from_env(cfg.parallel.backend)
     if args.overwrite and ctx.is_main:
         clear_run(Path(args.out))  # the other ranks read nothing of it before the data barrier

@@ -67,7 +67,7 @@ from recover.train.exits import (
     EXIT_STOPPED,
     replica_log_path,
 )
-from recover.train.loop import Loop
+from recover.train.loop import Loop, use_deterministic_kernels
 from recover.train.replica import Replica
 from recover.train.trainer import build_replica
 
@@ -85,6 +85,8 @@ def build(cfg: Config, procs: int) -> Built:
     from recover.data.prepare import resolve_data_dir
 
     apply_env_defaults(collective_timeout_s=cfg.fault_tolerance.collective_timeout_s)  # before any NCCL use
+    if cfg.training.deterministic:  # before CUDA initialises
+        use_deterministic_kernels()
     ctx = DistContext(local_world_size=procs, device=own_device(cfg))
     if cfg.parallel.procs_per_replica > 1:
         if "RANK" not in os.environ or "WORLD_SIZE" not in os.environ:
