@@ -24,6 +24,14 @@ def bits(t: torch.Tensor) -> torch.Tensor:
     return t.contiguous().view(-1).view(_INT_OF_SIZE[t.element_size()])
 
 
+@torch.no_grad()
+def flip_bit(t: torch.Tensor) -> None:
+    """Flips one bit of the middle element of ``t`` in place, as silent data corruption would (fault
+    injection: ``--corrupt``); :func:`bit_sum` changes, nothing else notices."""
+    flat = bits(t.detach())
+    flat[flat.numel() // 2] ^= 1 << 3
+
+
 def bit_sum(tensors: list[torch.Tensor], device: torch.device) -> torch.Tensor:
     """The exact fingerprint of ``tensors`` on the device: the sum, modulo 2**64, of each tensor's bit
     patterns read as integers times an odd constant per tensor (int64 arithmetic wraps). Any single

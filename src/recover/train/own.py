@@ -24,7 +24,7 @@ import torch
 from torch import nn
 
 from recover.recovery.interfaces import Totals
-from recover.train.bits import MASK, bit_sum, bits, to_host
+from recover.train.bits import bit_sum, flip_bit, to_host
 from recover.train.optim import set_lr
 from recover.train.replica import load_transferred, transfer_tensors
 from recover.train.update import apply_sum, read_totals
@@ -138,10 +138,6 @@ class OwnReplica:
             set_lr(self.optimizer, float(self.lr(step)))
         return apply_sum(self.optimizer, self.params, reduced, divisor, sum_norm, self.clip)
 
-    def fingerprint(self) -> str:
-        ((total,),) = to_host(self._fingerprint())
-        return f"{total & MASK:016x}"
-
     def _fingerprint(self) -> torch.Tensor:
         return bit_sum([p.detach() for p in self.params], self.device)
 
@@ -154,6 +150,4 @@ class OwnReplica:
 
     def corrupt(self) -> None:
         """Fault injection (``--corrupt``): one bit of the first parameter flips in memory."""
-        with torch.no_grad():
-            flat = bits(self.params[0].detach())
-            flat[flat.numel() // 2] ^= 1 << 3
+        flip_bit(self.params[0])

@@ -77,7 +77,7 @@ from recover.names import Phase
 from recover.parallel.apply import clean_name, parallelize
 from recover.parallel.dims import AXES, Coord, MeshAxis, ParallelDims
 from recover.recovery.interfaces import Totals
-from recover.train.bits import MASK, bit_sum, bits, to_host
+from recover.train.bits import MASK, bit_sum, flip_bit, to_host
 from recover.train.optim import build_optimizer, lr_at, set_lr
 from recover.train.update import apply_sum, read_totals
 from recover.train.weights import load_initial_weights
@@ -521,9 +521,7 @@ class Replica:
     def corrupt(self) -> None:
         """Fault injection (``--corrupt``): one bit of one element of this rank's first parameter shard
         flips in memory, as silent data corruption would (nothing else notices)."""
-        with torch.no_grad():
-            flat = bits(local(self.params[0].detach()))
-            flat[flat.numel() // 2] ^= 1 << 3
+        flip_bit(local(self.params[0]))
 
     # ---- evaluation ----------------------------------------------------------------------------
     @property
