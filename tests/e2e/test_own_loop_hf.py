@@ -21,7 +21,9 @@ STEPS, M = 8, 6  # the script's
 
 def launch(out: Path, arch: str, *extra: str) -> list[dict]:
     run_recover(["launch", "--config", "debug", "--replicas", "5", "--steps", str(STEPS), "--out", str(out),
-                 "--no-progress", "--deterministic", "--fault_tolerance.hang_timeout_s=3", *extra, "--",
+                 "--no-progress", "--deterministic", "--fault_tolerance.hang_timeout_s=3",
+                 "--workload.policy=even",  # every replica computes in every step, so each fault lands in its step
+                 *extra, "--",
                  sys.executable, str(SCRIPT), arch], timeout=400)
     rows = [json.loads(line) for line in (out / "metrics.jsonl").read_text().splitlines()]
     assert [r["step"] for r in rows] == list(range(STEPS)) and all(r["microbatches"] == M for r in rows)
