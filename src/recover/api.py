@@ -23,9 +23,18 @@ Contract:
   ends (:mod:`recover.train.exits`). Run as plain ``python SCRIPT`` it is one replica on its own.
 - A joiner (a restarted replica) takes the model's parameters, buffers and optimizer state from a live
   replica at a step boundary; ``steps()`` then continues from the step the job is at.
-- Scope: one process per replica (your model on one device); pipeline, tensor and FSDP parallelism
-  inside a replica, checkpoints of your model, audits of arithmetic and the overlapped reduction are
-  the built-in trainer's for now.
+- A replica of several ranks (``recover launch --procs-per-replica P -o parallel.fsdp=F -o parallel.tp=T``
+  with ``P = F x T``, or plain ``torchrun``: one replica of all its ranks, fsdp over them): :func:`init`
+  forms the replica's process group and ``rt.mesh``, its ``(fsdp, tp)`` DeviceMesh, on which you apply
+  your own FSDP2 (``fully_shard(..., mesh=rt.mesh["fsdp"])``) and TP plans before building the ``Job``.
+  The ranks of an fsdp column compute different microbatches (a rank with fewer runs a zero-weight
+  padding pass, ``mb.weight == 0``, so FSDP's collectives pair up); the ranks of a TP group compute the
+  same ones. recover sums the gradients across replicas from the local shards after backward: no DDP
+  or FSDP hooks of its own (it sets FSDP2's gradient divide factor to 1: a shard holds a sum).
+- SIGTERM or SIGINT in a launched script: the job stops after the next commit (every replica's
+  ``steps()`` ends, the process exits with status 6).
+- Scope: pipeline parallelism, audits of arithmetic and the overlapped reduction are the built-in
+  trainer's (``recover train``, ``recover launch`` without ``--``).
 """
 
 from __future__ import annotations
@@ -37,12 +46,16 @@ import time
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import torch
 from torch import nn
 
 from recover.names import WORKER_ENV, Phase
+from recover.train import script
+
+if TYPE_CHECKING:
+    from torch.distributed.device_mesh import DeviceMesh
 
 
 @dataclass
@@ -55,25 +68,80 @@ class Runtime:
     """The run directory (``--out`` of ``recover launch``); None when run on its own."""
     launched: dict[str, Any] | None = None
     """The job's description from :data:`WORKER_ENV`; None when run on its own."""
+    rank: int = 0
+    """This process's rank inside its replica."""
+    ranks: int = 1
+    """The replica's processes (``fsdp x tp``)."""
+    mesh: DeviceMesh | None = None
+    """The replica's ``(fsdp, tp)`` DeviceMesh for your FSDP2 / TP; None for a replica of one process."""
+    group: Any = None
+    """The replica's process group (all its ranks); None for a replica of one process."""
+
+    @property
+    def fsdp(self) -> int:
+        return self.mesh["fsdp"].size() if self.mesh is not None else 1
+
+    @property
+    def coordinate(self) -> tuple[int, int]:
+        """This rank's ``(fsdp, tp)`` index in :attr:`mesh`."""
+        if self.mesh is None:
+            return 0, 0
+        fsdp, tp = self.mesh.get_coordinate()
+        return fsdp, tp
+
+
+_RUNTIME: list[Runtime] = []  # the process's one runtime, once init() has made it
 
 
 def init() -> Runtime:
-    """This process's replica id, device and run directory: from ``recover launch``'s environment, else one
-    replica on its own (``cuda:0`` when a GPU is visible, else the CPU)."""
+    """This process's replica, rank, device, mesh and run directory: from ``recover launch``'s environment,
+    else from ``torchrun``'s (one replica of all its ranks), else one replica of one process (``cuda:0``
+    when a GPU is visible, else the CPU). Called again (by :class:`Job`), it returns the same runtime."""
+    if not _RUNTIME:
+        _RUNTIME.append(_init())
+    return _RUNTIME[0]
+
+
+def _init() -> Runtime:
     raw = os.environ.get(WORKER_ENV)
     if raw is None:
-        return Runtime(device=torch.device("cuda", 0) if torch.cuda.is_available() else torch.device("cpu"))
+        from recover.config import Config, ParallelConfig
+
+        world = int(os.environ.get("WORLD_SIZE", "1"))
+        return _runtime(Config(parallel=ParallelConfig(fsdp=world)), None, 0, None)
     from recover.comm.nccl import apply_env_defaults
     from recover.config import from_dict
     from recover.launch.lifeline import die_with_launcher
-    from recover.train.worker import own_device
 
     die_with_launcher()
     job = json.loads(raw)
     cfg = from_dict(json.loads((Path(job["out"]) / "config.json").read_text()))
     apply_env_defaults(collective_timeout_s=cfg.fault_tolerance.collective_timeout_s)  # before any NCCL use
     job["config"] = cfg
-    return Runtime(int(job["replica"]), own_device(cfg), Path(job["out"]), job)
+    return _runtime(cfg, job, int(job["replica"]), Path(job["out"]))
+
+
+def _runtime(cfg: Any, job: dict[str, Any] | None, replica: int, out: Path | None) -> Runtime:
+    """The runtime of a replica of ``cfg.parallel``'s ``fsdp x tp`` ranks (pipeline stages: the built-in
+    trainer's only). Raises ConfigError."""
+    from recover.errors import ConfigError
+    from recover.parallel.dims import ParallelDims
+    from recover.train.dist import init_from_env
+    from recover.train.worker import own_device
+
+    p = cfg.parallel
+    if p.pp > 1:
+        raise ConfigError(f"parallel.pp = {p.pp}: pipeline stages are the built-in trainer's only; train your "
+                          "model with fsdp and tp inside a replica (or pp = 1)")
+    if p.procs_per_replica == 1:
+        return Runtime(replica, own_device(cfg), out, job)
+    ctx = init_from_env(p.backend, cfg.fault_tolerance.intra_replica_timeout_s)
+    dims = ParallelDims.from_config(p)
+    dims.check_world(ctx.world_size)
+    timeout = cfg.fault_tolerance.intra_replica_timeout_s
+    mesh = dims.build_mesh(ctx.device.type, timeout)
+    return Runtime(replica, ctx.device, out, job, ctx.rank, ctx.world_size, mesh["fsdp", "tp"],
+                   dims.build_group(timeout))
 
 
 def microbatch_seed(seed: int, step: int, mb: int) -> int:
@@ -84,16 +152,18 @@ def microbatch_seed(seed: int, step: int, mb: int) -> int:
 
 class Microbatch:
     """One microbatch of a step: ``batch`` (``samples(step, id)`` on the replica's device) and
-    :meth:`backward`, which must be called once with the loss computed from it."""
+    :meth:`backward`, which must be called once with the loss computed from it. ``id`` None, ``weight``
+    0: a padding pass of a rank with fewer ids than the others of its fsdp group (its gradient is zero)."""
 
-    def __init__(self, job: Job, data_step: int, mb: int, batch: Any) -> None:
+    def __init__(self, job: Job, data_step: int, mb: int | None, batch: Any) -> None:
         self.job, self.step, self.id, self.batch = job, data_step, mb, batch
+        self.weight = 0.0 if mb is None else 1.0
 
     def backward(self, loss: torch.Tensor) -> None:
         """``loss.backward()``, then the gradient is folded into the replica's step sum."""
         self.job._hook(Phase.BACKWARD)
-        loss.backward()
-        self.job.replica.fold(self.id, loss)
+        (loss if self.id is not None else loss * 0.0).backward()
+        self.job.replica.fold(self.step, self.id, loss)
 
 
 class Step:
@@ -105,22 +175,33 @@ class Step:
         self.outcome: Any = None
 
     def __iter__(self) -> Iterator[Microbatch]:
-        job = self.job
-        work_items = job.protocol.run_iter()
-        try:
-            work = next(work_items)
-            while True:
-                for mb in work.ids:
-                    torch.manual_seed(microbatch_seed(job.seed, work.data_step, mb))
-                    job._hook(Phase.FORWARD)
-                    yield Microbatch(job, work.data_step, mb, _to(job.samples(work.data_step, mb), job.runtime.device))
-                job.replica.settle(work.ids)
-                work = work_items.send(None)
-        except StopIteration as done:
-            self.outcome = done.value
-        except Exception as exc:  # the job cannot go on here: fenced, quorum lost, diverged (exits with one line)
-            job._failed(exc)
-            raise
+        from recover.recovery.protocol import Resynced
+        from recover.train.own import column
+
+        job, rt = self.job, self.job.runtime
+        fsdp, (index, _) = rt.fsdp, rt.coordinate
+        while self.outcome is None:
+            work_items = job.protocol.run_iter()
+            try:
+                work = next(work_items)
+                while True:
+                    mine = column(work.ids, fsdp, index)
+                    for mb in mine:
+                        torch.manual_seed(microbatch_seed(job.seed, work.data_step, -1 if mb is None else mb))
+                        job._hook(Phase.FORWARD)
+                        batch = job.samples(work.data_step, work.ids[0] if mb is None else mb)
+                        t0 = time.perf_counter()
+                        yield Microbatch(job, work.data_step, mb, _to(batch, rt.device))
+                        job._slow(time.perf_counter() - t0)
+                    job.replica.settle(work.ids, [mb for mb in mine if mb is not None])
+                    work = work_items.send(None)
+            except StopIteration as done:
+                self.outcome = done.value
+            except Resynced:  # the job's state moved after a coordinator restart: the step starts over
+                self.index = job._step = job.protocol.progress.step
+            except Exception as exc:  # the job cannot go on here: fenced, quorum lost, diverged (exits with one line)
+                job._failed(exc)
+                raise
 
     @property
     def loss(self) -> float:
@@ -169,8 +250,11 @@ class Job:
 
             use_deterministic_kernels()
         self.model, self.samples, self.M, self.seed = model, samples, microbatches, seed
+        rt = self.runtime
+        fsdp_index, tp_index = rt.coordinate
         self.replica = OwnReplica(model, optimizer, lr=lr, clip=clip, deterministic=deterministic,
-                                  device=self.runtime.device, tokens_per_microbatch=tokens_per_microbatch)
+                                  device=rt.device, tokens_per_microbatch=tokens_per_microbatch, group=rt.group,
+                                  fsdp=rt.fsdp, fsdp_index=fsdp_index, tp_index=tp_index)
         self._session: Any = None
         self.protocol: Any = None
         self._step = 0
@@ -179,28 +263,37 @@ class Job:
         if self._session is not None:
             self._session.hook(self._step, phase)
 
+    def _slow(self, dt: float) -> None:
+        """``--slow``: a microbatch that took ``dt`` takes ``slowdown`` times as long."""
+        if self.replica.slowdown > 1.0:
+            time.sleep((self.replica.slowdown - 1.0) * dt)
+
     def steps(self, total: int) -> Iterator[Step]:
-        """Committed steps until ``total`` are committed (a joiner starts where the job is)."""
-        if self._session is None:
+        """Committed steps until ``total`` are committed (a joiner starts where the job is), or until a
+        committed stop (SIGTERM/SIGINT in a launched job)."""
+        if self.protocol is None:
             self._start()
+        stopped = False
         try:
-            while self.protocol.progress.step < total:
+            while self.protocol.progress.step < total and not stopped:
                 self._step = self.protocol.progress.step
                 t0 = time.perf_counter()
                 step = Step(self, self._step)
                 yield step
                 if step.outcome is None:  # the loop broke out of the step's microbatches
                     raise RuntimeError(f"step {self._step} was left before its microbatches were all computed")
-                self._record(step.outcome, time.perf_counter() - t0)
+                if self._session is not None:
+                    script.record(self._session, self, step.outcome, time.perf_counter() - t0)
+                stopped = step.outcome.stop
         except Exception as exc:
             self._failed(exc)
             raise
         if self._session is not None:
-            self._session.finish()
+            script.end(self._session, stopped)
 
     def _failed(self, exc: Exception) -> None:
         if self._session is not None:
-            self._session.fail(exc)
+            script.fail(self._session, exc)
 
     def _start(self) -> None:
         from recover.recovery.protocol import ResilientStep
@@ -209,16 +302,8 @@ class Job:
         if self.runtime.launched is None:
             self.protocol = ResilientStep(self.replica, StaticGroup(), CommitAll(), self.M, seed=self.seed,
                                           overlap=False)
-            self._session = None
             return
-        from recover.train.script import Session
-
-        self._session = Session(self)
-        self.protocol = self._session.protocol
-
-    def _record(self, outcome: Any, dt: float) -> None:
-        if self._session is not None:
-            self._session.record(outcome, dt)
+        self._session, self.protocol = script.connect(self)
 
 
 def _to(batch: Any, device: torch.device) -> Any:

@@ -9,10 +9,18 @@ batch of ids :meth:`settle` reads the losses and the per-microbatch finiteness f
 and extends the ledger: as for the built-in replica, a microbatch is in the ledger if and only if its
 gradient is in the buffers, and a reduction never writes them.
 
+A replica of several ranks (``fsdp x tp`` processes, the user's FSDP2 / TP over ``recover.init().mesh``)
+holds this rank's shards: the buffers are the local shards of the gradients, which FSDP2 has already
+summed over the shard ranks in each backward (its divide factor set to 1 here, so each shard holds a
+SUM). The ranks of an fsdp column compute different ids (:func:`column`, zero-weight padding passes so
+every rank runs as many backwards); :meth:`settle` shares every id's loss and finiteness over the
+replica's group, so every rank holds the replica's whole ledger and stats.
+
 The rest is the built-in replica's, shared: the totals and the update (:mod:`recover.train.update`:
 divide by M, clip by the global norm, the user's optimizer), the exact parameter fingerprint, and the
-state a joiner receives (parameters, persistent buffers, optimizer state, counters: tensors only).
-The learning rate, when the user gives ``lr(step)``, is set from the committed step before each update.
+state a joiner receives (parameters, persistent buffers, optimizer state, counters: tensors only; this
+rank's shards, from the same rank of a live replica). The learning rate, when the user gives
+``lr(step)``, is set from the committed step before each update.
 """
 
 from __future__ import annotations
@@ -21,13 +29,34 @@ from collections.abc import Callable
 from typing import Any
 
 import torch
+import torch.distributed as dist
 from torch import nn
+from torch.distributed.tensor import DTensor
 
 from recover.recovery.interfaces import Totals
 from recover.train.bits import bit_sum, flip_bit, to_host
 from recover.train.optim import set_lr
-from recover.train.replica import load_transferred, transfer_tensors
+from recover.train.replica import like, load_transferred, local, transfer_tensors
 from recover.train.update import apply_sum, read_totals
+from recover.workload.policy import split_within_replica
+
+MISCOMPUTE = 1.0 + 2.0**-8
+"""``--miscompute``: every gradient of the replica is off by this factor from then on (a bad ALU)."""
+
+
+def column(ids: list[int], fsdp: int, index: int) -> list[int | None]:
+    """The ids rank ``index`` of an fsdp group of ``fsdp`` computes, padded with None (a zero-weight pass)."""
+    return split_within_replica(ids, fsdp)[index] if fsdp > 1 else list(ids)
+
+
+def sum_gradients(model: nn.Module) -> None:
+    """Makes every FSDP2 module of ``model`` SUM its gradient over the shard ranks (see the module docstring)."""
+    from torch.distributed.fsdp import FSDPModule
+
+    for module in model.modules():
+        if isinstance(module, FSDPModule):
+            module.set_gradient_divide_factor(1.0)
+            module.set_force_sum_reduction_for_comms(True)  # plain SUM: gloo has no PREMUL_SUM
 
 
 class OwnReplica:
@@ -41,6 +70,8 @@ class OwnReplica:
         deterministic: float64 gradient buffers (a step's sum does not depend on who computed what).
         device: where the buffers live (the parameters' device).
         tokens_per_microbatch: for the step records' token counts.
+        group: the replica's process group when it has several ranks (None: one process).
+        fsdp, fsdp_index, tp_index: the replica's fsdp degree and this rank's coordinates.
     """
 
     reduce_order = None
@@ -49,9 +80,13 @@ class OwnReplica:
     audit_value: dict[str, Any] | None = None
 
     def __init__(self, model: nn.Module, optimizer: torch.optim.Optimizer, *, lr: Callable[[int], float] | None,
-                 clip: float, deterministic: bool, device: torch.device, tokens_per_microbatch: int = 0) -> None:
+                 clip: float, deterministic: bool, device: torch.device, tokens_per_microbatch: int = 0,
+                 group: dist.ProcessGroup | None = None, fsdp: int = 1, fsdp_index: int = 0,
+                 tp_index: int = 0) -> None:
         self.model, self.optimizer, self.lr, self.clip = model, optimizer, lr, clip
-        self.device = device
+        self.device, self.group = device, group
+        self.fsdp, self.fsdp_index, self.tp_index = fsdp, fsdp_index, tp_index
+        sum_gradients(model)
         named = [(n, p) for n, p in model.named_parameters() if p.requires_grad]
         if not named:
             raise ValueError("the model has no trainable parameters")
@@ -64,15 +99,19 @@ class OwnReplica:
                 self._state_names.append(n)
                 self._state_tensors.append(b)
         self.dtype = torch.float64 if deterministic else torch.float32
-        self.buffers = [torch.zeros_like(p, dtype=self.dtype) for p in self.params]
+        self.buffers = [torch.zeros_like(local(p), dtype=self.dtype) for p in self.params]
         self.stats = torch.zeros(2, dtype=torch.float64, device=device)
-        self._ones = torch.ones(len(self.params), dtype=torch.float64, device=device)
+        ranks = dist.get_world_size(group) if group is not None else 1
+        self._copies = torch.tensor([float(ranks // _shards(p)) for p in self.params], dtype=torch.float64,
+                                    device=device)  # each shard of the whole gradient counted once
         self.tokens_per_microbatch = tokens_per_microbatch
         self.ledger: list[int] = []
         self.nonfinite: list[int] = []
         self.loss_sum = 0.0
         self._folded: list[tuple[int, torch.Tensor, torch.Tensor]] = []  # (id, loss, gradient finite) on the device
-        self.poison: set[int] = set()  # ids of the current step whose gradient becomes NaN (--nan injection)
+        self.poison: set[tuple[int, int]] = set()  # (step, id) whose gradient becomes NaN (--nan injection)
+        self.miscompute = False  # every gradient off by MISCOMPUTE from now on (--miscompute injection)
+        self.slowdown = 1.0  # >1: each microbatch takes this many times as long (--slow injection)
 
     def reset(self) -> None:
         for buf in self.buffers:
@@ -87,43 +126,54 @@ class OwnReplica:
         raise TypeError("the user's loop computes an OwnReplica's microbatches: drive ResilientStep.run_iter()")
 
     @torch.no_grad()
-    def fold(self, mb: int, loss: torch.Tensor) -> None:
-        """Microbatch ``mb``'s gradient (its ``loss.backward()`` just ran) into the buffers; ``.grad`` cleared."""
-        grads = [p.grad for p in self.params if p.grad is not None]
+    def fold(self, step: int, mb: int | None, loss: torch.Tensor) -> None:
+        """Microbatch ``mb``'s gradient (its ``loss.backward()`` just ran; ``mb`` None: a zero-weight padding
+        pass) into the buffers; ``.grad`` cleared."""
+        grads = [local(p.grad) for p in self.params if p.grad is not None]
         if not grads:
             raise RuntimeError(f"microbatch {mb}: no parameter has a gradient (call mb.backward(loss) with a loss "
                                "computed from the model)")
-        if mb in self.poison:  # fault injection (--nan): this microbatch's gradient is not finite
-            self.poison.discard(mb)
+        if (step, mb) in self.poison:  # fault injection (--nan): this microbatch's gradient is not finite
+            self.poison.discard((step, mb))
             grads[0].mul_(float("nan"))
+        if self.miscompute:
+            torch._foreach_mul_(grads, MISCOMPUTE)
         finite = torch.stack(torch._foreach_norm(grads)).sum().isfinite()
         for buf, p in zip(self.buffers, self.params, strict=True):
             if p.grad is not None:
-                buf.add_(p.grad.to(self.dtype))
+                buf.add_(local(p.grad).to(self.dtype))
                 p.grad = None
-        self._folded.append((mb, loss.detach().double().reshape(()), finite))
+        if mb is not None:
+            self._folded.append((mb, loss.detach().double().reshape(()), finite))
 
-    def settle(self, ids: list[int]) -> None:
-        """The end of a batch of ``ids``: every one must have been folded; one host read of their losses and
-        finiteness; the ledger and the stats grow by the finite ones, the others go to ``nonfinite``.
+    def settle(self, ids: list[int], mine: list[int]) -> None:
+        """The end of a batch of ``ids`` of which this rank computed ``mine``: each must have been folded
+        once; one host read of every id's loss and finiteness (shared over the replica's ranks); the ledger
+        and the stats grow by the finite ones, the others go to ``nonfinite``.
 
         Raises:
             RuntimeError: an id was not folded (the loop skipped ``mb.backward``) or folded twice.
         """
         folded = [mb for mb, _, _ in self._folded]
-        if sorted(folded) != sorted(ids):
-            missing = sorted(set(ids) - set(folded))
+        if sorted(folded) != sorted(mine):
+            missing = sorted(set(mine) - set(folded))
             raise RuntimeError(f"microbatches {missing} were handed out but not backwarded (call mb.backward(loss) "
                                "once for each microbatch of the step)" if missing
                                else f"microbatches {folded} were backwarded more than once or not handed out")
-        if not self._folded:
+        if not ids:
             return
-        losses = torch.stack([loss for _, loss, _ in self._folded])
-        finite = torch.stack([ok for _, _, ok in self._folded]) & losses.isfinite()
-        values, oks = to_host(losses, finite)
-        bad = [mb for mb, ok in zip(folded, oks, strict=True) if not ok]
+        at = {mb: k for k, mb in enumerate(ids)}
+        shared = torch.zeros(2, len(ids), dtype=torch.float64, device=self.device)  # [loss; not finite] per id
+        for mb, loss, ok in self._folded:
+            if self.tp_index == 0:  # one owner per id: its fsdp column's first TP rank
+                shared[0, at[mb]] = loss
+            shared[1, at[mb]] = (~ok).double()
+        if self.group is not None:
+            dist.all_reduce(shared, group=self.group)
+        values, flags = to_host(shared[0], shared[1])
+        bad = [mb for mb, v, f in zip(ids, values, flags, strict=True) if f > 0 or v != v or abs(v) == float("inf")]
         self.nonfinite += bad
-        good = [(mb, v) for mb, v in zip(folded, values, strict=True) if mb not in bad]
+        good = [(mb, v) for mb, v in zip(ids, values, strict=True) if mb not in bad]
         self.loss_sum += sum(v for _, v in good)
         self.ledger.extend(mb for mb, _ in good)
         self.stats[0].fill_(self.loss_sum)
@@ -131,15 +181,16 @@ class OwnReplica:
         self._folded = []
 
     def totals(self, reduced: list[torch.Tensor], fingerprint: bool = False) -> Totals:
-        return read_totals(reduced, len(self.params), self._ones, self._fingerprint() if fingerprint else None)
+        return read_totals(reduced, len(self.params), self._copies, self._fingerprint() if fingerprint else None,
+                           self.group)
 
     def apply(self, reduced: list[torch.Tensor], divisor: int, step: int, sum_norm: float) -> float:
         if self.lr is not None:
             set_lr(self.optimizer, float(self.lr(step)))
-        return apply_sum(self.optimizer, self.params, reduced, divisor, sum_norm, self.clip)
+        return apply_sum(self.optimizer, self.params, reduced, divisor, sum_norm, self.clip, like)
 
     def _fingerprint(self) -> torch.Tensor:
-        return bit_sum([p.detach() for p in self.params], self.device)
+        return bit_sum([local(p.detach()) for p in self.params], self.device)
 
     def transfer_state(self, counters: dict[str, int]) -> dict[str, torch.Tensor]:
         """Every parameter (frozen ones too), the persistent buffers, the optimizer state and ``counters``."""
@@ -149,5 +200,15 @@ class OwnReplica:
         return load_transferred(self._state_names, self._state_tensors, self.optimizer, state)
 
     def corrupt(self) -> None:
-        """Fault injection (``--corrupt``): one bit of the first parameter flips in memory."""
-        flip_bit(self.params[0])
+        """Fault injection (``--corrupt``): one bit of this rank's shard of the first parameter flips in memory."""
+        flip_bit(local(self.params[0].detach()))
+
+
+def _shards(p: torch.Tensor) -> int:
+    """Into how many distinct pieces ``p`` is cut over its mesh (1: every rank holds all of it)."""
+    shards = 1
+    if isinstance(p, DTensor):
+        for i, placement in enumerate(p.placements):
+            if not placement.is_replicate():  # Shard and FSDP-over-TP's _StridedShard (not is_shard())
+                shards *= p.device_mesh.size(i)
+    return shards

@@ -1,0 +1,286 @@
+"""One replica's membership of a launched job: the part every kind of replica shares.
+
+A replica of ``recover launch`` is either the built-in trainer (``recover worker``,
+:mod:`recover.train.worker`) or a user's script on :mod:`recover.api`. Both run through one
+:class:`Session`, so both get the same coordinator, fault injections, files and exit statuses:
+
+    session = Session(cfg, out, replica_id, host, port, token, failures, join=..., rank=k, ranks=P)
+    step = session.connect(replica, M, ...)     # register, this generation's group, the step protocol
+    ... committed steps (session.hook at every phase point, session.write(record) after each) ...
+    return session.close(stopped)              # or session.status(exc, save) when the job cannot go on
+
+Contract:
+- :meth:`connect` registers this rank with the coordinator (through the replica's relay in rank 0 when
+  the replica has several ranks and ``fault_tolerance.connections`` is ``replica``), forms layer 1's
+  fault-tolerant group (rank k of a multi-rank replica: *lane* k, rank k of every live replica) and
+  builds the step protocol over ``replica``. A replica the launcher restarted (``join``), or one that
+  registers after the job began, joins: it takes the live replicas' state at a step boundary.
+- :meth:`hook` is every phase point: progress for the coordinator's hang rule, then the injections
+  (``--fail``/``--hang``/``--stop``/``--slow``/``--cut``/``--corrupt``/``--miscompute``/``--nan``).
+- Records go to the replica's log (rank 0 only; the launcher merges them into ``metrics.jsonl``),
+  events to ``events.jsonl``.
+- SIGTERM/SIGINT (:meth:`request_stop`): the next vote asks for a stop; a process not yet training
+  exits at once with :data:`EXIT_STOPPED`.
+- :meth:`status` maps the end of a job this replica cannot go on in to its exit status, with one line
+  and the saves the worker's docstring lists (quorum lost, coordinator lost: the lowest member saves the
+  committed state; divergence: each side's lowest replica saves its side; non-finite: the last
+  committed state); a fenced replica whose training thread is stuck is ended by the watchdog
+  (:meth:`exit_fenced`).
+"""
+
+from __future__ import annotations
+
+import os
+import signal
+import sys
+import threading
+from collections.abc import Callable
+from pathlib import Path
+from typing import Any
+
+from recover.baselines import JobFailed, ShrinkStep, step_class
+from recover.config import Config
+from recover.coord.client import CoordinatorLost, Diverged
+from recover.errors import QuorumLost
+from recover.faults import FailureSpec, FaultInjector
+from recover.names import Baseline, Fault
+from recover.observe.events import EventLog, JsonlWriter
+from recover.recovery.protocol import Progress, ResilientStep
+from recover.train.exits import (
+    EXIT_COORDINATOR_LOST,
+    EXIT_DIVERGED,
+    EXIT_FENCED,
+    EXIT_JOB_FAILED,
+    EXIT_NONFINITE,
+    EXIT_QUORUM_LOST,
+    EXIT_STOPPED,
+    replica_log_path,
+)
+
+Save = Callable[[Path | None], Any]
+"""``save(root)``: a complete checkpoint of the committed state (``root`` None: the run's own
+``checkpoints/``); returns where it went (None if the replica cannot save)."""
+
+
+class Session:
+    """Rank ``rank`` of replica ``replica_id`` in the job whose coordinator listens at ``host:port``."""
+
+    def __init__(self, cfg: Config, out: str | os.PathLike[str], replica_id: int, host: str, port: int, token: str,
+                 failures: list[FailureSpec] = (), *, join: bool = False, rank: int = 0, ranks: int = 1,
+                 start: Progress | None = None, baseline: Baseline | str | None = None) -> None:
+        self.cfg, self.out, self.replica_id = cfg, Path(out), replica_id
+        self.host, self.port, self.token, self.join = host, port, token, join
+        self.rank, self.ranks = rank, ranks
+        self.start = start or Progress()
+        self.baseline = Baseline(baseline) if baseline else None
+        self.failures = list(failures)
+        self.events = EventLog(self.out / "events.jsonl")
+        self.log = JsonlWriter(replica_log_path(self.out, replica_id)) if rank == 0 else None
+        self.cut: set[int] = set()  # replicas this one cannot reach (--cut fault injection)
+        self.client: Any = None  # the coordinator client, once connected
+        self.relay: Any = None  # rank 0's relay of the replica's coordinator connection, if any
+        self.injector: FaultInjector | None = None
+        self.step: ResilientStep | None = None
+
+    # ---- start ----------------------------------------------------------------------------------
+    def connect(self, replica: Any, M: int, **step_kwargs: Any) -> ResilientStep:
+        """Registers with the coordinator, forms the group and builds the step protocol over ``replica``
+        (``step_kwargs`` go to it: ``assignment``, ``audit_every``, ``overlap``)."""
+        from recover.comm import FaultTolerantGroup
+        from recover.coord.client import CoordinatorClient
+
+        ft, tc = self.cfg.fault_tolerance, self.cfg.training
+        self.injector = FaultInjector(self.failures, self.replica_id, self.rank, self.ranks,
+                                      before_kill=self._before_kill, cut=self.cut.add,
+                                      slow=lambda factor: setattr(replica, "slowdown", factor),
+                                      corrupt=lambda arithmetic: _corrupt(replica, arithmetic),
+                                      nan=lambda step, mb: replica.poison.add((step, mb)))
+        host, port = self._coordinator_address()
+        self.client = client = CoordinatorClient(
+            host, port, self.token, self.replica_id, heartbeat_interval_s=ft.heartbeat_interval_s, rank=self.rank,
+            ranks=self.ranks, fence_exit_s=ft.fence_exit_s, on_fenced=self.exit_fenced,
+            reconnect_s=ft.coordinator_reconnect_s,
+            on_reconnected=lambda s: self.event("coordinator_reconnected", outage_ms=round(s * 1000, 1)))
+        client.committed_step = self.start.step - 1
+        client.cut = self.cut
+        membership = client.register(join=self.join)
+        group = FaultTolerantGroup.create(client, membership, backend=self.cfg.parallel.backend,
+                                          timeout_s=ft.collective_timeout_s, bucket_bytes=int(ft.bucket_mb * 2**20))
+        kind = step_class(self.baseline)
+        if kind is ShrinkStep:
+            step_kwargs["initial_replicas"] = self.cfg.parallel.replicas
+        step_kwargs.setdefault("seed", tc.seed)
+        self.step = step = kind(replica, group, client, M, self.start, ft.min_replicas, hook=self.hook,
+                                on_event=self.event, policy=self.cfg.workload.policy,
+                                fingerprint_every=ft.fingerprint_every, **step_kwargs)
+        # admitted as a joiner: --join, or started after the job began (a restarted pod or srun step)
+        self.join = self.join or self.replica_id in membership.joined
+        if self.join:
+            step.join()
+        self.event("started", generation=step.group.generation, members=list(step.group.members),
+                   step=step.progress.step, joined=self.join)
+        return step
+
+    def _coordinator_address(self) -> tuple[str, int]:
+        """Where this rank's client connects: the coordinator, or its replica's relay (one connection per
+        replica, ``fault_tolerance.connections = "replica"``): rank 0 starts it and publishes its address
+        in the replica's own store, the other ranks read it there."""
+        if self.ranks == 1 or self.cfg.fault_tolerance.connections != "replica":
+            return self.host, self.port
+        from torch.distributed.distributed_c10d import _get_default_store
+
+        from recover.coord.relay import Relay
+
+        store, key = _get_default_store(), f"recover/relay/{self.replica_id}"
+        if self.rank == 0:
+            try:
+                ft = self.cfg.fault_tolerance
+                self.relay = Relay(self.host, self.port, self.token, self.replica_id, self.ranks,
+                                   ft.heartbeat_interval_s, reconnect_s=ft.coordinator_reconnect_s).start()
+            except OSError as exc:
+                raise CoordinatorLost(f"replica {self.replica_id}: its relay cannot reach the coordinator at "
+                                      f"{self.host}:{self.port}: {exc}") from None
+            store.set(key, "{}:{}".format(*self.relay.address))
+        host, _, port = store.get(key).decode().rpartition(":")
+        return host, int(port)
+
+    def stop_on_signals(self) -> None:
+        """SIGTERM and SIGINT call :meth:`request_stop` (from the main thread only; elsewhere a no-op)."""
+        if threading.current_thread() is threading.main_thread():
+            for sig in (signal.SIGTERM, signal.SIGINT):
+                signal.signal(sig, lambda signum, frame: self.request_stop(signum))
+
+    # ---- during the job --------------------------------------------------------------------------
+    def hook(self, step: int, phase: str) -> None:
+        """Every phase point: progress for the coordinator's hang rule, then the fault injections."""
+        self.client.advance()
+        if self.injector is not None:
+            self.injector.maybe_fail(step, phase)
+
+    def event(self, kind: str, **fields: Any) -> None:
+        if self.ranks > 1:
+            fields["rank"] = self.rank
+        self.events.event(kind, replica=self.replica_id, **fields)
+
+    def write(self, record: dict[str, Any]) -> None:
+        """A committed step's record into the replica's log (rank 0)."""
+        if self.log is not None:
+            self.log.write({**record, "replica": self.replica_id})
+
+    @property
+    def leader(self) -> bool:
+        """Whether this replica is the lowest live one (it validates and saves for the job)."""
+        return self.step is not None and self.step.me == min(self.step.group.members)
+
+    def request_stop(self, signum: int) -> None:
+        """SIGTERM or SIGINT: stop after the next commit (see the module docstring). Signal handler."""
+        if self.client is None or self.client.membership is None:
+            print(f"recover: replica {self.replica_id} rank {self.rank}: stopped by signal {signum} before "
+                  "training", file=sys.stderr, flush=True)
+            os._exit(EXIT_STOPPED)
+        if not self.client.stop_requested:
+            self.client.stop_requested = True
+            self.event("stop_signal", signal=signum)
+
+    # ---- the end ---------------------------------------------------------------------------------
+    def close(self, stopped: bool, saved_in: Path | None = None) -> int:
+        """Every step committed (or a committed stop): the events, then the group, the connection and the
+        relay closed; returns the exit status (0, or :data:`EXIT_STOPPED`)."""
+        step = self.step
+        assert step is not None
+        if self.log is not None:
+            self.log.close()
+        if stopped:
+            self.event("stopped", step=step.progress.step, generation=step.group.generation)
+            if self.rank == 0 and self.leader:
+                where = f"; a complete checkpoint is in {saved_in}" if saved_in else ""
+                print(f"recover: stopped on request after {step.progress.step} committed steps{where}; continue "
+                      "with --resume", file=sys.stderr, flush=True)
+        else:
+            self.event("finished", step=step.progress.step, generation=step.group.generation)
+        step.group.close()
+        self.client.close()
+        if self.relay is not None:
+            self.relay.stop()
+        return EXIT_STOPPED if stopped else 0
+
+    def status(self, exc: BaseException, save: Save | None) -> int | None:
+        """The exit status of an end this replica cannot go on from (see the module docstring), after its
+        line and saves; None for any other exception (the caller's own error: it propagates)."""
+        if self.log is not None:
+            self.log.close()
+        client = self.client
+        if isinstance(exc, QuorumLost):
+            return self._save_and_stop(save, "quorum_lost", exc, "resume with more replicas", EXIT_QUORUM_LOST)
+        if isinstance(exc, JobFailed):
+            return EXIT_JOB_FAILED
+        if isinstance(exc, Diverged) or (isinstance(exc, CoordinatorLost) and client.diverged is not None):
+            return self._on_divergence(save, exc if isinstance(exc, Diverged) else client.diverged)
+        if isinstance(exc, CoordinatorLost):
+            if client.gone:  # it did not come back
+                return self._save_and_stop(save, "coordinator_lost", exc, "continue with --resume",
+                                           EXIT_COORDINATOR_LOST)
+            print(f"recover: replica {self.replica_id} rank {self.rank}: {exc}; stopping (the launcher restarts "
+                  "the replica if --rejoin-after is set)", file=sys.stderr, flush=True)
+            return EXIT_FENCED
+        return None
+
+    def _on_divergence(self, save: Save | None, exc: Diverged) -> int:
+        """``nonfinite``: the lowest live replica saves the last committed state. ``diverged``: the lowest
+        replica of each side saves that side's state under ``checkpoints/diverged/replicas_A-B/`` (never
+        over a checkpoint of the run)."""
+        print(f"recover: replica {self.replica_id} rank {self.rank}: {exc}", file=sys.stderr, flush=True)
+        step, members = self.step, self.client.membership.members
+        assert step is not None
+        if exc.code == "nonfinite":
+            if step.me == min(members) and save is not None:
+                path = save(None)
+                self.event("nonfinite_stop", step=step.progress.step, checkpoint=str(path), message=str(exc))
+            return EXIT_NONFINITE
+        side = next((sorted(rs) for rs in exc.sides.values() if step.me in rs), [step.me])
+        if step.me == side[0] and save is not None:
+            path = save(self.out / "checkpoints" / "diverged" / f"replicas_{'-'.join(map(str, side))}")
+            self.event("diverged_stop", step=step.progress.step, checkpoint=str(path), side=side)
+        return EXIT_DIVERGED
+
+    def _save_and_stop(self, save: Save | None, kind: str, exc: Exception, advice: str, status: int) -> int:
+        """The job cannot go on (``kind``: ``quorum_lost``, ``coordinator_lost``): the lowest member of the
+        last generation saves a complete checkpoint of the committed state; returns ``status``."""
+        step = self.step
+        if step is None or step.me != min(step.group.members):
+            return status
+        path = save(None) if save is not None else None
+        self.event(kind, step=step.progress.step, checkpoint=str(path) if path else None, message=str(exc))
+        if self.rank == 0:
+            saved = f"Saved a complete checkpoint of step {step.progress.step} at {path}; " if path else ""
+            print(f"recover: replica {self.replica_id}: {exc}. {saved}{advice}.", file=sys.stderr, flush=True)
+        return status
+
+    def exit_fenced(self, why: str) -> None:
+        """The watchdog's end of a fenced process whose training thread did not stop by itself (it may be
+        stuck in a kernel, a collective inside the replica, or a hang): one line, no traceback."""
+        print(f"recover: replica {self.replica_id} rank {self.rank}: fenced by the coordinator ({why}); "
+              "exiting (the launcher restarts the replica if --rejoin-after is set)", file=sys.stderr, flush=True)
+        self.event("fenced_exit", reason=why)
+        sys.stdout.flush()
+        os._exit(EXIT_FENCED)
+
+    def _before_kill(self, spec: FailureSpec) -> None:
+        if spec.fault is Fault.CUT:
+            self.event("link_cut", step=spec.step, peer=int(spec.factor))
+        elif spec.fault in (Fault.CORRUPT, Fault.MISCOMPUTE, Fault.NAN):  # nothing dies: the coordinator finds it
+            self.event("injected", fault=spec.fault, step=spec.step,
+                       **({"microbatch": int(spec.factor)} if spec.fault is Fault.NAN else {}))
+        elif not spec.kills:
+            self.event("slowed", step=spec.step, factor=spec.factor)
+        else:
+            self.events.event("kill", replica=self.replica_id, rank=self.rank, step=spec.step, phase=spec.phase,
+                              fault=spec.fault, pid=os.getpid())
+
+
+def _corrupt(replica: Any, arithmetic: bool) -> None:
+    """``--corrupt``: one parameter bit flips; ``--miscompute``: every gradient from now on is off."""
+    if arithmetic:
+        replica.miscompute = True
+    else:
+        replica.corrupt()
