@@ -167,12 +167,25 @@ class Microbatch:
 
 
 class Step:
-    """A step being computed: iterate it for its microbatches; after the loop it is committed and applied
-    (``loss``, ``grad_norm``, ``microbatches`` then hold what the step record holds)."""
+    """A step being computed: iterate it for its microbatches (your loop computes them), or :meth:`run` it (a
+    replica that computes its own: the built-in trainer's); then it is committed and applied (``loss``,
+    ``grad_norm``, ``microbatches`` hold what the step record holds)."""
 
-    def __init__(self, job: Job, index: int) -> None:
+    def __init__(self, job: Any, index: int) -> None:
         self.job, self.index = job, index
         self.outcome: Any = None
+
+    def run(self) -> Any:
+        """The whole step by the replica's own ``compute`` (pipeline schedules, audits, the overlapped
+        reduction); returns the outcome. A coordinator restart that moved the state starts it over."""
+        from recover.recovery.protocol import Resynced
+
+        while self.outcome is None:
+            try:
+                self.outcome = self.job.protocol.run()
+            except Resynced:
+                self.index = self.job.protocol.progress.step
+        return self.outcome
 
     def __iter__(self) -> Iterator[Microbatch]:
         from recover.recovery.protocol import Resynced
@@ -216,7 +229,39 @@ class Step:
         return self.outcome.microbatches
 
 
-class Job:
+class Steps:
+    """The committed steps of a step protocol: the one iterator of committed steps, for your loop
+    (:class:`Job`) and the built-in trainer's (:class:`recover.train.loop.Loop`)."""
+
+    def __init__(self, protocol: Any = None) -> None:
+        self.protocol = protocol
+        self._step = 0
+
+    def steps(self, total: int) -> Iterator[Step]:
+        """Committed steps until ``total`` are committed (a joiner starts where the job is), or until a
+        committed stop (SIGTERM/SIGINT in a launched job)."""
+        stopped = False
+        while self.protocol.progress.step < total and not stopped:
+            self._step = self.protocol.progress.step
+            t0 = time.perf_counter()
+            step = Step(self, self._step)
+            yield step
+            if step.outcome is None:  # the loop broke out of the step's microbatches
+                raise RuntimeError(f"step {self._step} was left before its microbatches were all computed")
+            self._committed(step.outcome, time.perf_counter() - t0)
+            stopped = step.outcome.stop
+
+    def _committed(self, outcome: Any, dt: float) -> None:
+        """After each committed step (records)."""
+
+    def _hook(self, phase: Phase) -> None:
+        """Every phase point of the caller's loop."""
+
+    def _slow(self, dt: float) -> None:
+        """After each microbatch of the caller's loop."""
+
+
+class Job(Steps):
     """Trains ``model`` with ``optimizer`` under recover (see the module docstring).
 
     Args:
@@ -255,9 +300,8 @@ class Job:
         self.replica = OwnReplica(model, optimizer, lr=lr, clip=clip, deterministic=deterministic,
                                   device=rt.device, tokens_per_microbatch=tokens_per_microbatch, group=rt.group,
                                   fsdp=rt.fsdp, fsdp_index=fsdp_index, tp_index=tp_index)
+        super().__init__()
         self._session: Any = None
-        self.protocol: Any = None
-        self._step = 0
 
     def _hook(self, phase: Phase) -> None:
         if self._session is not None:
@@ -270,26 +314,20 @@ class Job:
 
     def steps(self, total: int) -> Iterator[Step]:
         """Committed steps until ``total`` are committed (a joiner starts where the job is), or until a
-        committed stop (SIGTERM/SIGINT in a launched job)."""
+        committed stop (SIGTERM/SIGINT in a launched job: the process then exits with status 6)."""
         if self.protocol is None:
             self._start()
-        stopped = False
         try:
-            while self.protocol.progress.step < total and not stopped:
-                self._step = self.protocol.progress.step
-                t0 = time.perf_counter()
-                step = Step(self, self._step)
-                yield step
-                if step.outcome is None:  # the loop broke out of the step's microbatches
-                    raise RuntimeError(f"step {self._step} was left before its microbatches were all computed")
-                if self._session is not None:
-                    script.record(self._session, self, step.outcome, time.perf_counter() - t0)
-                stopped = step.outcome.stop
+            yield from super().steps(total)
         except Exception as exc:
             self._failed(exc)
             raise
         if self._session is not None:
-            script.end(self._session, stopped)
+            script.end(self._session, self.protocol.progress.step < total)
+
+    def _committed(self, outcome: Any, dt: float) -> None:
+        if self._session is not None:
+            script.record(self._session, self, outcome, dt)
 
     def _failed(self, exc: Exception) -> None:
         if self._session is not None:

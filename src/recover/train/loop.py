@@ -2,8 +2,8 @@
 
     replica = Replica.from_config(cfg, sampler, ctx)          # model, optimizer, step gradients
     step = ResilientStep(replica, group, coordinator, M, ...)  # the step protocol (layer 2)
-    while step.progress.step < end:
-        outcome = step.run()                 # plan, compute, reduce, recover, commit, apply, admit
+    for committed in Steps(step).steps(end):   # recover.api's iterator of committed steps
+        outcome = committed.run()            # plan, compute, reduce, recover, commit, apply, admit
         record it; validate and checkpoint when due (the lowest live replica)
 
 Contract: a record is written for every committed step, after its optimizer update; validation
@@ -24,7 +24,7 @@ import torch
 
 from recover.config import Config
 from recover.data.sampler import EvalSampler
-from recover.recovery.protocol import ResilientStep, Resynced, StepOutcome
+from recover.recovery.protocol import ResilientStep, StepOutcome
 from recover.train.checkpoint import Checkpointer
 from recover.train.optim import lr_at
 from recover.train.replica import Replica
@@ -108,13 +108,12 @@ class Loop:
     def run(self, end: int) -> None:
         """Trains until ``end`` steps are committed, or until a commit is a stop: then the lowest live
         replica saves a complete checkpoint of it (unless one was due anyway) and ``stopped`` is set."""
+        from recover.api import Steps  # the committed-step iterator of the library API, the one there is
+
         tc = self.cfg.training
-        while self.step.progress.step < end:
+        for committed in Steps(self.step).steps(end):
             t0 = time.perf_counter()
-            try:
-                outcome = self.step.run()
-            except Resynced:  # state moved after a coordinator restart: the step starts over
-                continue
+            outcome = committed.run()  # plan, compute, reduce, recover, commit, apply, admit
             record = step_record(outcome, time.perf_counter() - t0, lr_at(outcome.step, tc))
             record["total_tokens"] = self.step.progress.tokens
             if self.replica.device.type == "cuda":
