@@ -21,11 +21,14 @@ Contract:
   coordinator, reduces over layer 1's fault-tolerant groups, writes its step records and events into the
   run directory like a built-in replica, and exits with the same statuses when it is fenced or the job
   ends (:mod:`recover.train.exits`). Run as plain ``python SCRIPT`` it is one replica on its own.
-- A joiner (a restarted replica) takes the model's parameters, buffers and optimizer state from a live
-  replica at a step boundary; ``steps()`` then continues from the step the job is at.
+- A joiner (a restarted replica) takes the model's parameters, buffers, optimizer state and ``extra``
+  state from a live replica at a step boundary; ``steps()`` then continues from the step the job is at.
+- :meth:`Job.save` checkpoints the model, optimizer, ``extra`` state and counters between steps
+  (:mod:`recover.train.own_checkpoint`: the built-in trainer's disk conventions); ``Job(resume=RUN)``
+  continues from the newest intact one, bitwise in deterministic mode. In a launched job only the lowest
+  live replica writes, with no collective; ``recover launch --resume`` makes ``RUN`` the run directory.
 - Scope: one process per replica (your model on one device); pipeline, tensor and FSDP parallelism
-  inside a replica, checkpoints of your model, audits of arithmetic and the overlapped reduction are
-  the built-in trainer's for now.
+  inside a replica, audits of arithmetic and the overlapped reduction are the built-in trainer's for now.
 """
 
 from __future__ import annotations
@@ -35,14 +38,18 @@ import json
 import os
 import time
 from collections.abc import Callable, Iterator
+from contextlib import nullcontext
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import torch
 from torch import nn
 
 from recover.names import WORKER_ENV, Phase
+
+if TYPE_CHECKING:
+    from recover.recovery.protocol import Progress
 
 
 @dataclass
@@ -107,6 +114,7 @@ class Step:
     def __iter__(self) -> Iterator[Microbatch]:
         job = self.job
         work_items = job.protocol.run_iter()
+        job._inside = True
         try:
             work = next(work_items)
             while True:
@@ -118,6 +126,7 @@ class Step:
                 work = work_items.send(None)
         except StopIteration as done:
             self.outcome = done.value
+            job._inside = False
         except Exception as exc:  # the job cannot go on here: fenced, quorum lost, diverged (exits with one line)
             job._failed(exc)
             raise
@@ -149,13 +158,21 @@ class Job:
         deterministic: float64 gradient sums (bitwise equal to the failure-free run); default: the
             launch's ``--deterministic``, else False.
         tokens_per_microbatch: for the records' token counts (0 if unknown).
+        extra: more state that is trained along (an EMA, an LR scheduler): an object with ``state_dict()``
+            and ``load_state_dict()`` or a dict of such; it goes to joiners and into checkpoints.
+        resume: a run directory: the model, optimizer, ``extra`` and counters are loaded from the newest intact
+            checkpoint of :meth:`save` under ``RUN/checkpoints`` (none there: a fresh start, said in one line);
+            default: the launch's run directory with ``recover launch --resume``, else none.
         runtime: from :func:`init` (called here when not given).
+
+    Raises:
+        IncompatibleCheckpoint: ``resume`` holds a checkpoint of another model or extra state (nothing loaded).
     """
 
     def __init__(self, model: nn.Module, optimizer: torch.optim.Optimizer, *, samples: Callable[[int, int], Any],
                  microbatches: int, lr: Callable[[int], float] | None = None, clip: float = 1.0, seed: int = 0,
-                 deterministic: bool | None = None, tokens_per_microbatch: int = 0,
-                 runtime: Runtime | None = None) -> None:
+                 deterministic: bool | None = None, tokens_per_microbatch: int = 0, extra: Any = None,
+                 resume: str | os.PathLike[str] | None = None, runtime: Runtime | None = None) -> None:
         from recover.train.own import OwnReplica
 
         if microbatches < 1:
@@ -170,10 +187,60 @@ class Job:
             use_deterministic_kernels()
         self.model, self.samples, self.M, self.seed = model, samples, microbatches, seed
         self.replica = OwnReplica(model, optimizer, lr=lr, clip=clip, deterministic=deterministic,
-                                  device=self.runtime.device, tokens_per_microbatch=tokens_per_microbatch)
+                                  device=self.runtime.device, tokens_per_microbatch=tokens_per_microbatch,
+                                  extra=extra)
         self._session: Any = None
         self.protocol: Any = None
         self._step = 0
+        self._inside = False  # in a step's microbatch loop
+        self.start = self._resume(resume)
+        """The counters the step protocol starts from (a resumed checkpoint's) and then advances."""
+
+    def _resume(self, resume: str | os.PathLike[str] | None) -> Progress:
+        from recover.recovery.protocol import Progress
+        from recover.train import own_checkpoint
+
+        launched = self.runtime.launched
+        if resume is None and launched and launched.get("resume"):
+            resume = self.runtime.out
+        if resume is None or (launched and launched.get("join")):  # a joiner takes the live replicas' state
+            return Progress()
+        root = own_checkpoint.checkpoints_of(resume)
+        return own_checkpoint.resume(root, self.replica, clean=launched is None) or Progress()
+
+    def save(self, run_dir: str | os.PathLike[str] | None = None, *, keep: int | None = None) -> Path | None:
+        """Checkpoints the model, optimizer, ``extra`` state and counters after the steps committed so far, in
+        ``RUN/checkpoints/step_NNNNNN`` (layout: :mod:`recover.train.own_checkpoint`). Call it between steps
+        (after a step's microbatch loop), the same on every replica.
+
+        In a launched job only the lowest live replica writes, alone (no collective, the others do not wait):
+        it returns the checkpoint's directory, every other replica None at once.
+
+        Args:
+            run_dir: RUN; default: the launch's run directory (``--out``).
+            keep: complete checkpoints kept, older ones deleted (0: all); default: the launch's
+                ``training.keep_checkpoints``, else 3.
+
+        Raises:
+            RuntimeError: called inside a step's microbatch loop. ValueError: no ``run_dir`` when not launched.
+        """
+        from recover.train import own_checkpoint
+
+        if self._inside:
+            raise RuntimeError("job.save() inside a step's microbatch loop: call it after the loop, between steps")
+        run_dir = run_dir if run_dir is not None else self.runtime.out
+        if run_dir is None:
+            raise ValueError("job.save(): run_dir is None; give the run directory, e.g. job.save('runs/mine')")
+        if self.protocol is None:
+            self._start()
+        if self._session is not None and min(self.protocol.group.members) != self.runtime.replica:
+            return None
+        cfg = self.runtime.launched["config"] if self.runtime.launched else None
+        keep = keep if keep is not None else (cfg.training.keep_checkpoints if cfg else 3)
+        # launched: the coordinator's hang rule does not count the write as a stuck training loop
+        with self._session.client.activity("io") if self._session is not None else nullcontext():
+            return own_checkpoint.save(own_checkpoint.checkpoints_of(run_dir), self.replica, self.protocol.progress,
+                                       seed=self.seed, microbatches=self.M, keep=keep)
 
     def _hook(self, phase: Phase) -> None:
         if self._session is not None:
@@ -207,8 +274,8 @@ class Job:
         from recover.train.dist import CommitAll, StaticGroup
 
         if self.runtime.launched is None:
-            self.protocol = ResilientStep(self.replica, StaticGroup(), CommitAll(), self.M, seed=self.seed,
-                                          overlap=False)
+            self.protocol = ResilientStep(self.replica, StaticGroup(), CommitAll(), self.M, self.start,
+                                          seed=self.seed, overlap=False)
             self._session = None
             return
         from recover.train.script import Session

@@ -11,7 +11,9 @@ gradient is in the buffers, and a reduction never writes them.
 
 The rest is the built-in replica's, shared: the totals and the update (:mod:`recover.train.update`:
 divide by M, clip by the global norm, the user's optimizer), the exact parameter fingerprint, and the
-state a joiner receives (parameters, persistent buffers, optimizer state, counters: tensors only).
+state a joiner receives (parameters, persistent buffers, optimizer state, counters: tensors only), to
+which the user's extra state (``extra``: :mod:`recover.train.extra`) and the optimizer's param-group
+settings (an LR scheduler's ``lr``) are added as tensors and a JSON skeleton in a tensor of bytes.
 The learning rate, when the user gives ``lr(step)``, is set from the committed step before each update.
 """
 
@@ -25,6 +27,15 @@ from torch import nn
 
 from recover.recovery.interfaces import Totals
 from recover.train.bits import bit_sum, flip_bit, to_host
+from recover.train.extra import (
+    from_tensors,
+    hyperparameters,
+    load_into,
+    parts,
+    set_hyperparameters,
+    state_of,
+    to_tensors,
+)
 from recover.train.optim import set_lr
 from recover.train.replica import load_transferred, transfer_tensors
 from recover.train.update import apply_sum, read_totals
@@ -41,6 +52,7 @@ class OwnReplica:
         deterministic: float64 gradient buffers (a step's sum does not depend on who computed what).
         device: where the buffers live (the parameters' device).
         tokens_per_microbatch: for the step records' token counts.
+        extra: state that travels with the model (``state_dict()``/``load_state_dict()``, or a dict of such).
     """
 
     reduce_order = None
@@ -49,8 +61,10 @@ class OwnReplica:
     audit_value: dict[str, Any] | None = None
 
     def __init__(self, model: nn.Module, optimizer: torch.optim.Optimizer, *, lr: Callable[[int], float] | None,
-                 clip: float, deterministic: bool, device: torch.device, tokens_per_microbatch: int = 0) -> None:
+                 clip: float, deterministic: bool, device: torch.device, tokens_per_microbatch: int = 0,
+                 extra: Any = None) -> None:
         self.model, self.optimizer, self.lr, self.clip = model, optimizer, lr, clip
+        self.extra = parts(extra)
         self.device = device
         named = [(n, p) for n, p in model.named_parameters() if p.requires_grad]
         if not named:
@@ -142,11 +156,19 @@ class OwnReplica:
         return bit_sum([p.detach() for p in self.params], self.device)
 
     def transfer_state(self, counters: dict[str, int]) -> dict[str, torch.Tensor]:
-        """Every parameter (frozen ones too), the persistent buffers, the optimizer state and ``counters``."""
-        return transfer_tensors(self._state_names, self._state_tensors, self.optimizer, counters)
+        """Every parameter (frozen ones too), the persistent buffers, the optimizer state and ``counters``;
+        the extra state and the param groups' settings under ``extra.``."""
+        carried = {"parts": state_of(self.extra), "param_groups": hyperparameters(self.optimizer)}
+        return {**transfer_tensors(self._state_names, self._state_tensors, self.optimizer, counters),
+                **to_tensors("extra", carried)}
 
     def load_transfer_state(self, state: dict[str, torch.Tensor]) -> dict[str, int]:
-        return load_transferred(self._state_names, self._state_tensors, self.optimizer, state)
+        counters = load_transferred(self._state_names, self._state_tensors, self.optimizer, state)
+        carried = from_tensors("extra", state)
+        if carried is not None:
+            load_into(self.extra, carried["parts"], "the transferred state")
+            set_hyperparameters(self.optimizer, carried["param_groups"])
+        return counters
 
     def corrupt(self) -> None:
         """Fault injection (``--corrupt``): one bit of the first parameter flips in memory."""

@@ -22,7 +22,7 @@ from typing import Any
 from recover.faults import FaultInjector, hang_on_signal, parse_failure
 from recover.names import Fault, Phase
 from recover.observe.events import EventLog, JsonlWriter
-from recover.recovery.protocol import Progress, ResilientStep, StepOutcome
+from recover.recovery.protocol import ResilientStep, StepOutcome
 from recover.train.exits import (
     EXIT_COORDINATOR_LOST,
     EXIT_DIVERGED,
@@ -59,11 +59,11 @@ class Session:
         self.client = CoordinatorClient(host, int(port), token, rt.replica,
                                         heartbeat_interval_s=ft.heartbeat_interval_s, fence_exit_s=ft.fence_exit_s,
                                         on_fenced=self._exit_fenced, reconnect_s=ft.coordinator_reconnect_s)
-        self.client.committed_step = -1
+        self.client.committed_step = job.start.step - 1  # a resumed job's checkpoint
         membership = self.client.register(join=bool(info.get("join")))
         group = FaultTolerantGroup.create(self.client, membership, backend=cfg.parallel.backend,
                                           timeout_s=ft.collective_timeout_s, bucket_bytes=int(ft.bucket_mb * 2**20))
-        self.protocol = ResilientStep(job.replica, group, self.client, job.M, Progress(), ft.min_replicas,
+        self.protocol = ResilientStep(job.replica, group, self.client, job.M, job.start, ft.min_replicas,
                                       hook=self.hook, on_event=self.event, seed=job.seed, policy=cfg.workload.policy,
                                       fingerprint_every=ft.fingerprint_every, overlap=False)
         joined = bool(info.get("join")) or rt.replica in membership.joined
