@@ -21,18 +21,23 @@ Contract:
   coordinator, reduces over layer 1's fault-tolerant groups, writes its step records and events into the
   run directory like a built-in replica, and exits with the same statuses when it is fenced or the job
   ends (:mod:`recover.train.exits`). Run as plain ``python SCRIPT`` it is one replica on its own.
-- A joiner (a restarted replica) takes the model's parameters, buffers and optimizer state from a live
-  replica at a step boundary; ``steps()`` then continues from the step the job is at.
-- A replica of several ranks (``recover launch --procs-per-replica P -o parallel.fsdp=F -o parallel.tp=T``
-  with ``P = F x T``, or plain ``torchrun``: one replica of all its ranks, fsdp over them): :func:`init`
-  forms the replica's process group and ``rt.mesh``, its ``(fsdp, tp)`` DeviceMesh, on which you apply
-  your own FSDP2 (``fully_shard(..., mesh=rt.mesh["fsdp"])``) and TP plans before building the ``Job``.
-  The ranks of an fsdp column compute different microbatches (a rank with fewer runs a zero-weight
-  padding pass, ``mb.weight == 0``, so FSDP's collectives pair up); the ranks of a TP group compute the
-  same ones. recover sums the gradients across replicas from the local shards after backward: no DDP
-  or FSDP hooks of its own (it sets FSDP2's gradient divide factor to 1: a shard holds a sum).
-- SIGTERM or SIGINT in a launched script: the job stops after the next commit (every replica's
-  ``steps()`` ends, the process exits with status 6).
+- A joiner (a restarted replica) takes the model's parameters, buffers, optimizer state and ``extra``
+  state from a live replica at a step boundary; ``steps()`` then continues from the step the job is at.
+- :meth:`Job.save` checkpoints the model, optimizer, ``extra`` state and counters between steps
+  (:mod:`recover.train.own_checkpoint`: the built-in trainer's disk conventions); ``Job(resume=RUN)``
+  continues from the newest intact one, bitwise in deterministic mode. In a launched job only the lowest
+  live replica writes, with no collective; ``recover launch --resume`` makes ``RUN`` the run directory.
+- A replica of several ranks (``recover launch --fsdp F --tp T``, or plain ``torchrun``: one replica of all
+  its ranks, fsdp over them): :func:`init` forms the replica's process group and ``rt.mesh``, its
+  ``(fsdp, tp)`` DeviceMesh, on which you apply your own FSDP2 (``fully_shard(..., mesh=rt.mesh["fsdp"])``)
+  and TP plans before building the ``Job``. The ranks of an fsdp column compute different microbatches (a
+  rank with fewer runs a zero-weight padding pass, ``mb.weight == 0``, so FSDP's collectives pair up); the
+  ranks of a TP group compute the same ones. recover sums the gradients across replicas from the local
+  shards after backward: no DDP or FSDP hooks of its own (it sets FSDP2's gradient divide factor to 1: a
+  shard holds a sum).
+- SIGTERM or SIGINT in a launched script: the job stops after the next commit; the lowest live replica
+  saves a checkpoint of it (as it does when the quorum or the coordinator is lost, or the replicas
+  diverge), every replica's ``steps()`` ends and the process exits with status 6.
 - Scope: pipeline parallelism, audits of arithmetic and the overlapped reduction are the built-in
   trainer's (``recover train``, ``recover launch`` without ``--``).
 """
@@ -44,6 +49,7 @@ import json
 import os
 import time
 from collections.abc import Callable, Iterator
+from contextlib import nullcontext
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
@@ -56,6 +62,8 @@ from recover.train import script
 
 if TYPE_CHECKING:
     from torch.distributed.device_mesh import DeviceMesh
+
+    from recover.recovery.protocol import Progress
 
 
 @dataclass
@@ -193,6 +201,7 @@ class Step:
 
         job, rt = self.job, self.job.runtime
         fsdp, (index, _) = rt.fsdp, rt.coordinate
+        job._inside = True
         while self.outcome is None:
             work_items = job.protocol.run_iter()
             try:
@@ -210,6 +219,7 @@ class Step:
                     work = work_items.send(None)
             except StopIteration as done:
                 self.outcome = done.value
+                job._inside = False
             except Resynced:  # the job's state moved after a coordinator restart: the step starts over
                 self.index = job._step = job.protocol.progress.step
             except Exception as exc:  # the job cannot go on here: fenced, quorum lost, diverged (exits with one line)
@@ -275,13 +285,21 @@ class Job(Steps):
         deterministic: float64 gradient sums (bitwise equal to the failure-free run); default: the
             launch's ``--deterministic``, else False.
         tokens_per_microbatch: for the records' token counts (0 if unknown).
+        extra: more state that is trained along (an EMA, an LR scheduler): an object with ``state_dict()``
+            and ``load_state_dict()`` or a dict of such; it goes to joiners and into checkpoints.
+        resume: a run directory: the model, optimizer, ``extra`` and counters are loaded from the newest intact
+            checkpoint of :meth:`save` under ``RUN/checkpoints`` (none there: a fresh start, said in one line);
+            default: the launch's run directory with ``recover launch --resume``, else none.
         runtime: from :func:`init` (called here when not given).
+
+    Raises:
+        IncompatibleCheckpoint: ``resume`` holds a checkpoint of another model or extra state (nothing loaded).
     """
 
     def __init__(self, model: nn.Module, optimizer: torch.optim.Optimizer, *, samples: Callable[[int, int], Any],
                  microbatches: int, lr: Callable[[int], float] | None = None, clip: float = 1.0, seed: int = 0,
-                 deterministic: bool | None = None, tokens_per_microbatch: int = 0,
-                 runtime: Runtime | None = None) -> None:
+                 deterministic: bool | None = None, tokens_per_microbatch: int = 0, extra: Any = None,
+                 resume: str | os.PathLike[str] | None = None, runtime: Runtime | None = None) -> None:
         from recover.train.own import OwnReplica
 
         if microbatches < 1:
@@ -299,9 +317,67 @@ class Job(Steps):
         fsdp_index, tp_index = rt.coordinate
         self.replica = OwnReplica(model, optimizer, lr=lr, clip=clip, deterministic=deterministic,
                                   device=rt.device, tokens_per_microbatch=tokens_per_microbatch, group=rt.group,
-                                  fsdp=rt.fsdp, fsdp_index=fsdp_index, tp_index=tp_index)
+                                  fsdp=rt.fsdp, fsdp_index=fsdp_index, tp_index=tp_index, extra=extra)
         super().__init__()
         self._session: Any = None
+        self._inside = False  # in a step's microbatch loop
+        self.start = self._resume(resume)
+        """The counters the step protocol starts from (a resumed checkpoint's) and then advances."""
+
+    def _resume(self, resume: str | os.PathLike[str] | None) -> Progress:
+        from recover.recovery.protocol import Progress
+        from recover.train import own_checkpoint
+
+        launched = self.runtime.launched
+        if resume is None and launched and launched.get("resume"):
+            resume = self.runtime.out
+        if resume is None or (launched and launched.get("join")):  # a joiner takes the live replicas' state
+            return Progress()
+        root = own_checkpoint.checkpoints_of(resume)
+        return own_checkpoint.resume(root, self.replica, clean=launched is None) or Progress()
+
+    def save(self, run_dir: str | os.PathLike[str] | None = None, *, keep: int | None = None) -> Path | None:
+        """Checkpoints the model, optimizer, ``extra`` state and counters after the steps committed so far, in
+        ``RUN/checkpoints/step_NNNNNN`` (layout: :mod:`recover.train.own_checkpoint`). Call it between steps
+        (after a step's microbatch loop), the same on every replica.
+
+        In a launched job only the lowest live replica writes, alone (no collective, the others do not wait):
+        it returns the checkpoint's directory, every other replica None at once.
+
+        Args:
+            run_dir: RUN; default: the launch's run directory (``--out``).
+            keep: complete checkpoints kept, older ones deleted (0: all); default: the launch's
+                ``training.keep_checkpoints``, else 3.
+
+        Raises:
+            RuntimeError: called inside a step's microbatch loop. ValueError: no ``run_dir`` when not launched.
+        """
+        from recover.train import own_checkpoint
+
+        if self._inside:
+            raise RuntimeError("job.save() inside a step's microbatch loop: call it after the loop, between steps")
+        run_dir = run_dir if run_dir is not None else self.runtime.out
+        if run_dir is None:
+            raise ValueError("job.save(): run_dir is None; give the run directory, e.g. job.save('runs/mine')")
+        if self.protocol is None:
+            self._start()
+        if self._session is not None and min(self.protocol.group.members) != self.runtime.replica:
+            return None
+        # launched: the coordinator's hang rule does not count the write as a stuck training loop
+        with self._session.client.activity("io") if self._session is not None else nullcontext():
+            return self._write(own_checkpoint.checkpoints_of(run_dir), keep)
+
+    def _write(self, root: Path | None, keep: int | None = None) -> Path:
+        """A checkpoint of the committed state under ``root`` (None: the run directory's ``checkpoints/``):
+        :meth:`save`'s, and the launched session's own (a committed stop, quorum or coordinator lost,
+        divergence: :mod:`recover.train.session`)."""
+        from recover.train import own_checkpoint
+
+        cfg = self.runtime.launched["config"] if self.runtime.launched else None
+        keep = keep if keep is not None else (cfg.training.keep_checkpoints if cfg else 3)
+        root = root if root is not None else own_checkpoint.checkpoints_of(self.runtime.out)
+        return own_checkpoint.save(root, self.replica, self.protocol.progress, seed=self.seed, microbatches=self.M,
+                                   keep=keep)
 
     def _hook(self, phase: Phase) -> None:
         if self._session is not None:
@@ -323,7 +399,7 @@ class Job(Steps):
             self._failed(exc)
             raise
         if self._session is not None:
-            script.end(self._session, self.protocol.progress.step < total)
+            script.end(self._session, self.protocol.progress.step < total, self._write)
 
     def _committed(self, outcome: Any, dt: float) -> None:
         if self._session is not None:
@@ -331,15 +407,15 @@ class Job(Steps):
 
     def _failed(self, exc: Exception) -> None:
         if self._session is not None:
-            script.fail(self._session, exc)
+            script.fail(self._session, exc, self._write)
 
     def _start(self) -> None:
         from recover.recovery.protocol import ResilientStep
         from recover.train.dist import CommitAll, StaticGroup
 
         if self.runtime.launched is None:
-            self.protocol = ResilientStep(self.replica, StaticGroup(), CommitAll(), self.M, seed=self.seed,
-                                          overlap=False)
+            self.protocol = ResilientStep(self.replica, StaticGroup(), CommitAll(), self.M, self.start,
+                                          seed=self.seed, overlap=False)
             return
         self._session, self.protocol = script.connect(self)
 

@@ -24,6 +24,10 @@ class CheckpointError(RecoverError):
     """A missing, incomplete or incompatible checkpoint."""
 
 
+class IncompatibleCheckpoint(CheckpointError):
+    """A complete checkpoint of another model: an older one would not fit either, so none is tried."""
+
+
 class QuorumLost(RecoverError):
     """Fewer live replicas than ``fault_tolerance.min_replicas``: the job stops with a checkpoint."""
 

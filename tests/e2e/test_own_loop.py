@@ -74,3 +74,28 @@ def test_a_users_fsdp2_inside_each_replica_survives_the_loss_of_a_rank(tmp_path:
     exits = [e for e in (json.loads(line) for line in (out / "events.jsonl").read_text().splitlines())
              if e["kind"] == "replica_exit"]
     assert {e["replica"]: e["code"] for e in exits}[1] != 0 and {e["replica"]: e["code"] for e in exits}[0] == 0
+
+
+def test_a_launched_own_loop_saved_and_resumed_through_the_writers_death_is_bitwise_the_uninterrupted_run(
+        tmp_path: Path) -> None:
+    """`job.save()` in a launched job: only the lowest live replica writes (replica 1 once replica 0 is killed);
+    `recover launch --resume` makes `Job`'s `resume` the run directory; model, optimizer and the LR scheduler
+    given as `extra` continue bitwise."""
+    script = ROOT / "tests" / "e2e" / "scripts" / "train_own_saved.py"
+    ref, run = tmp_path / "ref", tmp_path / "run"
+
+    def go(out: Path, steps: int, *extra: str) -> None:
+        run_recover(["launch", "--config", "debug", "--replicas", "3", "--steps", str(steps), "--out", str(out),
+                     "--no-progress", "--deterministic", "--workload.policy=even", *extra, "--",
+                     sys.executable, str(script)], timeout=300)
+
+    go(ref, 12)
+    go(run, 6)
+    go(run, 12, "--resume", "--fail", "0@7:backward")
+    assert losses(run) == losses(ref)  # bitwise
+    assert sorted(p.name for p in (run / "checkpoints").iterdir()) == ["step_000006", "step_000009", "step_000012"]
+    logs = {r: (run / "logs" / f"replica_{r}.log").read_text() for r in range(3)}
+    saved = {step: f"saved {run / 'checkpoints' / f'step_{step + 1:06d}'}" for step in (5, 8, 11)}
+    assert f"step 5: {saved[5]}" in logs[0] and "step 5: saved None" in logs[1]  # replica 0 writes while it lives
+    assert "resumed from" in logs[1] and f"step 8: {saved[8]}" in logs[1] and f"step 11: {saved[11]}" in logs[1]
+    assert "step 11: saved None" in logs[2]

@@ -85,3 +85,35 @@ def test_token_shards_are_samples_for_a_job(corpus: Path, tmp_path: Path) -> Non
         tokens(corpus, seq_len=16, microbatch_size=2, microbatches=M, vocab_size=8)
     with pytest.raises(DataError):
         tokens(tmp_path, seq_len=16, microbatch_size=2, microbatches=M)  # no training split there
+
+
+def test_a_map_style_dataset_is_samples_for_a_job() -> None:
+    """``recover.data.indexed``: per step B*M distinct indices, each epoch a seeded permutation, pure in (step, id)."""
+    from recover.data import indexed
+
+    class Squares:  # any __len__ + __getitem__
+        def __len__(self) -> int:
+            return 50
+
+        def __getitem__(self, i: int) -> tuple[torch.Tensor, int]:
+            return torch.tensor([i, i * i]), i
+
+    B = 3
+    samples = indexed(Squares(), microbatch_size=B, microbatches=M, seed=5)
+    x, ids = samples(2, 1)
+    assert x.shape == (B, 2) and torch.equal(x[:, 0], ids) and torch.equal(x[:, 1], ids * ids)  # default_collate
+    assert torch.equal(samples(2, 1)[1], ids) and samples.indices(2, 1) == ids.tolist()  # pure
+    per_epoch = 50 // (B * M)  # 4 steps; 2 indices a pass are left undrawn
+    for epoch in range(2):
+        drawn = [i for s in range(epoch * per_epoch, (epoch + 1) * per_epoch) for mb in range(M)
+                 for i in samples.indices(s, mb)]
+        assert len(drawn) == len(set(drawn)) == per_epoch * B * M  # no index twice in an epoch
+    assert samples.indices(0, 0) != samples.indices(per_epoch, 0)  # each epoch its own order
+    again = indexed(Squares(), microbatch_size=B, microbatches=M, seed=5)
+    assert [again.indices(s, i) for s in (9, 0) for i in range(M)] == [samples.indices(s, i) for s in (9, 0)
+                                                                      for i in range(M)]  # any call order
+    assert indexed(Squares(), collate=list, microbatch_size=B, microbatches=M)(0, 0)[0][1] in range(50)
+    with pytest.raises(ValueError, match="50 samples, fewer than the 52 one step draws"):
+        indexed(Squares(), microbatch_size=13, microbatches=M)
+    with pytest.raises(ValueError, match=r"microbatch id = 4: it must be in 0..3"):
+        samples(0, M)

@@ -1,5 +1,6 @@
-"""Data layer: token shards (nanoGPT and llm.c ``.bin``), tokenizers, ``recover prepare``, and
-the deterministic sampler that maps ``(seed, step, microbatch_id)`` to token ids.
+"""Data layer: token shards (nanoGPT and llm.c ``.bin``), tokenizers, ``recover prepare``, the
+deterministic sampler that maps ``(seed, step, microbatch_id)`` to token ids, and :func:`indexed`, the
+same for any map-style dataset.
 
 Names are imported lazily, so ``import recover.data`` (and ``recover --help``) stays cheap: torch is
 loaded only when :class:`Sampler` or :class:`EvalSampler` is first used.
@@ -24,6 +25,7 @@ _EXPORTS = {
     "Sampler": "recover.data.sampler",
     "EvalSampler": "recover.data.sampler",
     "tokens": "recover.data.sampler",
+    "indexed": "recover.data.indexed",
 }
 
 __all__ = [
@@ -34,6 +36,7 @@ __all__ = [
     "Sampler",
     "TokenDataset",
     "detect_format",
+    "indexed",
     "load_tokenizer",
     "prepare_builtin",
     "prepare_files",
@@ -43,6 +46,7 @@ __all__ = [
 ]
 
 if TYPE_CHECKING:
+    from recover.data.indexed import indexed
     from recover.data.prepare import prepare_builtin, prepare_files
     from recover.data.sampler import EvalSampler, Sampler, tokens
     from recover.data.shards import TokenDataset, detect_format, read_shard, write_shard

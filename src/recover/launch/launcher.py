@@ -324,7 +324,8 @@ class Launcher:
             self._start_spare()
         elif self.o.script:
             job = {"coordinator": f"{self.o.host}:{self.port}", "token_file": str(self.token_file),
-                   "out": str(self.out), "replica": rid, "fail": self._fails(rid), "join": join}
+                   "out": str(self.out), "replica": rid, "fail": self._fails(rid), "join": join,
+                   "resume": self.resume}  # Job(resume=) defaults to this run's checkpoints
             ranks = self._spawn(list(self.o.script), f"replica_{rid}", rid, extra_env={WORKER_ENV: json.dumps(job)})
         else:
             cmd = [*self._worker_cmd(), "--replica", str(rid), *(a for f in self._fails(rid) for a in ("--fail", f))]

@@ -24,7 +24,12 @@ Contract:
 - :func:`latest_checkpoint` returns the newest complete checkpoint or None.
 - :func:`load_checkpoint` verifies the checkpoint against its manifest, then restores model and
   optimizer in place and returns the metadata; a damaged checkpoint, or one written for another
-  model shape, is refused with a :class:`CheckpointError` before anything is loaded.
+  model shape, is refused with a :class:`CheckpointError` before anything is loaded (for another
+  model: :class:`~recover.errors.IncompatibleCheckpoint`); :func:`load_newest` falls back from a
+  damaged one to the next older.
+- :func:`save_state` and :func:`load_state` are the same for any model (a user's:
+  :mod:`recover.train.own_checkpoint`): the caller's ``meta`` says what model it is, the caller's
+  check refuses another.
 - After each save the writer deletes complete checkpoints older than the newest ``keep``
   (``training.keep_checkpoints``); :func:`remove_leftovers` deletes what interrupted saves left
   (``.partial``, ``.replaced``): call it only when no save can be in flight (at the start of a run).
@@ -52,13 +57,14 @@ import torch
 from torch import nn
 
 from recover.config import ModelConfig
-from recover.errors import CheckpointError
+from recover.errors import CheckpointError, IncompatibleCheckpoint
 from recover.train.describe import RunDescription, describe_run
 from recover.train.integrity import (  # noqa: F401 - the on-disk helpers are part of this module's API
     MARKER,
     checkpoint_path,
     latest_checkpoint,
     list_checkpoints,
+    load_newest,
     remove_leftovers,
     verify,
     write_manifest,
@@ -68,13 +74,16 @@ if TYPE_CHECKING:
     from recover.config import Config
     from recover.train.replica import Replica
 
-def _state(model: nn.Module, optimizer: torch.optim.Optimizer) -> dict[str, Any]:
+def _state(model: nn.Module, optimizer: torch.optim.Optimizer,
+           extra: dict[str, torch.Tensor] | None = None) -> dict[str, Any]:
+    """The DCP state dict: ``model``, ``optim``, ``rng`` and, when given, ``extra`` (tensors by name)."""
     from torch.distributed.checkpoint.state_dict import get_state_dict  # imported on use: ~1 s
 
     with warnings.catch_warnings():
         warnings.simplefilter("ignore", FutureWarning)
         model_sd, optim_sd = get_state_dict(model, optimizer)
-    return {"model": model_sd, "optim": optim_sd, "rng": {"cpu": torch.get_rng_state()}}
+    state = {"model": model_sd, "optim": optim_sd, "rng": {"cpu": torch.get_rng_state()}}
+    return {**state, "extra": extra} if extra else state
 
 
 def save_checkpoint(root: str | os.PathLike[str], step: int, model: nn.Module,
@@ -90,6 +99,15 @@ def save_checkpoint(root: str | os.PathLike[str], step: int, model: nn.Module,
         is_writer: the one rank that writes ``meta.json``, the manifest and the marker, renames the
             directory and deletes older checkpoints beyond ``keep`` (0: none).
     """
+    return save_state(root, step, model, optimizer, {"model": dataclasses.asdict(model_cfg), **meta},
+                      process_group=process_group, is_writer=is_writer, keep=keep, files=files)
+
+
+def save_state(root: str | os.PathLike[str], step: int, model: nn.Module, optimizer: torch.optim.Optimizer,
+               meta: dict[str, Any], process_group: Any = None, is_writer: bool = True, keep: int = 0,
+               files: dict[str, bytes] | None = None, extra: dict[str, torch.Tensor] | None = None) -> Path:
+    """:func:`save_checkpoint` of any model: ``meta`` is ``meta.json`` whole (but ``step``), which must say
+    what model the state is of; ``extra`` tensors are saved beside the model's under ``extra``."""
     import torch.distributed.checkpoint as dcp
 
     final = checkpoint_path(root, step)
@@ -101,10 +119,10 @@ def save_checkpoint(root: str | os.PathLike[str], step: int, model: nn.Module,
     with warnings.catch_warnings():
         warnings.simplefilter("ignore", FutureWarning)
         warnings.filterwarnings("ignore", message="torch.distributed is disabled")  # no_dist is intended
-        dcp.save(_state(model, optimizer), checkpoint_id=str(partial), process_group=process_group,
+        dcp.save(_state(model, optimizer, extra), checkpoint_id=str(partial), process_group=process_group,
                  no_dist=process_group is None)
     if is_writer:  # DCP's save returns on its coordinator (this rank) once every rank's files are written
-        _commit(partial, final, step, meta, model_cfg, keep, files)
+        _commit(partial, final, step, meta, keep, files)
     return final
 
 
@@ -117,16 +135,17 @@ def _begin(root: str | os.PathLike[str], step: int) -> tuple[Path, Path]:
     return final, partial
 
 
-def _commit(partial: Path, final: Path, step: int, meta: dict[str, Any], model_cfg: ModelConfig,
-            keep: int = 0, files: dict[str, bytes] | None = None) -> None:
+def _commit(partial: Path, final: Path, step: int, meta: dict[str, Any], keep: int = 0,
+            files: dict[str, bytes] | None = None) -> None:
     """Makes a fully written ``partial`` directory the checkpoint of ``step`` (the last act of a save);
-    ``files`` (name -> bytes, e.g. the run's ``tokenizer.json``) are stored with it, under the manifest."""
+    ``meta`` becomes its ``meta.json`` (with ``step``); ``files`` (name -> bytes, e.g. the run's
+    ``tokenizer.json``) are stored with it, under the manifest."""
     for name, data in (files or {}).items():
         with open(partial / name, "wb") as f:
             f.write(data)
             f.flush()
             os.fsync(f.fileno())
-    record = {"step": step, "model": dataclasses.asdict(model_cfg), **meta}
+    record = {"step": step, **meta}
     _write_synced(partial / "meta.json", json.dumps(record, indent=1))
     t0 = time.perf_counter()
     files = write_manifest(partial)
@@ -158,12 +177,12 @@ class AsyncSave:
         self.committed: Future[Path] = Future()
         """Resolves to ``path`` once committed, or to the write's or commit's error."""
 
-    def _finish(self, upload: Future[Any], meta: dict[str, Any], model_cfg: ModelConfig, keep: int,
+    def _finish(self, upload: Future[Any], meta: dict[str, Any], keep: int,
                 files: dict[str, bytes] | None = None) -> None:
         """Runs when DCP's write finished (in its writer thread): commit only a successful write."""
         try:
             upload.result()
-            _commit(self.partial, self.path, self.step, meta, model_cfg, keep, files)
+            _commit(self.partial, self.path, self.step, meta, keep, files)
         except BaseException as exc:  # handed to whoever waits
             self.committed.set_exception(exc)
         else:
@@ -208,13 +227,13 @@ def save_checkpoint_async(root: str | os.PathLike[str], step: int, model: nn.Mod
     warnings.filterwarnings("ignore", message="torch.distributed is disabled.*save in a single process",
                             category=UserWarning)
     final, partial = _begin(root, step)
-    meta = json.loads(json.dumps(meta))  # the values of now, not of when the write ends
+    meta = json.loads(json.dumps({"model": dataclasses.asdict(model_cfg), **meta}))  # now's values, not the end's
     with warnings.catch_warnings():
         warnings.simplefilter("ignore", FutureWarning)
         warnings.filterwarnings("ignore", message="torch.distributed is disabled")  # no_dist is intended
         upload = dcp.async_save(_state(model, optimizer), checkpoint_id=str(partial), no_dist=True)
     pending = AsyncSave(step, final, partial, time.perf_counter() - t0)
-    upload.add_done_callback(lambda fut: pending._finish(fut, meta, model_cfg, keep, files))
+    upload.add_done_callback(lambda fut: pending._finish(fut, meta, keep, files))
     return pending
 
 
@@ -250,21 +269,34 @@ def check_compatible(meta: dict[str, Any], model_cfg: ModelConfig, path: Path) -
     diffs = [f"model.{k}: checkpoint {saved.get(k)!r}, this run {v!r}" for k, v in current.items()
              if saved.get(k) != v]
     if diffs:
-        raise CheckpointError(f"checkpoint {path} was written for another model ({'; '.join(diffs)}); "
-                              "resume with the same model config, or use a new --out directory")
+        raise IncompatibleCheckpoint(f"checkpoint {path} was written for another model ({'; '.join(diffs)}); "
+                                     "resume with the same model config, or use a new --out directory")
 
 
 def load_checkpoint(path: str | os.PathLike[str], model: nn.Module, optimizer: torch.optim.Optimizer,
                     model_cfg: ModelConfig, process_group: Any = None) -> dict[str, Any]:
     """Restores model, optimizer and RNG from a complete checkpoint; returns its ``meta.json``."""
+    return load_state(path, model, optimizer, lambda meta, p: check_compatible(meta, model_cfg, p), process_group)
+
+
+def load_state(path: str | os.PathLike[str], model: nn.Module, optimizer: torch.optim.Optimizer,
+               check: Callable[[dict[str, Any], Path], None], process_group: Any = None,
+               extra: dict[str, torch.Tensor] | None = None) -> dict[str, Any]:
+    """:func:`load_checkpoint` of any model: ``check(meta, path)`` raises :class:`IncompatibleCheckpoint`
+    when the checkpoint does not fit, before anything is read; ``extra`` tensors (as saved by
+    :func:`save_state`) are loaded in place. Returns ``meta.json``.
+
+    Raises:
+        CheckpointError: incomplete, damaged (its manifest) or unreadable; IncompatibleCheckpoint: ``check``'s.
+    """
     import torch.distributed.checkpoint as dcp
     from torch.distributed.checkpoint.state_dict import set_state_dict
 
     path = Path(path)
     meta = read_meta(path)
-    check_compatible(meta, model_cfg, path)
+    check(meta, path)
     verify(path)  # never load bytes that changed after the save
-    state = _state(model, optimizer)
+    state = _state(model, optimizer, extra)
     try:
         with warnings.catch_warnings():
             warnings.simplefilter("ignore", FutureWarning)
@@ -352,24 +384,14 @@ class Checkpointer:
         Raises:
             CheckpointError: there is none, none is intact, or they do not fit this model.
         """
-        found = list_checkpoints(self.root)
-        if not found:
+        r = self.replica
+        found = load_newest(self.root, lambda path: load_checkpoint(path, r.model, r.optimizer, self.cfg.model,
+                                                                    process_group=r.group),
+                            "--resume", "run without --resume to start afresh")
+        if found is None:
             raise CheckpointError(f"--resume: no complete checkpoint under {self.root}; "
                                   "run without --resume to start afresh")
-        damaged: list[str] = []
-        for _, path in reversed(found):
-            try:
-                meta = load_checkpoint(path, self.replica.model, self.replica.optimizer, self.cfg.model,
-                                       process_group=self.replica.group)
-                break
-            except CheckpointError as exc:
-                if "another model" in str(exc):
-                    raise
-                damaged.append(path.name)
-                print(f"recover: {exc}; trying the previous checkpoint", file=sys.stderr, flush=True)
-        else:
-            raise CheckpointError(f"--resume: every checkpoint under {self.root} is damaged ({', '.join(damaged)}); "
-                                  "restore one from a copy or run without --resume to start afresh")
+        path, meta = found
         step = int(meta["step"])
         tokens_per_step = (self.cfg.training.global_microbatches * self.cfg.data.microbatch_size
                            * self.cfg.data.seq_len)

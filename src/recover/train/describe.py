@@ -36,7 +36,7 @@ from typing import Any
 from recover.config import Config, ModelConfig
 from recover.data.tokenizer import BYTE_SPEC, ByteTokenizer, HFTokenizer, load_tokenizer
 from recover.errors import CheckpointError, ConfigError, RecoverError
-from recover.train.integrity import MARKER, list_checkpoints, verify
+from recover.train.integrity import MARKER, OWN_FORMAT, list_checkpoints, verify
 
 TOKENIZER_FILE = "tokenizer.json"
 
@@ -166,11 +166,15 @@ def read_description(checkpoint: Path) -> Description:
     """What ``checkpoint`` (complete, see :func:`resolve_checkpoint`) records about its run.
 
     Raises:
-        CheckpointError: unreadable ``meta.json`` or model config.
+        CheckpointError: unreadable ``meta.json`` or model config, or a checkpoint of a user's model.
     """
     from recover.train.checkpoint import read_meta
 
     meta = read_meta(checkpoint)
+    if meta.get("format") == OWN_FORMAT:
+        raise CheckpointError(f"{checkpoint} holds a model of your own (job.save): recover export, sample and "
+                              "--training.init_from take the built-in models only; load it with "
+                              "torch.distributed.checkpoint (layout: recover.train.own_checkpoint)")
     config = meta.get("config") or _run_config(checkpoint)
     model = meta.get("model") or (config or {}).get("model")
     if not isinstance(model, dict):

@@ -14,6 +14,8 @@ Contract:
   bad file (missing, truncated or grown, different content, or a file the manifest does not list)
   unless every file matches; a checkpoint that has no manifest (written before manifests existed)
   passes with ``verified = False`` so old runs still resume.
+- :func:`load_newest` runs a loader on the newest intact checkpoint: a damaged one is named in one line
+  and the next older one tried; one of another model stops the search at once.
 - Neither reads the state into memory beyond one chunk per thread.
 """
 
@@ -24,12 +26,17 @@ import json
 import os
 import re
 import shutil
+import sys
+from collections.abc import Callable
 from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
+from typing import Any
 
-from recover.errors import CheckpointError
+from recover.errors import CheckpointError, IncompatibleCheckpoint
 
 MARKER = "COMMITTED"
+OWN_FORMAT = "own"
+"""``meta.json``'s ``format`` in a checkpoint of a user's model (:mod:`recover.train.own_checkpoint`)."""
 MANIFEST = "manifest.json"
 ALGORITHM = "sha256"
 _CHUNK = 8 << 20
@@ -57,6 +64,32 @@ def list_checkpoints(root: str | os.PathLike[str]) -> list[tuple[int, Path]]:
 def latest_checkpoint(root: str | os.PathLike[str]) -> Path | None:
     found = list_checkpoints(root)
     return found[-1][1] if found else None
+
+
+def load_newest(root: Path, load: Callable[[Path], dict[str, Any]], who: str,
+                fresh: str) -> tuple[Path, dict[str, Any]] | None:
+    """``load(path)`` of the newest intact complete checkpoint under ``root``: a damaged one (a file changed,
+    truncated or missing since the save, or unreadable) is named in one line on stderr and the next older
+    one is tried. Returns its path and ``meta.json``; None when there is no complete checkpoint.
+
+    Raises:
+        IncompatibleCheckpoint: at once (an older one would not fit either).
+        CheckpointError: every one is damaged (the line names ``who`` asked and how to start ``fresh``).
+    """
+    damaged: list[str] = []
+    found = list_checkpoints(root)
+    for _, path in reversed(found):
+        try:
+            return path, load(path)
+        except IncompatibleCheckpoint:
+            raise
+        except CheckpointError as exc:
+            damaged.append(path.name)
+            print(f"recover: {exc}; trying the previous checkpoint", file=sys.stderr, flush=True)
+    if damaged:
+        raise CheckpointError(f"{who}: every checkpoint under {root} is damaged ({', '.join(damaged)}); "
+                              f"restore one from a copy or {fresh}")
+    return None
 
 
 def remove_leftovers(root: str | os.PathLike[str]) -> list[Path]:

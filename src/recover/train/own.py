@@ -19,7 +19,9 @@ replica's group, so every rank holds the replica's whole ledger and stats.
 The rest is the built-in replica's, shared: the totals and the update (:mod:`recover.train.update`:
 divide by M, clip by the global norm, the user's optimizer), the exact parameter fingerprint, and the
 state a joiner receives (parameters, persistent buffers, optimizer state, counters: tensors only; this
-rank's shards, from the same rank of a live replica). The learning rate, when the user gives
+rank's shards, from the same rank of a live replica), to which the user's extra state (``extra``:
+:mod:`recover.train.extra`) and the optimizer's param-group settings (an LR scheduler's ``lr``) are
+added as tensors and a JSON skeleton in a tensor of bytes. The learning rate, when the user gives
 ``lr(step)``, is set from the committed step before each update.
 """
 
@@ -35,6 +37,15 @@ from torch.distributed.tensor import DTensor
 
 from recover.recovery.interfaces import Totals
 from recover.train.bits import bit_sum, flip_bit, to_host
+from recover.train.extra import (
+    from_tensors,
+    hyperparameters,
+    load_into,
+    parts,
+    set_hyperparameters,
+    state_of,
+    to_tensors,
+)
 from recover.train.optim import set_lr
 from recover.train.replica import like, load_transferred, local, transfer_tensors
 from recover.train.update import apply_sum, read_totals
@@ -72,6 +83,7 @@ class OwnReplica:
         tokens_per_microbatch: for the step records' token counts.
         group: the replica's process group when it has several ranks (None: one process).
         fsdp, fsdp_index, tp_index: the replica's fsdp degree and this rank's coordinates.
+        extra: state that travels with the model (``state_dict()``/``load_state_dict()``, or a dict of such).
     """
 
     reduce_order = None
@@ -82,8 +94,9 @@ class OwnReplica:
     def __init__(self, model: nn.Module, optimizer: torch.optim.Optimizer, *, lr: Callable[[int], float] | None,
                  clip: float, deterministic: bool, device: torch.device, tokens_per_microbatch: int = 0,
                  group: dist.ProcessGroup | None = None, fsdp: int = 1, fsdp_index: int = 0,
-                 tp_index: int = 0) -> None:
+                 tp_index: int = 0, extra: Any = None) -> None:
         self.model, self.optimizer, self.lr, self.clip = model, optimizer, lr, clip
+        self.extra = parts(extra)
         self.device, self.group = device, group
         self.fsdp, self.fsdp_index, self.tp_index = fsdp, fsdp_index, tp_index
         sum_gradients(model)
@@ -193,11 +206,19 @@ class OwnReplica:
         return bit_sum([local(p.detach()) for p in self.params], self.device)
 
     def transfer_state(self, counters: dict[str, int]) -> dict[str, torch.Tensor]:
-        """Every parameter (frozen ones too), the persistent buffers, the optimizer state and ``counters``."""
-        return transfer_tensors(self._state_names, self._state_tensors, self.optimizer, counters)
+        """Every parameter (frozen ones too), the persistent buffers, the optimizer state and ``counters``;
+        the extra state and the param groups' settings under ``extra.``."""
+        carried = {"parts": state_of(self.extra), "param_groups": hyperparameters(self.optimizer)}
+        return {**transfer_tensors(self._state_names, self._state_tensors, self.optimizer, counters),
+                **to_tensors("extra", carried)}
 
     def load_transfer_state(self, state: dict[str, torch.Tensor]) -> dict[str, int]:
-        return load_transferred(self._state_names, self._state_tensors, self.optimizer, state)
+        counters = load_transferred(self._state_names, self._state_tensors, self.optimizer, state)
+        carried = from_tensors("extra", state)
+        if carried is not None:
+            load_into(self.extra, carried["parts"], "the transferred state")
+            set_hyperparameters(self.optimizer, carried["param_groups"])
+        return counters
 
     def corrupt(self) -> None:
         """Fault injection (``--corrupt``): one bit of this rank's shard of the first parameter flips in memory."""

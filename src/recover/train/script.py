@@ -37,7 +37,7 @@ def connect(job: Any) -> tuple[Session, ResilientStep]:
     host, _, port = info["coordinator"].rpartition(":")
     token = Path(info["token_file"]).read_text().strip()
     session = Session(info["config"], info["out"], rt.replica, host, int(port), token, specs,
-                      join=bool(info.get("join")), rank=rt.rank, ranks=rt.ranks)
+                      join=bool(info.get("join")), rank=rt.rank, ranks=rt.ranks, start=job.start)
     session.stop_on_signals()
     try:
         return session, session.connect(job.replica, job.M, seed=job.seed, overlap=False)
