@@ -11,7 +11,8 @@ gradient is in the buffers, and a reduction never writes them.
 
 The rest is the built-in replica's, shared: the totals and the update (:mod:`recover.train.update`:
 divide by M, clip by the global norm, the user's optimizer), the exact parameter fingerprint, and the
-state a joiner receives (parameters, persistent buffers, optimizer state, counters: tensors only).
+state a joiner receives (parameters, persistent buffers, optimizer state, counters: tensors only; the
+joiner's own construction of the model provides the rest, e.g. non-persistent buffers).
 The learning rate, when the user gives ``lr(step)``, is set from the committed step before each update.
 """
 
@@ -56,13 +57,8 @@ class OwnReplica:
         if not named:
             raise ValueError("the model has no trainable parameters")
         self.names, self.params = [n for n, _ in named], [p for _, p in named]
-        ids = {id(p) for p in model.parameters()}  # a tied weight appears twice in a state dict
-        self._state_names = [n for n, _ in model.named_parameters()]
-        self._state_tensors = [p for _, p in model.named_parameters()]
-        for n, b in model.state_dict(keep_vars=True).items():  # persistent buffers (running statistics)
-            if id(b) not in ids:
-                self._state_names.append(n)
-                self._state_tensors.append(b)
+        state = [*model.named_parameters(), *persistent_buffers(model)]
+        self._state_names, self._state_tensors = [n for n, _ in state], [t for _, t in state]
         self.dtype = torch.float64 if deterministic else torch.float32
         self.buffers = [torch.zeros_like(p, dtype=self.dtype) for p in self.params]
         self.stats = torch.zeros(2, dtype=torch.float64, device=device)
@@ -151,3 +147,16 @@ class OwnReplica:
     def corrupt(self) -> None:
         """Fault injection (``--corrupt``): one bit of the first parameter flips in memory."""
         flip_bit(self.params[0])
+
+
+def persistent_buffers(model: nn.Module) -> list[tuple[str, torch.Tensor]]:
+    """The module tree's persistent buffers (running statistics), each once. Not the state dict's other entries:
+    what state-dict hooks derive (e.g. torchtitan's fused QKV saved as ``wq``/``wk``/``wv``: copies, stale the
+    moment they are taken) and ``get_extra_state()`` values (any object) are no state of the module in memory.
+    Non-persistent buffers (RoPE caches, masks) are left out too: the joiner's own construction rebuilds them."""
+    out = []
+    for name, buf in model.named_buffers():
+        owner, _, leaf = name.rpartition(".")
+        if leaf not in model.get_submodule(owner)._non_persistent_buffers_set:
+            out.append((name, buf))
+    return out
