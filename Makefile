@@ -3,7 +3,7 @@
 #   make test   the whole test suite: tests/unit, tests/dist (multi-process gloo), tests/e2e (launch runs),
 #               all but the interop tests
 #   make test-unit   the unit tier alone (under a minute)
-#   make test-interop   Hugging Face models trained through recover.api (CI runs it too)
+#   make test-interop   Hugging Face models and torchtitan's Llama 3 trained through recover.api (CI runs it too)
 #   make gpu-check   on a GPU node: check, test and benchmark everything one GPU can, into one report
 # Both create and reuse ./.venv. Override the interpreter with PYTHON=..., and the
 # PyTorch requirement installed when torch is absent with TORCH=... (e.g. TORCH='torch==2.6.0').
@@ -31,9 +31,21 @@ demo: $(STAMP)
 test: $(STAMP)
 	$(PY) -m pytest -q --durations=15 -m "not interop"
 
-# test-interop: other projects' model code (transformers' Llama and GPT-2) trained through recover.api under
-# recover launch with a kill, a hang and a corruption (~2 min; CI runs it after make test)
+# test-interop: other projects' model code (transformers' Llama and GPT-2, torchtitan's Llama 3) trained through
+# recover.api under recover launch with a kill, a hang and a corruption (~3 min; CI runs it after make test).
+# torchtitan and the few modules its model code imports go in --no-deps, once (~16 MB, ~5-7 s): its declared
+# dependencies would replace the CPU torch with a CUDA build and add datasets, wandb, tensorboard (GBs), none of
+# which the model needs. It needs Python >= 3.11; with an older one its test is skipped.
+TITAN := torchtitan==0.3.0 spmd-types==0.2.3 tyro==1.0.17 docstring-parser==0.18.0 typeguard==4.6.1
+TITAN_UNMET := import sys, re, importlib.metadata as md; \
+	have = {re.sub(r"[-_.]+", "-", d.metadata["Name"].lower()) + "==" + d.version for d in md.distributions()}; \
+	old = sys.version_info < (3, 11); \
+	old and print("torchtitan needs Python >= 3.11: tests/e2e/test_own_loop_titan.py is skipped", file=sys.stderr); \
+	sys.exit(not old and not have >= set(sys.argv[1:]))
+
 test-interop: $(STAMP)
+	@$(PY) -c '$(TITAN_UNMET)' $(TITAN) || { echo "installing $(TITAN) (--no-deps) into $(VENV)"; \
+		$(PY) -m pip install -q --no-deps $(TITAN); }
 	$(PY) -m pytest -q -m interop tests/e2e
 
 test-unit: $(STAMP)

@@ -117,3 +117,51 @@ def test_a_map_style_dataset_is_samples_for_a_job() -> None:
         indexed(Squares(), microbatch_size=13, microbatches=M)
     with pytest.raises(ValueError, match=r"microbatch id = 4: it must be in 0..3"):
         samples(0, M)
+
+
+class Hooked(nn.Module):
+    """A module whose state dict is not its state: a hook adds a derived copy (as torchtitan's fused QKV saves
+    ``wq``/``wk``/``wv``) and ``get_extra_state`` an object; a persistent and a non-persistent buffer."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.lin = nn.Linear(4, 4)
+        self.register_buffer("count", torch.zeros(()))
+        self.register_buffer("cache", torch.arange(4.0), persistent=False)
+        self.register_state_dict_post_hook(
+            lambda module, sd, prefix, meta: sd.__setitem__(prefix + "half", module.lin.weight[:2].detach().clone()))
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.lin(x) + self.cache
+
+    def get_extra_state(self) -> dict:
+        return {"version": 1}
+
+    def set_extra_state(self, state: dict) -> None:
+        pass
+
+
+def test_a_joiner_receives_the_parameters_and_persistent_buffers_not_what_state_dict_hooks_derive() -> None:
+    from recover.train.own import OwnReplica
+
+    def replica(seed: int) -> tuple[nn.Module, OwnReplica]:
+        torch.manual_seed(seed)
+        model = nn.Sequential(Hooked(), nn.BatchNorm1d(4))
+        return model, OwnReplica(model, torch.optim.AdamW(model.parameters()), lr=None, clip=0.0,
+                                 deterministic=True, device=torch.device("cpu"))
+
+    live, sender = replica(0)
+    live[0].count.fill_(5.0)
+    live(torch.randn(3, 4)).sum().backward()  # BatchNorm's running statistics move; AdamW gets state
+    sender.optimizer.step()
+    state = sender.transfer_state({"step": 7})  # the extra state (a dict) was once sent as a tensor: it crashed
+    assert {k for k in state if k.startswith("model.")} == {f"model.{n}" for n in (
+        "0.lin.weight", "0.lin.bias", "1.weight", "1.bias", "0.count", "1.running_mean", "1.running_var",
+        "1.num_batches_tracked")}
+    joiner, receiver = replica(1)
+    assert receiver.load_transfer_state(state) == {"step": 7}
+    for (name, a), b in zip(live.state_dict().items(), joiner.state_dict().values(), strict=True):
+        assert name.endswith("_extra_state") or torch.equal(a, b), name
+    for p, q in zip(live.parameters(), joiner.parameters(), strict=True):
+        assert torch.equal(sender.optimizer.state[p]["exp_avg"], receiver.optimizer.state[q]["exp_avg"])
+    assert torch.equal(joiner[0].cache, torch.arange(4.0))  # non-persistent: the joiner's own construction's

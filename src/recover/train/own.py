@@ -19,7 +19,8 @@ replica's group, so every rank holds the replica's whole ledger and stats.
 The rest is the built-in replica's, shared: the totals and the update (:mod:`recover.train.update`:
 divide by M, clip by the global norm, the user's optimizer), the exact parameter fingerprint, and the
 state a joiner receives (parameters, persistent buffers, optimizer state, counters: tensors only; this
-rank's shards, from the same rank of a live replica), to which the user's extra state (``extra``:
+rank's shards, from the same rank of a live replica; the joiner's own construction of the model provides
+the rest, e.g. non-persistent buffers), to which the user's extra state (``extra``:
 :mod:`recover.train.extra`) and the optimizer's param-group settings (an LR scheduler's ``lr``) are
 added as tensors and a JSON skeleton in a tensor of bytes. The learning rate, when the user gives
 ``lr(step)``, is set from the committed step before each update.
@@ -104,13 +105,8 @@ class OwnReplica:
         if not named:
             raise ValueError("the model has no trainable parameters")
         self.names, self.params = [n for n, _ in named], [p for _, p in named]
-        ids = {id(p) for p in model.parameters()}  # a tied weight appears twice in a state dict
-        self._state_names = [n for n, _ in model.named_parameters()]
-        self._state_tensors = [p for _, p in model.named_parameters()]
-        for n, b in model.state_dict(keep_vars=True).items():  # persistent buffers (running statistics)
-            if id(b) not in ids:
-                self._state_names.append(n)
-                self._state_tensors.append(b)
+        state = [*model.named_parameters(), *persistent_buffers(model)]
+        self._state_names, self._state_tensors = [n for n, _ in state], [t for _, t in state]
         self.dtype = torch.float64 if deterministic else torch.float32
         self.buffers = [torch.zeros_like(local(p), dtype=self.dtype) for p in self.params]
         self.stats = torch.zeros(2, dtype=torch.float64, device=device)
@@ -233,3 +229,16 @@ def _shards(p: torch.Tensor) -> int:
             if not placement.is_replicate():  # Shard and FSDP-over-TP's _StridedShard (not is_shard())
                 shards *= p.device_mesh.size(i)
     return shards
+
+
+def persistent_buffers(model: nn.Module) -> list[tuple[str, torch.Tensor]]:
+    """The module tree's persistent buffers (running statistics), each once. Not the state dict's other entries:
+    what state-dict hooks derive (e.g. torchtitan's fused QKV saved as ``wq``/``wk``/``wv``: copies, stale the
+    moment they are taken) and ``get_extra_state()`` values (any object) are no state of the module in memory.
+    Non-persistent buffers (RoPE caches, masks) are left out too: the joiner's own construction rebuilds them."""
+    out = []
+    for name, buf in model.named_buffers():
+        owner, _, leaf = name.rpartition(".")
+        if leaf not in model.get_submodule(owner)._non_persistent_buffers_set:
+            out.append((name, buf))
+    return out
