@@ -3,10 +3,12 @@
 Contract:
 - A :class:`Config` is immutable and valid once constructed: every section checks its fields in
   ``__post_init__`` and :class:`Config` checks the relations between sections, including every
-  layout constraint of the replica (:func:`check_layout`: heads, kv heads and MLP width by
-  ``tp``; layers and tied embeddings by ``pp``). This is the one place these rules live:
-  ``recover launch`` refuses a bad job before it starts anything, and
-  :meth:`recover.parallel.ParallelDims.check_model` calls :func:`check_layout` too.
+  layout constraint of the replica (:func:`check_layout`: the architecture's own rules, for Llama
+  heads, kv heads and MLP width by ``tp``; layers and tied embeddings by ``pp`` for every one). This
+  is the one place these rules are called from: ``recover launch`` refuses a bad job before it starts
+  anything, and :meth:`recover.parallel.ParallelDims.check_model` calls :func:`check_layout` too.
+- ``model.arch`` names a registered architecture (:mod:`recover.model.spec`, which imports no
+  torch); a config written before ``arch`` existed reads as ``llama``, the default.
 - Choice fields are ``Literal`` types from :mod:`recover.names`; a value is checked against the
   type's arguments, so the allowed values and the message come from the type.
 - Every problem is a :class:`~recover.errors.ConfigError` with a one-line message naming the
@@ -20,7 +22,6 @@ from __future__ import annotations
 import dataclasses
 import difflib
 import functools
-import math
 import os
 import sys
 import types
@@ -30,6 +31,7 @@ from pathlib import Path
 from typing import Any, ClassVar, Literal
 
 from recover.errors import ConfigError
+from recover.model import spec as model_spec
 from recover.names import (
     Assignment,
     Backend,
@@ -70,10 +72,13 @@ def _check_choices(section: Any) -> None:
 
 @dataclass(frozen=True)
 class ModelConfig:
-    """A Llama-style decoder-only transformer."""
+    """A decoder-only transformer: ``arch`` picks the architecture, the other fields its shape (each
+    architecture reads the fields it has a use for; the comments describe the built-in Llama)."""
 
     SECTION: ClassVar[str] = "model"
 
+    arch: str = "llama"
+    """The architecture: a registered :class:`~recover.model.spec.ModelSpec`'s name (built in: ``llama``)."""
     vocab_size: int = 320
     """Embedding rows. Unless given on the command line, ``recover train``/``launch`` take the data's
     vocabulary (meta.json, meta.pkl, an llm.c header) rounded up to a multiple of 64 (byte tokenizer:
@@ -102,19 +107,19 @@ class ModelConfig:
     """Standard deviation of the normal initialisation (output projections are scaled by depth)."""
 
     def __post_init__(self) -> None:
+        spec = model_spec.get(self.arch)  # ConfigError naming the known architectures
         for name in ("vocab_size", "dim", "n_layers", "n_heads", "max_seq_len", "ffn_multiple_of"):
             value = getattr(self, name)
             _require(isinstance(value, int) and value > 0, f"model.{name}", value, "a positive integer")
         _require(self.dim % self.n_heads == 0, "model.n_heads", self.n_heads,
                  f"must divide model.dim = {self.dim}")
-        _require((self.dim // self.n_heads) % 2 == 0, "model.n_heads", self.n_heads,
-                 f"head size model.dim / model.n_heads = {self.dim // self.n_heads} must be even (rotary)")
         _require(self.n_kv_heads >= 0 and (self.n_kv_heads == 0 or self.n_heads % self.n_kv_heads == 0),
                  "model.n_kv_heads", self.n_kv_heads, f"0 or a divisor of model.n_heads = {self.n_heads}")
         _require(self.ffn_dim >= 0, "model.ffn_dim", self.ffn_dim, "0 (derived) or a positive integer")
         _require(self.rope_theta > 0, "model.rope_theta", self.rope_theta, "a positive number")
         _require(self.norm_eps > 0, "model.norm_eps", self.norm_eps, "a positive number")
         _require(self.init_std > 0, "model.init_std", self.init_std, "a positive number")
+        spec.validate(self, 1, 1)  # the architecture's own rules (Llama: an even head size)
 
     @property
     def kv_heads(self) -> int:
@@ -449,22 +454,12 @@ def check_layout(model: ModelConfig, pp: int = 1, tp: int = 1) -> None:
     """Raises ConfigError unless ``model`` splits into ``pp`` pipeline stages and ``tp`` TP shards.
 
     The one implementation of the replica's layout rules (:class:`Config` and
-    :meth:`recover.parallel.ParallelDims.check_model` both call it): ``tp`` divides the query
-    heads, the kv heads and the SwiGLU width (each TP rank holds whole heads and ``hidden / tp``
-    MLP columns); ``pp`` is at most the number of blocks; embeddings are untied when ``pp > 1``.
+    :meth:`recover.parallel.ParallelDims.check_model` both call it): first the architecture's own
+    (:attr:`recover.model.spec.ModelSpec.validate`; Llama: ``tp`` divides the query heads, the kv
+    heads and the SwiGLU width), then those of every architecture: ``pp`` is at most the number of
+    blocks (every stage holds one); embeddings are untied when ``pp > 1``.
     """
-    _require(model.n_heads % tp == 0 and model.kv_heads % tp == 0, "parallel.tp", tp,
-             f"must divide model.n_heads = {model.n_heads} and the kv heads = {model.kv_heads} (each TP rank "
-             "holds whole heads); choose a tp that divides both")
-    if model.hidden_dim % tp:
-        if model.ffn_dim:
-            width, fix = f"model.ffn_dim = {model.ffn_dim}", f"set --model.ffn_dim {-(-model.ffn_dim // tp) * tp}"
-        else:
-            step = math.lcm(model.ffn_multiple_of, tp)
-            width = (f"the SwiGLU width {model.hidden_dim} (derived from model.dim = {model.dim}: 8/3 x dim rounded "
-                     f"up to model.ffn_multiple_of = {model.ffn_multiple_of})")
-            fix = f"set --model.ffn_multiple_of {step} (width {-(-model.hidden_dim // step) * step}) or --model.ffn_dim"
-        raise ConfigError(f"parallel.tp = {tp} is not allowed: must divide {width}; {fix}, or choose another tp")
+    model_spec.get(model.arch).validate(model, pp, tp)
     _require(pp <= model.n_layers, "parallel.pp", pp,
              f"at most model.n_layers = {model.n_layers} (every stage holds at least one block)")
     _require(pp == 1 or not model.tie_embeddings, "model.tie_embeddings", model.tie_embeddings,

@@ -22,8 +22,7 @@ from recover.cli import main
 from recover.config import ModelConfig, load_config
 from recover.data.tokenizer import ByteTokenizer
 from recover.errors import CheckpointError, ConfigError
-from recover.model import build_model, hf
-from recover.model.llama import Transformer
+from recover.model import build_model, construct, hf
 from recover.model.sample import generate, load_checkpoint_model
 from recover.train.describe import read_description, resolve_checkpoint
 from recover.train.integrity import verify, write_manifest
@@ -140,7 +139,7 @@ def test_export_torch_round_trips_and_refuses_a_non_empty_out(run: Path, tmp_pat
     out = tmp_path / "pt"
     assert main(["export", str(run), "--format", "torch", "--out", str(out)]) == 0
     payload = torch.load(out / "model.pt", weights_only=True)
-    model = Transformer(ModelConfig(**payload["model_config"]))
+    model = construct(ModelConfig(**payload["model_config"]))
     model.load_state_dict(payload["state_dict"], strict=True)
     ours, _ = load_checkpoint_model(run)
     tokens = torch.randint(0, 257, (2, 40))

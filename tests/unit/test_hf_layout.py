@@ -1,4 +1,7 @@
-"""recover <-> Hugging Face Llama layout, without transformers: names, the rotary permutation, configs."""
+"""recover <-> Hugging Face Llama layout, without transformers: names, the rotary permutation, configs.
+
+The mapping is reached as the rest of recover reaches it: through :mod:`recover.model.hf`, which asks
+the model registry for ``model.arch``'s; the rotary permutation is Llama's own."""
 
 from __future__ import annotations
 
@@ -10,7 +13,8 @@ import torch
 from recover.config import load_config
 from recover.errors import ConfigError
 from recover.model import build_model, hf
-from recover.model.llama import apply_rotary, rotary_table
+from recover.model.llama.hf import halves_to_interleaved, interleaved_to_halves
+from recover.model.llama.model import apply_rotary, rotary_table
 
 
 def rotate_half_rope(x: torch.Tensor, theta: float) -> torch.Tensor:
@@ -29,11 +33,11 @@ def test_the_qk_permutation_turns_recovers_rotary_pairs_into_hfs_rotate_half() -
     w = torch.randn(heads * d, c)
     x = torch.randn(1, T, c)
     ours = apply_rotary((x @ w.T).view(1, T, heads, d), rotary_table(d, T, 500.0))  # (1, T, H, D)
-    theirs = rotate_half_rope((x @ hf.interleaved_to_halves(w, heads).T).view(1, T, heads, d), 500.0)
+    theirs = rotate_half_rope((x @ interleaved_to_halves(w, heads).T).view(1, T, heads, d), 500.0)
     # the same vectors up to the order of the coordinates inside each head, so every q . k agrees
     scores = torch.einsum("bthd,bshd->bhts", ours, ours)
     torch.testing.assert_close(torch.einsum("bthd,bshd->bhts", theirs, theirs), scores, rtol=1e-5, atol=1e-5)
-    assert torch.equal(hf.halves_to_interleaved(hf.interleaved_to_halves(w, heads), heads), w)
+    assert torch.equal(halves_to_interleaved(interleaved_to_halves(w, heads), heads), w)
     unpermuted = rotate_half_rope((x @ w.T).view(1, T, heads, d), 500.0)
     assert (torch.einsum("bthd,bshd->bhts", unpermuted, unpermuted) - scores).abs().max() > 1e-2
 
@@ -47,7 +51,7 @@ def test_names_round_trip_and_a_tied_output_is_not_stored(tied: bool) -> None:
     back = hf.from_hf(out, cfg)
     assert back.keys() == state.keys() and all(torch.equal(back[k], state[k]) for k in state)
     with pytest.raises(KeyError, match="not a tensor of a Llama model"):
-        hf.recover_name("model.layers.0.self_attn.q_proj.bias")
+        hf.recover_name("model.layers.0.self_attn.q_proj.bias", cfg)
 
 
 def test_hf_config_round_trips_and_unsupported_models_are_refused() -> None:

@@ -161,6 +161,7 @@ def plain_worker(args: argparse.Namespace) -> int:
     from recover.data.prepare import resolve_data_dir
     from recover.data.sampler import open_samplers
     from recover.model import build_model, lm_loss
+    from recover.model.spec import spec_of
     from recover.train.loop import configure_torch
     from recover.train.optim import build_optimizer, lr_at, set_lr
 
@@ -173,7 +174,7 @@ def plain_worker(args: argparse.Namespace) -> int:
     sampler, _ = open_samplers(cfg.data, data_dir, cfg.model.vocab_size, M, tc.seed)
     model = build_model(cfg.model, tc.seed, device)
     if tc.compile:
-        for block in model.layers.values():
+        for block in spec_of(model).block_dict(model).values():
             block.compile(backend=tc.compile_backend)
     optimizer = build_optimizer(model, tc)  # fused AdamW when every parameter is on a GPU
     autocast = (lambda: torch.autocast(device.type, dtype=torch.bfloat16)) if tc.dtype == "bfloat16" else nullcontext

@@ -1,4 +1,5 @@
-"""Decoder-only transformer (Llama-style) and its size and cost figures.
+"""Decoder-only transformers: the model registry (:mod:`recover.model.spec`), the built-in Llama
+(:mod:`recover.model.llama`), building a model of any registered architecture and its size and cost.
 
 Its names load on first use (PEP 562), so that ``recover.model.cli`` registers ``recover sample`` and
 ``recover export`` without importing torch: ``recover --help`` and the launcher start in a fraction of
@@ -10,8 +11,10 @@ from __future__ import annotations
 import importlib
 from typing import Any
 
-_WHERE = {"Transformer": "recover.model.llama", "lm_loss": "recover.model.llama", "build_model": "recover.model.build",
-          "ModelStats": "recover.model.build", "model_stats": "recover.model.build"}
+_WHERE = {"Transformer": "recover.model.llama.model", "lm_loss": "recover.model.common",
+          "build_model": "recover.model.build", "construct": "recover.model.build",
+          "ModelStats": "recover.model.build", "model_stats": "recover.model.build",
+          "ModelSpec": "recover.model.spec", "register": "recover.model.spec"}
 
 __all__ = sorted(_WHERE)
 

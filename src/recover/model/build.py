@@ -1,21 +1,36 @@
-"""Building the model (deterministic initialisation from a seed) and its size and cost figures."""
+"""Building a model of any registered architecture (deterministic initialisation from a seed) and its
+size and cost figures.
+
+Contract:
+- :func:`construct` is ``model.arch``'s spec building its modules on ``device`` (values not yet
+  initialised: a checkpoint is loaded next, or the meta device only counts); :func:`build_model`
+  also initialises them from ``seed`` (``model.init_weights``), the same values on every rank.
+- :func:`model_stats` counts the parameters of a model built on the meta device (no memory) and
+  asks the spec for the embedding share and the FLOPs per token.
+"""
 
 from __future__ import annotations
 
 from dataclasses import dataclass
 
 import torch
+from torch import nn
 
 from recover.config import ModelConfig
-from recover.model.llama import Transformer
+from recover.model.spec import get
 
-__all__ = ["ModelStats", "build_model", "model_stats"]
+__all__ = ["ModelStats", "build_model", "construct", "model_stats"]
 
 
-def build_model(cfg: ModelConfig, seed: int, device: str | torch.device = "cpu") -> Transformer:
-    """Builds the model on ``device`` and initialises it deterministically from ``seed``."""
+def construct(cfg: ModelConfig, device: str | torch.device = "cpu") -> nn.Module:
+    """The modules of a model of ``cfg`` (architecture ``cfg.arch``) on ``device``, not yet initialised."""
     with torch.device(device):
-        model = Transformer(cfg)
+        return get(cfg.arch).build(cfg)
+
+
+def build_model(cfg: ModelConfig, seed: int, device: str | torch.device = "cpu") -> nn.Module:
+    """Builds the model on ``device`` and initialises it deterministically from ``seed``."""
+    model = construct(cfg, device)
     model.init_weights(seed)
     return model
 
@@ -25,9 +40,9 @@ class ModelStats:
     params: int
     """All parameters (a tied embedding counted once)."""
     non_embedding_params: int
-    """Parameters outside the token embedding (the output projection counts when untied)."""
+    """Parameters outside the embeddings (the output projection counts when untied)."""
     flops_per_token: int
-    """Training FLOPs per token (forward + backward): 6 N + 12 L d T (attention)."""
+    """Training FLOPs per token (forward + backward), the spec's count (Llama: 6 N + 12 L d T)."""
 
     def describe(self) -> str:
         return (f"{self.params / 1e6:.2f}M parameters ({self.non_embedding_params / 1e6:.2f}M non-embedding), "
@@ -35,12 +50,7 @@ class ModelStats:
 
 
 def model_stats(cfg: ModelConfig, seq_len: int) -> ModelStats:
-    with torch.device("meta"):
-        model = Transformer(cfg)
-    params = sum(p.numel() for p in model.parameters())
-    embedding = cfg.vocab_size * cfg.dim
-    non_embedding = params - embedding
-    flops = 6 * non_embedding + 12 * cfg.n_layers * cfg.dim * seq_len
-    if cfg.tie_embeddings:
-        flops += 6 * embedding  # the tied output projection is a real matmul per token
-    return ModelStats(params=params, non_embedding_params=non_embedding, flops_per_token=flops)
+    spec = get(cfg.arch)
+    params = sum(p.numel() for p in construct(cfg, "meta").parameters())
+    return ModelStats(params=params, non_embedding_params=params - spec.embedding_params(cfg),
+                      flops_per_token=spec.flops_per_token(cfg, seq_len, params))

@@ -1,18 +1,20 @@
-"""``recover export``: a checkpoint as a Hugging Face Llama directory or a plain torch state dict.
+"""``recover export``: a checkpoint as a Hugging Face directory or a plain torch state dict.
 
 Contract:
 - :func:`export` reads one complete, verified checkpoint (a RUN_DIR means its newest intact one)
   and needs nothing else: the model and run config and the tokenizer come from the checkpoint
   (:mod:`recover.train.describe`).
-- ``hf``: ``config.json`` (:func:`recover.model.hf.hf_config`), ``generation_config.json``,
-  ``model.safetensors`` (float32, HF names, ``wq``/``wk`` rows in HF's rotary layout; no
-  ``lm_head.weight`` when tied) and tokenizer files that ``AutoTokenizer.from_pretrained`` loads:
+- ``hf`` (an architecture whose spec has a Hugging Face mapping; Llama's: :mod:`recover.model.llama.hf`):
+  ``config.json`` (:func:`recover.model.hf.hf_config`), ``generation_config.json``,
+  ``model.safetensors`` (float32, HF names and layouts; for Llama ``wq``/``wk`` rows in HF's rotary
+  layout and no ``lm_head.weight`` when tied) and tokenizer files that ``AutoTokenizer.from_pretrained`` loads:
   the run's ``tokenizer.json``, or for recover's byte tokenizer an equivalent one
   (:func:`recover.model.hf.byte_tokenizer_json`), with ``tokenizer_config.json``
-  (``PreTrainedTokenizerFast``). ``LlamaForCausalLM`` then computes recover's logits.
+  (``PreTrainedTokenizerFast``). ``LlamaForCausalLM`` then computes recover's logits. An architecture
+  without a mapping is refused before anything is written.
 - ``torch``: ``model.pt`` = ``{"state_dict", "model_config", "config", "tokenizer", "step",
-  "source"}`` (recover's names: ``Transformer(ModelConfig(**model_config)).load_state_dict``
-  takes it), plus the run's ``tokenizer.json`` when it has one.
+  "source"}`` (recover's names: ``construct(ModelConfig(**model_config)).load_state_dict``
+  takes it, :func:`recover.model.build.construct`), plus the run's ``tokenizer.json`` when it has one.
 - Atomic: everything is written into a temporary sibling of ``out`` and renamed into place last, so
   ``out`` never holds half an export. A non-empty ``out`` is refused unless ``overwrite`` (then the
   old one is replaced only once the new one is complete).
@@ -45,7 +47,8 @@ def export(source: str | Path, fmt: str, out: str | Path, overwrite: bool = Fals
         tokenizer: a tokenizer spec that replaces the checkpoint's own (needed for checkpoints that
             do not record theirs).
     Raises:
-        RecoverError: a bad format or ``out``, no intact checkpoint, or no tokenizer for ``hf``.
+        RecoverError: a bad format or ``out``, no intact checkpoint, no tokenizer for ``hf``, or ``hf`` for an
+            architecture without a Hugging Face mapping.
     """
     from recover.train.describe import read_description, resolve_checkpoint
     from recover.train.weights import read_checkpoint_state
@@ -56,6 +59,8 @@ def export(source: str | Path, fmt: str, out: str | Path, overwrite: bool = Fals
     check_out(out, overwrite)
     ckpt = resolve_checkpoint(source)
     desc = read_description(ckpt)
+    if fmt == "hf":
+        hf.mapping(desc.model)  # refused before anything is read or written
     tok = desc.tokenizer(tokenizer) if fmt == "hf" or tokenizer or desc.tokenizer_record else None
     state = read_checkpoint_state(ckpt)
     tmp = out.with_name(f".{out.name}.export-{os.getpid()}")

@@ -11,7 +11,7 @@ Contract:
 - Generation stops after ``stop_id`` (the tokenizer's end-of-text) when given; it is part of the
   output, as in Hugging Face's ``generate``.
 - :func:`load_checkpoint_model` builds the model of a complete checkpoint (or a run directory's
-  newest intact one) from the checkpoint alone, in eval mode.
+  newest intact one) from the checkpoint alone, in eval mode, as its ``model.arch``'s spec builds it.
 """
 
 from __future__ import annotations
@@ -20,9 +20,10 @@ from pathlib import Path
 from typing import TYPE_CHECKING
 
 import torch
+from torch import nn
 
 from recover.errors import ConfigError
-from recover.model.llama import Transformer
+from recover.model.build import construct
 
 if TYPE_CHECKING:
     from recover.train.describe import Description
@@ -42,7 +43,7 @@ def next_token(logits: torch.Tensor, temperature: float, top_k: int | None,
 
 
 @torch.no_grad()
-def generate(model: Transformer, prompt: list[int], max_new_tokens: int, temperature: float = 0.0,
+def generate(model: nn.Module, prompt: list[int], max_new_tokens: int, temperature: float = 0.0,
              top_k: int | None = None, generator: torch.Generator | None = None,
              stop_id: int | None = None) -> list[int]:
     """The ids that follow ``prompt`` (see the module contract).
@@ -61,7 +62,7 @@ def generate(model: Transformer, prompt: list[int], max_new_tokens: int, tempera
     ids = torch.tensor([prompt], dtype=torch.long, device=device)  # (1, T)
     out: list[int] = []
     for _ in range(max_new_tokens):
-        context = ids[:, -model.cfg.max_seq_len:]  # the rotary table covers max_seq_len positions
+        context = ids[:, -model.cfg.max_seq_len:]  # the model knows max_seq_len positions (Llama: its rotary table)
         logits = model(context)[0, -1]  # (V,)
         token = next_token(logits, temperature, top_k, generator)
         out.append(token)
@@ -80,7 +81,7 @@ def check_options(max_new_tokens: int, temperature: float, top_k: int | None) ->
         raise ConfigError(f"--top-k {top_k} is not allowed: a positive number of candidates")
 
 
-def load_checkpoint_model(path: str | Path, device: str | torch.device = "cpu") -> tuple[Transformer, Description]:
+def load_checkpoint_model(path: str | Path, device: str | torch.device = "cpu") -> tuple[nn.Module, Description]:
     """The model of the checkpoint ``path`` names (RUN_DIR or CHECKPOINT) and its description.
 
     Raises:
@@ -91,8 +92,7 @@ def load_checkpoint_model(path: str | Path, device: str | torch.device = "cpu") 
 
     ckpt = resolve_checkpoint(path)
     desc = read_description(ckpt)
-    with torch.device(device):
-        model = Transformer(desc.model)
+    model = construct(desc.model, device)
     state = read_checkpoint_state(ckpt)
     model.load_state_dict({k: state[k] for k in model.state_dict()}, strict=True)
     return model.eval(), desc

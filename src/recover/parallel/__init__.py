@@ -9,6 +9,9 @@ fault-tolerant reduction. Typical use on every rank of a replica::
     mesh, group = dims.build_mesh("cpu", timeout), dims.build_group(timeout)
     replica = Replica(cfg.model, cfg.training, sampler, dims, mesh, group)   # recover.train.replica
 
+Nothing here names a module of a particular model: the blocks, the pipeline split and the TP plan
+come from the model's :class:`~recover.model.spec.ModelSpec` (``model.cfg.arch``).
+
 Names are imported lazily (``torch.distributed.pipelining`` is loaded only for ``pp > 1``).
 """
 
@@ -29,7 +32,6 @@ _EXPORTS = {
     "PipelineRunner": "recover.parallel.pipeline",
     "split_stage": "recover.parallel.pipeline",
     "apply_tp": "recover.parallel.tp",
-    "block_plan": "recover.parallel.tp",
 }
 
 __all__ = [
@@ -42,7 +44,6 @@ __all__ = [
     "apply_activation_checkpointing",
     "apply_fsdp",
     "apply_tp",
-    "block_plan",
     "parallelize",
     "split_stage",
 ]
@@ -51,7 +52,7 @@ if TYPE_CHECKING:
     from recover.parallel.apply import apply_activation_checkpointing, apply_fsdp, parallelize
     from recover.parallel.dims import AXES, Coord, MeshAxis, ParallelDims
     from recover.parallel.pipeline import SCHEDULES, PipelineRunner, split_stage
-    from recover.parallel.tp import apply_tp, block_plan
+    from recover.parallel.tp import apply_tp
 
 
 def __getattr__(name: str) -> Any:

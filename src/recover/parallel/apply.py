@@ -3,6 +3,8 @@
 Contract:
 - Input: a whole model or a pipeline stage (:func:`recover.parallel.pipeline.split_stage`) whose
   parameters already hold their initial values (every rank built the same values from the seed).
+- The unit of activation checkpointing, compile and FSDP is a block of the model's spec
+  (:meth:`recover.model.spec.ModelSpec.block_dict`); TP follows the spec's plan (:mod:`recover.parallel.tp`).
 - Order (torchtitan's): TP over the ``tp`` mesh axis, then per-block activation checkpointing, then
   ``torch.compile`` of each block in place (parameter names unchanged), then ``fully_shard`` of every
   block and of the root over the ``fsdp`` axis ONLY. FSDP2 never gets a
@@ -21,6 +23,7 @@ from torch.distributed.device_mesh import DeviceMesh
 from torch.distributed.fsdp import FSDPModule, fully_shard
 
 from recover.errors import ConfigError
+from recover.model.spec import spec_of
 from recover.parallel.dims import MeshAxis, ParallelDims
 from recover.parallel.tp import apply_tp
 
@@ -34,7 +37,7 @@ def parallelize(model: nn.Module, dims: ParallelDims, mesh: DeviceMesh | None,
     """Applies TP, then activation checkpointing, then compile, then FSDP2 to ``model`` in place; returns it.
 
     Args:
-        model: a :class:`~recover.model.llama.Transformer` or a stage of one.
+        model: a model a :class:`~recover.model.spec.ModelSpec` built, or a stage of one.
         dims: the replica's degrees (``dims.check_model`` has passed).
         mesh: the replica's mesh from :meth:`ParallelDims.build_mesh` (None only when tp = fsdp = 1).
         activation_checkpointing: recompute each block in backward instead of storing activations.
@@ -54,7 +57,7 @@ def parallelize(model: nn.Module, dims: ParallelDims, mesh: DeviceMesh | None,
     if activation_checkpointing:
         apply_activation_checkpointing(model)
     if compile_blocks:
-        for block in model.layers.values():
+        for block in spec_of(model).block_dict(model).values():
             block.compile(backend=compile_blocks)  # in place: the module and its parameter names stay
     if dims.fsdp > 1:
         apply_fsdp(model, mesh[MeshAxis.FSDP.value])
@@ -63,14 +66,15 @@ def parallelize(model: nn.Module, dims: ParallelDims, mesh: DeviceMesh | None,
 
 def apply_activation_checkpointing(model: nn.Module) -> nn.Module:
     """Wraps every block so its activations are recomputed in backward (full per-block AC)."""
-    for key in list(model.layers.keys()):
-        model.layers[key] = checkpoint_wrapper(model.layers[key], preserve_rng_state=False)
+    blocks = spec_of(model).block_dict(model)
+    for key in list(blocks.keys()):
+        blocks[key] = checkpoint_wrapper(blocks[key], preserve_rng_state=False)
     return model
 
 
 def apply_fsdp(model: nn.Module, fsdp_mesh: DeviceMesh) -> nn.Module:
     """``fully_shard`` each block, then the root, over ``fsdp_mesh``; reduce-scatter sums (no average)."""
-    for block in model.layers.values():
+    for block in spec_of(model).block_dict(model).values():
         fully_shard(block, mesh=fsdp_mesh, reshard_after_forward=True)
     fully_shard(model, mesh=fsdp_mesh, reshard_after_forward=True)
     for module in model.modules():

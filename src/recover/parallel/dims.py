@@ -114,8 +114,9 @@ class ParallelDims:
                 f"(--procs-per-replica {self.world}) or change the degrees")
 
     def check_model(self, cfg: ModelConfig) -> None:
-        """Raises ConfigError if the model cannot be split this way (heads, MLP width, layers, tied
-        embeddings): the rules of :func:`recover.config.check_layout`, the one implementation."""
+        """Raises ConfigError if the model cannot be split this way (its architecture's rules: heads and
+        MLP width for Llama; layers and tied embeddings for every one): :func:`recover.config.check_layout`,
+        the one implementation."""
         check_layout(cfg, pp=self.pp, tp=self.tp)
 
     def stage_layers(self, n_layers: int, stage: int) -> list[int]:

@@ -2,8 +2,10 @@
 
 Contract:
 - :func:`split_stage` keeps one stage's blocks (contiguous, :meth:`ParallelDims.stage_layers`), the
-  embedding on the first stage and the final norm + output projection on the last; parameter
-  names are unchanged, so the stage holds exactly the values of the whole model.
+  modules the model's spec names ``first_stage`` (the embedding) on the first stage and ``last_stage``
+  (the final norm, the output projection) on the last (:class:`~recover.model.spec.ModelSpec`);
+  parameter names are unchanged, so the stage holds exactly the values of the whole model. Between
+  stages flows one hidden-state tensor ``(B, T, dim)``.
 - :class:`PipelineRunner` runs ``n`` microbatches of one pipeline (the stages of one
   (fsdp, tp) coordinate) through a schedule built for that ``n`` and cached by ``(n, B, T)``:
   a replica's quota changes from step to step after failures, so schedules are built on demand.
@@ -25,7 +27,8 @@ import torch.distributed as dist
 from torch import nn
 from torch.distributed.pipelining import PipelineStage, Schedule1F1B, ScheduleGPipe
 
-from recover.model.llama import lm_loss
+from recover.model.common import lm_loss
+from recover.model.spec import spec_of
 from recover.parallel.dims import ParallelDims
 
 SCHEDULES = ("gpipe", "1f1b")
@@ -33,15 +36,15 @@ SCHEDULES = ("gpipe", "1f1b")
 
 def split_stage(model: nn.Module, dims: ParallelDims, stage: int) -> nn.Module:
     """Removes from ``model`` (in place) everything that pipeline ``stage`` does not hold; returns it."""
-    keep = {str(i) for i in dims.stage_layers(len(model.layers), stage)}
-    for key in list(model.layers.keys()):
+    spec = spec_of(model)
+    blocks = spec.block_dict(model)
+    keep = {str(i) for i in dims.stage_layers(len(blocks), stage)}
+    for key in list(blocks.keys()):
         if key not in keep:
-            del model.layers[key]
-    if stage != 0:
-        model.tok_embeddings = None
-    if stage != dims.pp - 1:
-        model.norm = None
-        model.output = None
+            del blocks[key]
+    drop = (spec.first_stage if stage != 0 else ()) + (spec.last_stage if stage != dims.pp - 1 else ())
+    for name in drop:
+        setattr(model, name, None)
     return model
 
 

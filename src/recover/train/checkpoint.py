@@ -264,7 +264,7 @@ def read_meta(path: str | os.PathLike[str]) -> dict[str, Any]:
 
 
 def check_compatible(meta: dict[str, Any], model_cfg: ModelConfig, path: Path) -> None:
-    saved = meta.get("model", {})
+    saved = {"arch": "llama", **meta.get("model", {})}  # written before model.arch existed: Llama, the only one
     current = dataclasses.asdict(model_cfg)
     diffs = [f"model.{k}: checkpoint {saved.get(k)!r}, this run {v!r}" for k, v in current.items()
              if saved.get(k) != v]

@@ -2,18 +2,19 @@
 
 A path is one of (tried in this order):
 - a ``recover export --format torch`` file ``model.pt`` (or a directory holding one);
-- a Hugging Face Llama directory (``config.json`` with ``model_type: llama`` and ``*.safetensors``
-  or ``pytorch_model*.bin``), converted by :mod:`recover.model.hf` (names, rotary layout);
+- a Hugging Face directory (``config.json`` with a ``model_type`` a registered architecture maps,
+  ``llama`` built in, and ``*.safetensors`` or ``pytorch_model*.bin``), converted by
+  :mod:`recover.model.hf` (names and layouts: the architecture's :class:`~recover.model.spec.HFMapping`);
 - a recover checkpoint directory, or a run directory (its newest intact checkpoint:
   :func:`recover.train.describe.resolve_checkpoint`).
 
 Contract:
 - :func:`open_weights` returns a :class:`Weights`: the source's model config, ``shapes()`` (read
   from metadata only: DCP ``.metadata``, safetensors headers) and ``state()`` (whole tensors, in
-  recover's names and rotary layout, ``output.weight`` included when the source ties it).
+  recover's names and layouts, the output projection included when the source ties it: the spec's ``tied``).
 - :func:`check_fits` compares a source with a model without reading tensors: every parameter of the
-  model must be there with the same shape, nothing else may be, and the head counts must agree
-  (the same shapes with other heads would silently compute something else). Its errors are one
+  model must be there with the same shape, nothing else may be, and the architecture and the head
+  counts must agree (the same shapes with other heads would silently compute something else). Its errors are one
   line naming the tensor and both shapes. ``recover launch`` calls it (:func:`check_init_from`)
   before anything starts.
 - :func:`load_initial_weights` is called by every rank of every replica on its WHOLE model right
@@ -38,6 +39,8 @@ from torch import nn
 from recover.config import ModelConfig
 from recover.errors import CheckpointError, ConfigError, RecoverError
 from recover.model import hf
+from recover.model.build import construct
+from recover.model.spec import get as get_spec
 
 TORCH_FILE = "model.pt"
 Shapes = dict[str, tuple[int, ...]]
@@ -131,7 +134,7 @@ def _load_pt(path: Path) -> dict[str, Any]:
     return payload
 
 
-# ---- Hugging Face Llama directories ------------------------------------------------------------------
+# ---- Hugging Face directories ------------------------------------------------------------------
 def _hf_files(path: Path) -> list[Path]:
     return sorted(path.glob("*.safetensors")) or sorted(path.glob("pytorch_model*.bin"))
 
@@ -142,7 +145,8 @@ def _hf_dir(path: Path) -> Weights:
     except (OSError, ValueError) as exc:
         raise ConfigError(f"{path}/config.json is unreadable ({exc})") from None
     model = hf.model_config_from_hf(config, str(path))
-    return Weights("hf", path, model, lambda: _hf_shapes(path, model), lambda: hf.from_hf(_hf_state(path), model))
+    return Weights("hf", path, model, lambda: _hf_shapes(path, model),
+                   lambda: hf.from_hf(_hf_state(path, model), model))
 
 
 def require_safetensors() -> Any:
@@ -157,28 +161,29 @@ def require_safetensors() -> Any:
 def _hf_shapes(path: Path, model: ModelConfig) -> Shapes:
     files = _hf_files(path)
     if files[0].suffix != ".safetensors":
-        return {k: tuple(v.shape) for k, v in hf.from_hf(_hf_state(path), model).items()}
+        return {k: tuple(v.shape) for k, v in hf.from_hf(_hf_state(path, model), model).items()}
     safetensors = require_safetensors()
     shapes: Shapes = {}
     for file in files:
         with safetensors.safe_open(str(file), framework="pt") as f:
             for key in f.keys():  # noqa: SIM118 - safe_open is not a mapping
-                name = _recover_name(key, path)
+                name = _recover_name(key, path, model)
                 if name is not None:
                     shapes[name] = tuple(f.get_slice(key).get_shape())
-    if "output.weight" not in shapes and "tok_embeddings.weight" in shapes:
-        shapes["output.weight"] = shapes["tok_embeddings.weight"]  # tied: the embedding is the output projection
+    tied = get_spec(model.arch).tied
+    if tied and tied[0] not in shapes and tied[1] in shapes:
+        shapes[tied[0]] = shapes[tied[1]]  # tied: the embedding is the output projection
     return shapes
 
 
-def _recover_name(key: str, path: Path) -> str | None:
+def _recover_name(key: str, path: Path, model: ModelConfig) -> str | None:
     try:
-        return hf.recover_name(key)
+        return hf.recover_name(key, model)
     except KeyError as exc:
-        raise ConfigError(f"{path}: {exc.args[0]}; recover's Llama model has no place for it") from None
+        raise ConfigError(f"{path}: {exc.args[0]}; recover's {model.arch} model has no place for it") from None
 
 
-def _hf_state(path: Path) -> dict[str, torch.Tensor]:
+def _hf_state(path: Path, model: ModelConfig) -> dict[str, torch.Tensor]:
     state: dict[str, torch.Tensor] = {}
     for file in _hf_files(path):
         if file.suffix == ".safetensors":
@@ -186,7 +191,7 @@ def _hf_state(path: Path) -> dict[str, torch.Tensor]:
         else:
             state.update(torch.load(file, map_location="cpu", weights_only=True))
     for key in state:
-        _recover_name(key, path)
+        _recover_name(key, path, model)
     return state
 
 
@@ -197,17 +202,16 @@ def _fmt(shape: tuple[int, ...]) -> str:
 
 def model_shapes(model_cfg: ModelConfig) -> Shapes:
     """Every tensor of a whole recover model of ``model_cfg`` (built on the meta device: no memory)."""
-    from recover.model import Transformer
-
-    with torch.device("meta"):
-        model = Transformer(model_cfg)
-    return {k: tuple(v.shape) for k, v in model.state_dict().items()}
+    return {k: tuple(v.shape) for k, v in construct(model_cfg, "meta").state_dict().items()}
 
 
 def check_fits(src: Weights, model_cfg: ModelConfig, flag: str = "--init-from") -> None:
     """Raises ConfigError (one line, naming the tensor and both shapes) unless ``src`` fits ``model_cfg``."""
-    have, want = src.shapes(), model_shapes(model_cfg)
     where = f"{flag} {src.path}"
+    if src.model.arch != model_cfg.arch:
+        raise ConfigError(f"{where}: a model of architecture {src.model.arch!r} there and {model_cfg.arch!r} here: "
+                          f"set --model.arch {src.model.arch}")
+    have, want = src.shapes(), model_shapes(model_cfg)
     for name, shape in want.items():
         if name not in have:
             raise ConfigError(f"{where}: tensor {name} (shape {_fmt(shape)} in this model) is missing there; "
@@ -264,7 +268,8 @@ def load_initial_weights(model: nn.Module, path: str | Path) -> None:
     src = _open_init(path)
     check_fits(src, cfg)
     state = src.state()
-    if cfg.tie_embeddings and not torch.equal(state["output.weight"], state["tok_embeddings.weight"]):
+    tied = get_spec(cfg.arch).tied
+    if cfg.tie_embeddings and tied and not torch.equal(state[tied[0]], state[tied[1]]):
         raise ConfigError(f"--init-from {src.path}: its output projection is not its embedding (untied) and this "
                           "model ties them: set --model.tie_embeddings false")
     own = model.state_dict()

@@ -15,7 +15,6 @@ Contract:
 
 from __future__ import annotations
 
-import hashlib
 import math
 
 import torch
@@ -23,6 +22,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from recover.config import ModelConfig
+from recover.model.common import param_seed
 
 
 class RMSNorm(nn.Module):
@@ -139,13 +139,3 @@ class Transformer(nn.Module):
             param.copy_(values.to(param.dtype))
         self.rot.copy_(rotary_table(self.cfg.dim // self.cfg.n_heads, self.cfg.max_seq_len, self.cfg.rope_theta))
 
-
-def param_seed(seed: int, name: str) -> int:
-    """A 63-bit seed from the run seed and a parameter's fully qualified name."""
-    digest = hashlib.sha256(f"{seed}:{name}".encode()).digest()
-    return int.from_bytes(digest[:8], "little") & ((1 << 63) - 1)
-
-
-def lm_loss(logits: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
-    """Mean next-token cross-entropy over all B x T positions of one microbatch."""
-    return F.cross_entropy(logits.flatten(0, 1), targets.flatten(0, 1))
