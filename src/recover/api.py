@@ -262,13 +262,7 @@ class Steps:
             stopped = step.outcome.stop
 
     def _committed(self, outcome: Any, dt: float) -> None:
-        """After each committed step (records)."""
-
-    def _hook(self, phase: Phase) -> None:
-        """Every phase point of the caller's loop."""
-
-    def _slow(self, dt: float) -> None:
-        """After each microbatch of the caller's loop."""
+        """After each committed step (a launched Job's records)."""
 
 
 class Job(Steps):

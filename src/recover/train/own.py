@@ -28,13 +28,13 @@ added as tensors and a JSON skeleton in a tensor of bytes. The learning rate, wh
 
 from __future__ import annotations
 
+import math
 from collections.abc import Callable
 from typing import Any
 
 import torch
 import torch.distributed as dist
 from torch import nn
-from torch.distributed.tensor import DTensor
 
 from recover.recovery.interfaces import Totals
 from recover.train.bits import bit_sum, flip_bit, to_host
@@ -48,7 +48,7 @@ from recover.train.extra import (
     to_tensors,
 )
 from recover.train.optim import set_lr
-from recover.train.replica import like, load_transferred, local, transfer_tensors
+from recover.train.replica import like, load_transferred, local, shards, transfer_tensors
 from recover.train.update import apply_sum, read_totals
 from recover.workload.policy import split_within_replica
 
@@ -111,7 +111,7 @@ class OwnReplica:
         self.buffers = [torch.zeros_like(local(p), dtype=self.dtype) for p in self.params]
         self.stats = torch.zeros(2, dtype=torch.float64, device=device)
         ranks = dist.get_world_size(group) if group is not None else 1
-        self._copies = torch.tensor([float(ranks // _shards(p)) for p in self.params], dtype=torch.float64,
+        self._copies = torch.tensor([float(ranks // shards(p)) for p in self.params], dtype=torch.float64,
                                     device=device)  # each shard of the whole gradient counted once
         self.tokens_per_microbatch = tokens_per_microbatch
         self.ledger: list[int] = []
@@ -180,7 +180,7 @@ class OwnReplica:
         if self.group is not None:
             dist.all_reduce(shared, group=self.group)
         values, flags = to_host(shared[0], shared[1])
-        bad = [mb for mb, v, f in zip(ids, values, flags, strict=True) if f > 0 or v != v or abs(v) == float("inf")]
+        bad = [mb for mb, v, f in zip(ids, values, flags, strict=True) if f > 0 or not math.isfinite(v)]
         self.nonfinite += bad
         good = [(mb, v) for mb, v in zip(ids, values, strict=True) if mb not in bad]
         self.loss_sum += sum(v for _, v in good)
@@ -219,16 +219,6 @@ class OwnReplica:
     def corrupt(self) -> None:
         """Fault injection (``--corrupt``): one bit of this rank's shard of the first parameter flips in memory."""
         flip_bit(local(self.params[0].detach()))
-
-
-def _shards(p: torch.Tensor) -> int:
-    """Into how many distinct pieces ``p`` is cut over its mesh (1: every rank holds all of it)."""
-    shards = 1
-    if isinstance(p, DTensor):
-        for i, placement in enumerate(p.placements):
-            if not placement.is_replicate():  # Shard and FSDP-over-TP's _StridedShard (not is_shard())
-                shards *= p.device_mesh.size(i)
-    return shards
 
 
 def persistent_buffers(model: nn.Module) -> list[tuple[str, torch.Tensor]]:

@@ -222,12 +222,7 @@ class Replica:
 
     def _copies_of(self, p: torch.Tensor) -> int:
         """How many ranks of this pipeline stage hold the same values as this rank's shard of ``p``."""
-        shards = 1
-        if isinstance(p, DTensor):
-            for i, placement in enumerate(p.placements):
-                if not placement.is_replicate():  # Shard and FSDP-over-TP's _StridedShard (not is_shard())
-                    shards *= p.device_mesh.size(i)
-        return self.dims.tp * self.dims.fsdp // shards
+        return self.dims.tp * self.dims.fsdp // shards(p)
 
     # ---- a step ------------------------------------------------------------------------------
     def warm_up(self) -> None:
@@ -584,6 +579,16 @@ class Replica:
             ValueError: ``state`` lacks parameters of this replica (built from another config).
         """
         return load_transferred(self.names, self.params, self.optimizer, state)
+
+
+def shards(p: torch.Tensor) -> int:
+    """Into how many distinct pieces ``p`` is cut over its mesh (1: every rank holds all of it)."""
+    pieces = 1
+    if isinstance(p, DTensor):
+        for i, placement in enumerate(p.placements):
+            if not placement.is_replicate():  # Shard and FSDP-over-TP's _StridedShard (not is_shard())
+                pieces *= p.device_mesh.size(i)
+    return pieces
 
 
 def like(p: torch.Tensor, t: torch.Tensor) -> torch.Tensor:
