@@ -45,7 +45,7 @@ class _Windows:
     def __init__(self, dataset: TokenDataset, seq_len: int, microbatch_size: int) -> None:
         self.dataset = dataset
         self.seq_len = _positive("seq_len", seq_len)
-        counts = np.array([max(0, (len(s) - 1) // self.seq_len) for s in dataset.shards], dtype=np.int64)
+        counts = np.array([max(0, (n - 1) // self.seq_len) for n in dataset.lengths], dtype=np.int64)
         self.ends = np.cumsum(counts)  # window g lives in the first shard whose end > g
         self.starts = self.ends - counts
         self.count = int(self.ends[-1]) if len(self.ends) else 0
@@ -63,7 +63,7 @@ class _Windows:
         rows = np.empty((len(windows), T + 1), dtype=np.int64)  # (B, T+1)
         for r, (g, s) in enumerate(zip(windows.tolist(), shard_ids.tolist(), strict=True)):
             start = (g - int(self.starts[s])) * T
-            rows[r] = self.dataset.shards[s][start : start + T + 1]
+            rows[r] = self.dataset.shard(s)[start : start + T + 1]
         data = torch.from_numpy(rows)
         return data[:, :-1].contiguous(), data[:, 1:].contiguous()  # (B, T), (B, T)
 

@@ -270,6 +270,7 @@ class TokenDataset:
         source: what was asked for (file, directory or glob).
         paths: the shard files, sorted.
         shards: one read-only memmap per path.
+        lengths: tokens per shard.
         num_tokens: the total number of tokens.
         meta: the ``meta.json`` next to the shards (written by ``recover prepare``) or None.
     """
@@ -280,7 +281,8 @@ class TokenDataset:
         self.fmt = fmt
         self.paths = resolve_shards(source)
         self.shards = [read_shard(p, fmt) for p in self.paths]
-        self.num_tokens = int(sum(len(s) for s in self.shards))
+        self.lengths = [len(s) for s in self.shards]
+        self.num_tokens = int(sum(self.lengths))
         self.meta = load_meta(self.paths[0].parent)
         self._shard_max: list[int] | None = None
 
@@ -293,6 +295,10 @@ class TokenDataset:
 
     def __len__(self) -> int:
         return self.num_tokens
+
+    def shard(self, i: int) -> np.ndarray:
+        """The tokens of shard ``i`` (a read-only memory map)."""
+        return self.shards[i]
 
     def __repr__(self) -> str:
         return f"TokenDataset({self.source!r}, shards={len(self.paths)}, tokens={self.num_tokens})"
