@@ -22,6 +22,7 @@ from __future__ import annotations
 import dataclasses
 import difflib
 import functools
+import math
 import os
 import sys
 import types
@@ -136,6 +137,14 @@ class ModelConfig:
 
 
 @dataclass(frozen=True)
+class DataSource:
+    """One source of a mixture: a data directory (anything ``data.path`` takes) and its weight."""
+
+    path: str
+    weight: float = 1.0
+
+
+@dataclass(frozen=True)
 class DataConfig:
     """Where tokens come from and how a microbatch is cut."""
 
@@ -158,6 +167,12 @@ class DataConfig:
     """Tokens per sequence."""
     microbatch_size: int = 4
     """Sequences per microbatch; one microbatch is the unit of work a replica is assigned."""
+    sources: tuple[DataSource, ...] = ()
+    """A weighted mixture instead of ``path``: TOML ``sources = [{path = "web", weight = 0.7}, {path = "code",
+    weight = 0.3}]``, command line ``--data.sources web=0.7,code=0.3``. Each source is a directory as ``path``
+    takes (the same tokenizer for all; the patterns and format apply to each) with its own epochs; the rows
+    of every microbatch are split among them by the weights (:mod:`recover.data.mixture`), and validation
+    reads every source's validation split."""
 
     def __post_init__(self) -> None:
         _check_choices(self)
@@ -166,6 +181,19 @@ class DataConfig:
         _require(isinstance(self.microbatch_size, int) and self.microbatch_size > 0,
                  "data.microbatch_size", self.microbatch_size, "a positive integer")
         _require(bool(self.path), "data.path", self.path, "a shard directory or 'builtin:stdlib'")
+        for src in self.sources:
+            _require(isinstance(src, DataSource) and bool(src.path), "data.sources", self.sources,
+                     "sources with a path each (path=WEIGHT,...)")
+            _require(isinstance(src.weight, (int, float)) and math.isfinite(src.weight) and src.weight > 0,
+                     "data.sources", f"{src.path}={src.weight}", "a positive weight for every source")
+        paths = [src.path for src in self.sources]
+        _require(len(set(paths)) == len(paths), "data.sources", ",".join(paths), "each path once")
+
+    def parts(self) -> list[tuple[DataConfig, float]]:
+        """Each source as a one-directory config with its weight; ``[(self, 1.0)]`` without ``sources``."""
+        if not self.sources:
+            return [(self, 1.0)]
+        return [(dataclasses.replace(self, path=src.path, sources=()), float(src.weight)) for src in self.sources]
 
 
 @dataclass(frozen=True)
@@ -492,6 +520,8 @@ def _coerce(name: str, value: Any, typ: Any) -> Any:
         if value is None or (isinstance(value, str) and value.lower() in ("none", "null")):
             return None
         typ = args[0]
+    if typing.get_origin(typ) is tuple and typing.get_args(typ)[0] is DataSource:
+        return _sources(name, value)
     from_cli = isinstance(value, str) and typ is not str
     try:
         if typ is bool:
@@ -519,6 +549,34 @@ def _coerce(name: str, value: Any, typ: Any) -> Any:
     else:
         return value
     raise ConfigError(f"{name} = {value!r} is not allowed: expected {getattr(typ, '__name__', typ)}")
+
+
+def _sources(name: str, value: Any) -> tuple[DataSource, ...]:
+    """``data.sources`` from TOML/JSON (a list of ``{path, weight}`` tables) or the command line
+    (``PATH=WEIGHT,PATH=WEIGHT``; an empty string for none)."""
+    if isinstance(value, str):
+        items: list[Any] = []
+        for part in filter(None, (p.strip() for p in value.split(","))):
+            path, sep, weight = part.rpartition("=")
+            try:
+                items.append({"path": path, "weight": float(weight)} if sep else {"path": part})
+            except ValueError:
+                raise ConfigError(f"{name}: {part!r} is not PATH=WEIGHT (e.g. --{name} web=0.7,code=0.3)") from None
+        value = items
+    if not isinstance(value, (list, tuple)):
+        raise ConfigError(f"{name} = {value!r} is not allowed: a list of {{path, weight}} tables")
+    out = []
+    for item in value:
+        if isinstance(item, DataSource):
+            out.append(item)
+            continue
+        if not isinstance(item, dict) or set(item) - {"path", "weight"} or "path" not in item:
+            raise ConfigError(f"{name}: {item!r} is not a {{path = ..., weight = ...}} table")
+        weight = item.get("weight", 1.0)
+        if isinstance(weight, bool) or not isinstance(weight, (int, float)):
+            raise ConfigError(f"{name}: the weight of {item['path']!r} must be a number, got {weight!r}")
+        out.append(DataSource(str(item["path"]), float(weight)))
+    return tuple(out)
 
 
 def _unknown(name: str, known: list[str]) -> ConfigError:

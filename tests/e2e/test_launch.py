@@ -1,9 +1,10 @@
 """End to end: `recover launch` with real SIGKILLs, hangs and SIGSTOPs, compared with a failure-free reference run.
 
-Every run uses 4 replicas of the `debug` preset for 30 steps. Each case checks that every committed
-step holds all M microbatches and that the per-step loss stays within 1e-5 relative of the
-failure-free run, and bitwise equal to it when both run in deterministic mode. (The failure-free
-reference runs in deterministic mode; a default-mode run of the same job differs from it by ~1e-8.)
+Every run uses 4 replicas of the `debug` preset for 30 steps on a mixture of two sources (weights 0.7
+and 0.3: the session's corpus and a smaller slice of it). Each case checks that every committed step
+holds all M microbatches and that the per-step loss stays within 1e-5 relative of the failure-free run,
+and bitwise equal to it when both run in deterministic mode. (The failure-free reference runs in
+deterministic mode; a default-mode run of the same job differs from it by ~1e-8.)
 """
 
 from __future__ import annotations
@@ -27,9 +28,26 @@ M = 8
 HANG_S = 3.0  # fault_tolerance.hang_timeout_s of the hang test
 
 
+WEIGHTS = (0.7, 0.3)
+
+
+def mixture(corpus: Path) -> list[str]:
+    """The two sources every run here reads: the corpus and the slice beside it (:func:`second_source`)."""
+    return ["--data.sources", f"{corpus}={WEIGHTS[0]},{corpus.parent / 'slice'}={WEIGHTS[1]}"]
+
+
+@pytest.fixture(scope="module", autouse=True)
+def second_source(corpus: Path) -> Path:
+    from recover.data import prepare_builtin
+
+    out = corpus.parent / "slice"
+    prepare_builtin("stdlib", out, max_bytes=400_000, quiet=True)
+    return out
+
+
 def launch(out: Path, corpus: Path, *extra: str, check: bool = True):
     return run_recover(["launch", "--config", "debug", "--replicas", "4", "--steps", str(STEPS), "--out", str(out),
-                        "--no-progress", "--data.path", str(corpus), "--training.eval_every=20", *extra],
+                        "--no-progress", *mixture(corpus), "--training.eval_every=20", *extra],
                        timeout=300, check=check)
 
 
@@ -69,9 +87,14 @@ def check_run(run: Path, ref: Path, bitwise: bool, kills: int) -> dict:
 def test_reference_is_failure_free_and_matches_plain_training(reference_det: Path, corpus: Path,
                                                                tmp_path: Path) -> None:
     assert all(r["live_replicas"] == 4 and r["microbatches"] == M for r in rows(reference_det))
-    run_recover(["train", "--config", "debug", "--out", str(tmp_path), "--no-progress", "--data.path", str(corpus),
+    run_recover(["train", "--config", "debug", "--out", str(tmp_path), "--no-progress", *mixture(corpus),
                  f"--training.steps={STEPS}", "--training.eval_every=20"])
     assert max_rel_diff(losses(tmp_path), losses(reference_det)) <= 1e-5
+    # the sources' tokens of committed steps follow the weights (stratified: within a row or two)
+    for rec in rows(reference_det):
+        counts = list(rec["source_tokens"].values())
+        assert sum(counts) == rec["total_tokens"]
+        assert abs(counts[1] - WEIGHTS[1] * rec["total_tokens"]) <= 2 * 64  # debug: seq_len 64
     g = json.loads((tmp_path / "summary.json").read_text())["goodput"]  # recover train reports it too
     assert 0 < g["ettr"] <= 1 and g["tokens_committed"] == sum(r["tokens"] for r in rows(tmp_path))
 

@@ -399,7 +399,10 @@ BUILTIN_PREFIX = "builtin:"
 
 
 def resolve_data_dir(cfg: DataConfig, prepare: bool = True, quiet: bool = False) -> Path:
-    """The shard directory of ``cfg.path``; ``builtin:NAME`` is prepared on first use."""
+    """The shard directory of ``cfg.path`` (of the first source of ``cfg.sources``; every builtin one is
+    prepared); ``builtin:NAME`` is prepared on first use."""
+    if cfg.sources:
+        return [resolve_data_dir(part, prepare, quiet) for part, _ in cfg.parts()][0]
     if cfg.path.startswith(BUILTIN_PREFIX):
         name = cfg.path[len(BUILTIN_PREFIX):]
         out = Path(cfg.cache_dir) / name

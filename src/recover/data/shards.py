@@ -312,6 +312,12 @@ class TokenDataset:
         """The largest token id in any shard (-1 if there are no tokens); computed once."""
         return max(self._shard_maxima())
 
+    def out_of_range(self, shard: int, offset: int, token_id: int, vocab_size: int) -> DataError:
+        """The error for ``token_id`` (``>= vocab_size``) met at token ``offset`` of shard ``shard``."""
+        return DataError(f"{self.paths[shard]}: token id {token_id} at position {offset} is out of range for "
+                         f"vocab_size {vocab_size}; re-prepare with the model's tokenizer or raise "
+                         f"model.vocab_size to at least {token_id + 1}")
+
     def check_vocab(self, vocab_size: int) -> None:
         """Raise DataError if any token id is >= ``vocab_size`` (naming file, id and position)."""
         for path, shard, shard_max in zip(self.paths, self.shards, self._shard_maxima(), strict=True):

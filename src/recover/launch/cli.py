@@ -285,9 +285,10 @@ def check_launch(req: LaunchRequest) -> LaunchOptions:
         from recover.train.weights import check_init_from
 
         check_init_from(cfg.training.init_from, cfg.model)
-    data_dir = resolve_data_dir(cfg.data, prepare=False)  # a missing directory is refused here, not by the workers
-    if data_dir.is_dir() and any(data_dir.iterdir()):  # every shard checked (a built-in corpus is prepared later)
-        check_data(cfg.data, data_dir, cfg.model.vocab_size)
+    for part, _ in cfg.data.parts():  # every source's shards (a built-in corpus is prepared later)
+        data_dir = resolve_data_dir(part, prepare=False)  # a missing directory is refused here, not by the workers
+        if data_dir.is_dir() and any(data_dir.iterdir()):
+            check_data(part, data_dir, cfg.model.vocab_size)
     return LaunchOptions(config=cfg, config_arg=req.config, overrides=overrides, out=Path(req.out),
                          failures=schedule, random_mtbf_s=req.random_mtbf_s,
                          random_faults=tuple(Fault(f) for f in req.random_faults), rejoin_after_s=req.rejoin_after_s,

@@ -116,6 +116,9 @@ class Loop:
             outcome = committed.run()  # plan, compute, reduce, recover, commit, apply, admit
             record = step_record(outcome, time.perf_counter() - t0, lr_at(outcome.step, tc))
             record["total_tokens"] = self.step.progress.tokens
+            mixture = getattr(self.replica.data, "source_tokens", None)
+            if mixture is not None and len(self.cfg.data.sources) > 1:
+                record["source_tokens"] = mixture(outcome.step)  # committed steps 0..step, per source
             if self.replica.device.type == "cuda":
                 record["gpu_mem_gb"] = round(torch.cuda.max_memory_allocated(self.replica.device) / 2**30, 3)
             leader = self.step.me == min(outcome.live)
