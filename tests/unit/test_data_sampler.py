@@ -178,7 +178,7 @@ def test_shuffle_memory_and_cost_do_not_grow_with_n() -> None:
     big = Shuffle(10**10, (1, 0, 0))
     rows = big(np.arange(5_000_000_000, 5_000_000_016))
     assert len(set(rows.tolist())) == 16 and rows.min() >= 0 and rows.max() < 10**10
-    assert big.keys.nbytes == small_keys_bytes() and big.half == 17  # 2**34 >= 1e10
+    assert big.keys.nbytes == small_keys_bytes() and big.bits == 34  # 2**34 >= 1e10
 
 
 def small_keys_bytes() -> int:

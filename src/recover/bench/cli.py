@@ -15,7 +15,8 @@ import sys
 from recover.errors import ConfigError
 
 # Modules that add `recover bench NAME` sub-commands.
-BENCH_MODULES: tuple[str, ...] = ("recover.bench.coordinator", "recover.bench.failures", "recover.bench.gpu",
+BENCH_MODULES: tuple[str, ...] = ("recover.bench.coordinator", "recover.bench.data", "recover.bench.failures",
+                                  "recover.bench.gpu",
                                   "recover.bench.overhead", "recover.bench.stragglers")
 
 
