@@ -312,6 +312,7 @@ def launch(req: LaunchRequest) -> int:
     from recover.data.prepare import resolve_data_dir
     from recover.launch.launcher import Launcher
     from recover.train.exits import (
+        EXIT_BAD_DATA,
         EXIT_COORDINATOR_LOST,
         EXIT_DIVERGED,
         EXIT_NONFINITE,
@@ -353,6 +354,14 @@ def launch(req: LaunchRequest) -> int:
             what = (f"microbatch {e['id']} of step {e['step']} was not finite on replicas {e['replicas']}: the "
                     f"training diverged; the last committed state is under {opts.out / 'checkpoints'}")
         print(f"recover: the job stopped: {what}", file=sys.stderr)
+    elif code == EXIT_BAD_DATA:
+        from recover.observe.events import read_jsonl
+
+        bad = [e for e in read_jsonl(opts.out / "events.jsonl") if e.get("kind") == "bad_data"][:1]
+        why = bad[0]["message"] if bad else "a microbatch held a token id beyond the vocabulary"
+        print(f"recover: the job stopped on bad data: {why}. The last committed state is under "
+              f"{opts.out / 'checkpoints'}; fix the data (`recover prepare --verify DIR` finds every bad id) and "
+              "continue with --resume", file=sys.stderr)
     elif launcher.stop_signal is not None:
         print(f"recover: stopped by signal {launcher.stop_signal} without reaching a step boundary within "
               f"fault_tolerance.stop_grace_s; the newest complete checkpoint under {opts.out / 'checkpoints'} "

@@ -57,6 +57,7 @@ from recover.names import WORKER_ENV, Baseline, Fault
 from recover.observe.events import EventLog, JsonlWriter
 from recover.observe.progress import ProgressDisplay
 from recover.train.exits import (
+    EXIT_BAD_DATA,
     EXIT_COORDINATOR_LOST,
     EXIT_DIVERGED,
     EXIT_FENCED,
@@ -649,7 +650,8 @@ class Launcher:
         self.wall_s = wall
         if self.written + 1 >= self.cfg.training.steps:
             return 0
-        for status in (EXIT_DIVERGED, EXIT_NONFINITE, EXIT_QUORUM_LOST, EXIT_COORDINATOR_LOST, EXIT_STOPPED):
+        for status in (EXIT_DIVERGED, EXIT_NONFINITE, EXIT_BAD_DATA, EXIT_QUORUM_LOST, EXIT_COORDINATOR_LOST,
+                       EXIT_STOPPED):
             if any(c == status for c in codes.values()):
                 return status
         return 1
@@ -659,7 +661,7 @@ class Launcher:
         out = []
         for rep in self.replicas.values():
             if rep.exit_code not in (0, LOST, EXIT_QUORUM_LOST, EXIT_JOB_FAILED, EXIT_STOPPED, EXIT_COORDINATOR_LOST,
-                                     EXIT_DIVERGED, EXIT_NONFINITE, None):
+                                     EXIT_DIVERGED, EXIT_NONFINITE, EXIT_BAD_DATA, None):
                 for k, path in enumerate(rep.log_paths):
                     if rep.codes.get(k, 0) != 0:
                         text = path.read_text(errors="replace")

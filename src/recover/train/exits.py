@@ -27,6 +27,10 @@ EXIT_NONFINITE = 9
 """a microbatch's loss or gradient was not finite on two replicas: the training itself diverged; the
 last committed state was saved."""
 
+EXIT_BAD_DATA = 10
+"""a microbatch held a token id beyond the model's vocabulary (named with its file and offset): the data
+is wrong, on every replica alike; the lowest member saved the last committed state."""
+
 
 def replica_log_path(out: Path, replica: int) -> Path:
     """A replica's own step records (written by its rank 0; the launcher merges them)."""

@@ -24,7 +24,9 @@ Contract:
 - :meth:`status` maps the end of a job this replica cannot go on in to its exit status, with one line
   and the saves the worker's docstring lists (quorum lost, coordinator lost: the lowest member saves the
   committed state; divergence: each side's lowest replica saves its side; non-finite: the last
-  committed state); a fenced replica whose training thread is stuck is ended by the watchdog
+  committed state; a token id beyond the vocabulary (:class:`~recover.errors.DataError`, the same on every
+  replica): its line, the committed state saved by the lowest member that meets it, :data:`EXIT_BAD_DATA`);
+  a fenced replica whose training thread is stuck is ended by the watchdog
   (:meth:`exit_fenced`).
 """
 
@@ -41,12 +43,13 @@ from typing import Any
 from recover.baselines import JobFailed, ShrinkStep, step_class
 from recover.config import Config
 from recover.coord.client import CoordinatorLost, Diverged
-from recover.errors import QuorumLost
+from recover.errors import DataError, QuorumLost
 from recover.faults import FailureSpec, FaultInjector
 from recover.names import Baseline, Fault
 from recover.observe.events import EventLog, JsonlWriter
 from recover.recovery.protocol import Progress, ResilientStep
 from recover.train.exits import (
+    EXIT_BAD_DATA,
     EXIT_COORDINATOR_LOST,
     EXIT_DIVERGED,
     EXIT_FENCED,
@@ -216,6 +219,12 @@ class Session:
             return EXIT_JOB_FAILED
         if isinstance(exc, Diverged) or (isinstance(exc, CoordinatorLost) and client.diverged is not None):
             return self._on_divergence(save, exc if isinstance(exc, Diverged) else client.diverged)
+        if isinstance(exc, DataError):
+            self.event("bad_data", step=self.step.progress.step if self.step else None, message=str(exc))
+            if self.rank == 0:
+                print(f"recover: replica {self.replica_id}: {exc}", file=sys.stderr, flush=True)
+            return self._save_and_stop(save, "bad_data_stop", exc, "fix the data (`recover prepare --verify DIR` "
+                                       "finds every bad id) and continue with --resume", EXIT_BAD_DATA)
         if isinstance(exc, CoordinatorLost):
             if client.gone:  # it did not come back
                 return self._save_and_stop(save, "coordinator_lost", exc, "continue with --resume",

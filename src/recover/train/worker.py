@@ -50,7 +50,7 @@ from recover.baselines import JobFailed
 from recover.config import Config
 from recover.coord.client import CoordinatorLost, Diverged
 from recover.data.sampler import EvalSampler
-from recover.errors import QuorumLost, RecoverError
+from recover.errors import DataError, QuorumLost, RecoverError
 from recover.faults import FailureSpec
 from recover.names import Baseline, Phase
 from recover.recovery.protocol import Progress
@@ -148,7 +148,7 @@ class ReplicaWorker:
 
         try:
             loop.run(tc.steps)
-        except (QuorumLost, JobFailed, Diverged, CoordinatorLost) as exc:
+        except (QuorumLost, JobFailed, Diverged, CoordinatorLost, DataError) as exc:
             code = session.status(exc, save)
             assert code is not None  # every one of these ends the job for this replica
             return code
