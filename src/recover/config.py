@@ -158,6 +158,10 @@ class DataConfig:
     """Tokens per sequence."""
     microbatch_size: int = 4
     """Sequences per microbatch; one microbatch is the unit of work a replica is assigned."""
+    prefetch: int = 2
+    """Steps of look-ahead: a replica reads its microbatches of the current step and its expected share of
+    this many coming steps in a background thread (:mod:`recover.data.prefetch`); 0 reads each on the
+    training thread when it is computed."""
 
     def __post_init__(self) -> None:
         _check_choices(self)
@@ -165,6 +169,8 @@ class DataConfig:
                  "a positive integer")
         _require(isinstance(self.microbatch_size, int) and self.microbatch_size > 0,
                  "data.microbatch_size", self.microbatch_size, "a positive integer")
+        _require(isinstance(self.prefetch, int) and not isinstance(self.prefetch, bool) and self.prefetch >= 0,
+                 "data.prefetch", self.prefetch, "an integer >= 0 (steps of look-ahead; 0: synchronous reads)")
         _require(bool(self.path), "data.path", self.path, "a shard directory or 'builtin:stdlib'")
 
 
