@@ -210,3 +210,31 @@ def test_the_step_protocol_tells_the_replica_its_coming_shares(shards: Path) -> 
         replica.reads.close()
     assert runs[0][0] == runs[1][0]
     assert runs[1][1].hits >= 2 * M - 1  # steps 1 and 2 were read during the step before
+
+
+def test_a_job_reads_its_samples_ahead_with_the_same_result_and_errors_where_they_were() -> None:
+    import recover
+
+    def samples(step: int, i: int) -> torch.Tensor:
+        if (step, i) == (2, 1):
+            raise DataError("samples: step 2 id 1 is damaged")
+        return torch.randint(0, 32, (2, 8), generator=torch.Generator().manual_seed(100 * step + i))
+
+    def train(prefetch: int) -> tuple[list[float], list[tuple[int, int]], Prefetcher]:
+        torch.manual_seed(0)
+        model = torch.nn.Sequential(torch.nn.Embedding(32, 16), torch.nn.Linear(16, 32))
+        job = recover.Job(model, torch.optim.AdamW(model.parameters()), samples=samples, microbatches=4,
+                          deterministic=True, prefetch=prefetch)
+        losses, seen = [], []
+        with pytest.raises(DataError, match="step 2 id 1 is damaged"):
+            for step in job.steps(4):
+                for mb in step:
+                    seen.append((mb.step, mb.id))
+                    mb.backward(torch.nn.functional.cross_entropy(model(mb.batch).flatten(0, 1), mb.batch.flatten()))
+                losses.append(step.loss)
+        return losses, seen, job.reads
+
+    (sync, seen0, _), (ahead, seen2, reads) = train(0), train(2)
+    assert sync == ahead and len(sync) == 2 and seen0 == seen2 and seen2[-1] == (2, 0)  # raised at (2, 1)
+    assert reads.steps == 2 and reads.take().hits >= 4  # step 1 (at least) was read during step 0
+    reads.close()
