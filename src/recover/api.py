@@ -322,7 +322,7 @@ class Job(Steps):
         rt = self.runtime
         if prefetch is None:
             prefetch = cfg.data.prefetch if cfg else DataConfig.prefetch
-        self.reads = Prefetcher(samples, prefetch, pin=rt.device.type == "cuda")
+        self.reads = Prefetcher(samples, prefetch, rt.device)
         fsdp_index, tp_index = rt.coordinate
         self.replica = OwnReplica(model, optimizer, lr=lr, clip=clip, deterministic=deterministic,
                                   device=rt.device, tokens_per_microbatch=tokens_per_microbatch, group=rt.group,

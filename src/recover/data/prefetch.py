@@ -1,6 +1,6 @@
 """Read-ahead of microbatches, so a step does not wait on storage.
 
-    reads = Prefetcher(sampler.microbatch, steps=2, pin=device.type == "cuda")
+    reads = Prefetcher(sampler.microbatch, steps=2, device=device)
     reads.ahead(step, my_ids)            # a step's share is known: read it in the background
     reads.ahead(step + 1, expected_ids)  # and, speculatively, the coming steps' expected shares
     for mb in my_ids:
@@ -9,8 +9,10 @@
 Contract:
 - ``read(step, id)`` is a pure function of ``(step, id)`` (:meth:`~recover.data.sampler.Sampler.microbatch`,
   a user's ``samples``). :meth:`Prefetcher.get` returns exactly what ``read(step, id)`` returns (the
-  same values, bitwise), whoever read it; with ``pin`` its tensors (in tuples, lists and dicts too) are
-  in pinned memory (``pin_memory()``), ready for an asynchronous copy to a GPU.
+  same values, bitwise), whoever read it; for a CUDA ``device`` its tensors (in tuples, lists and dicts
+  too) are in pinned memory (``pin_memory()``), ready for an asynchronous copy to the GPU (the thread
+  makes ``device`` its current device first, as DataLoader's pinning thread does: no CUDA context is
+  created on another GPU).
 - ONE background daemon thread reads what :meth:`Prefetcher.ahead` scheduled, the oldest step first
   (orphans of a failure, scheduled late, go before the speculative reads of the next step), and calls
   ``read`` one at a time: ``read`` need not be thread-safe, only never called concurrently with itself
@@ -22,9 +24,10 @@ Contract:
   when read synchronously); nothing fails earlier or elsewhere.
 - Bounded memory: ``get(step, ...)`` makes ``step`` the current step; batches of other steps than the
   current one and the ``steps + 1`` after it are dropped (and not read, if not started), and ``ahead``
-  for a step before the current one is ignored. So at most ``steps + 1`` steps of one caller's share are
-  held, the one being computed and those read ahead. An ``ahead`` further on than that (a joiner or a
-  resume jumps ahead) moves the window there. Before any ``get``, the first ``ahead`` sets it.
+  for a step before the current one is ignored. A caller that, about to compute a step, reads it and the
+  ``steps`` after it ahead (as a replica does) holds at most ``steps + 1`` steps of its share. An
+  ``ahead`` further on than the window (a joiner or a resume jumps ahead) moves the window there.
+  Before any ``get``, the first ``ahead`` sets it.
 - ``steps = 0``: no thread; ``ahead`` does nothing and every ``get`` reads on the caller's thread
   (synchronous reads).
 - :attr:`Prefetcher.stats` counts hits, misses and the seconds ``get`` waited (for a batch in flight, or
@@ -58,9 +61,9 @@ JOIN_S = 5.0
 
 
 def pinned(batch: Any) -> Any:
-    """``batch`` with its tensors in pinned memory (tuples, lists and dicts walked)."""
+    """``batch`` with its CPU tensors in pinned memory (tuples, lists and dicts walked)."""
     if torch.is_tensor(batch):
-        return batch if batch.is_pinned() else batch.pin_memory()
+        return batch if batch.device.type != "cpu" or batch.is_pinned() else batch.pin_memory()
     if isinstance(batch, (tuple, list)):
         return type(batch)(pinned(b) for b in batch)
     if isinstance(batch, dict):
@@ -92,6 +95,7 @@ class _Reads:
 
     def __init__(self, read: Read, steps: int, pin: bool) -> None:
         self.read, self.steps, self.pin = read, steps, pin
+        self.cuda_index: int | None = None  # the thread's current CUDA device (pin), set when it starts
         self.cond = threading.Condition()
         self.reading = threading.Lock()  # one call of read at a time, whichever thread
         self.current: int | None = None  # the current step (None: no get or ahead yet)
@@ -120,6 +124,8 @@ class _Reads:
 
     def run(self) -> None:
         """The thread: reads scheduled keys, the oldest step first, until stopped."""
+        if self.cuda_index is not None:
+            torch.cuda.set_device(self.cuda_index)  # pinned memory belongs to the replica's GPU's context
         while True:
             with self.cond:
                 while not self.stopped and not self.queue:
@@ -161,19 +167,22 @@ class Prefetcher:
     Args:
         read: a pure function of ``(step, id)``.
         steps: steps of look-ahead kept beyond the current one (0: synchronous reads, no thread).
-        pin: pin the batches' tensors (a CUDA device: asynchronous host-to-device copies).
+        device: where the batches go; a CUDA device: their tensors are pinned (asynchronous copies).
         name: the thread's name.
 
     Raises:
         ValueError: ``steps`` is not an integer >= 0.
     """
 
-    def __init__(self, read: Read, steps: int = 2, pin: bool = False, name: str = "recover-prefetch") -> None:
+    def __init__(self, read: Read, steps: int = 2, device: str | torch.device | None = None,
+                 name: str = "recover-prefetch") -> None:
         if isinstance(steps, bool) or int(steps) != steps or steps < 0:
             raise ValueError(f"steps of look-ahead must be an integer >= 0, got {steps!r}")
-        self.steps, self.pin, self.name = int(steps), pin, name
+        self.device = torch.device(device) if device is not None else None
+        self.pin = self.device is not None and self.device.type == "cuda"
+        self.steps, self.name = int(steps), name
         self.stats = ReadStats()
-        self._reads = _Reads(read, self.steps, pin)
+        self._reads = _Reads(read, self.steps, self.pin)
         self._closer = weakref.finalize(self, self._reads.stop, 0.0)  # garbage collected, or interpreter exit
 
     def ahead(self, step: int, ids: Iterable[int]) -> None:
@@ -252,5 +261,8 @@ class Prefetcher:
         """(under ``cond``) The thread, on the first read scheduled."""
         r = self._reads
         if r.thread is None:
+            if self.pin:  # CUDA is in use on the caller's thread by now
+                assert self.device is not None
+                r.cuda_index = self.device.index if self.device.index is not None else torch.cuda.current_device()
             r.thread = threading.Thread(target=r.run, name=self.name, daemon=True)
             r.thread.start()

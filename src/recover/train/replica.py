@@ -166,7 +166,7 @@ class Replica:
         self.dims, self.mesh, self.group = dims, mesh, group
         self.device = torch.device(device)
         self.coord = Coord(*mesh.get_coordinate()) if mesh is not None else Coord(0, 0, 0)
-        self.reads = Prefetcher(data.microbatch, prefetch, pin=self.device.type == "cuda")
+        self.reads = Prefetcher(data.microbatch, prefetch, self.device)
         self.upcoming: Callable[[int], list[int]] | None = None
         """This replica's expected ids of a coming step (set by the step protocol); None: those of the last call."""
         model = build_model(model_cfg, training.seed, self.device)  # whole model, same values on every rank
