@@ -15,6 +15,11 @@ Contract:
   it was given in the same step (:meth:`~recover.recovery.protocol.ResilientStep.run_iter`).
 - The global RNG is seeded from (seed, step, id) before each microbatch is handed out, so dropout follows
   the sample, not the replica that computes it.
+- ``samples`` is read ahead (``prefetch`` steps, :mod:`recover.data.prefetch`): a step's share and this
+  replica's expected share of the coming steps are read in one background thread (pinned for a GPU), so
+  ``samples`` must be what the contract says, a pure function of (step, id) (no global RNG, no cursor);
+  it is never called twice at once. An exception it raises surfaces at the microbatch it was reading.
+  ``prefetch=0`` calls it on your thread as each microbatch is handed out.
 - :func:`init` finds its job in the environment ``recover launch ... -- python SCRIPT`` sets
   (:data:`WORKER_ENV`: the coordinator, the token file, the run directory, this process's replica id,
   its fault injections, whether it joins a running job). There, every replica registers with the
@@ -208,10 +213,11 @@ class Step:
                 work = next(work_items)
                 while True:
                     mine = column(work.ids, fsdp, index)
+                    job._read_ahead(work.data_step, [work.ids[0] if mb is None else mb for mb in mine])
                     for mb in mine:
                         torch.manual_seed(microbatch_seed(job.seed, work.data_step, -1 if mb is None else mb))
                         job._hook(Phase.FORWARD)
-                        batch = job.samples(work.data_step, work.ids[0] if mb is None else mb)
+                        batch = job.reads.get(work.data_step, work.ids[0] if mb is None else mb)
                         t0 = time.perf_counter()
                         yield Microbatch(job, work.data_step, mb, _to(batch, rt.device))
                         job._slow(time.perf_counter() - t0)
@@ -284,6 +290,9 @@ class Job(Steps):
         resume: a run directory: the model, optimizer, ``extra`` and counters are loaded from the newest intact
             checkpoint of :meth:`save` under ``RUN/checkpoints`` (none there: a fresh start, said in one line);
             default: the launch's run directory with ``recover launch --resume``, else none.
+        prefetch: steps of look-ahead of ``samples`` in a background thread (0: read on your thread);
+            default: the launch's ``data.prefetch``, else ``DataConfig.prefetch``. ``job.reads.take()`` says
+            how long your loop waited for samples since it was last asked.
         runtime: from :func:`init` (called here when not given).
 
     Raises:
@@ -293,7 +302,10 @@ class Job(Steps):
     def __init__(self, model: nn.Module, optimizer: torch.optim.Optimizer, *, samples: Callable[[int, int], Any],
                  microbatches: int, lr: Callable[[int], float] | None = None, clip: float = 1.0, seed: int = 0,
                  deterministic: bool | None = None, tokens_per_microbatch: int = 0, extra: Any = None,
-                 resume: str | os.PathLike[str] | None = None, runtime: Runtime | None = None) -> None:
+                 resume: str | os.PathLike[str] | None = None, runtime: Runtime | None = None,
+                 prefetch: int | None = None) -> None:
+        from recover.config import DataConfig
+        from recover.data.prefetch import Prefetcher
         from recover.train.own import OwnReplica
 
         if microbatches < 1:
@@ -308,6 +320,9 @@ class Job(Steps):
             use_deterministic_kernels()
         self.model, self.samples, self.M, self.seed = model, samples, microbatches, seed
         rt = self.runtime
+        if prefetch is None:
+            prefetch = cfg.data.prefetch if cfg else DataConfig.prefetch
+        self.reads = Prefetcher(samples, prefetch, rt.device)
         fsdp_index, tp_index = rt.coordinate
         self.replica = OwnReplica(model, optimizer, lr=lr, clip=clip, deterministic=deterministic,
                                   device=rt.device, tokens_per_microbatch=tokens_per_microbatch, group=rt.group,
@@ -376,6 +391,17 @@ class Job(Steps):
     def _hook(self, phase: Phase) -> None:
         if self._session is not None:
             self._session.hook(self._step, phase)
+
+    def _read_ahead(self, data_step: int, ids: list[int]) -> None:
+        """Schedules the background reads of ``ids`` of ``data_step`` (this rank's) and of this rank's expected
+        share of the next ``prefetch`` steps (the step protocol's plan with the current members and speeds)."""
+        from recover.train.own import column
+
+        self.reads.ahead(data_step, ids)
+        fsdp, (index, _) = self.runtime.fsdp, self.runtime.coordinate
+        for coming in range(data_step + 1, data_step + 1 + self.reads.steps):
+            share = column(self.protocol.share(coming), fsdp, index)
+            self.reads.ahead(coming, [mb for mb in share if mb is not None])
 
     def _slow(self, dt: float) -> None:
         """``--slow``: a microbatch that took ``dt`` takes ``slowdown`` times as long."""

@@ -173,6 +173,10 @@ class DataConfig:
     takes (the same tokenizer for all; the patterns and format apply to each) with its own epochs; the rows
     of every microbatch are split among them by the weights (:mod:`recover.data.mixture`), and validation
     reads every source's validation split."""
+    prefetch: int = 2
+    """Steps of look-ahead: a replica reads its microbatches of the current step and its expected share of
+    this many coming steps in a background thread (:mod:`recover.data.prefetch`); 0 reads each on the
+    training thread when it is computed."""
 
     def __post_init__(self) -> None:
         _check_choices(self)
@@ -180,6 +184,8 @@ class DataConfig:
                  "a positive integer")
         _require(isinstance(self.microbatch_size, int) and self.microbatch_size > 0,
                  "data.microbatch_size", self.microbatch_size, "a positive integer")
+        _require(isinstance(self.prefetch, int) and not isinstance(self.prefetch, bool) and self.prefetch >= 0,
+                 "data.prefetch", self.prefetch, "an integer >= 0 (steps of look-ahead; 0: synchronous reads)")
         _require(bool(self.path), "data.path", self.path, "a shard directory or 'builtin:stdlib'")
         for src in self.sources:
             _require(isinstance(src, DataSource) and bool(src.path), "data.sources", self.sources,

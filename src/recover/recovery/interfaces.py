@@ -139,7 +139,10 @@ class Totals:
 
 
 class StepReplica(Protocol):
-    """One replica's share of a step (see :class:`~recover.train.replica.Replica` for the contract)."""
+    """One replica's share of a step (see :class:`~recover.train.replica.Replica` for the contract).
+
+    A replica with an ``upcoming`` attribute reads its data ahead: the step protocol sets it to its
+    :meth:`~recover.recovery.protocol.ResilientStep.share`, the ids this replica expects in a coming step."""
 
     @property
     def tokens_per_microbatch(self) -> int: ...

@@ -171,6 +171,8 @@ class ResilientStep:
         self._audit: dict[str, Any] | None = None  # this replica's audit value of the step, if it takes part
         self.speeds = group.membership.speeds  # a joiner's: those of the commit that admitted it
         self._compute_s = 0.0  # this step's compute time so far
+        if hasattr(replica, "upcoming"):  # a replica that reads its data ahead asks for its coming shares
+            replica.upcoming = self.share
 
     # ---- one step --------------------------------------------------------------------------
     def run(self) -> StepOutcome:
@@ -196,6 +198,11 @@ class ResilientStep:
     def plan(self, data_step: int) -> dict[int, list[int]]:
         """Ids of the step per live replica: all M over the current members (layer 3)."""
         return plan_step(self.M, self.group.members, data_step, self.assignment, self.seed, self.times)
+
+    def share(self, data_step: int) -> list[int]:
+        """This replica's ids of ``data_step`` in the plan of the current members and speeds: what it expects
+        to compute in a coming step (a failure, a joiner or the speeds of the next commit may change it)."""
+        return self.plan(data_step).get(self.me, [])
 
     @property
     def times(self) -> dict[int, float] | None:

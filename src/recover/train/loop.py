@@ -6,7 +6,9 @@
         outcome = committed.run()            # plan, compute, reduce, recover, commit, apply, admit
         record it; validate and checkpoint when due (the lowest live replica)
 
-Contract: a record is written for every committed step, after its optimizer update; validation
+Contract: a record is written for every committed step, after its optimizer update, with
+``data_wait_ms``: how long the training thread waited for microbatches in the step (reads that the
+read-ahead of :mod:`recover.data.prefetch` did not hide); validation
 and checkpoints run on the lowest live replica only (every rank of it: both are collective inside
 a replica of several ranks), so the other replicas never wait for them.
 """
@@ -115,6 +117,7 @@ class Loop:
             t0 = time.perf_counter()
             outcome = committed.run()  # plan, compute, reduce, recover, commit, apply, admit
             record = step_record(outcome, time.perf_counter() - t0, lr_at(outcome.step, tc))
+            record["data_wait_ms"] = round(self.replica.reads.take().wait_s * 1000, 3)  # reads not hidden
             record["total_tokens"] = self.step.progress.tokens
             mixture = getattr(self.replica.data, "source_tokens", None)
             if mixture is not None and len(self.cfg.data.sources) > 1:

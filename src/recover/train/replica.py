@@ -47,6 +47,12 @@ surfaces as an exception within it and the caller treats the whole replica as lo
   found by computing the call's microbatches again one by one (a fault path); a replica of several
   ranks keeps a finiteness flag per pass on the device.
 - ``fingerprint()`` is an exact fingerprint of this rank's parameter shards.
+- Data is read ahead (``data.prefetch`` steps, :mod:`recover.data.prefetch`): ``compute(step, ids)`` schedules
+  this rank's microbatches of ``ids`` and its expected share of the coming steps (``upcoming``: the step
+  protocol's plan; else the same ids) for one background thread, and each pass takes its batch from it,
+  pinned when the device is a GPU; orphans and a changed plan are read when needed. The same pure
+  function is read either way (bitwise the same batches). ``reads.take()`` tells how long the training
+  thread waited for data since it was last asked (the step record's ``data_wait_ms``).
 - With ``training.device_time_s`` every microbatch (pass) takes at least that wall time: an emulated
   dedicated device, for benchmarks and tests on shared CPU cores; the arithmetic is unchanged.
   ``slowdown`` (fault injection: a throttled device) multiplies each pass's time.
@@ -72,6 +78,7 @@ from torch.distributed.device_mesh import DeviceMesh
 from torch.distributed.tensor import DTensor
 
 from recover.config import Config, ModelConfig, TrainingConfig
+from recover.data.prefetch import Prefetcher
 from recover.model import build_model, lm_loss
 from recover.names import Phase
 from recover.parallel.apply import clean_name, parallelize
@@ -135,6 +142,7 @@ class Replica:
         schedule: ``"1f1b"`` or ``"gpipe"`` when ``pp > 1``.
         activation_checkpointing: recompute each block in backward.
         sequence_parallel: sequence-parallel norms (tp > 1, pp = 1).
+        prefetch: steps of look-ahead of the data reads (``data.prefetch``; 0: read when computed).
 
     Raises:
         ConfigError: the degrees do not fit the model or the mesh.
@@ -144,7 +152,7 @@ class Replica:
                  dims: ParallelDims | None = None, mesh: DeviceMesh | None = None,
                  group: dist.ProcessGroup | None = None, device: str | torch.device = "cpu",
                  schedule: str = "1f1b", activation_checkpointing: bool = False,
-                 sequence_parallel: bool = False) -> None:
+                 sequence_parallel: bool = False, prefetch: int = 0) -> None:
         dims = dims or ParallelDims()
         dims.check_model(model_cfg)
         if dims.world > 1 and (mesh is None or group is None):
@@ -158,6 +166,9 @@ class Replica:
         self.dims, self.mesh, self.group = dims, mesh, group
         self.device = torch.device(device)
         self.coord = Coord(*mesh.get_coordinate()) if mesh is not None else Coord(0, 0, 0)
+        self.reads = Prefetcher(data.microbatch, prefetch, self.device)
+        self.upcoming: Callable[[int], list[int]] | None = None
+        """This replica's expected ids of a coming step (set by the step protocol); None: those of the last call."""
         model = build_model(model_cfg, training.seed, self.device)  # whole model, same values on every rank
         if training.init_from:  # the same full tensors on every rank, before any split or shard
             load_initial_weights(model, training.init_from)
@@ -204,7 +215,7 @@ class Replica:
             mesh = dims.build_mesh(ctx.device.type, timeout)
             group = dims.build_group(timeout)
         return cls(cfg.model, cfg.training, data, dims, mesh, group, ctx.device, p.schedule,
-                   p.activation_checkpointing, p.sequence_parallel)
+                   p.activation_checkpointing, p.sequence_parallel, cfg.data.prefetch)
 
     @property
     def owns_loss(self) -> bool:
@@ -259,6 +270,7 @@ class Replica:
         """
         ids = [int(i) for i in ids]
         if ids:
+            self._read_ahead(step, ids)
             column = split_within_replica(ids, self.dims.fsdp)[self.coord.fsdp]
             if self.pipe is not None:
                 mine = self._run_pipeline(step, column, hook)
@@ -276,16 +288,30 @@ class Replica:
         after the backward), finds a non-finite gradient in its buffers, and audits."""
         return self.group is None and self.pipe is None
 
+    def _read_ahead(self, step: int, ids: list[int]) -> None:
+        """Schedules the background reads of this rank's microbatches of ``ids`` and of its expected share of
+        the next ``reads.steps`` steps: ``upcoming``'s, else the ids of the step's first call (its share: the
+        steady-state plan; not orphans)."""
+        self.reads.ahead(step, self._reads_of(ids))
+        if self.upcoming is None and self.ledger:
+            return
+        for coming in range(step + 1, step + 1 + self.reads.steps):
+            self.reads.ahead(coming, self._reads_of(self.upcoming(coming) if self.upcoming else ids))
+
+    def _reads_of(self, ids: list[int]) -> list[int]:
+        """The microbatches of ``ids`` this rank reads: its FSDP column's, on a pipeline's first and last stages."""
+        if self.pipe is not None and not (self.pipe.is_first or self.pipe.is_last):
+            return []
+        return [mb for mb in split_within_replica(ids, self.dims.fsdp)[self.coord.fsdp] if mb is not None]
+
     def _batch(self, step: int, mb: int | None) -> tuple[torch.Tensor, torch.Tensor]:
-        """Microbatch ``mb`` of ``step`` on this rank's device (pinned, asynchronous copies to a GPU)."""
+        """Microbatch ``mb`` of ``step`` on this rank's device (read ahead, pinned: asynchronous copies to a GPU)."""
         if mb is None:  # zero-weight padding pass: any valid tokens will do
             zeros = torch.zeros(self.data.microbatch_size, self.data.seq_len, dtype=torch.long, device=self.device)
             return zeros, zeros
-        inputs, targets = self.data.microbatch(step, mb)
-        if self.device.type != "cuda":
-            return inputs.to(self.device), targets.to(self.device)
-        return (inputs.pin_memory().to(self.device, non_blocking=True),
-                targets.pin_memory().to(self.device, non_blocking=True))
+        inputs, targets = self.reads.get(step, mb)
+        cuda = self.device.type == "cuda"
+        return inputs.to(self.device, non_blocking=cuda), targets.to(self.device, non_blocking=cuda)
 
     def _run_passes(self, step: int, column: list[int | None], hook: Hook, final: Final | None) -> dict[int, float]:
         checks: list[tuple[int, torch.Tensor, torch.Tensor]] = []  # (id, loss, gradient finite) on the device

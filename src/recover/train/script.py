@@ -53,6 +53,7 @@ def record(session: Session, job: Any, outcome: StepOutcome, dt: float) -> None:
     """The committed step's record (``metrics.jsonl`` once merged), then the ``idle`` phase point."""
     rec = step_record(outcome, dt, float(job.replica.optimizer.param_groups[0]["lr"]))
     rec["total_tokens"] = session.step.progress.tokens
+    rec["data_wait_ms"] = round(job.reads.take().wait_s * 1000, 3)
     session.write(rec)
     session.hook(outcome.step, Phase.IDLE)
 
