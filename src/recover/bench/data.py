@@ -16,6 +16,13 @@ Contract:
   the open alone (``open_s``), the resident memory the sampler adds (``sampler_mb``: RSS after the draws
   minus RSS after the imports) and the cost per sample (``sample_us``). ``vs_smallest`` is a dataset's
   median start-up over the smallest's (acceptance: <= 2 for 1e10 tokens against 1e7).
+- Data wait (:func:`data_wait`): a replica's loop on the largest token dataset (cold), ``WAIT_STEPS``
+  steps of its share of ``WAIT_SHARE`` microbatches, each computed for ``--device-ms`` (an emulated GPU:
+  a sleep), the reads through :class:`~recover.data.prefetch.Prefetcher` as a replica does (this step's
+  share and the next ``prefetch`` steps' ahead), with ``data.prefetch`` 0 (reads on the training thread)
+  and 2, on local storage and with ``--latency-ms`` added to every read (shared storage). Measured: the
+  training thread's wait per step (median over steps, then over rounds) as a share of the step time
+  (acceptance: < 1% with prefetch).
 - Before (:func:`materialised`): the order recover used to hold, ``numpy.random.default_rng(..).permutation(W)``,
   timed and its memory measured in a fresh process at W = 1e6, 1e7, 1e8, beside the keyed shuffle of
   :mod:`recover.data.shuffle` at the same W.
@@ -59,6 +66,10 @@ MICROBATCHES = 8
 SAMPLES = 64  # microbatches drawn by each probe
 ROUNDS = 3
 PERM_SIZES = (1_000_000, 10_000_000, 100_000_000)
+WAIT_STEPS = 12
+WAIT_SHARE = 4  # microbatches of a replica's share per step (M = 8 over 2 replicas)
+DEVICE_MS = 50.0  # an 8 x 1024-token microbatch of a ~125M model on a GPU
+LATENCY_MS = 5.0  # a read from shared storage
 VAL_TOKENS = 1_000_000
 GPT2_VOCAB = 50257
 
@@ -148,6 +159,41 @@ def probe(directory: str, seq_len: int, microbatch: int, microbatches: int, samp
             "sampler_mb": _rss_mb() - base, "sample_us": cost * 1e6, "windows": sampler.num_windows}
 
 
+def wait_probe(directory: str, prefetch: int, latency_ms: float, device_ms: float, steps: int, share: int) -> dict:
+    """In a fresh process: a replica's loop of ``steps`` steps over its ``share`` microbatches (see the module
+    docstring); the training thread's wait for data per step and the step time."""
+    import statistics
+
+    from recover.config import DataConfig
+    from recover.data.prefetch import Prefetcher
+    from recover.data.sampler import open_samplers
+
+    cfg = DataConfig(path=directory, seq_len=SEQ_LEN, microbatch_size=MICROBATCH)
+    sampler, _ = open_samplers(cfg, Path(directory), GPT2_VOCAB, 2 * share, seed=0)
+
+    def read(step: int, mb: int) -> Any:
+        if latency_ms:
+            time.sleep(latency_ms / 1e3)
+        return sampler.microbatch(step, mb)
+
+    reads = Prefetcher(read, steps=prefetch)
+    mine = list(range(share))
+    waits, times = [], []
+    try:
+        for step in range(steps):
+            t0 = time.perf_counter()
+            for ahead in range(step, step + prefetch + 1):
+                reads.ahead(ahead, mine)
+            for mb in mine:
+                reads.get(step, mb)
+                time.sleep(device_ms / 1e3)  # the device computes the microbatch
+            waits.append(reads.take().wait_s)
+            times.append(time.perf_counter() - t0)
+    finally:
+        reads.close()
+    return {"wait_ms": statistics.median(waits) * 1e3, "step_ms": statistics.median(times) * 1e3}
+
+
 def materialised_probe(windows: int) -> dict:
     """In a fresh process: the epoch order as a materialised permutation, and as the keyed shuffle."""
     import numpy as np
@@ -203,8 +249,29 @@ def startup(datasets: dict[str, Path], rounds: int, samples: int, log: Log) -> d
     return out
 
 
+def data_wait(directory: Path, rounds: int, latency_ms: float, device_ms: float, log: Log) -> list[dict]:
+    """The training thread's wait for data per step, prefetch 0 against 2, local and with ``latency_ms``."""
+    configs = [(p, lat) for lat in sorted({0.0, latency_ms}) for p in (0, 2)]
+    names = [f"prefetch {p}, +{lat:g} ms" for p, lat in configs]
+    runs: dict[str, list[dict]] = {n: [] for n in names}
+    for order in round_orders(names, rounds):
+        for name in order:
+            prefetch, lat = configs[names.index(name)]
+            evict(directory)
+            res = _run_probe(["wait", str(directory), "--prefetch", str(prefetch), "--latency-ms", str(lat),
+                              "--device-ms", str(device_ms), "--steps", str(WAIT_STEPS), "--share", str(WAIT_SHARE)])
+            log(f"[bench data] {name}: wait {res['wait_ms']:.2f} ms of a {res['step_ms']:.0f} ms step")
+            runs[name].append(res)
+    out = []
+    for (prefetch, lat), name in zip(configs, names, strict=True):
+        wait, step = median([r["wait_ms"] for r in runs[name]]), median([r["step_ms"] for r in runs[name]])
+        out.append({"prefetch": prefetch, "latency_ms": lat, "device_ms": device_ms, "wait_ms": wait,
+                    "step_ms": step, "wait_share": wait / step, "runs": runs[name]})
+    return out
+
+
 def run(out: Path, sizes: Sequence[int], rounds: int, samples: int, huge: bool, perm_sizes: Sequence[int],
-        log: Log = stderr_log) -> dict[str, Any]:
+        latency_ms: float = LATENCY_MS, device_ms: float = DEVICE_MS, log: Log = stderr_log) -> dict[str, Any]:
     load_before = machine_load()
     data_root = out / "data"
     datasets: dict[str, Path] = {}
@@ -220,6 +287,7 @@ def run(out: Path, sizes: Sequence[int], rounds: int, samples: int, huge: bool, 
         "seq_len": SEQ_LEN, "microbatch_size": MICROBATCH, "rounds": rounds,
         "startup": startup(datasets, rounds, samples, log),
         "materialised": [_run_probe(["materialised", str(w)]) for w in perm_sizes],
+        "data_wait": data_wait(datasets[f"{max(sizes):.0e} tokens"], rounds, latency_ms, device_ms, log),
     }
     result["machine"]["load_after"] = machine_load()
     write_json(out / "results.json", result)
@@ -241,6 +309,11 @@ def print_tables(result: dict[str, Any]) -> None:
              fmt(r["shuffle_mb"], ".1f")] for r in result["materialised"]]
     print_rich_table("the epoch order: a materialised permutation (before) against the keyed shuffle (now)",
                      ["windows", "permutation s", "permutation MB", "shuffle ms", "shuffle MB"], rows)
+    rows = [[f"prefetch {r['prefetch']}", fmt(r["latency_ms"], "g"), fmt(r["wait_ms"], ".2f"), fmt(r["step_ms"], ".0f"),
+             f"{100 * r['wait_share']:.2f}%"] for r in result["data_wait"]]
+    print_rich_table(f"data wait per step: {WAIT_SHARE} microbatches of {result['data_wait'][0]['device_ms']:g} ms "
+                     "each (emulated device), medians", ["reads", "+latency ms", "wait ms", "step ms", "wait share"],
+                     rows)
 
 
 def plot(result: dict[str, Any], path: Path) -> None:
@@ -281,7 +354,10 @@ def run_from_args(args: argparse.Namespace) -> int:
         raise ConfigError("--rounds and --samples must be >= 1")
     sizes = _positive_ints(args.sizes, "--sizes")
     perm = _positive_ints(args.perm_sizes, "--perm-sizes") if args.perm_sizes else []
-    result = run(Path(args.out), sizes, args.rounds, args.samples, not args.no_huge, perm)
+    if args.latency_ms < 0 or args.device_ms <= 0:
+        raise ConfigError("--latency-ms must be >= 0 and --device-ms > 0")
+    result = run(Path(args.out), sizes, args.rounds, args.samples, not args.no_huge, perm, args.latency_ms,
+                 args.device_ms)
     print_tables(result)
     if args.json:
         write_json(args.json, result)
@@ -304,6 +380,10 @@ def add_parser(bench_subparsers: argparse._SubParsersAction) -> argparse.Argumen
     p.add_argument("--samples", type=int, default=SAMPLES, help=f"microbatches drawn per probe (default {SAMPLES})")
     p.add_argument("--perm-sizes", default=",".join(f"{s:.0e}" for s in PERM_SIZES),
                    help="W at which to time the materialised permutation ('' for none; default 1e6,1e7,1e8)")
+    p.add_argument("--latency-ms", type=float, default=LATENCY_MS,
+                   help=f"added to every read in the data-wait runs: shared storage (default {LATENCY_MS:g})")
+    p.add_argument("--device-ms", type=float, default=DEVICE_MS,
+                   help=f"emulated compute per microbatch in the data-wait runs (default {DEVICE_MS:g})")
     p.add_argument("--json", default=None, help="also write the results to this JSON file")
     p.set_defaults(func=run_from_args)
     return p
@@ -319,12 +399,19 @@ def _main(argv: Sequence[str]) -> int:
         a.add_argument(name, type=int, required=True)
     b = sub.add_parser("materialised")
     b.add_argument("windows", type=int)
-    for q in (a, b):
+    c = sub.add_parser("wait")
+    c.add_argument("directory")
+    for name, typ in (("--prefetch", int), ("--latency-ms", float), ("--device-ms", float), ("--steps", int),
+                      ("--share", int)):
+        c.add_argument(name, type=typ, required=True)
+    for q in (a, b, c):
         q.add_argument("--t-spawn", type=float, default=None)
     args = p.parse_args(argv)
     if args.what == "probe":
         res = probe(args.directory, args.seq_len, args.microbatch_size, args.microbatches, args.samples,
                     args.t_spawn or time.time())
+    elif args.what == "wait":
+        res = wait_probe(args.directory, args.prefetch, args.latency_ms, args.device_ms, args.steps, args.share)
     else:
         res = materialised_probe(args.windows)
     print(json.dumps(res))
