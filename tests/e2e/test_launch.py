@@ -515,6 +515,41 @@ def test_nan_everywhere_and_a_two_replica_split_stop_the_job_with_their_state_sa
     assert manifests[0] != manifests[1]  # two different states, each kept whole
 
 
+def test_a_token_id_beyond_the_vocabulary_met_in_training_stops_the_job_with_its_state_saved(corpus: Path,
+                                                                                              tmp_path: Path) -> None:
+    """Data that records no largest id (as llm.c's and nanoGPT's come) is not scanned at launch; the first
+    microbatch holding an id beyond the vocabulary (here one row of step 3) stops the job in that step:
+    exit 10, one line naming the file, the offset and the id, and steps 0-2 saved, whoever met it."""
+    import numpy as np
+
+    from recover.data.sampler import Sampler
+    from recover.data.shards import TokenDataset
+
+    data = tmp_path / "data"
+    shutil.copytree(corpus, data)
+    meta = json.loads((data / "meta.json").read_text())
+    (data / "meta.json").write_text(json.dumps({k: v for k, v in meta.items() if k not in ("max_id", "shard_info")}))
+    train = TokenDataset(data / "train_*.bin")
+    sampler = Sampler(train, 64, 2, M, seed=1234)  # the debug preset's data and seed
+    early = {int(w) for step in range(3) for mb in range(M) for w in sampler.window_ids(step, mb)}
+    window = next(int(w) for w in sampler.window_ids(3, 5) if int(w) not in early)
+    shard = train.paths[0]
+    assert len(train.paths) == 1 and (window + 1) * 64 < len(train)
+    offset = window * 64 + 10
+    tokens = np.memmap(shard, dtype="<u2", mode="r+", offset=1024)
+    tokens[offset] = 1000  # the model has 320 ids
+    tokens.flush()
+    del tokens
+    run = tmp_path / "run"
+    res = run_recover(["launch", "--config", "debug", "--replicas", "2", "--steps", "8", "--out", str(run),
+                       "--no-progress", "--data.path", str(data), "--deterministic"], timeout=300, check=False)
+    assert res.returncode == 10, res.stderr[-2000:]
+    assert f"{shard.name}: token id 1000 at position {offset} is out of range for vocab_size 320" in res.stderr
+    assert "Traceback" not in res.stderr
+    assert [json.loads(line)["step"] for line in (run / "metrics.jsonl").read_text().splitlines()] == [0, 1, 2]
+    assert [p.name for p in (run / "checkpoints").iterdir()] == ["step_000003"]
+
+
 def test_bfloat16_compute_survives_a_kill_and_stays_near_float32(reference_det: Path, corpus: Path,
                                                                  tmp_path: Path) -> None:
     launch(tmp_path, corpus, "--deterministic", "--training.dtype=bfloat16", "--fail", "2@10:backward")
