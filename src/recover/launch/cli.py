@@ -221,7 +221,8 @@ def _resolve_vocab(cfg: Config, overrides: list[str]) -> Config:
 
 
 def check_launch(req: LaunchRequest) -> LaunchOptions:
-    """Every check of a launch, with no side effect; returns the launcher's options.
+    """Every check of a launch, with no side effect (but one note on stderr when the data's token ids are not
+    recorded, :func:`recover.data.shards.check_data`); returns the launcher's options.
 
     Raises:
         ConfigError: the first problem found (config, flags or failure schedule), one line with the fix.
@@ -286,8 +287,9 @@ def check_launch(req: LaunchRequest) -> LaunchOptions:
 
         check_init_from(cfg.training.init_from, cfg.model)
     data_dir = resolve_data_dir(cfg.data, prepare=False)  # a missing directory is refused here, not by the workers
-    if data_dir.is_dir() and any(data_dir.iterdir()):  # every shard checked (a built-in corpus is prepared later)
-        check_data(cfg.data, data_dir, cfg.model.vocab_size)
+    if data_dir.is_dir() and any(data_dir.iterdir()):  # headers and recorded ids (a built-in corpus: prepared later)
+        check_data(cfg.data, data_dir, cfg.model.vocab_size,
+                   hint=lambda line: print(f"recover: note: {line}", file=sys.stderr))
     return LaunchOptions(config=cfg, config_arg=req.config, overrides=overrides, out=Path(req.out),
                          failures=schedule, random_mtbf_s=req.random_mtbf_s,
                          random_faults=tuple(Fault(f) for f in req.random_faults), rejoin_after_s=req.rejoin_after_s,
