@@ -74,7 +74,9 @@ LAYOUTS = (
 
 
 def _files(directory: Path, pattern: str) -> list[Path]:
-    return sorted(p for p in directory.glob(pattern) if p.is_file())
+    from recover.data.shards import list_files
+
+    return list_files(directory, pattern)
 
 
 def looked_for(split: str) -> str:
@@ -91,7 +93,9 @@ def detect_split(directory: str | Path, split: str) -> Layout:
             the ``--data.*_pattern`` option.
     """
     directory = Path(directory)
-    found = [lay for lay in LAYOUTS if _files(directory, lay.pattern(split))]
+    from recover.data.shards import file_names
+
+    found = [lay for lay in LAYOUTS if file_names(directory, lay.pattern(split))]
     kind = "training" if split == "train" else "validation"
     if len(found) == 1:
         return found[0]

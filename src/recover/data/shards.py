@@ -27,14 +27,19 @@ before it starts anything, in time independent of the data's size. Every bad inp
 
 from __future__ import annotations
 
+import fnmatch
 import glob
 import json
 import os
+import re
+import struct
 import threading
 from collections import OrderedDict
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Iterator, Sequence
+from contextlib import contextmanager
 from dataclasses import dataclass
 from pathlib import Path
+from stat import S_ISREG
 from typing import TYPE_CHECKING
 
 import numpy as np
@@ -55,6 +60,7 @@ LLMC_FLAVOURS: dict[int, tuple[int, type[np.unsignedinteger]]] = {
     LLAMA3_MAGIC: (LLAMA3_VERSION, np.uint32),
 }
 UINT16_LIMIT = 1 << 16
+_LE_DTYPES = {**{m: np.dtype(d).newbyteorder("<") for m, (_, d) in LLMC_FLAVOURS.items()}, None: np.dtype("<u2")}
 META_NAME = "meta.json"
 MAX_OPEN = 64  # memory maps (file descriptors) a TokenDataset keeps open
 
@@ -188,20 +194,20 @@ def _llmc_header(path: Path, head: bytes, size: int, mtime_ns: int) -> ShardHead
             f"{path}: truncated llm.c shard: {size} bytes, shorter than the {HEADER_BYTES}-byte header; "
             "re-create it with `recover prepare`"
         )
-    magic, version, count = (int(x) for x in np.frombuffer(head[:12], dtype="<i4"))
+    magic, version, count = struct.unpack_from("<3i", head)
     if magic not in LLMC_FLAVOURS:
         known = ", ".join(str(m) for m in LLMC_FLAVOURS)
         raise DataError(
             f"{path}: not an llm.c shard: unknown magic {magic} (expected one of {known}); "
             "if it is a raw uint16 nanoGPT file, pass fmt='nanogpt' (or 'auto')"
         )
-    want_version, dtype = LLMC_FLAVOURS[magic]
+    want_version = LLMC_FLAVOURS[magic][0]
     if version != want_version:
         raise DataError(
             f"{path}: unsupported llm.c version {version} for magic {magic} (expected {want_version}); "
             "re-create the shard with `recover prepare`"
         )
-    itemsize = np.dtype(dtype).itemsize
+    itemsize = _LE_DTYPES[magic].itemsize
     expected = HEADER_BYTES + count * itemsize
     if size != expected:
         kind = "truncated" if size < expected else "oversized"
@@ -210,7 +216,7 @@ def _llmc_header(path: Path, head: bytes, size: int, mtime_ns: int) -> ShardHead
             f"{path}: {kind} llm.c shard: header says {count} tokens ({expected} bytes) but the file "
             f"holds {held} tokens ({size} bytes); re-create it with `recover prepare` or re-download it"
         )
-    return ShardHeader(path, "llmc", np.dtype(dtype).newbyteorder("<"), HEADER_BYTES, count, size, mtime_ns)
+    return ShardHeader(path, "llmc", _LE_DTYPES[magic], HEADER_BYTES, count, size, mtime_ns)
 
 
 def _nanogpt_header(path: Path, size: int, mtime_ns: int) -> ShardHeader:
@@ -219,7 +225,7 @@ def _nanogpt_header(path: Path, size: int, mtime_ns: int) -> ShardHeader:
             f"{path}: truncated nanoGPT shard: {size} bytes is odd, but uint16 tokens take 2 bytes each; "
             "re-create it with `recover prepare` or re-download it"
         )
-    return ShardHeader(path, "nanogpt", np.dtype("<u2"), 0, size // 2, size, mtime_ns)
+    return ShardHeader(path, "nanogpt", _LE_DTYPES[None], 0, size // 2, size, mtime_ns)
 
 
 def read_header(path: str | Path, fmt: str = "auto") -> ShardHeader:
@@ -236,9 +242,16 @@ def read_header(path: str | Path, fmt: str = "auto") -> ShardHeader:
     path = Path(path)
     _check_fmt(fmt)
     try:
-        with open(path, "rb") as f:
-            st = os.fstat(f.fileno())
-            head = f.read(HEADER_BYTES) if fmt != "nanogpt" else b""
+        if fmt == "nanogpt":  # no header: the size says it all
+            st, head = os.stat(path), b""
+        else:
+            fd = os.open(path, os.O_RDONLY)
+            try:
+                st, head = os.fstat(fd), os.pread(fd, HEADER_BYTES, 0)
+            finally:
+                os.close(fd)
+        if not S_ISREG(st.st_mode):
+            raise IsADirectoryError(f"{path} is not a regular file")
     except (FileNotFoundError, IsADirectoryError) as exc:
         raise DataError(f"{path}: no such shard file; run `recover prepare --out DIR` first") from exc
     except OSError as exc:
@@ -274,6 +287,63 @@ def read_shard(path: str | Path, fmt: str = "auto") -> np.ndarray:
     return _memmap(read_header(path, fmt))
 
 
+_listing = threading.local()  # within one_listing(): directory -> its files, (directory, pattern) -> matches
+
+
+@contextmanager
+def one_listing() -> Iterator[None]:
+    """Within it, :func:`file_names` reads each directory once and answers each pattern once (the layout
+    of a directory is asked about many times while a run's data is checked; a directory of 100k shards
+    is then listed once, not dozens of times). Nothing is kept after it."""
+    if getattr(_listing, "memo", None) is not None:
+        yield
+        return
+    _listing.memo = {}
+    try:
+        yield
+    finally:
+        _listing.memo = None
+
+
+def _dir_files(directory: str | Path) -> list[str]:
+    memo = getattr(_listing, "memo", None)
+    key = ("dir", str(directory))
+    if memo is not None and key in memo:
+        return memo[key]
+    try:
+        with os.scandir(directory) as entries:
+            names = [e.name for e in entries if e.is_file()]
+    except (FileNotFoundError, NotADirectoryError):
+        names = []
+    if memo is not None:
+        memo[key] = names
+    return names
+
+
+def file_names(directory: str | Path, pattern: str) -> list[str]:
+    """The paths, relative to ``directory`` (taken literally), of its files matching the glob ``pattern``,
+    sorted, as :meth:`pathlib.Path.glob` finds them. A pattern without a ``/`` costs one ``readdir`` and
+    no ``stat``, or nothing within :func:`one_listing` once the directory was read."""
+    if "/" in pattern or "**" in pattern:
+        return sorted(p for p in glob.glob(pattern, root_dir=directory) if os.path.isfile(os.path.join(directory, p)))
+    memo = getattr(_listing, "memo", None)
+    key = ("glob", str(directory), pattern)
+    if memo is not None and key in memo:
+        return list(memo[key])
+    match = re.compile(fnmatch.translate(pattern)).match
+    hidden_ok = pattern.startswith(".")  # glob's rule: '*' does not match a leading dot
+    names = sorted(n for n in _dir_files(directory) if (hidden_ok or not n.startswith(".")) and match(n))
+    if memo is not None:
+        memo[key] = names
+    return list(names)
+
+
+def list_files(directory: str | Path, pattern: str) -> list[Path]:
+    """:func:`file_names` as paths under ``directory``."""
+    directory = Path(directory)
+    return [directory / name for name in file_names(directory, pattern)]
+
+
 def resolve_shards(source: str | Path) -> list[Path]:
     """The shard files named by ``source``: a file, a directory (its ``*.bin``, sorted) or a glob.
 
@@ -284,11 +354,15 @@ def resolve_shards(source: str | Path) -> list[Path]:
     if path.is_file():
         return [path]
     if path.is_dir():
-        paths = sorted(p for p in path.glob("*.bin") if p.is_file())
+        paths = list_files(path, "*.bin")
         pattern = str(path / "*.bin")
     else:
         pattern = str(source)
-        paths = sorted(Path(p) for p in glob.glob(pattern) if Path(p).is_file())
+        parent, name = os.path.split(pattern)
+        if re.search(r"[*?\[]", parent):  # magic in the directory part too
+            paths = sorted((Path(p) for p in glob.glob(pattern) if Path(p).is_file()), key=str)
+        else:
+            paths = list_files(parent or ".", name)
     if not paths:
         raise DataError(
             f"no token shards match {pattern!r}; check the path (a data directory's splits are chosen with "
@@ -468,11 +542,12 @@ def check_data(cfg: DataConfig, data_dir: Path, vocab_size: int,
     from recover.data.layout import check_vocab_fits, data_vocab, split_format, split_paths, split_pattern
     from recover.data.verify import recorded_maxima
 
-    check_vocab_fits(vocab_size, data_vocab(cfg, data_dir))
-    for split in ("train", "val"):
-        split_paths(cfg, data_dir, split)  # none: one line naming what was looked for and the option
-    train, val = (TokenDataset(str(data_dir / split_pattern(cfg, data_dir, split)),
-                               fmt=split_format(cfg, data_dir, split)) for split in ("train", "val"))
+    with one_listing():  # the directory is read once, however often its layout is asked about
+        check_vocab_fits(vocab_size, data_vocab(cfg, data_dir))
+        for split in ("train", "val"):
+            split_paths(cfg, data_dir, split)  # none: one line naming what was looked for and the option
+        train, val = (TokenDataset(str(data_dir / split_pattern(cfg, data_dir, split)),
+                                   fmt=split_format(cfg, data_dir, split)) for split in ("train", "val"))
     unknown = 0
     for ds in (train, val):
         for i, rec in enumerate(recorded_maxima(ds)):

@@ -19,22 +19,21 @@ Contract:
       that id's first occurrence and its digest. A re-run scans only shards whose (size, mtime_ns,
       format) changed; the cache holds no vocabulary, so it answers for any model. Writing it is
       best-effort: a read-only directory gets a warning, not a failure.
-    * :func:`recorded_maxima` is what launch uses instead of a scan (a ``stat`` per shard, already
-      done, and two small JSON reads): per shard its largest id from a matching cache entry, else from
-      ``meta.json``'s ``shard_info``, else ``meta.json``'s top-level ``max_id`` (for the shards its splits
-      list), else None (unknown: launch does not scan, training checks each microbatch).
+    * :func:`recorded_maxima` is what launch uses instead of a scan (a ``stat`` per shard, already done,
+      and two small JSON reads; the scan's imports are deferred so launch does not pay for them): per
+      shard its largest id from a matching cache entry, else from ``meta.json``'s ``shard_info``, else
+      ``meta.json``'s top-level ``max_id`` (for the shards its splits list), else None (unknown: launch
+      does not scan, training checks each microbatch).
 """
 
 from __future__ import annotations
 
-import hashlib
 import json
 import os
 import sys
 import threading
 import time
 from collections.abc import Callable, Iterator
-from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
 from pathlib import Path
 
@@ -62,6 +61,8 @@ class Recorded:
 
 
 def _rel(path: Path, directory: Path) -> str:
+    if path.parent == directory:
+        return path.name
     return Path(os.path.relpath(path, directory)).as_posix()
 
 
@@ -202,13 +203,14 @@ class _Reader:
             buf = self._local.buf = bytearray(CHUNK_BYTES)
         return buf
 
-    def read(self, fd: int, offset: int, nbytes: int) -> memoryview:
+    def read(self, fd: int, offset: int, nbytes: int, path: Path) -> memoryview:
         view = memoryview(self.buffer())[:nbytes]
         got = 0
         while got < nbytes:
             n = os.preadv(fd, [view[got:]], offset + got)
             if n == 0:
-                raise DataError(f"unexpected end of file at byte {offset + got}")
+                raise DataError(f"{path}: ended at byte {offset + got} while it was being verified (it changed); "
+                                "run `recover prepare --verify` again once nothing writes it")
             got += n
         return view
 
@@ -221,7 +223,7 @@ def _chunks(header: ShardHeader) -> Iterator[tuple[int, int]]:
 
 
 def _tokens(reader: _Reader, fd: int, header: ShardHeader, start: int, n: int) -> np.ndarray:
-    view = reader.read(fd, header.byte_offset(start), n * header.dtype.itemsize)
+    view = reader.read(fd, header.byte_offset(start), n * header.dtype.itemsize, header.path)
     return np.frombuffer(view, dtype=header.dtype, count=n)
 
 
@@ -238,12 +240,14 @@ def _scan_chunk(reader: _Reader, header: ShardHeader, start: int, n: int) -> int
 
 
 def _scan_hashed(reader: _Reader, shard: _Shard, advance: Callable[[int], None]) -> None:
+    import hashlib
+
     header = shard.header
     digest = hashlib.blake2b(digest_size=len(shard.want_digest or "") // 2)
     fd = _open(header.path)
     try:
         if header.offset:
-            digest.update(reader.read(fd, 0, header.offset))
+            digest.update(reader.read(fd, 0, header.offset, header.path))
             advance(header.offset)
         for start, n in _chunks(header):
             arr = _tokens(reader, fd, header, start, n)
@@ -296,6 +300,9 @@ def verify(directory: str | Path, vocab_size: int | None = None, *, workers: int
     Raises:
         DataError: no shards (the layout is needed) or an unreadable ``meta.json``.
     """
+    from collections import deque
+    from concurrent.futures import ThreadPoolExecutor
+
     from rich.console import Console
     from rich.progress import (
         BarColumn,
@@ -359,17 +366,24 @@ def verify(directory: str | Path, vocab_size: int | None = None, *, workers: int
             shard.chunk_max[k] = _scan_chunk(reader, shard.header, start, n)
             advance(n * shard.header.dtype.itemsize)
 
-        with ThreadPoolExecutor(max_workers=workers) as pool:
-            futures = []
+        def tasks() -> Iterator[tuple[Callable[..., None], tuple]]:
             for shard in todo:
                 if shard.want_digest is not None:
-                    futures.append(pool.submit(_scan_hashed, reader, shard, advance))
+                    yield _scan_hashed, (reader, shard, advance)
                     continue
                 spans = list(_chunks(shard.header))
                 shard.chunk_max = [-1] * len(spans)
-                futures += [pool.submit(chunk, shard, k, start, n) for k, (start, n) in enumerate(spans)]
                 advance(shard.header.offset)
-            for f in futures:
+                for k, (start, n) in enumerate(spans):
+                    yield chunk, (shard, k, start, n)
+
+        with ThreadPoolExecutor(max_workers=workers) as pool:
+            pending: deque = deque()
+            for fn, args in tasks():  # a bounded window of chunks in flight, whatever the size of the data
+                pending.append(pool.submit(fn, *args))
+                if len(pending) >= 4 * workers:
+                    pending.popleft().result()
+            for f in pending:
                 f.result()
     for shard in todo:
         h = shard.header
