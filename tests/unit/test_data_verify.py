@@ -4,6 +4,7 @@ reads every token once, in parallel, caching what it found per (size, mtime) of 
 
 from __future__ import annotations
 
+import glob
 import hashlib
 import json
 import os
@@ -243,3 +244,21 @@ def test_verify_names_a_checksum_mismatch(tmp_path: Path) -> None:
     assert result.problems[0].startswith(f"{path}: checksum mismatch: blake2b ") and info["train_000001.bin"][
         "blake2b"] in result.problems[0] and "re-create it with `recover prepare`" in result.problems[0]
     assert len(verify(root, **quiet).problems) == 1  # still reported from the cache
+
+
+def test_file_names_match_path_glob_with_one_listing(tmp_path: Path) -> None:
+    from recover.data.shards import file_names, one_listing
+
+    for name in ("b_train_1.bin", "a_train_2.bin", ".hidden_train.bin", "train_x.txt"):
+        (tmp_path / name).write_bytes(b"")
+    (tmp_path / "dir_train_.bin").mkdir()  # a directory is never a shard
+    (tmp_path / "sub").mkdir()
+    (tmp_path / "sub" / "c_train_3.bin").write_bytes(b"")
+    for pattern in ("*_train*.bin", ".*", "sub/*.bin", "*.txt", "nothing*"):
+        want = sorted(p for p in glob.glob(pattern, root_dir=tmp_path) if (tmp_path / p).is_file())
+        assert file_names(tmp_path, pattern) == want, pattern
+    with one_listing():
+        assert file_names(tmp_path, "*.bin") == ["a_train_2.bin", "b_train_1.bin"]
+        (tmp_path / "z.bin").write_bytes(b"")
+        assert file_names(tmp_path, "*.bin") == ["a_train_2.bin", "b_train_1.bin"]  # one listing per check
+    assert file_names(tmp_path, "*.bin") == ["a_train_2.bin", "b_train_1.bin", "z.bin"]

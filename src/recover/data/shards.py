@@ -322,7 +322,8 @@ def _dir_files(directory: str | Path) -> list[str]:
 
 def file_names(directory: str | Path, pattern: str) -> list[str]:
     """The paths, relative to ``directory`` (taken literally), of its files matching the glob ``pattern``,
-    sorted, as :meth:`pathlib.Path.glob` finds them. A pattern without a ``/`` costs one ``readdir`` and
+    sorted, as :func:`glob.glob` finds them (a name with a leading dot only by a pattern with one: no
+    ``._train_000000.bin`` left by a copy from macOS). A pattern without a ``/`` costs one ``readdir`` and
     no ``stat``, or nothing within :func:`one_listing` once the directory was read."""
     if "/" in pattern or "**" in pattern:
         return sorted(p for p in glob.glob(pattern, root_dir=directory) if os.path.isfile(os.path.join(directory, p)))

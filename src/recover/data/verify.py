@@ -179,9 +179,10 @@ class VerifyResult:
 
     def summary(self) -> str:
         rate = self.bytes_scanned / self.seconds / 1e9 if self.seconds > 0 else 0.0
+        read = (f"{self.shards - self.reused} read in {self.seconds:.1f} s ({rate:.2f} GB/s), {self.reused}"
+                if self.reused < self.shards else "all")
         head = (f"verified {self.shards} shard(s), {self.tokens:,} tokens ({self.bytes_total / 1e9:.2f} GB) in "
-                f"{self.directory}: {self.shards - self.reused} read in {self.seconds:.1f} s ({rate:.2f} GB/s), "
-                f"{self.reused} unchanged since the last --verify; largest token id {self.max_id}")
+                f"{self.directory}: {read} unchanged since the last --verify; largest token id {self.max_id}")
         if self.vocab is None:
             head += "; no vocabulary recorded for this data (give --vocab-size N to check the ids against a model)"
         elif self.max_id < self.vocab[0]:
@@ -356,7 +357,8 @@ def verify(directory: str | Path, vocab_size: int | None = None, *, workers: int
     total = sum(s.header.size for s in todo)
     reader = _Reader()
     columns = (TextColumn("verify"), BarColumn(), DownloadColumn(), TransferSpeedColumn(), TimeRemainingColumn())
-    with Progress(*columns, console=Console(stderr=True), disable=not progress or not todo, transient=True) as bar:
+    with Progress(*columns, console=Console(stderr=True), transient=True,
+                  disable=not progress or not todo or not sys.stderr.isatty()) as bar:
         task = bar.add_task("verify", total=total)
 
         def advance(n: int) -> None:
