@@ -58,7 +58,8 @@ def test_launch_check_reads_no_token(tmp_path: Path) -> None:
                                 "val": {"shards": ["val_000000.bin"]}}))
     with pytest.raises(DataError) as err:
         check_data(cfg(root), root, 257)
-    assert str(meta) in str(err.value) and "token id 300" in str(err.value) and "vocab_size 257" in str(err.value)
+    assert str(err.value).startswith(f"{meta}: token id 300 (the largest in the data") and "vocab_size 257" in str(
+        err.value)
     check_data(cfg(root), root, 301, hint=hints.append)  # fits; nothing left unrecorded: no second hint
     assert len(hints) == 1
 

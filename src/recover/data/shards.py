@@ -551,13 +551,14 @@ def check_data(cfg: DataConfig, data_dir: Path, vocab_size: int,
                                    fmt=split_format(cfg, data_dir, split)) for split in ("train", "val"))
     unknown = 0
     for ds in (train, val):
-        for i, rec in enumerate(recorded_maxima(ds)):
+        for i, rec in enumerate(recorded_maxima(ds, data_dir)):
             if rec is None:
                 unknown += 1
             elif rec.max_id >= vocab_size:
                 where = (f"at position {rec.position} (byte {ds.headers[i].byte_offset(rec.position)})"
                          if rec.position is not None else "")
-                raise vocab_error(ds.paths[i], rec.max_id, vocab_size, f"{where} ({rec.source})".strip())
+                path = data_dir / META_NAME if rec.whole else ds.paths[i]  # which shard holds it is not recorded
+                raise vocab_error(path, rec.max_id, vocab_size, f"{where} ({rec.source})".strip())
     if unknown and hint is not None:
         total = len(train.paths) + len(val.paths)
         hint(f"{unknown} of {total} shard(s) in {data_dir} have no recorded largest token id, so their ids were "
