@@ -151,7 +151,8 @@ def test_impossible_requests_are_refused_before_starting(corpus: Path, tmp_path:
 @pytest.mark.parametrize("damage", ["magic", "truncated", "vocabulary"])
 def test_bad_shards_are_refused_before_anything_starts(corpus: Path, tmp_path: Path, damage: str) -> None:
     """A damaged llm.c magic, a validation shard cut to 100 bytes, or token ids beyond the model's
-    vocabulary: one line naming the shard and the real problem, in seconds, and no process started."""
+    vocabulary (as `recover prepare --verify` recorded them): one line naming the shard and the real problem,
+    in seconds, and no process started."""
     data = tmp_path / "data"
     shutil.copytree(corpus, data)
     train, val = data / "train_000000.bin", data / "val_000000.bin"
@@ -161,8 +162,10 @@ def test_bad_shards_are_refused_before_anything_starts(corpus: Path, tmp_path: P
         train.write_bytes(bytes(raw))
     elif damage == "truncated":
         val.write_bytes(val.read_bytes()[:100])
-    else:  # without meta.json (whose 257 would refuse --model.vocab_size 256 first), every id is checked
-        (data / "meta.json").unlink()
+    else:  # without meta.json (whose 257 would refuse --model.vocab_size 256 first), the ids `prepare --verify`
+        (data / "meta.json").unlink()  # recorded are checked (launch itself reads no token)
+        res = run_recover(["prepare", "--verify", str(data), "--quiet"])
+        assert "largest token id 256" in res.stdout and (data / ".recover-verified.json").is_file()
     t0 = time.monotonic()
     res = run_recover(["launch", "--config", "debug", "--replicas", "2", "--out", str(tmp_path / "run"),
                        "--no-progress", "--data.path", str(data),

@@ -86,7 +86,7 @@ def test_llmc_directories_of_both_flavours(tmp_path: Path, magic: int, vocab: in
     assert cfg.model.vocab_size == vocab  # the tokenizer the header's magic names, padded to 64
     train, val = check_data(cfg.data, tmp_path, cfg.model.vocab_size)
     assert [p.name for p in train.paths + val.paths] == list(names)
-    assert train.shards[0].dtype == (np.uint16 if magic == GPT2_MAGIC else np.uint32) and train.num_tokens == 5000
+    assert train.shard(0).dtype == (np.uint16 if magic == GPT2_MAGIC else np.uint32) and train.num_tokens == 5000
 
 
 def test_a_model_vocabulary_smaller_than_the_datas_is_refused(tmp_path: Path) -> None:
@@ -148,7 +148,7 @@ def test_prepare_format_nanogpt_writes_what_nanogpt_reads_and_reads_it_back(tmp_
     cfg = train_config("debug", ["--data.path", str(out)], 1)
     assert cfg.model.vocab_size == 320
     sets = check_data(cfg.data, out, 65536)
-    assert sets[0].num_tokens == len(train) and sets[1].shards[0][:2].tolist() == [54472, 308]
+    assert sets[0].num_tokens == len(train) and sets[1].shard(0)[:2].tolist() == [54472, 308]
     assert main(["prepare", str(corpus), "--out", str(out), "--format", "nanogpt", "--shard-tokens", "9"]) == 2
     assert "--shard-tokens 9 applies to --format llmc" in capsys.readouterr().err
 

@@ -54,7 +54,8 @@ def corpus(tmp_path: Path) -> tuple[Path, dict[str, str]]:
 
 def documents(out: Path, split: str) -> list[str]:
     """The texts of a split's documents, decoded from its shards (each document starts with EOT)."""
-    tokens = np.concatenate(TokenDataset.from_split(out, split).shards).astype(np.int64)
+    ds = TokenDataset.from_split(out, split)
+    tokens = np.concatenate([ds.shard(i) for i in range(len(ds.paths))]).astype(np.int64)
     starts = np.flatnonzero(tokens == EOT).tolist() + [len(tokens)]
     return [ByteTokenizer().decode(tokens[a + 1 : b]) for a, b in zip(starts[:-1], starts[1:], strict=True)]
 

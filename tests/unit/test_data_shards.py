@@ -130,9 +130,9 @@ def test_dataset_sources_and_meta(tmp_path: Path) -> None:
     ]
     assert whole.num_tokens == 10 + 11 + 12 + 5 and whole.meta == {"vocab_size": 257}
     train = TokenDataset.from_split(tmp_path, "train")
-    assert len(train.shards) == 3 and train.num_tokens == 33 and train.max_token_id() == 2
+    assert len(train.paths) == 3 and train.num_tokens == 33 and train.max_token_id() == 2
     single = TokenDataset(tmp_path / "val_000000.bin")
-    assert single.shards[0].tolist() == [0, 1, 2, 3, 4]
+    assert single.shard(0).tolist() == [0, 1, 2, 3, 4]
 
     pattern = str(tmp_path / "nothing_*.bin")
     with pytest.raises(DataError, match="nothing_"):

@@ -2,7 +2,9 @@
 
 Contract: exactly one source, positional inputs or ``--builtin``; writes shards and ``meta.json``
 under ``--out`` (see :mod:`recover.data.prepare`) and prints a one-paragraph summary. A re-run with
-the same inputs and options skips the work. Heavy imports happen only when the command runs.
+the same inputs and options skips the work. ``--verify DIR`` (no inputs) instead checks every token of
+a prepared directory once (:mod:`recover.data.verify`): one line per problem, a summary line, exit
+status 1 when anything is bad. Heavy imports happen only when the command runs.
 """
 
 from __future__ import annotations
@@ -26,7 +28,7 @@ def register(sub: argparse._SubParsersAction) -> None:
     )
     p.add_argument("inputs", nargs="*", type=Path, help="text files or directories (searched recursively)")
     p.add_argument("--builtin", choices=BUILTINS, help="an embedded corpus instead of inputs")
-    p.add_argument("--out", required=True, type=Path, help="output directory for shards and meta.json")
+    p.add_argument("--out", type=Path, help="output directory for shards and meta.json")
     p.add_argument("--tokenizer", default="byte", help="'byte' (default) or a HuggingFace tokenizer.json")
     p.add_argument("--val-fraction", type=float, default=0.05, help="share of files for validation (0.05)")
     p.add_argument("--format", dest="fmt", choices=("llmc", "nanogpt"), default="llmc",
@@ -37,6 +39,12 @@ def register(sub: argparse._SubParsersAction) -> None:
                    help="llmc: tokens per shard (50000000); the last shard takes the remainder, so none is shorter")
     p.add_argument("--max-bytes", type=int, default=None, help="read at most this many bytes of text")
     p.add_argument("--quiet", action="store_true", help="no progress bar")
+    p.add_argument("--verify", type=Path, metavar="DIR",
+                   help="instead of preparing: check every token of every shard in DIR once (headers, sizes, ids "
+                        "against the vocabulary, meta.json's checksums), in parallel; the result is cached in "
+                        "DIR/.recover-verified.json, which launch then trusts instead of scanning")
+    p.add_argument("--vocab-size", type=int, default=None, metavar="N",
+                   help="with --verify: ids must be below N (default: the data's recorded vocabulary)")
     p.set_defaults(func=run)
 
 
@@ -52,7 +60,28 @@ def summary(meta: dict, out_dir: Path) -> str:
     )
 
 
+def verify(args: argparse.Namespace) -> int:
+    """``recover prepare --verify DIR``: one line per problem, a summary line; 1 when anything is bad."""
+    if args.inputs or args.builtin or args.out:
+        raise DataError("recover prepare --verify DIR checks prepared shards and takes no inputs, --builtin or "
+                        "--out; run it on its own (e.g. `recover prepare --verify data/mine`)")
+    if not args.verify.is_dir():
+        raise DataError(f"--verify {args.verify}: no such directory; give a directory of token shards")
+    if args.vocab_size is not None and args.vocab_size < 1:
+        raise DataError(f"--vocab-size {args.vocab_size} is not allowed: a positive number of token ids")
+    from recover.data.verify import verify as scan
+
+    result = scan(args.verify, args.vocab_size, workers=getattr(args, "workers", None), progress=not args.quiet)
+    print(result.summary())
+    return 0 if result.ok else 1
+
+
 def run(args: argparse.Namespace) -> int:
+    if args.verify is not None:
+        return verify(args)
+    if args.out is None:
+        raise DataError("recover prepare needs --out DIR (where the shards go), or --verify DIR to check shards "
+                        "already prepared")
     if bool(args.inputs) == bool(args.builtin):
         which = "both inputs and --builtin" if args.inputs else "neither inputs nor --builtin"
         raise DataError(

@@ -21,7 +21,8 @@ Contract:
       :data:`PAD_MULTIPLE` (64, for fast matmuls: byte data 257 -> 320, GPT-2 50,257 -> 50,304,
       Llama 3 128,256 stays), and the preset's ``model.vocab_size`` only when the data's is unknown.
       A model vocabulary smaller than the data's is refused (:func:`check_vocab_fits`), whoever set it;
-      every token id is still checked against it when the shards are opened.
+      the token ids are still checked against it: their recorded maxima when a run starts
+      (:func:`recover.data.shards.check_data`), every one by ``recover prepare --verify``.
 
 Everything here is torch-free and reads at most the first shard's header: ``recover launch`` runs it
 before it starts any process.
@@ -74,7 +75,9 @@ LAYOUTS = (
 
 
 def _files(directory: Path, pattern: str) -> list[Path]:
-    return sorted(p for p in directory.glob(pattern) if p.is_file())
+    from recover.data.shards import list_files
+
+    return list_files(directory, pattern)
 
 
 def looked_for(split: str) -> str:
@@ -91,7 +94,9 @@ def detect_split(directory: str | Path, split: str) -> Layout:
             the ``--data.*_pattern`` option.
     """
     directory = Path(directory)
-    found = [lay for lay in LAYOUTS if _files(directory, lay.pattern(split))]
+    from recover.data.shards import file_names
+
+    found = [lay for lay in LAYOUTS if file_names(directory, lay.pattern(split))]
     kind = "training" if split == "train" else "validation"
     if len(found) == 1:
         return found[0]

@@ -12,22 +12,34 @@ Contract:
       an llm.c header is a damaged header, refused as such (never read as raw tokens, which would
       be reported as a vocabulary problem).
 
-:func:`read_shard` returns a read-only ``np.memmap`` (no copy); :func:`write_shard` writes atomically
-(temporary file, then rename), so a crash never leaves a half-written shard under the final name.
-:class:`TokenDataset` opens a file, a directory (all ``*.bin``, sorted) or a glob, and checks token
-ids against a model's vocabulary; :func:`check_data` does all of it for a run's splits (found by
-:mod:`recover.data.layout`: recover's, nanoGPT's or llm.c's names), without torch, so ``recover
-launch`` refuses bad data before it starts anything. Every bad input raises
+:func:`read_header` checks a shard from its size and first 1 KiB (no token read); :func:`read_shard`
+returns a read-only ``np.memmap`` (no copy); :func:`write_shard` writes atomically (temporary file, then
+rename), so a crash never leaves a half-written shard under the final name. :class:`TokenDataset` opens
+a file, a directory (all ``*.bin``, sorted) or a glob lazily: headers at construction, a bounded LRU of
+memory maps after (so start-up, memory and file descriptors do not grow with the data).
+:func:`check_data` checks a run's splits (found by :mod:`recover.data.layout`: recover's, nanoGPT's or
+llm.c's names) without torch and without reading tokens: headers, sizes, the recorded vocabulary and the
+recorded largest token ids (``meta.json``, or the cache of ``recover prepare --verify``,
+:mod:`recover.data.verify`, which reads every token once), so ``recover launch`` refuses bad data
+before it starts anything, in time independent of the data's size. Every bad input raises
 :class:`~recover.errors.DataError` naming the file, the problem and the fix.
 """
 
 from __future__ import annotations
 
+import fnmatch
 import glob
 import json
 import os
-from collections.abc import Sequence
+import re
+import struct
+import threading
+from collections import OrderedDict
+from collections.abc import Callable, Iterator, Sequence
+from contextlib import contextmanager
+from dataclasses import dataclass
 from pathlib import Path
+from stat import S_ISREG
 from typing import TYPE_CHECKING
 
 import numpy as np
@@ -48,7 +60,9 @@ LLMC_FLAVOURS: dict[int, tuple[int, type[np.unsignedinteger]]] = {
     LLAMA3_MAGIC: (LLAMA3_VERSION, np.uint32),
 }
 UINT16_LIMIT = 1 << 16
+_LE_DTYPES = {**{m: np.dtype(d).newbyteorder("<") for m, (_, d) in LLMC_FLAVOURS.items()}, None: np.dtype("<u2")}
 META_NAME = "meta.json"
+MAX_OPEN = 64  # memory maps (file descriptors) a TokenDataset keeps open
 
 
 def _check_fmt(fmt: str) -> None:
@@ -120,11 +134,44 @@ def write_shard(
     return path
 
 
-def _read_header(path: Path) -> np.ndarray | None:
-    """The first 256 int32 of ``path``, or None if the file is shorter than a header."""
-    if path.stat().st_size < HEADER_BYTES:
-        return None
-    return np.fromfile(path, dtype="<i4", count=HEADER_INTS)
+@dataclass(frozen=True)
+class ShardHeader:
+    """What one shard's header and size say, read without touching its tokens."""
+
+    path: Path
+    fmt: str
+    """``"llmc"`` or ``"nanogpt"`` (never ``"auto"``)."""
+    dtype: np.dtype
+    """Little-endian ``uint16`` or ``uint32``."""
+    offset: int
+    """Bytes before the first token (1024 for llm.c, 0 for nanoGPT)."""
+    count: int
+    """Tokens in the file."""
+    size: int
+    """File size in bytes, when the header was read."""
+    mtime_ns: int
+    """Modification time, when the header was read."""
+
+    def byte_offset(self, position: int) -> int:
+        """Where token ``position`` starts in the file."""
+        return self.offset + position * self.dtype.itemsize
+
+
+def _detect(path: Path, head: bytes, size: int) -> str:
+    """:func:`detect_format` on the file's first bytes (up to a header) and its size."""
+    if len(head) >= 4 and int(np.frombuffer(head[:4], dtype="<i4")[0]) in LLMC_FLAVOURS:
+        return "llmc"
+    if len(head) == HEADER_BYTES:
+        header = np.frombuffer(head, dtype="<i4")
+        magic, version, count = (int(x) for x in header[:3])
+        versions = {v for v, _ in LLMC_FLAVOURS.values()}
+        sizes = {HEADER_BYTES + count * np.dtype(d).itemsize for _, d in LLMC_FLAVOURS.values()}
+        if (version in versions and not header[3:].any()) or (count > 0 and size in sizes):
+            known = ", ".join(str(m) for m in LLMC_FLAVOURS)
+            raise DataError(f"{path}: damaged llm.c header: magic {magic} is not one of {known}, but the rest "
+                            f"is an llm.c header (version {version}, {count} tokens); re-create the shard with "
+                            "`recover prepare` or re-download it")
+    return "nanogpt"
 
 
 def detect_format(path: str | Path) -> str:
@@ -137,52 +184,30 @@ def detect_format(path: str | Path) -> str:
     """
     path = Path(path)
     with open(path, "rb") as f:
-        first = f.read(4)
-    if len(first) == 4 and int(np.frombuffer(first, dtype="<i4")[0]) in LLMC_FLAVOURS:
-        return "llmc"
-    header = _read_header(path)
-    if header is not None:
-        magic, version, count = (int(x) for x in header[:3])
-        versions = {v for v, _ in LLMC_FLAVOURS.values()}
-        sizes = {HEADER_BYTES + count * np.dtype(d).itemsize for _, d in LLMC_FLAVOURS.values()}
-        if (version in versions and not header[3:].any()) or (count > 0 and path.stat().st_size in sizes):
-            known = ", ".join(str(m) for m in LLMC_FLAVOURS)
-            raise DataError(f"{path}: damaged llm.c header: magic {magic} is not one of {known}, but the rest "
-                            f"is an llm.c header (version {version}, {count} tokens); re-create the shard with "
-                            "`recover prepare` or re-download it")
-    return "nanogpt"
+        head = f.read(HEADER_BYTES)
+    return _detect(path, head, path.stat().st_size)
 
 
-def _memmap(path: Path, dtype: np.dtype, offset: int, count: int) -> np.ndarray:
-    if count == 0:  # mmap cannot map zero bytes
-        empty = np.empty(0, dtype=dtype)
-        empty.setflags(write=False)
-        return empty
-    return np.memmap(path, dtype=dtype, mode="r", offset=offset, shape=(count,))
-
-
-def _read_llmc(path: Path) -> np.ndarray:
-    size = path.stat().st_size
-    header = _read_header(path)
-    if header is None:
+def _llmc_header(path: Path, head: bytes, size: int, mtime_ns: int) -> ShardHeader:
+    if len(head) < HEADER_BYTES:
         raise DataError(
             f"{path}: truncated llm.c shard: {size} bytes, shorter than the {HEADER_BYTES}-byte header; "
             "re-create it with `recover prepare`"
         )
-    magic, version, count = (int(x) for x in header[:3])
+    magic, version, count = struct.unpack_from("<3i", head)
     if magic not in LLMC_FLAVOURS:
         known = ", ".join(str(m) for m in LLMC_FLAVOURS)
         raise DataError(
             f"{path}: not an llm.c shard: unknown magic {magic} (expected one of {known}); "
             "if it is a raw uint16 nanoGPT file, pass fmt='nanogpt' (or 'auto')"
         )
-    want_version, dtype = LLMC_FLAVOURS[magic]
+    want_version = LLMC_FLAVOURS[magic][0]
     if version != want_version:
         raise DataError(
             f"{path}: unsupported llm.c version {version} for magic {magic} (expected {want_version}); "
             "re-create the shard with `recover prepare`"
         )
-    itemsize = np.dtype(dtype).itemsize
+    itemsize = _LE_DTYPES[magic].itemsize
     expected = HEADER_BYTES + count * itemsize
     if size != expected:
         kind = "truncated" if size < expected else "oversized"
@@ -191,17 +216,59 @@ def _read_llmc(path: Path) -> np.ndarray:
             f"{path}: {kind} llm.c shard: header says {count} tokens ({expected} bytes) but the file "
             f"holds {held} tokens ({size} bytes); re-create it with `recover prepare` or re-download it"
         )
-    return _memmap(path, np.dtype(dtype).newbyteorder("<"), HEADER_BYTES, count)
+    return ShardHeader(path, "llmc", _LE_DTYPES[magic], HEADER_BYTES, count, size, mtime_ns)
 
 
-def _read_nanogpt(path: Path) -> np.ndarray:
-    size = path.stat().st_size
+def _nanogpt_header(path: Path, size: int, mtime_ns: int) -> ShardHeader:
     if size % 2:
         raise DataError(
             f"{path}: truncated nanoGPT shard: {size} bytes is odd, but uint16 tokens take 2 bytes each; "
             "re-create it with `recover prepare` or re-download it"
         )
-    return _memmap(path, np.dtype("<u2"), 0, size // 2)
+    return ShardHeader(path, "nanogpt", _LE_DTYPES[None], 0, size // 2, size, mtime_ns)
+
+
+def read_header(path: str | Path, fmt: str = "auto") -> ShardHeader:
+    """Check one shard from its size and first 1 KiB (one ``stat``, one read; no token is read).
+
+    Args:
+        path: the shard file.
+        fmt: ``"auto"``, ``"llmc"`` or ``"nanogpt"``.
+
+    Raises:
+        DataError: missing file, unknown or damaged magic, unknown version (llm.c), or a size that
+            disagrees with the header (llm.c) or is odd (nanoGPT).
+    """
+    path = Path(path)
+    _check_fmt(fmt)
+    try:
+        if fmt == "nanogpt":  # no header: the size says it all
+            st, head = os.stat(path), b""
+        else:
+            fd = os.open(path, os.O_RDONLY)
+            try:
+                st, head = os.fstat(fd), os.pread(fd, HEADER_BYTES, 0)
+            finally:
+                os.close(fd)
+        if not S_ISREG(st.st_mode):
+            raise IsADirectoryError(f"{path} is not a regular file")
+    except (FileNotFoundError, IsADirectoryError) as exc:
+        raise DataError(f"{path}: no such shard file; run `recover prepare --out DIR` first") from exc
+    except OSError as exc:
+        raise DataError(f"{path}: unreadable shard ({exc.strerror or exc}); check its permissions") from exc
+    if fmt == "auto":
+        fmt = _detect(path, head, st.st_size)
+    if fmt == "llmc":
+        return _llmc_header(path, head, st.st_size, st.st_mtime_ns)
+    return _nanogpt_header(path, st.st_size, st.st_mtime_ns)
+
+
+def _memmap(header: ShardHeader) -> np.ndarray:
+    if header.count == 0:  # mmap cannot map zero bytes
+        empty = np.empty(0, dtype=header.dtype)
+        empty.setflags(write=False)
+        return empty
+    return np.memmap(header.path, dtype=header.dtype, mode="r", offset=header.offset, shape=(header.count,))
 
 
 def read_shard(path: str | Path, fmt: str = "auto") -> np.ndarray:
@@ -217,13 +284,65 @@ def read_shard(path: str | Path, fmt: str = "auto") -> np.ndarray:
     Raises:
         DataError: missing file, unknown magic/version (llm.c), or a truncated/oversized file.
     """
-    path = Path(path)
-    _check_fmt(fmt)
-    if not path.is_file():
-        raise DataError(f"{path}: no such shard file; run `recover prepare --out DIR` first")
-    if fmt == "auto":
-        fmt = detect_format(path)
-    return _read_llmc(path) if fmt == "llmc" else _read_nanogpt(path)
+    return _memmap(read_header(path, fmt))
+
+
+_listing = threading.local()  # within one_listing(): directory -> its files, (directory, pattern) -> matches
+
+
+@contextmanager
+def one_listing() -> Iterator[None]:
+    """Within it, :func:`file_names` reads each directory once and answers each pattern once (the layout
+    of a directory is asked about many times while a run's data is checked; a directory of 100k shards
+    is then listed once, not dozens of times). Nothing is kept after it."""
+    if getattr(_listing, "memo", None) is not None:
+        yield
+        return
+    _listing.memo = {}
+    try:
+        yield
+    finally:
+        _listing.memo = None
+
+
+def _dir_files(directory: str | Path) -> list[str]:
+    memo = getattr(_listing, "memo", None)
+    key = ("dir", str(directory))
+    if memo is not None and key in memo:
+        return memo[key]
+    try:
+        with os.scandir(directory) as entries:
+            names = [e.name for e in entries if e.is_file()]
+    except (FileNotFoundError, NotADirectoryError):
+        names = []
+    if memo is not None:
+        memo[key] = names
+    return names
+
+
+def file_names(directory: str | Path, pattern: str) -> list[str]:
+    """The paths, relative to ``directory`` (taken literally), of its files matching the glob ``pattern``,
+    sorted, as :func:`glob.glob` finds them (a name with a leading dot only by a pattern with one: no
+    ``._train_000000.bin`` left by a copy from macOS). A pattern without a ``/`` costs one ``readdir`` and
+    no ``stat``, or nothing within :func:`one_listing` once the directory was read."""
+    if "/" in pattern or "**" in pattern:
+        return sorted(p for p in glob.glob(pattern, root_dir=directory) if os.path.isfile(os.path.join(directory, p)))
+    memo = getattr(_listing, "memo", None)
+    key = ("glob", str(directory), pattern)
+    if memo is not None and key in memo:
+        return list(memo[key])
+    match = re.compile(fnmatch.translate(pattern)).match
+    hidden_ok = pattern.startswith(".")  # glob's rule: '*' does not match a leading dot
+    names = sorted(n for n in _dir_files(directory) if (hidden_ok or not n.startswith(".")) and match(n))
+    if memo is not None:
+        memo[key] = names
+    return list(names)
+
+
+def list_files(directory: str | Path, pattern: str) -> list[Path]:
+    """:func:`file_names` as paths under ``directory``."""
+    directory = Path(directory)
+    return [directory / name for name in file_names(directory, pattern)]
 
 
 def resolve_shards(source: str | Path) -> list[Path]:
@@ -236,11 +355,15 @@ def resolve_shards(source: str | Path) -> list[Path]:
     if path.is_file():
         return [path]
     if path.is_dir():
-        paths = sorted(p for p in path.glob("*.bin") if p.is_file())
+        paths = list_files(path, "*.bin")
         pattern = str(path / "*.bin")
     else:
         pattern = str(source)
-        paths = sorted(Path(p) for p in glob.glob(pattern) if Path(p).is_file())
+        parent, name = os.path.split(pattern)
+        if re.search(r"[*?\[]", parent):  # magic in the directory part too
+            paths = sorted((Path(p) for p in glob.glob(pattern) if Path(p).is_file()), key=str)
+        else:
+            paths = list_files(parent or ".", name)
     if not paths:
         raise DataError(
             f"no token shards match {pattern!r}; check the path (a data directory's splits are chosen with "
@@ -264,27 +387,38 @@ def load_meta(directory: Path) -> dict | None:
 
 
 class TokenDataset:
-    """A read-only view of token shards.
+    """A read-only view of token shards, opened lazily.
+
+    Construction reads each shard's size and header only (:func:`read_header`: one ``stat`` and at
+    most 1 KiB per file), so it costs the same for 1M or 10T tokens. :meth:`shard` memory-maps a file
+    on first use and keeps the ``max_open`` most recently used maps (each holds a file descriptor),
+    so open files and mappings stay bounded whatever the number of shards. Thread-safe; pickles
+    without its open maps.
 
     Attributes:
         source: what was asked for (file, directory or glob).
         paths: the shard files, sorted.
-        shards: one read-only memmap per path.
+        headers: one :class:`ShardHeader` per path (format, dtype, offset, tokens, size, mtime).
         lengths: tokens per shard.
         num_tokens: the total number of tokens.
         meta: the ``meta.json`` next to the shards (written by ``recover prepare``) or None.
     """
 
-    def __init__(self, source: str | Path, fmt: str = "auto") -> None:
+    def __init__(self, source: str | Path, fmt: str = "auto", *, max_open: int = MAX_OPEN) -> None:
         _check_fmt(fmt)
+        if max_open < 1:
+            raise ValueError(f"max_open must be >= 1, got {max_open}")
         self.source = str(source)
         self.fmt = fmt
+        self.max_open = max_open
         self.paths = resolve_shards(source)
-        self.shards = [read_shard(p, fmt) for p in self.paths]
-        self.lengths = [len(s) for s in self.shards]
+        self.headers = [read_header(p, fmt) for p in self.paths]
+        self.lengths = [h.count for h in self.headers]
         self.num_tokens = int(sum(self.lengths))
         self.meta = load_meta(self.paths[0].parent)
         self._shard_max: list[int] | None = None
+        self._open: OrderedDict[int, np.ndarray] = OrderedDict()
+        self._lock = threading.Lock()
 
     @classmethod
     def from_split(cls, directory: str | Path, split: str, fmt: str = "auto") -> TokenDataset:
@@ -296,59 +430,138 @@ class TokenDataset:
     def __len__(self) -> int:
         return self.num_tokens
 
+    def __getstate__(self) -> dict:
+        state = dict(self.__dict__)
+        state["_open"], state["_lock"] = OrderedDict(), None
+        return state
+
+    def __setstate__(self, state: dict) -> None:
+        self.__dict__.update(state)
+        self._lock = threading.Lock()
+
     def shard(self, i: int) -> np.ndarray:
-        """The tokens of shard ``i`` (a read-only memory map)."""
-        return self.shards[i]
+        """The tokens of shard ``i`` (a read-only memory map, opened on first use).
+
+        Raises:
+            IndexError: no shard ``i``.
+            DataError: the file changed size since the dataset read its header.
+        """
+        i = range(len(self.paths))[i]
+        with self._lock:
+            arr = self._open.get(i)
+            if arr is not None:
+                self._open.move_to_end(i)
+                return arr
+        header = self.headers[i]
+        try:
+            size = header.path.stat().st_size
+        except OSError as exc:
+            raise DataError(f"{header.path}: shard vanished after it was opened ({exc.strerror or exc}); the data "
+                            "must stay in place during a run") from exc
+        if size != header.size:
+            raise DataError(f"{header.path}: shard changed on disk after it was opened ({header.size} bytes, now "
+                            f"{size}); the data must not change during a run: restart it")
+        arr = _memmap(header)
+        with self._lock:
+            self._open[i] = arr
+            self._open.move_to_end(i)
+            while len(self._open) > self.max_open:
+                self._open.popitem(last=False)  # its map (and file descriptor) closes with its last reference
+        return arr
+
+    @property
+    def open_shards(self) -> int:
+        """How many shards are memory-mapped now (at most ``max_open``)."""
+        return len(self._open)
 
     def __repr__(self) -> str:
         return f"TokenDataset({self.source!r}, shards={len(self.paths)}, tokens={self.num_tokens})"
 
     def _shard_maxima(self) -> list[int]:
         if self._shard_max is None:
-            self._shard_max = [int(s.max()) if len(s) else -1 for s in self.shards]
+            self._shard_max = [int(self.shard(i).max()) if n else -1 for i, n in enumerate(self.lengths)]
         return self._shard_max
 
     def max_token_id(self) -> int:
-        """The largest token id in any shard (-1 if there are no tokens); computed once."""
+        """The largest token id in any shard (-1 if there are no tokens); reads every token, once."""
         return max(self._shard_maxima())
 
-    def out_of_range(self, shard: int, offset: int, token_id: int, vocab_size: int) -> DataError:
-        """The error for ``token_id`` (``>= vocab_size``) met at token ``offset`` of shard ``shard``."""
-        return DataError(f"{self.paths[shard]}: token id {token_id} at position {offset} is out of range for "
-                         f"vocab_size {vocab_size}; re-prepare with the model's tokenizer or raise "
-                         f"model.vocab_size to at least {token_id + 1}")
-
     def check_vocab(self, vocab_size: int) -> None:
-        """Raise DataError if any token id is >= ``vocab_size`` (naming file, id and position)."""
-        for path, shard, shard_max in zip(self.paths, self.shards, self._shard_maxima(), strict=True):
+        """Raise DataError if any token id is >= ``vocab_size`` (naming file, id and position).
+
+        Reads every token (once per dataset): for start-up use :func:`check_data`, which trusts what
+        ``recover prepare`` and ``recover prepare --verify`` recorded instead.
+        """
+        for i, shard_max in enumerate(self._shard_maxima()):
             if shard_max < vocab_size:
                 continue
+            shard = self.shard(i)
             pos = int(np.argmax(shard >= vocab_size))
             raise DataError(
-                f"{path}: token id {int(shard[pos])} at position {pos} is out of range for "
+                f"{self.paths[i]}: token id {int(shard[pos])} at position {pos} is out of range for "
                 f"vocab_size {vocab_size} (largest id in the dataset: {self.max_token_id()}); "
                 "re-prepare with the model's tokenizer or raise model.vocab_size to at least "
                 f"{self.max_token_id() + 1}"
             )
 
+    def out_of_range(self, shard_index: int, offset: int, token_id: int, vocab_size: int) -> DataError:
+        """The error for token id ``token_id`` (>= ``vocab_size``) found at token ``offset`` of shard
+        ``shard_index`` (for a caller that checks ids as it reads them, e.g. per microbatch): it names
+        the file, the token position and byte offset in the file, the id and the fix. Returned, not raised.
+        """
+        header = self.headers[shard_index]
+        return vocab_error(header.path, token_id, vocab_size,
+                           f"at position {offset} (byte {header.byte_offset(offset)})")
 
-def check_data(cfg: DataConfig, data_dir: Path, vocab_size: int) -> tuple[TokenDataset, TokenDataset]:
+
+def vocab_error(path: Path | str, token_id: int, vocab_size: int, where: str) -> DataError:
+    """``{path}: token id X {where} is out of range for vocab_size V; re-prepare ... or raise model.vocab_size``."""
+    return DataError(
+        f"{path}: token id {token_id} {where} is out of range for vocab_size {vocab_size}; re-prepare with the "
+        f"model's tokenizer or raise model.vocab_size to more than {token_id} (`recover prepare --verify DIR` "
+        "lists every such id)"
+    )
+
+
+def check_data(cfg: DataConfig, data_dir: Path, vocab_size: int,
+               hint: Callable[[str], None] | None = None) -> tuple[TokenDataset, TokenDataset]:
     """Opens the training and validation shards (of the directory's layout, or ``cfg``'s patterns) and
-    checks every one: header (magic, version, size) and every token id against ``vocab_size``, which
-    must also cover the data's recorded vocabulary (:func:`recover.data.layout.check_vocab_fits`).
-    Torch-free: ``recover launch`` runs it before it starts any process.
+    checks what can be checked without reading tokens, so it costs a ``stat`` and a 1 KiB read per shard
+    whatever the size of the data: every header (magic, version, size), the data's recorded vocabulary
+    against ``vocab_size`` (:func:`recover.data.layout.check_vocab_fits`), and each shard's recorded
+    largest token id against ``vocab_size``: from a matching ``recover prepare --verify`` cache, else
+    from ``meta.json`` (``shard_info``, or its top-level ``max_id``) (:func:`recover.data.verify.recorded_maxima`).
+    A shard with none of these is not scanned; ``hint``, when given, gets one line saying how to check
+    it (training checks each microbatch's ids anyway). Torch-free: ``recover launch`` runs it before it
+    starts any process, and every rank again when it opens its samplers.
 
     Raises:
         DataError: missing splits (naming what was looked for and the options), a vocabulary smaller
-            than the data's, or the first bad shard, named, with the problem and the fix.
+            than the data's, the first bad shard header, or a recorded id beyond ``vocab_size``, named,
+            with the problem and the fix.
     """
     from recover.data.layout import check_vocab_fits, data_vocab, split_format, split_paths, split_pattern
+    from recover.data.verify import recorded_maxima
 
-    check_vocab_fits(vocab_size, data_vocab(cfg, data_dir))
-    for split in ("train", "val"):
-        split_paths(cfg, data_dir, split)  # none: one line naming what was looked for and the option
-    train, val = (TokenDataset(str(data_dir / split_pattern(cfg, data_dir, split)),
-                               fmt=split_format(cfg, data_dir, split)) for split in ("train", "val"))
+    with one_listing():  # the directory is read once, however often its layout is asked about
+        check_vocab_fits(vocab_size, data_vocab(cfg, data_dir))
+        for split in ("train", "val"):
+            split_paths(cfg, data_dir, split)  # none: one line naming what was looked for and the option
+        train, val = (TokenDataset(str(data_dir / split_pattern(cfg, data_dir, split)),
+                                   fmt=split_format(cfg, data_dir, split)) for split in ("train", "val"))
+    unknown = 0
     for ds in (train, val):
-        ds.check_vocab(vocab_size)
+        for i, rec in enumerate(recorded_maxima(ds, data_dir)):
+            if rec is None:
+                unknown += 1
+            elif rec.max_id >= vocab_size:
+                where = (f"at position {rec.position} (byte {ds.headers[i].byte_offset(rec.position)})"
+                         if rec.position is not None else "")
+                path = data_dir / META_NAME if rec.whole else ds.paths[i]  # which shard holds it is not recorded
+                raise vocab_error(path, rec.max_id, vocab_size, f"{where} ({rec.source})".strip())
+    if unknown and hint is not None:
+        total = len(train.paths) + len(val.paths)
+        hint(f"{unknown} of {total} shard(s) in {data_dir} have no recorded largest token id, so their ids were "
+             f"not checked at launch; `recover prepare --verify {data_dir}` checks every token once (training "
+             "checks each microbatch's ids anyway)")
     return train, val

@@ -221,7 +221,8 @@ def _resolve_vocab(cfg: Config, overrides: list[str]) -> Config:
 
 
 def check_launch(req: LaunchRequest) -> LaunchOptions:
-    """Every check of a launch, with no side effect; returns the launcher's options.
+    """Every check of a launch, with no side effect (but one note on stderr when the data's token ids are not
+    recorded, :func:`recover.data.shards.check_data`); returns the launcher's options.
 
     Raises:
         ConfigError: the first problem found (config, flags or failure schedule), one line with the fix.
@@ -285,10 +286,11 @@ def check_launch(req: LaunchRequest) -> LaunchOptions:
         from recover.train.weights import check_init_from
 
         check_init_from(cfg.training.init_from, cfg.model)
-    for part, _ in cfg.data.parts():  # every source's shards (a built-in corpus is prepared later)
+    for part, _ in cfg.data.parts():  # every source: headers and recorded ids (a built-in corpus: prepared later)
         data_dir = resolve_data_dir(part, prepare=False)  # a missing directory is refused here, not by the workers
         if data_dir.is_dir() and any(data_dir.iterdir()):
-            check_data(part, data_dir, cfg.model.vocab_size)
+            check_data(part, data_dir, cfg.model.vocab_size,
+                       hint=lambda line: print(f"recover: note: {line}", file=sys.stderr))
     return LaunchOptions(config=cfg, config_arg=req.config, overrides=overrides, out=Path(req.out),
                          failures=schedule, random_mtbf_s=req.random_mtbf_s,
                          random_faults=tuple(Fault(f) for f in req.random_faults), rejoin_after_s=req.rejoin_after_s,
