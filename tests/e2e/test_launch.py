@@ -547,7 +547,8 @@ def test_a_token_id_beyond_the_vocabulary_met_in_training_stops_the_job_with_its
     res = run_recover(["launch", "--config", "debug", "--replicas", "2", "--steps", "8", "--out", str(run),
                        "--no-progress", "--data.path", str(data), "--deterministic"], timeout=300, check=False)
     assert res.returncode == 10, res.stderr[-2000:]
-    assert f"{shard.name}: token id 1000 at position {offset} is out of range for vocab_size 320" in res.stderr
+    assert f"{shard.name}: token id 1000 at position {offset} (byte {1024 + 2 * offset}) is out of range for " \
+           "vocab_size 320" in res.stderr
     assert "Traceback" not in res.stderr
     assert [json.loads(line)["step"] for line in (run / "metrics.jsonl").read_text().splitlines()] == [0, 1, 2]
     assert [p.name for p in (run / "checkpoints").iterdir()] == ["step_000003"]
