@@ -2,9 +2,14 @@
 
 from __future__ import annotations
 
+import hashlib
 import json
+import os
 import shutil
+import signal
+import subprocess
 import sys
+import time
 from pathlib import Path
 
 import numpy as np
@@ -20,7 +25,7 @@ from recover.data.prepare import (
     split_files,
     stdlib_files,
 )
-from recover.data.shards import TokenDataset
+from recover.data.shards import TokenDataset, read_shard
 from recover.data.tokenizer import ByteTokenizer, load_tokenizer
 from recover.errors import DataError
 
@@ -333,3 +338,104 @@ def test_resume_after_a_crash_keeps_complete_shards(
     again = prepare_files([root], out, quiet=True, workers=1, shard_tokens=2500)
     assert again["resumed_shards"] == 0 and again["train"]["tokens"] + again["val"]["tokens"] == (
         clean["train"]["tokens"] + clean["val"]["tokens"])
+
+
+KILLED_RUN = """
+import sys, time
+from pathlib import Path
+import recover.data.writers as writers
+from recover.data.prepare import prepare_files
+
+write_shard = writers.write_shard
+def slow_write_shard(*args, **kwargs):  # a slow disk: the run is killed while it writes
+    time.sleep(0.05)
+    return write_shard(*args, **kwargs)
+writers.write_shard = slow_write_shard
+if __name__ == "__main__":
+    prepare_files([Path(sys.argv[1])], sys.argv[2], quiet=True, workers=1, shard_tokens=500)
+"""
+
+
+def test_resume_after_kill_9(tmp_path: Path, corpus: tuple[Path, dict]) -> None:
+    root, _ = corpus
+    (root / "big.txt").write_text(big_text(600))
+    out, script = tmp_path / "out", tmp_path / "run.py"
+    script.write_text(KILLED_RUN)
+    src = str(Path(prepare.__file__).parents[2])
+    env = {**os.environ, "PYTHONPATH": os.pathsep.join([src, os.environ.get("PYTHONPATH", "")])}
+    proc = subprocess.Popen([sys.executable, str(script), str(root), str(out)], env=env)
+    try:
+        deadline = time.monotonic() + 60
+        while time.monotonic() < deadline and proc.poll() is None:
+            try:
+                if len(json.loads((out / prepare.JOURNAL_NAME).read_text())["shards"]["train"]) >= 3:
+                    break
+            except (OSError, ValueError):
+                pass
+            time.sleep(0.01)
+        assert proc.poll() is None, "the run ended before it could be killed"
+        proc.send_signal(signal.SIGKILL)
+    finally:
+        proc.kill()
+        proc.wait()
+    assert not (out / "meta.json").exists()
+    meta = prepare_files([root], out, quiet=True, workers=1, shard_tokens=500)
+    prepare_files([root], tmp_path / "clean", quiet=True, workers=1, shard_tokens=500)
+    assert meta["resumed_shards"] >= 3
+    assert shard_files(out) == shard_files(tmp_path / "clean")
+
+
+def test_meta_records_max_id_and_checksums_per_shard(tmp_path: Path, corpus: tuple[Path, dict]) -> None:
+    root, _ = corpus
+    meta = prepare_files([root], tmp_path / "out", quiet=True, shard_tokens=700)
+    assert meta["max_id"] == 256 and set(meta["shard_info"]) == set(meta["train"]["shards"] + meta["val"]["shards"])
+    check_shard_info(tmp_path / "out")
+    nano = prepare_files([root], tmp_path / "nano", quiet=True, fmt="nanogpt")
+    assert set(nano["shard_info"]) == {"train.bin", "val.bin"}
+    check_shard_info(tmp_path / "nano")
+
+
+def check_shard_info(out: Path) -> None:
+    """meta.json's max_id and shard_info agree with the shards (recomputed from the files)."""
+    meta = json.loads((out / "meta.json").read_text())
+    maxima = []
+    for name, info in meta["shard_info"].items():
+        tokens = np.asarray(read_shard(out / name))
+        assert info["tokens"] == len(tokens) and info["max_id"] == int(tokens.max())
+        assert info["blake2b"] == hashlib.blake2b((out / name).read_bytes(), digest_size=32).hexdigest()
+        assert info["blake2b"] == prepare.file_blake2b(out / name)
+        maxima.append(info["max_id"])
+    for split in ("train", "val"):
+        assert meta[split]["max_id"] == max(meta["shard_info"][n]["max_id"] for n in meta[split]["shards"])
+    assert meta["max_id"] == max(maxima)
+
+
+def test_meta_checksums_after_uint32_rewrite(tmp_path: Path) -> None:
+    """A tokenizer with ids past 65,535: shards that fit uint16 are rewritten as uint32, checksums follow."""
+    tokenizers = pytest.importorskip("tokenizers", reason="needs the optional tokenizers package")
+    vocab = {f"w{i}": i for i in range(70_000)} | {"<|endoftext|>": 70_000, "[UNK]": 70_001}
+    tok = tokenizers.Tokenizer(tokenizers.models.WordLevel(vocab, unk_token="[UNK]"))
+    tok.pre_tokenizer = tokenizers.pre_tokenizers.Whitespace()
+    tok.save(str(tmp_path / "tokenizer.json"))
+    (tmp_path / "data").mkdir()
+    for i in range(8):  # a few files with small ids only, one with large ones
+        (tmp_path / "data" / f"f{i}.txt").write_text(" ".join(f"w{j + (69_000 if i == 3 else 0)}" for j in range(50)))
+    meta = prepare_files([tmp_path / "data"], tmp_path / "out", tokenizer=str(tmp_path / "tokenizer.json"),
+                         quiet=True, shard_tokens=40)
+    assert meta["max_id"] == 70_000 and meta["eot_id"] == 70_000
+    assert {read_shard(tmp_path / "out" / n).dtype for n in meta["shard_info"]} == {np.dtype("<u4")}
+    check_shard_info(tmp_path / "out")
+
+
+def test_progress_and_quiet(tmp_path: Path, corpus: tuple[Path, dict], capsys: pytest.CaptureFixture[str]) -> None:
+    root, _ = corpus
+    prepare_files([root], tmp_path / "quiet", quiet=True)
+    assert capsys.readouterr() == ("", "")
+    prepare_files([root], tmp_path / "loud")
+    shown = capsys.readouterr()
+    assert "tokenising" in shown.out + shown.err and "tokens/s" in shown.out + shown.err
+    assert main(["prepare", str(root), "--out", str(tmp_path / "cli"), "--quiet", "--workers", "1",
+                 "--field", "body", "--column", "content"]) == 0
+    assert "Prepared" in capsys.readouterr().out
+    assert main(["prepare", str(root), "--out", str(tmp_path / "cli"), "--workers", "0"]) == 2
+    assert "--workers 0 is not allowed" in capsys.readouterr().err
