@@ -37,8 +37,8 @@ Contract:
     * Either way ``out_dir/meta.json`` is written last and atomically. A re-run with the same inputs
       (names, sizes, mtimes) and options finds a matching ``meta.json`` with its shards in place and
       skips the work.
-    * Resumable: after each complete shard (nanoGPT: each complete split file), ``out_dir/`` +
-      ``JOURNAL_NAME`` is replaced atomically; it records the request's fingerprint, the complete
+    * Resumable: after each complete shard (nanoGPT: each complete split file),
+      ``out_dir/.prepare-journal.json`` is replaced atomically; it records the request's fingerprint, the complete
       shards (tokens, max id, checksum) and where in the task list the next shard starts. A re-run of
       the same request after a crash keeps those shards (when their checksums still match) and goes
       on from there, giving the same bytes as an uninterrupted run; any other request clears the
@@ -53,6 +53,7 @@ Contract:
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 import hashlib
 import itertools
@@ -78,8 +79,6 @@ from recover.data.shards import META_NAME, UINT16_LIMIT, read_shard
 from recover.data.tokenizer import Tokenizer, load_tokenizer
 from recover.data.writers import NanoGPTWriter, ShardWriter, file_blake2b, one_flavour, write_meta_pkl
 from recover.errors import ConfigError, DataError
-
-__all__ = ["file_blake2b", "prepare_builtin", "prepare_files", "resolve_data_dir"]
 
 META_VERSION = 2
 SPLITS = ("train", "val")
@@ -412,7 +411,7 @@ def _chunks(piece: Piece, field: str, column: str) -> list[Chunk]:
     step = PIECE_BYTES if piece.kind == "text" else TASK_BYTES
     cuts, target = [piece.start], piece.start + step
     while target < piece.stop:
-        if piece.kind == "text":  # near the target; a document's lines are never searched to the end
+        if piece.kind == "text":  # within a step after the target, else no cut there
             at = _search(piece.path, target, piece.stop, TEXT_CUT, step)
             at = at or _search(piece.path, target, piece.stop, NEWLINE, step)
         else:  # a JSONL line is never cut
@@ -431,12 +430,14 @@ def _tasks(splits: dict[str, list[Piece]], field: str, column: str) -> list[tupl
     tasks = []
     for split in SPLITS:
         batch: list[Chunk] = []
+        weight = 0
         for piece in splits[split]:
             for chunk in _chunks(piece, field, column):
                 batch.append(chunk)
-                if sum(c.weight for c in batch) >= TASK_BYTES:
+                weight += chunk.weight
+                if weight >= TASK_BYTES:
                     tasks.append((split, tuple(batch)))
-                    batch = []
+                    batch, weight = [], 0
         if batch:
             tasks.append((split, tuple(batch)))
     return tasks
@@ -454,8 +455,7 @@ class Tokenized(NamedTuple):
 
 def _line_number(chunk: Chunk, index: int) -> int:
     """The 1-based line of the file that is line ``index`` of the chunk (only for error messages)."""
-    with open(chunk.path, "rb") as f:
-        return f.read(chunk.start).count(b"\n") + index + 1
+    return _count_lines(Path(chunk.path), 0, chunk.start) + index + 1  # chunks start after a line break
 
 
 def _jsonl_rows(chunk: Chunk) -> Iterator[str]:
@@ -664,11 +664,11 @@ def _write_splits(
     writer: ShardWriter | NanoGPTWriter | None = None
     todo = [chunks for _, chunks in tasks[first:]]
     workers = _pool_size(todo, workers)
-    with _progress(quiet) as progress:
+    # closing(): a failure while writing stops the pool at once, not when the traceback is dropped
+    with _progress(quiet) as progress, contextlib.closing(_results(todo, tok, workers)) as results:
         bar = progress.add_task(f"tokenising, {workers} process(es)", total=sum(weights),
                                 completed=sum(weights[:first]), rate="")
         began, written = time.perf_counter(), 0
-        results = _results(todo, tok, workers)
         for t, result in enumerate(results, start=first):
             split = tasks[t][0]
             if writer is None:
