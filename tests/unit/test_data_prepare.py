@@ -223,7 +223,7 @@ def write_jsonl(path: Path, rows: list) -> list[str]:
     return [r["text"] for r in rows if isinstance(r, dict) and r.get("text")]
 
 
-def test_jsonl_one_document_per_line(tmp_path: Path) -> None:
+def test_jsonl_one_document_per_line(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
     texts = []
     for i in range(6):
         rows = [{"text": f"file {i} row {j}\nsecond line", "id": j} for j in range(5)] + [{"text": ""}, "\n"]
@@ -242,12 +242,17 @@ def test_jsonl_one_document_per_line(tmp_path: Path) -> None:
     assert documents(tmp_path / "single", "val") == [f"document {j}" for j in range(36, 40)]
     assert documents(tmp_path / "single", "train") == [f"document {j}" for j in range(36)]
 
+    monkeypatch.setattr(prepare, "TASK_BYTES", 64)  # a bad row met in a worker process is named the same way
+    write_jsonl(single, [{"body": f"document {j}"} for j in range(40)] + [{"body": None}])
+    with pytest.raises(DataError, match=r"one\.jsonl, line 41: field 'body' is null, not a string"):
+        prepare_files([single], tmp_path / "single", quiet=True, field="body", workers=2)
+
 
 @pytest.mark.parametrize(
     ("line", "message"),
     [
         ({"txt": "x"}, r"bad\.jsonl, line 3: has no field 'text'; pass --field NAME"),
-        ({"text": 7}, r"bad\.jsonl, line 3: field 'text' is int, not a string"),
+        ({"text": 7}, r"bad\.jsonl, line 3: field 'text' is a number, not a string"),
         ("[1, 2]\n", r"bad\.jsonl, line 3: is not a JSON object"),
         ("{oops\n", r"bad\.jsonl, line 3: not valid JSON"),
     ],

@@ -104,6 +104,8 @@ JOURNAL_VERSION = 1
 NEWLINE = re.compile(rb"\n")
 TEXT_CUT = re.compile(rb"(?<=[\x21-\x7e])\n(?=[\x21-\x7e])")  # a line break between printable ASCII
 BLOCK = 1 << 20
+JSON_TYPES = {type(None): "null", bool: "a boolean", int: "a number", float: "a number", list: "an array",
+              dict: "an object"}
 
 
 @dataclass(frozen=True)
@@ -474,7 +476,7 @@ def _jsonl_rows(chunk: Chunk) -> Iterator[str]:
         if not isinstance(value, str):
             what = ("is not a JSON object" if not isinstance(row, dict)
                     else f"has no field {chunk.key!r}" if chunk.key not in row
-                    else f"field {chunk.key!r} is {type(value).__name__}, not a string")
+                    else f"field {chunk.key!r} is {JSON_TYPES.get(type(value), type(value).__name__)}, not a string")
             raise DataError(f"{chunk.path}, line {_line_number(chunk, index)}: {what}; pass --field NAME of the "
                             "string field that holds each document's text")
         yield value
