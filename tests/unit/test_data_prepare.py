@@ -2,15 +2,21 @@
 
 from __future__ import annotations
 
+import hashlib
 import json
+import os
 import shutil
+import signal
+import subprocess
 import sys
+import time
 from pathlib import Path
 
 import numpy as np
 import pytest
 
 from recover.cli import main
+from recover.data import prepare
 from recover.data.prepare import (
     STDLIB_EXCLUDED_DIRS,
     collect_files,
@@ -19,7 +25,7 @@ from recover.data.prepare import (
     split_files,
     stdlib_files,
 )
-from recover.data.shards import TokenDataset
+from recover.data.shards import TokenDataset, read_shard
 from recover.data.tokenizer import ByteTokenizer, load_tokenizer
 from recover.errors import DataError
 
@@ -173,3 +179,269 @@ def test_split_guarantees_one_file_each_and_skips_its_own_output(tmp_path: Path)
     meta = prepare_files([tmp_path], tmp_path / "out", quiet=True)  # output inside the input directory
     again = prepare_files([tmp_path], tmp_path / "out", quiet=True)  # its meta.json is not an input
     assert meta["train"]["files"] + meta["val"]["files"] == 3 and again["skipped"] is True
+
+
+# ---------------------------------------------------------------- all cores, JSONL, Parquet, resume, meta
+
+
+def shard_files(out: Path) -> dict[str, bytes]:
+    """Every file of an output directory but the journal, by name."""
+    return {p.name: p.read_bytes() for p in sorted(out.iterdir()) if p.is_file()}
+
+
+def big_text(lines: int) -> str:
+    return "".join(f"def f{i}(x):\n    return x * {i}  # ünïcode\n" for i in range(lines))
+
+
+def test_output_is_the_same_for_any_number_of_workers(
+    tmp_path: Path, corpus: tuple[Path, dict], monkeypatch: pytest.MonkeyPatch
+) -> None:
+    root, _ = corpus
+    (root / "big.txt").write_text(big_text(3000))  # ~110 kB: cut into pieces
+    write_jsonl(root / "rows.jsonl", [{"text": f"row {i} " * (i % 7 + 1)} for i in range(400)])
+    monkeypatch.setattr(prepare, "TASK_BYTES", 4096)
+    monkeypatch.setattr(prepare, "PIECE_BYTES", 20_000)
+    pools = []
+    real_pool_size = prepare._pool_size
+    monkeypatch.setattr(prepare, "_pool_size", lambda *a: pools.append(real_pool_size(*a)) or pools[-1])
+    one = prepare_files([root], tmp_path / "one", quiet=True, workers=1, shard_tokens=2000)
+    prepare_files([root], tmp_path / "two", quiet=True, workers=2, shard_tokens=2000)
+    assert pools == [1, 2] and len(one["train"]["shards"] + one["val"]["shards"]) > 20
+    assert shard_files(tmp_path / "one") == shard_files(tmp_path / "two")
+    assert one["train"]["documents"] + one["val"]["documents"] == len(NAMES) + 1 + 400
+
+    # pieces of a text file are cut where the byte tokenizer gives the same ids as the whole file
+    monkeypatch.setattr(prepare, "PIECE_BYTES", 1 << 30)
+    whole = prepare_files([root], tmp_path / "whole", quiet=True, workers=1, shard_tokens=2000)
+    assert whole["content_sha256"] != one["content_sha256"]  # other cuts were made...
+    for name in one["train"]["shards"] + one["val"]["shards"]:  # ...with the same tokens
+        assert (tmp_path / "whole" / name).read_bytes() == (tmp_path / "one" / name).read_bytes()
+
+
+def write_jsonl(path: Path, rows: list) -> list[str]:
+    path.parent.mkdir(parents=True, exist_ok=True)
+    path.write_text("".join(r if isinstance(r, str) else json.dumps(r) + "\n" for r in rows))
+    return [r["text"] for r in rows if isinstance(r, dict) and r.get("text")]
+
+
+def test_jsonl_one_document_per_line(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    texts = []
+    for i in range(6):
+        rows = [{"text": f"file {i} row {j}\nsecond line", "id": j} for j in range(5)] + [{"text": ""}, "\n"]
+        texts += write_jsonl(tmp_path / "data" / f"part{i}.jsonl", rows)
+    meta = prepare_files([tmp_path / "data"], tmp_path / "out", quiet=True, val_fraction=0.3)
+    assert meta["field"] == "text" and meta["split"] == "by-file" and meta["val"]["files"] >= 1
+    got = documents(tmp_path / "out", "train") + documents(tmp_path / "out", "val")
+    assert sorted(got) == sorted(texts)  # empty rows and blank lines are skipped
+    assert meta["train"]["documents"] + meta["val"]["documents"] == 30
+    assert meta["train"]["bytes"] + meta["val"]["bytes"] == sum(len(t.encode()) for t in texts)
+
+    single = tmp_path / "one.jsonl"  # one file: split by rows, the last ones go to val
+    rows = write_jsonl(single, [{"body": f"document {j}"} for j in range(40)])
+    meta = prepare_files([single], tmp_path / "single", quiet=True, val_fraction=0.1, field="body")
+    assert meta["split"] == "single-file-tail" and meta["field"] == "body" and rows == []
+    assert documents(tmp_path / "single", "val") == [f"document {j}" for j in range(36, 40)]
+    assert documents(tmp_path / "single", "train") == [f"document {j}" for j in range(36)]
+
+    monkeypatch.setattr(prepare, "TASK_BYTES", 64)  # a bad row met in a worker process is named the same way
+    write_jsonl(single, [{"body": f"document {j}"} for j in range(40)] + [{"body": None}])
+    with pytest.raises(DataError, match=r"one\.jsonl, line 41: field 'body' is null, not a string"):
+        prepare_files([single], tmp_path / "single", quiet=True, field="body", workers=2)
+
+
+@pytest.mark.parametrize(
+    ("line", "message"),
+    [
+        ({"txt": "x"}, r"bad\.jsonl, line 3: has no field 'text'; pass --field NAME"),
+        ({"text": 7}, r"bad\.jsonl, line 3: field 'text' is a number, not a string"),
+        ("[1, 2]\n", r"bad\.jsonl, line 3: is not a JSON object"),
+        ("{oops\n", r"bad\.jsonl, line 3: not valid JSON"),
+    ],
+)
+def test_jsonl_bad_row_is_named(tmp_path: Path, line: object, message: str) -> None:
+    write_jsonl(tmp_path / "bad.jsonl", [{"text": "a"}, {"text": "b"}, line, {"text": "c"}])
+    with pytest.raises(DataError, match=message):
+        prepare_files([tmp_path / "bad.jsonl"], tmp_path / "out", quiet=True)
+
+
+def test_parquet_one_document_per_row(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    pa = pytest.importorskip("pyarrow", reason="Parquet inputs need the optional pyarrow (recover-llm[parquet])")
+    import pyarrow.parquet as pq
+
+    texts = [f"row {i}: " + "wörds " * (i % 5) for i in range(300)]
+    pq.write_table(pa.table({"id": list(range(300)), "content": texts}), tmp_path / "train.parquet",
+                   row_group_size=64)
+    monkeypatch.setattr(prepare, "TASK_BYTES", 1000)  # several tasks per row group
+    meta = prepare_files([tmp_path / "train.parquet"], tmp_path / "out", quiet=True, column="content", workers=1)
+    assert meta["split"] == "single-file-tail" and meta["column"] == "content"
+    assert documents(tmp_path / "out", "train") == texts[:285] and documents(tmp_path / "out", "val") == texts[285:]
+    two = prepare_files([tmp_path / "train.parquet"], tmp_path / "two", quiet=True, column="content", workers=2)
+    assert two["content_sha256"] == meta["content_sha256"]
+    assert shard_files(tmp_path / "out") == shard_files(tmp_path / "two")
+
+    budget = prepare_files([tmp_path / "train.parquet"], tmp_path / "b", quiet=True, column="content",
+                           max_bytes=(tmp_path / "train.parquet").stat().st_size // 3)
+    assert 80 < budget["train"]["documents"] + budget["val"]["documents"] < 120  # a third of the rows
+
+    with pytest.raises(DataError, match=r"train\.parquet: no column 'text' \(it has id, content\); pass --column"):
+        prepare_files([tmp_path / "train.parquet"], tmp_path / "x", quiet=True)
+    pq.write_table(pa.table({"text": ["a", None, "c"]}), tmp_path / "nulls.parquet")
+    with pytest.raises(DataError, match=r"nulls\.parquet, row 2: column 'text' is null"):
+        prepare_files([tmp_path / "nulls.parquet"], tmp_path / "x", quiet=True)
+
+
+def test_parquet_without_pyarrow_says_what_to_install(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    (tmp_path / "data.parquet").write_bytes(b"PAR1 not really")
+    monkeypatch.setitem(sys.modules, "pyarrow", None)  # as if the optional package were missing
+    monkeypatch.setitem(sys.modules, "pyarrow.parquet", None)
+    with pytest.raises(DataError, match=r"data\.parquet: reading Parquet needs .*pip install 'recover-llm\[parquet\]'"):
+        prepare_files([tmp_path], tmp_path / "out", quiet=True)
+
+
+def test_resume_after_a_crash_keeps_complete_shards(
+    tmp_path: Path, corpus: tuple[Path, dict], monkeypatch: pytest.MonkeyPatch
+) -> None:
+    root, _ = corpus
+    (root / "big.txt").write_text(big_text(1000))
+    monkeypatch.setattr(prepare, "TASK_BYTES", 2048)
+    monkeypatch.setattr(prepare, "PIECE_BYTES", 4096)
+    calls, tokenize = [], prepare._tokenize
+    monkeypatch.setattr(prepare, "_tokenize", lambda *a: calls.append(1) or tokenize(*a))
+    clean = prepare_files([root], tmp_path / "clean", quiet=True, workers=1, shard_tokens=1000)
+    clean_calls, out = len(calls), tmp_path / "out"
+
+    saves, save = [], prepare._save_journal
+
+    def crash_after_five(out_dir: Path, journal: dict) -> None:
+        save(out_dir, journal)
+        saves.append(1)
+        if len(saves) == 5:
+            raise KeyboardInterrupt("simulated crash")
+
+    monkeypatch.setattr(prepare, "_save_journal", crash_after_five)
+    with pytest.raises(KeyboardInterrupt):
+        prepare_files([root], out, quiet=True, workers=1, shard_tokens=1000)
+    monkeypatch.setattr(prepare, "_save_journal", save)
+    assert not (out / "meta.json").exists()
+    journal = json.loads((out / prepare.JOURNAL_NAME).read_text())
+    kept = {p.name: p.stat().st_ino for p in out.glob("*.bin")}
+    assert sorted(kept) == [name for split in ("train", "val") for name, _ in journal["shards"][split]]
+    assert len(kept) >= 4  # the first save is the empty journal
+
+    calls.clear()
+    meta = prepare_files([root], out, quiet=True, workers=1, shard_tokens=1000)
+    assert meta["resumed_shards"] == len(kept) and not (out / prepare.JOURNAL_NAME).exists()
+    assert journal["resume"]["task"] > 2 and len(calls) == clean_calls - journal["resume"]["task"]  # not redone
+    assert {name: (out / name).stat().st_ino for name in kept} == kept  # nor rewritten
+    assert shard_files(out) == shard_files(tmp_path / "clean")
+    assert {**meta, "resumed_shards": 0} == clean
+
+    monkeypatch.setattr(prepare, "_save_journal", crash_after_five)  # another request starts over
+    saves.clear()
+    with pytest.raises(KeyboardInterrupt):
+        prepare_files([root], out, quiet=True, workers=1, shard_tokens=1000, val_fraction=0.3)
+    monkeypatch.setattr(prepare, "_save_journal", save)
+    again = prepare_files([root], out, quiet=True, workers=1, shard_tokens=2500)
+    assert again["resumed_shards"] == 0 and again["train"]["tokens"] + again["val"]["tokens"] == (
+        clean["train"]["tokens"] + clean["val"]["tokens"])
+
+
+KILLED_RUN = """
+import sys, time
+from pathlib import Path
+import recover.data.writers as writers
+from recover.data.prepare import prepare_files
+
+write_shard = writers.write_shard
+def slow_write_shard(*args, **kwargs):  # a slow disk: the run is killed while it writes
+    time.sleep(0.05)
+    return write_shard(*args, **kwargs)
+writers.write_shard = slow_write_shard
+if __name__ == "__main__":
+    prepare_files([Path(sys.argv[1])], sys.argv[2], quiet=True, workers=1, shard_tokens=500)
+"""
+
+
+def test_resume_after_kill_9(tmp_path: Path, corpus: tuple[Path, dict]) -> None:
+    root, _ = corpus
+    (root / "big.txt").write_text(big_text(600))
+    out, script = tmp_path / "out", tmp_path / "run.py"
+    script.write_text(KILLED_RUN)
+    src = str(Path(prepare.__file__).parents[2])
+    env = {**os.environ, "PYTHONPATH": os.pathsep.join([src, os.environ.get("PYTHONPATH", "")])}
+    proc = subprocess.Popen([sys.executable, str(script), str(root), str(out)], env=env)
+    try:
+        deadline = time.monotonic() + 60
+        while time.monotonic() < deadline and proc.poll() is None:
+            try:
+                if len(json.loads((out / prepare.JOURNAL_NAME).read_text())["shards"]["train"]) >= 3:
+                    break
+            except (OSError, ValueError):
+                pass
+            time.sleep(0.01)
+        assert proc.poll() is None, "the run ended before it could be killed"
+        proc.send_signal(signal.SIGKILL)
+    finally:
+        proc.kill()
+        proc.wait()
+    assert not (out / "meta.json").exists()
+    meta = prepare_files([root], out, quiet=True, workers=1, shard_tokens=500)
+    prepare_files([root], tmp_path / "clean", quiet=True, workers=1, shard_tokens=500)
+    assert meta["resumed_shards"] >= 3
+    assert shard_files(out) == shard_files(tmp_path / "clean")
+
+
+def test_meta_records_max_id_and_checksums_per_shard(tmp_path: Path, corpus: tuple[Path, dict]) -> None:
+    root, _ = corpus
+    meta = prepare_files([root], tmp_path / "out", quiet=True, shard_tokens=700)
+    assert meta["max_id"] == 256 and set(meta["shard_info"]) == set(meta["train"]["shards"] + meta["val"]["shards"])
+    check_shard_info(tmp_path / "out")
+    nano = prepare_files([root], tmp_path / "nano", quiet=True, fmt="nanogpt")
+    assert set(nano["shard_info"]) == {"train.bin", "val.bin"}
+    check_shard_info(tmp_path / "nano")
+
+
+def check_shard_info(out: Path) -> None:
+    """meta.json's max_id and shard_info agree with the shards (recomputed from the files)."""
+    meta = json.loads((out / "meta.json").read_text())
+    maxima = []
+    for name, info in meta["shard_info"].items():
+        tokens = np.asarray(read_shard(out / name))
+        assert info["tokens"] == len(tokens) and info["max_id"] == int(tokens.max())
+        assert info["blake2b"] == hashlib.blake2b((out / name).read_bytes(), digest_size=32).hexdigest()
+        assert info["blake2b"] == prepare.file_blake2b(out / name)
+        maxima.append(info["max_id"])
+    for split in ("train", "val"):
+        assert meta[split]["max_id"] == max(meta["shard_info"][n]["max_id"] for n in meta[split]["shards"])
+    assert meta["max_id"] == max(maxima)
+
+
+def test_meta_checksums_after_uint32_rewrite(tmp_path: Path) -> None:
+    """A tokenizer with ids past 65,535: shards that fit uint16 are rewritten as uint32, checksums follow."""
+    tokenizers = pytest.importorskip("tokenizers", reason="needs the optional tokenizers package")
+    vocab = {f"w{i}": i for i in range(70_000)} | {"<|endoftext|>": 70_000, "[UNK]": 70_001}
+    tok = tokenizers.Tokenizer(tokenizers.models.WordLevel(vocab, unk_token="[UNK]"))
+    tok.pre_tokenizer = tokenizers.pre_tokenizers.Whitespace()
+    tok.save(str(tmp_path / "tokenizer.json"))
+    (tmp_path / "data").mkdir()
+    for i in range(8):  # a few files with small ids only, one with large ones
+        (tmp_path / "data" / f"f{i}.txt").write_text(" ".join(f"w{j + (69_000 if i == 3 else 0)}" for j in range(50)))
+    meta = prepare_files([tmp_path / "data"], tmp_path / "out", tokenizer=str(tmp_path / "tokenizer.json"),
+                         quiet=True, shard_tokens=40)
+    assert meta["max_id"] == 70_000 and meta["eot_id"] == 70_000
+    assert {read_shard(tmp_path / "out" / n).dtype for n in meta["shard_info"]} == {np.dtype("<u4")}
+    check_shard_info(tmp_path / "out")
+
+
+def test_progress_and_quiet(tmp_path: Path, corpus: tuple[Path, dict], capsys: pytest.CaptureFixture[str]) -> None:
+    root, _ = corpus
+    prepare_files([root], tmp_path / "quiet", quiet=True)
+    assert capsys.readouterr() == ("", "")
+    prepare_files([root], tmp_path / "loud")
+    shown = capsys.readouterr()
+    assert "tokenising" in shown.out + shown.err and "tokens/s" in shown.out + shown.err
+    assert main(["prepare", str(root), "--out", str(tmp_path / "cli"), "--quiet", "--workers", "1",
+                 "--field", "body", "--column", "content"]) == 0
+    assert "Prepared" in capsys.readouterr().out
+    assert main(["prepare", str(root), "--out", str(tmp_path / "cli"), "--workers", "0"]) == 2
+    assert "--workers 0 is not allowed" in capsys.readouterr().err

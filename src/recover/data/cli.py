@@ -1,4 +1,4 @@
-"""``recover prepare``: tokenise text (or the built-in stdlib corpus) into train/val token shards.
+"""``recover prepare``: tokenise text, JSONL, Parquet (or the built-in stdlib corpus) into token shards.
 
 Contract: exactly one source, positional inputs or ``--builtin``; writes shards and ``meta.json``
 under ``--out`` (see :mod:`recover.data.prepare`) and prints a one-paragraph summary. A re-run with
@@ -26,7 +26,8 @@ def register(sub: argparse._SubParsersAction) -> None:
         "train/val token shards plus meta.json, in llm.c's or nanoGPT's format; `recover train --data.path OUT` "
         "reads either. Files are split into train/val by a stable hash of their relative path.",
     )
-    p.add_argument("inputs", nargs="*", type=Path, help="text files or directories (searched recursively)")
+    p.add_argument("inputs", nargs="*", type=Path,
+                   help="text, .jsonl or .parquet files, or directories (searched recursively)")
     p.add_argument("--builtin", choices=BUILTINS, help="an embedded corpus instead of inputs")
     p.add_argument("--out", type=Path, help="output directory for shards and meta.json")
     p.add_argument("--tokenizer", default="byte", help="'byte' (default) or a HuggingFace tokenizer.json")
@@ -45,6 +46,11 @@ def register(sub: argparse._SubParsersAction) -> None:
                         "DIR/.recover-verified.json, which launch then trusts instead of scanning")
     p.add_argument("--vocab-size", type=int, default=None, metavar="N",
                    help="with --verify: ids must be below N (default: the data's recorded vocabulary)")
+    p.add_argument("--workers", type=int, default=None,
+                   help="tokenising processes (default: the cores this process may use); the output is the same")
+    p.add_argument("--field", default="text", help="JSONL inputs: the field that holds each document's text (text)")
+    p.add_argument("--column", default="text", help="Parquet inputs: the column that holds each document's text "
+                   "(text); needs pip install 'recover-llm[parquet]'")
     p.set_defaults(func=run)
 
 
@@ -52,6 +58,8 @@ def summary(meta: dict, out_dir: Path) -> str:
     """One paragraph describing what ``meta`` (from prepare) holds."""
     train, val = meta["train"], meta["val"]
     head = "Already prepared (meta.json matches, nothing redone)" if meta.get("skipped") else "Prepared"
+    if meta.get("resumed_shards"):
+        head += f" (resumed: {meta['resumed_shards']} complete shard(s) kept from an interrupted run)"
     return (
         f"{head}: {train['tokens']:,} train tokens from {train['files']} file(s) in {len(train['shards'])} "
         f"shard(s) and {val['tokens']:,} val tokens from {val['files']} file(s) in {len(val['shards'])} "
@@ -97,10 +105,11 @@ def run(args: argparse.Namespace) -> int:
         shard_tokens=args.shard_tokens,
         max_bytes=args.max_bytes,
         quiet=args.quiet,
+        workers=args.workers,
     )
     if args.builtin:
         meta = prepare_builtin(args.builtin, args.out, **options)
     else:
-        meta = prepare_files(args.inputs, args.out, **options)
+        meta = prepare_files(args.inputs, args.out, field=args.field, column=args.column, **options)
     print(summary(meta, args.out))
     return 0
