@@ -144,6 +144,7 @@ def test_prepare_format_nanogpt_writes_what_nanogpt_reads_and_reads_it_back(tmp_
     head = np.frombuffer(b"\xc8\xd4\x34\x01", dtype=np.uint16)  # tokens that spell llm.c's GPT-2 magic
     np.concatenate([head, train]).astype(np.uint16).tofile(out / "val.bin")  # still raw tokens: no sniffing
     meta = json.loads((out / "meta.json").read_text())
+    (out / "meta.json").unlink()  # a val.bin not from prepare (its shard_info would refuse it): nanoGPT's own layout
     assert len(train) == meta["train"]["tokens"] and bytes(train[1:11].astype(np.uint8)) == b"document 0"
     cfg = train_config("debug", ["--data.path", str(out)], 1)
     assert cfg.model.vocab_size == 320
