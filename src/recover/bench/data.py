@@ -26,6 +26,13 @@ Contract:
 - Before (:func:`materialised`): the order recover used to hold, ``numpy.random.default_rng(..).permutation(W)``,
   timed and its memory measured in a fresh process at W = 1e6, 1e7, 1e8, beside the keyed shuffle of
   :mod:`recover.data.shuffle` at the same W.
+- Prepare (:func:`prepare_throughput`): ``recover prepare`` on ``--prepare-mb`` MB of text (the Python
+  standard library's sources, copied until the size is reached) with one worker against every core the
+  process may use, ``rounds`` times in alternating order, each into a fresh directory: MB/s and tokens/s
+  (medians), per core, and the ratio (acceptance: >= 1.7x on 2 cores). The tokenizer is a byte-level BPE
+  (``--tokenizer FILE``, else one of 16,384 ids trained here on the same sources with the ``tokenizers``
+  package, the ``hf`` extra); the byte tokenizer, too cheap to gain from more processes, is run once
+  each way for reference.
 - Every table states the machine (cores, load before and after); ``OUT/results.json`` and ``--json FILE``
   hold everything; ``OUT/data.png`` plots start-up and sampler memory against W.
 """
@@ -70,6 +77,7 @@ WAIT_STEPS = 12
 WAIT_SHARE = 4  # microbatches of a replica's share per step (M = 8 over 2 replicas)
 DEVICE_MS = 50.0  # an 8 x 1024-token microbatch of a ~125M model on a GPU
 LATENCY_MS = 5.0  # a read from shared storage
+PREPARE_MB = 30.0
 VAL_TOKENS = 1_000_000
 GPT2_VOCAB = 50257
 
@@ -270,8 +278,95 @@ def data_wait(directory: Path, rounds: int, latency_ms: float, device_ms: float,
     return out
 
 
+def text_corpus(root: Path, megabytes: float) -> Path:
+    """``megabytes`` of the standard library's ``.py`` sources under ``root`` (copied as often as needed)."""
+    import sysconfig
+
+    want = int(megabytes * 1e6)
+    done = root / ".complete"
+    if done.is_file() and done.read_text() == str(want):
+        return root
+    stdlib = Path(sysconfig.get_paths()["stdlib"])
+    files = [p for p in sorted(stdlib.rglob("*.py")) if not {"site-packages", "test", "tests"} & set(p.parts)]
+    total, copy = 0, 0
+    while total < want:
+        for src in files:
+            if total >= want:
+                break
+            dst = root / f"copy{copy}" / src.relative_to(stdlib)
+            dst.parent.mkdir(parents=True, exist_ok=True)
+            data = src.read_bytes()
+            dst.write_bytes(data)
+            total += len(data)
+        copy += 1
+    done.write_text(str(want))
+    return root
+
+
+def bpe_tokenizer(path: Path, corpus: Path) -> Path | None:
+    """A byte-level BPE of 16,384 ids trained on ``corpus``'s first copy (None without ``tokenizers``)."""
+    if path.is_file():
+        return path
+    try:
+        from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
+    except ImportError:
+        return None
+    tok = Tokenizer(models.BPE())
+    tok.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
+    tok.decoder = decoders.ByteLevel()
+    trainer = trainers.BpeTrainer(vocab_size=16384, special_tokens=["<|endoftext|>"], show_progress=False,
+                                  initial_alphabet=pre_tokenizers.ByteLevel.alphabet())
+    tok.train([str(p) for p in sorted((corpus / "copy0").rglob("*.py"))], trainer)
+    path.parent.mkdir(parents=True, exist_ok=True)
+    tok.save(str(path))
+    return path
+
+
+def prepare_throughput(root: Path, megabytes: float, rounds: int, tokenizer: str | None, log: Log) -> dict:
+    """``recover prepare`` with one worker against every core (see the module docstring)."""
+    import shutil
+
+    from recover.data.prepare import prepare_files
+
+    corpus = text_corpus(root / "corpus", megabytes)
+    cores = len(os.sched_getaffinity(0))
+    bpe = tokenizer or (str(p) if (p := bpe_tokenizer(root / "bpe.json", corpus)) else None)
+    runs: dict[tuple[str, int], list[dict]] = {}
+
+    def once(tok: str, workers: int) -> None:
+        out = root / "out"
+        shutil.rmtree(out, ignore_errors=True)
+        t0 = time.perf_counter()
+        meta = prepare_files([corpus], out, tokenizer=tok, workers=workers, quiet=True)
+        wall = time.perf_counter() - t0
+        tokens = meta["train"]["tokens"] + meta["val"]["tokens"]
+        res = {"wall_s": wall, "mb_s": megabytes / wall, "tokens_s": tokens / wall}
+        runs.setdefault((tok, workers), []).append(res)
+        log(f"[bench data] prepare {Path(tok).name} x{workers}: {res['mb_s']:.2f} MB/s, "
+            f"{res['tokens_s']:,.0f} tokens/s")
+
+    for r in range(rounds if bpe else 0):
+        for workers in ((1, cores) if r % 2 == 0 else (cores, 1)):
+            once(bpe, workers)
+    for workers in (1, cores):
+        once("byte", workers)
+    shutil.rmtree(root / "out", ignore_errors=True)
+    rows = []
+    for (tok, workers), rs in runs.items():
+        rows.append({"tokenizer": "byte" if tok == "byte" else f"BPE ({Path(tok).name})", "workers": workers,
+                     "mb_s": median([r["mb_s"] for r in rs]), "tokens_s": median([r["tokens_s"] for r in rs]),
+                     "runs": rs})
+    for row in rows:
+        single = next(r for r in rows if r["tokenizer"] == row["tokenizer"] and r["workers"] == 1)
+        row["vs_one"] = row["tokens_s"] / single["tokens_s"]
+        row["mb_s_per_core"] = row["mb_s"] / row["workers"]
+    return {"megabytes": megabytes, "cores": cores, "rows": rows,
+            "skipped": None if bpe else "no BPE: pass --tokenizer FILE or install the hf extra (tokenizers)"}
+
+
 def run(out: Path, sizes: Sequence[int], rounds: int, samples: int, huge: bool, perm_sizes: Sequence[int],
-        latency_ms: float = LATENCY_MS, device_ms: float = DEVICE_MS, log: Log = stderr_log) -> dict[str, Any]:
+        latency_ms: float = LATENCY_MS, device_ms: float = DEVICE_MS, prepare_mb: float = PREPARE_MB,
+        tokenizer: str | None = None, log: Log = stderr_log) -> dict[str, Any]:
     load_before = machine_load()
     data_root = out / "data"
     datasets: dict[str, Path] = {}
@@ -288,6 +383,7 @@ def run(out: Path, sizes: Sequence[int], rounds: int, samples: int, huge: bool, 
         "startup": startup(datasets, rounds, samples, log),
         "materialised": [_run_probe(["materialised", str(w)]) for w in perm_sizes],
         "data_wait": data_wait(datasets[f"{max(sizes):.0e} tokens"], rounds, latency_ms, device_ms, log),
+        "prepare": prepare_throughput(out / "prepare", prepare_mb, rounds, tokenizer, log) if prepare_mb else None,
     }
     result["machine"]["load_after"] = machine_load()
     write_json(out / "results.json", result)
@@ -314,6 +410,14 @@ def print_tables(result: dict[str, Any]) -> None:
     print_rich_table(f"data wait per step: {WAIT_SHARE} microbatches of {result['data_wait'][0]['device_ms']:g} ms "
                      "each (emulated device), medians", ["reads", "+latency ms", "wait ms", "step ms", "wait share"],
                      rows)
+    prep = result.get("prepare")
+    if prep:
+        rows = [[r["tokenizer"], str(r["workers"]), fmt(r["mb_s"], ".2f"), fmt(r["mb_s_per_core"], ".2f"),
+                 f"{r['tokens_s']:,.0f}", fmt(r["vs_one"], ".2f")] for r in prep["rows"]]
+        print_rich_table(f"recover prepare on {prep['megabytes']:g} MB of text: one worker against {prep['cores']} "
+                         f"(medians of {len(prep['rows'][0]['runs'])} for the BPE)",
+                         ["tokenizer", "workers", "MB/s", "MB/s per core", "tokens/s", "vs 1 worker"], rows,
+                         notes=[prep["skipped"]] if prep["skipped"] else [])
 
 
 def plot(result: dict[str, Any], path: Path) -> None:
@@ -356,8 +460,10 @@ def run_from_args(args: argparse.Namespace) -> int:
     perm = _positive_ints(args.perm_sizes, "--perm-sizes") if args.perm_sizes else []
     if args.latency_ms < 0 or args.device_ms <= 0:
         raise ConfigError("--latency-ms must be >= 0 and --device-ms > 0")
+    if args.prepare_mb < 0:
+        raise ConfigError("--prepare-mb must be >= 0 (0 leaves the prepare runs out)")
     result = run(Path(args.out), sizes, args.rounds, args.samples, not args.no_huge, perm, args.latency_ms,
-                 args.device_ms)
+                 args.device_ms, args.prepare_mb, args.tokenizer)
     print_tables(result)
     if args.json:
         write_json(args.json, result)
@@ -384,6 +490,10 @@ def add_parser(bench_subparsers: argparse._SubParsersAction) -> argparse.Argumen
                    help=f"added to every read in the data-wait runs: shared storage (default {LATENCY_MS:g})")
     p.add_argument("--device-ms", type=float, default=DEVICE_MS,
                    help=f"emulated compute per microbatch in the data-wait runs (default {DEVICE_MS:g})")
+    p.add_argument("--prepare-mb", type=float, default=PREPARE_MB,
+                   help=f"MB of text for the recover prepare runs (default {PREPARE_MB:g}; 0: none)")
+    p.add_argument("--tokenizer", default=None,
+                   help="a tokenizer.json for the prepare runs (default: a BPE trained here, with the hf extra)")
     p.add_argument("--json", default=None, help="also write the results to this JSON file")
     p.set_defaults(func=run_from_args)
     return p

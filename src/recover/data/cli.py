@@ -47,7 +47,8 @@ def register(sub: argparse._SubParsersAction) -> None:
     p.add_argument("--vocab-size", type=int, default=None, metavar="N",
                    help="with --verify: ids must be below N (default: the data's recorded vocabulary)")
     p.add_argument("--workers", type=int, default=None,
-                   help="tokenising processes (default: the cores this process may use); the output is the same")
+                   help="tokenising processes (default: the cores this process may use; 1 for the byte tokenizer, "
+                        "faster alone); the output is the same for any number")
     p.add_argument("--field", default="text", help="JSONL inputs: the field that holds each document's text (text)")
     p.add_argument("--column", default="text", help="Parquet inputs: the column that holds each document's text "
                    "(text); needs pip install 'recover-llm[parquet]'")

@@ -30,6 +30,7 @@ from __future__ import annotations
 import fnmatch
 import glob
 import json
+import mmap
 import os
 import re
 import struct
@@ -263,12 +264,19 @@ def read_header(path: str | Path, fmt: str = "auto") -> ShardHeader:
     return _nanogpt_header(path, st.st_size, st.st_mtime_ns)
 
 
-def _memmap(header: ShardHeader) -> np.ndarray:
+def _memmap(header: ShardHeader, random: bool = False) -> np.ndarray:
+    """The shard's tokens, memory-mapped. ``random``: tell the kernel the reads jump around (a sampler's
+    windows), so a page fault reads that page, not the default read-around of up to megabytes: a cold
+    window costs ~60 us instead of ~3 ms (measured on sparse shards, ``recover bench data``)."""
     if header.count == 0:  # mmap cannot map zero bytes
         empty = np.empty(0, dtype=header.dtype)
         empty.setflags(write=False)
         return empty
-    return np.memmap(header.path, dtype=header.dtype, mode="r", offset=header.offset, shape=(header.count,))
+    arr = np.memmap(header.path, dtype=header.dtype, mode="r", offset=header.offset, shape=(header.count,))
+    raw = getattr(arr, "_mmap", None)
+    if random and raw is not None and hasattr(mmap, "MADV_RANDOM"):
+        raw.madvise(mmap.MADV_RANDOM)
+    return arr
 
 
 def read_shard(path: str | Path, fmt: str = "auto") -> np.ndarray:
@@ -461,7 +469,7 @@ class TokenDataset:
         if size != header.size:
             raise DataError(f"{header.path}: shard changed on disk after it was opened ({header.size} bytes, now "
                             f"{size}); the data must not change during a run: restart it")
-        arr = _memmap(header)
+        arr = _memmap(header, random=True)
         with self._lock:
             self._open[i] = arr
             self._open.move_to_end(i)
