@@ -2,7 +2,9 @@
 
 from __future__ import annotations
 
+import json
 import typing
+from pathlib import Path
 
 import pytest
 
@@ -139,3 +141,25 @@ def test_the_reduction_overlaps_the_backward_on_gpus_unless_told() -> None:
     assert not FaultToleranceConfig(overlap_reduction="off").overlaps("cuda")
     with pytest.raises(ConfigError, match="overlap_reduction"):
         FaultToleranceConfig(overlap_reduction="sometimes")  # type: ignore[arg-type]
+
+
+def test_data_sources_from_the_command_line_toml_and_config_json(tmp_path: Path) -> None:
+    from dataclasses import asdict
+
+    from recover.config import DataSource, from_dict
+
+    cfg = load_config("debug", ["--data.sources", "web=0.7,code/py=0.3"])
+    assert cfg.data.sources == (DataSource("web", 0.7), DataSource("code/py", 0.3))
+    assert [(part.path, w) for part, w in cfg.data.parts()] == [("web", 0.7), ("code/py", 0.3)]
+    assert all(part.seq_len == cfg.data.seq_len and part.sources == () for part, _ in cfg.data.parts())
+    assert from_dict(json.loads(json.dumps(asdict(cfg)))) == cfg  # config.json round trip
+    toml = tmp_path / "mix.toml"
+    toml.write_text('[data]\nsources = [{path = "a", weight = 2}, {path = "b"}]\n')
+    assert load_config(str(toml)).data.sources == (DataSource("a", 2.0), DataSource("b", 1.0))
+    assert load_config("debug").data.parts() == [(load_config("debug").data, 1.0)]
+    for bad, message in (("a=x", "is not PATH=WEIGHT"), ("a=0", "a positive weight"), ("a=1,a=2", "each path once")):
+        with pytest.raises(ConfigError, match=message):
+            load_config("debug", ["--data.sources", bad])
+    toml.write_text('[data]\nsources = [{path = "a", share = 2}]\n')
+    with pytest.raises(ConfigError, match="is not a"):
+        load_config(str(toml))
