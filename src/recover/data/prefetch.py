@@ -183,7 +183,9 @@ class Prefetcher:
         self.steps, self.name = int(steps), name
         self.stats = ReadStats()
         self._reads = _Reads(read, self.steps, self.pin)
-        self._closer = weakref.finalize(self, self._reads.stop, 0.0)  # garbage collected, or interpreter exit
+        # garbage collected, or interpreter exit: the read in flight ends before the interpreter tears down (a
+        # daemon thread inside torch when it does aborts the process)
+        self._closer = weakref.finalize(self, self._reads.stop, JOIN_S)
 
     def ahead(self, step: int, ids: Iterable[int]) -> None:
         """Schedules ``ids`` of ``step`` for reading in the background (those not held or scheduled yet)."""
