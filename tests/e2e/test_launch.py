@@ -373,7 +373,7 @@ def _coordinator_pid(run: Path) -> int:
 
 def _start_launch(run: Path, corpus: Path, *extra: str) -> subprocess.Popen[bytes]:
     return subprocess.Popen([sys.executable, "-m", "recover", "launch", "--config", "debug", "--replicas", "4",
-                             "--steps", str(STEPS), "--out", str(run), "--no-progress", "--data.path", str(corpus),
+                             "--steps", str(STEPS), "--out", str(run), "--no-progress", *mixture(corpus),
                              "--training.eval_every=20", "--deterministic", "--device-time-s", "0.05", *extra],
                             env=subprocess_env(), start_new_session=True, stdout=subprocess.PIPE,
                             stderr=subprocess.PIPE)
