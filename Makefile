@@ -52,22 +52,24 @@ test-unit: $(STAMP)
 	$(PY) -m pytest -q tests/unit
 
 # gpu-check: recover check, tests/e2e/test_gpu.py, recover bench gpu (125m and 1b, compiled and eager, a kill
-# and a rejoin) into $(GPU_CHECK_OUT)/REPORT.md; exit status 0 when every stage passed (~15 min on an H100).
+# and a rejoin) into $(GPU_CHECK_OUT)/REPORT.md; exit status 0 when every stage passed (~15 min on an H100;
+# GPU_CHECK_FLAGS=--quick: ~8 min, 125m eager only).
 # When $(PYTHON)'s torch sees a CUDA GPU it runs with that interpreter as it is: GPU nodes carry their own
 # CUDA build of PyTorch and often no network, so nothing is installed and no venv is made; recover runs from
 # this checkout through PYTHONPATH=src (every child process inherits it), which writes nothing outside
 # $(GPU_CHECK_OUT) and cannot shadow the node's torch. Otherwise it falls back to $(VENV) (made by `make venv`
 # only if it has no torch) and the CPU path, skipping the GPU stages with the reason in the report.
 GPU_CHECK_OUT ?= runs/gpu-check
+GPU_CHECK_FLAGS ?=
 CUDA_TORCH := import sys, torch; sys.exit(0 if torch.cuda.is_available() else 1)
 
 gpu-check:
 	@if $(PYTHON) -c '$(CUDA_TORCH)' >/dev/null 2>&1; then \
-		PYTHONPATH=src$${PYTHONPATH:+:$$PYTHONPATH} $(PYTHON) -m recover.ops.gpucheck --device cuda --out $(GPU_CHECK_OUT); \
+		PYTHONPATH=src$${PYTHONPATH:+:$$PYTHONPATH} $(PYTHON) -m recover.ops.gpucheck --device cuda --out $(GPU_CHECK_OUT) $(GPU_CHECK_FLAGS); \
 	else \
 		echo "gpu-check: $(PYTHON) has no CUDA build of torch with a visible GPU: the CPU path, with $(PY)"; \
 		$(PY) -c 'import torch' >/dev/null 2>&1 || $(MAKE) --no-print-directory venv || exit 1; \
-		PYTHONPATH=src$${PYTHONPATH:+:$$PYTHONPATH} $(PY) -m recover.ops.gpucheck --device cpu --out $(GPU_CHECK_OUT); \
+		PYTHONPATH=src$${PYTHONPATH:+:$$PYTHONPATH} $(PY) -m recover.ops.gpucheck --device cpu --out $(GPU_CHECK_OUT) $(GPU_CHECK_FLAGS); \
 	fi
 
 lint: $(STAMP)

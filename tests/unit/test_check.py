@@ -159,6 +159,13 @@ def test_on_a_gpu_both_presets_run_compiled_and_eager_with_one_kill_run(tmp_path
     assert "not found" in missing[1].skip
 
 
+def test_quick_fits_a_short_lease_with_125m_eager_and_its_kill(tmp_path: Path) -> None:
+    stages = {s.key: s for s in gpucheck.plan("cuda", tmp_path, quick=True)}
+    assert stages["bench-compiled"].skip == "--quick" and not stages["e2e-gpu"].skip
+    eager = stages["bench-eager"].cmd
+    assert eager[eager.index("--presets") + 1] == "125m" and "--kill" in eager
+
+
 def test_the_report_records_passes_skips_and_a_failure_with_its_log(tmp_path: Path) -> None:
     stages = gpucheck.plan("cpu", tmp_path)
     (tmp_path / "e2e-gpu.log").write_text("SKIPPED [1] tests/e2e/test_gpu.py:37: needs a CUDA GPU\n"

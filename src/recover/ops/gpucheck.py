@@ -17,6 +17,9 @@ Contract:
   blocks, then eager with the kill-and-rejoin run (2 replicas sharing the GPU over gloo). On the CPU:
   the same check and tests (their skips recorded), the benchmark's CPU smoke run with its kill and
   rejoin; the compiled benchmark is skipped.
+- ``--quick`` fits a short GPU lease (about 8 minutes on one H100/H200): the same check and tests, then
+  only ``125m`` eager (8 steps, 3 warm-up) with the kill and rejoin; the compiled benchmark is skipped
+  (the e2e stage still compiles one model).
 - This process never imports torch: the interpreter's CUDA context belongs to the stages.
 """
 
@@ -69,8 +72,8 @@ def bench_cmd(out: Path, key: str, *flags: str) -> tuple[str, ...]:
     return tuple(recover_cmd("bench", "gpu", *flags, "--out", str(out / key), "--json", str(out / f"{key}.json")))
 
 
-def plan(device: str, out: Path, e2e: Path = E2E_GPU) -> list[Stage]:
-    """The stages of a run on ``device`` writing into ``out``."""
+def plan(device: str, out: Path, e2e: Path = E2E_GPU, quick: bool = False) -> list[Stage]:
+    """The stages of a run on ``device`` writing into ``out`` (``quick``: see the module's docstring)."""
     gpu = device == "cuda"
     no_gpu = "no CUDA GPU visible to this interpreter"
     check_cmd = recover_cmd("check", "--determinism", "--json", str(out / "check.json"))
@@ -78,12 +81,15 @@ def plan(device: str, out: Path, e2e: Path = E2E_GPU) -> list[Stage]:
     tests = Stage("e2e-gpu", "pytest tests/e2e/test_gpu.py -rs",
                   (sys.executable, "-m", "pytest", "-q", "-rs", "-p", "no:cacheprovider", str(e2e)), 1200,
                   skip=None if e2e.exists() else f"{e2e} not found: run make gpu-check in a source checkout")
-    gpu_bench = ("--presets", "125m,1b", "--steps", "12", "--warmup", "4", "--rounds", "1")
-    compiled = Stage("bench-compiled", "recover bench gpu 125m,1b, compiled blocks",
+    presets = "125m" if quick else "125m,1b"
+    gpu_bench = ("--presets", presets, "--steps", "8" if quick else "12", "--warmup", "3" if quick else "4",
+                 "--rounds", "1")
+    compiled = Stage("bench-compiled", f"recover bench gpu {presets}, compiled blocks",
                      bench_cmd(out, "bench-compiled", *gpu_bench, "--compile", "--no-kill"), 1500,
-                     skip=None if gpu else f"{no_gpu} (inductor on a CPU takes minutes per preset)", result_json=True)
+                     skip="--quick" if quick else None if gpu else
+                     f"{no_gpu} (inductor on a CPU takes minutes per preset)", result_json=True)
     if gpu:
-        eager = Stage("bench-eager", "recover bench gpu 125m,1b, eager, then a kill and a rejoin on 125m",
+        eager = Stage("bench-eager", f"recover bench gpu {presets}, eager, then a kill and a rejoin on 125m",
                       bench_cmd(out, "bench-eager", *gpu_bench, "--no-compile", "--kill"), 1200, result_json=True)
     else:
         eager = Stage("bench-eager", "recover bench gpu --device cpu (smoke: debug preset, a kill and a rejoin)",
@@ -214,13 +220,13 @@ def render(done: list[Done], pending: list[Stage], out: Path, device: str, elaps
 
 # ---------------------------------------------------------------- running it
 
-def run(device: str, out: Path) -> int:
+def run(device: str, out: Path, quick: bool = False) -> int:
     from rich.console import Console
     from rich.progress import Progress, SpinnerColumn, TextColumn, TimeElapsedColumn
 
     out.mkdir(parents=True, exist_ok=True)
     report = out / "REPORT.md"
-    stages = plan(device, out)
+    stages = plan(device, out, quick=quick)
     done: list[Done] = []
     t0 = time.monotonic()
     console = Console(stderr=True)
@@ -249,13 +255,15 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--device", choices=("cuda", "cpu"), required=True,
                    help="cuda: the interpreter's torch sees a GPU; cpu: run what a CPU can and skip the rest")
     p.add_argument("--out", default="runs/gpu-check", help="directory of the report and logs (default runs/gpu-check)")
+    p.add_argument("--quick", action="store_true",
+                   help="fit a short GPU lease (~8 min): 125m only, eager, no compiled benchmark")
     args = p.parse_args(argv)
     missing = missing_modules()
     if missing:
         print(f"gpu-check: {sys.executable} lacks {', '.join(missing)}: install them into it (pip install "
               f"{' '.join(missing)}) or run make gpu-check PYTHON=an interpreter that has them", file=sys.stderr)
         return 2
-    return run(args.device, Path(args.out))
+    return run(args.device, Path(args.out), quick=args.quick)
 
 
 def missing_modules(names: tuple[str, ...] = NEEDED) -> list[str]:
