@@ -1,7 +1,7 @@
 """What a run directory says: summary, goodput, faults, recovery latencies, plots, comparison with a
 reference, and ``recover report RUN_DIR``.
 
-Contract: pure readers of ``metrics.jsonl`` and ``events.jsonl`` (DESIGN section 5); they never
+Contract: pure readers of ``metrics.jsonl`` and ``events.jsonl`` (docs/DESIGN.md §9); they never
 change a run directory except to write ``summary.json`` (the launcher, at the end of a run) and PNGs
 (``recover report`` writes only PNGs).
 

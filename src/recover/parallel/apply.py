@@ -9,7 +9,7 @@ Contract:
   ``torch.compile`` of each block in place (parameter names unchanged), then ``fully_shard`` of every
   block and of the root over the ``fsdp`` axis ONLY. FSDP2 never gets a
   replicate axis: the cross-replica reduction is layer 1's, interruptible and fault tolerant,
-  whereas FSDP2's own replicate all-reduce cannot be interrupted (DESIGN 4.2).
+  whereas FSDP2's own replicate all-reduce cannot be interrupted (docs/DESIGN.md §11).
 - FSDP2's gradient reduce-scatter SUMS over the shard ranks (divide factor 1), because each shard
   rank runs its own microbatches and the replica must contribute the sum of microbatch gradients.
 - Degrees of 1 are skipped, so ``ParallelDims()`` leaves the model a plain module.

@@ -1,4 +1,4 @@
-"""LAYER 2: one committed step with in-step recovery (DESIGN 4.3). The one path every step takes.
+"""LAYER 2: one committed step with in-step recovery (docs/DESIGN.md §4). The one path every step takes.
 
     plan      ids 0..M-1 -> live replicas (layer 3, deterministic: every survivor computes the same plan;
               weighted by the replicas' speeds agreed at the last commit, so stragglers get fewer)

@@ -1,8 +1,8 @@
 """Named simulator presets, each a :class:`~recover.sim.model.JobSpec` with its assumptions stated.
 
 Contract: :func:`preset` returns a validated spec whose ``notes`` list every assumption behind
-its numbers, with the published figure each one comes from (``/work/shared/FAILURE_STATS.md``,
-reproduced in ``docs/BENCHMARKS.md``). Nothing here is fitted to the result it is compared with.
+its numbers, with the published figure each one comes from (cited in ``docs/BENCHMARKS.md``).
+Nothing here is fitted to the result it is compared with.
 
 * ``paper-512``: ReCoVer's "successive failures" scenario (arXiv 2605.11215): 512 GPUs, 256 of
   them lost one replica at a time, evenly spread over a run that ends at 234 GPU-hours; no
@@ -47,7 +47,7 @@ _COMMON_LARGE = (
     "thousands of ranks take minutes); Young/Daly interval. At 16k this gives about 90% effective "
     "training time, consistent with Llama 3's reported '> 90%'.",
     "recover: recovery latency 5 s per failure (detection by connection loss + new communicator at "
-    "thousands of ranks; 0.2-0.5 s measured on 8 gloo ranks, DESIGN 4.2), then the orphans are "
+    "thousands of ranks; 0.2-0.5 s measured on 8 gloo ranks, docs/DESIGN.md §11), then the orphans are "
     "recomputed after the survivors' own quotas; no periodic checkpoints.",
     "shrink-drop: the failed step is discarded, reconfiguration 5 s (torchft quorum + new process "
     "group, as fast as recover's), each replica keeps its local batch so steps commit fewer tokens.",
@@ -82,7 +82,7 @@ def paper_512(replica_gpus: int = 32) -> JobSpec:
             "synchronous save 20 s, load 20 s, relaunch 60 s (TorchElastic: kill-and-restart "
             "'typically takes 30 secs or even more', pytorch/elastic#99), Young/Daly interval from the "
             "trace's mean time between failures.",
-            "recover: recovery latency 2 s per failure (0.2-0.5 s measured on gloo, DESIGN 4.2; NCCL "
+            "recover: recovery latency 2 s per failure (0.2-0.5 s measured on gloo, docs/DESIGN.md §11; NCCL "
             "communicators at 512 GPUs take longer); orphans recomputed after the survivors' quotas.",
             "shrink-drop: failed step discarded + 2 s reconfiguration; the global batch shrinks.",
             "'Throughput after successive failures' = tokens committed from the first failure to the end "

@@ -6,7 +6,7 @@ event by event: between two events every step of the same live set is identical,
 over whole runs of steps at once (no per-step Python loop). Checkpoint-and-restart lives in
 :mod:`recover.sim.restart`.
 
-``recover`` (in-step recovery, DESIGN 4.3): a step over ``n`` live replicas takes
+``recover`` (in-step recovery, docs/DESIGN.md §4): a step over ``n`` live replicas takes
 ``step_time(n)`` (the policy's even split; survivors carry more microbatches, so steps slow down
 as replicas are lost). A replica lost during a step adds ``recovery_latency_s`` (detection and the
 new generation) and the makespan of its orphaned microbatches re-planned over the survivors

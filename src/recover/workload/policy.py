@@ -1,4 +1,4 @@
-"""Which microbatch ids each live replica computes in a step (layer 3, DESIGN 4.4).
+"""Which microbatch ids each live replica computes in a step (layer 3, docs/DESIGN.md §5).
 
 Contract: pure, deterministic functions of their arguments (no process group, no clock, no
 randomness beyond an explicit seed), shared by the trainer, the recovery layer and the simulator.
