@@ -124,7 +124,7 @@ def _init() -> Runtime:
         return _runtime(Config(parallel=ParallelConfig(fsdp=world)), None, 0, None)
     from recover.comm.nccl import apply_env_defaults
     from recover.config import from_dict
-    from recover.launch.lifeline import die_with_launcher
+    from recover.lifeline import die_with_launcher
 
     die_with_launcher()
     job = json.loads(raw)

@@ -82,10 +82,10 @@ class _Bench:
                           "--connections", "replica" if self.relay else "rank")
         if self.heartbeat != "auto":
             cmd += ["--heartbeat-interval", self.heartbeat]
+        from recover import lifeline
         from recover.bench.common import child_env
-        from recover.launch import lifeline
 
-        # the coordinator dies with this process, however it ends (PR_SET_PDEATHSIG, recover.launch.lifeline)
+        # the coordinator dies with this process, however it ends (PR_SET_PDEATHSIG, recover.lifeline)
         self.coord = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=open(self.workdir / "coordinator.log", "w"),
                                       text=True, env=lifeline.child_env(child_env()), start_new_session=True)
         assert self.coord.stdout is not None

@@ -444,7 +444,7 @@ def run_compare(args: argparse.Namespace) -> int:
 
 def run_worker(args: argparse.Namespace) -> int:
     from recover.faults import hang_on_signal, parse_failure
-    from recover.launch.lifeline import die_with_launcher
+    from recover.lifeline import die_with_launcher
     from recover.train.exits import EXIT_STOPPED
     from recover.train.worker import ReplicaWorker, build
 
