@@ -26,7 +26,7 @@ from recover.model import spec as registry
 if TYPE_CHECKING:
     import torch
 
-    from recover.config import ModelConfig
+    from recover.model.config import ModelConfig
     from recover.model.spec import HFMapping
 
 EOT_TOKEN = "<|endoftext|>"

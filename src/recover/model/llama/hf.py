@@ -22,8 +22,8 @@ from __future__ import annotations
 
 from typing import TYPE_CHECKING, Any
 
-from recover.config import ModelConfig
 from recover.errors import ConfigError
+from recover.model.config import ModelConfig
 
 if TYPE_CHECKING:
     import torch
