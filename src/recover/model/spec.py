@@ -13,7 +13,7 @@ name. A second architecture is one folder (its model, TP plan and spec, like
     load_config("debug", ["--model.arch", "gpt2"])     # now validated, built and parallelised as gpt2
 
 Contract of a model that ``build`` returns (what ``parallel/`` and the trainer rely on):
-- ``model.cfg`` is its :class:`~recover.config.ModelConfig`; ``model.init_weights(seed)`` fills every
+- ``model.cfg`` is its :class:`~recover.model.config.ModelConfig`; ``model.init_weights(seed)`` fills every
   parameter from ``seed`` and the parameter's name alone (:func:`recover.model.common.param_seed`),
   so a pipeline stage or a shard gets the whole model's values.
 - ``forward(tokens (B, T)) -> logits (B, T, V)``; its blocks sit in an ``nn.ModuleDict`` attribute
