@@ -23,7 +23,7 @@ from recover.errors import RecoverError
 COMMAND_MODULES = (
     "recover.launch.demo",  # demo
     "recover.train.cli",  # train
-    "recover.model.cli",  # sample, export
+    "recover.train.checkpoint_cli",  # sample, export
     "recover.data.cli",  # prepare
     "recover.launch.cli",  # launch, compare, worker
     "recover.launch.report",  # report

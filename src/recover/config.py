@@ -31,8 +31,9 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, ClassVar, Literal
 
-from recover.errors import ConfigError
+from recover.errors import ConfigError, require
 from recover.model import spec as model_spec
+from recover.model.config import ModelConfig
 from recover.names import (
     Assignment,
     Backend,
@@ -51,11 +52,6 @@ else:  # pragma: no cover - exercised on Python 3.10 only
     import tomli as tomllib
 
 
-def _require(ok: bool, name: str, value: Any, allowed: str) -> None:
-    if not ok:
-        raise ConfigError(f"{name} = {value!r} is not allowed: {allowed}")
-
-
 def _choice_error(name: str, value: Any, choices: tuple[Any, ...]) -> ConfigError:
     close = difflib.get_close_matches(value, [str(c) for c in choices], n=1) if isinstance(value, str) else []
     hint = f" (did you mean {close[0]!r}?)" if close else ""
@@ -69,71 +65,6 @@ def _check_choices(section: Any) -> None:
             value, choices = getattr(section, fname), typing.get_args(typ)
             if not any(type(value) is type(c) and value == c for c in choices):
                 raise _choice_error(f"{section.SECTION}.{fname}", value, choices)
-
-
-@dataclass(frozen=True)
-class ModelConfig:
-    """A decoder-only transformer: ``arch`` picks the architecture, the other fields its shape (each
-    architecture reads the fields it has a use for; the comments describe the built-in Llama)."""
-
-    SECTION: ClassVar[str] = "model"
-
-    arch: str = "llama"
-    """The architecture: a registered :class:`~recover.model.spec.ModelSpec`'s name (built in: ``llama``)."""
-    vocab_size: int = 320
-    """Embedding rows. Unless given on the command line, ``recover train``/``launch`` take the data's
-    vocabulary (meta.json, meta.pkl, an llm.c header) rounded up to a multiple of 64 (byte tokenizer:
-    257 -> 320); never smaller than the data's (:mod:`recover.data.layout`)."""
-    dim: int = 128
-    """Residual stream width."""
-    n_layers: int = 4
-    """Transformer blocks."""
-    n_heads: int = 4
-    """Query heads; must divide ``dim``."""
-    n_kv_heads: int = 0
-    """Key/value heads for grouped-query attention; 0 means ``n_heads``."""
-    ffn_dim: int = 0
-    """SwiGLU hidden width; 0 means 8/3 * dim rounded up to ``ffn_multiple_of``."""
-    ffn_multiple_of: int = 32
-    """Rounding for the derived SwiGLU width."""
-    max_seq_len: int = 256
-    """Longest sequence the rotary table covers."""
-    rope_theta: float = 10000.0
-    """Rotary embedding base."""
-    norm_eps: float = 1e-5
-    """RMSNorm epsilon."""
-    tie_embeddings: bool = True
-    """Share the input embedding and the output projection."""
-    init_std: float = 0.02
-    """Standard deviation of the normal initialisation (output projections are scaled by depth)."""
-
-    def __post_init__(self) -> None:
-        spec = model_spec.get(self.arch)  # ConfigError naming the known architectures
-        for name in ("vocab_size", "dim", "n_layers", "n_heads", "max_seq_len", "ffn_multiple_of"):
-            value = getattr(self, name)
-            _require(isinstance(value, int) and value > 0, f"model.{name}", value, "a positive integer")
-        _require(self.dim % self.n_heads == 0, "model.n_heads", self.n_heads,
-                 f"must divide model.dim = {self.dim}")
-        _require(self.n_kv_heads >= 0 and (self.n_kv_heads == 0 or self.n_heads % self.n_kv_heads == 0),
-                 "model.n_kv_heads", self.n_kv_heads, f"0 or a divisor of model.n_heads = {self.n_heads}")
-        _require(self.ffn_dim >= 0, "model.ffn_dim", self.ffn_dim, "0 (derived) or a positive integer")
-        _require(self.rope_theta > 0, "model.rope_theta", self.rope_theta, "a positive number")
-        _require(self.norm_eps > 0, "model.norm_eps", self.norm_eps, "a positive number")
-        _require(self.init_std > 0, "model.init_std", self.init_std, "a positive number")
-        spec.validate(self, 1, 1)  # the architecture's own rules (Llama: an even head size)
-
-    @property
-    def kv_heads(self) -> int:
-        """Key/value heads: ``n_kv_heads``, or ``n_heads`` when it is 0."""
-        return self.n_kv_heads or self.n_heads
-
-    @property
-    def hidden_dim(self) -> int:
-        """The SwiGLU width: ``ffn_dim``, or 8/3 * ``dim`` rounded up to ``ffn_multiple_of`` when it is 0."""
-        if self.ffn_dim:
-            return self.ffn_dim
-        hidden = int(8 * self.dim / 3)
-        return self.ffn_multiple_of * -(-hidden // self.ffn_multiple_of)
 
 
 @dataclass(frozen=True)
@@ -180,20 +111,20 @@ class DataConfig:
 
     def __post_init__(self) -> None:
         _check_choices(self)
-        _require(isinstance(self.seq_len, int) and self.seq_len > 0, "data.seq_len", self.seq_len,
+        require(isinstance(self.seq_len, int) and self.seq_len > 0, "data.seq_len", self.seq_len,
                  "a positive integer")
-        _require(isinstance(self.microbatch_size, int) and self.microbatch_size > 0,
+        require(isinstance(self.microbatch_size, int) and self.microbatch_size > 0,
                  "data.microbatch_size", self.microbatch_size, "a positive integer")
-        _require(isinstance(self.prefetch, int) and not isinstance(self.prefetch, bool) and self.prefetch >= 0,
+        require(isinstance(self.prefetch, int) and not isinstance(self.prefetch, bool) and self.prefetch >= 0,
                  "data.prefetch", self.prefetch, "an integer >= 0 (steps of look-ahead; 0: synchronous reads)")
-        _require(bool(self.path), "data.path", self.path, "a shard directory or 'builtin:stdlib'")
+        require(bool(self.path), "data.path", self.path, "a shard directory or 'builtin:stdlib'")
         for src in self.sources:
-            _require(isinstance(src, DataSource) and bool(src.path), "data.sources", self.sources,
+            require(isinstance(src, DataSource) and bool(src.path), "data.sources", self.sources,
                      "sources with a path each (path=WEIGHT,...)")
-            _require(isinstance(src.weight, (int, float)) and math.isfinite(src.weight) and src.weight > 0,
+            require(isinstance(src.weight, (int, float)) and math.isfinite(src.weight) and src.weight > 0,
                      "data.sources", f"{src.path}={src.weight}", "a positive weight for every source")
         paths = [src.path for src in self.sources]
-        _require(len(set(paths)) == len(paths), "data.sources", ",".join(paths), "each path once")
+        require(len(set(paths)) == len(paths), "data.sources", ",".join(paths), "each path once")
 
     def parts(self) -> list[tuple[DataConfig, float]]:
         """Each source as a one-directory config with its weight; ``[(self, 1.0)]`` without ``sources``."""
@@ -282,21 +213,21 @@ class TrainingConfig:
         _check_choices(self)
         for name in ("steps", "global_microbatches", "eval_batches"):
             value = getattr(self, name)
-            _require(isinstance(value, int) and value > 0, f"training.{name}", value, "a positive integer")
+            require(isinstance(value, int) and value > 0, f"training.{name}", value, "a positive integer")
         for name in ("warmup_steps", "eval_every", "checkpoint_every", "threads", "seed", "keep_checkpoints"):
             value = getattr(self, name)
-            _require(isinstance(value, int) and value >= 0, f"training.{name}", value,
+            require(isinstance(value, int) and value >= 0, f"training.{name}", value,
                      "a non-negative integer")
-        _require(self.lr > 0, "training.lr", self.lr, "a positive number")
-        _require(0 <= self.min_lr <= self.lr, "training.min_lr", self.min_lr,
+        require(self.lr > 0, "training.lr", self.lr, "a positive number")
+        require(0 <= self.min_lr <= self.lr, "training.min_lr", self.min_lr,
                  f"between 0 and training.lr = {self.lr}")
-        _require(self.weight_decay >= 0, "training.weight_decay", self.weight_decay, "a number >= 0")
-        _require(0 <= self.beta1 < 1, "training.beta1", self.beta1, "a number in [0, 1)")
-        _require(0 <= self.beta2 < 1, "training.beta2", self.beta2, "a number in [0, 1)")
-        _require(self.grad_clip >= 0, "training.grad_clip", self.grad_clip, "a number >= 0 (0 disables)")
-        _require(self.device_time_s >= 0, "training.device_time_s", self.device_time_s,
+        require(self.weight_decay >= 0, "training.weight_decay", self.weight_decay, "a number >= 0")
+        require(0 <= self.beta1 < 1, "training.beta1", self.beta1, "a number in [0, 1)")
+        require(0 <= self.beta2 < 1, "training.beta2", self.beta2, "a number in [0, 1)")
+        require(self.grad_clip >= 0, "training.grad_clip", self.grad_clip, "a number >= 0 (0 disables)")
+        require(self.device_time_s >= 0, "training.device_time_s", self.device_time_s,
                  "a number of seconds >= 0 (0: off)")
-        _require(self.warmup_steps <= self.steps, "training.warmup_steps", self.warmup_steps,
+        require(self.warmup_steps <= self.steps, "training.warmup_steps", self.warmup_steps,
                  f"at most training.steps = {self.steps}")
 
     def eval_due(self, step: int, end: int | None = None) -> bool:
@@ -336,9 +267,9 @@ class ParallelConfig:
     def __post_init__(self) -> None:
         for name in ("replicas", "pp", "tp", "fsdp"):
             value = getattr(self, name)
-            _require(isinstance(value, int) and value > 0, f"parallel.{name}", value, "a positive integer")
+            require(isinstance(value, int) and value > 0, f"parallel.{name}", value, "a positive integer")
         _check_choices(self)
-        _require(not self.sequence_parallel or (self.tp > 1 and self.pp == 1), "parallel.sequence_parallel",
+        require(not self.sequence_parallel or (self.tp > 1 and self.pp == 1), "parallel.sequence_parallel",
                  self.sequence_parallel, f"false unless parallel.tp > 1 and parallel.pp = 1 (tp = {self.tp}, "
                  f"pp = {self.pp})")
 
@@ -408,20 +339,20 @@ class FaultToleranceConfig:
 
     def __post_init__(self) -> None:
         _check_choices(self)
-        _require(isinstance(self.min_replicas, int) and self.min_replicas >= 1,
+        require(isinstance(self.min_replicas, int) and self.min_replicas >= 1,
                  "fault_tolerance.min_replicas", self.min_replicas, "an integer >= 1")
         for name in ("heartbeat_interval_s", "heartbeat_timeout_s", "collective_timeout_s",
                      "intra_replica_timeout_s", "fence_exit_s", "coordinator_reconnect_s", "stop_grace_s"):
             value = getattr(self, name)
-            _require(value > 0, f"fault_tolerance.{name}", value, "a positive number of seconds")
+            require(value > 0, f"fault_tolerance.{name}", value, "a positive number of seconds")
         for name in ("fingerprint_every", "audit_every"):
             value = getattr(self, name)
-            _require(isinstance(value, int) and value >= 0, f"fault_tolerance.{name}", value,
+            require(isinstance(value, int) and value >= 0, f"fault_tolerance.{name}", value,
                      "an integer >= 0 (0: never)")
-        _require(self.bucket_mb > 0, "fault_tolerance.bucket_mb", self.bucket_mb, "a positive number of MiB")
-        _require(self.hang_timeout_s >= 0, "fault_tolerance.hang_timeout_s", self.hang_timeout_s,
+        require(self.bucket_mb > 0, "fault_tolerance.bucket_mb", self.bucket_mb, "a positive number of MiB")
+        require(self.hang_timeout_s >= 0, "fault_tolerance.hang_timeout_s", self.hang_timeout_s,
                  "a number of seconds >= 0 (0: derived from the step time)")
-        _require(self.heartbeat_interval_s < self.heartbeat_timeout_s, "fault_tolerance.heartbeat_interval_s",
+        require(self.heartbeat_interval_s < self.heartbeat_timeout_s, "fault_tolerance.heartbeat_interval_s",
                  self.heartbeat_interval_s,
                  f"less than fault_tolerance.heartbeat_timeout_s = {self.heartbeat_timeout_s}")
 
@@ -465,15 +396,15 @@ class Config:
         m, p = self.training.global_microbatches, self.parallel
         check_layout(self.model, p.pp, p.tp)
         balanced = p.replicas * p.fsdp
-        _require(m >= balanced, "training.global_microbatches", m,
+        require(m >= balanced, "training.global_microbatches", m,
                  f"at least parallel.replicas x parallel.fsdp = {balanced}, so every rank has a microbatch "
                  "in the failure-free step")
-        _require(self.data.seq_len <= self.model.max_seq_len, "data.seq_len", self.data.seq_len,
+        require(self.data.seq_len <= self.model.max_seq_len, "data.seq_len", self.data.seq_len,
                  f"at most model.max_seq_len = {self.model.max_seq_len}")
-        _require(not p.sequence_parallel or self.data.seq_len % p.tp == 0, "data.seq_len", self.data.seq_len,
+        require(not p.sequence_parallel or self.data.seq_len % p.tp == 0, "data.seq_len", self.data.seq_len,
                  f"a multiple of parallel.tp = {p.tp} with parallel.sequence_parallel (the sequence is split "
                  "over the TP ranks)")
-        _require(self.fault_tolerance.min_replicas <= p.replicas, "fault_tolerance.min_replicas",
+        require(self.fault_tolerance.min_replicas <= p.replicas, "fault_tolerance.min_replicas",
                  self.fault_tolerance.min_replicas, f"at most parallel.replicas = {p.replicas}")
 
     def to_dict(self) -> dict[str, Any]:
@@ -494,9 +425,9 @@ def check_layout(model: ModelConfig, pp: int = 1, tp: int = 1) -> None:
     blocks (every stage holds one); embeddings are untied when ``pp > 1``.
     """
     model_spec.get(model.arch).validate(model, pp, tp)
-    _require(pp <= model.n_layers, "parallel.pp", pp,
+    require(pp <= model.n_layers, "parallel.pp", pp,
              f"at most model.n_layers = {model.n_layers} (every stage holds at least one block)")
-    _require(pp == 1 or not model.tie_embeddings, "model.tie_embeddings", model.tie_embeddings,
+    require(pp == 1 or not model.tie_embeddings, "model.tie_embeddings", model.tie_embeddings,
              f"false with parallel.pp = {pp} (the embedding lives on the first stage, the output projection on "
              "the last): set model.tie_embeddings = false (--model.tie_embeddings false)")
 

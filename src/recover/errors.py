@@ -3,9 +3,12 @@
 User-facing errors derive from :class:`RecoverError`; the CLI prints them as one line
 (``recover: error: ...``) and exits with status 2, never with a traceback. Errors that are part
 of the step protocol (:class:`PeerFailure`) are caught in exactly one place, the recovery loop.
+:func:`require` is the one-line ConfigError of a field that is not allowed.
 """
 
 from __future__ import annotations
+
+from typing import Any
 
 
 class RecoverError(Exception):
@@ -46,3 +49,9 @@ class PeerFailure(Exception):
         self.reason = reason
         detail = f": {reason}" if reason else ""
         super().__init__(f"peer failure in generation {self.generation}, dead replicas {list(self.dead)}{detail}")
+
+
+def require(ok: bool, name: str, value: Any, allowed: str) -> None:
+    """Raises the one-line ConfigError ``{name} = {value!r} is not allowed: {allowed}`` unless ``ok``."""
+    if not ok:
+        raise ConfigError(f"{name} = {value!r} is not allowed: {allowed}")

@@ -23,9 +23,9 @@ from recover.config import ModelConfig, load_config
 from recover.data.tokenizer import ByteTokenizer
 from recover.errors import CheckpointError, ConfigError
 from recover.model import build_model, construct, hf
-from recover.model.sample import generate, load_checkpoint_model
 from recover.train.describe import read_description, resolve_checkpoint
 from recover.train.integrity import verify, write_manifest
+from recover.train.sample import generate, load_checkpoint_model
 from recover.train.weights import check_init_from, load_initial_weights, read_checkpoint_state
 
 MODEL = ["--model.n_kv_heads=2", "--model.tie_embeddings=false", "--model.init_std=0.1", "--model.rope_theta=500"]

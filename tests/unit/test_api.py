@@ -10,7 +10,7 @@ import torch
 from torch import nn
 
 import recover
-from recover.api import microbatch_seed
+from recover.train.steps import microbatch_seed
 
 M, CLIP = 4, 0.5
 

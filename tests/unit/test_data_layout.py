@@ -16,7 +16,8 @@ from recover.config import ParallelConfig
 from recover.data.layout import detect_split
 from recover.data.prepare import prepare_files
 from recover.data.sampler import open_samplers
-from recover.data.shards import GPT2_MAGIC, LLAMA3_MAGIC, check_data, read_shard
+from recover.data.shards import GPT2_MAGIC, LLAMA3_MAGIC, read_shard
+from recover.data.verify import check_data
 from recover.errors import ConfigError, DataError
 from recover.launch.cli import LaunchRequest, check_launch
 from recover.train.cli import torchrun_replicas, train_config

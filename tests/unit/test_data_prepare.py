@@ -17,6 +17,7 @@ import pytest
 
 from recover.cli import main
 from recover.data import prepare
+from recover.data.layout import open_split
 from recover.data.prepare import (
     STDLIB_EXCLUDED_DIRS,
     collect_files,
@@ -25,7 +26,7 @@ from recover.data.prepare import (
     split_files,
     stdlib_files,
 )
-from recover.data.shards import TokenDataset, read_shard
+from recover.data.shards import read_shard
 from recover.data.tokenizer import ByteTokenizer, load_tokenizer
 from recover.errors import DataError
 
@@ -60,7 +61,7 @@ def corpus(tmp_path: Path) -> tuple[Path, dict[str, str]]:
 
 def documents(out: Path, split: str) -> list[str]:
     """The texts of a split's documents, decoded from its shards (each document starts with EOT)."""
-    ds = TokenDataset.from_split(out, split)
+    ds = open_split(out, split)
     tokens = np.concatenate([ds.shard(i) for i in range(len(ds.paths))]).astype(np.int64)
     starts = np.flatnonzero(tokens == EOT).tolist() + [len(tokens)]
     return [ByteTokenizer().decode(tokens[a + 1 : b]) for a, b in zip(starts[:-1], starts[1:], strict=True)]
@@ -82,7 +83,7 @@ def test_prepare_writes_shards_and_meta_split_by_file(tmp_path: Path, corpus: tu
     val_rels = [p.rel for p in split_files(pieces, 0.2)["val"]]
     assert sorted(documents(out, "val")) == sorted(texts[r] for r in val_rels)
     assert sorted(documents(out, "train")) == sorted(texts[r] for r in NAMES if r not in val_rels)
-    assert TokenDataset.from_split(out, "train").meta["request_sha256"] == meta["request_sha256"]
+    assert open_split(out, "train").meta["request_sha256"] == meta["request_sha256"]
 
 
 def test_split_is_stable_under_file_order_and_renaming(tmp_path: Path, corpus: tuple[Path, dict]) -> None:
@@ -166,7 +167,7 @@ def test_cli(tmp_path: Path, corpus: tuple[Path, dict], capsys: pytest.CaptureFi
     )
     out = capsys.readouterr().out
     assert "train tokens" in out and "val tokens" in out and str(tmp_path / "o") in out
-    assert TokenDataset.from_split(tmp_path / "o", "train").meta["format"] == "nanogpt"
+    assert open_split(tmp_path / "o", "train").meta["format"] == "nanogpt"
 
 
 def test_split_guarantees_one_file_each_and_skips_its_own_output(tmp_path: Path) -> None:

@@ -8,6 +8,7 @@ from pathlib import Path
 import numpy as np
 import pytest
 
+from recover.data.layout import open_split
 from recover.data.shards import (
     GPT2_MAGIC,
     HEADER_BYTES,
@@ -129,7 +130,7 @@ def test_dataset_sources_and_meta(tmp_path: Path) -> None:
         "val_000000.bin",
     ]
     assert whole.num_tokens == 10 + 11 + 12 + 5 and whole.meta == {"vocab_size": 257}
-    train = TokenDataset.from_split(tmp_path, "train")
+    train = open_split(tmp_path, "train")
     assert len(train.paths) == 3 and train.num_tokens == 33 and train.max_token_id() == 2
     single = TokenDataset(tmp_path / "val_000000.bin")
     assert single.shard(0).tolist() == [0, 1, 2, 3, 4]

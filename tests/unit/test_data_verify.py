@@ -18,8 +18,9 @@ import pytest
 import recover.data.verify as verify_mod
 from recover.cli import main
 from recover.config import DataConfig
-from recover.data.shards import HEADER_BYTES, TokenDataset, check_data, read_header, write_shard
-from recover.data.verify import CACHE_NAME, load_cache, recorded_maxima, verify
+from recover.data.layout import open_split
+from recover.data.shards import HEADER_BYTES, TokenDataset, read_header, write_shard
+from recover.data.verify import CACHE_NAME, check_data, load_cache, recorded_maxima, verify
 from recover.errors import DataError
 
 BAD_POS = 1234
@@ -143,7 +144,7 @@ def test_read_header_reads_only_the_header(tmp_path: Path) -> None:
 
 def test_out_of_range_names_file_position_byte_id_and_fix(tmp_path: Path) -> None:
     root = data_dir(tmp_path / "d")
-    ds = TokenDataset.from_split(root, "train")
+    ds = open_split(root, "train")
     exc = ds.out_of_range(1, BAD_POS, 300, 257)
     assert isinstance(exc, DataError)
     line = str(exc)
@@ -200,7 +201,7 @@ def test_verify_cache_reuse_and_invalidation(tmp_path: Path) -> None:
     fourth = verify(root, 257, **quiet)
     assert fourth.reused == 3 and fourth.ok and fourth.max_id == 256
     assert load_cache(root)["train_000002.bin"]["tokens"] == 3001
-    ds = TokenDataset.from_split(root, "train")
+    ds = open_split(root, "train")
     assert [r.max_id for r in recorded_maxima(ds)] == [int(ds.shard(i).max()) for i in range(3)]
 
     (root / "train_000000.bin").write_bytes(b"\1\2\3")  # now a damaged shard: reported, dropped from the cache

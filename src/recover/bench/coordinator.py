@@ -29,6 +29,7 @@ import argparse
 import multiprocessing as mp
 import os
 import re
+import signal
 import statistics
 import subprocess
 import tempfile
@@ -81,10 +82,10 @@ class _Bench:
                           "--connections", "replica" if self.relay else "rank")
         if self.heartbeat != "auto":
             cmd += ["--heartbeat-interval", self.heartbeat]
+        from recover import lifeline
         from recover.bench.common import child_env
-        from recover.launch import lifeline
 
-        # the coordinator dies with this process, however it ends (PR_SET_PDEATHSIG, recover.launch.lifeline)
+        # the coordinator dies with this process, however it ends (PR_SET_PDEATHSIG, recover.lifeline)
         self.coord = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=open(self.workdir / "coordinator.log", "w"),
                                       text=True, env=lifeline.child_env(child_env()), start_new_session=True)
         assert self.coord.stdout is not None
@@ -264,6 +265,15 @@ def add_parser(bench_subparsers: argparse._SubParsersAction) -> argparse.Argumen
     return p
 
 
+def _terminate_as_interrupt() -> None:
+    """SIGTERM raises KeyboardInterrupt in the main thread, so cleanup runs as after Ctrl-C."""
+
+    def interrupt(signum: int, frame: Any) -> None:
+        raise KeyboardInterrupt(f"signal {signum}")
+
+    signal.signal(signal.SIGTERM, interrupt)
+
+
 def run_from_args(args: argparse.Namespace) -> int:
     if args.heartbeat != "auto":
         try:
@@ -274,9 +284,7 @@ def run_from_args(args: argparse.Namespace) -> int:
                               f"got {args.heartbeat!r}") from None
     if args.procs < 1 or args.steady <= 0:
         raise ConfigError(f"--procs must be >= 1 and --steady > 0, got {args.procs} and {args.steady}")
-    from recover.launch.lifeline import terminate_as_interrupt
-
-    terminate_as_interrupt()  # SIGTERM (timeout, Slurm) runs run()'s cleanup, as Ctrl-C does
+    _terminate_as_interrupt()  # SIGTERM (timeout, Slurm) runs run()'s cleanup, as Ctrl-C does
     res = run(args.layout, args.connections, args.rounds, args.steady, args.procs, args.heartbeat,
               args.heartbeat_timeout, args.step_s)
     print_table(res)

@@ -80,7 +80,7 @@ def parse_die_at_commit(text: str | None) -> tuple[int, int] | None:
 
 def run(args: argparse.Namespace) -> int:
     from recover.coord.server import Coordinator
-    from recover.launch.lifeline import die_with_launcher
+    from recover.lifeline import die_with_launcher
 
     die_with_launcher()  # started by `recover launch`: never outlive it
 

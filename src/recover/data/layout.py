@@ -22,7 +22,7 @@ Contract:
       Llama 3 128,256 stays), and the preset's ``model.vocab_size`` only when the data's is unknown.
       A model vocabulary smaller than the data's is refused (:func:`check_vocab_fits`), whoever set it;
       the token ids are still checked against it: their recorded maxima when a run starts
-      (:func:`recover.data.shards.check_data`), every one by ``recover prepare --verify``.
+      (:func:`recover.data.verify.check_data`), every one by ``recover prepare --verify``.
 
 Everything here is torch-free and reads at most the first shard's header: ``recover launch`` runs it
 before it starts any process.
@@ -41,6 +41,7 @@ from recover.errors import DataError
 
 if TYPE_CHECKING:
     from recover.config import Config, DataConfig
+    from recover.data.shards import TokenDataset
 
 PAD_MULTIPLE = 64
 GPT2_VOCAB = 50257
@@ -106,6 +107,13 @@ def detect_split(directory: str | Path, split: str) -> Layout:
         raise DataError(f"{directory} holds {kind} shards of several layouts ({which}); choose with {option} GLOB")
     raise DataError(f"no {kind} shards in {directory}: looked for {looked_for(split)}; name yours with "
                     f"{option} GLOB (a glob inside data.path), or write shards with `recover prepare FILES --out DIR`")
+
+
+def open_split(directory: str | Path, split: str, fmt: str = "auto") -> TokenDataset:
+    """The ``train`` or ``val`` shards of a directory in any layout."""
+    from recover.data.shards import TokenDataset
+
+    return TokenDataset(Path(directory) / detect_split(directory, split).pattern(split), fmt)
 
 
 def split_pattern(data: DataConfig, directory: str | Path, split: str) -> str:

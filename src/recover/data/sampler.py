@@ -33,8 +33,9 @@ import torch
 
 from recover.config import DataConfig
 from recover.data.mixture import Mixture
-from recover.data.shards import TokenDataset, check_data
+from recover.data.shards import TokenDataset
 from recover.data.shuffle import Shuffle
+from recover.data.verify import check_data
 from recover.errors import DataError
 
 _SHUFFLE_CACHE = 4  # (source, epoch) orders kept: a microbatch spans at most two epochs of each source

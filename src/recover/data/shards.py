@@ -17,11 +17,8 @@ returns a read-only ``np.memmap`` (no copy); :func:`write_shard` writes atomical
 rename), so a crash never leaves a half-written shard under the final name. :class:`TokenDataset` opens
 a file, a directory (all ``*.bin``, sorted) or a glob lazily: headers at construction, a bounded LRU of
 memory maps after (so start-up, memory and file descriptors do not grow with the data).
-:func:`check_data` checks a run's splits (found by :mod:`recover.data.layout`: recover's, nanoGPT's or
-llm.c's names) without torch and without reading tokens: headers, sizes, the recorded vocabulary and the
-recorded largest token ids (``meta.json``, or the cache of ``recover prepare --verify``,
-:mod:`recover.data.verify`, which reads every token once), so ``recover launch`` refuses bad data
-before it starts anything, in time independent of the data's size. Every bad input raises
+Start-up checks of a run's splits without reading tokens are :func:`recover.data.verify.check_data`'s
+(splits found by :mod:`recover.data.layout`). Every bad input raises
 :class:`~recover.errors.DataError` naming the file, the problem and the fix.
 """
 
@@ -36,19 +33,15 @@ import re
 import struct
 import threading
 from collections import OrderedDict
-from collections.abc import Callable, Iterator, Sequence
+from collections.abc import Iterator, Sequence
 from contextlib import contextmanager
 from dataclasses import dataclass
 from pathlib import Path
 from stat import S_ISREG
-from typing import TYPE_CHECKING
 
 import numpy as np
 
 from recover.errors import DataError
-
-if TYPE_CHECKING:
-    from recover.config import DataConfig
 
 FORMATS = ("auto", "llmc", "nanogpt")
 HEADER_INTS = 256
@@ -428,13 +421,6 @@ class TokenDataset:
         self._open: OrderedDict[int, np.ndarray] = OrderedDict()
         self._lock = threading.Lock()
 
-    @classmethod
-    def from_split(cls, directory: str | Path, split: str, fmt: str = "auto") -> TokenDataset:
-        """The ``train`` or ``val`` shards of a directory in any layout (:mod:`recover.data.layout`)."""
-        from recover.data.layout import detect_split
-
-        return cls(Path(directory) / detect_split(directory, split).pattern(split), fmt)
-
     def __len__(self) -> int:
         return self.num_tokens
 
@@ -497,7 +483,7 @@ class TokenDataset:
     def check_vocab(self, vocab_size: int) -> None:
         """Raise DataError if any token id is >= ``vocab_size`` (naming file, id and position).
 
-        Reads every token (once per dataset): for start-up use :func:`check_data`, which trusts what
+        Reads every token (once per dataset): for start-up use :func:`recover.data.verify.check_data`, which trusts what
         ``recover prepare`` and ``recover prepare --verify`` recorded instead.
         """
         for i, shard_max in enumerate(self._shard_maxima()):
@@ -529,47 +515,3 @@ def vocab_error(path: Path | str, token_id: int, vocab_size: int, where: str) ->
         f"model's tokenizer or raise model.vocab_size to more than {token_id} (`recover prepare --verify DIR` "
         "lists every such id)"
     )
-
-
-def check_data(cfg: DataConfig, data_dir: Path, vocab_size: int,
-               hint: Callable[[str], None] | None = None) -> tuple[TokenDataset, TokenDataset]:
-    """Opens the training and validation shards (of the directory's layout, or ``cfg``'s patterns) and
-    checks what can be checked without reading tokens, so it costs a ``stat`` and a 1 KiB read per shard
-    whatever the size of the data: every header (magic, version, size), the data's recorded vocabulary
-    against ``vocab_size`` (:func:`recover.data.layout.check_vocab_fits`), and each shard's recorded
-    largest token id against ``vocab_size``: from a matching ``recover prepare --verify`` cache, else
-    from ``meta.json`` (``shard_info``, or its top-level ``max_id``) (:func:`recover.data.verify.recorded_maxima`).
-    A shard with none of these is not scanned; ``hint``, when given, gets one line saying how to check
-    it (training checks each microbatch's ids anyway). Torch-free: ``recover launch`` runs it before it
-    starts any process, and every rank again when it opens its samplers.
-
-    Raises:
-        DataError: missing splits (naming what was looked for and the options), a vocabulary smaller
-            than the data's, the first bad shard header, or a recorded id beyond ``vocab_size``, named,
-            with the problem and the fix.
-    """
-    from recover.data.layout import check_vocab_fits, data_vocab, split_format, split_paths, split_pattern
-    from recover.data.verify import recorded_maxima
-
-    with one_listing():  # the directory is read once, however often its layout is asked about
-        check_vocab_fits(vocab_size, data_vocab(cfg, data_dir))
-        for split in ("train", "val"):
-            split_paths(cfg, data_dir, split)  # none: one line naming what was looked for and the option
-        train, val = (TokenDataset(str(data_dir / split_pattern(cfg, data_dir, split)),
-                                   fmt=split_format(cfg, data_dir, split)) for split in ("train", "val"))
-    unknown = 0
-    for ds in (train, val):
-        for i, rec in enumerate(recorded_maxima(ds, data_dir)):
-            if rec is None:
-                unknown += 1
-            elif rec.max_id >= vocab_size:
-                where = (f"at position {rec.position} (byte {ds.headers[i].byte_offset(rec.position)})"
-                         if rec.position is not None else "")
-                path = data_dir / META_NAME if rec.whole else ds.paths[i]  # which shard holds it is not recorded
-                raise vocab_error(path, rec.max_id, vocab_size, f"{where} ({rec.source})".strip())
-    if unknown and hint is not None:
-        total = len(train.paths) + len(val.paths)
-        hint(f"{unknown} of {total} shard(s) in {data_dir} have no recorded largest token id, so their ids were "
-             f"not checked at launch; `recover prepare --verify {data_dir}` checks every token once (training "
-             "checks each microbatch's ids anyway)")
-    return train, val

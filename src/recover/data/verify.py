@@ -24,6 +24,9 @@ Contract:
       shard its largest id from a matching cache entry, else from ``meta.json``'s ``shard_info``, else
       ``meta.json``'s top-level ``max_id`` (for the shards its splits list), else None (unknown: launch
       does not scan, training checks each microbatch).
+    * :func:`check_data` is the start-up check of a run's splits built on it (headers, sizes, the recorded
+      vocabulary and largest ids, no token read), so ``recover launch`` refuses bad data before it starts
+      anything, in time independent of the data's size.
 """
 
 from __future__ import annotations
@@ -35,11 +38,24 @@ import time
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass, field
 from pathlib import Path
+from typing import TYPE_CHECKING
 
 import numpy as np
 
-from recover.data.shards import META_NAME, ShardHeader, TokenDataset, load_meta, read_header
+from recover.data.layout import check_vocab_fits, data_vocab, split_format, split_paths, split_pattern
+from recover.data.shards import (
+    META_NAME,
+    ShardHeader,
+    TokenDataset,
+    load_meta,
+    one_listing,
+    read_header,
+    vocab_error,
+)
 from recover.errors import DataError
+
+if TYPE_CHECKING:
+    from recover.config import DataConfig
 
 CACHE_NAME = ".recover-verified.json"
 CACHE_VERSION = 1
@@ -280,7 +296,6 @@ def verify(directory: str | Path, vocab_size: int | None = None, *, workers: int
     )
 
     from recover.config import DataConfig
-    from recover.data.layout import data_vocab, split_format, split_paths
 
     t0 = time.perf_counter()
     directory = Path(directory)
@@ -409,3 +424,44 @@ def _write_cache(directory: Path, entries: dict[str, dict]) -> str | None:
         return (f"could not record the result in {path} ({exc.strerror or exc}); the next --verify reads every "
                 "shard again and launch cannot use it")
     return None
+
+
+def check_data(cfg: DataConfig, data_dir: Path, vocab_size: int,
+               hint: Callable[[str], None] | None = None) -> tuple[TokenDataset, TokenDataset]:
+    """Opens the training and validation shards (of the directory's layout, or ``cfg``'s patterns) and
+    checks what can be checked without reading tokens, so it costs a ``stat`` and a 1 KiB read per shard
+    whatever the size of the data: every header (magic, version, size), the data's recorded vocabulary
+    against ``vocab_size`` (:func:`recover.data.layout.check_vocab_fits`), and each shard's recorded
+    largest token id against ``vocab_size``: from a matching ``recover prepare --verify`` cache, else
+    from ``meta.json`` (``shard_info``, or its top-level ``max_id``) (:func:`recorded_maxima`).
+    A shard with none of these is not scanned; ``hint``, when given, gets one line saying how to check
+    it (training checks each microbatch's ids anyway). Torch-free: ``recover launch`` runs it before it
+    starts any process, and every rank again when it opens its samplers.
+
+    Raises:
+        DataError: missing splits (naming what was looked for and the options), a vocabulary smaller
+            than the data's, the first bad shard header, or a recorded id beyond ``vocab_size``, named,
+            with the problem and the fix.
+    """
+    with one_listing():  # the directory is read once, however often its layout is asked about
+        check_vocab_fits(vocab_size, data_vocab(cfg, data_dir))
+        for split in ("train", "val"):
+            split_paths(cfg, data_dir, split)  # none: one line naming what was looked for and the option
+        train, val = (TokenDataset(str(data_dir / split_pattern(cfg, data_dir, split)),
+                                   fmt=split_format(cfg, data_dir, split)) for split in ("train", "val"))
+    unknown = 0
+    for ds in (train, val):
+        for i, rec in enumerate(recorded_maxima(ds, data_dir)):
+            if rec is None:
+                unknown += 1
+            elif rec.max_id >= vocab_size:
+                where = (f"at position {rec.position} (byte {ds.headers[i].byte_offset(rec.position)})"
+                         if rec.position is not None else "")
+                path = data_dir / META_NAME if rec.whole else ds.paths[i]  # which shard holds it is not recorded
+                raise vocab_error(path, rec.max_id, vocab_size, f"{where} ({rec.source})".strip())
+    if unknown and hint is not None:
+        total = len(train.paths) + len(val.paths)
+        hint(f"{unknown} of {total} shard(s) in {data_dir} have no recorded largest token id, so their ids were "
+             f"not checked at launch; `recover prepare --verify {data_dir}` checks every token once (training "
+             "checks each microbatch's ids anyway)")
+    return train, val

@@ -222,13 +222,13 @@ def _resolve_vocab(cfg: Config, overrides: list[str]) -> Config:
 
 def check_launch(req: LaunchRequest) -> LaunchOptions:
     """Every check of a launch, with no side effect (but one note on stderr when the data's token ids are not
-    recorded, :func:`recover.data.shards.check_data`); returns the launcher's options.
+    recorded, :func:`recover.data.verify.check_data`); returns the launcher's options.
 
     Raises:
         ConfigError: the first problem found (config, flags or failure schedule), one line with the fix.
     """
     from recover.data.prepare import resolve_data_dir
-    from recover.data.shards import check_data
+    from recover.data.verify import check_data
     from recover.faults import FailureSchedule, parse_failure
     from recover.launch.launcher import LaunchOptions
 
@@ -444,7 +444,7 @@ def run_compare(args: argparse.Namespace) -> int:
 
 def run_worker(args: argparse.Namespace) -> int:
     from recover.faults import hang_on_signal, parse_failure
-    from recover.launch.lifeline import die_with_launcher
+    from recover.lifeline import die_with_launcher
     from recover.train.exits import EXIT_STOPPED
     from recover.train.worker import ReplicaWorker, build
 

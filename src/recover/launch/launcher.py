@@ -51,8 +51,8 @@ from typing import Any
 
 from recover.config import Config
 from recover.faults import HANG_SIGNAL, FailureSchedule
-from recover.launch.lifeline import child_env
 from recover.launch.placement import Placement
+from recover.lifeline import child_env
 from recover.names import WORKER_ENV, Baseline, Fault
 from recover.observe.events import EventLog, JsonlWriter
 from recover.observe.progress import ProgressDisplay

@@ -11,7 +11,7 @@ Contract:
   ``share`` (``--share-gpus``, for tests on one GPU): ranks then share the GPUs round robin and every
   collective runs on gloo (NCCL allows one rank per device), also when no GPU was found.
 - A process given no GPU is told so (``RECOVER_PLACEMENT``: ``none``, or ``shared`` under
-  ``--share-gpus``), and :func:`worker_device` decides in the worker, which can ask CUDA: the CPU,
+  ``--share-gpus``), and :func:`recover.train.worker.worker_device` decides in the worker, which can ask CUDA: the CPU,
   ``cuda:0`` when the GPU is its alone or shared on purpose, or a refusal in one line when several
   processes would silently share GPU 0 because the launcher could not see the GPUs.
 - A replica that rejoins takes the devices of the one it replaces.
@@ -25,10 +25,9 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 from recover.errors import ConfigError
+from recover.train.exits import PLACEMENT_ENV
 
 NVIDIA_PROC = Path("/proc/driver/nvidia/gpus")
-PLACEMENT_ENV = "RECOVER_PLACEMENT"
-"""Set for a process ``recover launch`` gave no GPU: ``none`` (it found none), ``shared`` (``--share-gpus``)."""
 
 
 def visible_gpus() -> list[str]:
@@ -49,19 +48,6 @@ def smi_gpus(timeout_s: float = 10.0) -> list[str]:
     except (OSError, subprocess.SubprocessError):
         return []
     return [str(i) for i, _ in enumerate(line for line in out.stdout.splitlines() if line.startswith("GPU "))]
-
-
-def worker_device(cuda_devices: int, placement: str | None, processes: int) -> str:
-    """The device of a worker that sees ``cuda_devices`` CUDA GPUs, given its ``RECOVER_PLACEMENT``
-    (None: the launcher gave it a GPU, or it was not started by ``recover launch``) in a job of
-    ``processes`` processes. Raises ConfigError when it would silently share GPU 0 with the others."""
-    if cuda_devices == 0:
-        return "cpu"
-    if placement == "none" and processes > 1:
-        raise ConfigError(f"this worker sees {cuda_devices} CUDA GPU(s), but `recover launch` found none to give its "
-                          f"{processes} processes (no CUDA_VISIBLE_DEVICES, /proc/driver/nvidia/gpus or nvidia-smi), "
-                          "so they would all use GPU 0: pass --gpus 0,1,... to give each rank its own, or --share-gpus")
-    return "cuda:0"
 
 
 def parse_gpus(text: str) -> list[str]:

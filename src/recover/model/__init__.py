@@ -1,9 +1,8 @@
 """Decoder-only transformers: the model registry (:mod:`recover.model.spec`), the built-in Llama
 (:mod:`recover.model.llama`), building a model of any registered architecture and its size and cost.
 
-Its names load on first use (PEP 562), so that ``recover.model.cli`` registers ``recover sample`` and
-``recover export`` without importing torch: ``recover --help`` and the launcher start in a fraction of
-a second.
+Its names load on first use (PEP 562), so that importing it costs no torch: ``recover --help`` and the
+launcher, which validate ``model.arch`` against the registry, start in a fraction of a second.
 """
 
 from __future__ import annotations

@@ -16,7 +16,7 @@ from dataclasses import dataclass
 import torch
 from torch import nn
 
-from recover.config import ModelConfig
+from recover.model.config import ModelConfig
 from recover.model.spec import get
 
 __all__ = ["ModelStats", "build_model", "construct", "model_stats"]

@@ -1,7 +1,7 @@
 """Hugging Face files of any registered architecture: its mapping looked up by ``model.arch`` or
 ``model_type``, and the byte tokenizer as a ``tokenizer.json``.
 
-Pure conversions (no files): :mod:`recover.model.export` writes what they return and
+Pure conversions (no files): :mod:`recover.train.export` writes what they return and
 :mod:`recover.train.weights` reads a Hugging Face directory through them.
 
 Contract:
@@ -26,7 +26,7 @@ from recover.model import spec as registry
 if TYPE_CHECKING:
     import torch
 
-    from recover.config import ModelConfig
+    from recover.model.config import ModelConfig
     from recover.model.spec import HFMapping
 
 EOT_TOKEN = "<|endoftext|>"

@@ -13,7 +13,7 @@ name. A second architecture is one folder (its model, TP plan and spec, like
     load_config("debug", ["--model.arch", "gpt2"])     # now validated, built and parallelised as gpt2
 
 Contract of a model that ``build`` returns (what ``parallel/`` and the trainer rely on):
-- ``model.cfg`` is its :class:`~recover.config.ModelConfig`; ``model.init_weights(seed)`` fills every
+- ``model.cfg`` is its :class:`~recover.model.config.ModelConfig`; ``model.init_weights(seed)`` fills every
   parameter from ``seed`` and the parameter's name alone (:func:`recover.model.common.param_seed`),
   so a pipeline stage or a shard gets the whole model's values.
 - ``forward(tokens (B, T)) -> logits (B, T, V)``; its blocks sit in an ``nn.ModuleDict`` attribute
@@ -21,7 +21,7 @@ Contract of a model that ``build`` returns (what ``parallel/`` and the trainer r
   be set to ``None``, and ``forward`` then passes the hidden states ``(B, T, cfg.dim)`` through
   (a pipeline stage is the same class with the other parts removed; parameter names unchanged).
 
-This module imports no torch: ``recover.config`` validates ``model.arch`` against :func:`names`,
+This module imports no torch: :mod:`recover.model.config` validates ``model.arch`` against :func:`names`,
 and the launcher and ``recover --help`` stay fast. The built-in ``llama`` spec is imported on its
 first :func:`get`; its own module imports torch only when a model is built or parallelised.
 """
@@ -40,7 +40,7 @@ if TYPE_CHECKING:
     from torch import nn
     from torch.distributed.tensor.parallel import ParallelStyle
 
-    from recover.config import ModelConfig
+    from recover.model.config import ModelConfig
 
     StateDict = dict[str, torch.Tensor]
 

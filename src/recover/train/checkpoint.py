@@ -65,6 +65,7 @@ from recover.train.integrity import (  # noqa: F401 - the on-disk helpers are pa
     latest_checkpoint,
     list_checkpoints,
     load_newest,
+    read_meta,
     remove_leftovers,
     verify,
     write_manifest,
@@ -250,17 +251,6 @@ def _fsync_dir(path: Path) -> None:
         os.fsync(fd)
     finally:
         os.close(fd)
-
-
-def read_meta(path: str | os.PathLike[str]) -> dict[str, Any]:
-    path = Path(path)
-    if not (path / MARKER).is_file():
-        raise CheckpointError(f"{path} is not a complete checkpoint (no {MARKER} marker): it was "
-                              "interrupted while saving; resume from an older one or start afresh")
-    try:
-        return json.loads((path / "meta.json").read_text())
-    except (OSError, json.JSONDecodeError) as exc:
-        raise CheckpointError(f"{path}/meta.json is unreadable ({exc}); the checkpoint is damaged") from None
 
 
 def check_compatible(meta: dict[str, Any], model_cfg: ModelConfig, path: Path) -> None:

@@ -36,7 +36,7 @@ from typing import Any
 from recover.config import Config, ModelConfig
 from recover.data.tokenizer import BYTE_SPEC, ByteTokenizer, HFTokenizer, load_tokenizer
 from recover.errors import CheckpointError, ConfigError, RecoverError
-from recover.train.integrity import MARKER, OWN_FORMAT, list_checkpoints, verify
+from recover.train.integrity import MARKER, OWN_FORMAT, list_checkpoints, read_meta, verify
 
 TOKENIZER_FILE = "tokenizer.json"
 
@@ -168,8 +168,6 @@ def read_description(checkpoint: Path) -> Description:
     Raises:
         CheckpointError: unreadable ``meta.json`` or model config, or a checkpoint of a user's model.
     """
-    from recover.train.checkpoint import read_meta
-
     meta = read_meta(checkpoint)
     if meta.get("format") == OWN_FORMAT:
         raise CheckpointError(f"{checkpoint} holds a model of your own (job.save): recover export, sample and "

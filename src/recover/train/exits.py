@@ -1,4 +1,5 @@
-"""What a replica worker and its launcher agree on without importing torch: exit statuses and paths.
+"""What a replica worker and its launcher agree on without importing torch: exit statuses, paths and
+the placement variable.
 
 The launcher (and ``recover launch``) only reads these; keeping them here keeps the launcher
 process free of the multi-second torch import.
@@ -30,6 +31,9 @@ last committed state was saved."""
 EXIT_BAD_DATA = 10
 """a microbatch held a token id beyond the model's vocabulary (named with its file and offset): the data
 is wrong, on every replica alike; the lowest member saved the last committed state."""
+
+PLACEMENT_ENV = "RECOVER_PLACEMENT"
+"""Set for a process ``recover launch`` gave no GPU: ``none`` (it found none), ``shared`` (``--share-gpus``)."""
 
 
 def replica_log_path(out: Path, replica: int) -> Path:

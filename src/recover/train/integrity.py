@@ -170,3 +170,15 @@ def verify(directory: str | os.PathLike[str]) -> bool:
             raise CheckpointError(f"checkpoint {directory} is damaged: {name} does not match its "
                                   f"{ALGORITHM} (bytes changed after the save)")
     return True
+
+
+def read_meta(path: str | os.PathLike[str]) -> dict[str, Any]:
+    """A complete checkpoint's ``meta.json``. Raises CheckpointError (no marker, unreadable)."""
+    path = Path(path)
+    if not (path / MARKER).is_file():
+        raise CheckpointError(f"{path} is not a complete checkpoint (no {MARKER} marker): it was "
+                              "interrupted while saving; resume from an older one or start afresh")
+    try:
+        return json.loads((path / "meta.json").read_text())
+    except (OSError, json.JSONDecodeError) as exc:
+        raise CheckpointError(f"{path}/meta.json is unreadable ({exc}); the checkpoint is damaged") from None

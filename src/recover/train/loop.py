@@ -2,7 +2,7 @@
 
     replica = Replica.from_config(cfg, sampler, ctx)          # model, optimizer, step gradients
     step = ResilientStep(replica, group, coordinator, M, ...)  # the step protocol (layer 2)
-    for committed in Steps(step).steps(end):   # recover.api's iterator of committed steps
+    for committed in Steps(step).steps(end):   # recover.train.steps: the library API's iterator of committed steps
         outcome = committed.run()            # plan, compute, reduce, recover, commit, apply, admit
         record it; validate and checkpoint when due (the lowest live replica)
 
@@ -30,6 +30,7 @@ from recover.recovery.protocol import ResilientStep, StepOutcome
 from recover.train.checkpoint import Checkpointer
 from recover.train.optim import lr_at
 from recover.train.replica import Replica
+from recover.train.steps import Steps  # the committed-step iterator of the library API, the one there is
 
 
 def configure_torch(cfg: Config, local_procs: int) -> None:
@@ -110,8 +111,6 @@ class Loop:
     def run(self, end: int) -> None:
         """Trains until ``end`` steps are committed, or until a commit is a stop: then the lowest live
         replica saves a complete checkpoint of it (unless one was due anyway) and ``stopped`` is set."""
-        from recover.api import Steps  # the committed-step iterator of the library API, the one there is
-
         tc = self.cfg.training
         for committed in Steps(self.step).steps(end):
             t0 = time.perf_counter()

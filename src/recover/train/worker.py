@@ -50,13 +50,13 @@ from recover.baselines import JobFailed
 from recover.config import Config
 from recover.coord.client import CoordinatorLost, Diverged
 from recover.data.sampler import EvalSampler
-from recover.errors import DataError, QuorumLost, RecoverError
+from recover.errors import ConfigError, DataError, QuorumLost, RecoverError
 from recover.faults import FailureSpec
 from recover.names import Baseline, Phase
 from recover.recovery.protocol import Progress
 from recover.train.checkpoint import Checkpointer
 from recover.train.dist import DistContext, init_from_env
-from recover.train.exits import EXIT_STOPPED
+from recover.train.exits import EXIT_STOPPED, PLACEMENT_ENV
 from recover.train.loop import Loop, use_deterministic_kernels
 from recover.train.replica import Replica
 from recover.train.session import Session
@@ -90,12 +90,23 @@ def build(cfg: Config, procs: int) -> Built:
     return replica, eval_data, ctx
 
 
+def worker_device(cuda_devices: int, placement: str | None, processes: int) -> str:
+    """The device of a worker that sees ``cuda_devices`` CUDA GPUs, given its ``RECOVER_PLACEMENT``
+    (None: the launcher gave it a GPU, or it was not started by ``recover launch``) in a job of
+    ``processes`` processes. Raises ConfigError when it would silently share GPU 0 with the others."""
+    if cuda_devices == 0:
+        return "cpu"
+    if placement == "none" and processes > 1:
+        raise ConfigError(f"this worker sees {cuda_devices} CUDA GPU(s), but `recover launch` found none to give its "
+                          f"{processes} processes (no CUDA_VISIBLE_DEVICES, /proc/driver/nvidia/gpus or nvidia-smi), "
+                          "so they would all use GPU 0: pass --gpus 0,1,... to give each rank its own, or --share-gpus")
+    return "cuda:0"
+
+
 def own_device(cfg: Config) -> Any:
     """A one-process replica's device: the GPU the launcher gave it (``cuda:0`` in its own view), else the CPU
-    (:func:`~recover.launch.placement.worker_device`; checked for every rank). Raises ConfigError."""
+    (:func:`worker_device`; checked for every rank). Raises ConfigError."""
     import torch
-
-    from recover.launch.placement import PLACEMENT_ENV, worker_device
 
     gpus = torch.cuda.device_count() if torch.cuda.is_available() else 0
     processes = cfg.parallel.replicas * cfg.parallel.procs_per_replica

@@ -1,7 +1,7 @@
 """recover's Llama layout <-> Hugging Face ``LlamaForCausalLM``: names, rotary layout, config.
 
 Llama's :class:`~recover.model.spec.HFMapping` (:mod:`recover.model.llama.spec`): pure conversions (no
-files; tensors are only reshaped, so no torch import). :mod:`recover.model.export` and
+files; tensors are only reshaped, so no torch import). :mod:`recover.train.export` and
 :mod:`recover.train.weights` reach them through :mod:`recover.model.hf`, which asks the model registry.
 
 Contract:
@@ -22,8 +22,8 @@ from __future__ import annotations
 
 from typing import TYPE_CHECKING, Any
 
-from recover.config import ModelConfig
 from recover.errors import ConfigError
+from recover.model.config import ModelConfig
 
 if TYPE_CHECKING:
     import torch

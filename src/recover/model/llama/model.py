@@ -21,8 +21,8 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from recover.config import ModelConfig
 from recover.model.common import param_seed
+from recover.model.config import ModelConfig
 
 
 class RMSNorm(nn.Module):

@@ -23,7 +23,7 @@ from recover.model.spec import HFMapping, ModelSpec, TPPlan
 if TYPE_CHECKING:
     from torch import nn
 
-    from recover.config import ModelConfig
+    from recover.model.config import ModelConfig
 
 
 def build(cfg: ModelConfig) -> nn.Module:

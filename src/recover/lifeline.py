@@ -7,6 +7,9 @@ Contract:
   it fires even when the launcher itself was SIGKILLed and can clean nothing up) and exits at once if
   the launcher is already gone. Elsewhere (no ``prctl``) it does nothing: the launcher's own cleanup
   on SIGINT and SIGTERM is then all there is.
+
+It sits below every package (stdlib only): the coordinator, the replica workers and a user's script
+(:mod:`recover.api`) call it, and ``recover launch`` marks their environments.
 """
 
 from __future__ import annotations

@@ -1,0 +1,59 @@
+"""The import plan: README's Layout lists the packages lowest first; no module imports from a package listed
+below its own, and no modules import each other in a circle. Every import statement counts, one inside a
+function too. For the order, so do ``if TYPE_CHECKING:`` imports and modules named in strings (``importlib``:
+the command list, PEP 562 exports, the model registry's built-in); circles are among the imports that run
+(not ``TYPE_CHECKING``), by statement (the registry loads its built-in, whose spec imports it, on first use)."""
+
+from __future__ import annotations
+
+import ast
+import graphlib
+import re
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parents[2]
+SRC = ROOT / "src"
+MODULES = {".".join(p.relative_to(SRC).with_suffix("").parts).removesuffix(".__init__"): p
+           for p in (SRC / "recover").rglob("*.py")}
+
+
+def layout_order() -> list[str]:
+    block = (ROOT / "README.md").read_text().split("\n## Layout\n", 1)[1].split("```")[1]
+    return re.findall(r"^  (\w+)(?:\.py|/) ", block, re.M)
+
+
+def module_of(name: str) -> str:
+    while name not in MODULES:
+        name = name.rpartition(".")[0]
+    return name
+
+
+def imports(path: Path, run: bool) -> set[str]:
+    """The recover modules ``path`` imports (``run``: those its import statements import when run, else all)."""
+    tree = ast.parse(path.read_text())
+    skip = {id(n) for node in ast.walk(tree) if run and isinstance(node, ast.If)
+            and "TYPE_CHECKING" in ast.unparse(node.test) for n in ast.walk(node)}
+    found = set()
+    for node in (n for n in ast.walk(tree) if id(n) not in skip):
+        if isinstance(node, ast.Import):
+            found |= {a.name for a in node.names}
+        elif isinstance(node, ast.ImportFrom):
+            assert node.level == 0, f"{path}: a relative import"
+            found |= {f"{node.module}.{a.name}" for a in node.names}
+        elif not run and isinstance(node, ast.Constant) and re.fullmatch(r"recover(\.\w+)+", str(node.value)):
+            found.add(node.value)
+    return {module_of(name) for name in found if name.split(".")[0] == "recover"}
+
+
+def test_no_package_imports_one_listed_below_it() -> None:
+    rank = {unit: i for i, unit in enumerate(layout_order())}
+    unit = {name: name.split(".")[1] for name in MODULES if name != "recover"}  # the root only re-exports api
+    assert set(unit.values()) <= set(rank), f"missing from README's Layout: {set(unit.values()) - set(rank)}"
+    upward = [f"{name} -> {dep}" for name, path in MODULES.items() for dep in imports(path, run=False)
+              if name in unit and dep in unit and rank[unit[dep]] > rank[unit[name]]]
+    assert not upward, f"imports of a package listed below (README, Layout): {upward}"
+
+
+def test_no_modules_import_each_other_in_a_circle() -> None:
+    graph = {name: imports(path, run=True) - {name} for name, path in MODULES.items()}
+    tuple(graphlib.TopologicalSorter(graph).static_order())  # CycleError names the circle
