@@ -92,24 +92,79 @@ ASSIGNMENTS: tuple[str, ...] = get_args(Assignment)
 SHARD_FORMATS: tuple[str, ...] = get_args(ShardFormat)
 
 
-class Fault(_Named):
-    """What an injected fault does to the replica's process (``--fail``, ``--hang``, ``--freeze``, ``--slow``)."""
+class Event(str, Enum):
+    """The kind of every record of ``events.jsonl`` (its ``kind``): one member each, shared by the writers
+    (coordinator, replicas, launcher) and the readers (reports, goodput, benchmarks), which match members,
+    never literals. A ``str`` enum: the JSON lines hold the same plain names as ever, so run directories of
+    any version read alike (``record["kind"] == Event.KILL``).
+    """
 
-    KILL = "kill", "SIGKILL: the process dies at once, as with a lost GPU or host"
-    HANG = "hang", "the training thread stops for good; the process and its heartbeats stay alive"
-    FREEZE = "freeze", "SIGSTOP: the whole process stops for good (a frozen host)"
-    SLOW = "slow", "its microbatches take FACTOR times as long from then on (a throttled or degraded device)"
-    CUT = "cut", ("the link between it and replica PEER breaks for good: their collectives stall and "
-                  "neither reaches the other (a failed cable or switch port)")
-    CORRUPT = "corrupt", "one bit of one parameter element flips in its memory (silent data corruption)"
-    NAN = "nan", "the gradient of microbatch ID becomes NaN on it (a faulty kernel or device)"
-    MISCOMPUTE = "miscompute", ("every gradient it computes from then on is off by 2**-8 relative while its "
-                                "parameters stay right (corrupted arithmetic: only an audit finds it)")
+    AUDIT = "audit"
+    BAD_DATA = "bad_data"
+    CHECKPOINT = "checkpoint"
+    COMMIT = "commit"
+    COORDINATOR_EXIT = "coordinator_exit"
+    COORDINATOR_KILLED = "coordinator_killed"
+    COORDINATOR_RECONNECTED = "coordinator_reconnected"
+    COORDINATOR_STALLED = "coordinator_stalled"
+    COORDINATOR_START = "coordinator_start"
+    COORDINATOR_STOP = "coordinator_stop"
+    DIVERGED = "diverged"
+    DIVERGED_STOP = "diverged_stop"
+    DIVERGENT = "divergent"
+    END = "end"
+    FAILING = "failing"
+    FAILURE_DETECTED = "failure_detected"
+    FAILURE_REPORT = "failure_report"
+    FENCED = "fenced"
+    FENCED_EXIT = "fenced_exit"
+    FINISHED = "finished"
+    GENERATION = "generation"
+    GREW = "grew"
+    INJECTED = "injected"
+    JOB_FAILED = "job_failed"
+    JOB_RESTART = "job_restart"
+    JOIN_REFUSED = "join_refused"
+    JOIN_REQUEST = "join_request"
+    KILL = "kill"
+    LAUNCH = "launch"
+    LEFT = "left"
+    LINK_CUT = "link_cut"
+    LINK_REPORT = "link_report"
+    NONFINITE = "nonfinite"
+    NONFINITE_DIVERGENCE = "nonfinite_divergence"
+    NONFINITE_STOP = "nonfinite_stop"
+    QUORUM_LOST = "quorum_lost"
+    QUORUM_REFORMED = "quorum_reformed"
+    RANK_REGISTER = "rank_register"
+    RANK_VOTE_DISAGREEMENT = "rank_vote_disagreement"
+    REAPED = "reaped"
+    REBALANCED = "rebalanced"
+    REBUILT = "rebuilt"
+    RECOVERED = "recovered"
+    RECOVERY = "recovery"
+    REFUSED = "refused"
+    REGISTER = "register"
+    REGISTER_ABANDONED = "register_abandoned"
+    REJOIN_STARTED = "rejoin_started"
+    REPLICA_EXIT = "replica_exit"
+    RESYNCED = "resynced"
+    SLOWED = "slowed"
+    STARTED = "started"
+    STATE_RECEIVED = "state_received"
+    STEP_DROPPED = "step_dropped"
+    STEP_KEPT = "step_kept"
+    STOP = "stop"
+    STOP_GRACE_OVER = "stop_grace_over"
+    STOP_REQUESTED = "stop_requested"
+    STOP_SIGNAL = "stop_signal"
+    STOPPED = "stopped"
+    STRAGGLER = "straggler"
+    TRAIN_START = "train_start"
+    VOTE_DISAGREEMENT = "vote_disagreement"
 
-
-FAULTS: tuple[str, ...] = Fault.values()
-RANDOM_FAULTS: tuple[str, ...] = (Fault.KILL.value, Fault.HANG.value, Fault.FREEZE.value)
-"""What ``recover launch --random-failures`` can do to a replica from outside (``--random-faults``)."""
+    def __str__(self) -> str:
+        return str(self.value)
 
 
 WORKER_ENV = "RECOVER_WORKER"
