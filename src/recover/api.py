@@ -290,9 +290,10 @@ class Job(Steps):
             self.reads.ahead(coming, [mb for mb in share if mb is not None])
 
     def _slow(self, dt: float) -> None:
-        """``--slow``: a microbatch that took ``dt`` takes ``slowdown`` times as long."""
-        if self.replica.slowdown > 1.0:
-            time.sleep((self.replica.slowdown - 1.0) * dt)
+        """Under an injected time factor s (``--slow``), a microbatch that took ``dt`` takes s times as long."""
+        factor = self.replica.perturb.time_factor()
+        if factor > 1.0:
+            time.sleep((factor - 1.0) * dt)
 
     def steps(self, total: int) -> Iterator[Step]:
         """Committed steps until ``total`` are committed (a joiner starts where the job is), or until a

@@ -101,10 +101,12 @@ class Event(str, Enum):
 
     AUDIT = "audit"
     BAD_DATA = "bad_data"
+    BAD_DATA_STOP = "bad_data_stop"
     CHECKPOINT = "checkpoint"
     COMMIT = "commit"
     COORDINATOR_EXIT = "coordinator_exit"
     COORDINATOR_KILLED = "coordinator_killed"
+    COORDINATOR_LOST = "coordinator_lost"
     COORDINATOR_RECONNECTED = "coordinator_reconnected"
     COORDINATOR_STALLED = "coordinator_stalled"
     COORDINATOR_START = "coordinator_start"

@@ -15,6 +15,7 @@ import pytest
 from recover.coord import Coordinator, CoordinatorClient, CoordinatorLost, CoordinatorRefused
 from recover.coord.protocol import MAGIC, FrameDecoder, encode
 from recover.errors import PeerFailure
+from recover.faults import NONE, Perturbation, kind
 from recover.observe.events import read_jsonl
 
 TOKEN = "s3cret"
@@ -201,18 +202,24 @@ def test_lost_coordinator_is_never_silent(tmp_path: Path) -> None:
         c.stop()
 
 
+def cut(client: CoordinatorClient, peer: int) -> None:
+    """An injected broken link from ``client``'s replica to ``peer``, struck at once (``--cut R@0:PEER``)."""
+    client.perturb = Perturbation([kind("cut").parse(f"{client.replica_id}@0:{peer}")], client.replica_id)
+    assert client.perturb.at_phase(0, "forward")
+
+
 def test_link_probes_reach_a_listening_peer_and_not_a_cut_or_closed_one() -> None:
     """The direct probe a replica runs after a collective timed out (real sockets on loopback)."""
     a, b = CoordinatorClient("127.0.0.1", 1, "t", 0), CoordinatorClient("127.0.0.1", 1, "t", 1)
     try:
         addr = b.probe_address()
         assert a.unreachable({1: addr}, timeout_s=1.0) == []
-        b.cut.add(0)  # b refuses a: the link is cut on b's side
+        cut(b, 0)  # b refuses a: the link is cut on b's side
         assert a.unreachable({1: addr}, timeout_s=1.0) == [1]
-        b.cut.clear()
-        a.cut.add(1)
+        b.perturb = NONE
+        cut(a, 1)
         assert a.unreachable({1: addr}, timeout_s=1.0) == [1]
-        a.cut.clear()
+        a.perturb = NONE
         with socket.socket() as s:  # nothing listens on a closed port
             s.bind(("127.0.0.1", 0))
             closed = f"127.0.0.1:{s.getsockname()[1]}"

@@ -1,4 +1,5 @@
-"""Failure specs, schedules and the injector (with a recording kill: real kills are end-to-end tests)."""
+"""Failure specs, schedules, the kinds' registry and the perturbation hook (with a recording kill: real kills
+are end-to-end tests)."""
 
 from __future__ import annotations
 
@@ -8,7 +9,7 @@ import signal
 import pytest
 
 from recover.errors import ConfigError
-from recover.faults import PHASES, FailureSchedule, FailureSpec, FaultInjector, parse_failure, random_schedule
+from recover.faults import PHASES, FailureSchedule, FailureSpec, Perturbation, kind, parse_failure, random_schedule
 from recover.faults.schedule import STEP_PHASES
 
 
@@ -145,11 +146,11 @@ class Recorder:
         self.calls.append((pid, sig))
 
 
-def drive(inj: FaultInjector, steps: int = 10) -> list[tuple[int, str]]:
+def drive(inj: Perturbation, steps: int = 10) -> list[tuple[int, str]]:
     fired = []
     for step in range(steps):
         for phase in PHASES:
-            if inj.maybe_fail(step, phase):
+            if inj.at_phase(step, phase):
                 fired.append((step, phase))
     return fired
 
@@ -157,28 +158,28 @@ def drive(inj: FaultInjector, steps: int = 10) -> list[tuple[int, str]]:
 def test_injector_kills_exactly_at_the_matching_step_and_phase() -> None:
     specs = FailureSchedule(["1@5:backward", "2@3:reduce", "1@7:idle"]).specs
     rec = Recorder()
-    inj = FaultInjector(specs, replica=1, kill=rec)
+    inj = Perturbation(specs, replica=1, kill=rec)
     assert drive(inj) == [(5, "backward"), (7, "idle")]
     assert rec.calls == [(os.getpid(), signal.SIGKILL)] * 2
     assert inj.pending == [] and drive(inj) == []  # each spec fires once
-    assert drive(FaultInjector(specs, replica=0, kill=rec)) == []
+    assert drive(Perturbation(specs, replica=0, kill=rec)) == []
 
 
 def test_injector_rank_rule() -> None:
     specs = [FailureSpec(0, 2, "reduce"), FailureSpec(0, 4, "commit", rank=1)]
-    fired = {rank: drive(FaultInjector(specs, 0, rank=rank, ranks=3, kill=Recorder())) for rank in range(3)}
+    fired = {rank: drive(Perturbation(specs, 0, rank=rank, ranks=3, kill=Recorder())) for rank in range(3)}
     assert fired == {0: [], 1: [(4, "commit")], 2: [(2, "reduce")]}  # rank None -> the last rank
     with pytest.raises(ValueError, match="rank = 3"):
-        FaultInjector(specs, 0, rank=3, ranks=3)
+        Perturbation(specs, 0, rank=3, ranks=3)
 
 
 def test_injector_calls_before_kill_first_and_checks_phases() -> None:
     order: list[str] = []
-    inj = FaultInjector([FailureSpec(0, 1, "optimizer")], 0, kill=lambda pid, sig: order.append("kill"),
-                        before_kill=lambda spec: order.append(f"event {spec}"))
-    assert inj.maybe_fail(1, "optimizer") and order == ["event 0@1:optimizer", "kill"]
+    inj = Perturbation([FailureSpec(0, 1, "optimizer")], 0, kill=lambda pid, sig: order.append("kill"),
+                       record=lambda spec, kind, fields: order.append(f"{kind} {spec} {fields['phase']}"))
+    assert inj.at_phase(1, "optimizer") and order == ["kill 0@1:optimizer optimizer", "kill"]
     with pytest.raises(ValueError, match="did you mean 'backward'"):
-        inj.maybe_fail(1, "backwards")
+        inj.at_phase(1, "backwards")
 
 
 def test_phases_come_from_names() -> None:
@@ -202,15 +203,14 @@ def test_hang_and_freeze_specs_round_trip_and_fire_their_fault() -> None:
         parse_failure("1@2:forward=nap")
     signals, hangs = [], []
     for spec in (hang, freeze):
-        inj = FaultInjector([spec], spec.replica, kill=lambda pid, sig: signals.append(sig),
+        inj = Perturbation([spec], spec.replica, kill=lambda pid, sig: signals.append(sig),
                             hang=lambda: hangs.append(True))
-        assert inj.maybe_fail(spec.step, spec.phase)
+        assert inj.at_phase(spec.step, spec.phase)
     assert hangs == [True] and signals == [signal.SIGSTOP]  # the hang stops the thread, no signal
 
 
 def test_slow_specs_parse_round_trip_and_never_count_as_failures() -> None:
-    from recover.faults import parse_slow
-
+    parse_slow = kind("slow").parse
     spec = parse_slow("2@10:4")
     assert (spec.replica, spec.step, spec.fault, spec.factor, spec.kills) == (2, 10, "slow", 4.0, False)
     assert parse_failure(str(spec)) == spec and FailureSpec.from_dict(spec.to_dict()) == spec
@@ -218,15 +218,14 @@ def test_slow_specs_parse_round_trip_and_never_count_as_failures() -> None:
     for bad in ("2@10", "2@10:0.5", "2@10:fast", "x@1:2"):
         with pytest.raises(ConfigError):
             parse_slow(bad)
-    factors: list[float] = []
-    inj = FaultInjector([spec], replica=2, rank=0, ranks=2, kill=lambda *a: pytest.fail("killed"),
-                        slow=factors.append)
-    assert not inj.maybe_fail(9, "forward") and inj.maybe_fail(10, "forward") and factors == [4.0]
+    inj = Perturbation([spec, parse_slow("2@20:1")], replica=2, rank=0, ranks=2, kill=lambda *a: pytest.fail("killed"))
+    assert not inj.at_phase(9, "forward") and inj.time_factor() == 1.0
+    assert inj.at_phase(10, "forward") and inj.time_factor() == 4.0  # on every rank: rank 0 of 2 too
+    assert inj.at_phase(20, "forward") and inj.time_factor() == 1.0 and inj.gradient(20, 0) is None
 
 
 def test_cut_specs_name_another_existing_replica_and_never_count_as_failures() -> None:
-    from recover.faults import parse_cut
-
+    parse_cut = kind("cut").parse
     spec = parse_cut("1@5:2")
     assert (spec.replica, spec.step, spec.fault, int(spec.factor), spec.kills) == (1, 5, "cut", 2, False)
     assert parse_failure(str(spec)) == spec
@@ -236,6 +235,73 @@ def test_cut_specs_name_another_existing_replica_and_never_count_as_failures() -
             parse_cut(bad)
     with pytest.raises(ConfigError, match="peer replica 7 does not exist"):
         FailureSchedule([parse_cut("1@5:7")]).validate(3, 10)
-    cut: list[int] = []
-    inj = FaultInjector([spec], replica=1, rank=1, ranks=2, kill=lambda *a: pytest.fail("killed"), cut=cut.append)
-    assert inj.maybe_fail(5, "forward") and cut == [2]
+    inj = Perturbation([spec], replica=1, rank=1, ranks=2, kill=lambda *a: pytest.fail("killed"))
+    assert not inj.unreachable(2) and inj.at_phase(5, "forward")
+    assert inj.unreachable(2) and not inj.unreachable(0) and inj.heartbeats()
+
+
+# ---- the registry and the hook ----------------------------------------------------------------------
+def test_every_kind_is_registered_once_with_a_launch_flag_that_round_trips() -> None:
+    from recover.cli import build_parser
+    from recover.faults import random_kinds, registered
+    from recover.launch.cli import fault_specs
+
+    kinds = registered()
+    assert list(kinds)[:8] == ["kill", "hang", "freeze", "slow", "cut", "corrupt", "nan", "miscompute"]
+    assert random_kinds() == ("kill", "hang", "freeze")
+    example = {"R@STEP:PHASE": "1@3:reduce", "R@STEP:FACTOR": "1@3:2", "R@STEP:PEER": "1@3:0", "R@STEP": "1@3",
+               "R@STEP:ID": "1@3:4"}
+    argv = [arg for k in kinds.values() for arg in (k.flag, example[k.metavar])]
+    specs = fault_specs(build_parser().parse_args(["launch", "--out", "x", *argv]))
+    assert [parse_failure(s).fault for s in specs] == list(kinds)  # each flag makes a spec of its own kind
+    assert all(parse_failure(s) == kinds[parse_failure(s).fault].parse(example[kinds[parse_failure(s).fault].metavar])
+               for s in specs)
+
+
+def test_struck_by_reads_the_events_of_every_version() -> None:
+    from recover.faults import struck_by
+
+    assert struck_by({"kind": "kill", "fault": "hang"}).name == "hang"
+    assert struck_by({"kind": "kill"}).name == "kill"  # older kills name no fault
+    assert struck_by({"kind": "kill", "fault": "random"}).name == "kill"
+    assert struck_by({"kind": "slowed", "factor": 3.0}).name == "slow"
+    assert struck_by({"kind": "slowed", "factor": 1.0}) is None  # the end of a slow-down
+    assert struck_by({"kind": "link_cut", "peer": 2}).name == "cut"
+    assert struck_by({"kind": "injected", "fault": "nan", "microbatch": 3}).name == "nan"
+    assert struck_by({"kind": "injected", "fault": "slow"}) is None  # a kind's strike is its own event
+    assert struck_by({"kind": "recovered"}) is None
+
+
+def test_gradient_faults_act_through_the_hook_only() -> None:
+    import torch
+
+    specs = [kind("nan").parse("0@2:5"), kind("miscompute").parse("0@3")]
+    p = Perturbation(specs, 0)
+    assert p.gradient(2, 5) is None  # nothing struck yet
+    assert p.at_phase(2, "forward") and p.gradient(2, 4) is None and p.gradient(2, None) is None
+    for _ in range(2):  # a recompute of the same microbatch (to find the non-finite one) meets it again
+        grads = [torch.ones(3), torch.ones(2)]
+        fn = p.gradient(2, 5)
+        for g in grads:
+            fn(g)
+        assert grads[0].isnan().all() and torch.equal(grads[1], torch.ones(2))  # the first tensor of the pass
+    assert p.at_phase(3, "forward")
+    g = torch.ones(2, dtype=torch.float64)
+    p.gradient(7, None)(g)
+    assert torch.equal(g, torch.full((2,), 1 + 2**-8, dtype=torch.float64))
+
+
+def test_corrupt_acts_on_the_target_on_its_rank_only() -> None:
+    flipped: list[int] = []
+
+    class Target:
+        def __init__(self, rank: int) -> None:
+            self.rank = rank
+
+        def corrupt(self) -> None:
+            flipped.append(self.rank)
+
+    spec = kind("corrupt").parse("0@1")
+    for rank in range(2):
+        Perturbation([spec], 0, rank, 2, target=Target(rank)).at_phase(1, "forward")
+    assert flipped == [1]  # the replica's last rank

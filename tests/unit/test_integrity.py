@@ -9,8 +9,7 @@ import torch
 
 from recover.config import load_config
 from recover.errors import CheckpointError
-from recover.faults import parse_corrupt, parse_nan
-from recover.names import Fault
+from recover.faults import kind
 from recover.train.integrity import verify, write_manifest
 from recover.train.replica import Replica
 
@@ -42,15 +41,15 @@ def test_any_single_changed_bit_changes_the_fingerprint() -> None:
 
 
 def test_corrupt_and_nan_specs() -> None:
-    spec = parse_corrupt("2@12")
-    assert (spec.replica, spec.step, spec.fault, spec.kills) == (2, 12, Fault.CORRUPT, True)
-    spec = parse_nan("1@5:3")
-    assert (spec.replica, spec.step, spec.fault, int(spec.factor), spec.kills) == (1, 5, Fault.NAN, 3, False)
+    spec = kind("corrupt").parse("2@12")
+    assert (spec.replica, spec.step, spec.fault, spec.kills) == (2, 12, "corrupt", True)
+    spec = kind("nan").parse("1@5:3")
+    assert (spec.replica, spec.step, spec.fault, int(spec.factor), spec.kills) == (1, 5, "nan", 3, False)
     assert str(spec) == "1@5:forward=nan:3"
     with pytest.raises(ValueError, match="write R@STEP:ID"):
-        parse_nan("1@5")
+        kind("nan").parse("1@5")
     with pytest.raises(ValueError, match="write R@STEP, e.g. 2@12"):
-        parse_corrupt("1@5:forward")
+        kind("corrupt").parse("1@5:forward")
 
 
 def test_a_manifest_finds_any_changed_cut_missing_or_foreign_file(tmp_path: Path) -> None:

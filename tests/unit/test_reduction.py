@@ -17,6 +17,7 @@ from test_parallel import CFG, _Sampler
 
 from recover.comm.reduction import Reduction, plan_buckets
 from recover.config import TrainingConfig
+from recover.faults import Perturbation, kind
 from recover.train.replica import Replica
 
 
@@ -90,13 +91,19 @@ def test_the_last_backward_launches_buckets_before_it_ends_and_sums_equal_the_pl
     assert all(p.grad is None for p in streamed.params)
 
 
+def nan_at(replica: Replica, step: int, mb: int) -> None:
+    """``--nan 0@STEP:MB`` on ``replica``, struck at once."""
+    replica.perturb = Perturbation([kind("nan").parse(f"0@{step}:{mb}")], 0)
+    assert replica.perturb.at_phase(step, "forward")
+
+
 def test_a_nan_in_the_streamed_pass_is_found_and_named() -> None:
     replica = Replica(CFG, TrainingConfig(seed=3), _Sampler())
-    replica.poison = {(0, 2)}  # the last pass of the call: folded from hooks, found in the buffers
+    nan_at(replica, 0, 2)  # the last pass of the call: folded from hooks, found in the buffers
     r = Recording(replica.payload(), order=replica.reduce_order)
     replica.compute(0, [0, 1, 2], final=r.final)
     assert replica.nonfinite == [2]
     other = Replica(CFG, TrainingConfig(seed=3), _Sampler())
-    other.poison = {(0, 0)}  # a pass before the last
+    nan_at(other, 0, 0)  # a pass before the last
     other.compute(0, [0, 1, 2])
     assert other.nonfinite == [0]

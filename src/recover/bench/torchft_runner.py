@@ -219,7 +219,7 @@ def replica_main(args: argparse.Namespace) -> int:
 
     from recover.config import load_config
     from recover.data.prepare import resolve_data_dir
-    from recover.faults import FaultInjector, parse_failure
+    from recover.faults import Perturbation, parse_failure
     from recover.launch.launcher import free_port
     from recover.model import lm_loss
     from recover.train.dist import DistContext
@@ -238,10 +238,8 @@ def replica_main(args: argparse.Namespace) -> int:
 
     events = EventLog(out / "events.jsonl")
     log = JsonlWriter(out / "replicas" / f"replica_{rid}.jsonl")
-    slowdown = {"factor": 1.0}  # --slow R@STEP:FACTOR (fault kind slow): this replica's device slows down
-    injector = FaultInjector([parse_failure(f) for f in args.fail], rid, before_kill=lambda s: s.kills and events.event(
-        "kill", replica=rid, step=s.step, phase=s.phase, pid=os.getpid()),
-        slow=lambda factor: slowdown.update(factor=factor))
+    perturbation = Perturbation([parse_failure(f) for f in args.fail], rid, record=lambda spec, kind, fields: (
+        spec.kills and events.event(kind, replica=rid, **fields)))  # --fail and --slow R@STEP:FACTOR
     store_port = free_port()
     store = TCPStore("127.0.0.1", store_port, is_master=True, wait_for_workers=False)  # noqa: F841 - kept alive
     manager = Manager(
@@ -257,12 +255,12 @@ def replica_main(args: argparse.Namespace) -> int:
         """With ``training.device_time_s``, sleeps until the current microbatch has taken that long (times
         a ``slow`` fault's factor, or the real compute times it, as recover's replicas do)."""
         elapsed = time.perf_counter() - current["mb_t0"]
-        left = max(tc.device_time_s, elapsed) * slowdown["factor"] - elapsed
+        left = max(tc.device_time_s, elapsed) * perturbation.time_factor() - elapsed
         if left > 0:
             time.sleep(left)
 
     def on_reduce() -> None:
-        injector.maybe_fail(current["step"], Phase.REDUCE)
+        perturbation.at_phase(current["step"], Phase.REDUCE)
         emulate_device()  # the device time ends before the all-reduce (a no-op once it has passed)
 
     ddp = _ddp_class(on_reduce)(manager, model)
@@ -281,27 +279,27 @@ def replica_main(args: argparse.Namespace) -> int:
         for i, mb in enumerate(mine):
             current["mb_t0"] = time.perf_counter()
             inputs, targets = replica.data.microbatch(data_step, mb)
-            injector.maybe_fail(step, Phase.FORWARD)
+            perturbation.at_phase(step, Phase.FORWARD)
             with ddp.no_sync() if i + 1 < len(mine) else nullcontext():
                 loss = lm_loss(ddp(inputs), targets)
-                injector.maybe_fail(step, Phase.BACKWARD)
+                perturbation.at_phase(step, Phase.BACKWARD)
                 (loss / len(mine)).backward()  # the last backward's hook averages over the participants
             emulate_device()
             loss_sum += float(loss)
         totals = torch.tensor([loss_sum, float(len(mine))], dtype=torch.float64)
         manager.allreduce(totals, reduce_op=ReduceOp.SUM).wait()  # loss and microbatch count, for the log
         grad_norm = float(torch.nn.utils.clip_grad_norm_(model.parameters(), tc.grad_clip))
-        injector.maybe_fail(step, Phase.COMMIT)
+        perturbation.at_phase(step, Phase.COMMIT)
         committed = manager.should_commit()
         data_step += 1  # torchft consumes the batch whether or not the step commits
         if not committed:
             events.event("step_dropped", replica=rid, step=step, participants=manager.num_participants())
             continue
-        injector.maybe_fail(step, Phase.OPTIMIZER)
+        perturbation.at_phase(step, Phase.OPTIMIZER)
         optim.step()
         _record(log, cfg, replica.tokens_per_microbatch, evaluate, manager, step, totals, grad_norm,
                 time.perf_counter() - t0, data_step)
-        injector.maybe_fail(step, Phase.IDLE)
+        perturbation.at_phase(step, Phase.IDLE)
     log.close()
     events.event("finished", replica=rid, step=manager.current_step())
     events.close()

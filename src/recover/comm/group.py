@@ -327,7 +327,7 @@ class FaultTolerantGroup:
                 if self.client.failure_notice(self.generation) or self.client.lost is not None:
                     raise self._fail(f"coordinator notice during {what}", False)
                 time.sleep(0.05)
-        cut = sorted(self.client.cut & set(self.members))
+        cut = [r for r in self.members if self.client.perturb.unreachable(r)]
         raise self._fail(f"{what} exceeded {self.timeout_s:g} s (link to {cut} cut)", True, timed_out=True)
 
     def _retire(self, broken: bool = False, *work_lists: list[Any]) -> None:
@@ -367,7 +367,7 @@ class _GroupReduction(Reduction):
         first = min(FIRST_BUCKET_BYTES, group.bucket_bytes) if order is not None else None  # streamed: start early
         super().__init__(tensors, order, group.bucket_bytes, first)
         self.group = group
-        self.withheld = bool(group.client.cut and group.client.cut & set(group.members))  # --cut injection
+        self.withheld = any(group.client.perturb.unreachable(r) for r in group.members)  # an injected broken link
 
     def _take(self, numel: int, dtype: torch.dtype, device: torch.device) -> Tensor:
         return self.group.pool.take(numel, dtype, device, self.flats)

@@ -79,6 +79,7 @@ from recover.coord.protocol import (
     speeds_from_wire,
 )
 from recover.errors import PeerFailure, QuorumLost, RecoverError
+from recover.faults.perturb import NONE
 
 PROBE_TIMEOUT_S = 2.0
 """How long a link probe waits for a peer's answer."""
@@ -147,8 +148,8 @@ class CoordinatorClient:
         self.fence_exit_s, self.on_fenced = fence_exit_s, on_fenced
         self.speeds: dict[int, float] | None = None
         """The planned seconds per microbatch from the last commit this client voted in (None: even)."""
-        self.cut: set[int] = set()
-        """Replicas this one cannot reach (fault injection of a broken link: ``--cut``)."""
+        self.perturb = NONE
+        """Injected faults (:class:`~recover.faults.Perturbation`): broken links, muted heartbeats."""
         self._probe_sock: socket.socket | None = None
         self.reconnect_s, self.on_reconnected = reconnect_s, on_reconnected
         self._join = False
@@ -238,7 +239,7 @@ class CoordinatorClient:
         def probe(replica: int, address: str) -> None:
             host, _, port = address.rpartition(":")
             try:
-                if replica in self.cut:
+                if self.perturb.unreachable(replica):
                     raise OSError("link cut (fault injection)")
                 with socket.create_connection((host, int(port)), timeout=timeout_s) as s:
                     s.settimeout(timeout_s)
@@ -266,7 +267,7 @@ class CoordinatorClient:
                 try:
                     conn.settimeout(PROBE_TIMEOUT_S)
                     data = conn.recv(4)
-                    if len(data) == 4 and struct.unpack(">i", data)[0] not in self.cut:
+                    if len(data) == 4 and not self.perturb.unreachable(struct.unpack(">i", data)[0]):
                         conn.sendall(b"!")
                 except OSError:
                     pass
@@ -647,7 +648,7 @@ class CoordinatorClient:
         while not self._stop.wait(self.heartbeat_interval_s):
             if self._lost is not None:
                 return
-            if self._reconnecting:
+            if self._reconnecting or not self.perturb.heartbeats():
                 continue
             try:
                 self._send({"type": "hb", "progress": self._progress, "activity": self._activity,

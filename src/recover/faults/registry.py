@@ -122,13 +122,12 @@ def random_kinds() -> tuple[str, ...]:
 
 
 def struck_by(event: dict[str, Any]) -> FaultKind | None:
-    """The kind whose strike ``event`` records, if any (its ``fault``, else the one kind writing that event:
-    the run directories of older versions wrote ``slowed`` and ``link_cut`` without one)."""
-    kind_of_event = event.get("kind")
-    if event.get("fault") is not None:
-        found = registered().get(event["fault"])
-    elif kind_of_event == Event.KILL:
-        found = registered().get("kill")
-    else:
-        found = next((k for k in registered().values() if k.event == kind_of_event and k.event != Event.INJECTED), None)
-    return found if found is not None and found.event == kind_of_event and found.struck(event) else None
+    """The kind whose strike ``event`` records, if any: the kind its ``fault`` names, else the one kind writing
+    that event (older run directories wrote ``slowed`` and ``link_cut`` without a ``fault``, and kills with
+    none or one no longer known: a kill)."""
+    found = registered().get(event.get("fault") or "")
+    if event.get("kind") == Event.KILL and (found is None or found.event != Event.KILL):
+        found = registered()["kill"]
+    elif found is None and event.get("kind") != Event.INJECTED:
+        found = next((k for k in registered().values() if k.event == event.get("kind")), None)
+    return found if found is not None and found.event == event.get("kind") and found.struck(event) else None

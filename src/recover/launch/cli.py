@@ -23,8 +23,10 @@ from typing import TYPE_CHECKING, Any
 
 from recover.config import Config, load_config
 from recover.errors import ConfigError, RecoverError
+from recover.faults.registry import random_kinds, registered
+from recover.faults.schedule import KILL
 from recover.launch.placement import parse_gpus, place, visible_gpus
-from recover.names import BASELINES, RANDOM_FAULTS, Baseline, Fault, Phase
+from recover.names import BASELINES, Baseline, Phase
 from recover.observe.rundir import check_out, clear_run
 from recover.train.cli import INIT_FROM_HELP, init_from_override
 
@@ -45,28 +47,9 @@ def register(sub: argparse._SubParsersAction) -> None:
     p.add_argument("--replicas", type=int, default=None, help="replicas (default: parallel.replicas of the config)")
     p.add_argument("--steps", type=int, default=None, help="committed steps (default: training.steps)")
     p.add_argument("--out", required=True, help="run directory")
-    p.add_argument("--fail", action="append", default=[], metavar="R@STEP:PHASE",
-                   help=f"kill replica R at STEP (0-based) and PHASE; repeatable. Phases: {Phase.describe()}")
-    p.add_argument("--hang", action="append", default=[], metavar="R@STEP:PHASE",
-                   help=f"stop replica R's training thread for good at STEP and PHASE ({Fault.HANG.help}); "
-                        "it is found by its lack of progress (fault_tolerance.hang_timeout_s); repeatable")
-    p.add_argument("--slow", action="append", default=[], metavar="R@STEP:FACTOR",
-                   help=f"from STEP on, replica R's microbatches take FACTOR times as long ({Fault.SLOW.help}); "
-                        "with workload.policy = weighted it gets fewer of them; repeatable")
-    p.add_argument("--cut", action="append", default=[], metavar="R@STEP:PEER",
-                   help=f"from STEP on, the link between replicas R and PEER is broken ({Fault.CUT.help}); "
-                        "the replica the members' reports implicate is fenced; repeatable")
-    p.add_argument("--freeze", action="append", default=[], metavar="R@STEP:PHASE",
-                   help=f"SIGSTOP replica R for good at STEP and PHASE ({Fault.FREEZE.help}); repeatable")
-    p.add_argument("--corrupt", action="append", default=[], metavar="R@STEP",
-                   help=f"before STEP's forward passes, {Fault.CORRUPT.help} on replica R; the parameter "
-                        "fingerprints find it at that step's vote; repeatable")
-    p.add_argument("--miscompute", action="append", default=[], metavar="R@STEP",
-                   help=f"from STEP on, {Fault.MISCOMPUTE.help.replace('it computes', 'replica R computes')}; "
-                        "found by --fault_tolerance.audit_every K; repeatable")
-    p.add_argument("--nan", action="append", default=[], metavar="R@STEP:ID",
-                   help=f"at STEP, {Fault.NAN.help.replace('on it', 'on replica R')}; the microbatch is recomputed "
-                        "elsewhere; repeatable")
+    for kind in registered().values():  # one flag per fault kind (recover.faults.kinds)
+        p.add_argument(kind.flag, action="append", default=[], metavar=kind.metavar,
+                       help=kind.usage.format(help=kind.help))
     p.add_argument("--kill-coordinator", default=None, metavar="STEP[:SENT]",
                    help="SIGKILL the coordinator in the middle of step STEP's commit, after SENT of its replies went "
                         "out (default 0); it is restarted and rebuilds the job from what the replicas hold")
@@ -83,8 +66,8 @@ def register(sub: argparse._SubParsersAction) -> None:
                         "(training.device_time_s; for benchmarks and tests on shared CPU cores)")
     p.add_argument("--random-failures", type=float, default=None, metavar="MTBF_S",
                    help="also fail a random live replica at exponential intervals with this mean (seconds)")
-    p.add_argument("--random-faults", default=Fault.KILL.value, metavar="KIND[,KIND...]",
-                   help=f"what --random-failures does, drawn uniformly per failure: {', '.join(RANDOM_FAULTS)} "
+    p.add_argument("--random-faults", default=KILL, metavar="KIND[,KIND...]",
+                   help=f"what --random-failures does, drawn uniformly per failure: {', '.join(random_kinds())} "
                         "(default kill; a hang is sent as SIGUSR1, which stops the worker's training thread)")
     p.add_argument("--rejoin-after", type=float, default=None, metavar="SECONDS",
                    help="restart a killed replica after this delay; it joins back at the next step boundary")
@@ -165,12 +148,12 @@ class LaunchRequest:
     device_time_s: float | None = None
     """Emulated device time per microbatch (``training.device_time_s``)."""
     failures: tuple[str, ...] = ()
-    """Failure specs ``R@STEP[:PHASE][=hang|=freeze]`` (a kill without the suffix)."""
+    """Failure specs ``R@STEP[:PHASE][=KIND[:ARG]]`` (a kill without the suffix)."""
     fail_rank: int | None = None
     """Which rank of a replica the failures kill (None: its last)."""
     random_mtbf_s: float | None = None
-    random_faults: tuple[str, ...] = (Fault.KILL.value,)
-    """What each random failure does: some of :data:`RANDOM_FAULTS`."""
+    random_faults: tuple[str, ...] = (KILL,)
+    """What each random failure does: some of :func:`~recover.faults.random_kinds`."""
     rejoin_after_s: float | None = None
     rejoin_replicas: frozenset[int] | None = None
     """With ``rejoin_after_s``: only these replicas rejoin (None: every killed one)."""
@@ -248,10 +231,10 @@ def check_launch(req: LaunchRequest) -> LaunchOptions:
     schedule.validate(p.replicas, cfg.training.steps, ft.min_replicas, rejoin=req.rejoin_after_s is not None, ranks=P)
     if req.random_mtbf_s is not None and req.random_mtbf_s <= 0:
         raise ConfigError(f"--random-failures {req.random_mtbf_s} is not allowed: a positive MTBF in seconds")
-    odd = [f for f in req.random_faults if f not in RANDOM_FAULTS]
+    odd = [f for f in req.random_faults if f not in random_kinds()]
     if odd or not req.random_faults:
         raise ConfigError(f"--random-faults {','.join(req.random_faults)} is not allowed: some of "
-                          f"{', '.join(RANDOM_FAULTS)}, comma-separated")
+                          f"{', '.join(random_kinds())}, comma-separated")
     if req.rejoin_after_s is not None and req.rejoin_after_s < 0:
         raise ConfigError(f"--rejoin-after {req.rejoin_after_s} is not allowed: seconds >= 0")
     if req.rejoin_replicas is not None and not req.rejoin_replicas <= set(range(p.replicas)):
@@ -293,7 +276,7 @@ def check_launch(req: LaunchRequest) -> LaunchOptions:
                        hint=lambda line: print(f"recover: note: {line}", file=sys.stderr))
     return LaunchOptions(config=cfg, config_arg=req.config, overrides=overrides, out=Path(req.out),
                          failures=schedule, random_mtbf_s=req.random_mtbf_s,
-                         random_faults=tuple(Fault(f) for f in req.random_faults), rejoin_after_s=req.rejoin_after_s,
+                         random_faults=req.random_faults, rejoin_after_s=req.rejoin_after_s,
                          rejoin_replicas=req.rejoin_replicas, seed=req.seed, baseline=req.baseline,
                          progress=req.progress, resume=req.resume, kill_coordinator=req.kill_coordinator,
                          placement=placement, script=req.script,
@@ -404,18 +387,19 @@ def _ids(flag: str, text: str | None) -> frozenset[int] | None:
         raise ConfigError(f"{flag} {text!r}: expected replica ids like 1,3") from None
 
 
+def fault_specs(args: argparse.Namespace) -> tuple[str, ...]:
+    """The failure specs the fault kinds' flags ask for (each parsed by its kind), in the kinds' order."""
+    return tuple(str(kind.parse(text)) for kind in registered().values()
+                 for text in getattr(args, kind.flag.lstrip("-").replace("-", "_")))
+
+
 def run_launch(args: argparse.Namespace) -> int:
     """``recover launch``: the flags as a :class:`LaunchRequest`, run by :func:`launch`."""
-    from recover.faults import parse_corrupt, parse_cut, parse_nan, parse_slow
-
     return launch(LaunchRequest(
         out=Path(args.out), config=args.config, overrides=tuple(args.overrides), replicas=args.replicas,
         steps=args.steps, pp=args.pp, tp=args.tp, fsdp=args.fsdp, procs_per_replica=args.procs_per_replica,
         deterministic=args.deterministic, device_time_s=args.device_time_s, fail_rank=args.fail_rank,
-        failures=(*args.fail, *(f"{f}={Fault.HANG}" for f in args.hang), *(f"{f}={Fault.FREEZE}" for f in args.freeze),
-                  *(str(parse_slow(f)) for f in args.slow), *(str(parse_cut(f)) for f in args.cut),
-                  *(str(parse_corrupt(f)) for f in args.corrupt), *(str(parse_nan(f)) for f in args.nan),
-                  *(str(parse_corrupt(f, Fault.MISCOMPUTE)) for f in args.miscompute)),
+        failures=fault_specs(args),
         random_mtbf_s=args.random_failures, rejoin_after_s=args.rejoin_after,
         random_faults=tuple(f.strip().lower() for f in args.random_faults.split(",") if f.strip()),
         rejoin_replicas=_ids("--rejoin-replicas", args.rejoin_replicas),

@@ -21,7 +21,8 @@ from typing import TYPE_CHECKING, Any
 from rich.console import Console
 from rich.table import Table
 
-from recover.names import Fault, Phase
+from recover.faults import kind
+from recover.names import Phase
 
 if TYPE_CHECKING:
     from recover.launch.cli import LaunchRequest
@@ -31,38 +32,33 @@ REPLICAS, STEPS, REJOIN_AFTER_S, HANG_TIMEOUT_S = 4, 40, 1.0, 3.0
 
 @dataclass(frozen=True)
 class DemoFault:
-    """One fault of the demo: ``fault`` on ``replica`` at ``fraction`` of the run (``arg``: the phase,
-    or the slow-down factor)."""
+    """One fault of the demo: the fault kind ``fault`` (:mod:`recover.faults.kinds`) on ``replica`` at
+    ``fraction`` of the run (``arg``: what its flag takes after ``R@STEP:``, the phase or the slow-down factor)."""
 
-    fault: Fault
+    fault: str
     replica: int
     fraction: float
     arg: str = ""
 
+    def value(self, steps: int) -> str:
+        """What its ``recover launch`` flag is given, e.g. ``2@10:forward``."""
+        return f"{self.replica}@{int(self.fraction * steps)}" + (f":{self.arg}" if self.arg else "")
+
     def spec(self, steps: int) -> str:
         """The failure spec as ``recover launch`` passes it on (``R@STEP:PHASE[=FAULT[:ARG]]``)."""
-        from recover.faults import parse_corrupt, parse_failure, parse_slow
-
-        at = f"{self.replica}@{int(self.fraction * steps)}"
-        if self.fault is Fault.SLOW:
-            return str(parse_slow(f"{at}:{self.arg}"))
-        if self.fault is Fault.CORRUPT:
-            return str(parse_corrupt(at))
-        return str(parse_failure(f"{at}:{self.arg}", fault=self.fault))
+        return str(kind(self.fault).parse(self.value(steps)))
 
     def flag(self, steps: int) -> str:
         """The ``recover launch`` flag that injects it, e.g. ``--hang 2@10:forward``."""
-        at = f"{self.replica}@{int(self.fraction * steps)}"
-        name = {Fault.KILL: "fail", Fault.HANG: "hang", Fault.SLOW: "slow", Fault.CORRUPT: "corrupt"}[self.fault]
-        return f"--{name} {at}" + (f":{self.arg}" if self.arg else "")
+        return f"{kind(self.fault).flag} {self.value(steps)}"
 
 
 DEMO_FAULTS: tuple[DemoFault, ...] = (
-    DemoFault(Fault.KILL, 1, 0.10, Phase.BACKWARD),   # a crash: SIGKILL in a backward pass
-    DemoFault(Fault.HANG, 2, 0.25, Phase.FORWARD),    # a stuck training thread, heartbeats alive
-    DemoFault(Fault.SLOW, 3, 0.40, "3"),              # a straggler: 3x slower ...
-    DemoFault(Fault.SLOW, 3, 0.60, "1"),              # ... until 60% of the run
-    DemoFault(Fault.CORRUPT, 0, 0.72),                # one parameter bit of replica 0 flips
+    DemoFault("kill", 1, 0.10, Phase.BACKWARD),   # a crash: SIGKILL in a backward pass
+    DemoFault("hang", 2, 0.25, Phase.FORWARD),    # a stuck training thread, heartbeats alive
+    DemoFault("slow", 3, 0.40, "3"),              # a straggler: 3x slower ...
+    DemoFault("slow", 3, 0.60, "1"),              # ... until 60% of the run
+    DemoFault("corrupt", 0, 0.72),                # one parameter bit of replica 0 flips
 )
 """At 40 steps: ``--fail 1@4:backward --hang 2@10:forward --slow 3@16:3 --slow 3@24:1 --corrupt 0@28``.
 Spaced so that each lost replica is back before the next loses one (the corruption needs a strict

@@ -50,10 +50,10 @@ from pathlib import Path
 from typing import Any
 
 from recover.config import Config
-from recover.faults import HANG_SIGNAL, FailureSchedule
+from recover.faults import FailureSchedule, kind
 from recover.launch.placement import Placement
 from recover.lifeline import child_env
-from recover.names import WORKER_ENV, Baseline, Fault
+from recover.names import WORKER_ENV, Baseline
 from recover.observe.events import EventLog, JsonlWriter
 from recover.observe.progress import ProgressDisplay
 from recover.train.exits import (
@@ -87,7 +87,7 @@ class LaunchOptions:
     out: Path
     failures: FailureSchedule = field(default_factory=FailureSchedule)
     random_mtbf_s: float | None = None
-    random_faults: tuple[Fault, ...] = (Fault.KILL,)
+    random_faults: tuple[str, ...] = ("kill",)
     """What each random failure does (drawn uniformly): SIGKILL, a hung training thread (SIGUSR1 to
     the worker) or SIGSTOP."""
     rejoin_after_s: float | None = None
@@ -438,7 +438,7 @@ class Launcher:
         pid = victim.procs[rank].pid
         self.events.event("kill", replica=victim.rid, rank=rank, step=max(self.records, default=-1) + 1,
                           phase="random", pid=pid, source="launcher", fault=fault)
-        sig = {Fault.KILL: signal.SIGKILL, Fault.HANG: HANG_SIGNAL, Fault.FREEZE: signal.SIGSTOP}[fault]
+        sig = kind(fault).signal
         self.faulted.add(pid)
         os.killpg(pid, sig)
         self.kills += 1

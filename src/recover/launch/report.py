@@ -9,11 +9,13 @@ Recovery latency of a kill = time from the kill (``kind: kill``) to the moment t
 has re-formed its group and re-planned the orphans (``kind: recovered`` naming the dead replica),
 i.e. kill -> all survivors computing again; in a replica of several ranks, every rank counts.
 
-A fault's detection time (:func:`incidents`) = from its injection (``kill``: a crash, hang or freeze;
-``injected``: a corruption, NaN or miscomputation; ``slowed``: a straggler; ``link_cut``) to the
-coordinator naming the replica (``failure_detected``; ``straggler`` for a slow one); its recovery time =
-from then to the last survivor computing again (``recovered``; ``rebalanced`` for a straggler); its
-rejoin = from the injection to the replica training again with the others' state (``state_received``).
+A fault's detection time (:func:`incidents`) = from its injection (the event its kind writes when it
+strikes: ``kill`` for a crash, hang or freeze; ``injected`` for a corruption, NaN or miscomputation;
+``slowed`` for a straggler; ``link_cut``) to the coordinator naming the replica (the kind's ``detection``:
+``failure_detected``; ``straggler`` for a slow one); its recovery time = from then to the last survivor
+computing again (``recovered``; ``rebalanced`` for a straggler); its rejoin = from the injection to the
+replica training again with the others' state (``state_received``). Each kind's row is named by the kind
+(:mod:`recover.faults.kinds`); events are matched as :class:`~recover.names.Event` members.
 """
 
 from __future__ import annotations
@@ -28,12 +30,10 @@ from typing import Any
 from rich.table import Table
 
 from recover.errors import RecoverError
+from recover.faults import struck_by
+from recover.names import Event
 from recover.observe.goodput import CAUSES, Goodput, goodput
 from recover.observe.plots import load_events, load_metrics, plot_goodput, plot_loss, plot_throughput
-
-FAULT_NAMES = {"kill": "crash", "random": "crash", "hang": "hang", "freeze": "freeze", "corrupt": "corruption",
-               "nan": "NaN gradient", "miscompute": "miscompute", "slow": "straggler", "cut": "broken link"}
-"""How the fault table names each injected fault (``fault`` of its event)."""
 
 
 def recovery_latencies(events: list[dict[str, Any]]) -> list[dict[str, Any]]:
@@ -43,8 +43,8 @@ def recovery_latencies(events: list[dict[str, Any]]) -> list[dict[str, Any]]:
     replica killed, rejoined and killed again is two kills, each with its own latency). A kill from
     outside (``source: external``) is timed from ``at``, when the coordinator saw the replica go."""
     out = []
-    kills = sorted((e for e in events if e.get("kind") == "kill"), key=lambda k: k.get("at", k["t"]))
-    recovered = [e for e in events if e.get("kind") == "recovered"]
+    kills = sorted((e for e in events if e.get("kind") == Event.KILL), key=lambda k: k.get("at", k["t"]))
+    recovered = [e for e in events if e.get("kind") == Event.RECOVERED]
     for i, kill in enumerate(kills):
         start = kill.get("at", kill["t"])
         until = next((k.get("at", k["t"]) for k in kills[i + 1:] if k["replica"] == kill["replica"]), math.inf)
@@ -60,22 +60,15 @@ def recovery_latencies(events: list[dict[str, Any]]) -> list[dict[str, Any]]:
 
 
 def _injections(events: list[dict[str, Any]]) -> list[dict[str, Any]]:
-    """Every injected fault, in time order: fault, replica, step, t (when it struck)."""
+    """Every injected fault, in time order: kind (:class:`~recover.faults.FaultKind`), replica, step, t (when
+    it struck)."""
     out, seen = [], set()
     for e in events:
-        kind, fault = e.get("kind"), None
-        if kind == "kill":
-            fault = e.get("fault") or "kill"
-        elif kind == "injected":
-            fault = e.get("fault")
-        elif kind == "slowed" and e.get("factor", 1.0) > 1.0:
-            fault = "slow"
-        elif kind == "link_cut":
-            fault = "cut"
-        key = (fault, e.get("replica"), e.get("step"))
-        if fault is not None and key not in seen:  # every rank of a replica logs its slow-down: one fault
+        how = struck_by(e)
+        key = (how, e.get("replica"), e.get("step"))
+        if how is not None and key not in seen:  # every rank of a replica logs its slow-down: one fault
             seen.add(key)
-            out.append({"fault": fault, "replica": e["replica"], "step": e.get("step"), "t": e.get("at", e["t"])})
+            out.append({"kind": how, "replica": e["replica"], "step": e.get("step"), "t": e.get("at", e["t"])})
     return sorted(out, key=lambda x: x["t"])
 
 
@@ -84,33 +77,34 @@ def _detected_by(det: dict[str, Any], events: list[dict[str, Any]]) -> str:
     ``hung``, ...); for a fence, the check that named it (``divergent``, ``audit``, ``nonfinite``)."""
     if det.get("cause") != "fenced":
         return det.get("cause") or det["kind"]
-    checks = [e["kind"] for e in events if e.get("kind") in ("divergent", "audit", "nonfinite")
+    checks = [e["kind"] for e in events if e.get("kind") in (Event.DIVERGENT, Event.AUDIT, Event.NONFINITE)
               and det["t"] - 5 <= e["t"] <= det["t"] and det["replica"] in e.get("replicas", [e.get("replica")])]
     return checks[-1] if checks else "fenced"
 
 
 def incidents(events: list[dict[str, Any]]) -> list[dict[str, Any]]:
-    """One entry per injected fault (see the module docstring): ``fault`` (as :data:`FAULT_NAMES` names
-    it), ``replica``, ``step``, ``detected_by``, ``detection_ms``, ``recovery_ms``, ``rejoin_s`` (None
-    where it did not happen)."""
+    """One entry per injected fault (see the module docstring): ``fault`` (its kind's ``report`` name),
+    ``replica``, ``step``, ``detected_by``, ``detection_ms``, ``recovery_ms``, ``rejoin_s`` (None where it did
+    not happen)."""
     out = []
     for inj in _injections(events):
-        r, t, slow = inj["replica"], inj["t"], inj["fault"] == "slow"
-        det = next((e for e in events if e["t"] >= t and e.get("replica") == r
-                    and e.get("kind") == ("straggler" if slow else "failure_detected")), None)
+        r, t, how = inj["replica"], inj["t"], inj["kind"]
+        slow = how.detection == Event.STRAGGLER
+        det = next((e for e in events if e["t"] >= t and e.get("replica") == r and e.get("kind") == how.detection),
+                   None)
         rec, back = None, None
         if det is not None and slow:  # the rebalance is logged with the naming, in the same commit
-            rec = next((e["t"] for e in events if e.get("kind") == "rebalanced"
+            rec = next((e["t"] for e in events if e.get("kind") == Event.REBALANCED
                         and (e.get("step") == det.get("step") or e["t"] >= det["t"])), None)
             rec = max(rec, det["t"]) if rec is not None else None
         elif det is not None:
             survivors = {(e["replica"], e.get("rank", 0)): e["t"] for e in events
-                         if e.get("kind") == "recovered" and e["t"] >= det["t"] and r in e.get("dead", [])
+                         if e.get("kind") == Event.RECOVERED and e["t"] >= det["t"] and r in e.get("dead", [])
                          and e["t"] - det["t"] < 60}
             rec = max(survivors.values(), default=None)
-            back = next((e["t"] for e in events if e["t"] > det["t"] and e.get("kind") == "state_received"
+            back = next((e["t"] for e in events if e["t"] > det["t"] and e.get("kind") == Event.STATE_RECEIVED
                          and e.get("replica") == r and not e.get("rank")), None)
-        out.append({"fault": FAULT_NAMES.get(inj["fault"], inj["fault"]), "replica": r, "step": inj["step"],
+        out.append({"fault": how.report, "replica": r, "step": inj["step"],
                     "detected_by": _detected_by(det, events) if det else None,
                     "detection_ms": round((det["t"] - t) * 1000, 1) if det else None,
                     "recovery_ms": round((rec - det["t"]) * 1000, 1) if det and rec is not None else None,
@@ -127,8 +121,8 @@ def _stopped(events: list[dict[str, Any]]) -> bool:
     (a job without a launcher: whether its replicas' last word was ``stopped`` or ``finished``)."""
     stopped = False
     for e in events:
-        if e.get("kind") in ("launch", "stopped", "finished"):
-            stopped = e["kind"] == "stopped"
+        if e.get("kind") in (Event.LAUNCH, Event.STOPPED, Event.FINISHED):
+            stopped = e["kind"] == Event.STOPPED
     return stopped
 
 
@@ -145,8 +139,8 @@ def summarize(run_dir: Path, name: str, wall_s: float) -> dict[str, Any]:
         "name": name, "committed_steps": len(rows), "wall_s": round(wall_s, 3),
         "min_microbatches": min((r["microbatches"] for r in rows), default=0),
         "max_microbatches": max((r["microbatches"] for r in rows), default=0),
-        "kills": sum(1 for e in events if e.get("kind") == "kill"),
-        "rejoins": sum(1 for e in events if e.get("kind") == "started" and e.get("joined") and not e.get("rank")),
+        "kills": sum(1 for e in events if e.get("kind") == Event.KILL),
+        "rejoins": sum(1 for e in events if e.get("kind") == Event.STARTED and e.get("joined") and not e.get("rank")),
         "recoveries": lat,
         "recovery_latency_ms_median": _median([x["latency_ms"] for x in lat]),
         "recovery_latency_ms_max": max((x["latency_ms"] for x in lat), default=None),
@@ -158,9 +152,9 @@ def summarize(run_dir: Path, name: str, wall_s: float) -> dict[str, Any]:
         "final_generation": rows[-1]["generation"] if rows else 0,
         "committed_tokens": tokens,
         "effective_tokens_per_s": round(tokens / wall_s, 2) if wall_s > 0 else 0.0,
-        "coordinator_restarts": sum(1 for e in events if e.get("kind") == "coordinator_exit"),
-        "coordinator_outage_ms_max": max((e["outage_ms"] for e in events if e.get("kind") == "coordinator_reconnected"),
-                                         default=None),
+        "coordinator_restarts": sum(1 for e in events if e.get("kind") == Event.COORDINATOR_EXIT),
+        "coordinator_outage_ms_max": max((e["outage_ms"] for e in events
+                                          if e.get("kind") == Event.COORDINATOR_RECONNECTED), default=None),
         "stopped": _stopped(events),
         "goodput": goodput(rows, events).to_dict(),
         "faults": incidents(events),

@@ -47,12 +47,15 @@ from collections.abc import Iterable
 from dataclasses import dataclass, field
 from typing import Any
 
+from recover.faults.registry import registered, struck_by
+from recover.names import Event
+
 CAUSES = ("startup", "restart", "recovery", "rejoin", "checkpoint", "evaluation", "stragglers", "degraded",
           "other")
 """Causes of lost time, in the order tables list them."""
 
-_RESTART = frozenset({"coordinator_exit", "job_restart", "resynced"})
-_REJOIN = frozenset({"grew", "state_received"})
+_RESTART = frozenset({Event.COORDINATOR_EXIT, Event.JOB_RESTART, Event.RESYNCED})
+_REJOIN = frozenset({Event.GREW, Event.STATE_RECEIVED})
 
 
 @dataclass(frozen=True)
@@ -118,9 +121,9 @@ def _segments(events: list[dict[str, Any]], last_t: float) -> list[_Segment]:
     running) ends at the next launch, or at ``last_t``."""
     spans: list[list[float | None]] = []
     for e in events:
-        if e.get("kind") == "launch":
+        if e.get("kind") == Event.LAUNCH:
             spans.append([e["t"], None])
-        elif e.get("kind") == "end" and spans and spans[-1][1] is None:
+        elif e.get("kind") == Event.END and spans and spans[-1][1] is None:
             spans[-1][1] = e["t"]
     segs, offset = [], 0.0
     for i, (start, end) in enumerate(spans):
@@ -134,7 +137,7 @@ def _segments(events: list[dict[str, Any]], last_t: float) -> list[_Segment]:
 
 def _step_ends(rows: list[dict[str, Any]], events: list[dict[str, Any]], t0: float | None) -> dict[int, float]:
     """Unix time at which each committed step committed: its last ``commit`` event, else its record's."""
-    commits = {e["step"]: e["t"] for e in events if e.get("kind") == "commit" and "step" in e}
+    commits = {e["step"]: e["t"] for e in events if e.get("kind") == Event.COMMIT and "step" in e}
     ends = {}
     for r in rows:
         if r["step"] in commits:
@@ -147,14 +150,16 @@ def _step_ends(rows: list[dict[str, Any]], events: list[dict[str, Any]], t0: flo
 
 
 def _slow_spans(events: list[dict[str, Any]]) -> list[tuple[float, float]]:
-    """[from, to] of every injected slow-down (``slowed`` events), ended by factor 1 or the replica's loss."""
+    """[from, to] of every injected slow-down (a fault kind the coordinator finds as a straggler, from its
+    strike), ended by its next event (a factor of 1) or the replica's loss."""
     spans: list[tuple[float, float]] = []
     open_: dict[int, float] = {}
+    ends = {Event.FAILURE_DETECTED, *(k.event for k in registered().values() if k.detection == Event.STRAGGLER)}
     for e in events:
-        r = e.get("replica")
-        if e.get("kind") == "slowed" and e.get("factor", 1.0) > 1.0:
+        r, how = e.get("replica"), struck_by(e)
+        if how is not None and how.detection == Event.STRAGGLER:
             open_.setdefault(r, e["t"])
-        elif (e.get("kind") == "slowed" or e.get("kind") == "failure_detected") and r in open_:
+        elif e.get("kind") in ends and r in open_:
             spans.append((open_.pop(r), e["t"]))
     spans += [(t, float("inf")) for t in open_.values()]
     return spans
@@ -172,7 +177,7 @@ def _flags(row: dict[str, Any], inside: list[dict[str, Any]], a: float, b: float
     flags = []
     if kinds & _RESTART:
         flags.append("restart")
-    if row.get("failures") or any(e.get("kind") == "failure_detected" and e.get("cause") != "left" for e in inside):
+    if row.get("failures") or any(e.get("kind") == Event.FAILURE_DETECTED and e.get("cause") != "left" for e in inside):
         flags.append("recovery")
     if kinds & _REJOIN:
         flags.append("rejoin")
@@ -185,7 +190,7 @@ def _flags(row: dict[str, Any], inside: list[dict[str, Any]], a: float, b: float
 
 def _io(inside: list[dict[str, Any]]) -> float:
     """Blocking seconds of the checkpoint saves among ``inside``."""
-    return sum(e.get("blocking_s", 0.0) for e in inside if e.get("kind") == "checkpoint")
+    return sum(e.get("blocking_s", 0.0) for e in inside if e.get("kind") == Event.CHECKPOINT)
 
 
 def _split(excess: float, ckpt: float, evals: float, cause: str) -> dict[str, float]:
@@ -273,7 +278,7 @@ def goodput(rows: Iterable[dict[str, Any]], events: Iterable[dict[str, Any]], no
     rows = [by_step[s] for s in sorted(by_step)]
     events = sorted((e for e in events if "t" in e), key=lambda e: e["t"])
     ts = [e["t"] for e in events]
-    launches = [e for e in events if e.get("kind") == "launch"]
+    launches = [e for e in events if e.get("kind") == Event.LAUNCH]
     ends = _step_ends(rows, events, launches[0]["t"] if launches else None)
     last_t = max([*ends.values(), *ts], default=0.0)
     segs = _segments(events, now if now is not None else last_t)

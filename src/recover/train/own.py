@@ -36,6 +36,7 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
+from recover.faults.perturb import NONE
 from recover.recovery.interfaces import Totals
 from recover.train.bits import bit_sum, flip_bit, to_host
 from recover.train.extra import (
@@ -51,9 +52,6 @@ from recover.train.optim import set_lr
 from recover.train.replica import like, load_transferred, local, shards, transfer_tensors
 from recover.train.update import apply_sum, read_totals
 from recover.workload.policy import split_within_replica
-
-MISCOMPUTE = 1.0 + 2.0**-8
-"""``--miscompute``: every gradient of the replica is off by this factor from then on (a bad ALU)."""
 
 
 def column(ids: list[int], fsdp: int, index: int) -> list[int | None]:
@@ -118,9 +116,7 @@ class OwnReplica:
         self.nonfinite: list[int] = []
         self.loss_sum = 0.0
         self._folded: list[tuple[int, torch.Tensor, torch.Tensor]] = []  # (id, loss, gradient finite) on the device
-        self.poison: set[tuple[int, int]] = set()  # (step, id) whose gradient becomes NaN (--nan injection)
-        self.miscompute = False  # every gradient off by MISCOMPUTE from now on (--miscompute injection)
-        self.slowdown = 1.0  # >1: each microbatch takes this many times as long (--slow injection)
+        self.perturb = NONE  # injected faults (the session installs this process's)
 
     def reset(self) -> None:
         for buf in self.buffers:
@@ -142,11 +138,10 @@ class OwnReplica:
         if not grads:
             raise RuntimeError(f"microbatch {mb}: no parameter has a gradient (call mb.backward(loss) with a loss "
                                "computed from the model)")
-        if (step, mb) in self.poison:  # fault injection (--nan): this microbatch's gradient is not finite
-            self.poison.discard((step, mb))
-            grads[0].mul_(float("nan"))
-        if self.miscompute:
-            torch._foreach_mul_(grads, MISCOMPUTE)
+        perturb = self.perturb.gradient(step, mb)  # injected faults
+        if perturb is not None:
+            for grad in grads:
+                perturb(grad)
         finite = torch.stack(torch._foreach_norm(grads)).sum().isfinite()
         for buf, p in zip(self.buffers, self.params, strict=True):
             if p.grad is not None:

@@ -55,7 +55,8 @@ surfaces as an exception within it and the caller treats the whole replica as lo
   thread waited for data since it was last asked (the step record's ``data_wait_ms``).
 - With ``training.device_time_s`` every microbatch (pass) takes at least that wall time: an emulated
   dedicated device, for benchmarks and tests on shared CPU cores; the arithmetic is unchanged.
-  ``slowdown`` (fault injection: a throttled device) multiplies each pass's time.
+  An injected fault (``perturb``, :class:`~recover.faults.Perturbation`: the one hook, installed by the
+  session) may stretch each pass's time or alter its gradients.
 - With ``training.init_from`` (``--init-from``) the whole model is loaded from those weights right after
   it is built, on every rank, before the pipeline split, TP and FSDP (:mod:`recover.train.weights`):
   every replica starts from the same parameters, as with the seeded initialisation.
@@ -79,6 +80,7 @@ from torch.distributed.tensor import DTensor
 
 from recover.config import Config, ModelConfig, TrainingConfig
 from recover.data.prefetch import Prefetcher
+from recover.faults.perturb import NONE, GradientFn
 from recover.model import build_model, lm_loss
 from recover.names import Phase
 from recover.parallel.apply import clean_name, parallelize
@@ -191,9 +193,7 @@ class Replica:
         if dims.pp > 1:
             self.pipe = PipelineRunner(self.model, self.coord.pp, dims.pp, mesh[MeshAxis.PP.value].get_group(),
                                        self.device, model_cfg.dim, model_cfg.vocab_size, schedule)
-        self.slowdown = 1.0  # >1: every pass takes this many times as long (--slow fault injection)
-        self.poison: set[tuple[int, int]] = set()  # (step, id) whose gradient becomes NaN (--nan injection)
-        self.miscompute = False  # every gradient off by 2**-8 relative (--miscompute injection: a bad ALU)
+        self.perturb = NONE  # injected faults (the session installs this process's)
         self.audit_id: int | None = None  # the audited microbatch of this step, if this replica owns it
         self.audit_value: dict[str, Any] | None = None  # its gradient's fingerprint, once computed
         self.nonfinite: list[int] = []  # ids of this step whose loss or gradient was not finite here
@@ -356,14 +356,15 @@ class Replica:
     def _fold_as_final(self, step: int, mb: int, final: Final) -> list[Any]:
         """Autograd hooks that fold each parameter's gradient into its buffer as soon as the backward has
         accumulated it, then call ``final`` (the streamed reduction launches the buckets that are ready)."""
-        poison = [(step, mb) in self.poison]
+        perturb = self.perturb.gradient(step, mb)
 
         def fold(i: int) -> Callable[[torch.Tensor], None]:
             @torch.no_grad()
             def hook(p: torch.Tensor) -> None:
                 if p.grad is None:
                     return
-                self._inject_one(p.grad, poison)
+                if perturb is not None:
+                    perturb(p.grad)
                 self.buffers[i].add_(p.grad.to(self.dtype))
                 p.grad = None
                 final(i)
@@ -372,21 +373,14 @@ class Replica:
         return [p.register_post_accumulate_grad_hook(fold(i)) for i, p in enumerate(self.params)]
 
     def _inject(self, step: int, mb: int | None) -> None:
-        """Fault injection on the gradient of the pass just run (``--nan``, ``--miscompute``)."""
-        poison = [mb is not None and (step, mb) in self.poison]
+        """Injected faults on the gradients of the pass just run (``perturb``)."""
+        perturb: GradientFn | None = self.perturb.gradient(step, mb)
+        if perturb is None:
+            return
         with torch.no_grad():
             for p in self.params:
                 if p.grad is not None:
-                    self._inject_one(local(p.grad), poison)
-
-    def _inject_one(self, grad: torch.Tensor, poison: list[bool]) -> None:
-        """``--nan``: the first gradient seen while ``poison[0]`` becomes NaN (and clears it);
-        ``--miscompute``: every gradient is off by 2**-8 relative."""
-        if poison[0]:
-            grad.mul_(float("nan"))
-            poison[0] = False
-        if self.miscompute:
-            grad.mul_(1 + 2**-8)
+                    perturb(local(p.grad))
 
     @property
     def audits(self) -> bool:
@@ -458,9 +452,9 @@ class Replica:
 
     def _emulate_device(self, t0: float, microbatches: int) -> None:
         """With ``training.device_time_s``, sleeps until ``microbatches`` x that time has passed since ``t0``;
-        with a ``slowdown`` s, until s times that time (or s times the real compute, if longer)."""
+        under an injected time factor s, until s times that time (or s times the real compute, if longer)."""
         elapsed = time.perf_counter() - t0
-        left = max(self.training.device_time_s * microbatches, elapsed) * self.slowdown - elapsed
+        left = max(self.training.device_time_s * microbatches, elapsed) * self.perturb.time_factor() - elapsed
         if left > 0:
             time.sleep(left)
 

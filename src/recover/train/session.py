@@ -15,8 +15,9 @@ Contract:
   fault-tolerant group (rank k of a multi-rank replica: *lane* k, rank k of every live replica) and
   builds the step protocol over ``replica``. A replica the launcher restarted (``join``), or one that
   registers after the job began, joins: it takes the live replicas' state at a step boundary.
-- :meth:`hook` is every phase point: progress for the coordinator's hang rule, then the injections
-  (``--fail``/``--hang``/``--stop``/``--slow``/``--cut``/``--corrupt``/``--miscompute``/``--nan``).
+- :meth:`hook` is every phase point: progress for the coordinator's hang rule, then the fault injections
+  (:class:`~recover.faults.Perturbation`, built from this replica's specs and installed on the replica
+  and the coordinator client: the only way a fault of any kind reaches them).
 - Records go to the replica's log (rank 0 only; the launcher merges them into ``metrics.jsonl``),
   events to ``events.jsonl``.
 - SIGTERM/SIGINT (:meth:`request_stop`): the next vote asks for a stop; a process not yet training
@@ -44,8 +45,8 @@ from recover.baselines import JobFailed, ShrinkStep, step_class
 from recover.config import Config
 from recover.coord.client import CoordinatorLost, Diverged
 from recover.errors import DataError, QuorumLost
-from recover.faults import FailureSpec, FaultInjector
-from recover.names import Baseline, Fault
+from recover.faults import FailureSpec, Perturbation
+from recover.names import Baseline, Event
 from recover.observe.events import EventLog, JsonlWriter
 from recover.recovery.protocol import Progress, ResilientStep
 from recover.train.exits import (
@@ -79,10 +80,9 @@ class Session:
         self.failures = list(failures)
         self.events = EventLog(self.out / "events.jsonl")
         self.log = JsonlWriter(replica_log_path(self.out, replica_id)) if rank == 0 else None
-        self.cut: set[int] = set()  # replicas this one cannot reach (--cut fault injection)
         self.client: Any = None  # the coordinator client, once connected
         self.relay: Any = None  # rank 0's relay of the replica's coordinator connection, if any
-        self.injector: FaultInjector | None = None
+        self.perturbation: Perturbation | None = None
         self.step: ResilientStep | None = None
 
     # ---- start ----------------------------------------------------------------------------------
@@ -93,19 +93,17 @@ class Session:
         from recover.coord.client import CoordinatorClient
 
         ft, tc = self.cfg.fault_tolerance, self.cfg.training
-        self.injector = FaultInjector(self.failures, self.replica_id, self.rank, self.ranks,
-                                      before_kill=self._before_kill, cut=self.cut.add,
-                                      slow=lambda factor: setattr(replica, "slowdown", factor),
-                                      corrupt=lambda arithmetic: _corrupt(replica, arithmetic),
-                                      nan=lambda step, mb: replica.poison.add((step, mb)))
+        self.perturbation = replica.perturb = Perturbation(
+            self.failures, self.replica_id, self.rank, self.ranks, target=replica,
+            record=lambda spec, kind, fields: self.event(kind, **fields))
         host, port = self._coordinator_address()
         self.client = client = CoordinatorClient(
             host, port, self.token, self.replica_id, heartbeat_interval_s=ft.heartbeat_interval_s, rank=self.rank,
             ranks=self.ranks, fence_exit_s=ft.fence_exit_s, on_fenced=self.exit_fenced,
             reconnect_s=ft.coordinator_reconnect_s,
-            on_reconnected=lambda s: self.event("coordinator_reconnected", outage_ms=round(s * 1000, 1)))
+            on_reconnected=lambda s: self.event(Event.COORDINATOR_RECONNECTED, outage_ms=round(s * 1000, 1)))
         client.committed_step = self.start.step - 1
-        client.cut = self.cut
+        client.perturb = self.perturbation
         membership = client.register(join=self.join)
         group = FaultTolerantGroup.create(client, membership, backend=self.cfg.parallel.backend,
                                           timeout_s=ft.collective_timeout_s, bucket_bytes=int(ft.bucket_mb * 2**20))
@@ -120,7 +118,7 @@ class Session:
         self.join = self.join or self.replica_id in membership.joined
         if self.join:
             step.join()
-        self.event("started", generation=step.group.generation, members=list(step.group.members),
+        self.event(Event.STARTED, generation=step.group.generation, members=list(step.group.members),
                    step=step.progress.step, joined=self.join)
         return step
 
@@ -157,10 +155,10 @@ class Session:
     def hook(self, step: int, phase: str) -> None:
         """Every phase point: progress for the coordinator's hang rule, then the fault injections."""
         self.client.advance()
-        if self.injector is not None:
-            self.injector.maybe_fail(step, phase)
+        if self.perturbation is not None:
+            self.perturbation.at_phase(step, phase)
 
-    def event(self, kind: str, **fields: Any) -> None:
+    def event(self, kind: Event, **fields: Any) -> None:
         if self.ranks > 1:
             fields["rank"] = self.rank
         self.events.event(kind, replica=self.replica_id, **fields)
@@ -183,7 +181,7 @@ class Session:
             os._exit(EXIT_STOPPED)
         if not self.client.stop_requested:
             self.client.stop_requested = True
-            self.event("stop_signal", signal=signum)
+            self.event(Event.STOP_SIGNAL, signal=signum)
 
     # ---- the end ---------------------------------------------------------------------------------
     def close(self, stopped: bool, saved_in: Path | None = None) -> int:
@@ -194,13 +192,13 @@ class Session:
         if self.log is not None:
             self.log.close()
         if stopped:
-            self.event("stopped", step=step.progress.step, generation=step.group.generation)
+            self.event(Event.STOPPED, step=step.progress.step, generation=step.group.generation)
             if self.rank == 0 and self.leader:
                 where = f"; a complete checkpoint is in {saved_in}" if saved_in else ""
                 print(f"recover: stopped on request after {step.progress.step} committed steps{where}; continue "
                       "with --resume", file=sys.stderr, flush=True)
         else:
-            self.event("finished", step=step.progress.step, generation=step.group.generation)
+            self.event(Event.FINISHED, step=step.progress.step, generation=step.group.generation)
         step.group.close()
         self.client.close()
         if self.relay is not None:
@@ -214,20 +212,20 @@ class Session:
             self.log.close()
         client = self.client
         if isinstance(exc, QuorumLost):
-            return self._save_and_stop(save, "quorum_lost", exc, "resume with more replicas", EXIT_QUORUM_LOST)
+            return self._save_and_stop(save, Event.QUORUM_LOST, exc, "resume with more replicas", EXIT_QUORUM_LOST)
         if isinstance(exc, JobFailed):
             return EXIT_JOB_FAILED
         if isinstance(exc, Diverged) or (isinstance(exc, CoordinatorLost) and client.diverged is not None):
             return self._on_divergence(save, exc if isinstance(exc, Diverged) else client.diverged)
         if isinstance(exc, DataError):
-            self.event("bad_data", step=self.step.progress.step if self.step else None, message=str(exc))
+            self.event(Event.BAD_DATA, step=self.step.progress.step if self.step else None, message=str(exc))
             if self.rank == 0:
                 print(f"recover: replica {self.replica_id}: {exc}", file=sys.stderr, flush=True)
-            return self._save_and_stop(save, "bad_data_stop", exc, "fix the data (`recover prepare --verify DIR` "
+            return self._save_and_stop(save, Event.BAD_DATA_STOP, exc, "fix the data (`recover prepare --verify DIR` "
                                        "finds every bad id) and continue with --resume", EXIT_BAD_DATA)
         if isinstance(exc, CoordinatorLost):
             if client.gone:  # it did not come back
-                return self._save_and_stop(save, "coordinator_lost", exc, "continue with --resume",
+                return self._save_and_stop(save, Event.COORDINATOR_LOST, exc, "continue with --resume",
                                            EXIT_COORDINATOR_LOST)
             print(f"recover: replica {self.replica_id} rank {self.rank}: {exc}; stopping (the launcher restarts "
                   "the replica if --rejoin-after is set)", file=sys.stderr, flush=True)
@@ -244,15 +242,15 @@ class Session:
         if exc.code == "nonfinite":
             if step.me == min(members) and save is not None:
                 path = save(None)
-                self.event("nonfinite_stop", step=step.progress.step, checkpoint=str(path), message=str(exc))
+                self.event(Event.NONFINITE_STOP, step=step.progress.step, checkpoint=str(path), message=str(exc))
             return EXIT_NONFINITE
         side = next((sorted(rs) for rs in exc.sides.values() if step.me in rs), [step.me])
         if step.me == side[0] and save is not None:
             path = save(self.out / "checkpoints" / "diverged" / f"replicas_{'-'.join(map(str, side))}")
-            self.event("diverged_stop", step=step.progress.step, checkpoint=str(path), side=side)
+            self.event(Event.DIVERGED_STOP, step=step.progress.step, checkpoint=str(path), side=side)
         return EXIT_DIVERGED
 
-    def _save_and_stop(self, save: Save | None, kind: str, exc: Exception, advice: str, status: int) -> int:
+    def _save_and_stop(self, save: Save | None, kind: Event, exc: Exception, advice: str, status: int) -> int:
         """The job cannot go on (``kind``: ``quorum_lost``, ``coordinator_lost``): the lowest member of the
         last generation saves a complete checkpoint of the committed state; returns ``status``."""
         step = self.step
@@ -270,26 +268,6 @@ class Session:
         stuck in a kernel, a collective inside the replica, or a hang): one line, no traceback."""
         print(f"recover: replica {self.replica_id} rank {self.rank}: fenced by the coordinator ({why}); "
               "exiting (the launcher restarts the replica if --rejoin-after is set)", file=sys.stderr, flush=True)
-        self.event("fenced_exit", reason=why)
+        self.event(Event.FENCED_EXIT, reason=why)
         sys.stdout.flush()
         os._exit(EXIT_FENCED)
-
-    def _before_kill(self, spec: FailureSpec) -> None:
-        if spec.fault is Fault.CUT:
-            self.event("link_cut", step=spec.step, peer=int(spec.factor))
-        elif spec.fault in (Fault.CORRUPT, Fault.MISCOMPUTE, Fault.NAN):  # nothing dies: the coordinator finds it
-            self.event("injected", fault=spec.fault, step=spec.step,
-                       **({"microbatch": int(spec.factor)} if spec.fault is Fault.NAN else {}))
-        elif not spec.kills:
-            self.event("slowed", step=spec.step, factor=spec.factor)
-        else:
-            self.events.event("kill", replica=self.replica_id, rank=self.rank, step=spec.step, phase=spec.phase,
-                              fault=spec.fault, pid=os.getpid())
-
-
-def _corrupt(replica: Any, arithmetic: bool) -> None:
-    """``--corrupt``: one parameter bit flips; ``--miscompute``: every gradient from now on is off."""
-    if arithmetic:
-        replica.miscompute = True
-    else:
-        replica.corrupt()

@@ -14,15 +14,15 @@ from recover.names import Event
 
 
 class Poison(Effect):
-    """The first gradient tensor of the pass of (step, mb) becomes NaN, once."""
+    """The first gradient tensor of every pass of microbatch ``mb`` of ``step`` becomes NaN (a recompute to
+    find the non-finite one finds it again)."""
 
-    def __init__(self, key: tuple[str, int, int]) -> None:
-        self.key = key
+    def __init__(self, step: int, mb: int) -> None:
+        self.step, self.mb = step, mb
 
     def gradient(self, perturbation: Perturbation, step: int, mb: int | None) -> GradientFn | None:
-        if (step, mb) != self.key[1:]:
+        if (step, mb) != (self.step, self.mb):
             return None
-        del perturbation.effects[self.key]
         left = [True]
 
         def poison(grad: Any) -> None:
@@ -58,5 +58,4 @@ class NaN(FaultKind):
         return self.event, {"fault": self.name, "step": spec.step, "microbatch": int(spec.factor)}
 
     def strike(self, spec: FailureSpec, perturbation: Perturbation) -> None:
-        key = (self.name, spec.step, int(spec.factor))
-        perturbation.effects[key] = Poison(key)
+        perturbation.effects[(self.name, spec.step, int(spec.factor))] = Poison(spec.step, int(spec.factor))
