@@ -173,7 +173,7 @@ def test_injector_rank_rule() -> None:
         Perturbation(specs, 0, rank=3, ranks=3)
 
 
-def test_injector_calls_before_kill_first_and_checks_phases() -> None:
+def test_the_event_is_recorded_before_the_kill_and_phases_are_checked() -> None:
     order: list[str] = []
     inj = Perturbation([FailureSpec(0, 1, "optimizer")], 0, kill=lambda pid, sig: order.append("kill"),
                        record=lambda spec, kind, fields: order.append(f"{kind} {spec} {fields['phase']}"))
