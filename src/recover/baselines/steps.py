@@ -58,7 +58,7 @@ from typing import Any
 import torch
 
 from recover.errors import PeerFailure
-from recover.names import Baseline, Phase
+from recover.names import Baseline, Event, Phase
 from recover.recovery.protocol import Committed, ResilientStep
 from recover.workload import assign
 
@@ -126,14 +126,14 @@ class ShrinkStep(ResilientStep):
                     "dead": dead, "live": sorted(self.group.members), "verdict": verdict,
                     "regroup_ms": round((time.perf_counter() - t0) * 1000, 3)}
             if verdict == DROP:
-                self.on_event("step_dropped", step=step, from_generation=generation,
+                self.on_event(Event.STEP_DROPPED, step=step, from_generation=generation,
                               generation=self.group.generation, dead=dead)
                 raise _Dropped(f"step {step} dropped after losing replicas {dead}")
             recoveries.append(info)
             if verdict == RETRY:  # the replica died before this step's quorum: start it over the survivors
-                self.on_event("quorum_reformed", **info)
+                self.on_event(Event.QUORUM_REFORMED, **info)
                 continue
-            self.on_event("step_kept", **info)  # the all-reduce had completed everywhere: commit it
+            self.on_event(Event.STEP_KEPT, **info)  # the all-reduce had completed everywhere: commit it
             assert reduced is not None
             while True:
                 try:
@@ -166,7 +166,7 @@ class StopOnFailureStep(ResilientStep):
 
     def on_failure(self, step: int, plan: dict[int, list[int]], failure: PeerFailure,
                    recoveries: list[dict[str, Any]]) -> tuple[dict[int, list[int]], list[int]]:
-        self.on_event("job_failed", step=step, generation=failure.generation, dead=list(failure.dead))
+        self.on_event(Event.JOB_FAILED, step=step, generation=failure.generation, dead=list(failure.dead))
         raise JobFailed(f"replicas {list(failure.dead)} failed at step {step}: the job stops for a restart")
 
 

@@ -32,6 +32,8 @@ from pathlib import Path
 from queue import Empty, Queue
 from typing import Any
 
+from recover.names import Event
+
 _SRC = str(Path(__file__).resolve().parents[2])
 _TOKEN_ENV = "RECOVER_BENCH_TOKEN"
 
@@ -200,7 +202,7 @@ def run(kills: int = 20, replicas: int = 4, floats: int = 10_000_000, kill_float
             victim.kill()
             assert all(r["dead"] == [victim.replica] for r in reps), reps
             detected = [e["t"] for e in read_jsonl(events)
-                        if e["kind"] == "failure_detected" and e["replica"] == victim.replica]
+                        if e["kind"] == Event.FAILURE_DETECTED and e["replica"] == victim.replica]
             samples.append({
                 "detect": detected[0] - t_wall,
                 "notice": max(r["t_notice"] for r in reps) - t_kill,

@@ -33,10 +33,11 @@ from collections.abc import Callable, Iterable, Sequence
 from pathlib import Path
 from typing import Any
 
+from recover.names import Event
 from recover.observe.plots import load_events, load_metrics
 
 SRC_DIR = str(Path(__file__).resolve().parents[2])
-START_KINDS = ("generation", "train_start")
+START_KINDS = (Event.GENERATION, Event.TRAIN_START)
 STOP_GRACE_S = 10.0
 """Seconds a stopped child gets after SIGINT before its process group is SIGKILLed."""
 Log = Callable[[str], None]
@@ -134,7 +135,7 @@ def windows(run_dir: Path) -> dict[str, float]:
     """
     events = load_events(run_dir)
     rows = load_metrics(run_dir)
-    launch = next((e["t"] for e in events if e.get("kind") == "launch"), None)
+    launch = next((e["t"] for e in events if e.get("kind") == Event.LAUNCH), None)
     if launch is None or not rows:
         raise ValueError(f"{run_dir}: no launch event or no committed step; see {run_dir}.log")
     start = next((e["t"] for e in events if e.get("kind") in START_KINDS), launch)

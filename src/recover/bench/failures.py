@@ -89,7 +89,7 @@ from recover.bench.common import (
 )
 from recover.errors import ConfigError
 from recover.faults import FailureSchedule, FailureSpec, random_schedule
-from recover.names import Baseline, Phase
+from recover.names import Baseline, Event, Phase
 from recover.observe.plots import load_events, load_metrics
 
 SYSTEMS = ("recover", Baseline.RESTART.value, "restart-async", Baseline.SHRINK.value, "torchft")
@@ -191,10 +191,10 @@ def system_row(name: str, run_dir: Path, ref: dict[str, Any] | None, exit_code: 
     summary = json.loads((run_dir / "summary.json").read_text()) if (run_dir / "summary.json").is_file() else {}
     tokens = sum(r["tokens"] for r in rows)
     eff = tokens / win["train_s"]
-    kills = sum(1 for e in events if e.get("kind") == "kill")
+    kills = sum(1 for e in events if e.get("kind") == Event.KILL)
     dropped = {(e.get("step"), e.get("from_generation", e.get("participants"))) for e in events
-               if e.get("kind") == "step_dropped"}
-    restarts = [e for e in events if e.get("kind") == "job_restart"]
+               if e.get("kind") == Event.STEP_DROPPED}
+    restarts = [e for e in events if e.get("kind") == Event.JOB_RESTART]
     row: dict[str, Any] = {
         "name": name, "label": label or LABELS.get(name, name), "exit_code": exit_code,
         "completed": exit_code == 0 and bool(rows) and rows[-1]["step"] + 1 == len(rows),
@@ -399,7 +399,7 @@ def plot_results(out: Path, rows: Sequence[dict[str, Any]], which: str = "") -> 
         ref = r["name"] == "reference"
         ax.plot([x["step"] + 1 for x in m], [x["loss"] for x in m], color=colors.get(r["name"]),
                 lw=3.5 if ref else 1.2, alpha=0.5 if ref else 0.9, label=r["label"])
-    for spec in {e.get("step") for r in rows for e in load_events(r["run_dir"]) if e.get("kind") == "kill"}:
+    for spec in {e.get("step") for r in rows for e in load_events(r["run_dir"]) if e.get("kind") == Event.KILL}:
         ax.axvline((spec or 0) + 1, color="tab:red", ls=":", lw=1)
     ax.set_xlabel("step")
     ax.set_ylabel("training loss (nats/token)")
@@ -419,7 +419,7 @@ def plot_results(out: Path, rows: Sequence[dict[str, Any]], which: str = "") -> 
         ax2.plot(t, cum, color=color, lw=1.3)
         start = windows(Path(r["run_dir"]))["start_t"]
         for e in load_events(r["run_dir"]):
-            if e.get("kind") == "kill":
+            if e.get("kind") == Event.KILL:
                 for ax in (ax1, ax2):
                     ax.axvline(e["t"] - start, color=color, ls="--", lw=1, alpha=0.8)
     ax1.set_ylabel("committed tokens/s (sliding)")

@@ -82,7 +82,7 @@ from recover.bench.common import (
     write_json,
 )
 from recover.errors import ConfigError
-from recover.names import Baseline
+from recover.names import Baseline, Event
 from recover.observe.plots import load_events, load_metrics
 
 POLICIES = ("weighted", "even", "wait-for-slowest", "torchft")
@@ -281,7 +281,7 @@ def run_stats(run_dir: Path, first_step: int, steps: int, microbatches: int, rep
         "mean_s": round(statistics.fmean(xs), 6) if xs else None,
         "min_s": s["min"], "max_s": s["max"],
         "quotas": {str(k): v for k, v in steady_quotas(rows, first_step, microbatches, replicas).items()},
-        "rebalanced_steps": [e.get("step") for e in events if e.get("kind") == "rebalanced"],
+        "rebalanced_steps": [e.get("step") for e in events if e.get("kind") == Event.REBALANCED],
     }
 
 

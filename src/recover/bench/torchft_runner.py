@@ -54,7 +54,7 @@ from pathlib import Path
 from typing import Any
 
 from recover.bench.common import child_env, kill_group, wait_for
-from recover.names import Phase
+from recover.names import Event, Phase
 from recover.observe.events import EventLog, JsonlWriter, read_jsonl
 
 PG_TIMEOUT_S = 5.0
@@ -111,7 +111,7 @@ def run_torchft(out: Path, config: str, replicas: int, steps: int, fails: Sequen
         stale.unlink(missing_ok=True)
     events = EventLog(out / "events.jsonl")
     t0 = time.time()
-    events.event("launch", replicas=replicas, steps=steps, failures=list(fails), system="torchft")
+    events.event(Event.LAUNCH, replicas=replicas, steps=steps, failures=list(fails), system="torchft")
     env = child_env()
     procs: list[subprocess.Popen[bytes]] = []
     logs = []
@@ -144,7 +144,7 @@ def run_torchft(out: Path, config: str, replicas: int, steps: int, fails: Sequen
             log.close()
     wall = time.time() - t0
     committed = _merge_metrics(out, t0)
-    events.event("end", wall_s=round(wall, 3), exit_codes=codes)
+    events.event(Event.END, wall_s=round(wall, 3), exit_codes=codes)
     events.close()
     summarize(out, "torchft", wall)
     return 0 if committed >= steps else 1
@@ -267,7 +267,7 @@ def replica_main(args: argparse.Namespace) -> int:
     mine = assign(list(range(tc.global_microbatches)), range(n))[rid]
     (out / "ready" / str(rid)).touch()
     wait_for(lambda: len(list((out / "ready").iterdir())) >= n, 600, "every torchft replica start")
-    events.event("train_start", replica=rid)
+    events.event(Event.TRAIN_START, replica=rid)
     data_step = 0
     while manager.current_step() < tc.steps:
         step = current["step"] = manager.current_step()
@@ -293,7 +293,7 @@ def replica_main(args: argparse.Namespace) -> int:
         committed = manager.should_commit()
         data_step += 1  # torchft consumes the batch whether or not the step commits
         if not committed:
-            events.event("step_dropped", replica=rid, step=step, participants=manager.num_participants())
+            events.event(Event.STEP_DROPPED, replica=rid, step=step, participants=manager.num_participants())
             continue
         perturbation.at_phase(step, Phase.OPTIMIZER)
         optim.step()
@@ -301,7 +301,7 @@ def replica_main(args: argparse.Namespace) -> int:
                 time.perf_counter() - t0, data_step)
         perturbation.at_phase(step, Phase.IDLE)
     log.close()
-    events.event("finished", replica=rid, step=manager.current_step())
+    events.event(Event.FINISHED, replica=rid, step=manager.current_step())
     events.close()
     manager.shutdown(wait=False)
     sys.stdout.flush()

@@ -26,7 +26,7 @@ from recover.errors import ConfigError, RecoverError
 from recover.faults.registry import random_kinds, registered
 from recover.faults.schedule import KILL
 from recover.launch.placement import parse_gpus, place, visible_gpus
-from recover.names import BASELINES, Baseline, Phase
+from recover.names import BASELINES, Baseline, Event, Phase
 from recover.observe.rundir import check_out, clear_run
 from recover.train.cli import INIT_FROM_HELP, init_from_override
 
@@ -327,7 +327,7 @@ def launch(req: LaunchRequest) -> int:
     elif code in (EXIT_DIVERGED, EXIT_NONFINITE):
         from recover.observe.events import read_jsonl
 
-        kinds = {EXIT_DIVERGED: "diverged", EXIT_NONFINITE: "nonfinite_divergence"}
+        kinds = {EXIT_DIVERGED: Event.DIVERGED, EXIT_NONFINITE: Event.NONFINITE_DIVERGENCE}
         last = [e for e in read_jsonl(opts.out / "events.jsonl") if e.get("kind") == kinds[code]][-1:]
         if code == EXIT_DIVERGED:
             sides = "; ".join(f"replicas {rs} hold {fp}" for fp, rs in (last[0]["sides"] if last else {}).items())
@@ -342,7 +342,7 @@ def launch(req: LaunchRequest) -> int:
     elif code == EXIT_BAD_DATA:
         from recover.observe.events import read_jsonl
 
-        bad = [e for e in read_jsonl(opts.out / "events.jsonl") if e.get("kind") == "bad_data"][:1]
+        bad = [e for e in read_jsonl(opts.out / "events.jsonl") if e.get("kind") == Event.BAD_DATA][:1]
         why = bad[0]["message"] if bad else "a microbatch held a token id beyond the vocabulary"
         print(f"recover: the job stopped on bad data: {why}. The last committed state is under "
               f"{opts.out / 'checkpoints'}; fix the data (`recover prepare --verify DIR` finds every bad id) and "
@@ -363,7 +363,7 @@ def _report(launcher: Launcher, opts: LaunchOptions, reference: Path | None) -> 
     summary = summarize(out, opts.config.name, launcher.wall_s)
     with EventLog(out / "events.jsonl") as events:  # kill -> all survivors computing again, per kill
         for rec in summary["recoveries"]:
-            events.event("recovery", **rec)
+            events.event(Event.RECOVERY, **rec)
     try:
         plot_run(out, reference)
     except Exception as exc:  # a plot never fails a run

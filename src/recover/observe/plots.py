@@ -10,6 +10,7 @@ import os
 from pathlib import Path
 from typing import Any
 
+from recover.names import Event
 from recover.observe.events import read_jsonl
 
 
@@ -40,21 +41,21 @@ def load_events(run_dir: str | os.PathLike[str]) -> list[dict[str, Any]]:
 
 def _marker_kind(e: dict[str, Any]) -> str | None:
     """Which marker an event gets: a kill (a hang or freeze: the replica is lost too), a rejoin, a
-    corruption injected, a slow-down injected (not its end), or none."""
+    fault injected (a corruption, a NaN, muted heartbeats, ...), a slow-down injected (not its end), or none."""
     kind = e.get("kind")
-    if kind == "started" and e.get("joined"):
+    if kind == Event.STARTED and e.get("joined"):
         return "rejoined"
-    if kind == "slowed":
+    if kind == Event.SLOWED:
         return "slowed" if e.get("factor", 1.0) > 1.0 and not e.get("rank") else None
-    return kind if kind in ("kill", "injected") else None
+    return str(kind) if kind in (Event.KILL, Event.INJECTED) else None
 
 
 def _markers(ax: Any, events: list[dict[str, Any]], by: str) -> None:
     """Dashed lines at replica kills (red), corruptions (purple), slow-downs (orange) and rejoins
     (green), placed by step or by elapsed seconds."""
-    t0 = min((e["t"] for e in events if e.get("kind") == "launch"), default=None)
+    t0 = min((e["t"] for e in events if e.get("kind") == Event.LAUNCH), default=None)
     styles = {"kill": ("tab:red", "replica lost (crash, hang)"), "rejoined": ("tab:green", "replica rejoined"),
-              "injected": ("tab:purple", "corruption injected"), "slowed": ("tab:orange", "replica slowed")}
+              "injected": ("tab:purple", "fault injected"), "slowed": ("tab:orange", "replica slowed")}
     for e in events:
         kind = _marker_kind(e)
         if kind is None:

@@ -35,7 +35,7 @@ import torch
 
 from recover.comm.transfer import receive_state, send_state, source_rank
 from recover.errors import PeerFailure, QuorumLost
-from recover.names import Phase
+from recover.names import Event, Phase
 from recover.recovery.interfaces import Coordinator, Group, Hook, Membership, Reduction, StepReplica, Totals
 from recover.workload import audit_plan, plan_step, replan, slowdowns
 from recover.workload.speeds import STRAGGLER_RATIO
@@ -313,7 +313,7 @@ class ResilientStep:
         too, ends the job. Either way this replica does not go on: the wait below ends with the fence
         (:class:`~recover.coord.client.CoordinatorLost`) or the end of the job."""
         bad = sorted(self.replica.nonfinite)
-        self.on_event("nonfinite", step=step, ids=bad)
+        self.on_event(Event.NONFINITE, step=step, ids=bad)
         self.coordinator.report_nonfinite(self.group.generation, step, bad)
         self.coordinator.wait_for_generation(self.group.generation, 60.0)
         raise RuntimeError(f"step {step}: microbatches {bad} were not finite here and the coordinator did not "
@@ -354,7 +354,7 @@ class ResilientStep:
                 "orphans": sorted(i for r in dead for i in plan[r]), "my_orphans": todo,
                 "regroup_ms": round((time.perf_counter() - t0) * 1000, 3)}
         recoveries.append(info)
-        self.on_event("recovered", **info)
+        self.on_event(Event.RECOVERED, **info)
         return merged, todo
 
     # ---- membership growth -----------------------------------------------------------------
@@ -376,7 +376,7 @@ class ResilientStep:
                 break
             except PeerFailure:
                 continue
-        self.on_event("grew", generation=self.group.generation, members=list(self.group.members),
+        self.on_event(Event.GREW, generation=self.group.generation, members=list(self.group.members),
                       step=self.progress.step)
 
     def resync(self) -> None:
@@ -399,7 +399,7 @@ class ResilientStep:
                 self.group = self.group.next_generation()
                 m = self.group.membership
         self.speeds = m.speeds  # those of the commit the members ahead hold: every plan alike again
-        self.on_event("resynced", generation=self.group.generation, behind=list(m.joined), step=self.progress.step,
+        self.on_event(Event.RESYNCED, generation=self.group.generation, behind=list(m.joined), step=self.progress.step,
                       ms=round((time.perf_counter() - t0) * 1000, 2))
         raise Resynced
 
@@ -415,5 +415,5 @@ class ResilientStep:
                 self.group = self.group.next_generation()
         self.progress = Progress.of(self.replica.load_transfer_state(state))
         self.coordinator.committed_step = self.progress.step - 1
-        self.on_event("state_received", step=self.progress.step, ms=round((time.perf_counter() - t0) * 1000, 2),
+        self.on_event(Event.STATE_RECEIVED, step=self.progress.step, ms=round((time.perf_counter() - t0) * 1000, 2),
                       tensors=len(state))

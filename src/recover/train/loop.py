@@ -26,6 +26,7 @@ import torch
 
 from recover.config import Config
 from recover.data.sampler import EvalSampler
+from recover.names import Event
 from recover.recovery.protocol import ResilientStep, StepOutcome
 from recover.train.checkpoint import Checkpointer
 from recover.train.optim import lr_at
@@ -147,5 +148,5 @@ class Loop:
         """A checkpoint of the committed progress (collective in a replica of several ranks)."""
         p = self.step.progress
         path = self.checkpointer.save(p.step, p.data_step, p.tokens, blocking)
-        self.on_event("checkpoint", step=p.step, blocking_s=round(self.checkpointer.last_blocking_s, 6))
+        self.on_event(Event.CHECKPOINT, step=p.step, blocking_s=round(self.checkpointer.last_blocking_s, 6))
         return path
