@@ -1,0 +1,34 @@
+"""Every kind of ``events.jsonl`` is one :class:`recover.names.Event` member, and the JSON keeps plain names."""
+
+from __future__ import annotations
+
+import json
+import re
+from pathlib import Path
+
+from recover.names import Event
+from recover.observe.events import EventLog, read_jsonl
+
+SRC = Path(__file__).resolve().parents[2] / "src" / "recover"
+WRITES = re.compile(r'(?:\.event|on_event|_event|\bLog)\(\s*"([a-z_]+)"')
+READS = re.compile(r'(?:get\("kind"\)|\["kind"\])\s*(?:==|!=)\s*"([a-z_]+)"')
+
+
+def test_every_kind_written_or_read_by_name_is_a_member() -> None:
+    named = {(path.relative_to(SRC).as_posix(), kind) for path in SRC.rglob("*.py")
+             for kind in WRITES.findall(path.read_text()) + READS.findall(path.read_text())}
+    assert {kind for _, kind in named} <= {e.value for e in Event}, sorted(named)
+
+
+def test_the_readers_of_reports_and_goodput_match_members_not_literals() -> None:
+    for module in ("launch/report.py", "observe/goodput.py", "observe/plots.py", "faults/registry.py"):
+        assert not READS.findall((SRC / module).read_text()), module
+
+
+def test_members_are_the_plain_names_in_json_both_ways(tmp_path: Path) -> None:
+    with EventLog(tmp_path / "events.jsonl") as log:
+        log.event(Event.KILL, replica=1)
+    line = (tmp_path / "events.jsonl").read_text()
+    assert json.loads(line)["kind"] == "kill" and '"kind":"kill"' in line
+    (record,) = read_jsonl(tmp_path / "events.jsonl")
+    assert record["kind"] == Event.KILL and record["kind"] in {Event.KILL} and Event(record["kind"]) is Event.KILL
