@@ -27,7 +27,7 @@ from collections.abc import Callable, Hashable, Iterable
 from typing import Any
 
 from recover.faults.registry import kind
-from recover.faults.schedule import FailureSpec, _phase_hint
+from recover.faults.schedule import FailureSpec, phase_hint
 from recover.names import PHASES, Event, Phase
 
 GradientFn = Callable[[Any], None]
@@ -83,7 +83,7 @@ class Perturbation:
         """Fires the pending spec matching ``(step, phase)``, if any; returns whether one fired (a real
         kill or hang never returns)."""
         if phase not in PHASES:
-            raise ValueError(f"phase {phase!r} {_phase_hint(phase)}")
+            raise ValueError(f"phase {phase!r} {phase_hint(phase)}")
         for spec in self.pending:
             if spec.step == step and spec.phase == phase:
                 self.pending.remove(spec)

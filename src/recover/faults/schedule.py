@@ -1,4 +1,4 @@
-"""Failure schedules and their injection, keyed by (replica, step, phase).
+"""Failure specs and schedules, keyed by (replica, step, phase).
 
 Contract: a :class:`FailureSchedule` is plain data, checked by :meth:`FailureSchedule.validate`
 before anything starts (``recover launch`` refuses impossible requests up front). Each replica
@@ -13,7 +13,8 @@ the members of :class:`recover.names.Phase` (``forward`` is the default when a s
 
 Which rank of a replica dies: a spec's ``rank``, or the replica's LAST rank when it is ``None``
 (the ``--fail-rank`` default); the replica's other ranks go down with it (its torchrun job, or
-the replica-level failure detection, tears them down).
+the replica-level failure detection, tears them down). A kind that strikes the whole replica
+(``whole_replica``: a slow-down, a cut link, a NaN) fires on every rank when ``rank`` is None.
 
 What each kind of fault does, its flag, argument and checks are its own module's
 (:mod:`recover.faults.registry`, :mod:`recover.faults.kinds`); the text form of any spec is
@@ -66,7 +67,7 @@ class FailureSpec:
             if not isinstance(value, int) or isinstance(value, bool) or value < 0:
                 raise ConfigError(f"failure {name} = {value!r} must be an integer >= 0")
         if self.phase not in PHASES:
-            raise ConfigError(f"failure phase {self.phase!r} {_phase_hint(self.phase)}")
+            raise ConfigError(f"failure phase {self.phase!r} {phase_hint(self.phase)}")
         object.__setattr__(self, "phase", Phase(self.phase))  # a plain name becomes its member
         object.__setattr__(self, "fault", kind(self.fault).name)
         self.kind.check(self)
@@ -133,7 +134,7 @@ def parse_failure(text: str, rank: int | None = None, fault: str | None = None) 
                               f"use an integer >= 0 and write {FORM}")
     phase = DEFAULT_PHASE if phase is None else phase.strip().lower()
     if phase not in PHASES:
-        raise ConfigError(f"bad failure {text!r}: phase {phase!r} {_phase_hint(phase)}")
+        raise ConfigError(f"bad failure {text!r}: phase {phase!r} {phase_hint(phase)}")
     if rank is not None and (not isinstance(rank, int) or rank < 0):
         raise ConfigError(f"bad failure rank {rank!r} for {text!r}: use an integer >= 0")
     return FailureSpec(int(rep), int(step), Phase(phase), rank, how.name, arg if how.arg is not None else 1.0)
@@ -159,7 +160,7 @@ def parse_at_step(text: str, fault: str) -> FailureSpec:
     return parse_failure(f"{text}:{DEFAULT_PHASE}={fault}")
 
 
-def _phase_hint(phase: str) -> str:
+def phase_hint(phase: str) -> str:
     close = difflib.get_close_matches(phase, PHASES, n=1, cutoff=0.5)
     hint = f" (did you mean {close[0]!r}?)" if close else ""
     return f"is not a phase{hint}; use one of {', '.join(PHASES)}"
@@ -277,7 +278,7 @@ def random_schedule(replicas: int, steps: int, mtbf_s: float, step_time_s: float
         raise ConfigError("phases is empty; use some of " + ", ".join(PHASES))
     for p in phases:
         if p not in PHASES:
-            raise ConfigError(f"phase {p!r} {_phase_hint(p)}")
+            raise ConfigError(f"phase {p!r} {phase_hint(p)}")
     if rejoin_after_steps is not None:
         _positive("rejoin_after_steps", rejoin_after_steps)
     if steps * step_time_s / mtbf_s > MAX_DRAWS:
