@@ -47,7 +47,6 @@ from collections.abc import Iterable
 from dataclasses import dataclass, field
 from typing import Any
 
-from recover.faults.registry import registered, struck_by
 from recover.names import Event
 
 CAUSES = ("startup", "restart", "recovery", "rejoin", "checkpoint", "evaluation", "stragglers", "degraded",
@@ -150,16 +149,15 @@ def _step_ends(rows: list[dict[str, Any]], events: list[dict[str, Any]], t0: flo
 
 
 def _slow_spans(events: list[dict[str, Any]]) -> list[tuple[float, float]]:
-    """[from, to] of every injected slow-down (a fault kind the coordinator finds as a straggler, from its
-    strike), ended by its next event (a factor of 1) or the replica's loss."""
+    """[from, to] of every injected slow-down (``slowed`` events, whichever fault kind wrote them), ended by
+    factor 1 or the replica's loss."""
     spans: list[tuple[float, float]] = []
     open_: dict[int, float] = {}
-    ends = {Event.FAILURE_DETECTED, *(k.event for k in registered().values() if k.detection == Event.STRAGGLER)}
     for e in events:
-        r, how = e.get("replica"), struck_by(e)
-        if how is not None and how.detection == Event.STRAGGLER:
+        r = e.get("replica")
+        if e.get("kind") == Event.SLOWED and e.get("factor", 1.0) > 1.0:
             open_.setdefault(r, e["t"])
-        elif e.get("kind") in ends and r in open_:
+        elif e.get("kind") in (Event.SLOWED, Event.FAILURE_DETECTED) and r in open_:
             spans.append((open_.pop(r), e["t"]))
     spans += [(t, float("inf")) for t in open_.values()]
     return spans
