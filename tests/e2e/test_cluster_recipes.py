@@ -22,7 +22,7 @@ from pathlib import Path
 import pytest
 
 from conftest import ROOT, subprocess_env
-from recover.launch.collect import merge_records
+from recover.launch.records import StepRecords
 from recover.launch.launcher import free_port
 
 pytestmark = pytest.mark.slow
@@ -278,8 +278,8 @@ def test_kubernetes_manifests_render_parse_and_their_pods_commands_train(tmp_pat
         assert wait_for(pod, procs, 180, tmp_path / f"replica_{i}.log") == 0
 
     # the step records as `recover collect` merges them (the Slurm test runs the command itself)
-    merged = merge_records([json.loads(line) for path in sorted((run / "replicas").glob("*.jsonl"))
-                            for line in path.read_text().splitlines()])
+    merged = StepRecords(json.loads(line) for path in sorted((run / "replicas").glob("*.jsonl"))
+                         for line in path.read_text().splitlines()).merged()
     rows = [merged[s] for s in sorted(merged)]
     assert [r["step"] for r in rows] == list(range(16)) and {r["microbatches"] for r in rows} == {8}
     events = [json.loads(line) for line in (run / "events.jsonl").read_text().splitlines()]

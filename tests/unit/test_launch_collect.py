@@ -1,4 +1,4 @@
-"""`recover collect`: the run records of a job started without the launcher (pure merge + files)."""
+"""`recover collect`: the run records of a job started without the launcher (the files it writes)."""
 
 from __future__ import annotations
 
@@ -8,23 +8,12 @@ from pathlib import Path
 import pytest
 
 from recover.errors import RecoverError
-from recover.launch.collect import collect, merge_records
+from recover.launch.collect import collect
 
 
 def rec(step: int, t: float, loss: float, **extra: object) -> dict[str, object]:
     return {"t": t, "step": step, "loss": loss, "microbatches": 8, "tokens": 64, "time_s": 0.5,
             "live_replicas": 2, "generation": 1, **extra}
-
-
-def test_each_step_once_its_newest_record_with_a_val_loss_from_any_replica() -> None:
-    merged = merge_records([
-        rec(0, 10.0, 5.0), rec(0, 10.1, 5.0, replica=1),
-        rec(1, 11.0, 4.0, val_loss=4.5), rec(1, 11.1, 4.0, replica=1),  # only replica 0 evaluated
-        rec(2, 12.0, 3.9),  # then the job stopped uncleanly: step 2 was redone after a resume from step 2
-        rec(2, 99.0, 3.8), {"t": 5.0, "kind": "not a step"},
-    ])
-    assert sorted(merged) == [0, 1, 2]
-    assert merged[0]["replica"] == 1 and merged[1]["val_loss"] == 4.5 and merged[2]["loss"] == 3.8
 
 
 def test_collect_writes_metrics_summary_and_refuses_a_directory_without_records(tmp_path: Path) -> None:

@@ -8,9 +8,10 @@ run on one machine: ``metrics.jsonl`` (one record per committed step, in step or
 ``summary.json`` and the plots.
 
 Contract: it only reads the replica logs and the events and rewrites those three outputs, so it may
-run at any time (during a run it shows the steps committed so far) and any number of times. A step
-recorded by several replicas, or recorded again after a resume from an older checkpoint (the steps
-since that checkpoint are redone), appears once, as its newest record: the one the run went on from.
+run at any time (during a run it shows the steps committed so far) and any number of times. The
+records merge by the launcher's rule (:mod:`recover.launch.records`): a step recorded by several
+replicas, or recorded again after a resume from an older checkpoint (the steps since that checkpoint
+are redone), appears once, as its newest record: the one the run went on from.
 ``elapsed_s`` counts from the run's first event (the coordinator's start), so a requeued job's time
 in the queue is part of it.
 """
@@ -18,7 +19,6 @@ in the queue is part of it.
 from __future__ import annotations
 
 import argparse
-import json
 from pathlib import Path
 from typing import Any
 
@@ -32,40 +32,20 @@ def register(sub: argparse._SubParsersAction) -> None:
     p.set_defaults(func=run_collect)
 
 
-def merge_records(records: list[dict[str, Any]]) -> dict[int, dict[str, Any]]:
-    """Per committed step, the newest record (by its write time ``t``); a ``val_loss`` that only
-    another record of the step carries (a replica that evaluated) is kept. Pure."""
-    by_step: dict[int, dict[str, Any]] = {}
-    val: dict[int, tuple[float, Any]] = {}
-    for rec in records:
-        step = rec.get("step")
-        if not isinstance(step, int) or "loss" not in rec:
-            continue
-        if step not in by_step or rec["t"] >= by_step[step]["t"]:
-            by_step[step] = rec
-        if rec.get("val_loss") is not None and rec["t"] >= val.get(step, (-1.0, None))[0]:
-            val[step] = (rec["t"], rec["val_loss"])
-    out = {}
-    for step, rec in by_step.items():
-        rec = dict(rec)
-        if rec.get("val_loss") is None and step in val:
-            rec["val_loss"] = val[step][1]
-        out[step] = rec
-    return out
-
-
 def collect(run_dir: Path) -> dict[str, Any]:
     """Writes ``metrics.jsonl``, ``summary.json`` and the plots of ``run_dir``; returns the summary.
 
     Raises:
         RecoverError: no replica has recorded a step under ``run_dir/replicas``.
     """
+    from recover.launch.records import StepRecords, write_metrics
     from recover.launch.report import plot_run, summarize
     from recover.observe.events import read_jsonl
 
     run_dir = Path(run_dir)
     logs = sorted((run_dir / "replicas").glob("replica_*.jsonl"))
-    merged = merge_records([rec for path in logs for rec in read_jsonl(path)])
+    records = StepRecords(rec for path in logs for rec in read_jsonl(path))
+    merged = records.merged()
     if not merged:
         raise RecoverError(f"{run_dir}: no step records under {run_dir / 'replicas'}; give the --out of the "
                            "job's `recover worker` processes (their rank 0 writes replicas/replica_R.jsonl)")
@@ -73,11 +53,7 @@ def collect(run_dir: Path) -> dict[str, Any]:
     first_event = next(iter(read_jsonl(events_path)), None) if events_path.is_file() else None
     t0 = min([rec["t"] - rec.get("time_s", 0.0) for rec in merged.values()]
              + ([first_event["t"]] if first_event and "t" in first_event else []))
-    with open(run_dir / "metrics.jsonl", "w", encoding="utf-8") as f:
-        for step in sorted(merged):
-            rec = dict(merged[step])
-            rec["elapsed_s"] = round(rec.pop("t") - t0, 3)
-            f.write(json.dumps(rec, separators=(",", ":")) + "\n")
+    write_metrics(run_dir / "metrics.jsonl", records, t0)
     wall_s = max(rec["t"] for rec in merged.values()) - t0
     summary = summarize(run_dir, run_dir.name, wall_s)
     try:

@@ -1,0 +1,147 @@
+"""The run's step records: the replicas' own logs merged into ``metrics.jsonl`` by one rule.
+
+Rank 0 of every replica appends one record per committed step to ``replicas/replica_R.jsonl``
+(:func:`recover.train.exits.replica_log_path`). ``recover launch`` (while its job runs and at its end)
+and ``recover collect`` (after a job run across machines) both merge them with :class:`StepRecords`,
+whose rule is the whole contract:
+
+    Per step, the record written last (largest ``t``; a tie goes to the higher ``replica``) is the
+    step's record. Several replicas record the same commit, alike but for who wrote it and their own
+    timings; a step recorded again after a restart from an older checkpoint was redone, and its newer
+    record is the one the run went on from. A ``val_loss`` that the step's record lacks (only the
+    replica that evaluated carries one) is taken, with its ``eval_s``, from the newest record of the
+    step that has one. Anything else (an event, a line a killed writer tore, a record without an
+    integer ``step`` and a ``loss``) is not a step record and is left out.
+
+The rule does not depend on the order records are added in. A step nobody recorded is a gap: it is
+absent from the merge (:meth:`StepRecords.committed` counts the steps before the first gap).
+:class:`JsonlTail` reads the complete lines appended to a file since its last read, and
+:func:`write_metrics` writes the merge as ``metrics.jsonl`` rows (``elapsed_s`` instead of ``t``).
+"""
+
+from __future__ import annotations
+
+import json
+from collections.abc import Iterable
+from pathlib import Path
+from typing import Any
+
+Record = dict[str, Any]
+
+
+def is_step_record(rec: Any) -> bool:
+    """A committed step's record: a JSON object with an integer ``step``, a ``loss`` and a time ``t``."""
+    return (isinstance(rec, dict) and isinstance(rec.get("step"), int) and "loss" in rec
+            and isinstance(rec.get("t"), (int, float)))
+
+
+def _order(rec: Record) -> tuple[float, int]:
+    return rec["t"], rec.get("replica", -1)
+
+
+class StepRecords:
+    """Per-step records merged by the module's rule, as records arrive (pure; no files)."""
+
+    def __init__(self, records: Iterable[Any] = ()) -> None:
+        self._newest: dict[int, Record] = {}
+        """step -> the newest record of the step."""
+        self._evaluated: dict[int, Record] = {}
+        """step -> the newest record of the step that carries a ``val_loss``."""
+        for rec in records:
+            self.add(rec)
+
+    def add(self, rec: Any) -> bool:
+        """Merges ``rec``; False (and nothing changes) when it is not a step record."""
+        if not is_step_record(rec):
+            return False
+        step = rec["step"]
+        if step not in self._newest or _order(rec) >= _order(self._newest[step]):
+            self._newest[step] = rec
+        if rec.get("val_loss") is not None and (
+                step not in self._evaluated or _order(rec) >= _order(self._evaluated[step])):
+            self._evaluated[step] = rec
+        return True
+
+    def forget_from(self, step: int) -> list[int]:
+        """Drops the records of ``step`` and later (they will be redone); returns the steps dropped."""
+        gone = sorted(s for s in self._newest if s >= step)
+        for s in gone:
+            del self._newest[s]
+            self._evaluated.pop(s, None)
+        return gone
+
+    def __contains__(self, step: object) -> bool:
+        return step in self._newest
+
+    def __len__(self) -> int:
+        return len(self._newest)
+
+    def steps(self) -> list[int]:
+        return sorted(self._newest)
+
+    def last_step(self) -> int:
+        """The highest step recorded, -1 when none is."""
+        return max(self._newest, default=-1)
+
+    def committed(self) -> int:
+        """How many steps from 0 on are recorded without a gap."""
+        n = 0
+        while n in self._newest:
+            n += 1
+        return n
+
+    def record(self, step: int) -> Record:
+        """The merged record of ``step`` (a copy). Raises KeyError when nobody recorded it."""
+        rec = dict(self._newest[step])
+        val = self._evaluated.get(step)
+        if rec.get("val_loss") is None and val is not None:
+            rec["val_loss"] = val["val_loss"]
+            if "eval_s" in val:
+                rec["eval_s"] = val["eval_s"]
+        return rec
+
+    def merged(self) -> dict[int, Record]:
+        """Every recorded step's merged record, by step."""
+        return {step: self.record(step) for step in self.steps()}
+
+
+def metrics_row(rec: Record, t0: float) -> Record:
+    """``rec`` as a ``metrics.jsonl`` row: its write time ``t`` becomes ``elapsed_s`` since ``t0``."""
+    row = dict(rec)
+    row["elapsed_s"] = round(row.pop("t") - t0, 3)
+    return row
+
+
+def write_metrics(path: Path, records: StepRecords, t0: float) -> None:
+    """Writes ``metrics.jsonl`` at ``path``: every recorded step's merged record, in step order."""
+    with open(path, "w", encoding="utf-8") as f:
+        for step in records.steps():
+            f.write(json.dumps(metrics_row(records.record(step), t0), separators=(",", ":")) + "\n")
+
+
+class JsonlTail:
+    """Follows append-only JSONL files: each :meth:`read` returns what was appended since the last."""
+
+    def __init__(self) -> None:
+        self.offsets: dict[Path, int] = {}
+        """path -> the byte offset read up to (the end of its last complete line)."""
+
+    def read(self, path: Path) -> list[Any]:
+        """The complete lines appended to ``path`` since the last read, decoded; a torn last line waits
+        for its end, and a line that never decodes (a torn line another writer appended to) is skipped."""
+        start = self.offsets.get(path, 0)
+        try:
+            with open(path, "rb") as f:
+                f.seek(start)
+                data = f.read()
+        except FileNotFoundError:
+            return []
+        end = data.rfind(b"\n") + 1
+        self.offsets[path] = start + end
+        out = []
+        for line in data[:end].splitlines():
+            try:
+                out.append(json.loads(line))
+            except ValueError:
+                continue
+        return out

@@ -1,0 +1,69 @@
+"""The one rule that merges the replicas' step records (launcher and `recover collect` alike)."""
+
+from __future__ import annotations
+
+import itertools
+import json
+from pathlib import Path
+
+from recover.launch.records import JsonlTail, StepRecords, write_metrics
+
+
+def rec(step: int, t: float, replica: int, loss: float = 5.0, **extra: object) -> dict[str, object]:
+    return {"t": t, "step": step, "loss": loss, "microbatches": 8, "time_s": 0.5, "replica": replica, **extra}
+
+
+def test_duplicates_from_several_replicas_merge_into_the_newest_with_the_val_loss_of_any() -> None:
+    merged = StepRecords([
+        rec(0, 10.0, 0), rec(0, 10.1, 1), rec(0, 10.1, 2),  # a tie in time: the higher replica
+        rec(1, 11.2, 0, val_loss=4.5, eval_s=0.2), rec(1, 11.1, 1),  # only replica 0 evaluated
+    ]).merged()
+    assert sorted(merged) == [0, 1]
+    assert merged[0]["replica"] == 2
+    assert merged[1]["replica"] == 0 and merged[1]["val_loss"] == 4.5 and merged[1]["eval_s"] == 0.2
+    late = StepRecords([rec(1, 11.2, 0, val_loss=4.5, eval_s=0.2), rec(1, 11.3, 1)]).record(1)
+    assert late["replica"] == 1 and (late["val_loss"], late["eval_s"]) == (4.5, 0.2)
+
+
+def test_a_redone_step_is_its_newest_record_whatever_the_order_records_arrive_in() -> None:
+    records = [rec(2, 12.0, 0, loss=3.9), rec(2, 12.1, 1, loss=3.9, val_loss=4.0),
+               rec(3, 13.0, 0, loss=3.7),  # then a restart from the checkpoint of step 2 redid 2 and 3
+               rec(2, 99.0, 1, loss=3.8), rec(3, 100.0, 1, loss=3.6, val_loss=3.5)]
+    for order in itertools.permutations(records):
+        merged = StepRecords(order).merged()
+        assert (merged[2]["loss"], merged[3]["loss"]) == (3.8, 3.6)
+        assert (merged[2]["val_loss"], merged[3]["val_loss"]) == (4.0, 3.5)  # step 2's redo did not evaluate
+
+
+def test_gaps_and_what_is_not_a_step_record() -> None:
+    records = StepRecords()
+    assert [records.add(r) for r in (rec(0, 1.0, 0), rec(2, 3.0, 0), {"t": 2.0, "kind": "kill", "replica": 1},
+                                     {"t": 2.0, "step": "1", "loss": 1.0}, {"step": 1, "loss": 1.0}, [1], 7)] == \
+        [True, True, False, False, False, False, False]
+    assert records.steps() == [0, 2] and records.committed() == 1 and records.last_step() == 2
+    records.add(rec(1, 2.0, 0))
+    assert records.committed() == 3 and len(records) == 3
+    assert records.forget_from(1) == [1, 2] and records.steps() == [0] and 1 not in records
+    assert StepRecords().committed() == 0 and StepRecords().last_step() == -1
+
+
+def test_a_torn_last_line_waits_for_its_end_and_a_line_torn_for_good_is_skipped(tmp_path: Path) -> None:
+    path, tail = tmp_path / "replica_0.jsonl", JsonlTail()
+    assert tail.read(path) == []  # not written yet
+    first, second = json.dumps(rec(0, 1.0, 0)), json.dumps(rec(1, 2.0, 0))
+    path.write_text(first + "\n" + second[:9])  # the writer is between two writes
+    assert tail.read(path) == [rec(0, 1.0, 0)]
+    with open(path, "a") as f:
+        f.write(second[9:] + "\n" + second[:5])
+    assert tail.read(path) == [rec(1, 2.0, 0)] and tail.read(path) == []
+    with open(path, "a") as f:  # that writer was killed; a rejoined replica appends after its fragment
+        f.write(json.dumps(rec(2, 3.0, 0)) + "\n" + json.dumps(rec(3, 4.0, 0)) + "\n")
+    assert tail.read(path) == [rec(3, 4.0, 0)]
+
+
+def test_metrics_rows_are_in_step_order_with_the_elapsed_time(tmp_path: Path) -> None:
+    records = StepRecords([rec(1, 12.5, 0), rec(0, 11.0, 1), rec(0, 11.25, 0)])
+    write_metrics(tmp_path / "metrics.jsonl", records, t0=10.0)
+    rows = [json.loads(line) for line in (tmp_path / "metrics.jsonl").read_text().splitlines()]
+    assert [(r["step"], r["replica"], r["elapsed_s"]) for r in rows] == [(0, 0, 1.25), (1, 0, 2.5)]
+    assert all("t" not in r for r in rows)
