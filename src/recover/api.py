@@ -123,12 +123,12 @@ def _init() -> Runtime:
         world = int(os.environ.get("WORLD_SIZE", "1"))
         return _runtime(Config(parallel=ParallelConfig(fsdp=world)), None, 0, None)
     from recover.comm.nccl import apply_env_defaults
-    from recover.config import from_dict
+    from recover.config import RUN_CONFIG, load_config
     from recover.lifeline import die_with_launcher
 
     die_with_launcher()
     job = json.loads(raw)
-    cfg = from_dict(json.loads((Path(job["out"]) / "config.json").read_text()))
+    cfg = load_config(str(Path(job["out"]) / RUN_CONFIG))
     apply_env_defaults(collective_timeout_s=cfg.fault_tolerance.collective_timeout_s)  # before any NCCL use
     job["config"] = cfg
     return _runtime(cfg, job, int(job["replica"]), Path(job["out"]))

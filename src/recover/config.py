@@ -15,6 +15,9 @@ Contract:
   field, the value given and what is allowed (and, for a misspelt key, the closest known key).
 - Presets are TOML files (``configs/NAME.toml``); overrides are ``--section.field VALUE`` or
   ``--section.field=VALUE`` and are applied on top of the preset, with the field's type.
+- A run's ``config.json`` (the whole, resolved config ``recover launch`` writes into the run directory,
+  :func:`write_run_config`) loads like a preset (:data:`RUN_CONFIG`): its workers read it, not the
+  preset and overrides again. A ``.json`` that is not one is refused in one line naming the file.
 """
 
 from __future__ import annotations
@@ -22,6 +25,7 @@ from __future__ import annotations
 import dataclasses
 import difflib
 import functools
+import json
 import math
 import os
 import sys
@@ -618,14 +622,48 @@ def resolve_preset(name_or_path: str) -> Path:
                       "(or give a path to a .toml file)")
 
 
-def load_config(preset: str, overrides: list[str] | dict[str, str] | None = None) -> Config:
-    """Loads a preset (name or .toml path) and applies dotted overrides (CLI strings or typed values)."""
+RUN_CONFIG = "config.json"
+"""A run directory's config: the job's whole config as the launcher resolved it."""
+
+
+def write_run_config(cfg: Config, run_dir: Path) -> Path:
+    """Writes ``cfg`` as ``run_dir``'s :data:`RUN_CONFIG`; returns its path."""
+    path = Path(run_dir) / RUN_CONFIG
+    path.write_text(json.dumps(cfg.to_dict(), indent=1), encoding="utf-8")
+    return path
+
+
+def _read_run_config(path: Path) -> dict[str, Any]:
+    """The fields of a run's ``config.json``, checked to build a valid Config. Raises ConfigError."""
+    fix = "give the config.json that `recover launch` wrote into the run directory, or a preset"
+    try:
+        raw = json.loads(path.read_text(encoding="utf-8"))
+    except (OSError, ValueError) as exc:
+        raise ConfigError(f"run config {path} is unreadable ({exc}); {fix}") from None
+    if not isinstance(raw, dict):
+        raise ConfigError(f"run config {path} is not a JSON object; {fix}")
+    try:
+        from_dict(raw)
+    except ConfigError as exc:
+        raise ConfigError(f"{path} is not a run config of this recover ({exc}); {fix}") from None
+    return raw
+
+
+def _read_preset(preset: str) -> dict[str, Any]:
+    """The fields of a preset (name or .toml path), named after its file unless it names itself."""
     path = resolve_preset(preset)
     try:
         raw = tomllib.loads(path.read_text(encoding="utf-8"))
     except tomllib.TOMLDecodeError as exc:
         raise ConfigError(f"config file {path} is not valid TOML: {exc}") from None
     raw.setdefault("name", path.stem)
+    return raw
+
+
+def load_config(preset: str, overrides: list[str] | dict[str, str] | None = None) -> Config:
+    """Loads a preset (name or .toml path) or a run's ``config.json`` and applies dotted overrides (CLI
+    strings or typed values). Raises ConfigError."""
+    raw = _read_run_config(Path(preset)) if preset.endswith(".json") else _read_preset(preset)
     if overrides:
         flat = parse_overrides(overrides) if isinstance(overrides, list) else dict(overrides)
         for key in flat:

@@ -22,8 +22,8 @@ from pathlib import Path
 import pytest
 
 from conftest import ROOT, subprocess_env
+from recover.launch.processes import free_port
 from recover.launch.records import StepRecords
-from recover.launch.launcher import free_port
 
 pytestmark = pytest.mark.slow
 

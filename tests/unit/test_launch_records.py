@@ -57,7 +57,7 @@ def test_a_torn_last_line_waits_for_its_end_and_a_line_torn_for_good_is_skipped(
         f.write(second[9:] + "\n" + second[:5])
     assert tail.read(path) == [rec(1, 2.0, 0)] and tail.read(path) == []
     with open(path, "a") as f:  # that writer was killed; a rejoined replica appends after its fragment
-        f.write(json.dumps(rec(2, 3.0, 0)) + "\n" + json.dumps(rec(3, 4.0, 0)) + "\n")
+        f.write(json.dumps(rec(2, 3.0, 0)) + "\n" + json.dumps(rec(3, 4.0, 0)) + "\n[3]\n")
     assert tail.read(path) == [rec(3, 4.0, 0)]
 
 

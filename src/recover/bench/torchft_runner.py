@@ -220,7 +220,7 @@ def replica_main(args: argparse.Namespace) -> int:
     from recover.config import load_config
     from recover.data.prepare import resolve_data_dir
     from recover.faults import Perturbation, parse_failure
-    from recover.launch.launcher import free_port
+    from recover.launch.processes import free_port
     from recover.model import lm_loss
     from recover.train.dist import DistContext
     from recover.train.optim import lr_at, set_lr

@@ -4,8 +4,8 @@
 Contract: a launch is a :class:`LaunchRequest` (typed; ``recover launch``'s flags map onto it one
 to one) run by :func:`launch`. :func:`check_launch` does every check first, with no side effect:
 the config (whose ``__post_init__`` holds every layout rule; ``model.vocab_size`` resolved from the
-data unless given, :func:`recover.data.layout.resolve_vocab`, and passed to every worker as an
-override), the flags and the failure schedule.
+data unless given, :func:`recover.data.layout.resolve_vocab`), the flags and the failure schedule.
+The workers read that config from the run's ``config.json`` (:func:`worker_config`).
 Only then does :func:`launch` create the run directory, prepare the data and start processes, so
 a bad request is refused in well under a second with one line and exit status 2.
 """
@@ -31,7 +31,8 @@ from recover.observe.rundir import check_out, clear_run
 from recover.train.cli import INIT_FROM_HELP, init_from_override
 
 if TYPE_CHECKING:
-    from recover.launch.launcher import Launcher, LaunchOptions
+    from recover.launch.job import LaunchOptions
+    from recover.launch.launcher import Launcher
     from recover.train.worker import ReplicaWorker
 
 
@@ -109,7 +110,8 @@ def register(sub: argparse._SubParsersAction) -> None:
                        description="One replica of a fault-tolerant job, connected to a coordinator. `recover launch` "
                                    "starts these itself; across machines start one per replica (under torchrun for a "
                                    "replica of several ranks). Config overrides: --section.field VALUE.")
-    w.add_argument("--config", required=True)
+    w.add_argument("--config", required=True,
+                   help="the run's config.json (what `recover launch` passes), a preset name or a .toml path")
     w.add_argument("--out", required=True)
     w.add_argument("--replica", type=int, default=None)
     w.add_argument("--spare", action="store_true",
@@ -136,7 +138,7 @@ class LaunchRequest:
     config: str = "tiny"
     """Preset name or ``.toml`` path."""
     overrides: tuple[str, ...] = ()
-    """Config overrides, ``--section.field VALUE`` (every worker gets them too)."""
+    """Config overrides, ``--section.field VALUE``."""
     replicas: int | None = None
     steps: int | None = None
     pp: int | None = None
@@ -168,7 +170,7 @@ class LaunchRequest:
     overwrite: bool = False
     """Replace the run ``out`` holds (its records and checkpoints are deleted when the launch starts)."""
     kill_coordinator: str | None = None
-    """Fault injection ``STEP[:SENT]`` (see :class:`~recover.launch.launcher.LaunchOptions`)."""
+    """Fault injection ``STEP[:SENT]`` (see :class:`~recover.launch.job.LaunchOptions`)."""
     gpus: str | None = None
     """``--gpus``: the GPUs to place ranks on (None: all visible)."""
     share_gpus: bool = False
@@ -180,19 +182,15 @@ class LaunchRequest:
     """``-- CMD ...``: each replica runs this command (a script on :mod:`recover.api`), not ``recover worker``."""
 
 
-def launch_config(req: LaunchRequest) -> tuple[Config, list[str]]:
-    """The job's config and the overrides every worker gets (flags folded into dotted overrides)."""
+def launch_config(req: LaunchRequest) -> Config:
+    """The job's config (flags folded into dotted overrides; the vocabulary resolved from the data)."""
     flags = {"parallel.replicas": req.replicas, "training.steps": req.steps, "parallel.pp": req.pp,
              "parallel.tp": req.tp, "parallel.fsdp": req.fsdp,
              "training.deterministic": "true" if req.deterministic else None,
              "training.device_time_s": req.device_time_s}
     overrides = [*req.overrides, *(f"--{key}={value}" for key, value in flags.items() if value is not None),
                  *init_from_override(req.init_from)]
-    cfg = load_config(req.config, overrides)
-    resolved = _resolve_vocab(cfg, overrides)
-    if resolved.model.vocab_size != cfg.model.vocab_size:  # the workers get the same vocabulary
-        overrides.append(f"--model.vocab_size={resolved.model.vocab_size}")
-    return resolved, overrides
+    return _resolve_vocab(load_config(req.config, overrides), overrides)
 
 
 def _resolve_vocab(cfg: Config, overrides: list[str]) -> Config:
@@ -201,6 +199,18 @@ def _resolve_vocab(cfg: Config, overrides: list[str]) -> Config:
     from recover.data.prepare import resolve_data_dir
 
     return resolve_vocab(cfg, resolve_data_dir(cfg.data, prepare=False), given(overrides, "model.vocab_size"))
+
+
+def worker_config(config: str, overrides: list[str]) -> Config:
+    """A worker's config: a run's ``config.json`` as the launcher wrote it (everything resolved), else a
+    preset and overrides with the data's vocabulary, as the launcher resolves it (a worker started by hand).
+
+    Raises:
+        ConfigError: one line naming the file or field (an unreadable or foreign ``config.json`` too).
+    """
+    if config.endswith(".json"):
+        return load_config(config, overrides)
+    return _resolve_vocab(load_config(config, overrides), overrides)
 
 
 def check_launch(req: LaunchRequest) -> LaunchOptions:
@@ -213,14 +223,14 @@ def check_launch(req: LaunchRequest) -> LaunchOptions:
     from recover.data.prepare import resolve_data_dir
     from recover.data.verify import check_data
     from recover.faults import FailureSchedule, parse_failure
-    from recover.launch.launcher import LaunchOptions
+    from recover.launch.job import LaunchOptions
 
-    cfg, overrides = launch_config(req)
+    cfg = launch_config(req)
     p, ft = cfg.parallel, cfg.fault_tolerance
     P = p.procs_per_replica
     placement = place(p.replicas, P, parse_gpus(req.gpus) if req.gpus else visible_gpus(), req.share_gpus)
     if placement.shared and p.backend != "gloo":  # NCCL allows one rank per device (also when no GPU was found)
-        cfg, overrides = launch_config(replace(req, overrides=(*req.overrides, "--parallel.backend=gloo")))
+        cfg = launch_config(replace(req, overrides=(*req.overrides, "--parallel.backend=gloo")))
         p, ft = cfg.parallel, cfg.fault_tolerance
     if req.procs_per_replica is not None and req.procs_per_replica != P:
         raise ConfigError(f"--procs-per-replica {req.procs_per_replica} does not match pp x tp x fsdp = {p.pp} x "
@@ -274,7 +284,7 @@ def check_launch(req: LaunchRequest) -> LaunchOptions:
         if data_dir.is_dir() and any(data_dir.iterdir()):
             check_data(part, data_dir, cfg.model.vocab_size,
                        hint=lambda line: print(f"recover: note: {line}", file=sys.stderr))
-    return LaunchOptions(config=cfg, config_arg=req.config, overrides=overrides, out=Path(req.out),
+    return LaunchOptions(config=cfg, out=Path(req.out),
                          failures=schedule, random_mtbf_s=req.random_mtbf_s,
                          random_faults=req.random_faults, rejoin_after_s=req.rejoin_after_s,
                          rejoin_replicas=req.rejoin_replicas, seed=req.seed, baseline=req.baseline,
@@ -295,6 +305,7 @@ def launch(req: LaunchRequest) -> int:
         ConfigError: from :func:`check_launch`, before anything is created or started.
     """
     from recover.data.prepare import resolve_data_dir
+    from recover.launch.job import Commands
     from recover.launch.launcher import Launcher
     from recover.train.exits import (
         EXIT_BAD_DATA,
@@ -307,7 +318,7 @@ def launch(req: LaunchRequest) -> int:
 
     opts = check_launch(req)
     if req.dry_run:
-        for line in Launcher(opts).plan():
+        for line in Commands(opts).plan():
             print(line)
         return 0
     if req.overwrite:
@@ -368,7 +379,7 @@ def _report(launcher: Launcher, opts: LaunchOptions, reference: Path | None) -> 
         plot_run(out, reference)
     except Exception as exc:  # a plot never fails a run
         print(f"warning: plots not written: {exc}", file=sys.stderr)
-    for text in launcher.failed_logs():
+    for text in launcher.supervisor.failed_logs():
         print(text, file=sys.stderr)
     lat = summary["recovery_latency_ms_median"]
     print(f"{summary['committed_steps']} steps committed in {summary['wall_s']:.1f} s; microbatches per step "
@@ -444,7 +455,7 @@ def run_worker(args: argparse.Namespace) -> int:
 
     signal.signal(signal.SIGTERM, stop)
     signal.signal(signal.SIGINT, stop)
-    cfg = _resolve_vocab(load_config(args.config, args.overrides), args.overrides)
+    cfg = worker_config(args.config, args.overrides)
     host, _, port = args.coordinator.rpartition(":")
     if not host or not port.isdigit():
         raise RecoverError(f"--coordinator {args.coordinator!r}: expected HOST:PORT")

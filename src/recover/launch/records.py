@@ -126,9 +126,10 @@ class JsonlTail:
         self.offsets: dict[Path, int] = {}
         """path -> the byte offset read up to (the end of its last complete line)."""
 
-    def read(self, path: Path) -> list[Any]:
-        """The complete lines appended to ``path`` since the last read, decoded; a torn last line waits
-        for its end, and a line that never decodes (a torn line another writer appended to) is skipped."""
+    def read(self, path: Path) -> list[Record]:
+        """The JSON objects on the complete lines appended to ``path`` since the last read; a torn last
+        line waits for its end, and a line that is no JSON object (a torn line another writer appended
+        to) is skipped."""
         start = self.offsets.get(path, 0)
         try:
             with open(path, "rb") as f:
@@ -141,7 +142,9 @@ class JsonlTail:
         out = []
         for line in data[:end].splitlines():
             try:
-                out.append(json.loads(line))
+                rec = json.loads(line)
             except ValueError:
                 continue
+            if isinstance(rec, dict):
+                out.append(rec)
         return out

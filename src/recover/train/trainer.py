@@ -23,13 +23,12 @@ import os
 import signal
 import threading
 import time
-from dataclasses import asdict
 from pathlib import Path
 from typing import Any
 
 import torch
 
-from recover.config import Config
+from recover.config import Config, write_run_config
 from recover.coord.client import Diverged
 from recover.data.prepare import resolve_data_dir
 from recover.data.sampler import EvalSampler, Sampler, open_samplers
@@ -105,7 +104,7 @@ def train(cfg: Config, out: str | os.PathLike[str], ctx: DistContext | None = No
     metrics = JsonlWriter(out / "metrics.jsonl") if writer else None
     if writer:
         out.mkdir(parents=True, exist_ok=True)
-        (out / "config.json").write_text(json.dumps(asdict(cfg), indent=1))
+        write_run_config(cfg, out)
     display = ProgressDisplay(tc.steps, first, title=cfg.name, enabled=progress and writer)
     display.message(f"[bold]{cfg.name}[/]: {stats.describe()}; {len(group.members)} data-parallel process(es) of "
                     f"{cfg.parallel.procs_per_replica} rank(s), M = {tc.global_microbatches} microbatches x "

@@ -1,0 +1,149 @@
+"""What a launch runs: its options, and the command line and environment of every process it starts.
+
+Contract (pure: nothing here starts a process or touches a file):
+- :class:`LaunchOptions` is a launch after every check (:func:`recover.launch.cli.check_launch`).
+- A worker reads the job's config from the run directory's ``config.json``, which the launcher writes
+  before it starts anything (:func:`recover.config.write_run_config`); its command line carries only
+  what differs between processes: the coordinator's address, its replica, its failures, join/resume.
+- A replica of P = pp x fsdp x tp ranks is P processes given torchrun's environment (RANK,
+  LOCAL_RANK, WORLD_SIZE, MASTER_ADDR, MASTER_PORT on a port of its own) and the device of each rank
+  (:mod:`recover.launch.placement`; a hot spare, whose replica is not known yet, none).
+"""
+
+from __future__ import annotations
+
+import json
+import sys
+from dataclasses import asdict, dataclass, field
+from pathlib import Path
+
+from recover.config import RUN_CONFIG, Config
+from recover.faults import FailureSchedule
+from recover.launch.placement import Placement
+from recover.names import WORKER_ENV, Baseline
+
+
+@dataclass
+class LaunchOptions:
+    config: Config
+    out: Path
+    failures: FailureSchedule = field(default_factory=FailureSchedule)
+    random_mtbf_s: float | None = None
+    random_faults: tuple[str, ...] = ("kill",)
+    """What each random failure does (drawn uniformly): SIGKILL, a hung training thread (SIGUSR1 to
+    the worker) or SIGSTOP."""
+    rejoin_after_s: float | None = None
+    baseline: Baseline | None = None
+    """None (recover) or the baseline run instead (see :class:`recover.names.Baseline`)."""
+    rejoin_replicas: frozenset[int] | None = None
+    """Which killed replicas rejoin (None: all)."""
+    seed: int = 0
+    host: str = "127.0.0.1"
+    progress: bool = True
+    title: str = "launch"
+    resume: bool = False
+    """Start from the newest complete checkpoint in ``out`` (keeping the step records before it)."""
+    placement: Placement = field(default_factory=Placement)
+    """The device of every rank (:mod:`recover.launch.placement`)."""
+    script: tuple[str, ...] = ()
+    """Each replica runs this command (a user's script on :mod:`recover.api`) instead of ``recover worker``;
+    it learns its job from :data:`recover.api.WORKER_ENV`. No hot spare is kept for a script."""
+    kill_coordinator: str | None = None
+    """Fault injection ``STEP[:SENT]``: the first coordinator SIGKILLs itself in step STEP's commit after
+    SENT of its replies went out (the launcher then restarts it)."""
+
+
+@dataclass(frozen=True)
+class Address:
+    """Where the job's coordinator listens and the file holding its token."""
+
+    host: str
+    port: int | str
+    store_port: int | str
+    token_file: Path
+
+
+def python(*args: str) -> list[str]:
+    """``recover ARGS`` run by this interpreter."""
+    return [sys.executable, "-m", "recover", *args]
+
+
+@dataclass(frozen=True)
+class Commands:
+    """The command lines and environments of a launch's processes."""
+
+    o: LaunchOptions
+
+    @property
+    def ranks(self) -> int:
+        return self.o.config.parallel.procs_per_replica
+
+    def coordinator(self, addr: Address, expected: int, first: bool) -> list[str]:
+        """The coordinator of ``expected`` replicas; the ``first`` one gets ``--kill-coordinator``'s fault."""
+        ft = self.o.config.fault_tolerance
+        cmd = python("coordinator", "--host", addr.host, "--port", str(addr.port), "--store-port",
+                     str(addr.store_port), "--token-file", str(addr.token_file), "--events",
+                     str(self.o.out / "events.jsonl"), "--replicas", str(expected), "--min-replicas",
+                     str(ft.min_replicas), "--heartbeat-interval", str(ft.heartbeat_interval_s),
+                     "--heartbeat-timeout", str(ft.heartbeat_timeout_s), "--hang-timeout", str(ft.hang_timeout_s),
+                     "--ranks-per-replica", str(self.ranks), "--connections", ft.connections)
+        if self.o.kill_coordinator and first:
+            cmd += ["--die-at-commit", self.o.kill_coordinator]
+        return cmd
+
+    def worker(self, addr: Address, resume: bool) -> list[str]:
+        """``recover worker`` of this job, before it is told its replica."""
+        cmd = python("worker", "--config", str(self.o.out / RUN_CONFIG), "--out", str(self.o.out), "--coordinator",
+                     f"{addr.host}:{addr.port}", "--token-file", str(addr.token_file), "--procs",
+                     str(self.o.config.parallel.replicas * self.ranks))
+        if self.o.baseline:
+            cmd += ["--baseline", Baseline(self.o.baseline).value]
+        if resume:
+            cmd.append("--resume")
+        return cmd
+
+    def replica(self, addr: Address, resume: bool, rid: int, join: bool) -> list[str]:
+        """``recover worker`` as replica ``rid``, with its failures."""
+        cmd = [*self.worker(addr, resume), "--replica", str(rid), *(a for f in self.fails(rid) for a in ("--fail", f))]
+        return [*cmd, "--join"] if join else cmd
+
+    def spare_order(self, rid: int) -> bytes:
+        """The line a hot spare reads on its stdin to become replica ``rid``."""
+        return (json.dumps({"replica": rid, "fail": self.fails(rid)}) + "\n").encode()
+
+    def script_env(self, addr: Address, resume: bool, rid: int, join: bool) -> dict[str, str]:
+        """What a user's script learns its job from (:data:`recover.names.WORKER_ENV`)."""
+        job = {"coordinator": f"{addr.host}:{addr.port}", "token_file": str(addr.token_file), "out": str(self.o.out),
+               "replica": rid, "fail": self.fails(rid), "join": join,
+               "resume": resume}  # Job(resume=) defaults to this run's checkpoints
+        return {WORKER_ENV: json.dumps(job)}
+
+    def fails(self, rid: int) -> list[str]:
+        """Failure specs of replica ``rid`` as the worker reads them: ``R@STEP:PHASE[#RANK]``."""
+        return [str(spec) if spec.rank is None else f"{spec}#{spec.rank}" for spec in self.o.failures.for_replica(rid)]
+
+    def env(self, rid: int | None, k: int, port: int | str) -> dict[str, str]:
+        """What rank ``k`` of replica ``rid`` gets on top of this environment: torchrun's variables
+        (P > 1) and its device (:mod:`recover.launch.placement`; a spare, ``rid`` None, none)."""
+        env = self.o.placement.env(rid, k)
+        if self.ranks > 1:
+            env.update({"RANK": str(k), "LOCAL_RANK": str(k), "WORLD_SIZE": str(self.ranks),
+                        "LOCAL_WORLD_SIZE": str(self.ranks), "MASTER_ADDR": self.o.host, "MASTER_PORT": str(port)})
+        return env
+
+    def plan(self) -> list[str]:
+        """``--dry-run``: one line per process it would start (replica, rank, device, environment,
+        command), and the parallel layout of the config it would write."""
+        addr = Address(self.o.host, "<port>", "<port>", self.o.out / "token")
+        layout = " ".join(f"parallel.{k}={v}" for k, v in asdict(self.o.config.parallel).items())
+        lines = [f"coordinator: {' '.join(python('coordinator', '--port', '<port>', '...'))}",
+                 f"config: {self.o.out / RUN_CONFIG} (written at the start; every worker reads it): {layout}"]
+        for rid in range(self.o.config.parallel.replicas):
+            cmd = " ".join(self.replica(addr, self.o.resume, rid, join=False))
+            for k in range(self.ranks):
+                env = " ".join(f"{key}={v}" for key, v in sorted(self.env(rid, k, "<port>").items()))
+                lines.append(f"replica {rid} rank {k}: {self.o.placement.device(rid, k)}; env {env or '-'}; {cmd}")
+        if self.o.rejoin_after_s is not None:
+            lines.append("rejoins: a replica restarts on the devices of the one it replaces"
+                         + ("" if self.o.placement.gpus else "; a hot spare waits on the CPU"))
+        return lines

@@ -1,0 +1,325 @@
+"""The supervisor of ``recover launch``: it starts the job's processes, watches them and ends them all.
+
+Contract:
+- The coordinator starts first, as its own process (a worker's death never takes it down), and is
+  started again at once, on the same ports and token, whenever it exits while the job runs (at most
+  :data:`MAX_COORDINATOR_RESTARTS` times): the replicas keep their state, reconnect and register
+  again, and the new coordinator rebuilds the membership from them (:mod:`recover.coord.state`).
+- Every replica is P processes (:class:`~recover.launch.processes.ReplicaProcesses`, torchrun's
+  agent for them; commands from :class:`~recover.launch.job.Commands`). Its end is logged
+  (``replica_exit``); one lost to a SIGKILL rejoins ``rejoin_after_s`` later while the job is
+  unfinished (``rejoin_started``): as the hot spare when one is ready (a replica's workers that
+  started up and wait on stdin to be told who to be; a new spare starts at once), else afresh.
+- Every replica the coordinator declares dead (fenced, hung, silent: its ``failure_detected`` events,
+  fed in by :meth:`Supervisor.on_event`) is gone soon after: its own watchdog ends it
+  ``fault_tolerance.fence_exit_s`` after the fence, and one still running a second later (frozen,
+  or stuck below Python) is SIGKILLed (``reaped``); it then rejoins like a killed replica.
+- A rank SIGKILLed by neither a logged fault (a ``kill`` event naming its PID) nor the supervisor was
+  killed from outside (an operator, the OOM killer): logged as a ``kill`` from ``external``.
+- :meth:`Supervisor.kill_all` SIGKILLs and reaps every process the supervisor started that still runs;
+  the launcher calls it whatever ends the job (with :mod:`recover.lifeline` for the case
+  where the launcher itself is killed).
+- Checkpoint-and-restart baseline: :meth:`Supervisor.poll` reports a replica lost while the job is
+  unfinished; :meth:`Supervisor.end_job` then lets the survivors exit (5 s) and ends everything, and
+  :meth:`Supervisor.restart_job` starts a new coordinator and the survivors from a checkpoint.
+"""
+
+from __future__ import annotations
+
+import secrets
+import signal
+import socket
+import subprocess
+import time
+from collections.abc import Callable
+from typing import Any
+
+from recover.launch.job import Address, Commands, LaunchOptions
+from recover.launch.processes import LOST, ReplicaProcesses, Spawned, free_port, kill_processes, signal_processes, spawn
+from recover.names import Baseline
+from recover.observe.events import EventLog
+from recover.train.exits import (
+    EXIT_BAD_DATA,
+    EXIT_COORDINATOR_LOST,
+    EXIT_DIVERGED,
+    EXIT_JOB_FAILED,
+    EXIT_NONFINITE,
+    EXIT_QUORUM_LOST,
+    EXIT_STOPPED,
+)
+
+POLL_S = 0.05
+MAX_COORDINATOR_RESTARTS = 10
+EXPECTED_EXITS = (0, LOST, EXIT_QUORUM_LOST, EXIT_JOB_FAILED, EXIT_STOPPED, EXIT_COORDINATOR_LOST, EXIT_DIVERGED,
+                  EXIT_NONFINITE, EXIT_BAD_DATA, None)
+"""A replica's exit codes that tell what happened without its log."""
+
+
+class Supervisor:
+    """The processes of one launch (see the module docstring).
+
+    Args:
+        opts: the launch.
+        events: the job's ``events.jsonl``, where the supervisor logs what it saw and did.
+        say: shows a line to the user.
+    """
+
+    def __init__(self, opts: LaunchOptions, events: EventLog, say: Callable[[str], None]) -> None:
+        self.o = opts
+        self.cmds = Commands(opts)
+        self.events = events
+        self.say = say
+        self.addr = self._new_address()
+        self.resume = opts.resume
+        """Whether the workers start from the newest complete checkpoint."""
+        self.coordinator: Spawned | None = None
+        self.coordinator_restarts = 0
+        self.stopping = False
+        """A graceful stop began: no more rejoins, and a coordinator that exits stays down."""
+        self.replicas: dict[int, ReplicaProcesses] = {}
+        self.spare: list[Spawned] | None = None
+        self.spares_started = 0
+        self.rejoin_at: dict[int, float] = {}
+        """replica -> when it rejoins."""
+        self.restarts = 0
+        """Job restarts of the checkpoint-and-restart baseline."""
+        self.known_kills: set[int] = set()
+        """PIDs whose SIGKILL is accounted for (a ``kill`` event names them, or the supervisor reaped them)."""
+        self.lost_at: dict[int, float] = {}
+        """replica -> when the coordinator last declared it dead (``failure_detected``)."""
+        self.fenced_at: dict[int, float] = {}
+        """replica -> when the supervisor read that the coordinator declared it dead while it ran."""
+        self.struck: set[int] = set()
+        """PIDs a fault of the launcher already hit."""
+
+    # ---- starting --------------------------------------------------------------------------
+    def start(self) -> None:
+        """The coordinator, every replica and (with rejoins, on the CPU) a hot spare."""
+        self._start_coordinator(self.o.config.parallel.replicas)
+        for rid in range(self.o.config.parallel.replicas):
+            self._start_replica(rid, join=False)
+        if self.o.rejoin_after_s is not None and not self.o.placement.gpus:  # a spare needs its device
+            self._start_spare()                                                  # before it knows its replica
+
+    def _new_address(self) -> Address:
+        """Ports and token of a new job's coordinator (a restarted coordinator keeps them)."""
+        token_file = self.o.out / "token"
+        token_file.write_text(secrets.token_hex(16))
+        token_file.chmod(0o600)
+        return Address(self.o.host, free_port(self.o.host), free_port(self.o.host), token_file)
+
+    def _start_coordinator(self, expected: int) -> None:
+        cmd = self.cmds.coordinator(self.addr, expected, first=not self.coordinator_restarts)
+        log = self.o.out / "logs" / "coordinator.log"
+        self.coordinator = spawn(cmd, log, {})
+        deadline = time.time() + 30
+        while time.time() < deadline:
+            if self.coordinator.proc.poll() is not None:
+                raise RuntimeError(f"the coordinator exited with {self.coordinator.proc.returncode}; see {log}")
+            try:
+                socket.create_connection((self.o.host, self.addr.port), timeout=0.2).close()  # type: ignore[arg-type]
+                return
+            except OSError:
+                time.sleep(0.05)
+        raise RuntimeError("the coordinator did not start listening within 30 s")
+
+    def _spawn(self, cmd: list[str], name: str, rid: int | None, stdin: Any = None,
+               extra_env: dict[str, str] | None = None) -> list[Spawned]:
+        """The P processes of one replica, each in its own session; P > 1 get torchrun's environment."""
+        P = self.cmds.ranks
+        port = free_port(self.o.host) if P > 1 else 0
+        logs = self.o.out / "logs"
+        return [spawn(cmd, logs / (f"{name}.log" if P == 1 else f"{name}_rank{k}.log"),
+                      {**self.cmds.env(rid, k, port), **(extra_env or {})}, stdin) for k in range(P)]
+
+    def _start_spare(self) -> None:
+        """A hot spare: a replica's workers that have started up (torch, model, data) and wait to be told who to be."""
+        if self.o.script:
+            return  # a user's script starts as the replica it is told to be
+        name = f"spare_{self.spares_started}"
+        self.spares_started += 1
+        self.spare = self._spawn([*self.cmds.worker(self.addr, self.resume), "--spare"], name, None,
+                                 stdin=subprocess.PIPE)
+
+    def _start_replica(self, rid: int, join: bool) -> None:
+        if join and self.spare is not None and all(s.proc.poll() is None for s in self.spare):
+            ranks, self.spare = self.spare, None
+            for rank in ranks:
+                assert rank.proc.stdin is not None
+                rank.proc.stdin.write(self.cmds.spare_order(rid))
+                rank.proc.stdin.close()
+            self._start_spare()
+        elif self.o.script:
+            env = self.cmds.script_env(self.addr, self.resume, rid, join)
+            ranks = self._spawn(list(self.o.script), f"replica_{rid}", rid, extra_env=env)
+        else:
+            ranks = self._spawn(self.cmds.replica(self.addr, self.resume, rid, join), f"replica_{rid}", rid)
+        self.replicas[rid] = ReplicaProcesses(rid, ranks, time.time(), join)
+        if join:
+            self.events.event("rejoin_started", replica=rid, pid=ranks[0].proc.pid, log=ranks[0].path.name)
+
+    # ---- watching --------------------------------------------------------------------------
+    def live(self) -> list[ReplicaProcesses]:
+        """The replicas still running."""
+        return [r for r in self.replicas.values() if r.exit_code is None]
+
+    def busy(self) -> bool:
+        """Whether a replica runs or is due to rejoin."""
+        return bool(self.live() or self.rejoin_at)
+
+    def watch_coordinator(self) -> None:
+        """A coordinator that exited while the job runs is started again on its ports and token."""
+        if self.coordinator is None or self.coordinator.proc.poll() is None or self.stopping:
+            return
+        code = self.coordinator.proc.returncode
+        if self.coordinator_restarts >= MAX_COORDINATOR_RESTARTS:
+            raise RuntimeError(f"the coordinator exited ({code}) {self.coordinator_restarts + 1} times; see "
+                               f"{self.coordinator.path}")
+        self.coordinator_restarts += 1
+        self.events.event("coordinator_exit", code=code, restart=self.coordinator_restarts)
+        self.say(f"coordinator exited ({code}): restarting it; replicas keep their state")
+        self.coordinator.log.close()
+        self._start_coordinator(self.o.config.parallel.replicas)
+
+    def on_event(self, rec: dict[str, Any], now: float) -> None:
+        """Takes in one record of ``events.jsonl``: kills accounted for, and replicas declared dead."""
+        if rec.get("kind") == "kill" and rec.get("pid") is not None:
+            self.known_kills.add(rec["pid"])
+        elif rec.get("kind") == "failure_detected":
+            self.lost_at[rec["replica"]] = rec["t"]
+            rep = self.replicas.get(rec["replica"])
+            if rec.get("cause") != "left" and rep is not None and rep.exit_code is None and rep.started <= rec["t"]:
+                self.fenced_at.setdefault(rep.rid, now)
+
+    def reap_fenced(self, now: float) -> None:
+        """A replica the coordinator declared dead (fenced, hung, silent) that still runs ``fence_exit_s``
+        + 1 s later is SIGKILLed: a hung or frozen process cannot be trusted to exit by itself."""
+        grace = self.o.config.fault_tolerance.fence_exit_s + 1.0
+        for rid, since in list(self.fenced_at.items()):
+            rep = self.replicas.get(rid)
+            if rep is None or rep.exit_code is not None or not rep.running():
+                del self.fenced_at[rid]  # gone by itself: poll logs its exit
+            elif now - since >= grace:
+                del self.fenced_at[rid]
+                self.events.event("reaped", replica=rid, pids=[p.pid for p in rep.procs],
+                                  after_s=round(now - since, 3))
+                self.known_kills.update(p.pid for p in rep.procs)  # the supervisor's own SIGKILL: no kill event
+                rep.kill()
+
+    def poll(self, now: float, step: int, unfinished: bool) -> bool:
+        """Logs the replicas that ended, schedules their rejoins and starts those due.
+
+        Args:
+            now: the time, seconds.
+            step: the step training is at (the first not committed), for the events.
+            unfinished: whether steps remain to be committed (nothing rejoins a finished job).
+
+        Returns:
+            True when the checkpoint-and-restart baseline must restart the job (see :meth:`end_job`).
+        """
+        for rep in self.replicas.values():
+            if rep.exit_code is not None or (code := rep.poll()) is None:
+                continue
+            rep.close_logs()
+            self._count_external_kill(rep, now, step)
+            self.events.event("replica_exit", replica=rep.rid, code=code, pid=rep.pid,
+                              **({"rank_codes": rep.codes} if self.cmds.ranks > 1 else {}))
+            if self.o.baseline == Baseline.RESTART and code in (-signal.SIGKILL, EXIT_JOB_FAILED) and unfinished:
+                return True
+            wanted = self.o.rejoin_replicas is None or rep.rid in self.o.rejoin_replicas
+            if code == -signal.SIGKILL and self.o.rejoin_after_s is not None and unfinished and wanted:
+                self.rejoin_at[rep.rid] = now + self.o.rejoin_after_s
+        for rid, when in list(self.rejoin_at.items()):
+            if not self.live():  # the job ended (or lost everyone): nobody to join
+                del self.rejoin_at[rid]
+            elif now >= when:
+                del self.rejoin_at[rid]
+                self._start_replica(rid, join=True)
+        return False
+
+    def _count_external_kill(self, rep: ReplicaProcesses, now: float, step: int) -> None:
+        """A rank SIGKILLed by neither the fault injection nor the supervisor was killed from outside (an
+        operator, the OOM killer, a test): logged as a kill, timed from when the coordinator saw it go."""
+        killed = [rep.procs[k].pid for k, c in rep.codes.items() if c == -signal.SIGKILL]
+        if killed and not self.known_kills & {p.pid for p in rep.procs}:
+            at = self.lost_at.get(rep.rid)
+            self.events.event("kill", replica=rep.rid, step=step, phase="external", pid=killed[0], source="external",
+                              at=at if at is not None and at >= rep.started else now)
+            self.known_kills.update(killed)
+
+    # ---- acting ----------------------------------------------------------------------------
+    def pid(self, rid: int, rank: int) -> int:
+        """The PID of rank ``rank`` of replica ``rid``."""
+        return self.replicas[rid].procs[rank].pid
+
+    def strike(self, rid: int, rank: int, sig: int) -> None:
+        """Sends ``sig`` to rank ``rank`` of replica ``rid`` (a fault: that process is not struck again)."""
+        pid = self.pid(rid, rank)
+        self.struck.add(pid)
+        signal_processes([self.replicas[rid].procs[rank]], sig)
+
+    def unstruck(self) -> list[int]:
+        """The running replicas no fault of the launcher hit yet."""
+        return [r.rid for r in self.live() if not any(p.pid in self.struck for p in r.procs)]
+
+    def stop(self) -> None:
+        """A graceful stop: no more rejoins, the spare ends, SIGTERM to the coordinator and every worker."""
+        self.stopping = True
+        self.rejoin_at.clear()
+        if self.spare:
+            kill_processes([s.proc for s in self.spare])
+            self.spare = None
+        signal_processes([p for r in self.live() for p in r.procs] + ([self.coordinator.proc] if self.coordinator
+                                                                       else []), signal.SIGTERM)
+
+    def end_job(self) -> list[int]:
+        """Checkpoint-and-restart: lets the survivors notice and exit (5 s, as a failed torchrun job does),
+        then ends every process; returns the surviving replicas."""
+        deadline = time.time() + 5.0
+        while time.time() < deadline and any(r.running() for r in self.replicas.values()):
+            time.sleep(POLL_S)
+        survivors = sorted(r.rid for r in self.replicas.values() if r.poll() != LOST)
+        self.restarts += 1
+        self.kill_all()
+        self.coordinator = None  # ended on purpose: not one to restart
+        for rep in self.replicas.values():
+            if rep.exit_code is None:
+                rep.poll()
+                rep.close_logs()
+        return survivors
+
+    def restart_job(self, survivors: list[int], resume: bool) -> None:
+        """Checkpoint-and-restart: a new coordinator (new ports and token) and the survivors, from the
+        newest checkpoint when ``resume``."""
+        self.resume = resume
+        self.addr = self._new_address()
+        self._start_coordinator(len(survivors))
+        for rid in survivors:
+            self._start_replica(rid, join=False)
+
+    def kill_all(self) -> None:
+        """SIGKILLs and reaps every process started that still runs (replicas, spare, coordinator)."""
+        procs = [p for r in self.replicas.values() for p in r.procs]
+        procs += [s.proc for s in self.spare or []] + ([self.coordinator.proc] if self.coordinator else [])
+        kill_processes(procs)
+
+    # ---- the end ---------------------------------------------------------------------------
+    def exit_codes(self) -> dict[int, int | None]:
+        """replica -> its exit code (None: still running)."""
+        return {r.rid: r.exit_code for r in self.replicas.values()}
+
+    def failed_logs(self) -> list[str]:
+        """Tails of logs of replicas that exited with an error (not a SIGKILL or quorum loss)."""
+        out = []
+        for rep in self.replicas.values():
+            if rep.exit_code in EXPECTED_EXITS:
+                continue
+            for k, rank in enumerate(rep.ranks):
+                if rep.codes.get(k, 0) != 0:
+                    text = rank.path.read_text(errors="replace")
+                    who = f"replica {rep.rid}" + (f" rank {k}" if len(rep.ranks) > 1 else "")
+                    out.append(f"{who} exited with {rep.codes[k]}:\n" + "\n".join(text.splitlines()[-15:]))
+        return out
+
+
+__all__ = ["Supervisor"]

@@ -1,0 +1,67 @@
+"""What a launch starts (commands, the config its workers read) and when its random faults strike."""
+
+from __future__ import annotations
+
+import json
+import signal
+from pathlib import Path
+
+import pytest
+
+from recover.config import load_config, write_run_config
+from recover.errors import ConfigError
+from recover.faults import HANG_SIGNAL, FailureSchedule, parse_failure, random_kinds
+from recover.launch.cli import worker_config
+from recover.launch.faultclock import FaultClock
+from recover.launch.job import Address, Commands, LaunchOptions
+
+
+def test_workers_read_the_runs_config_json_and_nothing_else_of_the_config(tmp_path: Path) -> None:
+    cfg = load_config("debug", ["--parallel.replicas=3", "--training.steps=7", "--model.vocab_size=320"])
+    opts = LaunchOptions(config=cfg, out=tmp_path, failures=FailureSchedule([parse_failure("1@3:reduce")]))
+    cmds, addr = Commands(opts), Address("127.0.0.1", 5000, 5001, tmp_path / "token")
+    cmd = cmds.replica(addr, resume=True, rid=1, join=True)
+    assert cmd[cmd.index("--config") + 1] == str(tmp_path / "config.json")
+    assert not [a for a in cmd if a.startswith("--") and "." in a]  # no override: the config file says it all
+    assert cmd[-5:] == ["--replica", "1", "--fail", "1@3:reduce", "--join"] and "--resume" in cmd
+    assert cmds.replica(addr, resume=False, rid=0, join=False)[-2:] == ["--replica", "0"]
+    assert json.loads(cmds.spare_order(1)) == {"replica": 1, "fail": ["1@3:reduce"]}
+    write_run_config(cfg, tmp_path)
+    assert worker_config(str(tmp_path / "config.json"), []) == cfg
+
+
+@pytest.mark.parametrize(("text", "says"), [
+    (None, "is unreadable"),
+    ("{not json", "is unreadable"),
+    ('["a", "list"]', "is not a JSON object"),
+    ('{"model_type": "llama", "hidden_size": 64}', "is not a run config of this recover"),
+])
+def test_a_worker_given_an_unreadable_or_foreign_config_json_fails_in_one_line(tmp_path: Path, text: str | None,
+                                                                               says: str) -> None:
+    path = tmp_path / "config.json"
+    if text is not None:
+        path.write_text(text)
+    with pytest.raises(ConfigError) as err:
+        worker_config(str(path), [])
+    message = str(err.value)
+    assert says in message and str(path) in message and "\n" not in message
+    assert "config.json that `recover launch` wrote" in message
+
+
+def test_random_faults_start_with_training_and_never_leave_too_few_replicas() -> None:
+    def clock() -> FaultClock:
+        return FaultClock(mtbf_s=1.0, faults=random_kinds(), ranks=2, min_replicas=1, seed=3)
+
+    quiet = clock()
+    assert all(quiet.tick(t, {}, [0, 1, 2]) is None for t in range(100))  # nobody trained yet: no clock
+    strikes = []
+    for c in (clock(), clock()):
+        times = [i * 0.1 for i in range(400)]
+        strikes.append([(t, s) for t in times if (s := c.tick(t, {0: t, 1: t, 2: t - 5.0}, [0, 1, 2])) is not None])
+    assert strikes[0] == strikes[1] and len(strikes[0]) > 10  # the seed decides: same calls, same strikes
+    hit = {s for _, s in strikes[0]}
+    assert {s.replica for s in hit} == {0, 1}  # replica 2 recorded no step in the last 2 s: not training
+    assert {s.rank for s in hit} == {0, 1} and {s.fault for s in hit} == {"kill", "hang", "freeze"}
+    assert {s.signal for s in hit} == {signal.SIGKILL, HANG_SIGNAL, signal.SIGSTOP}
+    alone = clock()
+    assert all(alone.tick(t * 0.1, {0: t * 0.1}, [0]) is None for t in range(400))  # one left of min 1: never
