@@ -1,0 +1,53 @@
+"""The supervisor's watch over replica processes: fences reaped, kills accounted for, rejoins, the end.
+
+Replicas here are ``sleep`` processes (milliseconds to start): what is under test is the supervisor's
+bookkeeping, not a worker.
+"""
+
+from __future__ import annotations
+
+import os
+import signal
+import time
+from pathlib import Path
+
+from recover.config import load_config
+from recover.launch.job import LaunchOptions
+from recover.launch.processes import LOST, ReplicaProcesses, spawn
+from recover.launch.supervisor import Supervisor
+from recover.observe.events import EventLog, read_jsonl
+
+
+def sleeper(tmp_path: Path, rid: int) -> ReplicaProcesses:
+    (tmp_path / "logs").mkdir(exist_ok=True)
+    return ReplicaProcesses(rid, [spawn(["sleep", "60"], tmp_path / "logs" / f"r{rid}.log", {})], time.time(), False)
+
+
+def test_fenced_replicas_are_reaped_kills_are_told_apart_and_everything_ends(tmp_path: Path) -> None:
+    cfg = load_config("debug", ["--parallel.replicas=3", "--fault_tolerance.min_replicas=1"])
+    events = EventLog(tmp_path / "events.jsonl")
+    sup = Supervisor(LaunchOptions(config=cfg, out=tmp_path, rejoin_after_s=30.0, rejoin_replicas=frozenset({2})),
+                     events, say=print)
+    sup.replicas = {rid: sleeper(tmp_path, rid) for rid in range(3)}
+    try:
+        now, grace = time.time(), cfg.fault_tolerance.fence_exit_s + 1.0
+        sup.on_event({"t": now, "kind": "failure_detected", "replica": 0, "cause": "hang"}, now)
+        sup.on_event({"t": now, "kind": "failure_detected", "replica": 1, "cause": "left"}, now)  # not a fence
+        sup.reap_fenced(now + grace / 2)
+        assert sup.replicas[0].running() and sup.fenced_at == {0: now}
+        sup.reap_fenced(now + grace)
+        assert not sup.replicas[0].running() and not sup.fenced_at
+        os.kill(sup.pid(2, 0), signal.SIGKILL)  # from outside: no fault and no reap names it
+        sup.replicas[2].procs[0].wait(10)
+        assert sup.poll(now + grace, step=4, unfinished=True) is False
+        assert sup.exit_codes() == {0: LOST, 1: None, 2: LOST}
+        assert sup.rejoin_at == {2: now + grace + 30.0}  # only replica 2 rejoins (--rejoin-replicas 2)
+        assert sup.unstruck() == [1] and sup.busy()
+        sup.strike(1, 0, signal.SIGSTOP)  # a random freeze: replica 1 is no target of another fault
+        assert sup.unstruck() == [] and sup.replicas[1].running()
+    finally:
+        sup.kill_all()
+    assert not sup.replicas[1].running()
+    events.close()
+    kinds = [(e["kind"], e.get("replica"), e.get("source")) for e in read_jsonl(tmp_path / "events.jsonl")]
+    assert kinds == [("reaped", 0, None), ("replica_exit", 0, None), ("kill", 2, "external"), ("replica_exit", 2, None)]
