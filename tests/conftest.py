@@ -4,11 +4,20 @@ Every subprocess is started in its own session and, if it outlives its timeout, 
 (never by name): SIGINT to its process group first (a launcher then stops the coordinator and the
 workers it started, each in a session of its own), SIGKILL after a grace, so no test leaves
 processes behind.
+
+The unit tier is pure and in-process: under tests/unit no process starts. Every way the standard library
+starts one ends in ``subprocess.Popen._execute_child`` (subprocess, ``os.popen``), ``multiprocessing``'s
+``BaseProcess.start`` (pools and executors too), ``os.fork`` or ``os.posix_spawn``; for each unit test they
+raise an OSError (ENOENT) naming the tier a process-starting test belongs in. Code that probes an optional
+program (``nvidia-smi``) thus sees a machine without it, the same on every machine; a test that starts a
+process fails.
 """
 
 from __future__ import annotations
 
+import errno
 import json
+import multiprocessing.process
 import os
 import subprocess
 import sys
@@ -20,6 +29,22 @@ from recover.bench.common import STOP_GRACE_S, kill_group
 
 ROOT = Path(__file__).resolve().parents[1]
 SRC = ROOT / "src"
+UNIT = ROOT / "tests" / "unit"
+SPAWNERS = ((subprocess.Popen, "_execute_child"), (multiprocessing.process.BaseProcess, "start"),
+            *((os, name) for name in ("fork", "forkpty", "posix_spawn", "posix_spawnp") if hasattr(os, name)))
+
+
+def _no_process(*_args: object, **_kwargs: object) -> None:
+    raise OSError(errno.ENOENT, "the unit tier starts no process: a test that does belongs in tests/dist "
+                  "(tests/e2e for a `recover launch` run)")
+
+
+@pytest.fixture(autouse=True)
+def unit_tier_is_in_process(request: pytest.FixtureRequest, monkeypatch: pytest.MonkeyPatch) -> None:
+    """Fails a test under tests/unit that starts a process (see the module's docstring)."""
+    if UNIT in Path(request.node.path).parents:
+        for owner, name in SPAWNERS:
+            monkeypatch.setattr(owner, name, _no_process)
 
 
 def subprocess_env() -> dict[str, str]:

@@ -85,39 +85,3 @@ def test_torchft_runner_commands_and_merge(tmp_path: Path) -> None:
 def test_torchft_availability_names_the_reason(tmp_path: Path) -> None:
     ok, why = torchft_runner.torchft_available(str(tmp_path / "no-such-python"))
     assert not ok and "no-such-python" in why
-
-
-def test_a_terminated_benchmark_takes_its_running_child_with_it(tmp_path: Path) -> None:
-    """SIGTERM to a benchmark while run_child waits: the child's process group goes too (it was
-    orphaned, still training, before)."""
-    import os
-    import signal
-    import subprocess
-    import sys
-    import time
-
-    pid_file = tmp_path / "child.pid"
-    child = f"import os, time; open({str(pid_file)!r}, 'w').write(str(os.getpid())); time.sleep(60)"
-    parent = (f"from pathlib import Path; from recover.bench.common import run_child; "
-              f"run_child([{sys.executable!r}, '-c', {child!r}], Path({str(tmp_path / 'log')!r}), 60)")
-    proc = subprocess.Popen([sys.executable, "-c", parent])
-    try:
-        deadline = time.monotonic() + 30
-        while not (pid_file.exists() and pid_file.read_text()) and time.monotonic() < deadline:
-            time.sleep(0.05)
-        grandchild = int(pid_file.read_text())
-        proc.send_signal(signal.SIGTERM)
-        assert proc.wait(timeout=20) == 143
-        deadline = time.monotonic() + 10
-        while time.monotonic() < deadline:
-            try:
-                os.kill(grandchild, 0)
-            except ProcessLookupError:
-                break
-            time.sleep(0.05)
-        else:
-            os.kill(grandchild, signal.SIGKILL)
-            raise AssertionError("the benchmark's child outlived it")
-    finally:
-        if proc.poll() is None:
-            proc.kill()

@@ -4,12 +4,8 @@ from __future__ import annotations
 
 import hashlib
 import json
-import os
 import shutil
-import signal
-import subprocess
 import sys
-import time
 from pathlib import Path
 
 import numpy as np
@@ -29,34 +25,11 @@ from recover.data.prepare import (
 from recover.data.shards import read_shard
 from recover.data.tokenizer import ByteTokenizer, load_tokenizer
 from recover.errors import DataError
+from text_corpus import NAMES, big_text, corpus, make_corpus, shard_files, write_jsonl
+
+__all__ = ["corpus"]  # the fixture, shared with tests/dist/test_data_prepare_workers.py
 
 EOT = 256
-
-
-def make_corpus(root: Path, names: list[str]) -> dict[str, str]:
-    """Write one small text file per name, in the given order (text depends on the name only)."""
-    texts = {}
-    for rel in names:
-        text = f"# document {rel}\n" + f"a line of {rel}: héllo wörld\n" * (3 + sum(map(ord, rel)) % 5)
-        (root / rel).parent.mkdir(parents=True, exist_ok=True)
-        (root / rel).write_text(text)
-        texts[rel] = text
-    return texts
-
-
-NAMES = [
-    f"{d}/file{i:02d}.{ext}"
-    for i, (d, ext) in enumerate(zip("ab" * 12, ["txt", "md", "py"] * 8, strict=True))
-]
-
-
-@pytest.fixture
-def corpus(tmp_path: Path) -> tuple[Path, dict[str, str]]:
-    root = tmp_path / "corpus"
-    texts = make_corpus(root, NAMES)
-    (root / "a" / "ignored.bin").write_bytes(b"\x00\x01")  # not a text suffix
-    (root / ".hidden.txt").write_text("hidden")  # hidden entries are skipped
-    return root, texts
 
 
 def documents(out: Path, split: str) -> list[str]:
@@ -185,47 +158,7 @@ def test_split_guarantees_one_file_each_and_skips_its_own_output(tmp_path: Path)
 # ---------------------------------------------------------------- all cores, JSONL, Parquet, resume, meta
 
 
-def shard_files(out: Path) -> dict[str, bytes]:
-    """Every file of an output directory but the journal, by name."""
-    return {p.name: p.read_bytes() for p in sorted(out.iterdir()) if p.is_file()}
-
-
-def big_text(lines: int) -> str:
-    return "".join(f"def f{i}(x):\n    return x * {i}  # ünïcode\n" for i in range(lines))
-
-
-def test_output_is_the_same_for_any_number_of_workers(
-    tmp_path: Path, corpus: tuple[Path, dict], monkeypatch: pytest.MonkeyPatch
-) -> None:
-    root, _ = corpus
-    (root / "big.txt").write_text(big_text(3000))  # ~110 kB: cut into pieces
-    write_jsonl(root / "rows.jsonl", [{"text": f"row {i} " * (i % 7 + 1)} for i in range(400)])
-    monkeypatch.setattr(prepare, "TASK_BYTES", 4096)
-    monkeypatch.setattr(prepare, "PIECE_BYTES", 20_000)
-    pools = []
-    real_pool_size = prepare._pool_size
-    monkeypatch.setattr(prepare, "_pool_size", lambda *a: pools.append(real_pool_size(*a)) or pools[-1])
-    one = prepare_files([root], tmp_path / "one", quiet=True, workers=1, shard_tokens=2000)
-    prepare_files([root], tmp_path / "two", quiet=True, workers=2, shard_tokens=2000)
-    assert pools == [1, 2] and len(one["train"]["shards"] + one["val"]["shards"]) > 20
-    assert shard_files(tmp_path / "one") == shard_files(tmp_path / "two")
-    assert one["train"]["documents"] + one["val"]["documents"] == len(NAMES) + 1 + 400
-
-    # pieces of a text file are cut where the byte tokenizer gives the same ids as the whole file
-    monkeypatch.setattr(prepare, "PIECE_BYTES", 1 << 30)
-    whole = prepare_files([root], tmp_path / "whole", quiet=True, workers=1, shard_tokens=2000)
-    assert whole["content_sha256"] != one["content_sha256"]  # other cuts were made...
-    for name in one["train"]["shards"] + one["val"]["shards"]:  # ...with the same tokens
-        assert (tmp_path / "whole" / name).read_bytes() == (tmp_path / "one" / name).read_bytes()
-
-
-def write_jsonl(path: Path, rows: list) -> list[str]:
-    path.parent.mkdir(parents=True, exist_ok=True)
-    path.write_text("".join(r if isinstance(r, str) else json.dumps(r) + "\n" for r in rows))
-    return [r["text"] for r in rows if isinstance(r, dict) and r.get("text")]
-
-
-def test_jsonl_one_document_per_line(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+def test_jsonl_one_document_per_line(tmp_path: Path) -> None:
     texts = []
     for i in range(6):
         rows = [{"text": f"file {i} row {j}\nsecond line", "id": j} for j in range(5)] + [{"text": ""}, "\n"]
@@ -243,11 +176,6 @@ def test_jsonl_one_document_per_line(tmp_path: Path, monkeypatch: pytest.MonkeyP
     assert meta["split"] == "single-file-tail" and meta["field"] == "body" and rows == []
     assert documents(tmp_path / "single", "val") == [f"document {j}" for j in range(36, 40)]
     assert documents(tmp_path / "single", "train") == [f"document {j}" for j in range(36)]
-
-    monkeypatch.setattr(prepare, "TASK_BYTES", 64)  # a bad row met in a worker process is named the same way
-    write_jsonl(single, [{"body": f"document {j}"} for j in range(40)] + [{"body": None}])
-    with pytest.raises(DataError, match=r"one\.jsonl, line 41: field 'body' is null, not a string"):
-        prepare_files([single], tmp_path / "single", quiet=True, field="body", workers=2)
 
 
 @pytest.mark.parametrize(
@@ -345,51 +273,6 @@ def test_resume_after_a_crash_keeps_complete_shards(
     again = prepare_files([root], out, quiet=True, workers=1, shard_tokens=2500)
     assert again["resumed_shards"] == 0 and again["train"]["tokens"] + again["val"]["tokens"] == (
         clean["train"]["tokens"] + clean["val"]["tokens"])
-
-
-KILLED_RUN = """
-import sys, time
-from pathlib import Path
-import recover.data.writers as writers
-from recover.data.prepare import prepare_files
-
-write_shard = writers.write_shard
-def slow_write_shard(*args, **kwargs):  # a slow disk: the run is killed while it writes
-    time.sleep(0.05)
-    return write_shard(*args, **kwargs)
-writers.write_shard = slow_write_shard
-if __name__ == "__main__":
-    prepare_files([Path(sys.argv[1])], sys.argv[2], quiet=True, workers=1, shard_tokens=500)
-"""
-
-
-def test_resume_after_kill_9(tmp_path: Path, corpus: tuple[Path, dict]) -> None:
-    root, _ = corpus
-    (root / "big.txt").write_text(big_text(600))
-    out, script = tmp_path / "out", tmp_path / "run.py"
-    script.write_text(KILLED_RUN)
-    src = str(Path(prepare.__file__).parents[2])
-    env = {**os.environ, "PYTHONPATH": os.pathsep.join([src, os.environ.get("PYTHONPATH", "")])}
-    proc = subprocess.Popen([sys.executable, str(script), str(root), str(out)], env=env)
-    try:
-        deadline = time.monotonic() + 60
-        while time.monotonic() < deadline and proc.poll() is None:
-            try:
-                if len(json.loads((out / prepare.JOURNAL_NAME).read_text())["shards"]["train"]) >= 3:
-                    break
-            except (OSError, ValueError):
-                pass
-            time.sleep(0.01)
-        assert proc.poll() is None, "the run ended before it could be killed"
-        proc.send_signal(signal.SIGKILL)
-    finally:
-        proc.kill()
-        proc.wait()
-    assert not (out / "meta.json").exists()
-    meta = prepare_files([root], out, quiet=True, workers=1, shard_tokens=500)
-    prepare_files([root], tmp_path / "clean", quiet=True, workers=1, shard_tokens=500)
-    assert meta["resumed_shards"] >= 3
-    assert shard_files(out) == shard_files(tmp_path / "clean")
 
 
 def test_meta_records_max_id_and_checksums_per_shard(tmp_path: Path, corpus: tuple[Path, dict]) -> None:

@@ -11,8 +11,6 @@ from __future__ import annotations
 
 import dataclasses
 import math
-import subprocess
-import sys
 from collections.abc import Iterator
 from pathlib import Path
 
@@ -172,14 +170,6 @@ def test_a_config_or_checkpoint_written_before_arch_existed_reads_as_llama(tmp_p
     cfg = from_dict(old)
     assert cfg.model.arch == "llama"
     check_compatible({"model": old["model"]}, cfg.model, tmp_path)  # resuming an old checkpoint still works
-
-
-def test_config_validation_imports_no_torch() -> None:
-    code = ("import sys; from recover.config import ModelConfig, load_config; load_config('debug'); "
-            "ModelConfig(n_layers=2); print('torch' in sys.modules)")
-    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=60, check=True,
-                         cwd=Path(__file__).resolve().parents[2])
-    assert out.stdout.split() == ["False"], out.stdout + out.stderr
 
 
 # ---- building, stats, export --------------------------------------------------------------------------
