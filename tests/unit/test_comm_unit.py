@@ -147,6 +147,29 @@ def test_graveyard_aborts_wait_for_no_parked_thread_and_no_blocking_destructor()
     assert _until(lambda: yard.released == 3)
 
 
+def test_settle_waits_for_each_batch_but_one_a_parked_thread_holds() -> None:
+    """A process's exit waits for its retired groups' release, never for a batch held by a thread parked
+    with it (``run_watched``'s helper and the box it fills), which may run for good."""
+    yard, gate = Graveyard(), threading.Event()
+    try:
+        box: dict[str, Any] = {}
+        t = threading.Thread(target=lambda out: gate.wait(), args=(box,), daemon=True)
+        t.start()
+        yard.park(1, t, box)
+        del t, box
+        kept = _Communicator()
+        yard.park(2, kept)  # the caller still holds it: not released, not skipped
+        assert not yard.settle(0.2)
+        del kept
+        start = time.monotonic()
+        assert yard.settle(10) and time.monotonic() - start < 5
+        assert yard.released == 1  # the box is skipped while its thread runs...
+    finally:
+        gate.set()
+    assert _until(lambda: yard.released == 2)  # ...and released once it ends
+    assert yard.settle(0)
+
+
 @pytest.fixture
 def pair() -> Iterator[list[FaultTolerantGroup]]:
     """Two replicas of one generation, each a thread of this process, on a real gloo group."""

@@ -17,6 +17,11 @@ A parked thread (a group construction abandoned mid-rendezvous) is a daemon: it 
 waited for, only its reference is dropped (a running thread keeps itself alive; what it holds is
 released on it, off the caller's path, when it ends).
 
+``settle(bound_s)`` (a process's exit, before the interpreter tears down) waits, at most ``bound_s``,
+until each batch parked so far is released or skipped: skipped while a thread parked with it still
+runs, since that thread may hold it (the box it fills) for as long as it runs, which can be for good.
+A skipped batch stays with the releaser's daemon thread, which teardown never runs again.
+
 Invariant: nothing parked is ever used again; parking is the only way a group leaves service.
 Why the releaser waits to be the sole owner: a caller that parks a group still has it in a local
 variable for a moment, and if the releaser dropped its reference first, the caller's own release
@@ -30,6 +35,7 @@ import queue
 import sys
 import threading
 import time
+import weakref
 from typing import Any
 
 SOLE_OWNER_WAIT_S = 120.0
@@ -39,14 +45,23 @@ OWNER_POLL_S = 0.005
 class _Batch:
     """Objects parked together, held by the releaser until it is their sole owner."""
 
-    def __init__(self, objs: list[Any]) -> None:
+    def __init__(self, objs: list[Any], threads: list[weakref.ref[threading.Thread]]) -> None:
         self.objs = objs
+        self.threads = threads  # parked with the objects: weak, so an ended thread is freed
         self.deadline = time.monotonic() + SOLE_OWNER_WAIT_S
 
     def releasable(self) -> bool:
         # references we hold: the list slot and getrefcount's own argument (no loop variable)
         objs = self.objs
         return time.monotonic() >= self.deadline or all(sys.getrefcount(objs[i]) <= 2 for i in range(len(objs)))
+
+    def held(self) -> bool:
+        """A thread parked with these objects still runs (it may hold them)."""
+        return any(_running(ref()) for ref in self.threads)
+
+
+def _running(thread: threading.Thread | None) -> bool:
+    return thread is not None and thread.is_alive()
 
 
 class Graveyard:
@@ -55,6 +70,7 @@ class Graveyard:
     def __init__(self) -> None:
         self._to_abort: queue.SimpleQueue[tuple[tuple[Any, ...], bool, threading.Event]] = queue.SimpleQueue()
         self._to_release: queue.SimpleQueue[_Batch] = queue.SimpleQueue()
+        self._pending: list[_Batch] = []  # with the releaser, not yet released (under the lock)
         self._lock = threading.Lock()
         self._started = False
         self.parked = 0
@@ -75,36 +91,53 @@ class Graveyard:
                     threading.Thread(target=target, name=name, daemon=True).start()
         return done
 
+    def settle(self, bound_s: float) -> bool:
+        """Waits, at most ``bound_s``, until every batch parked so far is released or held by a parked thread
+        that still runs (see the module docstring). Returns whether it settled within the bound."""
+        deadline = time.monotonic() + bound_s
+        while True:
+            with self._lock:
+                if self.released + sum(batch.held() for batch in self._pending) >= self.parked:
+                    return True
+            if time.monotonic() >= deadline:
+                return False
+            time.sleep(OWNER_POLL_S)
+
     def _abort_loop(self) -> None:
         while True:
             parked, abort, done = self._to_abort.get()
-            objs = [o for o in parked if not isinstance(o, threading.Thread)]  # threads: dropped here
+            threads = [weakref.ref(o) for o in parked if isinstance(o, threading.Thread)]  # threads: dropped here
+            objs = [o for o in parked if not isinstance(o, threading.Thread)]
             del parked
             if abort:
                 _abort_each(objs)
             done.set()
-            self._to_release.put(_Batch(objs))
-            del objs, done
+            self._to_release.put(_Batch(objs, threads))
+            del objs, threads, done
             if abort:
                 with self._lock:
                     self.aborted += 1
 
     def _release_loop(self) -> None:
-        pending: list[_Batch] = []
         while True:
+            with self._lock:
+                waiting = bool(self._pending)
             try:
-                pending.append(self._to_release.get(timeout=OWNER_POLL_S if pending else None))
+                batch = self._to_release.get(timeout=OWNER_POLL_S if waiting else None)
+                with self._lock:
+                    self._pending.append(batch)
+                del batch
             except queue.Empty:
                 pass
-            waiting = []
+            with self._lock:
+                pending = list(self._pending)
             for batch in pending:
                 if batch.releasable():
-                    batch.objs.clear()  # the destructors run here, on the releaser
+                    batch.objs.clear()  # the destructors run here, on the releaser, outside the lock
                     with self._lock:
+                        self._pending.remove(batch)
                         self.released += 1
-                else:
-                    waiting.append(batch)
-            pending = waiting
+            del pending
 
 
 def _abort_each(objs: list[Any]) -> None:

@@ -13,7 +13,6 @@ from __future__ import annotations
 
 import os
 import sys
-import time
 from pathlib import Path
 from typing import Any
 
@@ -24,6 +23,9 @@ from recover.recovery.protocol import ResilientStep, StepOutcome
 from recover.train.exits import EXIT_STOPPED
 from recover.train.loop import step_record
 from recover.train.session import Save, Session
+
+SETTLE_S = 10.0
+"""How long the end of a script waits for its retired groups' release (those a parked thread holds are skipped)."""
 
 
 def connect(job: Any) -> tuple[Session, ResilientStep]:
@@ -63,10 +65,7 @@ def end(session: Session, stopped: bool, save: Save | None = None) -> None:
     with its status, through ``SystemExit`` so the script's own cleanup runs)."""
     saved = save(None) if stopped and save is not None and session.leader else None
     code = session.close(stopped, saved)
-    yard = session.step.group.graveyard
-    deadline = time.monotonic() + 10.0  # retired groups released before the interpreter tears down
-    while yard.released < yard.parked and time.monotonic() < deadline:
-        time.sleep(0.01)
+    session.step.group.graveyard.settle(SETTLE_S)  # retired groups released before the interpreter tears down
     if code:
         raise SystemExit(code)
 
