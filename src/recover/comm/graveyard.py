@@ -18,9 +18,11 @@ waited for, only its reference is dropped (a running thread keeps itself alive; 
 released on it, off the caller's path, when it ends).
 
 ``settle(bound_s)`` (a process's exit, before the interpreter tears down) waits, at most ``bound_s``,
-until each batch parked so far is released or skipped: skipped while a thread parked with it still
-runs, since that thread may hold it (the box it fills) for as long as it runs, which can be for good.
-A skipped batch stays with the releaser's daemon thread, which teardown never runs again.
+until each batch parked so far is released or skipped: skipped once it has waited ``MOMENT_S`` for its
+sole ownership. The caller's own reference is gone by then (see below); whatever still holds the batch
+is long-lived (a parked thread and the box it fills, a stuck operation, an exception kept) and may hold
+it until a backend timeout or for good. A skipped batch stays referenced by the releaser, a daemon
+thread, so the interpreter's teardown does not free it.
 
 Invariant: nothing parked is ever used again; parking is the only way a group leaves service.
 Why the releaser waits to be the sole owner: a caller that parks a group still has it in a local
@@ -35,33 +37,26 @@ import queue
 import sys
 import threading
 import time
-import weakref
 from typing import Any
 
 SOLE_OWNER_WAIT_S = 120.0
 OWNER_POLL_S = 0.005
+MOMENT_S = 1.0
+"""How long a caller may still hold what it parked; a batch co-owned longer is skipped by ``settle``."""
 
 
 class _Batch:
     """Objects parked together, held by the releaser until it is their sole owner."""
 
-    def __init__(self, objs: list[Any], threads: list[weakref.ref[threading.Thread]]) -> None:
+    def __init__(self, objs: list[Any]) -> None:
         self.objs = objs
-        self.threads = threads  # parked with the objects: weak, so an ended thread is freed
-        self.deadline = time.monotonic() + SOLE_OWNER_WAIT_S
+        self.parked_at = time.monotonic()
+        self.deadline = self.parked_at + SOLE_OWNER_WAIT_S
 
     def releasable(self) -> bool:
         # references we hold: the list slot and getrefcount's own argument (no loop variable)
         objs = self.objs
         return time.monotonic() >= self.deadline or all(sys.getrefcount(objs[i]) <= 2 for i in range(len(objs)))
-
-    def held(self) -> bool:
-        """A thread parked with these objects still runs (it may hold them)."""
-        return any(_running(ref()) for ref in self.threads)
-
-
-def _running(thread: threading.Thread | None) -> bool:
-    return thread is not None and thread.is_alive()
 
 
 class Graveyard:
@@ -92,12 +87,14 @@ class Graveyard:
         return done
 
     def settle(self, bound_s: float) -> bool:
-        """Waits, at most ``bound_s``, until every batch parked so far is released or held by a parked thread
-        that still runs (see the module docstring). Returns whether it settled within the bound."""
+        """Waits, at most ``bound_s``, until every batch parked so far is released or skipped (co-owned for
+        ``MOMENT_S``; see the module docstring). Returns whether it settled within the bound."""
         deadline = time.monotonic() + bound_s
         while True:
             with self._lock:
-                if self.released + sum(batch.held() for batch in self._pending) >= self.parked:
+                now = time.monotonic()
+                skipped = sum(now - batch.parked_at >= MOMENT_S for batch in self._pending)
+                if self.released + skipped >= self.parked:
                     return True
             if time.monotonic() >= deadline:
                 return False
@@ -106,14 +103,13 @@ class Graveyard:
     def _abort_loop(self) -> None:
         while True:
             parked, abort, done = self._to_abort.get()
-            threads = [weakref.ref(o) for o in parked if isinstance(o, threading.Thread)]  # threads: dropped here
-            objs = [o for o in parked if not isinstance(o, threading.Thread)]
+            objs = [o for o in parked if not isinstance(o, threading.Thread)]  # threads: dropped here
             del parked
             if abort:
                 _abort_each(objs)
             done.set()
-            self._to_release.put(_Batch(objs, threads))
-            del objs, threads, done
+            self._to_release.put(_Batch(objs))
+            del objs, done
             if abort:
                 with self._lock:
                     self.aborted += 1
