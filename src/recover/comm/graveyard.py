@@ -20,9 +20,10 @@ released on it, off the caller's path, when it ends).
 ``settle(bound_s)`` (a process's exit, before the interpreter tears down) waits, at most ``bound_s``,
 until each batch parked so far is released or skipped: skipped once it has waited ``MOMENT_S`` for its
 sole ownership. The caller's own reference is gone by then (see below); whatever still holds the batch
-is long-lived (a parked thread and the box it fills, a stuck operation, an exception kept) and may hold
-it until a backend timeout or for good. A skipped batch stays referenced by the releaser, a daemon
-thread, so the interpreter's teardown does not free it.
+holds it for long (a parked thread and the box it fills; seen after a hang: a gloo group and its two
+works, co-owned until the backend's timeout, which cost each script replica 10 s at exit), or for good.
+A skipped batch stays referenced by the releaser, a daemon thread, so the interpreter's teardown does not
+free it.
 
 Invariant: nothing parked is ever used again; parking is the only way a group leaves service.
 Why the releaser waits to be the sole owner: a caller that parks a group still has it in a local
