@@ -6,6 +6,7 @@ from __future__ import annotations
 import json
 import threading
 import time
+import weakref
 from collections.abc import Iterator
 from typing import Any
 
@@ -36,19 +37,43 @@ def test_plan_buckets_groups_by_dtype_and_size() -> None:
     assert plan_buckets([], 10) == []
 
 
-def test_buffer_pool_reuses_only_unused_buffers() -> None:
+CPU = torch.device("cpu")
+
+
+def test_buffer_pool_lends_a_buffer_again_only_once_released() -> None:
     pool = BufferPool(per_key=2)
-    cpu = torch.device("cpu")
-    a = pool.take(8, torch.float32, cpu)
-    assert pool.take(8, torch.float32, cpu) is a  # nobody holds a view of it
-    b = pool.take(8, torch.float32, cpu, busy=[a])  # two buckets of one collective never share
-    assert b is not a
-    view = a[2:4]
-    assert pool.take(8, torch.float32, cpu) is b  # a view of ``a`` is alive: ``a`` is in use
-    del view
+    a = pool.take(8, torch.float32, CPU)
+    results = [a[:4].view(2, 2), a[4:]]  # a collective's outputs: views into its buffer
+    b = pool.take(8, torch.float32, CPU)
+    c = pool.take(8, torch.float32, CPU)  # both pooled ones are lent: a fresh one beyond the pool
+    assert len({a.data_ptr(), b.data_ptr(), c.data_ptr()}) == 3
+    pool.release(results)
+    assert pool.take(8, torch.float32, CPU) is a  # released: lent again
+    assert pool.take(8, torch.float32, CPU) is not a  # and lent to one borrower at a time
+    pool.release([c])  # never pooled: not lent again
+    assert pool.take(8, torch.float32, CPU) is not c
+    assert pool.take(8, torch.float64, CPU).dtype == torch.float64
+
+
+def test_buffer_pool_never_lends_evicted_or_foreign_tensors() -> None:
+    pool = BufferPool(per_key=2)
+    a = pool.take(8, torch.float32, CPU)
     pool.evict([a])  # a broken collective may still write into ``a``
-    assert pool.take(8, torch.float32, cpu) is b and pool.take(8, torch.float32, cpu, busy=[b]) is not a
-    assert pool.take(8, torch.float64, cpu).dtype == torch.float64
+    mine = torch.zeros(8)
+    pool.release([a, mine])
+    taken = [pool.take(8, torch.float32, CPU) for _ in range(3)]
+    assert all(t is not a and t is not mine for t in taken)
+
+
+def test_buffer_pool_forgets_leases_that_became_garbage() -> None:
+    pool = BufferPool(per_key=1)
+    a = pool.take(8, torch.float32, CPU)
+    gone = weakref.ref(a)
+    del a  # its borrower dropped it without releasing: it is not lent again, and frees its slot
+    assert gone() is None
+    b = pool.take(8, torch.float32, CPU)
+    pool.release([b[1:3]])
+    assert pool.take(8, torch.float32, CPU) is b
 
 
 def test_resolve_backend() -> None:
@@ -226,6 +251,23 @@ def test_allreduce_broadcast_barrier_on_copies(pair: list[FaultTolerantGroup]) -
     assert all(torch.equal(o, s) for out in outs for o, s in zip(out, ins[1], strict=True))
     run_pair([g.barrier for g in pair])
     assert pair[0].rank == 0 and pair[1].rank == 1 and pair[0].size == 2 and pair[0].generation == 1
+
+
+def test_results_held_are_never_overwritten_and_released_ones_are_reused(pair: list[FaultTolerantGroup]) -> None:
+    """The invariant the pool keeps for a reduction: a later collective never writes into results still in
+    use (here: a view of them, as ``p.grad`` would be); once released, their memory serves the next one."""
+    def reduce(value: float) -> list[list[torch.Tensor]]:
+        return run_pair([lambda g=g: g.allreduce([torch.full((6,), value)]) for g in pair])
+
+    held = [out[0][2:] for out in reduce(1.0)]  # the outputs are dropped; a view of each lives on
+    again = reduce(5.0)
+    assert all(torch.equal(h, torch.full((4,), 2.0)) for h in held)  # not overwritten by the second
+    assert all(a[0].data_ptr() != h.untyped_storage().data_ptr() for a, h in zip(again, held, strict=True))
+    for g, h in zip(pair, held, strict=True):
+        g.release([h])
+    third = reduce(7.0)
+    assert all(torch.equal(t[0], torch.full((6,), 14.0)) for t in third)
+    assert [t[0].data_ptr() for t in third] == [h.untyped_storage().data_ptr() for h in held]  # reused
 
 
 def test_state_transfer_is_bitwise_and_checked(pair: list[FaultTolerantGroup]) -> None:

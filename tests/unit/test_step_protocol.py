@@ -140,6 +140,9 @@ class FakeGroup:
     def reduction(self, tensors: list[torch.Tensor], order: Any = None) -> DeferredReduction:
         return DeferredReduction(self.allreduce, tensors)
 
+    def release(self, results: list[torch.Tensor]) -> None:
+        """Each reduction's result is its own copy: nothing to hand back."""
+
     def barrier(self) -> None:
         self._op(None, lambda by: None)
 

@@ -73,7 +73,7 @@ def _worker(port: int, token: str, replica: int, join: bool, bucket_mb: float) -
                     group.barrier()
                     t0 = time.perf_counter()
                     if kind == "ft":
-                        group.allreduce([x])
+                        group.release(group.allreduce([x]))
                     elif kind == "plain":
                         group.process_group.allreduce([y]).wait()
                     else:  # the copy any copy-based scheme pays, then a plain all-reduce
@@ -86,7 +86,7 @@ def _worker(port: int, token: str, replica: int, join: bool, bucket_mb: float) -
             first = True
             while True:
                 try:
-                    group.allreduce([x])
+                    group.release(group.allreduce([x]))
                 except PeerFailure as exc:
                     t_raise = time.monotonic()
                     g = exc.generation

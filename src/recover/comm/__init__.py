@@ -14,6 +14,9 @@ Typical use (one replica)::
             grads = group.allreduce(local_grads)       # inputs untouched, outputs new
         except PeerFailure as failure:                 # failure.dead: replicas gone
             group = group.next_generation()            # re-plan their work, reduce again
+            continue
+        apply(grads)
+        group.release(grads)                           # consumed: their buffers serve the next step
 """
 
 from recover.comm.buffers import BufferPool

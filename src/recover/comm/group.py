@@ -2,9 +2,10 @@
 
 Contract: a :class:`FaultTolerantGroup` wraps the c10d process group of exactly one generation g.
 Every collective
-  1. works on a COPY (flattened into per-dtype buckets of reusable buffers): the caller's tensors
-     are never written, so a collective that fails half-way (gloo had already modified 20-80% of
-     an in-place buffer) corrupts nothing;
+  1. works on a COPY (flattened into per-dtype buckets of buffers lent by the chain's pool until the
+     caller hands the results back with ``release``): the caller's tensors are never written, so a
+     collective that fails half-way (gloo had already modified 20-80% of an in-place buffer) corrupts
+     nothing;
   2. is launched async and waited on while watching ``client.failure_notice(g)`` (gloo: a helper
      thread blocks in ``work.wait()``; NCCL: ``work.is_completed()`` is polled): a gloo rank blocked
      on a dead peer that is not its ring neighbour would otherwise wait for the backend timeout;
@@ -181,8 +182,9 @@ class FaultTolerantGroup:
     def allreduce(self, tensors: Sequence[Tensor]) -> list[Tensor]:
         """SUM over members of each tensor, returned as new tensors (views into reduced buckets).
 
-        The inputs are never modified. The results own their memory until dropped; after that it
-        is reused by a later collective of this group chain. Raises PeerFailure if a member fails.
+        The inputs are never modified. The results' buffers are lent by the chain's pool: hand them back
+        with :meth:`release` once consumed, so that a later collective reuses them; results never
+        released are simply never reused. Raises PeerFailure if a member fails.
         """
         if not tensors:
             self._check("all-reduce")
@@ -193,7 +195,7 @@ class FaultTolerantGroup:
         """An all-reduce of a copy of ``tensors`` whose buckets (planned along ``order``) are launched as
         the caller marks their tensors final (:mod:`recover.comm.reduction`): launched from autograd
         hooks, it overlaps a backward. Nothing is launched until then; ``result()`` raises PeerFailure
-        if a member fails, as :meth:`allreduce` does."""
+        if a member fails, as :meth:`allreduce` does; its results are released as :meth:`allreduce`'s are."""
         return _GroupReduction(self, tensors, order)
 
     def broadcast(self, tensors: Sequence[Tensor], src_rank: int) -> list[Tensor]:
@@ -208,7 +210,7 @@ class FaultTolerantGroup:
         flats: list[Tensor] = []
         for idx in buckets:
             ts = [tensors[i] for i in idx]
-            flat = self.pool.take(sum(t.numel() for t in ts), ts[0].dtype, ts[0].device, flats)
+            flat = self.pool.take(sum(t.numel() for t in ts), ts[0].dtype, ts[0].device)
             flats.append(flatten_into(flat, ts) if self.rank == src_rank else flat)
         self.broadcast_into(flats, src_rank)
         return unflatten(tensors, buckets, flats)
@@ -224,9 +226,15 @@ class FaultTolerantGroup:
             works.append(self._launch("broadcast", lambda b=buf, o=opts: self._pg.broadcast([b], o), buffers))
         self._wait(works, "broadcast", buffers)
 
+    def release(self, results: Sequence[Tensor]) -> None:
+        """The caller is done with ``results`` of a collective of this group chain (:meth:`allreduce`,
+        :meth:`broadcast`, a reduction's ``result()``) and with every view of them: their buffers may be
+        reused. Call it once, after the last use (see :mod:`recover.comm.buffers`)."""
+        self.pool.release(results)
+
     def barrier(self) -> None:
         """Returns once every member reached it; raises PeerFailure if one fails first."""
-        self.allreduce([torch.zeros(1, device=self.device)])
+        self.release(self.allreduce([torch.zeros(1, device=self.device)]))
 
     # ------------------------------------------------------------- internals
 
@@ -370,7 +378,7 @@ class _GroupReduction(Reduction):
         self.withheld = any(group.client.perturb.unreachable(r) for r in group.members)  # an injected broken link
 
     def _take(self, numel: int, dtype: torch.dtype, device: torch.device) -> Tensor:
-        return self.group.pool.take(numel, dtype, device, self.flats)
+        return self.group.pool.take(numel, dtype, device)
 
     def _start(self, flat: Tensor) -> Any:
         g = self.group

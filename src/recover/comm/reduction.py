@@ -6,6 +6,7 @@ overlaps its gradient buckets, while the gradients stay the replica's own (layer
     r = group.reduction(payload, order)     # nothing is launched yet
     ... backward: r.final(i) as each gradient buffer i is complete (any order, from autograd hooks)
     reduced = r.result()                    # launches what is left, waits, returns the sums
+    ... the optimizer step consumes reduced; then group.release(reduced)
 
 Contract:
 - Buckets are consecutive runs, in ``order`` (the order the caller expects the tensors to become
@@ -19,7 +20,8 @@ Contract:
 - ``final`` never raises: it runs inside autograd hooks. A failure while launching is kept, no further
   bucket is launched, and ``result()`` raises it (layer 1's ``PeerFailure``).
 - ``result()`` marks every tensor final, launches the remaining buckets, waits and returns one tensor
-  per payload tensor (views into the reduced copies). Called at most once.
+  per payload tensor (views into the reduced copies). Called at most once. The copies are the group's
+  (``_take``): the caller hands the results back to it once consumed (``group.release``).
 
 Subclasses supply ``_take`` (a flat buffer), ``_start`` (launch one bucket's collective, returning its
 work) and ``_finish`` (wait for all works); :class:`DeferredReduction` serves groups that have only a

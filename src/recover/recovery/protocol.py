@@ -290,6 +290,7 @@ class ResilientStep:
         loss_sum, count = c.totals.loss_sum, c.totals.microbatches
         self.hook(step, Phase.OPTIMIZER)
         grad_norm = self.replica.apply(c.reduced, self.divisor(count), step, c.totals.sum_norm)
+        self.group.release(c.reduced)  # consumed by the update: a later reduction may reuse their memory
         tokens = count * self.replica.tokens_per_microbatch
         slow = {r: round(s, 2) for r, s in slowdowns(self.speeds or {}).items()
                 if s >= STRAGGLER_RATIO and r in c.live}

@@ -111,6 +111,9 @@ class StaticGroup:
         """Everything reduced in ``result()`` (no overlap: this is the plain trainer)."""
         return DeferredReduction(self.allreduce, tensors)
 
+    def release(self, results: Sequence[torch.Tensor]) -> None:
+        """Nothing to hand back: each reduction's copy is its own."""
+
     def barrier(self) -> None:
         if len(self.members) > 1:
             dist.barrier(group=self._group)
