@@ -155,7 +155,7 @@ def make_nccl_group(store: Any, rank: int, size: int, timeout_s: float, device: 
     apply_env_defaults(collective_timeout_s=timeout_s)
     opts = ProcessGroupNCCL.Options()
     opts.is_high_priority_stream = False
-    opts._timeout = timedelta(seconds=nccl_op_timeout_s(timeout_s))
+    opts._timeout = timedelta(seconds=nccl_op_timeout_s(timeout_s))  # private, as new_group sets it: loud if renamed
     return make_ready(ProcessGroupNCCL(store, rank, size, opts), device, timeout_s, connect=True)
 
 

@@ -162,9 +162,11 @@ class ParallelDims:
 
 
 def _options(backend: str, timeout: timedelta) -> Any:
-    """Backend options that carry the timeout (DeviceMesh reads ``options._timeout``)."""
+    """Backend options that carry the timeout (DeviceMesh reads ``options._timeout``, the private attribute
+    torch's own ``new_group`` sets too: a torch that renamed it fails here, loudly). ``ProcessGroupGloo.Options``
+    is c10d's generic ``Backend.Options(backend, timeout)`` under a public name."""
     if backend == "nccl":
         opts = dist.ProcessGroupNCCL.Options()
         opts._timeout = timeout
         return opts
-    return torch._C._distributed_c10d.Backend.Options(backend, timeout)
+    return dist.ProcessGroupGloo.Options(backend, timeout)

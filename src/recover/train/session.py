@@ -128,7 +128,7 @@ class Session:
         in the replica's own store, the other ranks read it there."""
         if self.ranks == 1 or self.cfg.fault_tolerance.connections != "replica":
             return self.host, self.port
-        from torch.distributed.distributed_c10d import _get_default_store
+        from torch.distributed.distributed_c10d import _get_default_store  # private, no public twin: loud if moved
 
         from recover.coord.relay import Relay
 
