@@ -4,6 +4,7 @@
 #               all but the interop tests
 #   make test-unit   the unit tier alone (under a minute)
 #   make test-interop   Hugging Face models and torchtitan's Llama 3 trained through recover.api (CI runs it too)
+#   make test-compat   tests/unit and tests/dist on the oldest torch pyproject.toml allows, in ./.venv-compat
 #   make gpu-check   on a GPU node: check, test and benchmark everything one GPU can, into one report
 # Both create and reuse ./.venv. Override the interpreter with PYTHON=..., and the
 # PyTorch requirement installed when torch is absent with TORCH=... (e.g. TORCH='torch==2.6.0').
@@ -14,12 +15,15 @@ TORCH  ?= torch==2.13.0
 PY     := $(VENV)/bin/python
 STAMP  := $(VENV)/.recover-installed
 
-.PHONY: demo test test-unit test-interop lint venv clean gpu-check
+.PHONY: demo test test-unit test-interop test-compat lint venv clean gpu-check
+
+PY_CHECK := import sys; sys.exit(0 if sys.version_info >= (3, 10) else "recover needs Python >= 3.10; found " \
+	+ sys.version.split()[0] + " at " + sys.executable + ". Run: make PYTHON=python3.11 ...")
 
 venv: $(STAMP)
 
 $(STAMP): pyproject.toml
-	@$(PYTHON) -c 'import sys; sys.exit(0 if sys.version_info >= (3, 10) else "recover needs Python >= 3.10; found " + sys.version.split()[0] + " at " + sys.executable + ". Run: make PYTHON=python3.11 ...")'
+	@$(PYTHON) -c '$(PY_CHECK)'
 	@test -x $(PY) || $(PYTHON) -m venv $(VENV)
 	@$(PY) -c 'import torch' 2>/dev/null || { echo "installing $(TORCH) into $(VENV)"; $(PY) -m pip install -q "$(TORCH)"; }
 	@$(PY) -m pip install -q -e '.[dev,export]'
@@ -50,6 +54,25 @@ test-interop: $(STAMP)
 
 test-unit: $(STAMP)
 	$(PY) -m pytest -q tests/unit
+
+# test-compat: the unit and multi-process tiers on the oldest torch that pyproject.toml allows ($(TORCH_COMPAT)), in
+# its own venv $(VENV_COMPAT). Neither `make test` nor CI runs it: PyPI's Linux torch is a CUDA build whose nvidia-*
+# wheels make that venv ~7 GB (~3 min to install on a shared 2-core VM; the CPU tiers run on it without a GPU).
+# TORCH_COMPAT='torch==X' swaps the venv's torch for another version.
+TORCH_COMPAT ?= torch==2.9.0
+VENV_COMPAT  ?= .venv-compat
+PY_COMPAT    := $(VENV_COMPAT)/bin/python
+
+$(VENV_COMPAT)/.recover-installed: pyproject.toml
+	@$(PYTHON) -c '$(PY_CHECK)'
+	@test -x $(PY_COMPAT) || $(PYTHON) -m venv $(VENV_COMPAT)
+	@$(PY_COMPAT) -m pip install -q "$(TORCH_COMPAT)" -e '.[dev,export]'
+	@touch $@
+
+test-compat: $(VENV_COMPAT)/.recover-installed
+	@$(PY_COMPAT) -m pip install -q "$(TORCH_COMPAT)"
+	@$(PY_COMPAT) -c 'import torch; print("test-compat: torch", torch.__version__)'
+	$(PY_COMPAT) -m pytest -q -p no:cacheprovider tests/unit tests/dist
 
 # gpu-check: recover check, tests/e2e/test_gpu.py, recover bench gpu (125m and 1b, compiled and eager, a kill
 # and a rejoin) into $(GPU_CHECK_OUT)/REPORT.md; exit status 0 when every stage passed (~15 min on an H100;
