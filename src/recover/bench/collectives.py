@@ -128,9 +128,14 @@ class _Proc:
         threading.Thread(target=self._pump, daemon=True).start()
 
     def _pump(self) -> None:
+        """The worker's JSON records; any other line on its stdout (gloo on torch 2.9 prints "[Gloo] Rank 0 is
+        connected to 1 peer ranks ..." there, from C++) is passed on to stderr."""
         assert self.popen.stdout is not None
         for line in self.popen.stdout:
-            self.lines.put(json.loads(line))
+            try:
+                self.lines.put(json.loads(line))
+            except json.JSONDecodeError:
+                sys.stderr.write(line)
 
     def send(self, **cmd: Any) -> None:
         assert self.popen.stdin is not None
