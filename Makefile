@@ -57,9 +57,9 @@ test-unit: $(STAMP)
 
 # test-compat: the unit and multi-process tiers on the oldest torch that pyproject.toml allows ($(TORCH_COMPAT)), in
 # its own venv $(VENV_COMPAT). Neither `make test` nor CI runs it: PyPI's Linux torch is a CUDA build whose nvidia-*
-# wheels make that venv ~7 GB (~3 min to install on a shared 2-core VM; the CPU tiers run on it without a GPU).
+# wheels make that venv ~7 GB (minutes to install; the CPU tiers run on it without a GPU; ~3 min of tests).
 # TORCH_COMPAT='torch==X' swaps the venv's torch for another version.
-TORCH_COMPAT ?= torch==2.9.0
+TORCH_COMPAT ?= torch==2.11.0
 VENV_COMPAT  ?= .venv-compat
 PY_COMPAT    := $(VENV_COMPAT)/bin/python
 
