@@ -7,7 +7,7 @@
 #   make test-compat   tests/unit and tests/dist on the oldest torch pyproject.toml allows, in ./.venv-compat
 #   make gpu-check   on a GPU node: check, test and benchmark everything one GPU can, into one report
 # Both create and reuse ./.venv. Override the interpreter with PYTHON=..., and the
-# PyTorch requirement installed when torch is absent with TORCH=... (e.g. TORCH='torch==2.6.0').
+# PyTorch requirement installed when torch is absent with TORCH=... (e.g. TORCH='torch==2.11.0').
 
 PYTHON ?= python3
 VENV   ?= .venv
