@@ -13,6 +13,9 @@ Contract:
 - FSDP2's gradient reduce-scatter SUMS over the shard ranks (divide factor 1), because each shard
   rank runs its own microbatches and the replica must contribute the sum of microbatch gradients.
 - Degrees of 1 are skipped, so ``ParallelDims()`` leaves the model a plain module.
+
+``checkpoint_wrapper`` comes from a private module path (no public twin; torchtitan imports it too): a
+torch that moved it fails at this module's import, loudly.
 """
 
 from __future__ import annotations
