@@ -9,7 +9,7 @@ from __future__ import annotations
 from typing import Any
 
 from recover.coord.liveness import Liveness
-from recover.coord.protocol import ProtocolError
+from recover.coord.protocol import Ballot, ProtocolError
 from recover.coord.ranks import LINK_GRACE_S, Close, Out, RankAggregator, SendTo
 from recover.coord.state import Log, MembershipState
 
@@ -184,13 +184,13 @@ def test_vote_reaches_the_state_once_all_ranks_voted_and_replies_carry_each_rank
     agg = make()
     two_replicas(agg)
     assert vote(agg, "a0", 11) == []
-    assert agg.slots[0].votes == {0: (11, (1, 0, tuple(IDS)))}
+    assert agg.slots[0].member.held == {0: Ballot.make(1, 0, IDS)}
     assert vote(agg, "a1", 22) == []  # replica 0 voted; the state waits for replica 1
     out = vote(agg, "b0", 33)
     assert {c: m["re"] for c, m in sent(out, "committed").items()} == {"a0": 11, "a1": 22, "b0": 33}
     assert all(m["step"] == 0 and m["new_generation"] is None for m in sent(out, "committed").values())
     assert logs(out, "commit") == [{"generation": 1, "step": 0, "ids": 4}]
-    assert agg.snapshot()["committed_step"] == 0 and agg.slots[0].votes == {}
+    assert agg.snapshot()["committed_step"] == 0 and agg.slots[0].member.held == {}
 
 
 def test_single_rank_and_stale_votes_go_to_the_state_at_once_for_that_rank_alone() -> None:
@@ -199,7 +199,7 @@ def test_single_rank_and_stale_votes_go_to_the_state_at_once_for_that_rank_alone
     out = vote(agg, "a1", 5, generation=0)
     assert sent(out, "error") == {"a1": {"type": "error", "re": 5, "code": "stale_generation",
                                          "message": "vote of replica 0 for generation 0; current is 1"}}
-    assert closed(out) == [] and agg.slots[0].votes == {}
+    assert closed(out) == [] and agg.slots[0].member.held == {}
     assert vote(agg, "b0", 6) == []  # P = 1: straight to the state, which waits for replica 0
     out = vote(agg, "b0", 7)
     assert sent(out, "error")["b0"]["code"] == "duplicate_vote"
@@ -231,7 +231,7 @@ def test_failing_push_answers_buffered_rank_votes_aborted() -> None:
                                            "reason": "generation is failing"}}
     kinds = [a.msg["type"] for a in out if isinstance(a, SendTo) and a.conn == "a0"]
     assert kinds == ["failing", "aborted"]
-    assert agg.slots[0].votes == {}
+    assert agg.slots[0].member.held == {}
     out = vote(agg, "a1", 42)  # a1 never voted on generation 1: the state aborts it at once
     assert sent(out, "aborted") == {"a1": {"type": "aborted", "re": 42, "generation": 1,
                                            "reason": "generation is failing"}}
@@ -358,7 +358,7 @@ def test_a_replica_of_several_ranks_is_as_slow_as_its_slowest_rank() -> None:
     two_replicas(agg)
     got: list[float | None] = []
     on_vote = agg.state.on_vote
-    agg.state.on_vote = lambda *a, **k: got.append(a[6]) or on_vote(*a, **k)  # type: ignore[method-assign]
+    agg.state.on_vote = lambda *a, **k: got.append(a[2].mb_s) or on_vote(*a, **k)  # type: ignore[method-assign]
     for step in range(2):
         vote(agg, "a0", 10 + step, step=step, mb_s=0.25)
         vote(agg, "a1", 20 + step, step=step, mb_s=0.5 if step == 0 else None)  # rank 1 computed nothing

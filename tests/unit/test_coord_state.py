@@ -2,9 +2,11 @@
 
 from __future__ import annotations
 
+from typing import Any
+
 import pytest
 
-from recover.coord.protocol import Resume
+from recover.coord.protocol import Ballot, Resume
 from recover.coord.state import Fence, Log, MembershipState, Refused, Send
 
 
@@ -13,6 +15,12 @@ def make(n: int = 3, ack_timeout: float = 1.0) -> MembershipState:
     for r in range(n):
         st.on_register(r, False, 1, 0.0)
     return st
+
+
+def vote(st: MembershipState, replica: int, rid: int, g: int, step: int, ids: list[int], now: float,
+         mb_s: float | None = None, **extra: Any) -> list:
+    """``replica``'s vote as a ballot (its ``extra``: stop, fp, audit)."""
+    return st.on_vote(replica, rid, Ballot.make(g, step, ids, mb_s, **extra), now)
 
 
 def sent(acts: list, kind: str) -> dict[int, dict]:
@@ -73,25 +81,25 @@ def test_report_without_death_rebuilds_with_everyone() -> None:
 
 def test_commit_needs_every_member_and_identical_ids() -> None:
     st = make(3)
-    assert st.on_vote(0, 1, 1, 0, [0, 1, 2, 3], 0.0) == []
-    assert st.on_vote(1, 1, 1, 0, [3, 2, 1, 0], 0.0) == []  # order does not matter
-    acts = st.on_vote(2, 1, 1, 0, [0, 1, 2, 3], 0.0)
+    assert vote(st, 0, 1, 1, 0, [0, 1, 2, 3], 0.0) == []
+    assert vote(st, 1, 1, 1, 0, [3, 2, 1, 0], 0.0) == []  # order does not matter
+    acts = vote(st, 2, 1, 1, 0, [0, 1, 2, 3], 0.0)
     assert set(sent(acts, "committed")) == {0, 1, 2} and st.committed_step == 0
     assert all(m["new_generation"] is None for m in sent(acts, "committed").values())
     with pytest.raises(Refused, match="stale_step"):
-        st.on_vote(0, 2, 1, 0, [0], 0.0)
+        vote(st, 0, 2, 1, 0, [0], 0.0)
     with pytest.raises(Refused, match="stale_generation"):
-        st.on_vote(0, 2, 0, 1, [0], 0.0)
-    st.on_vote(0, 3, 1, 1, [0, 1], 0.0)
-    st.on_vote(1, 3, 1, 1, [0, 1], 0.0)
-    acts = st.on_vote(2, 3, 1, 1, [0], 0.0)  # disagreement: nobody commits, generation is rebuilt
+        vote(st, 0, 2, 0, 1, [0], 0.0)
+    vote(st, 0, 3, 1, 1, [0, 1], 0.0)
+    vote(st, 1, 3, 1, 1, [0, 1], 0.0)
+    acts = vote(st, 2, 3, 1, 1, [0], 0.0)  # disagreement: nobody commits, generation is rebuilt
     assert set(sent(acts, "aborted")) == {0, 1, 2} and st.committed_step == 0
     assert set(sent(acts, "failing")) == {0, 1, 2}
 
 
 def test_death_during_vote_aborts_pending_votes() -> None:
     st = make(3)
-    st.on_vote(0, 5, 1, 0, [0, 1], 0.0)
+    vote(st, 0, 5, 1, 0, [0, 1], 0.0)
     st.on_dead(2, "heartbeat_timeout", 0.1)
     st.on_ack(1, 1, 0.1)
     acts = st.on_ack(0, 1, 0.1)
@@ -106,7 +114,7 @@ def test_joiner_is_admitted_only_at_a_commit() -> None:
     assert st.current.members == (0,)
     acts = st.on_register(1, True, 1, 0.1)
     assert logs(acts, "join_request") and st.current.members == (0,)
-    acts = st.on_vote(0, 2, 2, 0, [0, 1], 0.2)
+    acts = vote(st, 0, 2, 2, 0, [0, 1], 0.2)
     assert st.current.generation == 3 and st.current.members == (0, 1) and st.current.joined == (1,)
     assert st.current.step == 1
     assert sent(acts, "committed")[0]["new_generation"] == 3
@@ -121,15 +129,15 @@ def test_joined_is_carried_until_the_next_commit() -> None:
     st.on_ack(0, 1, 0.0)
     st.on_ack(1, 1, 0.0)
     st.on_register(2, True, 1, 0.1)
-    st.on_vote(0, 2, 2, 0, [0], 0.2)
-    st.on_vote(1, 2, 2, 0, [0], 0.2)
+    vote(st, 0, 2, 2, 0, [0], 0.2)
+    vote(st, 1, 2, 2, 0, [0], 0.2)
     assert st.current.generation == 3 and st.current.joined == (2,)
     st.on_dead(1, "connection_closed", 0.3)  # dies before the state transfer completed
     st.on_ack(0, 3, 0.3)
     st.on_ack(2, 3, 0.3)
     assert st.current.generation == 4 and st.current.members == (0, 2) and st.current.joined == (2,)
-    st.on_vote(0, 3, 4, 1, [0], 0.4)
-    st.on_vote(2, 3, 4, 1, [0], 0.4)  # the first commit with the joiner: it has the state now
+    vote(st, 0, 3, 4, 1, [0], 0.4)
+    vote(st, 2, 3, 4, 1, [0], 0.4)  # the first commit with the joiner: it has the state now
     st.on_dead(0, "connection_closed", 0.5)
     st.on_ack(2, 4, 0.5)
     assert st.current.members == (2,) and st.current.joined == ()
@@ -163,7 +171,7 @@ def test_commits_carry_the_agreed_speeds_to_every_member_and_joiner() -> None:
     for step in range(4):
         acts = []
         for r, mb_s in ((0, 0.1), (1, 0.1), (2, 0.4)):
-            acts += st.on_vote(r, 10 + step, 1, step, M, 0.0, mb_s)
+            acts += vote(st, r, 10 + step, 1, step, M, 0.0, mb_s)
         every += acts
         replies = sent(acts, "committed")
         assert len({str(m["speeds"]) for m in replies.values()}) == 1  # one plan for all
@@ -173,8 +181,8 @@ def test_commits_carry_the_agreed_speeds_to_every_member_and_joiner() -> None:
     assert [(f["replica"], f["slowdown"]) for f in logs(every, "straggler")] == [(2, 4.0)]
     assert len(logs(every, "rebalanced")) == 1
     st.on_register(3, True, 1, 0.0)
-    acts = st.on_vote(0, 20, 1, 4, M, 0.0, 0.1) + st.on_vote(1, 20, 1, 4, M, 0.0, 0.1) + \
-        st.on_vote(2, 20, 1, 4, M, 0.0, 0.4)
+    acts = vote(st, 0, 20, 1, 4, M, 0.0, 0.1) + vote(st, 1, 20, 1, 4, M, 0.0, 0.1) + \
+        vote(st, 2, 20, 1, 4, M, 0.0, 0.4)
     joined = sent(acts, "membership")[3]["membership"]
     assert joined["speeds"] == {"0": 1.0, "1": 1.0, "2": 4.0} == sent(acts, "committed")[0]["speeds"]
     st.on_dead(2, "closed", 0.0)
@@ -186,9 +194,9 @@ def test_commits_carry_the_agreed_speeds_to_every_member_and_joiner() -> None:
 def test_a_vote_asking_to_stop_makes_that_commit_a_stop_for_every_member() -> None:
     st = make(3)
     st.on_register(7, True, 1, 0.0)  # a joiner waiting for the next commit
-    st.on_vote(0, 10, 1, 0, [0, 1], 0.1)
-    st.on_vote(1, 11, 1, 0, [0, 1], 0.1, stop=True)  # its process got SIGTERM
-    acts = st.on_vote(2, 12, 1, 0, [0, 1], 0.1)
+    vote(st, 0, 10, 1, 0, [0, 1], 0.1)
+    vote(st, 1, 11, 1, 0, [0, 1], 0.1, stop=True)  # its process got SIGTERM
+    acts = vote(st, 2, 12, 1, 0, [0, 1], 0.1)
     assert {r: m["stop"] for r, m in sent(acts, "committed").items()} == {0: True, 1: True, 2: True}
     assert all(m["new_generation"] is None for m in sent(acts, "committed").values())  # nobody admitted
     assert sent(acts, "error")[7]["code"] == "stopping"  # the joiner is told
@@ -199,9 +207,9 @@ def test_a_vote_asking_to_stop_makes_that_commit_a_stop_for_every_member() -> No
 
 def test_the_coordinators_own_stop_request_applies_at_the_next_commit_only() -> None:
     st = make(2)
-    st.on_vote(0, 10, 1, 0, [0], 0.1)
+    vote(st, 0, 10, 1, 0, [0], 0.1)
     assert logs(st.request_stop(), "stop_requested") and st.request_stop() == []  # once
-    acts = st.on_vote(1, 11, 1, 0, [0], 0.1)
+    acts = vote(st, 1, 11, 1, 0, [0], 0.1)
     assert all(m["stop"] for m in sent(acts, "committed").values()) and st.stopped
 
 
@@ -222,7 +230,7 @@ def test_restart_with_every_member_back_forms_the_next_generation_without_resync
     assert (m.generation, m.members, m.step, m.joined, m.resync) == (6, (0, 1, 2), 42, (), False)
     assert m.speeds == {0: 1.0, 1: 1.0, 2: 2.0} and set(sent(acts, "membership")) == {0, 1, 2}
     assert logs(acts, "rebuilt")[0]["missing"] == []
-    acts = [a for r in (0, 1, 2) for a in st.on_vote(r, 9, 6, 42, [0], 0.3)]  # the job goes on
+    acts = [a for r in (0, 1, 2) for a in vote(st, r, 9, 6, 42, [0], 0.3)]  # the job goes on
     assert st.committed_step == 42 and len(sent(acts, "committed")) == 3
 
 
@@ -240,7 +248,7 @@ def test_restart_after_a_half_sent_commit_resyncs_the_members_that_missed_it() -
     st.on_ack(1, 3, 0.2)
     assert st.current.joined == (0,) and st.current.resync
     for r in (0, 1):
-        st.on_vote(r, 9, 4, 11, [0], 0.3)
+        vote(st, r, 9, 4, 11, [0], 0.3)
     st.on_dead(1, "connection_closed", 0.4)
     st.on_ack(0, 4, 0.5)
     assert st.current.joined == () and not st.current.resync  # committed since: nothing to redo
@@ -258,7 +266,7 @@ def test_restart_forms_without_a_member_that_does_not_come_back_within_the_windo
     st.on_register(2, False, 1, 2.5, Resume(4, (0, 1, 2), 7, None))
     assert st.pending_join == {2}
     for r in (0, 1):
-        acts = st.on_vote(r, 9, 5, 8, [0], 3.0)
+        acts = vote(st, r, 9, 5, 8, [0], 3.0)
     assert st.current.members == (0, 1, 2) and st.current.joined == (2,) and st.current.resync
     assert all(m["new_generation"] == 6 for m in sent(acts, "committed").values())
 
@@ -279,7 +287,7 @@ def test_a_joiner_that_registered_before_the_first_resume_joins_after_the_rebuil
     st.on_register(1, False, 1, 0.1, Resume(1, (0, 1), 3, None))
     assert st.current.members == (0, 1) and st.pending_join == {5} and not st.initial
     for r in (0, 1):
-        st.on_vote(r, 9, 2, 4, [0], 0.2)
+        vote(st, r, 9, 2, 4, [0], 0.2)
     assert st.current.members == (0, 1, 5) and st.current.joined == (5,) and not st.current.resync
 
 
@@ -297,9 +305,9 @@ def test_replicas_leaving_at_the_end_are_no_failure_and_lose_no_quorum() -> None
 
 def test_a_minority_fingerprint_is_fenced_before_the_step_commits() -> None:
     st = make(3)
-    st.on_vote(0, 10, 1, 4, [0, 1], 0.1, fp="aa")
-    st.on_vote(1, 11, 1, 4, [0, 1], 0.1, fp="bb")  # its parameters changed
-    acts = st.on_vote(2, 12, 1, 4, [0, 1], 0.1, fp="aa")
+    vote(st, 0, 10, 1, 4, [0, 1], 0.1, fp="aa")
+    vote(st, 1, 11, 1, 4, [0, 1], 0.1, fp="bb")  # its parameters changed
+    acts = vote(st, 2, 12, 1, 4, [0, 1], 0.1, fp="aa")
     assert st.committed_step == -1 and sent(acts, "committed") == {}
     assert set(sent(acts, "aborted")) == {0, 2}
     assert [(a.replica, a.reason.split(":")[0]) for a in acts if isinstance(a, Fence)] == [(1, "divergent")]
@@ -308,8 +316,8 @@ def test_a_minority_fingerprint_is_fenced_before_the_step_commits() -> None:
 
 def test_fingerprints_without_a_strict_majority_end_the_job() -> None:
     st = make(2)
-    st.on_vote(0, 10, 1, 4, [0], 0.1, fp="aa")
-    acts = st.on_vote(1, 11, 1, 4, [0], 0.1, fp="bb")
+    vote(st, 0, 10, 1, 4, [0], 0.1, fp="aa")
+    acts = vote(st, 1, 11, 1, 4, [0], 0.1, fp="bb")
     errors = sent(acts, "error")
     assert {r: (e["code"], e["sides"]) for r, e in errors.items()} == {
         0: ("diverged", {"aa": [0], "bb": [1]}), 1: ("diverged", {"aa": [0], "bb": [1]})}
@@ -335,6 +343,6 @@ def test_audited_norms_are_compared_within_the_tolerance_their_dtype_names(tol: 
     acts = []
     for r, norm in enumerate((2.0, 2.0, 2.0004)):
         audit = {"id": 1, "fp": f"{r:016x}", "norm": norm, "exact": False, **({"tol": tol} if tol else {})}
-        acts += st.on_vote(r, 10 + r, 1, 0, [0, 1], 0.1, audit=audit)
+        acts += vote(st, r, 10 + r, 1, 0, [0, 1], 0.1, audit=audit)
     assert sorted(a.replica for a in acts if isinstance(a, Fence)) == fenced
     assert bool(sent(acts, "committed")) == (not fenced)

@@ -59,7 +59,6 @@ Membership back from ``vote_commit``, finish the committed step (optimizer), the
 from __future__ import annotations
 
 import itertools
-import math
 import os
 import socket
 import struct
@@ -71,6 +70,7 @@ from typing import Any
 
 from recover.coord.protocol import (
     SERVER_TYPES,
+    Ballot,
     FrameDecoder,
     Membership,
     ProtocolError,
@@ -390,17 +390,9 @@ class CoordinatorClient:
                 was committed.
             Diverged: the fingerprints disagree with no majority: the job ends.
         """
-        vote: dict[str, Any] = {"type": "vote", "generation": generation, "step": step, "ids": [int(i) for i in ids]}
-        if mb_s is not None and math.isfinite(mb_s) and mb_s > 0:
-            vote["mb_s"] = float(mb_s)
-        if self.stop_requested:
-            vote["stop"] = True
-        if fp is not None:
-            vote["fp"] = fp
-        if audit is not None:
-            vote["audit"] = audit
+        ballot = Ballot.make(generation, step, ids, mb_s, self.stop_requested, fp, audit)
         try:
-            reply = self._request(vote, timeout)
+            reply = self._request(ballot.to_wire(), timeout)
         except Diverged:
             raise
         except CoordinatorRefused as exc:

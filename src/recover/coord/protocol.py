@@ -45,6 +45,7 @@ import json
 import math
 import socket
 import struct
+from collections.abc import Mapping
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -186,6 +187,70 @@ class Resume:
         if d["generation"] < 1 or d["committed"] < -1:
             raise ProtocolError("malformed", f"resume needs generation >= 1 and committed >= -1, got {d}")
         return cls(d["generation"], tuple(sorted(d["members"])), d["committed"], speeds_from_wire(d.get("speeds")))
+
+
+@dataclass(frozen=True)
+class Ballot:
+    """A commit vote: built once where the vote starts and carried unchanged to the state.
+
+    ``ids`` are sorted; ``mb_s``: seconds per microbatch measured in the step (None: none computed);
+    ``stop``: the voter was asked to stop; ``fp``: the fingerprint of its parameters (a replica of
+    several ranks: its lanes' joined by ``|`` in rank order); ``audit``: ``{id, fp, norm, exact}`` of
+    the audited microbatch's gradient, when the voter computed it.
+    """
+
+    generation: int
+    step: int
+    ids: tuple[int, ...]
+    mb_s: float | None = None
+    stop: bool = False
+    fp: str | None = None
+    audit: Mapping[str, Any] | None = field(default=None, hash=False)
+
+    @classmethod
+    def make(cls, generation: int, step: int, ids: Any, mb_s: float | None = None, stop: bool = False,
+             fp: str | None = None, audit: Mapping[str, Any] | None = None) -> Ballot:
+        """A ballot with ``ids`` sorted and ``mb_s`` kept only when it is a positive, finite time."""
+        keep = mb_s is not None and math.isfinite(mb_s) and mb_s > 0
+        return cls(int(generation), int(step), tuple(sorted(int(i) for i in ids)),
+                   float(mb_s) if keep else None, bool(stop), fp, audit)
+
+    @classmethod
+    def from_wire(cls, msg: Mapping[str, Any]) -> Ballot:
+        """The ballot of a schema-valid ``vote`` message."""
+        return cls.make(msg["generation"], msg["step"], msg["ids"], msg.get("mb_s"), msg.get("stop") is True,
+                        msg.get("fp"), msg.get("audit"))
+
+    def to_wire(self) -> dict[str, Any]:
+        """The ``vote`` message of this ballot (without its request id)."""
+        vote: dict[str, Any] = {"type": "vote", "generation": self.generation, "step": self.step,
+                                "ids": list(self.ids)}
+        if self.mb_s is not None:
+            vote["mb_s"] = self.mb_s
+        if self.stop:
+            vote["stop"] = True
+        if self.fp is not None:
+            vote["fp"] = self.fp
+        if self.audit is not None:
+            vote["audit"] = dict(self.audit)
+        return vote
+
+    @property
+    def key(self) -> tuple[int, int, tuple[int, ...]]:
+        """What the ranks of one replica must agree on: generation, step and ids."""
+        return self.generation, self.step, self.ids
+
+    @classmethod
+    def of_ranks(cls, ballots: list[Ballot]) -> Ballot:
+        """The replica's one ballot from its ranks' alike ballots, in rank order (see the module docstring)."""
+        first = ballots[0]
+        if len(ballots) == 1:
+            return first
+        speeds = [b.mb_s for b in ballots if b.mb_s is not None]
+        fps = [b.fp for b in ballots]
+        return cls(first.generation, first.step, first.ids, max(speeds) if speeds else None,
+                   any(b.stop for b in ballots), "|".join(fps) if None not in fps else None)  # type: ignore[arg-type]
+
 
 
 def _is_int(x: Any) -> bool:

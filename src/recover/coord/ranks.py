@@ -32,19 +32,16 @@ Invariants:
     :func:`recover.coord.scale.scan_interval`), not at every tick: at most one scan late.
   * Every request forwarded to the state gets a unique id; the state's reply goes back to exactly
     the connection(s) that asked, each with its own request id. Pushes go to all P ranks.
-  * ``ack`` of g reaches the state once all P acked g; ``report`` at once (reply to that rank);
-    ``vote`` once all P voted the same (generation, step, ids) (the reply goes to all P; the replica's
-    seconds per microbatch are the slowest rank's; its parameter fingerprint is its ranks' in rank
-    order, so lane k is compared with lane k), unless the state would refuse or abort it anyway
-    (then at once, for that rank alone). Ranks that vote differently fence the replica. ``failing``
-    and ``membership`` pushes answer the votes still buffered for the generations they end
-    ``aborted``. A ``nonfinite`` report goes to the state at once.
+  * ``ack`` and ``vote`` follow the rule "the P ranks are one member" (:mod:`recover.coord.member`):
+    ``ack`` of g reaches the state once all P acked g; ``vote`` once all P voted the same ballot
+    (the reply goes to all P), unless the state would refuse or abort it anyway (then at once, for
+    that rank alone). Ranks that vote differently fence the replica. ``failing`` and ``membership``
+    pushes answer the votes still buffered for the generations they end ``aborted``. ``report``
+    and ``nonfinite`` go to the state at once (reply to that rank).
   * A ``report`` that a collective of the current generation timed out fences the members that never
     reached it (computing or in io, by their heartbeats). When every member reached it (a broken
-    link), the reports, each naming the members its replica cannot reach by a direct probe, are
-    held until all members reported or ``link_grace_s`` passed; the replica most reporters cannot
-    reach is fenced (one that cannot reach half the others implicates itself), so a broken link
-    never yields an endless series of generations with the same members.
+    link), the reports are held and judged by the link rule (:mod:`recover.coord.links`): the
+    replica it implicates is fenced.
   * Any rank's connection closing, its silence beyond ``heartbeat_timeout_s`` (counted from the
     replica's registration), its lack of progress while others wait for it (a *hung* replica,
     :mod:`recover.coord.liveness`: heartbeats carry each rank's progress counter and activity), or
@@ -62,11 +59,12 @@ from dataclasses import dataclass, field
 from types import MappingProxyType
 from typing import Any
 
+from recover.coord.links import LinkJudge
 from recover.coord.liveness import Liveness
-from recover.coord.protocol import ProtocolError, Resume, batch_beats, register_ranks
+from recover.coord.member import Agreed, Disagreed, Member
+from recover.coord.protocol import Ballot, ProtocolError, Resume, batch_beats, register_ranks
 from recover.coord.state import Action, Fence, Log, MembershipState, Refused, Send
 
-Ballot = tuple[int, int, tuple[int, ...]]  # (generation, step, sorted ids)
 LINK_GRACE_S = 5.0
 
 
@@ -102,33 +100,32 @@ class _Link:
     relay: bool = False  # carries every rank of its replica (one connection per replica)
 
 
+Asked = tuple[_Link, int]
+"""A request: the connection that sent it and its own request id."""
+
+
 @dataclass(eq=False)
 class Slot:
-    """The connections of one replica, by rank. The state hears of the replica (``registered``)
-    once all ``ranks`` ranks registered; the slot is dropped as a whole when any of them goes."""
+    """The connections of one replica, by rank, and its ranks as one member. The state hears of the
+    replica (``registered``) once all ``ranks`` ranks registered; the slot is dropped as a whole when
+    any of them goes."""
 
     replica: int
     ranks: int
     join: bool
     links: dict[int, _Link] = field(default_factory=dict)
-    reg_ids: dict[int, int] = field(default_factory=dict)  # rank -> its register request id
     registered: bool = False
-    acks: dict[int, set[int]] = field(default_factory=dict)  # generation -> ranks that acked it
-    votes: dict[int, tuple[int, Ballot]] = field(default_factory=dict)  # rank -> (its request id, ballot)
-    mb_s: dict[int, float] = field(default_factory=dict)  # rank -> seconds per microbatch in its vote
-    stop: bool = False  # a rank's vote asked for a stop (its process got SIGTERM or SIGINT)
-    fps: dict[int, str] = field(default_factory=dict)  # rank -> the fingerprint of its parameter shards
     resume: dict[int, Resume] = field(default_factory=dict)  # rank -> what it holds (a restarted coordinator)
-    routes: dict[int, list[tuple[_Link, int]]] = field(default_factory=dict)  # forwarded id -> who asked
+    routes: dict[int, list[Asked]] = field(default_factory=dict)  # forwarded id -> who asked
     seen: dict[int, float] = field(default_factory=dict)  # relay: rank -> its newest entry in a batched heartbeat
     conns: list[_Link] = field(default_factory=list)  # its distinct connections (a relay: one), for pushes
-    every: tuple[int, ...] = ()  # all its ranks, 0..ranks-1
+    member: Member[Asked] = field(init=False)
 
     def __post_init__(self) -> None:
-        self.every = tuple(range(self.ranks))
+        self.member = Member(self.replica, self.ranks, self.join)
 
     def who(self, rank: int) -> str:
-        return f"replica {self.replica}" + (f" rank {rank}" if self.ranks > 1 else "")
+        return self.member.who(rank)
 
 
 class RankAggregator:
@@ -141,7 +138,7 @@ class RankAggregator:
         register_timeout_s: a connection that has not registered after this long is closed.
         liveness: the progress rule that fences hung replicas (default: the automatic hang timeout).
         link_grace_s: how long the timed-out reports of a collective every member reached are
-            gathered before the replica they implicate is fenced (see :meth:`_hold`).
+            gathered before the replica they implicate is fenced (:mod:`recover.coord.links`).
         heartbeat_s: the heartbeat interval named in every ``ok`` reply to a ``register`` (None: none).
         scan_s: seconds between timeout scans (0: at every tick).
     """
@@ -155,14 +152,13 @@ class RankAggregator:
         self._token = token.encode()
         self.heartbeat_timeout_s = heartbeat_timeout_s
         self.register_timeout_s = register_timeout_s
-        self.link_grace_s = link_grace_s
         self.liveness = liveness or Liveness()
         self._links: dict[Hashable, _Link] = {}
         self._slots: dict[int, Slot] = {}
         self._ids = itertools.count(1)  # ids of forwarded requests: those of different ranks collide
         self._out: list[Out] = []
         self._now = 0.0  # the time of the event whose actions are being applied
-        self._held: dict[int, dict[str, Any]] = {}  # generation -> timed-out reports held (see _hold)
+        self.links = LinkJudge[tuple[_Link, dict[str, Any]]](link_grace_s)  # timed-out reports held
         self.heartbeat_s = heartbeat_s
         self.scan_s = scan_s
         self._next_scan = float("-inf")
@@ -227,8 +223,7 @@ class RankAggregator:
                 slot.seen[k] = max(slot.seen[k], now)
         self.liveness.pause(stall_s)
         self.state.pause(stall_s)
-        for held in self._held.values():
-            held["since"] += stall_s
+        self.links.pause(stall_s)
         self._log("coordinator_stalled", seconds=round(stall_s, 3))
         return self._take()
 
@@ -312,7 +307,8 @@ class RankAggregator:
             elif kind == "report":
                 if msg.get("timeout") and msg["generation"] == self.state.generation and not self.state.failing \
                         and not self._fence_unreached(slot.replica, now):
-                    self._hold(slot, link, msg, now)
+                    self.links.hold(msg["generation"], slot.replica, (link, msg), msg["suspects"], now)
+                    self._settle_links(now)
                     return
                 self._forward(slot, [(link, msg["id"])], False, now, lambda i: self.state.on_report(
                     slot.replica, i, msg["generation"], msg["suspects"], now))
@@ -330,7 +326,7 @@ class RankAggregator:
                 raise Refused("bad_rank", f"this connection is {slot.who(link.rank)}, not rank {rank}")
             return (link.rank,)
         if rank is None:
-            return slot.every
+            return slot.member.every
         if not 0 <= rank < slot.ranks:
             raise Refused("bad_rank", f"rank must be in 0..{slot.ranks - 1} for replica {slot.replica}, got {rank}")
         return (rank,)
@@ -361,23 +357,22 @@ class RankAggregator:
             self._refuse(link, ref.code, ref.message, req, True, now)
             return
         slot = self._slots.setdefault(r, Slot(r, ranks, join))
+        asked = slot.member.register(None if relay else rank, ranks, join, (link, req))
         link.replica, link.rank, link.relay = r, rank, relay
         for k in range(ranks) if relay else (rank,):
             slot.links[k] = link
-            slot.reg_ids[k] = req
         slot.conns.append(link)
         if resume is not None:
             slot.resume[rank] = resume
         if ranks > 1 and not relay:
             self._log("rank_register", replica=r, rank=rank, ranks=ranks, registered=len(slot.links))
-        if len(slot.links) < ranks:
+        if asked is None:
             return
         for other in slot.links.values():
             other.last_seen = now  # the heartbeats start with the ok reply
         if relay:
             slot.seen = dict.fromkeys(range(ranks), now)
         self.liveness.start(r, ranks, now)
-        asked = _unique([(slot.links[k], slot.reg_ids[k]) for k in sorted(slot.links)])
         held = _replica_resume(slot.resume.values())
         self._forward(slot, asked, True, now, lambda i: self.state.on_register(r, join, i, now, held))
 
@@ -397,12 +392,8 @@ class RankAggregator:
                                            f"{sorted(slot.links)} registered on connections of their own")
         if msg.get("relay") and "rank" in msg:
             raise Refused("bad_rank", f"a relay of replica {r} speaks for all its ranks: its register names no rank")
-        if slot is not None and (slot.ranks != ranks or slot.join != join):
-            raise Refused("rank_mismatch", f"rank {rank} of replica {r} declares ranks={ranks} join={join}, "
-                                           f"but its rank(s) {sorted(slot.links)} declared ranks={slot.ranks} "
-                                           f"join={slot.join}")
-        if slot is not None and rank in slot.links:
-            raise Refused("duplicate_rank", f"rank {rank} of replica {r} is already registered")
+        if slot is not None:
+            slot.member.check_register(rank, ranks, join)
         return rank, ranks
 
     def _forward(self, slot: Slot, asked: list[tuple[_Link, int]], fatal: bool, now: float,
@@ -422,57 +413,28 @@ class RankAggregator:
         self._apply(acts, now)
 
     def _ack(self, slot: Slot, ranks: tuple[int, ...], generation: int, now: float) -> None:
-        if len(ranks) < slot.ranks:  # else one ack for every rank (a relay's): nothing to gather
-            got = slot.acks.setdefault(generation, set())
-            got.update(ranks)
-            if len(got) < slot.ranks:
-                return
-        for g in [g for g in slot.acks if g <= generation]:
-            del slot.acks[g]
-        self._apply(self.state.on_ack(slot.replica, generation, now), now)
+        if slot.member.ack(ranks, generation):
+            self._apply(self.state.on_ack(slot.replica, generation, now), now)
 
     def _vote(self, slot: Slot, link: _Link, ranks: tuple[int, ...], msg: dict[str, Any], now: float) -> None:
-        """Buffers the vote of ``ranks`` until all ranks of the replica voted; then one vote to the state."""
-        r, cid = slot.replica, msg["id"]
-        g, step, ids = msg["generation"], msg["step"], msg["ids"]
-        if g == self.state.generation:
+        """Gathers the vote of ``ranks`` (:mod:`recover.coord.member`); the member's one vote to the state."""
+        r, ballot = slot.replica, Ballot.from_wire(msg)
+        if ballot.generation == self.state.generation:
             for k in ranks if len(ranks) < slot.ranks else (None,):
                 self.liveness.voted(r, k, now)
-        if msg.get("mb_s") is not None:
-            slot.mb_s.update(dict.fromkeys(ranks, float(msg["mb_s"])))
-        slot.stop = slot.stop or msg.get("stop") is True
-        if msg.get("fp") is not None:  # one rank's, or (a relay's, or one rank of one) the whole replica's
-            slot.fps[WHOLE if len(ranks) == slot.ranks else ranks[0]] = msg["fp"]
-        audit = msg.get("audit") if slot.ranks == 1 else None  # replicas of several ranks do not audit
-        forward = lambda i: self.state.on_vote(r, i, g, step, ids, now, max(slot.mb_s.values(), default=None),
-                                               slot.stop, _replica_fp(slot), audit)
-        if not self.state.accepts_vote(r, g, step):
-            self._forward(slot, [(link, cid)], False, now, forward)  # settled at once: this voice alone
-            for k in (*ranks, WHOLE):
-                slot.mb_s.pop(k, None)
-                slot.fps.pop(k, None)
+        if not self.state.accepts_vote(r, ballot.generation, ballot.step):  # settled at once: this voice alone
+            self._forward(slot, [(link, msg["id"])], False, now, lambda i: self.state.on_vote(r, i, ballot, now))
             return
-        if slot.votes and (again := [k for k in ranks if k in slot.votes]):
-            raise Refused("duplicate_vote", f"{slot.who(again[0])} already voted in generation {g}")
-        if len(ranks) == slot.ranks:  # one vote for every rank (a relay's): nothing to gather
-            self._forward(slot, [(link, cid)], False, now, forward)
-            slot.mb_s.clear()
-            slot.fps.clear()
-            return
-        ballot = (g, step, tuple(sorted(ids)))
-        slot.votes.update(dict.fromkeys(ranks, (cid, ballot)))
-        if len({b for _, b in slot.votes.values()}) > 1:
-            self._log("rank_vote_disagreement", replica=r, generation=g, ballots={
-                str(k): {"generation": b[0], "step": b[1], "ids": len(b[2])} for k, (_, b) in slot.votes.items()})
-            self._kill(slot, "rank_disagreement", f"the ranks of replica {r} voted differently in generation {g}",
-                       now)
-            return
-        if len(slot.votes) < slot.ranks:
-            return
-        votes, slot.votes = slot.votes, {}
-        self._forward(slot, _unique([(slot.links[k], votes[k][0]) for k in sorted(votes)]), False, now, forward)
-        slot.mb_s.clear()
-        slot.fps.clear()
+        got = slot.member.vote(ranks, (link, msg["id"]), ballot)
+        if isinstance(got, Disagreed):
+            self._log("rank_vote_disagreement", replica=r, generation=ballot.generation, ballots={
+                str(k): {"generation": b.generation, "step": b.step, "ids": len(b.ids)}
+                for k, (_, b) in got.held.items()})
+            self._kill(slot, "rank_disagreement",
+                       f"the ranks of replica {r} voted differently in generation {ballot.generation}", now)
+        elif isinstance(got, Agreed):
+            agreed = got.ballot
+            self._forward(slot, got.asked, False, now, lambda i: self.state.on_vote(r, i, agreed, now))
 
     def _fence_unreached(self, reporter: int, now: float) -> bool:
         """A collective of the current generation ran out of time: the members that never reached it
@@ -487,57 +449,30 @@ class RankAggregator:
                 fenced = True
         return fenced
 
-    def _hold(self, slot: Slot, link: _Link, msg: dict[str, Any], now: float) -> None:
-        """Every member reached the collective that timed out: a broken link. The reports (each naming
-        the members its replica cannot reach) are held until all members reported or
-        ``link_grace_s`` passed; then :meth:`_settle_links` fences the implicated replica."""
-        g = msg["generation"]
-        held = self._held.setdefault(g, {"since": now, "reports": {}})
-        held["reports"].setdefault(slot.replica, []).append((link, msg))
-        self._settle_links(now)
-
     def _settle_links(self, now: float) -> None:
-        for g in sorted(self._held):
-            held = self._held[g]
-            current = self.state.current
-            members = [m for m in (current.members if current else ()) if m in self._slots]
-            waiting = g == self.state.generation and not self.state.failing and \
-                now - held["since"] < self.link_grace_s and not set(members) <= set(held["reports"])
-            if waiting:
-                continue
-            del self._held[g]
-            if g == self.state.generation and not self.state.failing:
-                self._fence_implicated(g, members, {r: sorted({s for _, m in reps for s in m["suspects"]})
-                                                    for r, reps in held["reports"].items()}, now)
-            for r, reps in held["reports"].items():
-                slot = self._slots.get(r)
-                for link, msg in reps:
-                    if slot is not None and slot.links.get(link.rank) is link:
-                        self._forward(slot, [(link, msg["id"])], False, now, lambda i, r=r, msg=msg:
-                                      self.state.on_report(r, i, msg["generation"], msg["suspects"], now))
-
-    def _fence_implicated(self, g: int, members: list[int], unreachable: dict[int, list[int]], now: float) -> None:
-        """Fences the replica the reports implicate: named unreachable by the most reporters (a reporter
-        that cannot reach half the others or more implicates itself: its own link is down); ties go
-        to the higher id. Nobody named: the next generation keeps everyone (a transient stall)."""
-        others = max(1, len(members) - 1)
-        blame: dict[int, int] = {}
-        for reporter, named in unreachable.items():
-            named = [r for r in named if r in members and r != reporter]
-            if 2 * len(named) >= others and len(members) > 2:
-                blame[reporter] = blame.get(reporter, 0) + len(members)
-                continue
-            for r in named:
-                blame[r] = blame.get(r, 0) + 1
-        victim = max(blame, key=lambda r: (blame[r], r)) if blame else None
-        self._log("link_report", generation=g, unreachable={str(r): v for r, v in sorted(unreachable.items())},
-                  implicated=victim)
-        if victim is not None:
-            slot = self._slots.get(victim)
+        """The link rule's verdicts (:mod:`recover.coord.links`): the implicated replica is fenced, then
+        every held report goes to the state."""
+        current = self.state.current
+        members = [m for m in (current.members if current else ()) if m in self._slots]
+        for v in self.links.settle(now, self.state.generation, not self.state.failing, members):
+            if v.judged:
+                self._log("link_report", generation=v.generation,
+                          unreachable={str(r): u for r, u in sorted(v.unreachable.items())}, implicated=v.victim)
+            slot = self._slots.get(v.victim) if v.victim is not None else None
             if slot is not None:
-                who = sorted(r for r, named in unreachable.items() if victim in named)
-                self._kill(slot, "link", f"replicas {who} cannot reach it after a collective of generation {g} "
-                                         "timed out with every member in it", now)
+                who = sorted(r for r, named in v.unreachable.items() if v.victim in named)
+                self._kill(slot, "link", f"replicas {who} cannot reach it after a collective of generation "
+                                         f"{v.generation} timed out with every member in it", now)
+            for r, reports in v.reports.items():
+                for link, msg in reports:
+                    self._report(r, link, msg, now)
+
+    def _report(self, r: int, link: _Link, msg: dict[str, Any], now: float) -> None:
+        """A held report to the state, if its connection still speaks for replica ``r``."""
+        slot = self._slots.get(r)
+        if slot is not None and slot.links.get(link.rank) is link:
+            self._forward(slot, [(link, msg["id"])], False, now,
+                          lambda i: self.state.on_report(r, i, msg["generation"], msg["suspects"], now))
 
     # ---------------------------------------------------------- the state's actions
 
@@ -578,14 +513,7 @@ class RankAggregator:
 
     def _abort_votes(self, slot: Slot, below: int, reason: str) -> None:
         """Answers ``aborted`` to buffered rank votes for generations before ``below`` (once per request)."""
-        asked = []
-        for k, (cid, (g, _, _)) in list(slot.votes.items()):
-            if g < below:
-                del slot.votes[k]
-                slot.mb_s.pop(k, None)
-                slot.fps.pop(k, None)
-                asked.append((slot.links[k], cid, g))
-        for link, cid, g in dict.fromkeys(asked):
+        for (link, cid), g in slot.member.abort_votes(below):
             self._send(link, {"type": "aborted", "re": cid, "generation": g, "reason": reason})
 
     # --------------------------------------------------------------- endings
@@ -649,20 +577,6 @@ class RankAggregator:
         return out
 
 
-WHOLE = -1
-"""``Slot.fps`` key of a fingerprint that speaks for the whole replica (one voice for all its ranks)."""
-
-
-def _replica_fp(slot: Slot) -> str | None:
-    """The fingerprint of a replica: its ranks' (lanes') fingerprints in rank order (a relay sends them
-    joined already); None unless all voted one."""
-    if WHOLE in slot.fps:
-        return slot.fps[WHOLE]
-    if len(slot.fps) < slot.ranks:
-        return None
-    return "|".join(slot.fps[k] for k in range(slot.ranks))
-
-
 def _replica_resume(held: Any) -> Resume | None:
     """What a replica of several ranks holds: the least any of its ranks committed (a rank that missed
     a commit makes the whole replica behind), with the newest generation any of them knows."""
@@ -672,11 +586,6 @@ def _replica_resume(held: Any) -> Resume | None:
     least = min(held, key=lambda r: r.committed)
     newest = max(held, key=lambda r: r.generation)
     return Resume(newest.generation, newest.members, least.committed, least.speeds)
-
-
-def _unique(asked: list[tuple[_Link, int]]) -> list[tuple[_Link, int]]:
-    """``asked`` without repeats (the ranks of a relay share its connection and request id)."""
-    return list(dict.fromkeys(asked))
 
 
 def _fenced(reason: str) -> dict[str, Any]:

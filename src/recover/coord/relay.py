@@ -8,19 +8,19 @@ same protocol); to the coordinator the relay is one connection registered with `
 all P ranks (:mod:`recover.coord.protocol`).
 
 What it does:
-  * ``register``: each local rank's is checked (token, replica, ``ranks`` = P, rank in range, once,
-    the same ``join``); once all P are in, one upstream ``register`` (``relay=true``). Its reply
-    goes to every rank with that rank's own request id.
+  * ``register``: each local rank's is checked (token, replica, ``ranks`` = P, rank in range, and
+    the rule of :mod:`recover.coord.member`); once all P are in, one upstream ``register``
+    (``relay=true``). Its reply goes to every rank with that rank's own request id.
   * ``hb``: kept; every heartbeat interval (the ``heartbeat_s`` of the coordinator's ``ok``, else the
     configured one) one upstream ``hbs`` with the newest progress, activity and generation of each
     rank heard since the last batch. A rank that went silent is left out, so the coordinator, which
     times out every rank on its own, still fences the replica when one rank freezes.
   * ``ack`` of generation g: one upstream ``ack`` (for every rank) once all P ranks acked g.
-  * ``vote``: held until every rank voted; the same ballot (generation, step, ids) from all P is one
-    upstream ``vote`` for the whole replica (the slowest rank's ``mb_s``), whose reply goes to every
-    rank with its own id, so a commit costs the coordinator one message per replica. Ranks that
-    vote differently are forwarded one by one with their ``rank`` (the coordinator fences the
-    replica); held votes of a generation that a ``failing`` or ``membership`` push ends are answered
+  * ``vote``: held until every rank voted; the same ballot from all P is one upstream ``vote`` for the
+    whole replica (:meth:`~recover.coord.member.Ballot.of_ranks`), whose reply goes to every rank
+    with its own id, so a commit costs the coordinator one message per replica. Ranks that vote
+    differently are forwarded one by one with their ``rank`` (the coordinator fences the replica);
+    held votes of a generation that a ``failing`` or ``membership`` push ends are answered
     ``aborted`` here, as the coordinator answers the votes it holds.
   * ``report``: forwarded with the sender's ``rank`` under an upstream request id; the reply goes
     back to that rank with its own id. ``bye``: forwarded (the replica leaves).
@@ -50,31 +50,36 @@ import socket
 import sys
 import threading
 import time
-from dataclasses import dataclass, field
 from typing import Any
 
 from recover.coord.client import RECONNECT_EVERY_S
+from recover.coord.conn import FramedConn
+from recover.coord.member import Agreed, Ballot, Disagreed, Member
 from recover.coord.protocol import (
     ACTIVITY_LETTERS,
     CLIENT_TYPES,
     SERVER_TYPES,
-    FrameDecoder,
     ProtocolError,
     encode,
     register_ranks,
 )
+from recover.coord.state import Refused
 
 _LETTER = {name: letter for letter, name in ACTIVITY_LETTERS.items()}
 
 
-@dataclass(eq=False)
-class _Local:
-    """One rank's connection to the relay."""
+class _Local(FramedConn):
+    """One rank's connection to the relay (``rank``: None until its register is accepted)."""
 
-    sock: socket.socket
-    decoder: FrameDecoder = field(default_factory=lambda: FrameDecoder(CLIENT_TYPES))
-    out: bytearray = field(default_factory=bytearray)
-    rank: int | None = None
+    __slots__ = ("rank",)
+
+    def __init__(self, sock: socket.socket) -> None:
+        super().__init__(sock, CLIENT_TYPES)
+        self.rank: int | None = None
+
+
+Asked = tuple[_Local, int]
+"""A local request: the rank's connection and its own request id."""
 
 
 class Relay:
@@ -99,25 +104,19 @@ class Relay:
         self.interval_s = heartbeat_interval_s
         self.bind_host, self.connect_timeout_s = bind_host, connect_timeout_s
         self._locals: set[_Local] = set()
-        self._by_rank: dict[int, _Local] = {}
-        self._reg: dict[int, tuple[int, bool]] = {}  # rank -> (its register id, join)
-        self._routes: dict[int, list[tuple[_Local, int]]] = {}  # upstream id -> (local, its id)
+        self._member: Member[Asked] | None = None  # the replica's ranks as one member (from the first register)
+        self._routes: dict[int, list[Asked]] = {}  # upstream id -> who asked
         self._ids = itertools.count(1)
         self._beats: dict[int, tuple[int, str, int]] = {}  # rank -> newest (progress, letter, generation)
-        self._acks: dict[int, set[int]] = {}
-        self._votes: dict[int, tuple[_Local, dict[str, Any]]] = {}  # rank -> its held vote
         self._registered = False
         self._reg_uid: int | None = None  # the upstream register's request id
         self._next_batch = 0.0
-        self._up_out = bytearray()
-        self._up_decoder = FrameDecoder(SERVER_TYPES)
         self._stop = threading.Event()
         self._thread: threading.Thread | None = None
         self.closed_why: str | None = None
         """Why the relay ended (None while it runs)."""
         self.reconnect_s = reconnect_s
         self._fenced = False
-        self._join = False
         self._held: dict[str, Any] = {"generation": 0, "members": [], "committed": -1, "speeds": None}
         """What the replica holds, from the memberships and commits relayed (a re-registration's ``resume``)."""
         self._lost_at: float | None = None  # when the upstream connection ended (None: connected)
@@ -132,16 +131,14 @@ class Relay:
         Raises:
             OSError: the coordinator cannot be reached or the listener cannot bind.
         """
-        self._up = socket.create_connection(self.upstream_addr, timeout=self.connect_timeout_s)
-        self._up.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
-        self._up.setblocking(False)
-        bind = self.bind_host or self._up.getsockname()[0]
+        up = socket.create_connection(self.upstream_addr, timeout=self.connect_timeout_s)
+        bind = self.bind_host or up.getsockname()[0]
         self._listener = socket.create_server((bind, 0), backlog=max(16, self.ranks))
         self._listener.setblocking(False)
         self._wake_r, self._wake_w = socket.socketpair()
         self._sel = selectors.DefaultSelector()
         self._sel.register(self._listener, selectors.EVENT_READ, "accept")
-        self._sel.register(self._up, selectors.EVENT_READ, "up")
+        self._up = FramedConn(up, SERVER_TYPES).register(self._sel, "up")
         self._sel.register(self._wake_r, selectors.EVENT_READ, "wake")
         self._thread = threading.Thread(target=self._loop, name=f"recover-relay-{self.replica_id}", daemon=True)
         self._thread.start()
@@ -185,7 +182,7 @@ class Relay:
             self._end(f"the relay failed: {type(exc).__name__}: {exc}")
             raise
         finally:
-            self._close_all(self.closed_why or "relay stopped")
+            self._close_all()
             if self.closed_why is not None and not self._stop.is_set():
                 print(f"recover: replica {self.replica_id}'s relay ended: {self.closed_why}", file=sys.stderr,
                       flush=True)
@@ -202,7 +199,7 @@ class Relay:
                 self._read_up()
         else:
             if mask & selectors.EVENT_WRITE:
-                self._flush(what)
+                what.flush()
             if mask & selectors.EVENT_READ:
                 self._read_local(what)
 
@@ -212,27 +209,22 @@ class Relay:
                 sock, _ = self._listener.accept()
             except (BlockingIOError, InterruptedError):
                 return
-            sock.setblocking(False)
-            sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
             loc = _Local(sock)
+            loc.register(self._sel)
             self._locals.add(loc)
-            self._sel.register(sock, selectors.EVENT_READ, loc)
 
     # ------------------------------------------------------------- local ranks
 
     def _read_local(self, loc: _Local) -> None:
-        try:
-            data = loc.sock.recv(1 << 16)
-        except (BlockingIOError, InterruptedError):
+        data = loc.recv()
+        if data is None:
             return
-        except OSError:
-            data = b""
         who = "a local connection" if loc.rank is None else f"rank {loc.rank}"
         if not data:
             self._end(f"{who} of replica {self.replica_id} closed its connection")
             return
         try:
-            items = loc.decoder.feed(data)
+            items = loc.decode(data)
         except ProtocolError as exc:
             self._end(f"{who} broke the protocol: {exc}")
             return
@@ -246,21 +238,17 @@ class Relay:
 
     def _on_local(self, loc: _Local, msg: dict[str, Any]) -> None:
         kind = msg["type"]
-        if loc.rank is None:
+        if loc.rank is None or self._member is None:  # (a rank is set with the member)
             self._register_local(loc, msg)
         elif kind == "hb":
             if msg.get("progress") is not None:
                 self._beats[loc.rank] = (msg["progress"], _LETTER.get(msg.get("activity", "compute"), "c"),
                                          msg.get("generation", 0))
         elif kind == "ack":
-            got = self._acks.setdefault(msg["generation"], set())
-            got.add(loc.rank)
-            if len(got) == self.ranks:
-                for g in [g for g in self._acks if g <= msg["generation"]]:
-                    del self._acks[g]
+            if self._member.ack((loc.rank,), msg["generation"]):
                 self._send_up({"type": "ack", "generation": msg["generation"]})
         elif kind == "vote":
-            self._vote(loc, msg)
+            self._vote(self._member, loc, loc.rank, msg)
         elif kind in ("report", "nonfinite"):
             self._forward(msg, [(loc, msg["id"])], rank=loc.rank)
         elif kind == "bye":
@@ -270,77 +258,68 @@ class Relay:
         else:
             self._reply_error(loc, msg.get("id"), "unknown_type", f"a rank does not send {kind} to its relay")
 
-    def _vote(self, loc: _Local, msg: dict[str, Any]) -> None:
+    def _vote(self, member: Member[Asked], loc: _Local, rank: int, msg: dict[str, Any]) -> None:
         """Holds a rank's vote; all P alike go up as one, any difference goes up rank by rank."""
-        assert loc.rank is not None
-        self._votes[loc.rank] = (loc, msg)
-        ballots = {_ballot(m) for _, m in self._votes.values()}
-        if len(ballots) > 1:
-            votes, self._votes = self._votes, {}
-            for k, (held, m) in sorted(votes.items()):
-                self._forward(m, [(held, m["id"])], rank=k)
-        elif len(self._votes) == self.ranks:
-            votes, self._votes = self._votes, {}
-            first = votes[min(votes)][1]
-            vote = {k: first[k] for k in ("type", "generation", "step", "ids")}
-            speeds = [m["mb_s"] for _, m in votes.values() if "mb_s" in m]
-            if speeds:
-                vote["mb_s"] = max(speeds)
-            if any(m.get("stop") for _, m in votes.values()):
-                vote["stop"] = True
-            if all("fp" in m for _, m in votes.values()):  # the lanes' parameter fingerprints, in rank order
-                vote["fp"] = "|".join(votes[k][1]["fp"] for k in sorted(votes))
-            self._forward(vote, [(held, m["id"]) for _, (held, m) in sorted(votes.items())])
+        try:
+            got = member.vote((rank,), (loc, msg["id"]), Ballot.from_wire(msg))
+        except Refused as ref:
+            self._reply_error(loc, msg["id"], ref.code, ref.message)
+            return
+        if isinstance(got, Disagreed):
+            for k, (asked, ballot) in got.held.items():
+                self._forward(ballot.to_wire(), [asked], rank=k)
+        elif isinstance(got, Agreed):
+            self._forward(got.ballot.to_wire(), got.asked)
 
-    def _abort_votes(self, below: int, reason: str) -> None:
-        """Answers ``aborted`` to the held votes of generations before ``below``."""
-        for k, (held, m) in list(self._votes.items()):
-            if m["generation"] < below:
-                del self._votes[k]
-                self._send(held, encode({"type": "aborted", "re": m["id"], "generation": m["generation"],
-                                         "reason": reason}))
+    def _abort_votes(self, below: int | None, reason: str) -> None:
+        """Answers ``aborted`` to the held votes of generations before ``below`` (None: all)."""
+        if self._member is None:
+            return
+        for (loc, cid), g in self._member.abort_votes(below):
+            loc.send(encode({"type": "aborted", "re": cid, "generation": g, "reason": reason}))
 
     def _register_local(self, loc: _Local, msg: dict[str, Any]) -> None:
         req = msg.get("id")
-        problem = None
-        if msg["type"] != "register":
-            problem = ("unauthenticated", "the first message must be register")
-        elif not hmac.compare_digest(msg["token"].encode(), self._token.encode()):
-            problem = ("unauthorized", "wrong token")
-        else:
-            try:
-                rank, ranks = register_ranks(msg)
-            except ProtocolError as exc:
-                problem = (exc.code, exc.message)
-            else:
-                joins = {j for _, j in self._reg.values()} | {msg["join"]}
-                if msg["replica"] != self.replica_id or ranks != self.ranks:
-                    problem = ("rank_mismatch", f"this relay speaks for replica {self.replica_id} of {self.ranks} "
-                                                f"ranks, not replica {msg['replica']} of {ranks}")
-                elif rank in self._reg:
-                    problem = ("duplicate_rank", f"rank {rank} of replica {self.replica_id} is already registered")
-                elif len(joins) > 1:
-                    problem = ("rank_mismatch", f"rank {rank} declares join={msg['join']} unlike the others")
-        if problem is not None:
-            self._reply_error(loc, req, *problem)
-            self._end(f"a local peer was refused: {problem[0]}: {problem[1]}")
+        try:
+            rank, join = self._check_local(msg)
+            member = self._member or Member(self.replica_id, self.ranks, join)
+            asked = member.register(rank, self.ranks, join, (loc, msg["id"]))
+        except Refused as ref:
+            self._reply_error(loc, req, ref.code, ref.message)
+            self._end(f"a local peer was refused: {ref.code}: {ref.message}")
             return
-        loc.rank = rank
-        self._by_rank[rank] = loc
-        self._reg[rank] = (req, msg["join"])
-        self._join = msg["join"]
-        if len(self._reg) == self.ranks:
-            asked = [(self._by_rank[k], rid) for k, (rid, _) in sorted(self._reg.items())]
+        self._member, loc.rank = member, rank
+        if asked is not None:
             self._reg_uid = self._forward({"type": "register", "token": self._token, "replica": self.replica_id,
-                           "join": msg["join"], "ranks": self.ranks, "relay": True}, asked)
+                                           "join": join, "ranks": self.ranks, "relay": True}, asked)
+
+    def _check_local(self, msg: dict[str, Any]) -> tuple[int, bool]:
+        """``(rank, join)`` of a local rank's first message, which must register it. Raises Refused."""
+        if msg["type"] != "register":
+            raise Refused("unauthenticated", "the first message must be register")
+        if not hmac.compare_digest(msg["token"].encode(), self._token.encode()):
+            raise Refused("unauthorized", "wrong token")
+        try:
+            rank, ranks = register_ranks(msg)
+        except ProtocolError as exc:
+            raise Refused(exc.code, exc.message) from None
+        if msg["replica"] != self.replica_id or ranks != self.ranks:
+            raise Refused("rank_mismatch", f"this relay speaks for replica {self.replica_id} of {self.ranks} "
+                                           f"ranks, not replica {msg['replica']} of {ranks}")
+        return rank, msg["join"]
 
     def _reply_error(self, loc: _Local, re: Any, code: str, message: str) -> None:
-        self._send(loc, encode({"type": "error", "re": re if isinstance(re, int) else None, "code": code,
-                                "message": message}))
+        loc.send(encode({"type": "error", "re": re if isinstance(re, int) else None, "code": code,
+                         "message": message}))
+
+    def _to_ranks(self, frame: bytes) -> None:
+        for loc in list(self._locals):
+            if loc.rank is not None:
+                loc.send(frame)
 
     # ------------------------------------------------------------- upstream
 
-    def _forward(self, msg: dict[str, Any], asked: list[tuple[_Local, int]], rank: int | None = None) -> int:
+    def _forward(self, msg: dict[str, Any], asked: list[Asked], rank: int | None = None) -> int:
         """Sends ``msg`` upstream under a fresh id whose reply goes to ``asked``; returns the id. While
         the coordinator is away the request is answered ``coordinator_restarted`` at once."""
         uid = next(self._ids)
@@ -363,17 +342,14 @@ class Relay:
                        "activity": "".join(beats[k][1] for k in ranks), "generation": [beats[k][2] for k in ranks]})
 
     def _read_up(self) -> None:
-        try:
-            data = self._up.recv(1 << 16)
-        except (BlockingIOError, InterruptedError):
+        data = self._up.recv()
+        if data is None:
             return
-        except OSError:
-            data = b""
         if not data:
             self._upstream_ended("the coordinator closed the relay's connection")
             return
         try:
-            items = self._up_decoder.feed(data)
+            items = self._up.decode(data)
         except ProtocolError as exc:
             self._end(f"the coordinator's stream broke: {exc}")
             return
@@ -394,19 +370,13 @@ class Relay:
                 self._registered, self._outage_since = True, None
                 self._next_batch = time.monotonic() + self.interval_s
             elif re == self._reg_uid and msg["type"] == "error" and not asked:  # refused after a restart
-                gone = encode({"type": "error", "re": None, "code": "coordinator_gone",
-                               "message": f"the restarted coordinator refused replica {self.replica_id}: "
-                                          f"{msg['code']}: {msg['message']}"})
-                for loc in list(self._by_rank.values()):
-                    self._send(loc, gone)
-                self._end(f"the restarted coordinator refused the relay: {msg['message']}")
+                self._give_up(f"the restarted coordinator refused replica {self.replica_id}: "
+                              f"{msg['code']}: {msg['message']}")
                 return
             for loc, cid in asked:
-                self._send(loc, encode({**msg, "re": cid}))
+                loc.send(encode({**msg, "re": cid}))
             return
-        frame = encode(msg)  # a push: encoded once, to every rank
-        for loc in list(self._by_rank.values()):
-            self._send(loc, frame)
+        self._to_ranks(encode(msg))  # a push: encoded once, to every rank
         if msg["type"] == "failing":
             self._abort_votes(msg["generation"] + 1, "generation is failing")
         elif msg["type"] == "membership" and msg["membership"] is not None:
@@ -444,36 +414,30 @@ class Relay:
             self._outage_since = self._lost_at
         self._next_try = time.monotonic() + RECONNECT_EVERY_S
         self._registered = False
-        try:
-            self._sel.unregister(self._up)
-        except (KeyError, ValueError):
-            pass
         self._up.close()
-        self._up_out.clear()
-        self._up_decoder = FrameDecoder(SERVER_TYPES)
         self._answer_restarted()
-        for k, (held, m) in list(self._votes.items()):
-            del self._votes[k]
-            self._send(held, encode({"type": "error", "re": m["id"], "code": "coordinator_restarted",
-                                     "message": "the coordinator restarted while this vote was held"}))
+        if self._member is not None:
+            for (loc, cid), _ in self._member.abort_votes(None):
+                loc.send(encode({"type": "error", "re": cid, "code": "coordinator_restarted",
+                                 "message": "the coordinator restarted while this vote was held"}))
 
     def _answer_restarted(self) -> None:
         routes, self._routes = self._routes, {}
         for asked in routes.values():
             for loc, cid in asked:
-                self._send(loc, encode({"type": "error", "re": cid, "code": "coordinator_restarted",
-                                        "message": "the coordinator restarted while this request was in flight"}))
+                loc.send(encode({"type": "error", "re": cid, "code": "coordinator_restarted",
+                                 "message": "the coordinator restarted while this request was in flight"}))
+
+    def _give_up(self, why: str) -> None:
+        """Every rank gets ``coordinator_gone`` (its client gives up at once), then the relay ends."""
+        self._to_ranks(encode({"type": "error", "re": None, "code": "coordinator_gone", "message": why}))
+        self._end(why)
 
     def _try_reconnect(self) -> None:
-        assert self._lost_at is not None
+        assert self._lost_at is not None and self._outage_since is not None
         now = time.monotonic()
-        assert self._outage_since is not None
         if now - self._outage_since > self.reconnect_s:
-            gone = encode({"type": "error", "re": None, "code": "coordinator_gone",
-                           "message": f"the coordinator did not come back within {self.reconnect_s:g} s"})
-            for loc in list(self._by_rank.values()):
-                self._send(loc, gone)
-            self._end(f"the coordinator did not come back within {self.reconnect_s:g} s")
+            self._give_up(f"the coordinator did not come back within {self.reconnect_s:g} s")
             return
         if now < self._next_try:
             return
@@ -482,11 +446,9 @@ class Relay:
             up = socket.create_connection(self.upstream_addr, timeout=min(1.0, self.connect_timeout_s))
         except OSError:
             return
-        up.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
-        up.setblocking(False)
-        self._up, self._lost_at = up, None
-        self._sel.register(up, selectors.EVENT_READ, "up")
-        msg = {"type": "register", "token": self._token, "replica": self.replica_id, "join": self._join,
+        self._up, self._lost_at = FramedConn(up, SERVER_TYPES).register(self._sel, "up"), None
+        join = self._member.join if self._member is not None else False
+        msg = {"type": "register", "token": self._token, "replica": self.replica_id, "join": join,
                "ranks": self.ranks, "relay": True}
         if self._held["generation"] > 0:
             msg["resume"] = dict(self._held)
@@ -497,42 +459,12 @@ class Relay:
     def _send_up(self, msg: dict[str, Any]) -> None:
         if self._lost_at is not None:
             return  # the coordinator is away: nothing goes up until the relay registers again
-        self._up_out += encode(msg)
+        self._up.out += encode(msg)
         self._flush_up()
 
     def _flush_up(self) -> None:
-        try:
-            while self._up_out:
-                del self._up_out[:self._up.send(self._up_out)]
-        except (BlockingIOError, InterruptedError):
-            pass
-        except OSError as exc:
-            self._upstream_ended(f"the coordinator connection failed: {exc}")
-            return
-        self._want(self._up, "up", bool(self._up_out))
-
-    def _send(self, loc: _Local, frame: bytes) -> None:
-        loc.out += frame
-        self._flush(loc)
-
-    def _flush(self, loc: _Local) -> None:
-        try:
-            while loc.out:
-                del loc.out[:loc.sock.send(loc.out)]
-        except (BlockingIOError, InterruptedError):
-            pass
-        except OSError:
-            loc.out.clear()
-            return
-        self._want(loc.sock, loc, bool(loc.out))
-
-    def _want(self, sock: socket.socket, data: Any, write: bool) -> None:
-        want = selectors.EVENT_READ | (selectors.EVENT_WRITE if write else 0)
-        try:
-            if self._sel.get_key(sock).events != want:
-                self._sel.modify(sock, want, data)
-        except (KeyError, ValueError):
-            pass
+        if not self._up.flush():
+            self._upstream_ended("the coordinator connection failed")
 
     # ------------------------------------------------------------- endings
 
@@ -540,14 +472,11 @@ class Relay:
         if self.closed_why is None:
             self.closed_why = why
 
-    def _close_all(self, why: str) -> None:
+    def _close_all(self) -> None:
         """Closes upstream first (the coordinator fences the replica), then every rank: best effort
         to let pending output (a ``fenced`` error, the last replies) reach the ranks first."""
-        for sock in (self._up, self._listener):
-            try:
-                sock.close()
-            except OSError:
-                pass
+        self._up.close()
+        self._listener.close()
         for loc in list(self._locals):
             try:
                 loc.sock.setblocking(True)
@@ -556,12 +485,8 @@ class Relay:
                     loc.sock.sendall(loc.out)
             except OSError:
                 pass
-            loc.sock.close()
+            loc.close()
         self._locals.clear()
         self._sel.close()
         self._wake_r.close()
         self._wake_w.close()
-
-
-def _ballot(vote: dict[str, Any]) -> tuple[int, int, tuple[int, ...]]:
-    return vote["generation"], vote["step"], tuple(sorted(vote["ids"]))

@@ -41,13 +41,13 @@ import socket
 import threading
 import time
 from collections.abc import Callable
-from dataclasses import dataclass, field
 from datetime import timedelta
 from typing import Any
 
 from recover.coord import scale
+from recover.coord.conn import FramedConn
 from recover.coord.liveness import Liveness
-from recover.coord.protocol import CLIENT_TYPES, FrameDecoder, ProtocolError, encode
+from recover.coord.protocol import CLIENT_TYPES, ProtocolError, encode
 from recover.coord.ranks import Close, Out, RankAggregator, SendTo
 from recover.coord.state import MembershipState
 from recover.errors import ConfigError
@@ -57,16 +57,6 @@ MAX_OUTBUF = 4 << 20  # a peer that lets this much pile up unread is dropped
 MAX_CONNECTIONS = 4096
 """Connections accepted before :meth:`Coordinator.start` has read the open-files limit; from then on
 ``Coordinator.max_connections`` (that limit less :data:`recover.coord.scale.RESERVED_FDS`)."""
-
-
-@dataclass(eq=False)
-class _Conn:
-    """One socket; the object itself is the connection key the logic addresses."""
-
-    sock: socket.socket
-    decoder: FrameDecoder = field(default_factory=lambda: FrameDecoder(CLIENT_TYPES))
-    out: bytearray = field(default_factory=bytearray)
-    closed: bool = False
 
 
 WILDCARDS = ("", "0.0.0.0", "::")
@@ -135,7 +125,7 @@ class Coordinator:
         self._replies_sent = 0  # committed replies of the die_at_commit step sent so far
         self._tick_s = min(0.02, self.heartbeat_interval_s / 2)
         self._cond = threading.Condition()
-        self._conns: set[_Conn] = set()
+        self._conns: set[FramedConn] = set()
         self._stopping = False
         self._stop_job = False  # request_stop() was called: handed to the loop
         self._thread: threading.Thread | None = None
@@ -228,7 +218,7 @@ class Coordinator:
             pass
         self._thread.join(5.0)
         for conn in list(self._conns):
-            conn.sock.close()
+            conn.close()
         self._conns.clear()
         self._listener.close()
         self._wake_r.close()
@@ -299,9 +289,9 @@ class Coordinator:
             elif key.data == "wake":
                 self._drain_wake()
             else:
-                conn: _Conn = key.data
+                conn: FramedConn = key.data
                 if mask & selectors.EVENT_WRITE and not conn.closed:
-                    self._flush(conn)
+                    conn.flush()
                 if mask & selectors.EVENT_READ and not conn.closed:
                     self._read(conn, now)
 
@@ -323,28 +313,22 @@ class Coordinator:
                 sock.close()
                 self._log("refused", peer=peer, code="too_many_connections")
                 continue
-            sock.setblocking(False)
-            sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
-            conn = _Conn(sock)
+            conn = FramedConn(sock, CLIENT_TYPES).register(self._sel)
             self._conns.add(conn)
-            self._sel.register(sock, selectors.EVENT_READ, conn)
             self.aggregator.on_open(conn, peer, now)
 
-    def _read(self, conn: _Conn, now: float) -> None:
+    def _read(self, conn: FramedConn, now: float) -> None:
         agg = self.aggregator
         assert agg is not None
-        try:
-            data = conn.sock.recv(1 << 16)
-        except (BlockingIOError, InterruptedError):
+        data = conn.recv()
+        if data is None:
             return
-        except OSError:
-            data = b""
         if not data:
             self._run(agg.on_closed(conn, "connection_closed", now))
             return
         agg.on_heard(conn, now)
         try:
-            items = conn.decoder.feed(data)
+            items = conn.decode(data)
         except ProtocolError as exc:  # the stream is out of sync
             self._run(agg.on_bad_frame(conn, exc, now))
             return
@@ -382,7 +366,7 @@ class Coordinator:
             self._log("coordinator_killed", step=msg["step"], replies_sent=self._replies_sent)
             os.kill(os.getpid(), signal.SIGKILL)
 
-    def _send(self, conn: _Conn, frame: bytes) -> None:
+    def _send(self, conn: FramedConn, frame: bytes) -> None:
         if conn.closed:
             return
         conn.out += frame
@@ -390,31 +374,11 @@ class Coordinator:
             assert self.aggregator is not None
             self._run(self.aggregator.on_closed(conn, "slow_consumer", time.monotonic()))
             return
-        self._flush(conn)
+        conn.flush()
 
-    def _flush(self, conn: _Conn) -> None:
-        try:
-            while conn.out:
-                n = conn.sock.send(conn.out)
-                del conn.out[:n]
-        except (BlockingIOError, InterruptedError):
-            pass
-        except OSError:
-            conn.out.clear()
-        want = selectors.EVENT_READ | (selectors.EVENT_WRITE if conn.out else 0)
-        if self._sel.get_key(conn.sock).events != want:
-            self._sel.modify(conn.sock, want, conn)
-
-    def _close(self, conn: _Conn) -> None:
-        if conn.closed:
-            return
-        conn.closed = True
+    def _close(self, conn: FramedConn) -> None:
         self._conns.discard(conn)
-        try:
-            self._sel.unregister(conn.sock)
-        except (KeyError, ValueError):
-            pass
-        conn.sock.close()
+        conn.close()
 
     def _log(self, kind: str, **fields: Any) -> None:
         if self._events is not None:

@@ -49,7 +49,7 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 from typing import Any
 
-from recover.coord.protocol import Membership, Resume, speeds_to_wire
+from recover.coord.protocol import Ballot, Membership, Resume, speeds_to_wire
 from recover.workload.speeds import SpeedTracker
 
 AUDIT_TOLERANCE = 1e-5
@@ -258,13 +258,13 @@ class MembershipState:
             acts += self._check_round(now)
         return acts
 
-    def on_vote(self, replica: int, req_id: int, generation: int, step: int, ids: list[int],
-                now: float, mb_s: float | None = None, stop: bool = False, fp: str | None = None,
-                audit: dict[str, Any] | None = None) -> list[Action]:
-        """A member's commit vote; ``mb_s`` is the seconds per microbatch it measured in the step;
-        ``stop``: its process was asked to stop (the commit, if it happens, is a stop); ``fp``: the
-        fingerprint of its parameters (see :meth:`_check_fingerprints`); ``audit``: its value of the step's
-        audited microbatch, if it computed it (see :meth:`_check_audits`)."""
+    def on_vote(self, replica: int, req_id: int, ballot: Ballot, now: float) -> list[Action]:
+        """A member's commit vote (:class:`~recover.coord.protocol.Ballot`): its ``mb_s`` is the seconds
+        per microbatch it measured in the step; ``stop``: its process was asked to stop (the commit, if
+        it happens, is a stop); ``fp``: the fingerprint of its parameters (see :meth:`_check_fingerprints`);
+        ``audit``: its value of the step's audited microbatch, if it computed it (see :meth:`_check_audits`)."""
+        generation, step, ids = ballot.generation, ballot.step, ballot.ids
+        mb_s, stop, fp, audit = ballot.mb_s, ballot.stop, ballot.fp, ballot.audit
         cur = self.current
         if cur is None or generation != cur.generation or replica not in self._members:
             raise Refused("stale_generation",
@@ -276,7 +276,7 @@ class MembershipState:
             raise Refused("stale_step", f"step {step} is already committed (last {self.committed_step})")
         if replica in self.votes:
             raise Refused("duplicate_vote", f"replica {replica} already voted in generation {generation}")
-        self.votes[replica] = (req_id, step, tuple(sorted(ids)))
+        self.votes[replica] = (req_id, step, ids)
         acts: list[Action] = []
         if stop and not self.stop_requested:
             self.stop_requested = True
@@ -285,7 +285,7 @@ class MembershipState:
             self._mb_s[replica] = mb_s
         self._fps[replica] = fp
         if audit is not None:
-            self._audits[replica] = audit
+            self._audits[replica] = dict(audit)
         if len(self.votes) < len(cur.members):  # only members vote, once each: O(1), not O(members)
             return acts
         votes, self.votes = self.votes, {}

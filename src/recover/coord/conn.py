@@ -1,0 +1,107 @@
+"""One framed, non-blocking connection: bytes in decoded to messages, frames out buffered until sent.
+
+Contract: a :class:`FramedConn` wraps a connected socket (made non-blocking, ``TCP_NODELAY``) that a
+selector loop owns: the coordinator's server (:mod:`recover.coord.server`), a replica's relay
+(:mod:`recover.coord.relay`) and the bench's simulated clients (:mod:`recover.bench.simclients`).
+The loop calls :meth:`FramedConn.recv` when the socket is readable and :meth:`FramedConn.flush`
+when it is writable; :meth:`FramedConn.send` queues a frame (:func:`recover.coord.protocol.encode`)
+and writes what the socket takes at once.
+
+Invariants:
+  * Nothing blocks: what the socket does not take stays in :attr:`FramedConn.out`, and the selector
+    watches for writability exactly while it is not empty (:meth:`FramedConn.watch`).
+  * A failed write never raises: :meth:`FramedConn.flush` answers False and the caller decides
+    (the server and the relay's local side drop the output, the relay's upstream side reconnects).
+  * :meth:`FramedConn.recv` answers None when nothing is there yet, ``b""`` when the peer is gone.
+"""
+
+from __future__ import annotations
+
+import selectors
+import socket
+from typing import Any
+
+from recover.coord.protocol import FrameDecoder, ProtocolError
+
+
+class FramedConn:
+    """See the module docstring.
+
+    Args:
+        sock: a connected socket.
+        allowed: the message types this peer may send (:data:`~recover.coord.protocol.CLIENT_TYPES`
+            or :data:`~recover.coord.protocol.SERVER_TYPES`).
+    """
+
+    __slots__ = ("sock", "decoder", "out", "closed", "sel", "data")
+
+    def __init__(self, sock: socket.socket, allowed: frozenset[str] | None) -> None:
+        sock.setblocking(False)
+        sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
+        self.sock = sock
+        self.decoder = FrameDecoder(allowed)
+        self.out = bytearray()
+        self.closed = False
+        self.sel: selectors.BaseSelector | None = None
+        self.data: Any = self
+
+    def register(self, sel: selectors.BaseSelector, data: Any = None) -> FramedConn:
+        """Watches the socket for reading with ``sel`` (``data``: what the selector hands back)."""
+        self.sel, self.data = sel, self if data is None else data
+        sel.register(self.sock, selectors.EVENT_READ, self.data)
+        return self
+
+    def recv(self) -> bytes | None:
+        """What arrived: None when nothing yet, ``b""`` when the peer closed or the socket failed."""
+        try:
+            return self.sock.recv(1 << 16)
+        except (BlockingIOError, InterruptedError):
+            return None
+        except OSError:
+            return b""
+
+    def decode(self, data: bytes) -> list[dict[str, Any] | ProtocolError]:
+        """The messages (or refused frames) completed by ``data``. Raises ProtocolError when the stream
+        is out of sync."""
+        return self.decoder.feed(data)
+
+    def send(self, frame: bytes) -> bool:
+        """Queues ``frame`` and writes what the socket takes; False when the write failed."""
+        self.out += frame
+        return self.flush()
+
+    def flush(self) -> bool:
+        """Writes the pending output the socket takes now; False (output dropped) when it failed."""
+        try:
+            while self.out:
+                del self.out[:self.sock.send(self.out)]
+        except (BlockingIOError, InterruptedError):
+            pass
+        except OSError:
+            self.out.clear()
+            return False
+        self.watch()
+        return True
+
+    def watch(self) -> None:
+        """The selector watches for writability exactly while output is pending."""
+        if self.sel is None or self.closed:
+            return
+        want = selectors.EVENT_READ | (selectors.EVENT_WRITE if self.out else 0)
+        try:
+            if self.sel.get_key(self.sock).events != want:
+                self.sel.modify(self.sock, want, self.data)
+        except (KeyError, ValueError):
+            pass
+
+    def close(self) -> None:
+        """Stops watching and closes the socket. Idempotent."""
+        if self.closed:
+            return
+        self.closed = True
+        if self.sel is not None:
+            try:
+                self.sel.unregister(self.sock)
+            except (KeyError, ValueError):
+                pass
+        self.sock.close()
