@@ -34,9 +34,9 @@ import time
 from dataclasses import dataclass, field
 from typing import Any
 
-from recover.coord.protocol import SERVER_TYPES, FrameDecoder, ProtocolError, encode
+from recover.coord.conn import FramedConn
+from recover.coord.protocol import SERVER_TYPES, ProtocolError, encode
 
-_SERVER_TYPES = SERVER_TYPES
 CONNECT_CHUNK = 64
 """Connections opened between two turns of serving those already open."""
 
@@ -49,9 +49,7 @@ class SimConn:
     rank: int
     ranks: int
     relay: bool
-    sock: socket.socket | None = None
-    decoder: FrameDecoder = field(default_factory=lambda: FrameDecoder(_SERVER_TYPES))
-    out: bytearray = field(default_factory=bytearray)
+    wire: FramedConn | None = None
     ids: Any = field(default_factory=lambda: itertools.count(1))
     got: dict[int, float] = field(default_factory=dict)  # generation -> when its membership arrived
     newest: int = 0
@@ -86,10 +84,7 @@ class Sim:
             if i % CONNECT_CHUNK == 0 and i:
                 self.pump(0.0)
             sock = socket.create_connection((self.host, self.port), timeout=60)
-            sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
-            sock.setblocking(False)
-            c.sock = sock
-            self.sel.register(sock, selectors.EVENT_READ, c)
+            c.wire = FramedConn(sock, SERVER_TYPES).register(self.sel, c)
             reg: dict[str, Any] = {"type": "register", "token": self.token, "replica": c.replica, "join": False,
                                    "ranks": c.ranks, "id": next(c.ids)}
             if c.relay:
@@ -101,50 +96,33 @@ class Sim:
 
     # ------------------------------------------------------------ I/O
 
-    def _send(self, c: SimConn, msg: dict[str, Any] | bytes) -> None:
-        if c.dead or c.sock is None:
+    def _send(self, c: SimConn, msg: dict[str, Any]) -> None:
+        if c.dead or c.wire is None:
             return
-        c.out += msg if isinstance(msg, bytes) else encode(msg)
-        self._flush(c)
-
-    def _flush(self, c: SimConn) -> None:
-        assert c.sock is not None
-        try:
-            while c.out:
-                n = c.sock.send(c.out)
-                del c.out[:n]
-        except (BlockingIOError, InterruptedError):
-            pass
-        except OSError:
+        if not c.wire.send(encode(msg)):
             self._lose(c)
-            return
-        want = selectors.EVENT_READ | (selectors.EVENT_WRITE if c.out else 0)
-        if self.sel.get_key(c.sock).events != want:
-            self.sel.modify(c.sock, want, c)
 
     def _lose(self, c: SimConn) -> None:
         if c.dead:
             return
         c.dead = True
-        if c.sock is not None:
-            try:
-                self.sel.unregister(c.sock)
-            except (KeyError, ValueError):
-                pass
-            c.sock.close()
+        if c.wire is not None:
+            c.wire.close()
 
     def _read(self, c: SimConn, now: float) -> None:
-        assert c.sock is not None
-        try:
-            data = c.sock.recv(1 << 16)
-        except (BlockingIOError, InterruptedError):
+        assert c.wire is not None
+        data = c.wire.recv()
+        if data is None:
             return
-        except OSError:
-            data = b""
         if not data:
             self._lose(c)
             return
-        for msg in c.decoder.feed(data):
+        try:
+            items = c.wire.decode(data)
+        except ProtocolError:
+            self._lose(c)
+            return
+        for msg in items:
             if isinstance(msg, ProtocolError):
                 self._lose(c)
                 return
@@ -224,8 +202,8 @@ class Sim:
                 ctrl.send(self.command(cmd))
                 continue
             c: SimConn = key.data
-            if mask & selectors.EVENT_WRITE and not c.dead:
-                self._flush(c)
+            if mask & selectors.EVENT_WRITE and not c.dead and c.wire is not None and not c.wire.flush():
+                self._lose(c)
             if mask & selectors.EVENT_READ and not c.dead:
                 self._read(c, now)
         now = time.monotonic()
