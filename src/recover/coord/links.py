@@ -55,6 +55,11 @@ class LinkJudge(Generic[H]):
         held = self._held.setdefault(generation, _Held(now))
         held.reports.setdefault(replica, []).append((handle, suspects))
 
+    @property
+    def holding(self) -> bool:
+        """Whether any report is held."""
+        return bool(self._held)
+
     def pause(self, stall_s: float) -> None:
         """The caller was not running for ``stall_s``: the grace moves on by the gap."""
         for held in self._held.values():

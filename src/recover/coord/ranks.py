@@ -452,6 +452,8 @@ class RankAggregator:
     def _settle_links(self, now: float) -> None:
         """The link rule's verdicts (:mod:`recover.coord.links`): the implicated replica is fenced, then
         every held report goes to the state."""
+        if not self.links.holding:
+            return
         current = self.state.current
         members = [m for m in (current.members if current else ()) if m in self._slots]
         for v in self.links.settle(now, self.state.generation, not self.state.failing, members):
