@@ -194,7 +194,7 @@ def test_buffered_rank_vote_is_aborted_when_another_replica_dies(coord: Coordina
         deadline = time.monotonic() + 10
         while True:  # a[0]'s vote waits for a[1]'s in the coordinator
             with coord._cond:
-                if list(coord.aggregator.slots[0].votes) == [0]:
+                if list(coord.aggregator.slots[0].member.held) == [0]:
                     break
             assert time.monotonic() < deadline, "the vote never reached the coordinator"
             time.sleep(0.01)
