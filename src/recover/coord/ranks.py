@@ -1,53 +1,39 @@
 """The coordinator's connection logic: authentication, timeouts and per-replica rank aggregation.
 
-Pure: no sockets, no threads, no clock (every event carries ``now``). The server owns the sockets
-and names each connection by an opaque hashable key; it feeds one :class:`RankAggregator` from one
-thread, in the order it observes them, with these events:
-
-  ``on_open(conn, peer, now)``           a connection was accepted (``peer`` is only for logs);
-  ``on_heard(conn, now)``                bytes arrived on it (any bytes count as a heartbeat);
-  ``on_message(conn, msg, now)``         a schema-valid client message was decoded;
-  ``on_bad_frame(conn, error, now)``     a :class:`~recover.coord.protocol.ProtocolError` instead;
-  ``on_closed(conn, cause, now)``        the connection is gone (EOF, a slow consumer, ...);
-  ``on_tick(now)``                       time passed: register and heartbeat timeouts, ack deadlines;
-
-and carries out the actions each returns, in order: :class:`SendTo` (queue a message on a
-connection), :class:`Close` (close it; a fenced connection gets its ``error`` first) and
-:class:`~recover.coord.state.Log` (an ``events.jsonl`` record). The membership itself stays per
-replica, in the :class:`~recover.coord.state.MembershipState` this object wraps and alone drives.
+Pure: no sockets, no threads, no clock (every event carries ``now``). The server owns the sockets,
+names each connection by an opaque hashable key, feeds one :class:`RankAggregator` from one thread
+in the order it observes them (``on_open``, ``on_heard``: any bytes count as a heartbeat,
+``on_message``, ``on_bad_frame``, ``on_closed``, ``on_tick``, ``on_resumed``, ``on_stop_requested``)
+and carries out the actions each returns, in order (:mod:`recover.coord.slots`: ``SendTo``,
+``Close``; a :class:`~recover.coord.state.Log` record). The membership stays in the
+:class:`~recover.coord.state.MembershipState` this object wraps and alone drives.
 
 Invariants:
-  * A connection's first message must be a ``register`` with the right token; anything else is
-    refused (``error`` reply, ``refused`` log) and the connection closed. So is a connection that
-    does not register within ``register_timeout_s``, or one whose stream is out of sync. A bad
-    message on a registered connection is refused and the connection stays.
-  * Each rank k of replica R registers on its own connection with ``rank=k, ranks=P``. R reaches the
-    state once, when all P ranks have (same P and ``join``); a duplicate rank, a different P or
-    ``join``, or an R already alive is refused and that connection closed.
-  * Or one connection carries all P ranks of R (a *relay*: ``register`` with ``relay=true``); then
-    each message names the ``rank`` it speaks for (none: every rank of R), the same rules hold per
-    rank, pushes and shared replies go once per connection, and a rank's silence is that of its
-    entries in the batched ``hbs`` heartbeats (bytes on the connection prove only the relay alive).
-  * Timeouts (heartbeat, registration, hangs) are judged on a coarser clock (``scan_s``,
-    :func:`recover.coord.scale.scan_interval`), not at every tick: at most one scan late.
-  * Every request forwarded to the state gets a unique id; the state's reply goes back to exactly
-    the connection(s) that asked, each with its own request id. Pushes go to all P ranks.
-  * ``ack`` and ``vote`` follow the rule "the P ranks are one member" (:mod:`recover.coord.member`):
-    ``ack`` of g reaches the state once all P acked g; ``vote`` once all P voted the same ballot
-    (the reply goes to all P), unless the state would refuse or abort it anyway (then at once, for
-    that rank alone). Ranks that vote differently fence the replica. ``failing`` and ``membership``
-    pushes answer the votes still buffered for the generations they end ``aborted``. ``report``
-    and ``nonfinite`` go to the state at once (reply to that rank).
+  * A connection's first message must be a ``register`` with the right token that passes
+    :func:`~recover.coord.slots.check_register`; anything else is refused (``error`` reply,
+    ``refused`` log) and the connection closed. So is a connection that does not register within
+    ``register_timeout_s``, or one whose stream is out of sync. A bad message on a registered
+    connection is refused and the connection stays.
+  * Rank k of replica R registers on its own connection (``rank=k, ranks=P``), or one connection
+    carries all P (a *relay*, ``relay=true``: messages name the ``rank`` they speak for, none for
+    every rank; a rank's silence is that of its entries in the batched ``hbs`` heartbeats). R reaches
+    the state once all P registered. Pushes and shared replies go once per connection.
+  * ``register``, ``ack`` and ``vote`` follow the rule "the P ranks are one member"
+    (:mod:`recover.coord.member`); a vote the state would refuse or abort anyway goes to it at once,
+    for that rank alone. Ranks that vote differently fence the replica. ``failing`` and
+    ``membership`` pushes answer the votes still held for the generations they end ``aborted``.
+    ``report`` and ``nonfinite`` go to the state at once. Every request forwarded to the state gets
+    a unique id; its reply goes back to exactly the connection(s) that asked, each with its own id.
   * A ``report`` that a collective of the current generation timed out fences the members that never
     reached it (computing or in io, by their heartbeats). When every member reached it (a broken
-    link), the reports are held and judged by the link rule (:mod:`recover.coord.links`): the
-    replica it implicates is fenced.
+    link), the reports are held and judged by the link rule (:mod:`recover.coord.links`).
+  * Timeouts (heartbeat, registration, hangs) are judged on a coarser clock (``scan_s``,
+    :func:`recover.coord.scale.scan_interval`), not at every tick: at most one scan late.
   * Any rank's connection closing, its silence beyond ``heartbeat_timeout_s`` (counted from the
     replica's registration), its lack of progress while others wait for it (a *hung* replica,
-    :mod:`recover.coord.liveness`: heartbeats carry each rank's progress counter and activity), or
-    its fencing fences all the replica's other ranks (each gets the
-    ``fenced`` error, then is closed) and tells the state once that R is dead. A replica the state
-    never heard of (not all ranks registered yet) is only logged as ``register_abandoned``.
+    :mod:`recover.coord.liveness`), or its fencing fences all the replica's other ranks (each gets
+    the ``fenced`` error, then is closed) and tells the state once that R is dead. A replica the
+    state never heard of (not all ranks registered yet) is only logged as ``register_abandoned``.
 """
 
 from __future__ import annotations
@@ -55,77 +41,17 @@ from __future__ import annotations
 import hmac
 import itertools
 from collections.abc import Callable, Hashable, Mapping
-from dataclasses import dataclass, field
 from types import MappingProxyType
 from typing import Any
 
 from recover.coord.links import LinkJudge
 from recover.coord.liveness import Liveness
-from recover.coord.member import Agreed, Disagreed, Member
-from recover.coord.protocol import Ballot, ProtocolError, Resume, batch_beats, register_ranks
+from recover.coord.member import Agreed, Disagreed
+from recover.coord.protocol import Ballot, ProtocolError, Resume, batch_beats
+from recover.coord.slots import Close, Link, Out, SendTo, Slot, check_register, replica_resume
 from recover.coord.state import Action, Fence, Log, MembershipState, Refused, Send
 
 LINK_GRACE_S = 5.0
-
-
-@dataclass(frozen=True)
-class SendTo:
-    """Queue ``msg`` on connection ``conn``."""
-
-    conn: Hashable
-    msg: dict[str, Any]
-
-
-@dataclass(frozen=True)
-class Close:
-    """Close connection ``conn``; the logic will not address it again."""
-
-    conn: Hashable
-
-
-Out = SendTo | Close | Log
-
-
-@dataclass(eq=False)
-class _Link:
-    """One connection as the logic knows it."""
-
-    conn: Hashable
-    peer: str
-    opened: float
-    last_seen: float
-    replica: int | None = None  # set once its register is accepted (its replica may still wait for ranks)
-    rank: int = 0
-    closed: bool = False
-    relay: bool = False  # carries every rank of its replica (one connection per replica)
-
-
-Asked = tuple[_Link, int]
-"""A request: the connection that sent it and its own request id."""
-
-
-@dataclass(eq=False)
-class Slot:
-    """The connections of one replica, by rank, and its ranks as one member. The state hears of the
-    replica (``registered``) once all ``ranks`` ranks registered; the slot is dropped as a whole when
-    any of them goes."""
-
-    replica: int
-    ranks: int
-    join: bool
-    links: dict[int, _Link] = field(default_factory=dict)
-    registered: bool = False
-    resume: dict[int, Resume] = field(default_factory=dict)  # rank -> what it holds (a restarted coordinator)
-    routes: dict[int, list[Asked]] = field(default_factory=dict)  # forwarded id -> who asked
-    seen: dict[int, float] = field(default_factory=dict)  # relay: rank -> its newest entry in a batched heartbeat
-    conns: list[_Link] = field(default_factory=list)  # its distinct connections (a relay: one), for pushes
-    member: Member[Asked] = field(init=False)
-
-    def __post_init__(self) -> None:
-        self.member = Member(self.replica, self.ranks, self.join)
-
-    def who(self, rank: int) -> str:
-        return self.member.who(rank)
 
 
 class RankAggregator:
@@ -153,12 +79,12 @@ class RankAggregator:
         self.heartbeat_timeout_s = heartbeat_timeout_s
         self.register_timeout_s = register_timeout_s
         self.liveness = liveness or Liveness()
-        self._links: dict[Hashable, _Link] = {}
+        self._links: dict[Hashable, Link] = {}
         self._slots: dict[int, Slot] = {}
         self._ids = itertools.count(1)  # ids of forwarded requests: those of different ranks collide
         self._out: list[Out] = []
         self._now = 0.0  # the time of the event whose actions are being applied
-        self.links = LinkJudge[tuple[_Link, dict[str, Any]]](link_grace_s)  # timed-out reports held
+        self.links = LinkJudge[tuple[Link, dict[str, Any]]](link_grace_s)  # timed-out reports held
         self.heartbeat_s = heartbeat_s
         self.scan_s = scan_s
         self._next_scan = float("-inf")
@@ -178,7 +104,7 @@ class RankAggregator:
 
     def on_open(self, conn: Hashable, peer: str, now: float) -> None:
         """A new connection ``conn`` from ``peer``; it must register within ``register_timeout_s``."""
-        self._links[conn] = _Link(conn, peer, now, now)
+        self._links[conn] = Link(conn, peer, now, now)
 
     def on_heard(self, conn: Hashable, now: float) -> None:
         """Bytes arrived on ``conn``: it is not silent."""
@@ -261,7 +187,7 @@ class RankAggregator:
 
     # ------------------------------------------------------------- requests
 
-    def _authenticate(self, link: _Link, msg: dict[str, Any], now: float) -> None:
+    def _authenticate(self, link: Link, msg: dict[str, Any], now: float) -> None:
         req = msg.get("id")
         if msg["type"] != "register":
             self._refuse(link, "unauthenticated", "the first message must be register", req, True, now)
@@ -270,14 +196,14 @@ class RankAggregator:
         else:
             self._register(link, msg, now)
 
-    def _handle(self, link: _Link, msg: dict[str, Any], now: float) -> None:
+    def _handle(self, link: Link, msg: dict[str, Any], now: float) -> None:
         assert link.replica is not None
         slot = self._slots.get(link.replica)
         if slot is None or slot.links.get(link.rank) is not link:
             return  # its replica is gone; the connection is being closed
         kind = msg["type"]
         try:
-            ranks = self._ranks_of(slot, link, msg)
+            ranks = slot.ranks_of(link, msg)
             if kind == "hb":
                 if link.relay:
                     raise Refused("not_batched", "a relay connection heartbeats with hbs (one entry per rank)")
@@ -317,21 +243,7 @@ class RankAggregator:
         except Refused as ref:
             self._refuse(link, ref.code, ref.message, msg.get("id"), False, now)
 
-    def _ranks_of(self, slot: Slot, link: _Link, msg: dict[str, Any]) -> tuple[int, ...]:
-        """The ranks a message speaks for: its connection's rank, or on a relay the ``rank`` it names
-        (none: every rank of the replica). Raises Refused ``bad_rank``."""
-        rank = msg.get("rank")
-        if not link.relay:
-            if rank is not None and rank != link.rank:
-                raise Refused("bad_rank", f"this connection is {slot.who(link.rank)}, not rank {rank}")
-            return (link.rank,)
-        if rank is None:
-            return slot.member.every
-        if not 0 <= rank < slot.ranks:
-            raise Refused("bad_rank", f"rank must be in 0..{slot.ranks - 1} for replica {slot.replica}, got {rank}")
-        return (rank,)
-
-    def _beats(self, slot: Slot, link: _Link, msg: dict[str, Any], now: float) -> None:
+    def _beats(self, slot: Slot, link: Link, msg: dict[str, Any], now: float) -> None:
         """A relay's batched heartbeat: each rank named in it is heard; the connection is as silent as
         its most silent rank."""
         try:
@@ -344,11 +256,11 @@ class RankAggregator:
                 self.liveness.heartbeat(slot.replica, k, progress, activity, now, generation)
         link.last_seen = min(slot.seen.values())
 
-    def _register(self, link: _Link, msg: dict[str, Any], now: float) -> None:
+    def _register(self, link: Link, msg: dict[str, Any], now: float) -> None:
         """Rank ``rank`` of replica ``r`` registers; the state hears of ``r`` once all its ranks did."""
         r, join, req, relay = msg["replica"], msg["join"], msg["id"], bool(msg.get("relay"))
         try:
-            rank, ranks = self._check_register(r, join, msg)
+            rank, ranks = check_register(msg, self._slots.get(r), self.state.is_live(r))
             resume = Resume.from_wire(msg["resume"]) if msg.get("resume") is not None else None
         except ProtocolError as exc:
             self._refuse(link, exc.code, f"replica {r}: {exc.message}", req, True, now)
@@ -373,30 +285,10 @@ class RankAggregator:
         if relay:
             slot.seen = dict.fromkeys(range(ranks), now)
         self.liveness.start(r, ranks, now)
-        held = _replica_resume(slot.resume.values())
+        held = replica_resume(slot.resume.values())
         self._forward(slot, asked, True, now, lambda i: self.state.on_register(r, join, i, now, held))
 
-    def _check_register(self, r: int, join: bool, msg: dict[str, Any]) -> tuple[int, int]:
-        """``(rank, ranks)`` of a register of replica ``r``. Raises Refused."""
-        if r < 0:
-            raise Refused("bad_replica", f"replica id must be >= 0, got {r}")
-        try:
-            rank, ranks = register_ranks(msg)
-        except ProtocolError as exc:
-            raise Refused(exc.code, f"replica {r}: {exc.message}") from None
-        slot = self._slots.get(r)
-        if self.state.is_live(r) or (slot is not None and slot.registered):
-            raise Refused("duplicate_replica", f"replica {r} is already registered and alive")
-        if slot is not None and msg.get("relay"):
-            raise Refused("rank_mismatch", f"a relay registers every rank of replica {r}, but its rank(s) "
-                                           f"{sorted(slot.links)} registered on connections of their own")
-        if msg.get("relay") and "rank" in msg:
-            raise Refused("bad_rank", f"a relay of replica {r} speaks for all its ranks: its register names no rank")
-        if slot is not None:
-            slot.member.check_register(rank, ranks, join)
-        return rank, ranks
-
-    def _forward(self, slot: Slot, asked: list[tuple[_Link, int]], fatal: bool, now: float,
+    def _forward(self, slot: Slot, asked: list[tuple[Link, int]], fatal: bool, now: float,
                  call: Callable[[int], list[Action]]) -> None:
         """Calls the state with a fresh request id whose reply goes to ``asked`` (each connection
         with its own id); a refusal goes to each of them (and closes them if ``fatal``)."""
@@ -416,7 +308,7 @@ class RankAggregator:
         if slot.member.ack(ranks, generation):
             self._apply(self.state.on_ack(slot.replica, generation, now), now)
 
-    def _vote(self, slot: Slot, link: _Link, ranks: tuple[int, ...], msg: dict[str, Any], now: float) -> None:
+    def _vote(self, slot: Slot, link: Link, ranks: tuple[int, ...], msg: dict[str, Any], now: float) -> None:
         """Gathers the vote of ``ranks`` (:mod:`recover.coord.member`); the member's one vote to the state."""
         r, ballot = slot.replica, Ballot.from_wire(msg)
         if ballot.generation == self.state.generation:
@@ -469,7 +361,7 @@ class RankAggregator:
                 for link, msg in reports:
                     self._report(r, link, msg, now)
 
-    def _report(self, r: int, link: _Link, msg: dict[str, Any], now: float) -> None:
+    def _report(self, r: int, link: Link, msg: dict[str, Any], now: float) -> None:
         """A held report to the state, if its connection still speaks for replica ``r``."""
         slot = self._slots.get(r)
         if slot is not None and slot.links.get(link.rank) is link:
@@ -520,11 +412,11 @@ class RankAggregator:
 
     # --------------------------------------------------------------- endings
 
-    def _fence(self, link: _Link, reason: str, cause: str, now: float) -> None:
+    def _fence(self, link: Link, reason: str, cause: str, now: float) -> None:
         self._send(link, _fenced(reason))
         self._drop(link, cause, now, detail=reason)
 
-    def _drop(self, link: _Link, cause: str, now: float, detail: str = "") -> None:
+    def _drop(self, link: Link, cause: str, now: float, detail: str = "") -> None:
         """Closes ``link``; if it belonged to a replica, that whole replica is dead (see ``_kill``)."""
         if link.closed:
             return
@@ -533,7 +425,7 @@ class RankAggregator:
         if slot is not None and slot.links.get(link.rank) is link:
             self._kill(slot, cause, detail, now, first=link)
 
-    def _kill(self, slot: Slot, cause: str, detail: str, now: float, first: _Link | None = None) -> None:
+    def _kill(self, slot: Slot, cause: str, detail: str, now: float, first: Link | None = None) -> None:
         """Replica ``slot`` is dead: fences every connection of it (but ``first``, already gone) and
         tells the state once (unless it never heard of the replica)."""
         r = slot.replica
@@ -553,7 +445,7 @@ class RankAggregator:
             self._log("fenced", replica=r, reason=detail)
         self._apply(self.state.on_dead(r, cause, now), now)
 
-    def _refuse(self, link: _Link, code: str, message: str, re: Any, fatal: bool, now: float) -> None:
+    def _refuse(self, link: Link, code: str, message: str, re: Any, fatal: bool, now: float) -> None:
         self._log("refused", peer=link.peer, replica=link.replica, code=code, message=message, closed=fatal)
         self._send(link, {"type": "error", "re": re if isinstance(re, int) else None, "code": code,
                           "message": message})
@@ -562,11 +454,11 @@ class RankAggregator:
 
     # ----------------------------------------------------------------- output
 
-    def _send(self, link: _Link, msg: dict[str, Any]) -> None:
+    def _send(self, link: Link, msg: dict[str, Any]) -> None:
         if not link.closed:
             self._out.append(SendTo(link.conn, msg))
 
-    def _close(self, link: _Link) -> None:
+    def _close(self, link: Link) -> None:
         link.closed = True
         self._links.pop(link.conn, None)
         self._out.append(Close(link.conn))
@@ -577,17 +469,6 @@ class RankAggregator:
     def _take(self) -> list[Out]:
         out, self._out = self._out, []
         return out
-
-
-def _replica_resume(held: Any) -> Resume | None:
-    """What a replica of several ranks holds: the least any of its ranks committed (a rank that missed
-    a commit makes the whole replica behind), with the newest generation any of them knows."""
-    held = list(held)
-    if not held:
-        return None
-    least = min(held, key=lambda r: r.committed)
-    newest = max(held, key=lambda r: r.generation)
-    return Resume(newest.generation, newest.members, least.committed, least.speeds)
 
 
 def _fenced(reason: str) -> dict[str, Any]:

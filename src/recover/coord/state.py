@@ -153,7 +153,7 @@ class MembershipState:
         return replica in self.live
 
     def accepts_vote(self, replica: int, generation: int, step: int) -> bool:
-        """True when ``on_vote(replica, _, generation, step, ...)`` would record the vote and wait
+        """True when ``on_vote`` of a ballot of ``generation`` and ``step`` would record the vote and wait
         for the other members; False when it would refuse it or answer ``aborted`` at once."""
         cur = self.current
         return (cur is not None and generation == cur.generation and replica in self._members
