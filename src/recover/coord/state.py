@@ -49,12 +49,9 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 from typing import Any
 
+from recover.coord.integrity import audit_sides, fingerprint_sides
 from recover.coord.protocol import Ballot, Membership, Resume, speeds_to_wire
 from recover.workload.speeds import SpeedTracker
-
-AUDIT_TOLERANCE = 1e-5
-"""Relative difference of the audited gradient's norm tolerated outside deterministic mode, unless the
-audits name a larger one (``tol``: their compute dtype's, e.g. bfloat16's)."""
 
 
 @dataclass(frozen=True)
@@ -120,9 +117,8 @@ class MembershipState:
         self.pending_join: set[int] = set()
         self.fresh: set[int] = set()  # admitted since the last commit: may still need state
         self.round: _Round | None = None
-        self.votes: dict[int, tuple[int, int, tuple[int, ...]]] = {}
+        self.votes: dict[int, tuple[int, Ballot]] = {}  # member -> (its request id, its ballot)
         self.speeds = speeds or SpeedTracker()
-        self._mb_s: dict[int, float] = {}  # the measured seconds per microbatch of the pending votes
         self.stop_requested = False
         self.stopped = False  # a stop was committed: the job is ending
         self.rebuild_window_s = rebuild_window_s
@@ -132,8 +128,6 @@ class MembershipState:
         self._resync = False  # generations until the next commit carry ``resync`` (a restart's transfer)
         self.late: set[int] = set()  # replicas that came back after the rebuild, waiting to be admitted
         self.left: set[int] = set()  # replicas that said goodbye (their departure is no failure)
-        self._fps: dict[int, str | None] = {}  # the parameter fingerprints of the pending votes
-        self._audits: dict[int, dict[str, Any]] = {}  # the audit values of the pending votes
         self._nonfinite: dict[tuple[int, int], set[int]] = {}  # (step, id) -> replicas it was not finite on
         self._members: frozenset[int] = frozenset()  # the current generation's, for O(1) lookups
 
@@ -261,10 +255,9 @@ class MembershipState:
     def on_vote(self, replica: int, req_id: int, ballot: Ballot, now: float) -> list[Action]:
         """A member's commit vote (:class:`~recover.coord.protocol.Ballot`): its ``mb_s`` is the seconds
         per microbatch it measured in the step; ``stop``: its process was asked to stop (the commit, if
-        it happens, is a stop); ``fp``: the fingerprint of its parameters (see :meth:`_check_fingerprints`);
-        ``audit``: its value of the step's audited microbatch, if it computed it (see :meth:`_check_audits`)."""
-        generation, step, ids = ballot.generation, ballot.step, ballot.ids
-        mb_s, stop, fp, audit = ballot.mb_s, ballot.stop, ballot.fp, ballot.audit
+        it happens, is a stop); ``fp`` and ``audit`` are compared across the members
+        (:mod:`recover.coord.integrity`, :meth:`_split`)."""
+        generation, step = ballot.generation, ballot.step
         cur = self.current
         if cur is None or generation != cur.generation or replica not in self._members:
             raise Refused("stale_generation",
@@ -276,38 +269,46 @@ class MembershipState:
             raise Refused("stale_step", f"step {step} is already committed (last {self.committed_step})")
         if replica in self.votes:
             raise Refused("duplicate_vote", f"replica {replica} already voted in generation {generation}")
-        self.votes[replica] = (req_id, step, ids)
+        self.votes[replica] = (req_id, ballot)
         acts: list[Action] = []
-        if stop and not self.stop_requested:
+        if ballot.stop and not self.stop_requested:
             self.stop_requested = True
             acts.append(Log("stop_requested", {"replica": replica, "step": step}))
-        if mb_s is not None:
-            self._mb_s[replica] = mb_s
-        self._fps[replica] = fp
-        if audit is not None:
-            self._audits[replica] = dict(audit)
         if len(self.votes) < len(cur.members):  # only members vote, once each: O(1), not O(members)
             return acts
         votes, self.votes = self.votes, {}
-        measured, self._mb_s = self._mb_s, {}
-        fps, self._fps = self._fps, {}
-        audits, self._audits = self._audits, {}
-        ballots = {(s, i) for _, s, i in votes.values()}
-        if len(ballots) != 1:
+        ballots = {r: b for r, (_, b) in votes.items()}
+        if len({(b.step, b.ids) for b in ballots.values()}) != 1:
             acts += [Log("vote_disagreement", {"generation": generation, "ballots": {
-                str(r): {"step": s, "ids": len(i)} for r, (_, s, i) in votes.items()}})]
+                str(r): {"step": b.step, "ids": len(b.ids)} for r, b in ballots.items()}})]
             acts += [Send(r, {"type": "aborted", "re": rid, "generation": generation,
-                              "reason": "commit vote disagreement"}) for r, (rid, _, _) in votes.items()]
+                              "reason": "commit vote disagreement"}) for r, (rid, _) in votes.items()]
             return acts + self._start_round("commit vote disagreement", now) + self._check_round(now)
-        if (split := self._check_fingerprints(generation, step, votes, fps)) is not None:
+        if (split := self._check_integrity(generation, step, votes, ballots)) is not None:
             return acts + split
-        if (split := self._check_audits(generation, step, votes, audits)) is not None:
-            return acts + split
+        return acts + self._commit(ballot, votes, now)
+
+    def _check_integrity(self, generation: int, step: int, votes: dict[int, tuple[int, Ballot]],
+                         ballots: dict[int, Ballot]) -> list[Action] | None:
+        """Silent data corruption: the parameter fingerprints, then the audited gradients
+        (:mod:`recover.coord.integrity`), each split by :meth:`_split`; None when all agree."""
+        sides = fingerprint_sides(ballots)
+        if sides is not None and (split := self._split(generation, step, votes, sides, "divergent",
+                                                       "its parameters")) is not None:
+            return split
+        audited = audit_sides(ballots)
+        return None if audited is None else self._split(generation, step, votes, audited[0], "audit", audited[1])
+
+    def _commit(self, ballot: Ballot, votes: dict[int, tuple[int, Ballot]], now: float) -> list[Action]:
+        """Every member voted ``ballot``'s step and ids alike: the step is committed."""
+        assert self.current is not None
+        generation, step, ids = ballot.generation, ballot.step, ballot.ids
         self.committed_step = step
         self.fresh.clear()
         self._resync = False
-        acts.append(Log("commit", {"generation": generation, "step": step, "ids": len(ids)}))
-        acts += self._observe_speeds(step, len(ids), cur.members, measured)
+        acts: list[Action] = [Log("commit", {"generation": generation, "step": step, "ids": len(ids)})]
+        measured = {r: b.mb_s for r, (_, b) in votes.items() if b.mb_s is not None}
+        acts += self._observe_speeds(step, len(ids), self.current.members, measured)
         new_gen = None
         if self.stop_requested:
             acts += self._stop(step)
@@ -315,46 +316,11 @@ class MembershipState:
             acts += self._admit_joiners(now)
             new_gen = self.generation
         speeds = speeds_to_wire(self.speeds.planned)
-        acts += [Send(r, {"type": "committed", "re": rid, "generation": generation, "step": step,
-                          "new_generation": new_gen, "speeds": speeds, "stop": self.stopped})
-                 for r, (rid, _, _) in votes.items()]
-        return acts
+        return acts + [Send(r, {"type": "committed", "re": rid, "generation": generation, "step": step,
+                                "new_generation": new_gen, "speeds": speeds, "stop": self.stopped})
+                       for r, (rid, _) in votes.items()]
 
-    def _check_fingerprints(self, generation: int, step: int, votes: dict[int, tuple[int, int, tuple[int, ...]]],
-                            fps: dict[int, str | None]) -> list[Action] | None:
-        """Silent data corruption: when the members' parameter fingerprints differ, nothing is committed
-        (see :meth:`_split`). None when all agree, or when not every member sent one."""
-        held = {r: f for r, f in fps.items() if f is not None}
-        if len(held) < len(votes):
-            return None
-        sides: dict[str, list[int]] = {}
-        for r, f in sorted(held.items()):
-            sides.setdefault(f, []).append(r)
-        return self._split(generation, step, votes, sides, "divergent", "its parameters")
-
-    def _check_audits(self, generation: int, step: int, votes: dict[int, tuple[int, int, tuple[int, ...]]],
-                      audits: dict[int, dict[str, Any]]) -> list[Action] | None:
-        """Corrupted arithmetic: the replicas that computed the audited microbatch compare their gradients
-        (fingerprints when ``exact``, else norms within the largest relative ``tol`` they name, 1e-5 by
-        default); see :meth:`_split`."""
-        if len(audits) < 2:
-            return None
-        sides: dict[str, list[int]] = {}
-        if all(a.get("exact") for a in audits.values()):
-            for r, a in sorted(audits.items()):
-                sides.setdefault(str(a["fp"]), []).append(r)
-        else:
-            first, tol = 0.0, max(float(a.get("tol", AUDIT_TOLERANCE)) for a in audits.values())
-            for r, a in sorted(audits.items(), key=lambda kv: kv[1]["norm"]):
-                n = float(a["norm"])
-                if not sides or abs(n - first) > tol * max(abs(first), 1e-30):
-                    first = n
-                    sides[f"norm {n:.9g}"] = []
-                sides[f"norm {first:.9g}"].append(r)
-        what = f"its gradient of the audited microbatch {next(iter(audits.values()))['id']}"
-        return self._split(generation, step, votes, sides, "audit", what)
-
-    def _split(self, generation: int, step: int, votes: dict[int, tuple[int, int, tuple[int, ...]]],
+    def _split(self, generation: int, step: int, votes: dict[int, tuple[int, Ballot]],
                sides: dict[str, list[int]], kind: str, what: str) -> list[Action] | None:
         """Replicas that should hold the same value (``sides``: value -> replicas) and do not. A strict
         majority of them holding one value is trusted: the others are fenced (``kind``) before the step
@@ -370,7 +336,7 @@ class MembershipState:
                                              "majority": largest, "values": sides})]
             acts += [Send(r, {"type": "aborted", "re": rid, "generation": generation,
                               "reason": f"{kind} replicas {minority} fenced"})
-                     for r, (rid, _, _) in votes.items() if r not in minority]
+                     for r, (rid, _) in votes.items() if r not in minority]
             return acts + [Fence(r, f"{kind}: {what} ({v}) differs from that of replicas {largest} ({trusted}) at "
                                     f"step {step}") for v, rs in sides.items() if v != trusted for r in rs]
         self.stopped = True
@@ -380,7 +346,7 @@ class MembershipState:
                "before resuming")
         return [Log("diverged", {"generation": generation, "step": step, "sides": sides, "check": kind}),
                 *(Send(r, {"type": "error", "re": rid, "code": "diverged", "message": msg, "sides": sides})
-                  for r, (rid, _, _) in votes.items())]
+                  for r, (rid, _) in votes.items())]
 
     def on_nonfinite(self, replica: int, req_id: int, generation: int, step: int, ids: list[int],
                      now: float) -> list[Action]:
@@ -532,8 +498,8 @@ class MembershipState:
                        resync=self._resync and bool(joined))
         acts: list[Action] = [Send(r, {"type": "aborted", "re": rid, "generation": old.generation if old else 0,
                                        "reason": f"generation replaced ({reason})"})
-                              for r, (rid, _, _) in self.votes.items() if r in self.live]
-        self.votes, self._mb_s, self._fps, self._audits = {}, {}, {}, {}
+                              for r, (rid, _) in self.votes.items() if r in self.live]
+        self.votes = {}
         self.current = m
         self._members = frozenset(m.members)
         self.initial.clear()
