@@ -6,9 +6,9 @@ import math
 
 import pytest
 
+from recover.coord.actions import Refused
 from recover.coord.member import Agreed, Disagreed, Member
 from recover.coord.protocol import Ballot
-from recover.coord.state import Refused
 
 
 def test_a_ballot_sorts_its_ids_keeps_only_a_real_speed_and_round_trips_the_wire() -> None:

@@ -8,10 +8,11 @@ from __future__ import annotations
 
 from typing import Any
 
+from recover.coord.actions import Log
 from recover.coord.liveness import Liveness
 from recover.coord.protocol import Ballot, ProtocolError
 from recover.coord.ranks import LINK_GRACE_S, Close, Out, RankAggregator, SendTo
-from recover.coord.state import Log, MembershipState
+from recover.coord.state import MembershipState
 
 TOKEN = "t0ken"
 IDS = [0, 1, 2, 3]

@@ -6,8 +6,9 @@ from typing import Any
 
 import pytest
 
+from recover.coord.actions import Fence, Log, Refused, Send
 from recover.coord.protocol import Ballot, Resume
-from recover.coord.state import Fence, Log, MembershipState, Refused, Send
+from recover.coord.state import MembershipState
 
 
 def make(n: int = 3, ack_timeout: float = 1.0) -> MembershipState:

@@ -29,8 +29,8 @@ from collections.abc import Hashable
 from dataclasses import dataclass
 from typing import Any, Generic, TypeVar
 
+from recover.coord.actions import Refused
 from recover.coord.protocol import Ballot
-from recover.coord.state import Refused
 
 H = TypeVar("H", bound=Hashable)
 

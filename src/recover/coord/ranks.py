@@ -44,12 +44,13 @@ from collections.abc import Callable, Hashable, Mapping
 from types import MappingProxyType
 from typing import Any
 
+from recover.coord.actions import Action, Fence, Log, Refused, Send
 from recover.coord.links import LinkJudge
 from recover.coord.liveness import Liveness
 from recover.coord.member import Agreed, Disagreed
 from recover.coord.protocol import Ballot, ProtocolError, Resume, batch_beats
 from recover.coord.slots import Close, Link, Out, SendTo, Slot, check_register, replica_resume
-from recover.coord.state import Action, Fence, Log, MembershipState, Refused, Send
+from recover.coord.state import MembershipState
 
 LINK_GRACE_S = 5.0
 

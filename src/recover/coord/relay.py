@@ -52,6 +52,7 @@ import threading
 import time
 from typing import Any
 
+from recover.coord.actions import Refused
 from recover.coord.client import RECONNECT_EVERY_S
 from recover.coord.conn import FramedConn
 from recover.coord.member import Agreed, Ballot, Disagreed, Member
@@ -63,7 +64,6 @@ from recover.coord.protocol import (
     encode,
     register_ranks,
 )
-from recover.coord.state import Refused
 
 _LETTER = {name: letter for letter, name in ACTIVITY_LETTERS.items()}
 

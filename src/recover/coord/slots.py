@@ -14,9 +14,9 @@ from collections.abc import Hashable
 from dataclasses import dataclass, field
 from typing import Any
 
+from recover.coord.actions import Log, Refused
 from recover.coord.member import Member
 from recover.coord.protocol import ProtocolError, Resume, register_ranks
-from recover.coord.state import Log, Refused
 
 
 @dataclass(frozen=True)

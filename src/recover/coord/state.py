@@ -24,8 +24,9 @@ Invariants:
     by a failure before that commit carries them on, so the state transfer is done again on it.
   * Silent data corruption: every vote may carry the voter's parameter fingerprint; members that
     differ from a strict majority are fenced as ``divergent`` before the step commits, and without a
-    strict majority the job ends (``diverged``). A microbatch not finite on one replica fences it; the
-    same microbatch not finite on a second one ends the job (``nonfinite``).
+    strict majority the job ends (``diverged``, :mod:`recover.coord.integrity`). A microbatch not
+    finite on one replica fences it; the same microbatch not finite on a second one ends the job
+    (``nonfinite``).
   * Stop: a vote with ``stop`` (its process got SIGTERM or SIGINT) or :meth:`request_stop` (the
     coordinator's own) makes the next commit a stop: its ``committed`` replies carry ``stop``, so
     every member stops after that same step; no joiner is admitted at it, waiting joiners are told
@@ -49,41 +50,10 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 from typing import Any
 
-from recover.coord.integrity import audit_sides, fingerprint_sides
+from recover.coord import integrity
+from recover.coord.actions import Action, Fence, Log, Refused, Send
 from recover.coord.protocol import Ballot, Membership, Resume, speeds_to_wire
 from recover.workload.speeds import SpeedTracker
-
-
-@dataclass(frozen=True)
-class Send:
-    replica: int
-    msg: dict[str, Any]
-
-
-@dataclass(frozen=True)
-class Fence:
-    """Close this replica's connection: it is declared dead and must not act on its own."""
-
-    replica: int
-    reason: str
-
-
-@dataclass(frozen=True)
-class Log:
-    kind: str
-    fields: dict[str, Any]
-
-
-Action = Send | Fence | Log
-
-
-class Refused(Exception):
-    """A request the coordinator will not act on; ``code`` goes back in the error reply."""
-
-    def __init__(self, code: str, message: str) -> None:
-        super().__init__(f"{code}: {message}")
-        self.code = code
-        self.message = message
 
 
 @dataclass
@@ -256,7 +226,7 @@ class MembershipState:
         """A member's commit vote (:class:`~recover.coord.protocol.Ballot`): its ``mb_s`` is the seconds
         per microbatch it measured in the step; ``stop``: its process was asked to stop (the commit, if
         it happens, is a stop); ``fp`` and ``audit`` are compared across the members
-        (:mod:`recover.coord.integrity`, :meth:`_split`)."""
+        (:mod:`recover.coord.integrity`)."""
         generation, step = ballot.generation, ballot.step
         cur = self.current
         if cur is None or generation != cur.generation or replica not in self._members:
@@ -284,20 +254,10 @@ class MembershipState:
             acts += [Send(r, {"type": "aborted", "re": rid, "generation": generation,
                               "reason": "commit vote disagreement"}) for r, (rid, _) in votes.items()]
             return acts + self._start_round("commit vote disagreement", now) + self._check_round(now)
-        if (split := self._check_integrity(generation, step, votes, ballots)) is not None:
-            return acts + split
+        if (verdict := integrity.check(generation, step, votes)) is not None:
+            self.stopped = self.stopped or verdict[1]
+            return acts + verdict[0]
         return acts + self._commit(ballot, votes, now)
-
-    def _check_integrity(self, generation: int, step: int, votes: dict[int, tuple[int, Ballot]],
-                         ballots: dict[int, Ballot]) -> list[Action] | None:
-        """Silent data corruption: the parameter fingerprints, then the audited gradients
-        (:mod:`recover.coord.integrity`), each split by :meth:`_split`; None when all agree."""
-        sides = fingerprint_sides(ballots)
-        if sides is not None and (split := self._split(generation, step, votes, sides, "divergent",
-                                                       "its parameters")) is not None:
-            return split
-        audited = audit_sides(ballots)
-        return None if audited is None else self._split(generation, step, votes, audited[0], "audit", audited[1])
 
     def _commit(self, ballot: Ballot, votes: dict[int, tuple[int, Ballot]], now: float) -> list[Action]:
         """Every member voted ``ballot``'s step and ids alike: the step is committed."""
@@ -319,34 +279,6 @@ class MembershipState:
         return acts + [Send(r, {"type": "committed", "re": rid, "generation": generation, "step": step,
                                 "new_generation": new_gen, "speeds": speeds, "stop": self.stopped})
                        for r, (rid, _) in votes.items()]
-
-    def _split(self, generation: int, step: int, votes: dict[int, tuple[int, Ballot]],
-               sides: dict[str, list[int]], kind: str, what: str) -> list[Action] | None:
-        """Replicas that should hold the same value (``sides``: value -> replicas) and do not. A strict
-        majority of them holding one value is trusted: the others are fenced (``kind``) before the step
-        commits, every other vote is aborted, and the members left recompute the fenced ones'
-        microbatches in the step. No strict majority: the job ends (``diverged`` to every voter, with
-        the sides). None when all agree."""
-        if len(sides) < 2:
-            return None
-        trusted, largest = max(sides.items(), key=lambda kv: len(kv[1]))
-        if 2 * len(largest) > sum(len(rs) for rs in sides.values()):
-            minority = sorted(r for v, rs in sides.items() if v != trusted for r in rs)
-            acts: list[Action] = [Log(kind, {"generation": generation, "step": step, "replicas": minority,
-                                             "majority": largest, "values": sides})]
-            acts += [Send(r, {"type": "aborted", "re": rid, "generation": generation,
-                              "reason": f"{kind} replicas {minority} fenced"})
-                     for r, (rid, _) in votes.items() if r not in minority]
-            return acts + [Fence(r, f"{kind}: {what} ({v}) differs from that of replicas {largest} ({trusted}) at "
-                                    f"step {step}") for v, rs in sides.items() if v != trusted for r in rs]
-        self.stopped = True
-        text = "; ".join(f"replicas {rs} hold {v}" for v, rs in sides.items())
-        msg = (f"the replicas disagree on {what.replace('its ', '')} at step {step} with no majority to trust "
-               f"({text}); each side's state is saved under checkpoints/diverged/; find the faulty device "
-               "before resuming")
-        return [Log("diverged", {"generation": generation, "step": step, "sides": sides, "check": kind}),
-                *(Send(r, {"type": "error", "re": rid, "code": "diverged", "message": msg, "sides": sides})
-                  for r, (rid, _) in votes.items())]
 
     def on_nonfinite(self, replica: int, req_id: int, generation: int, step: int, ids: list[int],
                      now: float) -> list[Action]:
