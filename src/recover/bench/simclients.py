@@ -111,15 +111,9 @@ class Sim:
 
     def _read(self, c: SimConn, now: float) -> None:
         assert c.wire is not None
-        data = c.wire.recv()
-        if data is None:
-            return
-        if not data:
-            self._lose(c)
-            return
         try:
-            items = c.wire.decode(data)
-        except ProtocolError:
+            items = c.wire.receive() or []
+        except (EOFError, ProtocolError):
             self._lose(c)
             return
         for msg in items:

@@ -3,7 +3,7 @@
 Contract: a :class:`FramedConn` wraps a connected socket (made non-blocking, ``TCP_NODELAY``) that a
 selector loop owns: the coordinator's server (:mod:`recover.coord.server`), a replica's relay
 (:mod:`recover.coord.relay`) and the bench's simulated clients (:mod:`recover.bench.simclients`).
-The loop calls :meth:`FramedConn.recv` when the socket is readable and :meth:`FramedConn.flush`
+The loop calls :meth:`FramedConn.receive` when the socket is readable and :meth:`FramedConn.flush`
 when it is writable; :meth:`FramedConn.send` queues a frame (:func:`recover.coord.protocol.encode`)
 and writes what the socket takes at once.
 
@@ -12,7 +12,8 @@ Invariants:
     watches for writability exactly while it is not empty (:meth:`FramedConn.watch`).
   * A failed write never raises: :meth:`FramedConn.flush` answers False and the caller decides
     (the server and the relay's local side drop the output, the relay's upstream side reconnects).
-  * :meth:`FramedConn.recv` answers None when nothing is there yet, ``b""`` when the peer is gone.
+  * :meth:`FramedConn.receive` answers None when nothing is there yet and raises EOFError when the
+    peer is gone.
 """
 
 from __future__ import annotations
@@ -51,18 +52,18 @@ class FramedConn:
         sel.register(self.sock, selectors.EVENT_READ, self.data)
         return self
 
-    def recv(self) -> bytes | None:
-        """What arrived: None when nothing yet, ``b""`` when the peer closed or the socket failed."""
+    def receive(self) -> list[dict[str, Any] | ProtocolError] | None:
+        """The messages (or refused frames) completed by what arrived; ``[]`` when bytes arrived but no
+        whole frame, None when nothing did. Raises EOFError when the peer closed or the socket failed,
+        ProtocolError when the stream is out of sync."""
         try:
-            return self.sock.recv(1 << 16)
+            data = self.sock.recv(1 << 16)
         except (BlockingIOError, InterruptedError):
             return None
         except OSError:
-            return b""
-
-    def decode(self, data: bytes) -> list[dict[str, Any] | ProtocolError]:
-        """The messages (or refused frames) completed by ``data``. Raises ProtocolError when the stream
-        is out of sync."""
+            data = b""
+        if not data:
+            raise EOFError("the peer closed the connection")
         return self.decoder.feed(data)
 
     def send(self, frame: bytes) -> bool:
@@ -92,6 +93,16 @@ class FramedConn:
             if self.sel.get_key(self.sock).events != want:
                 self.sel.modify(self.sock, want, self.data)
         except (KeyError, ValueError):
+            pass
+
+    def drain(self, timeout_s: float) -> None:
+        """Best effort before closing: blocks up to ``timeout_s`` to send what is pending."""
+        try:
+            self.sock.setblocking(True)
+            self.sock.settimeout(timeout_s)
+            if self.out:
+                self.sock.sendall(self.out)
+        except OSError:
             pass
 
     def close(self) -> None:

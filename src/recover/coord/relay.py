@@ -3,33 +3,30 @@
 Contract: rank 0 of a replica of P ranks starts one :class:`Relay` (a background thread with one
 selector loop, in rank 0's own process) before any rank registers; every rank of the replica, rank
 0 included, points its unchanged :class:`~recover.coord.client.CoordinatorClient` at the relay's
-:attr:`Relay.address` instead of the coordinator. To a rank the relay *is* the coordinator (the
-same protocol); to the coordinator the relay is one connection registered with ``relay=true`` for
-all P ranks (:mod:`recover.coord.protocol`).
+:attr:`Relay.address`. To a rank the relay *is* the coordinator (the same protocol); to the
+coordinator it is one connection registered with ``relay=true`` for all P ranks
+(:mod:`recover.coord.protocol`). Its ranks are one member (:mod:`recover.coord.member`):
 
-What it does:
-  * ``register``: each local rank's is checked (token, replica, ``ranks`` = P, rank in range, and
-    the rule of :mod:`recover.coord.member`); once all P are in, one upstream ``register``
-    (``relay=true``). Its reply goes to every rank with that rank's own request id.
+  * ``register``: each local rank's is checked (token, replica, ``ranks`` = P, rank in range, the
+    member rule); once all P are in, one upstream ``register``, whose reply goes to every rank with
+    that rank's own request id.
   * ``hb``: kept; every heartbeat interval (the ``heartbeat_s`` of the coordinator's ``ok``, else the
     configured one) one upstream ``hbs`` with the newest progress, activity and generation of each
     rank heard since the last batch. A rank that went silent is left out, so the coordinator, which
     times out every rank on its own, still fences the replica when one rank freezes.
-  * ``ack`` of generation g: one upstream ``ack`` (for every rank) once all P ranks acked g.
-  * ``vote``: held until every rank voted; the same ballot from all P is one upstream ``vote`` for the
-    whole replica (:meth:`~recover.coord.member.Ballot.of_ranks`), whose reply goes to every rank
-    with its own id, so a commit costs the coordinator one message per replica. Ranks that vote
-    differently are forwarded one by one with their ``rank`` (the coordinator fences the replica);
-    held votes of a generation that a ``failing`` or ``membership`` push ends are answered
+  * ``ack`` of g: one upstream ``ack`` once all P ranks acked g. ``vote``: all P alike are one
+    upstream ``vote`` (``Ballot.of_ranks``) whose reply goes to every rank with its own id; ranks
+    that vote differently go up one by one with their ``rank`` (the coordinator fences the
+    replica); held votes of a generation that a ``failing`` or ``membership`` push ends are answered
     ``aborted`` here, as the coordinator answers the votes it holds.
-  * ``report``: forwarded with the sender's ``rank`` under an upstream request id; the reply goes
-    back to that rank with its own id. ``bye``: forwarded (the replica leaves).
-  * Pushes (``failing``, ``membership``, ``fenced``) are encoded once and fanned out to every rank.
+  * ``report``, ``nonfinite``: forwarded with the sender's ``rank``, the reply back to that rank with
+    its own id. ``bye``: forwarded. Pushes are encoded once and fanned out to every rank.
 
 Invariants: the relay lives and dies with rank 0's process, and a rank's death is the replica's:
-when any local connection closes, or :meth:`Relay.stop` is called, the relay closes every
-connection, upstream and local, so the coordinator fences the replica at once
-(``connection_closed``) and every rank's waiting calls raise ``CoordinatorLost``.
+when any local connection closes, a local peer does not speak the protocol (it is refused), or
+:meth:`Relay.stop` is called, the relay closes every connection, upstream and local, so the
+coordinator fences the replica at once (``connection_closed``) and every rank's waiting calls
+raise ``CoordinatorLost``.
 
 Coordinator restart: when the upstream connection ends without a fence, the ranks keep their
 connections and notice nothing but requests answered ``coordinator_restarted`` (as their own
@@ -37,8 +34,7 @@ clients would answer them, :mod:`recover.coord.client`); the relay reconnects ev
 ``RECONNECT_EVERY_S`` for ``reconnect_s`` and registers again with what the replica holds (newest
 generation and members, last committed step, speeds: it sees every membership and commit go by).
 Not back in time: every rank gets ``coordinator_gone`` (its client gives up at once), then the
-relay ends. A local peer that
-does not speak the protocol is refused and closed, which also ends the relay (it cannot be a rank).
+relay ends.
 """
 
 from __future__ import annotations
@@ -216,15 +212,12 @@ class Relay:
     # ------------------------------------------------------------- local ranks
 
     def _read_local(self, loc: _Local) -> None:
-        data = loc.recv()
-        if data is None:
-            return
         who = "a local connection" if loc.rank is None else f"rank {loc.rank}"
-        if not data:
+        try:
+            items = loc.receive() or []
+        except EOFError:
             self._end(f"{who} of replica {self.replica_id} closed its connection")
             return
-        try:
-            items = loc.decode(data)
         except ProtocolError as exc:
             self._end(f"{who} broke the protocol: {exc}")
             return
@@ -342,14 +335,11 @@ class Relay:
                        "activity": "".join(beats[k][1] for k in ranks), "generation": [beats[k][2] for k in ranks]})
 
     def _read_up(self) -> None:
-        data = self._up.recv()
-        if data is None:
-            return
-        if not data:
+        try:
+            items = self._up.receive() or []
+        except EOFError:
             self._upstream_ended("the coordinator closed the relay's connection")
             return
-        try:
-            items = self._up.decode(data)
         except ProtocolError as exc:
             self._end(f"the coordinator's stream broke: {exc}")
             return
@@ -478,13 +468,7 @@ class Relay:
         self._up.close()
         self._listener.close()
         for loc in list(self._locals):
-            try:
-                loc.sock.setblocking(True)
-                loc.sock.settimeout(0.2)
-                if loc.out:
-                    loc.sock.sendall(loc.out)
-            except OSError:
-                pass
+            loc.drain(0.2)
             loc.close()
         self._locals.clear()
         self._sel.close()

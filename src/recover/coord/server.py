@@ -320,18 +320,18 @@ class Coordinator:
     def _read(self, conn: FramedConn, now: float) -> None:
         agg = self.aggregator
         assert agg is not None
-        data = conn.recv()
-        if data is None:
-            return
-        if not data:
+        try:
+            items = conn.receive()
+        except EOFError:
             self._run(agg.on_closed(conn, "connection_closed", now))
             return
-        agg.on_heard(conn, now)
-        try:
-            items = conn.decode(data)
         except ProtocolError as exc:  # the stream is out of sync
+            agg.on_heard(conn, now)
             self._run(agg.on_bad_frame(conn, exc, now))
             return
+        if items is None:
+            return
+        agg.on_heard(conn, now)
         for item in items:
             if conn.closed:
                 return
