@@ -61,13 +61,13 @@ from __future__ import annotations
 import itertools
 import os
 import socket
-import struct
 import threading
 import time
 from collections.abc import Callable, Iterator
 from contextlib import contextmanager
 from typing import Any
 
+from recover.coord.probe import PROBE_TIMEOUT_S, LinkProbe
 from recover.coord.protocol import (
     SERVER_TYPES,
     Ballot,
@@ -81,8 +81,6 @@ from recover.coord.protocol import (
 from recover.errors import PeerFailure, QuorumLost, RecoverError
 from recover.faults.perturb import NONE
 
-PROBE_TIMEOUT_S = 2.0
-"""How long a link probe waits for a peer's answer."""
 RECONNECT_EVERY_S = 0.2
 """How often a client that lost the coordinator tries to reach it again."""
 _SERVER_TYPES = SERVER_TYPES
@@ -150,7 +148,7 @@ class CoordinatorClient:
         """The planned seconds per microbatch from the last commit this client voted in (None: even)."""
         self.perturb = NONE
         """Injected faults (:class:`~recover.faults.Perturbation`): broken links, muted heartbeats."""
-        self._probe_sock: socket.socket | None = None
+        self._probe = LinkProbe(self.replica_id, lambda replica: self.perturb.unreachable(replica))
         self.reconnect_s, self.on_reconnected = reconnect_s, on_reconnected
         self._join = False
         self._registered = False  # the coordinator accepted this client's register (a reconnect makes sense)
@@ -220,57 +218,14 @@ class CoordinatorClient:
             msg["resume"] = Resume(m.generation, m.members, self.committed_step, speeds).to_wire()
         return msg
 
-    # ---- link probes: after a collective timed out, who can this replica reach? -------------
+    # ---- link probes (recover.coord.probe): after a collective timed out, who can this replica reach?
     def probe_address(self) -> str:
-        """``host:port`` of this replica's probe listener (started on first use, on the interface that
-        reaches the coordinator): a peer that connects and sends its replica id gets one byte back."""
-        if self._probe_sock is None:
-            host = self._sock.getsockname()[0] if self._sock is not None else "127.0.0.1"
-            self._probe_sock = socket.create_server((host, 0))
-            self._spawn(self._answer_probes, "recover-probe-listener")
-        host, port = self._probe_sock.getsockname()[:2]
-        return f"{host}:{port}"
+        """``host:port`` of this replica's probe listener, on the interface that reaches the coordinator."""
+        return self._probe.address(self._sock.getsockname()[0] if self._sock is not None else "127.0.0.1")
 
     def unreachable(self, peers: dict[int, str], timeout_s: float = PROBE_TIMEOUT_S) -> list[int]:
-        """The replicas of ``peers`` (replica -> probe address) this one cannot exchange a byte with
-        within ``timeout_s`` (probed in parallel)."""
-        found: list[int] = []
-
-        def probe(replica: int, address: str) -> None:
-            host, _, port = address.rpartition(":")
-            try:
-                if self.perturb.unreachable(replica):
-                    raise OSError("link cut (fault injection)")
-                with socket.create_connection((host, int(port)), timeout=timeout_s) as s:
-                    s.settimeout(timeout_s)
-                    s.sendall(struct.pack(">i", self.replica_id))
-                    if s.recv(1) != b"!":
-                        raise OSError("no answer")
-            except OSError:
-                found.append(replica)
-
-        threads = [threading.Thread(target=probe, args=(r, a), daemon=True) for r, a in sorted(peers.items())]
-        for t in threads:
-            t.start()
-        for t in threads:
-            t.join(timeout_s + 1.0)
-        return sorted(found)
-
-    def _answer_probes(self) -> None:
-        assert self._probe_sock is not None
-        while not self._stop.is_set():
-            try:
-                conn, _ = self._probe_sock.accept()
-            except OSError:
-                return
-            with conn:
-                try:
-                    conn.settimeout(PROBE_TIMEOUT_S)
-                    data = conn.recv(4)
-                    if len(data) == 4 and not self.perturb.unreachable(struct.unpack(">i", data)[0]):
-                        conn.sendall(b"!")
-                except OSError:
-                    pass
+        """The replicas of ``peers`` (replica -> probe address) this one cannot reach (:mod:`recover.coord.probe`)."""
+        return self._probe.unreachable(peers, timeout_s)
 
     def advance(self) -> None:
         """The training loop passed a phase point (its progress, sent with the heartbeats)."""
@@ -423,12 +378,7 @@ class CoordinatorClient:
             except OSError:
                 pass
             self._sock.close()
-        if self._probe_sock is not None:
-            try:
-                self._probe_sock.shutdown(socket.SHUT_RDWR)  # wakes the listener's accept
-            except OSError:
-                pass
-            self._probe_sock.close()
+        self._probe.close()
         for t in self._threads:
             if t is not threading.current_thread():
                 t.join(2.0)
