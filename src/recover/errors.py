@@ -55,3 +55,29 @@ def require(ok: bool, name: str, value: Any, allowed: str) -> None:
     """Raises the one-line ConfigError ``{name} = {value!r} is not allowed: {allowed}`` unless ``ok``."""
     if not ok:
         raise ConfigError(f"{name} = {value!r} is not allowed: {allowed}")
+
+
+class CoordinatorLost(RecoverError):
+    """The coordinator connection closed, or the coordinator fenced this replica off."""
+
+
+class CoordinatorRefused(RecoverError):
+    """The coordinator refused a request (``code`` says why, e.g. ``unauthorized``)."""
+
+    def __init__(self, code: str, message: str) -> None:
+        super().__init__(f"coordinator refused the request: {code}: {message}")
+        self.code = code
+
+
+class Diverged(RecoverError):
+    """The coordinator ended the job: the replicas' parameters disagree with no majority to trust
+    (``code`` ``diverged``; ``sides`` maps each fingerprint to the replicas holding it), or a
+    microbatch was not finite on two replicas (``nonfinite``: a true divergence of the training)."""
+
+    def __init__(self, code: str, message: str, sides: dict[str, list[int]] | None = None) -> None:
+        super().__init__(message)
+        self.code, self.sides = code, sides or {}
+
+
+class Expelled(RecoverError):
+    """This replica is not a member of the newest generation (it was declared dead)."""

@@ -78,38 +78,12 @@ from recover.coord.protocol import (
     encode,
     speeds_from_wire,
 )
-from recover.errors import PeerFailure, QuorumLost, RecoverError
+from recover.errors import CoordinatorLost, CoordinatorRefused, Diverged, Expelled, PeerFailure, QuorumLost
 from recover.faults.perturb import NONE
 
 RECONNECT_EVERY_S = 0.2
 """How often a client that lost the coordinator tries to reach it again."""
 _SERVER_TYPES = SERVER_TYPES
-
-
-class CoordinatorLost(RecoverError):
-    """The coordinator connection closed, or the coordinator fenced this replica off."""
-
-
-class CoordinatorRefused(RecoverError):
-    """The coordinator refused a request (``code`` says why, e.g. ``unauthorized``)."""
-
-    def __init__(self, code: str, message: str) -> None:
-        super().__init__(f"coordinator refused the request: {code}: {message}")
-        self.code = code
-
-
-class Diverged(RecoverError):
-    """The coordinator ended the job: the replicas' parameters disagree with no majority to trust
-    (``code`` ``diverged``; ``sides`` maps each fingerprint to the replicas holding it), or a
-    microbatch was not finite on two replicas (``nonfinite``: a true divergence of the training)."""
-
-    def __init__(self, code: str, message: str, sides: dict[str, list[int]] | None = None) -> None:
-        super().__init__(message)
-        self.code, self.sides = code, sides or {}
-
-
-class Expelled(RecoverError):
-    """This replica is not a member of the newest generation (it was declared dead)."""
 
 
 class CoordinatorClient:
