@@ -15,6 +15,7 @@ default 0 of 1, for a replica made of several processes; ``resume``, what a repl
 coordinator holds: see :func:`resume_info`), ``hb`` (heartbeat, with the training
 thread's progress, activity and newest generation), ``ack`` (of a ``failing`` notice), ``report`` (a
 collective failed), ``nonfinite`` (microbatches whose loss or gradient was not finite on it), ``vote`` (commit vote,
+a :class:`Ballot` built once by the voter and carried unchanged to the membership state,
 with ``mb_s``, the seconds per microbatch the voter measured in the step, ``stop`` when its process
 was asked to stop, ``fp``, the fingerprint of its parameters, and ``audit``, that of the audited
 microbatch's gradient), ``bye``. Coordinator ->
@@ -242,15 +243,17 @@ class Ballot:
 
     @classmethod
     def of_ranks(cls, ballots: list[Ballot]) -> Ballot:
-        """The replica's one ballot from its ranks' alike ballots, in rank order (see the module docstring)."""
+        """The one ballot of a replica from its ranks' alike ballots, in rank order: the slowest rank's
+        seconds per microbatch, a stop if any rank asked for one, the ranks' fingerprints joined in rank
+        order (lane k is compared with lane k; None unless every rank sent one), and no audit (a
+        replica of several ranks does not audit). One rank: its ballot."""
         first = ballots[0]
         if len(ballots) == 1:
             return first
         speeds = [b.mb_s for b in ballots if b.mb_s is not None]
-        fps = [b.fp for b in ballots]
+        fps = [b.fp for b in ballots if b.fp is not None]
         return cls(first.generation, first.step, first.ids, max(speeds) if speeds else None,
-                   any(b.stop for b in ballots), "|".join(fps) if None not in fps else None)  # type: ignore[arg-type]
-
+                   any(b.stop for b in ballots), "|".join(fps) if len(fps) == len(ballots) else None)
 
 
 def _is_int(x: Any) -> bool:

@@ -85,7 +85,7 @@ class RankAggregator:
         self._ids = itertools.count(1)  # ids of forwarded requests: those of different ranks collide
         self._out: list[Out] = []
         self._now = 0.0  # the time of the event whose actions are being applied
-        self.links = LinkJudge[tuple[Link, dict[str, Any]]](link_grace_s)  # timed-out reports held
+        self.link_rule = LinkJudge[tuple[Link, dict[str, Any]]](link_grace_s)  # timed-out reports held
         self.heartbeat_s = heartbeat_s
         self.scan_s = scan_s
         self._next_scan = float("-inf")
@@ -150,7 +150,7 @@ class RankAggregator:
                 slot.seen[k] = max(slot.seen[k], now)
         self.liveness.pause(stall_s)
         self.state.pause(stall_s)
-        self.links.pause(stall_s)
+        self.link_rule.pause(stall_s)
         self._log("coordinator_stalled", seconds=round(stall_s, 3))
         return self._take()
 
@@ -234,7 +234,7 @@ class RankAggregator:
             elif kind == "report":
                 if msg.get("timeout") and msg["generation"] == self.state.generation and not self.state.failing \
                         and not self._fence_unreached(slot.replica, now):
-                    self.links.hold(msg["generation"], slot.replica, (link, msg), msg["suspects"], now)
+                    self.link_rule.hold(msg["generation"], slot.replica, (link, msg), msg["suspects"], now)
                     self._settle_links(now)
                     return
                 self._forward(slot, [(link, msg["id"])], False, now, lambda i: self.state.on_report(
@@ -345,11 +345,11 @@ class RankAggregator:
     def _settle_links(self, now: float) -> None:
         """The link rule's verdicts (:mod:`recover.coord.links`): the implicated replica is fenced, then
         every held report goes to the state."""
-        if not self.links.holding:
+        if not self.link_rule.holding:
             return
         current = self.state.current
         members = [m for m in (current.members if current else ()) if m in self._slots]
-        for v in self.links.settle(now, self.state.generation, not self.state.failing, members):
+        for v in self.link_rule.settle(now, self.state.generation, not self.state.failing, members):
             if v.judged:
                 self._log("link_report", generation=v.generation,
                           unreachable={str(r): u for r, u in sorted(v.unreachable.items())}, implicated=v.victim)
