@@ -25,7 +25,8 @@ class Peer:
 
     def __init__(self, sock: socket.socket, allowed: frozenset[str]) -> None:
         sock.settimeout(WAIT_S)
-        self.sock, self.decoder, self.pending = sock, FrameDecoder(allowed), []  # type: list[Any]
+        self.sock, self.decoder = sock, FrameDecoder(allowed)
+        self.pending: list[Any] = []
 
     def send(self, **msg: Any) -> None:
         self.sock.sendall(encode(msg))
@@ -133,7 +134,7 @@ def test_a_rank_that_closes_ends_the_relay_and_the_coordinator_sees_the_replica_
     relay, up, ranks = relayed
     ranks[1].sock.close()
     assert up.closed() and ranks[0].closed()
-    relay._thread.join(WAIT_S)
+    relay.stop()
     assert relay.closed_why is not None and "rank 1" in relay.closed_why
 
 

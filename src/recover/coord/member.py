@@ -129,6 +129,8 @@ class Member(Generic[H]):
     def abort_votes(self, below: int | None = None) -> list[tuple[H, int]]:
         """Drops the held votes of generations before ``below`` (None: every held vote): ``(handle,
         generation)`` of each, rank order, no repeats."""
+        if not self._votes:
+            return []
         gone = {k: v for k, v in self._votes.items() if below is None or v[1].generation < below}
         for k in gone:
             del self._votes[k]
