@@ -116,8 +116,9 @@ class Member(Generic[H]):
             return Agreed(ballot if self.ranks == 1 else _no_audit(ballot), [handle])
         if again := [k for k in ranks if k in self._votes]:
             raise Refused("duplicate_vote", f"{self.who(again[0])} already voted in generation {ballot.generation}")
+        agree = not self._votes or next(iter(self._votes.values()))[1].key == ballot.key  # the held agree
         self._votes.update(dict.fromkeys(ranks, (handle, ballot)))
-        if len({b.key for _, b in self._votes.values()}) > 1:
+        if not agree:
             held, self._votes = self._votes, {}
             return Disagreed(dict(sorted(held.items())))
         if len(self._votes) < self.ranks:
@@ -143,9 +144,7 @@ class Member(Generic[H]):
 
 
 def _no_audit(ballot: Ballot) -> Ballot:
-    if ballot.audit is None:
-        return ballot
-    return Ballot(ballot.generation, ballot.step, ballot.ids, ballot.mb_s, ballot.stop, ballot.fp)
+    return ballot if ballot.audit is None else ballot._replace(audit=None)
 
 
 def _unique(items: list[Any]) -> list[Any]:

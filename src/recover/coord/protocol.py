@@ -48,7 +48,7 @@ import socket
 import struct
 from collections.abc import Mapping
 from dataclasses import dataclass, field
-from typing import Any
+from typing import Any, NamedTuple
 
 PROTOCOL_VERSION = 1
 MAGIC = b"RCVR"
@@ -190,9 +190,9 @@ class Resume:
         return cls(d["generation"], tuple(sorted(d["members"])), d["committed"], speeds_from_wire(d.get("speeds")))
 
 
-@dataclass(frozen=True)
-class Ballot:
-    """A commit vote: built once where the vote starts and carried unchanged to the state.
+class Ballot(NamedTuple):
+    """A commit vote: built once where the vote starts and carried unchanged to the state (immutable:
+    a named tuple, cheap to build for every rank's vote).
 
     ``ids`` are sorted; ``mb_s``: seconds per microbatch measured in the step (None: none computed);
     ``stop``: the voter was asked to stop; ``fp``: the fingerprint of its parameters (a replica of
@@ -206,21 +206,19 @@ class Ballot:
     mb_s: float | None = None
     stop: bool = False
     fp: str | None = None
-    audit: Mapping[str, Any] | None = field(default=None, hash=False)
+    audit: Mapping[str, Any] | None = None
 
     @classmethod
     def make(cls, generation: int, step: int, ids: Any, mb_s: float | None = None, stop: bool = False,
              fp: str | None = None, audit: Mapping[str, Any] | None = None) -> Ballot:
         """A ballot with ``ids`` sorted and ``mb_s`` kept only when it is a positive, finite time."""
-        keep = mb_s is not None and math.isfinite(mb_s) and mb_s > 0
-        return cls(int(generation), int(step), tuple(sorted(int(i) for i in ids)),
-                   float(mb_s) if keep else None, bool(stop), fp, audit)
+        return cls(int(generation), int(step), tuple(sorted(map(int, ids))), _speed(mb_s), bool(stop), fp, audit)
 
     @classmethod
     def from_wire(cls, msg: Mapping[str, Any]) -> Ballot:
-        """The ballot of a schema-valid ``vote`` message."""
-        return cls.make(msg["generation"], msg["step"], msg["ids"], msg.get("mb_s"), msg.get("stop") is True,
-                        msg.get("fp"), msg.get("audit"))
+        """The ballot of a schema-valid ``vote`` message (its numbers are ints already)."""
+        return cls(msg["generation"], msg["step"], tuple(sorted(msg["ids"])), _speed(msg.get("mb_s")),
+                   msg.get("stop") is True, msg.get("fp"), msg.get("audit"))
 
     def to_wire(self) -> dict[str, Any]:
         """The ``vote`` message of this ballot (without its request id)."""
@@ -254,6 +252,11 @@ class Ballot:
         fps = [b.fp for b in ballots if b.fp is not None]
         return cls(first.generation, first.step, first.ids, max(speeds) if speeds else None,
                    any(b.stop for b in ballots), "|".join(fps) if len(fps) == len(ballots) else None)
+
+
+def _speed(mb_s: float | None) -> float | None:
+    """Seconds per microbatch kept only when a positive, finite time."""
+    return float(mb_s) if mb_s is not None and math.isfinite(mb_s) and mb_s > 0 else None
 
 
 def _is_int(x: Any) -> bool:
