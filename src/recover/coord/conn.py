@@ -34,7 +34,7 @@ class FramedConn:
             or :data:`~recover.coord.protocol.SERVER_TYPES`).
     """
 
-    __slots__ = ("sock", "decoder", "out", "closed", "sel", "data")
+    __slots__ = ("sock", "decoder", "out", "closed", "sel", "data", "_writing")
 
     def __init__(self, sock: socket.socket, allowed: frozenset[str] | None) -> None:
         sock.setblocking(False)
@@ -45,6 +45,7 @@ class FramedConn:
         self.closed = False
         self.sel: selectors.BaseSelector | None = None
         self.data: Any = self
+        self._writing = False  # the selector watches for writability
 
     def register(self, sel: selectors.BaseSelector, data: Any = None) -> FramedConn:
         """Watches the socket for reading with ``sel`` (``data``: what the selector hands back)."""
@@ -86,12 +87,12 @@ class FramedConn:
 
     def watch(self) -> None:
         """The selector watches for writability exactly while output is pending."""
-        if self.sel is None or self.closed:
+        writing = bool(self.out)
+        if writing == self._writing or self.sel is None or self.closed:
             return
-        want = selectors.EVENT_READ | (selectors.EVENT_WRITE if self.out else 0)
         try:
-            if self.sel.get_key(self.sock).events != want:
-                self.sel.modify(self.sock, want, self.data)
+            self.sel.modify(self.sock, selectors.EVENT_READ | (selectors.EVENT_WRITE if writing else 0), self.data)
+            self._writing = writing
         except (KeyError, ValueError):
             pass
 
