@@ -4,10 +4,11 @@ from __future__ import annotations
 
 import selectors
 import socket
+import threading
 
 import pytest
 
-from recover.coord.conn import FramedConn
+from recover.coord.conn import FramedConn, connect_patiently
 from recover.coord.protocol import CLIENT_TYPES, ProtocolError, encode
 
 
@@ -55,3 +56,20 @@ def test_output_the_socket_does_not_take_waits_and_the_selector_watches_for_it()
     conn.close()
     conn.close()  # idempotent
     sel.close()
+
+
+def test_a_first_connection_waits_for_a_coordinator_that_is_still_starting() -> None:
+    with socket.create_server(("127.0.0.1", 0)) as reserved:  # a port where nothing listens once closed
+        address = reserved.getsockname()[:2]
+    with pytest.raises(ConnectionRefusedError):
+        connect_patiently(address, timeout_s=0.2)  # nobody comes: the refusal, once the time is up
+    listening: list[socket.socket] = []
+    timer = threading.Timer(0.3, lambda: listening.append(socket.create_server(address)))
+    timer.start()
+    try:
+        with connect_patiently(address, timeout_s=10.0) as sock:
+            assert sock.getpeername()[:2] == address
+    finally:
+        timer.join()
+        for s in listening:
+            s.close()

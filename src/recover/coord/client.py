@@ -67,6 +67,7 @@ from collections.abc import Callable, Iterator
 from contextlib import contextmanager
 from typing import Any
 
+from recover.coord.conn import connect_patiently
 from recover.coord.probe import PROBE_TIMEOUT_S, LinkProbe
 from recover.coord.protocol import (
     SERVER_TYPES,
@@ -160,7 +161,7 @@ class CoordinatorClient:
         if self._sock is not None:
             raise RuntimeError("register() was already called on this client")
         try:
-            self._use(self._connect())
+            self._use(self._connect(patient=True))
         except OSError as exc:
             raise CoordinatorLost(f"{self._who} cannot reach the coordinator at "
                                   f"{self.host}:{self.port}: {exc}; is `recover coordinator` running?") from None
@@ -172,8 +173,11 @@ class CoordinatorClient:
         self._spawn(self._heartbeat, "recover-coord-heartbeat")
         return self._wait(lambda: self._admitted(), timeout, "admission to a generation")
 
-    def _connect(self) -> socket.socket:
-        sock = socket.create_connection((self.host, self.port), timeout=self.connect_timeout_s)
+    def _connect(self, patient: bool = False) -> socket.socket:
+        """``patient``: the first connection, to a coordinator that may still be starting."""
+        address = (self.host, self.port)
+        sock = (connect_patiently(address, self.connect_timeout_s) if patient else
+                socket.create_connection(address, timeout=self.connect_timeout_s))
         sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
         sock.settimeout(None)
         return sock

@@ -14,15 +14,39 @@ Invariants:
     (the server and the relay's local side drop the output, the relay's upstream side reconnects).
   * :meth:`FramedConn.receive` answers None when nothing is there yet and raises EOFError when the
     peer is gone.
+
+:func:`connect_patiently` is a replica's first connection to a coordinator that may still be starting
+(the launcher starts it beside the workers, so its import of torch overlaps theirs): a refused
+connection is tried again until the deadline; any other error is raised at once.
 """
 
 from __future__ import annotations
 
 import selectors
 import socket
+import time
 from typing import Any
 
 from recover.coord.protocol import FrameDecoder, ProtocolError
+
+RETRY_S = 0.05
+"""Between two tries of a refused first connection."""
+
+
+def connect_patiently(address: tuple[str, int], timeout_s: float) -> socket.socket:
+    """A blocking connection to ``address``, refused connections tried again for up to ``timeout_s``.
+
+    Raises:
+        OSError: the last refusal once ``timeout_s`` has passed, or any other error at once.
+    """
+    deadline = time.monotonic() + timeout_s
+    while True:
+        try:
+            return socket.create_connection(address, timeout=max(0.1, deadline - time.monotonic()))
+        except ConnectionRefusedError:
+            if time.monotonic() + RETRY_S >= deadline:
+                raise
+            time.sleep(RETRY_S)
 
 
 class FramedConn:

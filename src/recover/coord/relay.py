@@ -50,7 +50,7 @@ from typing import Any
 
 from recover.coord.actions import Refused
 from recover.coord.client import RECONNECT_EVERY_S
-from recover.coord.conn import FramedConn
+from recover.coord.conn import FramedConn, connect_patiently
 from recover.coord.member import Agreed, Ballot, Disagreed, Member
 from recover.coord.protocol import (
     ACTIVITY_LETTERS,
@@ -127,7 +127,7 @@ class Relay:
         Raises:
             OSError: the coordinator cannot be reached or the listener cannot bind.
         """
-        up = socket.create_connection(self.upstream_addr, timeout=self.connect_timeout_s)
+        up = connect_patiently(self.upstream_addr, self.connect_timeout_s)  # the coordinator may be starting
         bind = self.bind_host or up.getsockname()[0]
         self._listener = socket.create_server((bind, 0), backlog=max(16, self.ranks))
         self._listener.setblocking(False)

@@ -94,12 +94,14 @@ class Supervisor:
 
     # ---- starting --------------------------------------------------------------------------
     def start(self) -> None:
-        """The coordinator, every replica and (with rejoins, on the CPU) a hot spare."""
-        self._start_coordinator(self.o.config.parallel.replicas)
+        """The coordinator, every replica and (with rejoins, on the CPU) a hot spare. The workers start
+        while the coordinator starts (their first connection waits for it), so its start-up overlaps theirs."""
+        self._spawn_coordinator(self.o.config.parallel.replicas)
         for rid in range(self.o.config.parallel.replicas):
             self._start_replica(rid, join=False)
         if self.o.rejoin_after_s is not None and not self.o.placement.gpus:  # a spare needs its device
             self._start_spare()                                                  # before it knows its replica
+        self._await_coordinator()
 
     def _new_address(self) -> Address:
         """Ports and token of a new job's coordinator (a restarted coordinator keeps them)."""
@@ -109,13 +111,21 @@ class Supervisor:
         return Address(self.o.host, free_port(self.o.host), free_port(self.o.host), token_file)
 
     def _start_coordinator(self, expected: int) -> None:
+        self._spawn_coordinator(expected)
+        self._await_coordinator()
+
+    def _spawn_coordinator(self, expected: int) -> None:
         cmd = self.cmds.coordinator(self.addr, expected, first=not self.coordinator_restarts)
-        log = self.o.out / "logs" / "coordinator.log"
-        self.coordinator = spawn(cmd, log, {})
+        self.coordinator = spawn(cmd, self.o.out / "logs" / "coordinator.log", {})
+
+    def _await_coordinator(self) -> None:
+        """Until the coordinator listens; it must not exit meanwhile."""
+        assert self.coordinator is not None
         deadline = time.time() + 30
         while time.time() < deadline:
             if self.coordinator.proc.poll() is not None:
-                raise RuntimeError(f"the coordinator exited with {self.coordinator.proc.returncode}; see {log}")
+                raise RuntimeError(f"the coordinator exited with {self.coordinator.proc.returncode}; "
+                                   f"see {self.coordinator.path}")
             try:
                 socket.create_connection((self.o.host, self.addr.port), timeout=0.2).close()  # type: ignore[arg-type]
                 return
