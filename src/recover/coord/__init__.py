@@ -7,7 +7,8 @@ The server and a replica's relay (``recover.coord.relay``) only move bytes (``re
 their rules are pure and unit-tested: ``recover.coord.member`` (the P ranks of a replica are one member:
 registers, acks, votes), ``recover.coord.ranks`` (connections, timeouts) driving ``recover.coord.state``
 (membership per replica; ``integrity``: silent corruption), ``liveness`` (hangs) and ``links`` (which
-link is broken, from the ``probe`` reports).
+link is broken, from the ``probe`` reports); on the replica's side ``generations`` keeps what the
+coordinator's pushes told the client.
 This package imports no torch at module level (only ``Coordinator.start`` does, for the store).
 """
 

@@ -11,11 +11,9 @@ sends a heartbeat every ``heartbeat_interval_s``. Everything else is a request f
 thread that waits for its reply.
 
 Invariants:
-  * ``failure_notice(g)`` is a lock-free read of two integers, cheap enough for a poll loop; it
-    turns true as soon as the coordinator has declared generation g failing or formed a later one.
-  * Membership history only grows and generations only rise; ``dead_since(g)`` is the members of g
-    missing from the newest generation this client knows (the coordinator forms g+1 only after
-    every survivor acked the notice, so survivors asking right after g+1 name the same set).
+  * What the pushes tell (``membership``, ``failure_notice(g)``, ``dead_since(g)``) is kept by
+    :class:`~recover.coord.generations.Generations`, with its invariants; ``failure_notice`` is a
+    lock-free read, cheap enough for a poll loop.
   * A lost coordinator connection (or being fenced) is never silent: every waiting call raises
     :class:`CoordinatorLost`.
 
@@ -48,12 +46,9 @@ Stop: ``stop_requested = True`` (the worker's SIGTERM handler) goes with the nex
 that is a stop sets ``stopping`` (every member stops after that step), and so does the
 ``stopping`` push to a replica still waiting to be admitted (then the connection is lost too).
 
-Join flow: the replacement calls ``register(join=True)``, which returns once a commit admitted it
-(``membership.joined`` lists it); it builds its group with ``FaultTolerantGroup.create`` and calls
-``recover.comm.transfer.receive_state(group, source_rank(group))``. The old members, on getting a
-Membership back from ``vote_commit``, finish the committed step (optimizer), then call
-``group.next_generation()``; the one at ``source_rank`` calls ``send_state``, the others
-``receive_state`` (every member takes part in the broadcast).
+Join: ``register(join=True)`` returns once a commit admitted the replica (``membership.joined``
+lists it); the old members get that Membership back from ``vote_commit`` (the state transfer that
+follows: docs/DESIGN.md §4.3).
 """
 
 from __future__ import annotations
@@ -68,6 +63,7 @@ from contextlib import contextmanager
 from typing import Any
 
 from recover.coord.conn import connect_patiently
+from recover.coord.generations import Generations
 from recover.coord.probe import PROBE_TIMEOUT_S, LinkProbe
 from recover.coord.protocol import (
     SERVER_TYPES,
@@ -106,10 +102,7 @@ class CoordinatorClient:
         self._cond = threading.Condition()
         self._ids = itertools.count(1)
         self._replies: dict[int, dict[str, Any]] = {}
-        self._history: dict[int, Membership] = {}
-        self._latest_gen = 0
-        self._failing_max = 0
-        self._notice_t: dict[int, float] = {}
+        self._known = Generations()  # what the coordinator pushed: read under self._cond, or lock-free
         self._lost: str | None = None
         self._closing = False
         self._stop = threading.Event()
@@ -171,7 +164,7 @@ class CoordinatorClient:
             self.heartbeat_interval_s = max(self.heartbeat_interval_s, float(ok["heartbeat_s"]))
         self._registered = True
         self._spawn(self._heartbeat, "recover-coord-heartbeat")
-        return self._wait(lambda: self._admitted(), timeout, "admission to a generation")
+        return self._wait(lambda: self._known.admitted(self.replica_id), timeout, "admission to a generation")
 
     def _connect(self, patient: bool = False) -> socket.socket:
         """``patient``: the first connection, to a coordinator that may still be starting."""
@@ -227,18 +220,18 @@ class CoordinatorClient:
     @property
     def membership(self) -> Membership | None:
         """The newest generation this client knows of (None before the first)."""
-        return self._history.get(self._latest_gen)
+        return self._known.newest
 
     def membership_of(self, generation: int) -> Membership:
-        return self._history[generation]
+        return self._known.of(generation)
 
     def failure_notice(self, generation: int) -> bool:
         """True once the coordinator has declared ``generation`` failing or formed a later one."""
-        return generation <= self._failing_max or self._latest_gen > generation
+        return self._known.notice(generation)
 
     def notice_time(self, generation: int) -> float | None:
         """``time.monotonic()`` when this process first learnt that ``generation`` failed."""
-        return self._notice_t.get(generation)
+        return self._known.notice_time(generation)
 
     def add_waker(self, event: threading.Event) -> None:
         """``event`` is set whenever a notice or membership arrives or the connection is lost."""
@@ -288,8 +281,7 @@ class CoordinatorClient:
             QuorumLost: the new generation has fewer members than the job's ``min_members``.
             Expelled: this replica is not in it. CoordinatorLost, TimeoutError.
         """
-        m = self._wait(lambda: self._history.get(self._latest_gen) if self._latest_gen > after else None,
-                       timeout, f"a generation after {after}")
+        m = self._wait(lambda: self._known.newer_than(after), timeout, f"a generation after {after}")
         if self.replica_id not in m.members:
             raise Expelled(f"replica {self.replica_id} is not a member of generation {m.generation} "
                            f"(members {list(m.members)}): it was declared dead")
@@ -300,11 +292,7 @@ class CoordinatorClient:
 
     def dead_since(self, generation: int) -> tuple[int, ...]:
         """Members of ``generation`` that are not in the newest known generation."""
-        old = self._history.get(generation)
-        new = self.membership
-        if old is None or new is None:
-            return ()
-        return tuple(sorted(set(old.members) - set(new.members)))
+        return self._known.dead_since(generation)
 
     def vote_commit(self, generation: int, step: int, ids: list[int] | tuple[int, ...],
                     timeout: float | None = None, mb_s: float | None = None,
@@ -337,7 +325,7 @@ class CoordinatorClient:
             self.committed_step = max(self.committed_step, step)
             self.stopping = self.stopping or reply.get("stop") is True
             new = reply.get("new_generation")
-            return None if new is None else self._history[new]
+            return None if new is None else self._known.of(new)
         self.wait_for_generation(generation, timeout or self.request_timeout_s)
         raise PeerFailure(generation, self.dead_since(generation), f"commit vote aborted: {reply['reason']}")
 
@@ -372,13 +360,6 @@ class CoordinatorClient:
     @property
     def _who(self) -> str:
         return f"replica {self.replica_id}" + (f" rank {self.rank}/{self.ranks}" if self.ranks > 1 else "")
-
-    def _admitted(self) -> Membership | None:
-        for g in range(self._latest_gen, 0, -1):
-            m = self._history.get(g)
-            if m is not None and self.replica_id in m.members:
-                return m
-        return None
 
     def _spawn(self, target: Any, name: str) -> None:
         t = threading.Thread(target=target, name=f"{name}-{self.replica_id}", daemon=True)
@@ -517,8 +498,7 @@ class CoordinatorClient:
         kind = msg["type"]
         if kind == "failing":
             g = msg["generation"]
-            self._notice_t.setdefault(g, time.monotonic())
-            self._failing_max = max(self._failing_max, g)
+            self._known.failing(g, time.monotonic())
             self._wake()
             try:
                 self._send({"type": "ack", "generation": g})
@@ -527,10 +507,7 @@ class CoordinatorClient:
         elif kind == "membership" and msg["membership"] is not None:
             m = Membership.from_wire(msg["membership"])
             with self._cond:
-                self._history[m.generation] = m
-                for g in range(self._latest_gen, m.generation):
-                    self._notice_t.setdefault(g, time.monotonic())
-                self._latest_gen = max(self._latest_gen, m.generation)
+                self._known.formed(m, time.monotonic())
                 self._cond.notify_all()
                 for event in self._wakers:
                     event.set()
