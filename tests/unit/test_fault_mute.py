@@ -1,4 +1,4 @@
-"""The ``mute`` fault kind on its own (its end-to-end run: tests/e2e/test_fault_mute.py)."""
+"""The ``mute`` fault kind on its own (its end-to-end run: tests/e2e/test_launch_mute.py)."""
 
 from __future__ import annotations
 
