@@ -158,6 +158,7 @@ class Event(str, Enum):
     STEP_KEPT = "step_kept"
     STOP = "stop"
     STOP_GRACE_OVER = "stop_grace_over"
+    EXIT_GRACE_OVER = "exit_grace_over"
     STOP_REQUESTED = "stop_requested"
     STOP_SIGNAL = "stop_signal"
     STOPPED = "stopped"

@@ -1,6 +1,6 @@
 """End to end: `recover launch` with real SIGKILLs, hangs and SIGSTOPs, compared with a failure-free reference run.
 
-Every run uses 4 replicas of the `debug` preset for 30 steps on a mixture of two sources (weights 0.7
+Every run uses 4 replicas of the `debug` preset for 24 steps on a mixture of two sources (weights 0.7
 and 0.3: the session's corpus and a smaller slice of it). Each case checks that every committed step
 holds all M microbatches and that the per-step loss stays within 1e-5 relative of the failure-free run,
 and bitwise equal to it when both run in deterministic mode. (The failure-free reference runs in
@@ -23,7 +23,7 @@ import pytest
 
 from conftest import losses, max_rel_diff, refusal, run_recover, subprocess_env
 
-STEPS = 30
+STEPS = 24
 M = 8
 HANG_S = 3.0  # fault_tolerance.hang_timeout_s of the hang test
 
@@ -277,7 +277,7 @@ def test_random_hangs_sent_from_outside_are_fenced_reaped_and_rejoined(reference
     """--random-faults hang: the launcher stops a random replica's training thread (SIGUSR1, not the
     worker's own injector) at random moments; the progress rule finds it, the replica is fenced,
     exits or is reaped, and rejoins; the run stays bitwise equal to the failure-free one."""
-    launch(tmp_path, corpus, "--deterministic", "--random-failures", "1.5", "--random-faults", "hang",
+    launch(tmp_path, corpus, "--deterministic", "--random-failures", "1.0", "--random-faults", "hang",
            "--rejoin-after", "0", "--device-time-s", "0.05", "--fault_tolerance.hang_timeout_s=2")
     recs = rows(tmp_path)
     assert [r["step"] for r in recs] == list(range(STEPS)) and all(r["microbatches"] == M for r in recs)
@@ -289,6 +289,19 @@ def test_random_hangs_sent_from_outside_are_fenced_reaped_and_rejoined(reference
         fenced = next(e for e in ev if e["kind"] == "failure_detected" and e["replica"] == hang["replica"]
                       and e["t"] > hang["t"])
         assert fenced["cause"] == "hung" and gone(hang["pid"])
+
+
+def test_a_replica_stuck_after_the_last_step_is_stopped_after_the_grace(corpus: Path, tmp_path: Path) -> None:
+    """Replica 1's training thread hangs after the last commit (no peer is left to notice): every step
+    is committed, so the launcher gives it fault_tolerance.stop_grace_s to exit, then kills it; exit 0."""
+    res = run_recover(["launch", "--config", "debug", "--replicas", "2", "--steps", "3", "--out", str(tmp_path),
+                       "--no-progress", "--data.path", str(corpus), "--hang", "1@2:idle",
+                       "--fault_tolerance.stop_grace_s=1"], timeout=120)
+    assert res.returncode == 0 and [r["step"] for r in rows(tmp_path)] == [0, 1, 2]
+    ev = events(tmp_path)
+    stuck = next(e for e in ev if e["kind"] == "kill")
+    assert stuck["replica"] == 1 and gone(stuck["pid"])
+    assert [e["running"] for e in ev if e["kind"] == "exit_grace_over"] == [[1]]
 
 
 def test_a_broken_link_between_two_replicas_fences_one_of_them_never_the_same_generation(
@@ -399,14 +412,14 @@ def test_the_coordinator_killed_mid_commit_paused_and_killed_again_costs_no_step
     run = tmp_path / "run"
     proc = _start_launch(run, corpus, "--kill-coordinator", "8:1")
     try:
-        _await_step(run, 14, proc)
+        _await_step(run, 12, proc)
         paused = _coordinator_pid(run)
         os.kill(paused, signal.SIGSTOP)
         time.sleep(3.0)
         os.kill(paused, signal.SIGCONT)
-        _await_step(run, 20, proc)
+        _await_step(run, 16, proc)
         os.kill(_coordinator_pid(run), signal.SIGKILL)
-        _await_step(run, 25, proc)  # and a replica killed from outside, once the coordinator is back
+        _await_step(run, 19, proc)  # and a replica killed from outside, once the coordinator is back
         worker = [p for p in _processes_of(run) if b"--replica\x003" in Path(f"/proc/{p}/cmdline").read_bytes()]
         os.kill(worker[0], signal.SIGKILL)
         _, err = proc.communicate(timeout=180)

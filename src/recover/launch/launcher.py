@@ -23,6 +23,8 @@ Contract:
   ``--resume``), 7 the coordinator was lost for good (a checkpoint was saved), 8 the replicas'
   parameters disagree with no majority (each side saved), 9 the training diverged (a microbatch not
   finite on two replicas), 10 bad data, 1 otherwise.
+- Once every step is committed, a replica still running after ``fault_tolerance.stop_grace_s`` (stuck
+  in its exit) is killed (``exit_grace_over``); the status stays 0.
 - ``resume``: the workers start from the newest complete checkpoint in ``out``; the records of
   ``metrics.jsonl`` before it are kept (it holds each step once).
 """
@@ -137,7 +139,7 @@ class Launcher:
 
     def _watch(self) -> None:
         """Until the job ends: stops, processes, records and faults, every :data:`POLL_S`."""
-        steps, grace_end = self.cfg.training.steps, None
+        steps, done_at = self.cfg.training.steps, None
         while True:
             now = time.time()
             if self.stop_signal is not None and self.stop_started is None:
@@ -156,14 +158,19 @@ class Launcher:
             if self.stop_started is not None and now - self.stop_started > self.cfg.fault_tolerance.stop_grace_s:
                 self.events.event("stop_grace_over", running=[r.rid for r in self.supervisor.live()])
                 return
-            if self.records.committed() >= steps and all(r.joined for r in self.supervisor.live()):
-                # every step committed; only joiners are left: one that trained to the end exits on
-                # its own within the grace, a late one with nothing left to join is stopped after it
-                grace_end = grace_end or now + JOINER_GRACE_S
-                if now >= grace_end:
+            if self.records.committed() >= steps:
+                # every step committed: the replicas exit on their own (after a final save) within
+                # stop_grace_s, joiners with nothing left to join within JOINER_GRACE_S; one still
+                # running then (stuck at its exit: a hung thread, a destructor) is stopped by the end
+                done_at = done_at or now
+                live = self.supervisor.live()
+                joiners = all(r.joined for r in live)
+                if now >= done_at + (JOINER_GRACE_S if joiners else self.cfg.fault_tolerance.stop_grace_s):
+                    if not joiners:
+                        self.events.event("exit_grace_over", running=[r.rid for r in live])
                     return
-            if self.stop_started is None:
-                self._strike(now)
+            elif self.stop_started is None:
+                self._strike(now)  # faults strike a job that trains, not one that ends
             time.sleep(POLL_S)
 
     # ---- records ---------------------------------------------------------------------------
