@@ -32,3 +32,14 @@ def test_members_are_the_plain_names_in_json_both_ways(tmp_path: Path) -> None:
     assert json.loads(line)["kind"] == "kill" and '"kind":"kill"' in line
     (record,) = read_jsonl(tmp_path / "events.jsonl")
     assert record["kind"] == Event.KILL and record["kind"] in {Event.KILL} and Event(record["kind"]) is Event.KILL
+
+
+def test_a_writer_reopening_a_file_torn_by_a_killed_writer_keeps_every_new_record(tmp_path: Path) -> None:
+    path = tmp_path / "events.jsonl"
+    path.write_text('{"t":1,"kind":"commit"}\n{"t":2,"kind":"comm')  # a writer died mid-line
+    with EventLog(path) as log:
+        log.event(Event.COMMIT, step=3)
+    with EventLog(path) as log:  # a clean end is left as it is
+        log.event(Event.COMMIT, step=4)
+    assert [(r["kind"], r.get("step")) for r in read_jsonl(path)] == [("commit", None), ("commit", 3), ("commit", 4)]
+    assert path.read_text().count("\n\n") == 0

@@ -38,6 +38,7 @@ from recover.launch.job import Address, Commands, LaunchOptions
 from recover.launch.processes import LOST, ReplicaProcesses, Spawned, free_port, kill_processes, signal_processes, spawn
 from recover.names import Baseline
 from recover.observe.events import EventLog
+from recover.observe.rundir import write_private
 from recover.train.exits import (
     EXIT_BAD_DATA,
     EXIT_COORDINATOR_LOST,
@@ -106,8 +107,7 @@ class Supervisor:
     def _new_address(self) -> Address:
         """Ports and token of a new job's coordinator (a restarted coordinator keeps them)."""
         token_file = self.o.out / "token"
-        token_file.write_text(secrets.token_hex(16))
-        token_file.chmod(0o600)
+        write_private(token_file, secrets.token_hex(16))
         return Address(self.o.host, free_port(self.o.host), free_port(self.o.host), token_file)
 
     def _start_coordinator(self, expected: int) -> None:

@@ -17,13 +17,16 @@ from typing import Any
 
 
 class JsonlWriter:
-    """Appends JSON objects to ``path``, one per line, flushed after each write."""
+    """Appends JSON objects to ``path``, one per line, flushed after each write. A last line that a killed
+    writer left torn (no newline) is closed first, so the first new record does not join it."""
 
     def __init__(self, path: str | os.PathLike[str]) -> None:
         self.path = Path(path)
         self.path.parent.mkdir(parents=True, exist_ok=True)
         self._lock = threading.Lock()
         self._file = open(self.path, "a", encoding="utf-8")  # noqa: SIM115 - closed in close()
+        if _ends_torn(self.path):
+            self._file.write("\n")
 
     def write(self, record: dict[str, Any]) -> dict[str, Any]:
         line = json.dumps({"t": round(time.time(), 6), **record}, separators=(",", ":"))
@@ -41,6 +44,15 @@ class JsonlWriter:
 
     def __exit__(self, *exc: object) -> None:
         self.close()
+
+
+def _ends_torn(path: Path) -> bool:
+    """Whether ``path`` holds bytes after its last newline."""
+    with open(path, "rb") as f:
+        if f.seek(0, os.SEEK_END) == 0:
+            return False
+        f.seek(-1, os.SEEK_END)
+        return f.read(1) != b"\n"
 
 
 class EventLog(JsonlWriter):

@@ -2,12 +2,16 @@
 
 Contract: :func:`check_out` (no side effect) refuses, with one line naming what is there and the two
 ways on, an ``--out`` that holds another run's records or checkpoints unless the command continues
-it (``--resume``) or replaces it (``--overwrite``). :func:`clear_run` deletes only what a run writes
-there (records, checkpoints, logs, plots), never anything else in the directory.
+it (``--resume``) or replaces it (``--overwrite``), and one that cannot be written (a file in its
+path, a read-only file system, no permission), before anything starts. :func:`clear_run` deletes only
+what a run writes there (records, checkpoints, logs, plots), never anything else in the directory.
+:func:`write_private` writes a secret (the coordinator's token) readable by its owner alone from the
+moment it exists.
 """
 
 from __future__ import annotations
 
+import os
 import shutil
 from pathlib import Path
 
@@ -34,6 +38,30 @@ def check_out(out: Path, resume: bool, overwrite: bool) -> None:
     if found and not resume and not overwrite:
         raise ConfigError(f"--out {out} holds another run ({', '.join(found[:4])}); continue it with --resume, "
                           "replace it with --overwrite, or choose a new --out")
+    check_writable(out)
+
+
+def check_writable(out: Path) -> None:
+    """Raises ConfigError when the run directory ``out`` could not be created or written."""
+    existing = out
+    while not existing.exists() and existing != existing.parent:
+        existing = existing.parent
+    if not existing.is_dir():
+        raise ConfigError(f"--out {out} cannot be a run directory: {existing} is a file; choose another --out")
+    if not os.access(existing, os.W_OK | os.X_OK):
+        raise ConfigError(f"--out {out} is not writable ({existing}: read-only or no permission); choose a "
+                          "directory you can write, or fix its permissions")
+
+
+def write_private(path: Path, text: str) -> None:
+    """Writes ``text`` to ``path`` with mode 0600 from its creation (never readable by others, not even
+    for a moment), replacing what was there."""
+    tmp = path.with_name(path.name + ".tmp")
+    tmp.unlink(missing_ok=True)
+    fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o600)
+    with os.fdopen(fd, "w", encoding="utf-8") as f:
+        f.write(text)
+    os.replace(tmp, path)
 
 
 def clear_run(out: Path) -> None:
