@@ -103,6 +103,7 @@ class Event(str, Enum):
     BAD_DATA = "bad_data"
     BAD_DATA_STOP = "bad_data_stop"
     CHECKPOINT = "checkpoint"
+    CHECKPOINT_ABANDONED = "checkpoint_abandoned"
     COMMIT = "commit"
     COORDINATOR_EXIT = "coordinator_exit"
     COORDINATOR_KILLED = "coordinator_killed"

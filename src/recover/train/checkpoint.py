@@ -303,6 +303,32 @@ def load_state(path: str | os.PathLike[str], model: nn.Module, optimizer: torch.
     return meta
 
 
+def save_failures() -> tuple[type[BaseException], ...]:
+    """What a failed save raises: the storage's own errors, torch.save's writer errors (a full disk shows
+    as "unexpected pos" or "file write failed", its errno lost) and DCP's per-rank wrapper (a BaseException)."""
+    from torch.distributed.checkpoint.api import CheckpointException
+
+    return OSError, RuntimeError, CheckpointError, CheckpointException
+
+
+def abandon(root: str | os.PathLike[str], step: int, exc: BaseException) -> str:
+    """Removes what a failed save of ``step`` wrote (its ``.partial`` directory; older checkpoints stay)
+    and returns one line naming the path, the free space there and the cause."""
+    final = Path(root) / f"step_{step:06d}"
+    shutil.rmtree(final.with_name(final.name + ".partial"), ignore_errors=True)
+    try:
+        free = f"{shutil.disk_usage(root).free / 2**20:,.1f} MiB free"
+    except OSError as err:
+        free = f"free space unknown ({err.strerror})"
+    failures = getattr(exc, "failures", None)  # DCP's wrapper: rank -> (exception, traceback)
+    if failures:
+        first = next(iter(failures.values()))
+        exc = first[0] if isinstance(first, tuple) else first
+    cause = str(exc).strip().splitlines()[0][:160] if str(exc).strip() else ""
+    return (f"checkpoint of step {step} abandoned: could not write {final} ({free}; {type(exc).__name__}"
+            f"{': ' + cause if cause else ''}); training goes on, older checkpoints are kept")
+
+
 class Checkpointer:
     """Saves and resumes one replica's state under ``root``.
 

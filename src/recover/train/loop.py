@@ -16,6 +16,7 @@ a replica of several ranks), so the other replicas never wait for them.
 from __future__ import annotations
 
 import os
+import sys
 import time
 from collections.abc import Callable
 from contextlib import AbstractContextManager, nullcontext
@@ -28,7 +29,7 @@ from recover.config import Config
 from recover.data.sampler import EvalSampler
 from recover.names import Event
 from recover.recovery.protocol import ResilientStep, StepOutcome
-from recover.train.checkpoint import Checkpointer
+from recover.train.checkpoint import Checkpointer, abandon, save_failures
 from recover.train.optim import lr_at
 from recover.train.replica import Replica
 from recover.train.steps import Steps  # the committed-step iterator of the library API, the one there is
@@ -132,9 +133,12 @@ class Loop:
                 record["eval_s"] = round(time.perf_counter() - t_eval, 6)
             self.write(record)
             due = tc.checkpoint_due(outcome.step, end)
-            if leader and (due or outcome.stop):
+            if leader and outcome.stop:
                 with self.busy("io"):
-                    self.save(blocking=True if outcome.stop else None)
+                    self.save(blocking=True)
+            elif leader and due:
+                with self.busy("io"):
+                    self.save_or_abandon()
             if outcome.stop and self.step.progress.step < end:
                 self.stopped = True
                 return
@@ -143,6 +147,17 @@ class Loop:
     def evaluate(self) -> float:
         """Mean validation loss over ``training.eval_batches`` fixed batches (collective in a replica)."""
         return self.replica.evaluate([self.eval_data.batch(i) for i in range(self.cfg.training.eval_batches)])
+
+    def save_or_abandon(self) -> Any:
+        """A periodic checkpoint; one the storage cannot take (a full disk, an I/O error) is abandoned with
+        one line and an event, and training goes on: a storage error is not a fault of this replica."""
+        try:
+            return self.save()
+        except save_failures() as exc:
+            line = abandon(self.checkpointer.root, self.step.progress.step, exc)
+            print(f"recover: warning: {line}", file=sys.stderr, flush=True)
+            self.on_event(Event.CHECKPOINT_ABANDONED, step=self.step.progress.step, message=line)
+            return None
 
     def save(self, blocking: bool | None = None) -> Any:
         """A checkpoint of the committed progress (collective in a replica of several ranks)."""
