@@ -4,6 +4,8 @@ from __future__ import annotations
 
 import json
 import re
+import resource
+import signal
 from pathlib import Path
 
 from recover.names import Event
@@ -43,3 +45,25 @@ def test_a_writer_reopening_a_file_torn_by_a_killed_writer_keeps_every_new_recor
         log.event(Event.COMMIT, step=4)
     assert [(r["kind"], r.get("step")) for r in read_jsonl(path)] == [("commit", None), ("commit", 3), ("commit", 4)]
     assert path.read_text().count("\n\n") == 0
+
+
+def test_a_disk_that_refuses_writes_loses_no_record_and_raises_nothing(tmp_path: Path, capsys) -> None:
+    """The file size limit makes the kernel refuse writes past it (EFBIG) as a full disk would, cutting
+    one record short: the writer keeps the records, warns once, and completes them all once it can."""
+    path = tmp_path / "events.jsonl"
+    log = EventLog(path)
+    log.event(Event.COMMIT, step=0)
+    soft, hard = resource.getrlimit(resource.RLIMIT_FSIZE)
+    sigxfsz = signal.signal(signal.SIGXFSZ, signal.SIG_IGN)
+    resource.setrlimit(resource.RLIMIT_FSIZE, (path.stat().st_size + 20, hard))  # room for a part of one
+    try:
+        for step in range(1, 5):
+            log.event(Event.COMMIT, step=step)
+    finally:
+        resource.setrlimit(resource.RLIMIT_FSIZE, (soft, hard))
+        signal.signal(signal.SIGXFSZ, sigxfsz)
+    assert capsys.readouterr().err.count("cannot write") == 1
+    log.event(Event.COMMIT, step=5)  # the disk takes writes again: the backlog goes out first, in order
+    log.close()
+    assert [r["step"] for r in read_jsonl(path)] == list(range(6))
+    assert len(path.read_text().splitlines()) == 6  # the record cut short was completed, not repeated

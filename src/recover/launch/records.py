@@ -22,6 +22,8 @@ absent from the merge (:meth:`StepRecords.committed` counts the steps before the
 from __future__ import annotations
 
 import json
+import os
+import sys
 from collections.abc import Iterable
 from pathlib import Path
 from typing import Any
@@ -113,10 +115,18 @@ def metrics_row(rec: Record, t0: float) -> Record:
 
 
 def write_metrics(path: Path, records: StepRecords, t0: float) -> None:
-    """Writes ``metrics.jsonl`` at ``path``: every recorded step's merged record, in step order."""
-    with open(path, "w", encoding="utf-8") as f:
-        for step in records.steps():
-            f.write(json.dumps(metrics_row(records.record(step), t0), separators=(",", ":")) + "\n")
+    """Writes ``metrics.jsonl`` at ``path``: every recorded step's merged record, in step order. It replaces
+    the file only once written whole: on a full disk the file as it was stays, with one warning line."""
+    tmp = path.with_name(path.name + ".tmp")
+    try:
+        with open(tmp, "w", encoding="utf-8") as f:
+            for step in records.steps():
+                f.write(json.dumps(metrics_row(records.record(step), t0), separators=(",", ":")) + "\n")
+        os.replace(tmp, path)
+    except OSError as exc:
+        tmp.unlink(missing_ok=True)
+        print(f"recover: warning: could not rewrite {path} ({exc.strerror or exc}); it keeps the records "
+              "written as the steps committed", file=sys.stderr, flush=True)
 
 
 class JsonlTail:

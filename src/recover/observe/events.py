@@ -1,42 +1,83 @@
 """Append-only JSON-lines logs (``metrics.jsonl``, ``events.jsonl``).
 
 Contract: one JSON object per line, each with ``t`` (unix time, seconds) first; lines are written
-whole and flushed at once, so a reader (the launcher, a plot, a test) never sees half a record
-and a killed writer loses at most the record it was writing. Thread-safe.
+whole and at once (one unbuffered write each), so a reader (the launcher, a plot, a test) never sees
+half a record and a killed writer loses at most the record it was writing. Thread-safe.
+
+Storage errors never reach the caller: a write the disk refuses (full, I/O error, read-only) keeps the
+record in a bounded backlog (:data:`BACKLOG` records; beyond it the oldest not yet begun are dropped and
+counted) that every later write tries again, in order, after one warning line on stderr; a record cut
+short by a full disk is completed, never duplicated. A file that a killed writer left torn is closed
+with a newline before the first new record.
 """
 
 from __future__ import annotations
 
 import json
 import os
+import sys
 import threading
 import time
+from collections import deque
 from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
+BACKLOG = 10_000
+"""Records a writer keeps while its disk refuses them."""
+
 
 class JsonlWriter:
-    """Appends JSON objects to ``path``, one per line, flushed after each write. A last line that a killed
-    writer left torn (no newline) is closed first, so the first new record does not join it."""
+    """Appends JSON objects to ``path``, one per line (see the module docstring)."""
 
     def __init__(self, path: str | os.PathLike[str]) -> None:
         self.path = Path(path)
         self.path.parent.mkdir(parents=True, exist_ok=True)
         self._lock = threading.Lock()
-        self._file = open(self.path, "a", encoding="utf-8")  # noqa: SIM115 - closed in close()
-        if _ends_torn(self.path):
-            self._file.write("\n")
+        self._file = open(self.path, "ab", buffering=0)  # noqa: SIM115 - closed in close()
+        self._backlog: deque[bytes] = deque([b"\n"] if _ends_torn(self.path) else [])
+        self._sent = 0  # bytes of the backlog's first record already written
+        self.dropped = 0
+        """Records lost because the backlog was full."""
+        self._failing: str | None = None  # why the disk refuses, while it does
 
     def write(self, record: dict[str, Any]) -> dict[str, Any]:
-        line = json.dumps({"t": round(time.time(), 6), **record}, separators=(",", ":"))
+        line = json.dumps({"t": round(time.time(), 6), **record}, separators=(",", ":")) + "\n"
         with self._lock:
-            self._file.write(line + "\n")
-            self._file.flush()
+            if len(self._backlog) >= BACKLOG:
+                del self._backlog[1 if self._sent else 0]  # the oldest not begun: a begun one is completed
+                self.dropped += 1
+            self._backlog.append(line.encode())
+            self._drain()
         return record
+
+    def _drain(self) -> None:
+        while self._backlog:
+            head = self._backlog[0]
+            try:
+                written = self._file.write(head[self._sent:]) or 0
+                if not written:
+                    raise OSError(0, "nothing written")
+            except OSError as exc:
+                if self._failing is None:
+                    self._failing = exc.strerror or type(exc).__name__
+                    print(f"recover: warning: cannot write {self.path} ({self._failing}); keeping up to "
+                          f"{BACKLOG:,} records in memory and trying again with each new one", file=sys.stderr,
+                          flush=True)
+                return
+            self._sent += written
+            if self._sent < len(head):
+                continue  # a short write: the rest of the record next
+            self._backlog.popleft()
+            self._sent = 0
+        self._failing = None
 
     def close(self) -> None:
         with self._lock:
+            self._drain()
+            if self._backlog or self.dropped:
+                print(f"recover: warning: {len(self._backlog) + self.dropped} record(s) could not be written to "
+                      f"{self.path} ({self._failing or 'backlog full'})", file=sys.stderr, flush=True)
             self._file.close()
 
     def __enter__(self) -> JsonlWriter:
