@@ -222,9 +222,6 @@ class CoordinatorClient:
         """The newest generation this client knows of (None before the first)."""
         return self._known.newest
 
-    def membership_of(self, generation: int) -> Membership:
-        return self._known.of(generation)
-
     def failure_notice(self, generation: int) -> bool:
         """True once the coordinator has declared ``generation`` failing or formed a later one."""
         return self._known.notice(generation)

@@ -44,7 +44,6 @@ from __future__ import annotations
 
 import json
 import math
-import socket
 import struct
 from collections.abc import Mapping
 from dataclasses import dataclass, field
@@ -405,8 +404,3 @@ def decode_body(body: bytes, allowed: frozenset[str] | None = None) -> dict[str,
         return exc
     except (UnicodeDecodeError, ValueError, RecursionError) as exc:
         return ProtocolError("malformed", f"body is not valid JSON ({exc})")
-
-
-def send_msg(sock: socket.socket, msg: dict[str, Any]) -> None:
-    """Blocking send of one frame (the caller serialises writers)."""
-    sock.sendall(encode(msg))

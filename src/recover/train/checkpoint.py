@@ -312,10 +312,12 @@ def save_failures() -> tuple[type[BaseException], ...]:
 
 
 def abandon(root: str | os.PathLike[str], step: int, exc: BaseException) -> str:
-    """Removes what a failed save of ``step`` wrote (its ``.partial`` directory; older checkpoints stay)
-    and returns one line naming the path, the free space there and the cause."""
+    """Removes what failed saves wrote (every ``.partial`` directory: after a failed save none is in flight,
+    and an asynchronous one that failed earlier, reported now, left one too; complete checkpoints and
+    ``.replaced`` ones stay) and returns one line naming the path of ``step``'s, the free space and the cause."""
     final = Path(root) / f"step_{step:06d}"
-    shutil.rmtree(final.with_name(final.name + ".partial"), ignore_errors=True)
+    for partial in Path(root).glob("step_*.partial"):
+        shutil.rmtree(partial, ignore_errors=True)
     try:
         free = f"{shutil.disk_usage(root).free / 2**20:,.1f} MiB free"
     except OSError as err:
