@@ -35,6 +35,10 @@ class QuorumLost(RecoverError):
     """Fewer live replicas than ``fault_tolerance.min_replicas``: the job stops with a checkpoint."""
 
 
+class StateLost(RecoverError):
+    """Every replica that held the training state was lost and there is no complete checkpoint to fall back to."""
+
+
 class PeerFailure(Exception):
     """One or more replicas of ``generation`` died; raised by a fault-tolerant collective.
 

@@ -151,6 +151,7 @@ class Event(str, Enum):
     REGISTER_ABANDONED = "register_abandoned"
     REJOIN_STARTED = "rejoin_started"
     REPLICA_EXIT = "replica_exit"
+    RESTORED = "restored"
     RESYNCED = "resynced"
     SLOWED = "slowed"
     STARTED = "started"

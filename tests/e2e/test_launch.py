@@ -236,6 +236,56 @@ def test_hangs_in_forward_backward_and_reduce_are_fenced_and_recovered(reference
     assert all((tmp_path / name).stat().st_size > 0 for name in ("loss.png", "throughput.png", "goodput.png"))
 
 
+def test_a_lone_survivor_that_hangs_is_fenced_and_the_job_restores_its_checkpoint(reference_det: Path,
+                                                                                  corpus: Path, tmp_path: Path) -> None:
+    """The only replica's training thread stops in step 9 (nobody waits for it): fenced within
+    hang_timeout_s + 1 s all the same; the replica started in its place finds nobody holding the state,
+    restores the checkpoint of step 8 and trains to the end, the injected hang not striking again:
+    bitwise equal to the (4-replica) failure-free run."""
+    launch(tmp_path, corpus, "--replicas", "1", "--deterministic", "--hang", "0@9:forward", "--rejoin-after", "0",
+           "--training.checkpoint_every=4", f"--fault_tolerance.hang_timeout_s={HANG_S}")
+    recs = rows(tmp_path)
+    assert [r["step"] for r in recs] == list(range(STEPS)) and all(r["microbatches"] == M for r in recs)
+    assert losses(tmp_path) == losses(reference_det)
+    ev = events(tmp_path)
+    hang, = (e for e in ev if e["kind"] == "kill")
+    fenced, = (e for e in ev if e["kind"] == "failure_detected")
+    assert fenced["cause"] == "hung" and fenced["t"] - hang["t"] <= HANG_S + 1.0 and gone(hang["pid"])
+    restored, = (e for e in ev if e["kind"] == "restored")
+    assert (restored["step"], restored["redo"]) == (8, 1)
+    assert json.loads((tmp_path / "summary.json").read_text())["goodput"]["lost_s"]["restart"] > 0
+
+
+def test_every_replica_killed_at_once_restores_the_newest_checkpoint_by_itself(reference_det: Path,
+                                                                              corpus: Path, tmp_path: Path) -> None:
+    """All four replicas are SIGKILLed at the same moment from outside: the replicas started in their place
+    find nobody holding the state, the first one back restores the newest complete checkpoint, the others
+    take its state as they come, and the job finishes with exit 0, every step bitwise equal to the
+    failure-free run."""
+    run = tmp_path / "run"
+    proc = _start_launch(run, corpus, "--rejoin-after", "0", "--training.checkpoint_every=4")
+    try:
+        _await_step(run, 10, proc)
+        workers = [p for p in _processes_of(run) if b"--replica\x00" in Path(f"/proc/{p}/cmdline").read_bytes()]
+        assert len(workers) == 4
+        for pid in workers:
+            os.kill(pid, signal.SIGKILL)
+        _, err = proc.communicate(timeout=180)
+        assert proc.returncode == 0, err.decode()[-3000:]
+    finally:
+        _reap(run, proc)
+    recs = rows(run)
+    assert [r["step"] for r in recs] == list(range(STEPS)) and all(r["microbatches"] == M for r in recs)
+    assert losses(run) == losses(reference_det)
+    ev = events(run)
+    restored = [e for e in ev if e["kind"] == "restored"]
+    assert len(restored) == 1 and restored[0]["step"] % 4 == 0 and 8 <= restored[0]["step"] < STEPS
+    after = [e for e in ev if e["kind"] == "state_received" and e["t"] > restored[0]["t"]]
+    assert all(e["step"] > restored[0]["step"] for e in after)  # the others took the restored state
+    assert json.loads((run / "summary.json").read_text())["kills"] == 4
+    assert sorted(e["replica"] for e in ev if e["kind"] == "rejoin_started") == [0, 1, 2, 3]
+
+
 def test_a_replica_frozen_for_good_is_fenced_reaped_and_replaced(reference_det: Path, corpus: Path,
                                                                  tmp_path: Path) -> None:
     # 0.1 s per microbatch (emulated devices): the job outlasts detection, reaping and the rejoin

@@ -152,6 +152,32 @@ def test_joiner_with_nobody_left_is_admitted_at_once() -> None:
     assert st.current.members == (5,) and st.current.joined == (5,)
 
 
+def test_with_nobody_holding_the_state_the_members_restore_a_checkpoint_and_may_commit_an_older_step() -> None:
+    """Every member died after step 5 was committed (a joiner waiting at the time never got the state): the
+    generation of the joiners is a ``restore`` one, and its first commit goes back to the checkpoint's step;
+    the generation after it, formed by a failure before that commit, restores again; after it, nothing does."""
+    st = make(2)
+    for step in range(6):
+        vote(st, 0, 10 + step, 1, step, [0], 0.1)
+        vote(st, 1, 10 + step, 1, step, [0], 0.1)
+    assert st.committed_step == 5 and not st.current.restore
+    st.on_dead(0, "connection_closed", 1.0)
+    st.on_dead(1, "connection_closed", 1.0)
+    assert st.current.members == ()
+    st.on_register(0, True, 1, 2.0)
+    assert st.current.members == (0,) and st.current.restore and not st.current.resync
+    st.on_register(1, True, 1, 2.1)  # waits for the next commit, as any joiner
+    st.on_dead(0, "connection_closed", 2.2)  # the restore's only member dies before its first commit
+    assert st.current.members == (1,) and st.current.restore  # the waiting joiner restores instead
+    st.on_register(0, True, 2, 2.3)
+    g = st.current.generation
+    acts = vote(st, 1, 3, g, 3, [0], 2.4)  # step 3: the checkpoint holds steps 0-2
+    assert sent(acts, "committed") and st.committed_step == 3
+    assert st.current.members == (0, 1) and st.current.joined == (0,) and not st.current.restore
+    with pytest.raises(Refused):  # an older step is stale again
+        vote(st, 1, 4, st.current.generation, 2, [0], 2.6)
+
+
 def test_a_joiner_after_every_member_finished_is_told_the_job_is_over() -> None:
     """A replica restarted late (--rejoin-after) registers after the others trained to the end and left:
     it must not form a generation of its own (it would wait for state nobody can send)."""

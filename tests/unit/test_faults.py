@@ -76,13 +76,19 @@ def test_validate_accepts_possible_schedules() -> None:
     (["1@2:forward", "1@2:reduce"], {"rejoin": True}, "killed by 1@2:forward; kill it at another step"),
     (["0@1", "1@2", "2@3", "3@4"], {}, r"leaving 0 of 4 \(min_replicas = 1\); kill at most 3"),
     (["0@1", "1@2"], {"min_replicas": 3}, r"kill at most 1, lower min_replicas"),
-    (["0@1", "1@1", "2@1", "3@1"], {"rejoin": True}, r"failures at step 1 kill replicas \[0, 1, 2, 3\]"),
+    (["0@1", "1@1", "2@1"], {"rejoin": True, "min_replicas": 2}, r"failures at step 1 kill replicas \[0, 1, 2\]"),
     ([FailureSpec(0, 1, rank=2)], {"ranks": 2}, r"rank 2 does not exist; a replica has ranks 0\.\.1"),
     ([], {"min_replicas": 5}, "min_replicas = 5 exceeds replicas = 4"),
 ])
 def test_validate_refusals(specs: list, kwargs: dict, match: str) -> None:
     with pytest.raises(ConfigError, match=match):
         FailureSchedule(specs).validate(replicas=4, steps=10, **kwargs)
+
+
+def test_with_rejoins_every_replica_may_die_at_once_and_the_rejoined_restore_a_checkpoint() -> None:
+    FailureSchedule(["0@1", "1@1", "2@1", "3@1"]).validate(replicas=4, steps=10, min_replicas=2, rejoin=True)
+    with pytest.raises(ConfigError, match="kill at most 2"):  # without rejoins nobody would come back
+        FailureSchedule(["0@1", "1@1", "2@1", "3@1"]).validate(replicas=4, steps=10, min_replicas=2)
 
 
 def test_at_and_for_replica() -> None:

@@ -29,7 +29,7 @@ def test_a_replica_without_progress_while_others_wait_is_hung_after_the_timeout(
     assert "while replicas [0, 2] waited for it" in hung[0][1]
 
 
-def test_waiting_io_a_lone_replica_and_a_slow_job_are_never_hung() -> None:
+def test_waiting_io_and_a_first_step_slow_everywhere_are_never_hung() -> None:
     live = started(2, hang_timeout_s=1.0)
     live.heartbeat(0, 0, 5, "io", 0.1)  # a long checkpoint save while the other waits
     live.heartbeat(1, 0, 5, "wait", 0.1)
@@ -39,7 +39,25 @@ def test_waiting_io_a_lone_replica_and_a_slow_job_are_never_hung() -> None:
     assert live.hung(20.0) == []
     alone = started(1, hang_timeout_s=1.0)
     alone.heartbeat(0, 0, 1, "compute", 0.1)
-    assert alone.hung(20.0) == []
+    assert alone.hung(20.0) == []  # compiling its first step: nobody waits and it never voted
+
+
+def test_a_lone_replica_past_its_first_step_is_hung_without_anyone_waiting() -> None:
+    """The lone survivor (or every replica at once) stops advancing after a vote: hung after the timeout,
+    though no peer waits; a replica registered again starts unjudged until its own first vote."""
+    live = started(2, hang_timeout_s=2.0)
+    for r in range(2):
+        live.heartbeat(r, 0, 5, "compute", 0.5)
+        live.voted(r, 0, 0.6)
+    live.committed(0, 0.7)
+    live.forget(1)  # replica 1 is gone: 0 trains alone
+    live.heartbeat(0, 0, 9, "compute", 1.0)
+    assert live.hung(2.9) == []
+    hung = live.hung(3.1)
+    assert [r for r, _ in hung] == [0] and "with no other replica waiting" in hung[0][1]
+    live.start(1, 1, now=3.2)  # a new replica 1, in its first step: not judged by this rule
+    live.heartbeat(1, 0, 1, "compute", 3.3)
+    assert [r for r, _ in live.hung(10.0)] == [0]
 
 
 def test_the_clock_restarts_on_progress_and_on_entering_compute() -> None:

@@ -41,6 +41,7 @@ class FakeMembership:
     joined: tuple[int, ...] = ()
     speeds: dict[int, float] | None = None
     resync: bool = False
+    restore: bool = False
 
 
 @dataclass

@@ -1,4 +1,4 @@
-"""Liveness is progress, not heartbeats: a replica that stops advancing while others wait for it is hung.
+"""Liveness is progress, not heartbeats: a replica that stops advancing is hung, whether or not others wait.
 
 A heartbeat proves that a process's heartbeat thread runs, not that its training loop advances (a
 stuck kernel, an NCCL hang, a deadlocked data loader leave the heartbeats going). So every rank's
@@ -13,8 +13,11 @@ step: each microbatch's forward and backward, the reduction, the vote, ...) and 
 Rule (pure: every call carries ``now``): replica R is *hung* when
 
 * one of its ranks has been in ``compute`` (``io``) with an unchanged counter for longer than the hang
-  timeout (``IO_FACTOR`` x it) while a rank of another live replica is in ``wait`` (so a replica
-  alone, or a job that is slow everywhere, is never fenced); or
+  timeout (``IO_FACTOR`` x it) while a rank of another live replica is in ``wait``; or
+* the same, with nobody waiting (a replica alone, or every replica stuck at once), once the replica has
+  voted since it registered: its first step (compilation, warm-up, the first reads) is judged only by
+  the rule above, so a job that starts slowly everywhere is not fenced, while a lone survivor that
+  hangs later is (the job then goes on from a checkpoint: :mod:`recover.coord.state`); or
 * generation g has been formed for longer than the hang timeout, R is a member, and a rank of R in
   ``wait`` still reports (``generation`` in its heartbeat: the newest generation its training thread
   moved on to) an older generation: a waiting training thread is woken by the failure notice and
@@ -64,14 +67,17 @@ class Liveness:
         self._commits: deque[tuple[int, float]] = deque(maxlen=21)
         self._formed: tuple[int, tuple[int, ...], float] | None = None  # (generation, members, when)
         self._ballot: tuple[float, set[tuple[int, int | None]]] | None = None  # (first vote, (replica, rank) voted)
+        self._warm: set[int] = set()  # replicas that voted since they registered (past their first step)
 
     def start(self, replica: int, ranks: int, now: float) -> None:
         """Replica ``replica`` of ``ranks`` ranks is registered: its clocks start now."""
         self._replicas[replica] = {k: _Rank(-1, "compute", now) for k in range(ranks)}
+        self._warm.discard(replica)
 
     def forget(self, replica: int) -> None:
         """The replica is gone (dead, fenced or left)."""
         self._replicas.pop(replica, None)
+        self._warm.discard(replica)
 
     def pause(self, stall_s: float) -> None:
         """The coordinator did not run for ``stall_s``: every clock moves on by it (nobody is judged
@@ -97,6 +103,7 @@ class Liveness:
         if self._ballot is None:
             self._ballot = (now, set())
         self._ballot[1].add((replica, rank))
+        self._warm.add(replica)
 
     def heartbeat(self, replica: int, rank: int, progress: int | None, activity: str | None, now: float,
                   generation: int | None = None) -> None:
@@ -132,8 +139,6 @@ class Liveness:
     def hung(self, now: float) -> list[tuple[int, str]]:
         """``(replica, detail)`` of every replica hung at ``now``, by replica id (one pass over the ranks)."""
         waiting = self.waiting()
-        if not waiting:
-            return []
         limit = self.timeout()
         out = []
         for replica, ranks in sorted(self._replicas.items()):
@@ -142,12 +147,13 @@ class Liveness:
                      if (r.activity == "compute" and now - r.since > limit)
                      or (r.activity == "io" and now - r.since > IO_FACTOR * limit)]
             behind = self._behind(replica, ranks, now, limit)
-            if others and stale:
+            if stale and (others or replica in self._warm):
                 rank, silent = stale[0]
                 io = ranks[rank].activity == "io"
                 where, allowed = ("in a save or evaluation, ", IO_FACTOR * limit) if io else ("", limit)
+                why = f"while replicas {others} waited for it" if others else "with no other replica waiting"
                 out.append((replica, f"rank {rank} made no progress for {silent:.1f} s ({where}hang timeout "
-                                     f"{allowed:.1f} s) while replicas {others} waited for it"))
+                                     f"{allowed:.1f} s) {why}"))
             elif behind is not None:
                 out.append((replica, behind))
             elif (silent := self._not_voting(replica, ranks, now, limit)) is not None:

@@ -121,6 +121,10 @@ class Membership:
             joiner plans its first step as the members do (:mod:`recover.workload.speeds`).
         resync: formed by a restarted coordinator: the ``joined`` members are behind (they missed
             the last commit, or never had state) and take the state of the others before any step.
+        restore: no member holds the training state (every replica that did was lost): each member
+            loads the newest complete checkpoint instead, and the job goes on from its step (a
+            checkpoint-restart of last resort inside the running job; ``step`` is then the step the
+            coordinator had reached, and the first vote says where the checkpoint put the members).
     """
 
     generation: int
@@ -134,6 +138,7 @@ class Membership:
     reason: str = ""
     speeds: dict[int, float] | None = field(default=None, compare=False)
     resync: bool = False
+    restore: bool = False
 
     def rank_of(self, replica: int) -> int:
         """The rank of ``replica`` in this generation's process group."""
@@ -148,7 +153,7 @@ class Membership:
             "generation": self.generation, "members": list(self.members), "store_host": self.store_host,
             "store_port": self.store_port, "step": self.step, "dead": list(self.dead),
             "joined": list(self.joined), "min_members": self.min_members, "reason": self.reason,
-            "speeds": speeds_to_wire(self.speeds), "resync": self.resync,
+            "speeds": speeds_to_wire(self.speeds), "resync": self.resync, "restore": self.restore,
         }
 
     @classmethod
@@ -161,6 +166,7 @@ class Membership:
             store_port=d["store_port"], step=d["step"], dead=tuple(sorted(d["dead"])),
             joined=tuple(sorted(d["joined"])), min_members=d["min_members"], reason=d["reason"],
             speeds=speeds_from_wire(d.get("speeds")), resync=d.get("resync") is True,
+            restore=d.get("restore") is True,
         )
 
 

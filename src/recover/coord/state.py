@@ -22,6 +22,10 @@ Invariants:
   * Joiners are admitted only at a commit (a step boundary), or at once when no member is left.
     ``Membership.joined`` lists the members admitted since the last commit: a generation formed
     by a failure before that commit carries them on, so the state transfer is done again on it.
+  * Total loss: a generation whose members were all admitted since the last commit (every replica
+    that held the state was lost before a joiner took it) is a ``restore`` generation: its members
+    load the newest complete checkpoint, and its first commit may be of a step at or below the
+    committed one (the steps after the checkpoint are redone; ``committed_step`` goes back to it).
   * Silent data corruption: every vote may carry the voter's parameter fingerprint; members that
     differ from a strict majority are fenced as ``divergent`` before the step commits, and without a
     strict majority the job ends (``diverged``, :mod:`recover.coord.integrity`). A microbatch not
@@ -96,6 +100,7 @@ class MembershipState:
         self._rebuild_deadline: float | None = None
         self._base_generation = 0  # restart: the newest generation the replicas reported
         self._resync = False  # generations until the next commit carry ``resync`` (a restart's transfer)
+        self._restoring = False  # a ``restore`` generation: its first commit may go back to a checkpoint's step
         self.late: set[int] = set()  # replicas that came back after the rebuild, waiting to be admitted
         self.left: set[int] = set()  # replicas that said goodbye (their departure is no failure)
         self._nonfinite: dict[tuple[int, int], set[int]] = {}  # (step, id) -> replicas it was not finite on
@@ -121,7 +126,8 @@ class MembershipState:
         for the other members; False when it would refuse it or answer ``aborted`` at once."""
         cur = self.current
         return (cur is not None and generation == cur.generation and replica in self._members
-                and self.round is None and step > self.committed_step and replica not in self.votes)
+                and self.round is None and (step > self.committed_step or self._restoring)
+                and replica not in self.votes)
 
     def summary(self) -> dict[str, Any]:
         """Generation, members, committed step, live and pending replicas, and ``failing``: copies."""
@@ -235,7 +241,7 @@ class MembershipState:
         if self.round is not None:
             return [Send(replica, {"type": "aborted", "re": req_id, "generation": generation,
                                    "reason": "generation is failing"})]
-        if step <= self.committed_step:
+        if step <= self.committed_step and not self._restoring:
             raise Refused("stale_step", f"step {step} is already committed (last {self.committed_step})")
         if replica in self.votes:
             raise Refused("duplicate_vote", f"replica {replica} already voted in generation {generation}")
@@ -265,7 +271,7 @@ class MembershipState:
         generation, step, ids = ballot.generation, ballot.step, ballot.ids
         self.committed_step = step
         self.fresh.clear()
-        self._resync = False
+        self._resync = self._restoring = False
         acts: list[Action] = [Log("commit", {"generation": generation, "step": step, "ids": len(ids)})]
         measured = {r: b.mb_s for r, (_, b) in votes.items() if b.mb_s is not None}
         acts += self._observe_speeds(step, len(ids), self.current.members, measured)
@@ -422,12 +428,13 @@ class MembershipState:
         old = self.current
         self.fresh &= set(members)
         joined = tuple(sorted(self.fresh))
+        self._restoring = bool(members) and len(joined) == len(members)  # nobody holds the state
         dead = tuple(sorted(set(old.members) - set(members))) if old else ()
         m = Membership(generation=self.generation + 1, members=tuple(members), store_host=self.store_host,
                        store_port=self.store_port, step=self.committed_step + 1, dead=dead, joined=joined,
                        min_members=self.min_members, reason=reason,
                        speeds=dict(self.speeds.planned) if self.speeds.planned else None,
-                       resync=self._resync and bool(joined))
+                       resync=self._resync and bool(joined) and not self._restoring, restore=self._restoring)
         acts: list[Action] = [Send(r, {"type": "aborted", "re": rid, "generation": old.generation if old else 0,
                                        "reason": f"generation replaced ({reason})"})
                               for r, (rid, _) in self.votes.items() if r in self.live]
@@ -441,6 +448,8 @@ class MembershipState:
             fields["detail"] = detail
         if latency_s is not None:
             fields["latency_ms"] = round(latency_s * 1e3, 3)
+        if m.restore:
+            fields["restore"] = True
         acts.append(Log("generation", fields))
         if len(members) < self.min_members and not set(dead) <= self.left:  # not at a normal end
             acts.append(Log("quorum_lost", {"generation": m.generation, "members": list(members),

@@ -91,6 +91,12 @@ class FailureSpec:
             suffix += f":{self.factor:g}"
         return f"{self.replica}@{self.step}:{self.phase}{suffix}"
 
+    @property
+    def label(self) -> str:
+        """``str(self)`` with ``#RANK`` when the rank is given: how a worker is told the spec, and how the
+        event of its strike names it (``spec``)."""
+        return str(self) if self.rank is None else f"{self}#{self.rank}"
+
     def key(self) -> tuple[int, int, int]:
         """Sort key: step, then phase order, then replica."""
         return (self.step, PHASES.index(self.phase), self.replica)
@@ -192,7 +198,8 @@ class FailureSchedule:
         Without ``rejoin`` a replica may die once, and at most ``replicas - min_replicas``
         distinct replicas may die. With ``rejoin`` a replica may die again at a later step (its
         rejoin time is in seconds, so only the certain part is checked: at most
-        ``replicas - min_replicas`` replicas may die at the same step). ``ranks`` (the ranks per
+        ``replicas - min_replicas`` replicas may die at the same step, or all of them: the replicas that
+        rejoin then restore the newest checkpoint). ``ranks`` (the ranks per
         replica), when given, bounds each spec's ``rank``.
 
         Raises:
@@ -224,10 +231,11 @@ class FailureSchedule:
                 raise ConfigError(f"failure {s}: replica {s.replica} is already killed by {first}; {fix}")
             seen[s.replica] = s
             per_step.setdefault(s.step, set()).add(s.replica)
-            if rejoin and len(per_step[s.step]) > may_lose:
-                raise ConfigError(f"failures at step {s.step} kill replicas {sorted(per_step[s.step])}, "
-                                  f"leaving fewer than min_replicas = {min_replicas} of {replicas}; "
-                                  "kill fewer at once or lower min_replicas")
+        for step, killed in per_step.items():
+            if rejoin and may_lose < len(killed) < replicas:
+                raise ConfigError(f"failures at step {step} kill replicas {sorted(killed)}, leaving fewer than "
+                                  f"min_replicas = {min_replicas} of {replicas}; kill fewer at once (or all: the "
+                                  "replicas that rejoin restore the newest checkpoint) or lower min_replicas")
         if not rejoin and len(seen) > may_lose:
             raise ConfigError(f"failures kill replicas {sorted(seen)}, leaving {replicas - len(seen)} of "
                               f"{replicas} (min_replicas = {min_replicas}); kill at most {may_lose}, "

@@ -313,6 +313,7 @@ def launch(req: LaunchRequest) -> int:
         EXIT_DIVERGED,
         EXIT_NONFINITE,
         EXIT_QUORUM_LOST,
+        EXIT_STATE_LOST,
         EXIT_STOPPED,
     )
 
@@ -331,6 +332,10 @@ def launch(req: LaunchRequest) -> int:
     if code == EXIT_QUORUM_LOST:
         print("recover: the job stopped because too few replicas survived; a complete checkpoint was saved "
               f"under {opts.out / 'checkpoints'}", file=sys.stderr)
+    elif code == EXIT_STATE_LOST:
+        print("recover: the job stopped: every replica holding the training state was lost and there was no "
+              f"complete checkpoint under {opts.out / 'checkpoints'} to fall back to; run it again, with "
+              "training.checkpoint_every set", file=sys.stderr)
     elif code in (EXIT_STOPPED, EXIT_COORDINATOR_LOST):
         why = "on request" if code == EXIT_STOPPED else "because the coordinator did not come back"
         print(f"recover: the job stopped {why} after {launcher.written + 1} committed steps; a complete checkpoint is "
@@ -382,9 +387,11 @@ def _report(launcher: Launcher, opts: LaunchOptions, reference: Path | None) -> 
     for text in launcher.supervisor.failed_logs():
         print(text, file=sys.stderr)
     lat = summary["recovery_latency_ms_median"]
+    restores = "".join(f"; nobody held the state: restored step {r['step']} ({r['redo']} steps redone)"
+                       for r in summary["restores"])
     print(f"{summary['committed_steps']} steps committed in {summary['wall_s']:.1f} s; microbatches per step "
           f"{summary['min_microbatches']}..{summary['max_microbatches']}; kills {summary['kills']}, rejoins "
-          f"{summary['rejoins']}; median recovery {lat if lat is not None else '-'} ms; "
+          f"{summary['rejoins']}{restores}; median recovery {lat if lat is not None else '-'} ms; "
           f"goodput {100 * summary['goodput']['ettr']:.1f}%; "
           f"final val loss {summary['final_val_loss']}; outputs in {out}", flush=True)
 

@@ -73,6 +73,8 @@ class Commands:
     """The command lines and environments of a launch's processes."""
 
     o: LaunchOptions
+    struck: set[str] = field(default_factory=set)
+    """Labels of the failure specs that struck in this launch (their events carry ``spec``)."""
 
     @property
     def ranks(self) -> int:
@@ -119,8 +121,10 @@ class Commands:
         return {WORKER_ENV: json.dumps(job)}
 
     def fails(self, rid: int) -> list[str]:
-        """Failure specs of replica ``rid`` as the worker reads them: ``R@STEP:PHASE[#RANK]``."""
-        return [str(spec) if spec.rank is None else f"{spec}#{spec.rank}" for spec in self.o.failures.for_replica(rid)]
+        """Failure specs of replica ``rid`` as the worker reads them, ``R@STEP:PHASE[#RANK]``, but those that
+        struck already (:attr:`struck`): a replica that restores an older checkpoint goes through their step
+        again, and an injected fault strikes once per launch."""
+        return [spec.label for spec in self.o.failures.for_replica(rid) if spec.label not in self.struck]
 
     def env(self, rid: int | None, k: int, port: int | str) -> dict[str, str]:
         """What rank ``k`` of replica ``rid`` gets on top of this environment: torchrun's variables

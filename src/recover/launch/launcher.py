@@ -22,7 +22,8 @@ Contract:
   Exit statuses: 0 every step committed, 3 quorum lost, 6 stopped with a checkpoint (continue with
   ``--resume``), 7 the coordinator was lost for good (a checkpoint was saved), 8 the replicas'
   parameters disagree with no majority (each side saved), 9 the training diverged (a microbatch not
-  finite on two replicas), 10 bad data, 1 otherwise.
+  finite on two replicas), 10 bad data, 11 every replica holding the state lost with no checkpoint to
+  fall back to (with one, the replicas that come back restore it and the job goes on), 1 otherwise.
 - Once every step is committed, a replica still running after ``fault_tolerance.stop_grace_s`` (stuck
   in its exit) is killed (``exit_grace_over``); the status stays 0.
 - ``resume``: the workers start from the newest complete checkpoint in ``out``; the records of
@@ -48,12 +49,14 @@ from recover.train.exits import (
     EXIT_DIVERGED,
     EXIT_NONFINITE,
     EXIT_QUORUM_LOST,
+    EXIT_STATE_LOST,
     EXIT_STOPPED,
 )
 
 JOINER_GRACE_S = 3.0
 """How long joiners left alone after the last committed step get to exit on their own before being stopped."""
-EXIT_ORDER = (EXIT_DIVERGED, EXIT_NONFINITE, EXIT_BAD_DATA, EXIT_QUORUM_LOST, EXIT_COORDINATOR_LOST, EXIT_STOPPED)
+EXIT_ORDER = (EXIT_DIVERGED, EXIT_NONFINITE, EXIT_BAD_DATA, EXIT_STATE_LOST, EXIT_QUORUM_LOST, EXIT_COORDINATOR_LOST,
+              EXIT_STOPPED)
 """An unfinished job's exit status: the first of these that a replica exited with (else 1)."""
 
 
@@ -204,7 +207,11 @@ class Launcher:
     # ---- faults, restarts, stops -----------------------------------------------------------
     def _strike(self, now: float) -> None:
         """A random fault, when the fault clock has one due: logged (``kill``), then sent."""
-        strike = None if self.clock is None else self.clock.tick(now, self.last_step_at, self.supervisor.unstruck())
+        if self.clock is None:
+            return
+        reps = self.supervisor.replicas  # steps a replica's current processes recorded (not a predecessor's)
+        training = {r: t for r, t in self.last_step_at.items() if r in reps and t >= reps[r].started}
+        strike = self.clock.tick(now, training, self.supervisor.unstruck())
         if strike is None:
             return
         self.events.event("kill", replica=strike.replica, rank=strike.rank, step=self.records.last_step() + 1,

@@ -153,6 +153,8 @@ def summarize(run_dir: Path, name: str, wall_s: float) -> dict[str, Any]:
         "committed_tokens": tokens,
         "effective_tokens_per_s": round(tokens / wall_s, 2) if wall_s > 0 else 0.0,
         "coordinator_restarts": sum(1 for e in events if e.get("kind") == Event.COORDINATOR_EXIT),
+        "restores": list({e["generation"]: {"step": e["step"], "redo": e["redo"]} for e in events
+                          if e.get("kind") == Event.RESTORED}.values()),  # one per generation (every member logs it)
         "coordinator_outage_ms_max": max((e["outage_ms"] for e in events
                                           if e.get("kind") == Event.COORDINATOR_RECONNECTED), default=None),
         "stopped": _stopped(events),

@@ -9,7 +9,10 @@ Contract:
   agent for them; commands from :class:`~recover.launch.job.Commands`). Its end is logged
   (``replica_exit``); one lost to a SIGKILL rejoins ``rejoin_after_s`` later while the job is
   unfinished (``rejoin_started``): as the hot spare when one is ready (a replica's workers that
-  started up and wait on stdin to be told who to be; a new spare starts at once), else afresh.
+  started up and wait on stdin to be told who to be; a new spare starts at once), else afresh. Rejoins
+  go on when every replica is lost (the first back restore the newest checkpoint: total loss is not
+  the end of a job), but not once a replica ended the job on purpose (quorum lost, a stop, divergence,
+  bad data, no state: an exit status of :data:`ENDS_JOB`).
 - Every replica the coordinator declares dead (fenced, hung, silent: its ``failure_detected`` events,
   fed in by :meth:`Supervisor.on_event`) is gone soon after: its own watchdog ends it
   ``fault_tolerance.fence_exit_s`` after the fence, and one still running a second later (frozen,
@@ -46,13 +49,16 @@ from recover.train.exits import (
     EXIT_JOB_FAILED,
     EXIT_NONFINITE,
     EXIT_QUORUM_LOST,
+    EXIT_STATE_LOST,
     EXIT_STOPPED,
 )
 
 POLL_S = 0.05
 MAX_COORDINATOR_RESTARTS = 10
-EXPECTED_EXITS = (0, LOST, EXIT_QUORUM_LOST, EXIT_JOB_FAILED, EXIT_STOPPED, EXIT_COORDINATOR_LOST, EXIT_DIVERGED,
-                  EXIT_NONFINITE, EXIT_BAD_DATA, None)
+ENDS_JOB = (EXIT_QUORUM_LOST, EXIT_STOPPED, EXIT_COORDINATOR_LOST, EXIT_DIVERGED, EXIT_NONFINITE, EXIT_BAD_DATA,
+            EXIT_STATE_LOST)
+"""A replica's exit statuses that end the job on purpose (each after its line and saves)."""
+EXPECTED_EXITS = (0, LOST, EXIT_JOB_FAILED, *ENDS_JOB, None)
 """A replica's exit codes that tell what happened without its log."""
 
 
@@ -92,6 +98,8 @@ class Supervisor:
         """replica -> when the supervisor read that the coordinator declared it dead while it ran."""
         self.struck: set[int] = set()
         """PIDs a fault of the launcher already hit."""
+        self.ended = False
+        """A replica ended the job on purpose (an exit status of :data:`ENDS_JOB`): nothing rejoins."""
 
     # ---- starting --------------------------------------------------------------------------
     def start(self) -> None:
@@ -192,7 +200,10 @@ class Supervisor:
         self._start_coordinator(self.o.config.parallel.replicas)
 
     def on_event(self, rec: dict[str, Any], now: float) -> None:
-        """Takes in one record of ``events.jsonl``: kills accounted for, and replicas declared dead."""
+        """Takes in one record of ``events.jsonl``: injected faults that struck, kills accounted for, and
+        replicas declared dead."""
+        if rec.get("spec") is not None:  # an injected fault struck: a restarted replica is not given it again
+            self.cmds.struck.add(rec["spec"])
         if rec.get("kind") == "kill" and rec.get("pid") is not None:
             self.known_kills.add(rec["pid"])
         elif rec.get("kind") == "failure_detected":
@@ -236,11 +247,12 @@ class Supervisor:
                               **({"rank_codes": rep.codes} if self.cmds.ranks > 1 else {}))
             if self.o.baseline == Baseline.RESTART and code in (-signal.SIGKILL, EXIT_JOB_FAILED) and unfinished:
                 return True
+            self.ended = self.ended or code in ENDS_JOB
             wanted = self.o.rejoin_replicas is None or rep.rid in self.o.rejoin_replicas
             if code == -signal.SIGKILL and self.o.rejoin_after_s is not None and unfinished and wanted:
                 self.rejoin_at[rep.rid] = now + self.o.rejoin_after_s
         for rid, when in list(self.rejoin_at.items()):
-            if not self.live():  # the job ended (or lost everyone): nobody to join
+            if self.ended or not unfinished:  # nothing to join
                 del self.rejoin_at[rid]
             elif now >= when:
                 del self.rejoin_at[rid]

@@ -28,7 +28,8 @@ first cause that applies, in this order:
 
 ``startup``     the launch's first step (process start, imports, model build, registration);
 ``restart``     a resumed launch's first step, a coordinator restart (``coordinator_exit``), a
-                checkpoint-and-restart (``job_restart``), and what a stopped launch did after its last
+                checkpoint-and-restart (``job_restart``), the restore of a checkpoint after every replica
+                holding the state was lost (``restored``), and what a stopped launch did after its last
                 step that counts (steps redone after the resume are lost here);
 ``recovery``    a failure in the step: detection (a crash in ms, a hang after the hang timeout, a
                 corrupted replica at the vote) and the in-step recompute of the orphaned microbatches;
@@ -53,7 +54,7 @@ CAUSES = ("startup", "restart", "recovery", "rejoin", "checkpoint", "evaluation"
           "other")
 """Causes of lost time, in the order tables list them."""
 
-_RESTART = frozenset({Event.COORDINATOR_EXIT, Event.JOB_RESTART, Event.RESYNCED})
+_RESTART = frozenset({Event.COORDINATOR_EXIT, Event.JOB_RESTART, Event.RESYNCED, Event.RESTORED})
 _REJOIN = frozenset({Event.GREW, Event.STATE_RECEIVED})
 
 

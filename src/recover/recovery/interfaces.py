@@ -54,6 +54,11 @@ class Membership(Protocol):
         """Formed by a restarted coordinator: the ``joined`` members are behind and take the state first."""
         ...
 
+    @property
+    def restore(self) -> bool:
+        """Nobody holds the state (every replica that did was lost): the members load the newest checkpoint."""
+        ...
+
 
 class Reduction(Protocol):
     """An all-reduce in flight (:mod:`recover.comm.reduction`)."""

@@ -11,6 +11,8 @@
               per microbatch; the reply carries the speeds the next step is planned with
     apply     grad = sum / M, clip, optimizer step (only now: the LR and the data cursor advance)
     admit     joiners admitted at the commit get the state from the lowest old member
+    restore   a generation in which nobody holds the state (every replica that did was lost): each member
+              loads the newest complete checkpoint (``restore``) and the job goes on from its step
 
 Invariants:
 - the replica's gradient buffers only ever grow by whole microbatches, and a reduction never writes
@@ -34,7 +36,7 @@ from typing import Any
 import torch
 
 from recover.comm.transfer import receive_state, send_state, source_rank
-from recover.errors import PeerFailure, QuorumLost
+from recover.errors import PeerFailure, QuorumLost, StateLost
 from recover.names import Event, Phase
 from recover.recovery.interfaces import Coordinator, Group, Hook, Membership, Reduction, StepReplica, Totals
 from recover.workload import audit_plan, plan_step, replan, slowdowns
@@ -153,13 +155,15 @@ class ResilientStep:
             owner and by the two members after it, and their gradients' fingerprints go with their
             votes (0: never; one-process replicas only): the coordinator fences the odd one out.
         overlap: launch the reduction's buckets while the last backward finalises them (else after it).
+        restore: loads the newest complete checkpoint into the replica and returns its counters (None:
+            there is none); called in a ``restore`` generation (None: such a generation ends the job).
     """
 
     def __init__(self, replica: StepReplica, group: Group, coordinator: Coordinator, M: int,
                  progress: Progress | None = None, min_replicas: int = 1, hook: Hook = _no_hook,
                  on_event: Callable[..., Any] = _no_event, assignment: str = "blocks", seed: int = 0,
                  policy: str = "weighted", fingerprint_every: int = 0, audit_every: int = 0,
-                 overlap: bool = True) -> None:
+                 overlap: bool = True, restore: Callable[[], Progress | None] | None = None) -> None:
         self.replica, self.group, self.coordinator = replica, group, coordinator
         self.me = group.members[group.rank]
         self.M, self.min_replicas = M, min_replicas
@@ -167,7 +171,7 @@ class ResilientStep:
         self.hook, self.on_event = hook, on_event
         self.assignment, self.seed, self.policy = assignment, seed, policy
         self.fingerprint_every, self.audit_every = fingerprint_every, audit_every
-        self.overlap = overlap
+        self.overlap, self.restore = overlap, restore
         self._audit: dict[str, Any] | None = None  # this replica's audit value of the step, if it takes part
         self.speeds = group.membership.speeds  # a joiner's: those of the commit that admitted it
         self._compute_s = 0.0  # this step's compute time so far
@@ -330,6 +334,8 @@ class ResilientStep:
         old = self.group.generation
         self.hook(step, Phase.RECOVER)
         self.group = self.group.next_generation()  # follows further failures while it forms
+        if self.group.membership.restore:
+            self.fall_back()
         if self.group.membership.resync and self.group.membership.joined:
             self.resync()
         if len(self.group.members) < self.min_replicas:
@@ -399,6 +405,8 @@ class ResilientStep:
             except PeerFailure:
                 self.group = self.group.next_generation()
                 m = self.group.membership
+                if m.restore:
+                    self.fall_back()
         self.speeds = m.speeds  # those of the commit the members ahead hold: every plan alike again
         self.on_event(Event.RESYNCED, generation=self.group.generation, behind=list(m.joined), step=self.progress.step,
                       ms=round((time.perf_counter() - t0) * 1000, 2))
@@ -409,6 +417,9 @@ class ResilientStep:
         peer dies meanwhile)."""
         t0 = time.perf_counter()
         while True:
+            if self.group.membership.restore:  # the replicas it was to take the state from are gone
+                self._restore()
+                return
             try:
                 state = receive_state(self.group, source_rank(self.group))
                 break
@@ -418,3 +429,29 @@ class ResilientStep:
         self.coordinator.committed_step = self.progress.step - 1
         self.on_event(Event.STATE_RECEIVED, step=self.progress.step, ms=round((time.perf_counter() - t0) * 1000, 2),
                       tensors=len(state))
+
+    def fall_back(self) -> None:
+        """A ``restore`` generation reached while training: the newest complete checkpoint is loaded and the
+        step starts over from its progress (raises :class:`Resynced`)."""
+        self._restore()
+        raise Resynced
+
+    def _restore(self) -> None:
+        """Nobody holds the training state: this member loads the newest complete checkpoint (every member
+        loads the same one: nobody is left to write a newer one; should they differ after all, their votes
+        disagree and the next generation restores again).
+
+        Raises:
+            StateLost: there is no checkpoint to fall back to.
+        """
+        t0 = time.perf_counter()
+        m = self.group.membership
+        found = self.restore() if self.restore is not None else None
+        if found is None:
+            raise StateLost(f"every replica that held the training state was lost before step {m.step} was "
+                            "committed, and there is no complete checkpoint to fall back to")
+        self.progress = found
+        self.coordinator.committed_step = found.step - 1
+        self.speeds = m.speeds
+        self.on_event(Event.RESTORED, generation=m.generation, step=found.step, redo=max(0, m.step - found.step),
+                      ms=round((time.perf_counter() - t0) * 1000, 2))

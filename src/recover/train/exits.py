@@ -32,6 +32,11 @@ EXIT_BAD_DATA = 10
 """a microbatch held a token id beyond the model's vocabulary (named with its file and offset): the data
 is wrong, on every replica alike; the lowest member saved the last committed state."""
 
+EXIT_STATE_LOST = 11
+"""every replica that held the training state was lost and there was no complete checkpoint to fall back to
+(with one, the job restores it and goes on by itself); run again, from the start or from a checkpoint of
+another run."""
+
 PLACEMENT_ENV = "RECOVER_PLACEMENT"
 """Set for a process ``recover launch`` gave no GPU: ``none`` (it found none), ``shared`` (``--share-gpus``)."""
 

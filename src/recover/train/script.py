@@ -39,7 +39,8 @@ def connect(job: Any) -> tuple[Session, ResilientStep]:
     host, _, port = info["coordinator"].rpartition(":")
     token = Path(info["token_file"]).read_text().strip()
     session = Session(info["config"], info["out"], rt.replica, host, int(port), token, specs,
-                      join=bool(info.get("join")), rank=rt.rank, ranks=rt.ranks, start=job.start)
+                      join=bool(info.get("join")), rank=rt.rank, ranks=rt.ranks, start=job.start,
+                      restore=lambda: restore(job, Path(info["out"])))
     session.stop_on_signals()
     try:
         return session, session.connect(job.replica, job.M, seed=job.seed, overlap=False)
@@ -49,6 +50,16 @@ def connect(job: Any) -> tuple[Session, ResilientStep]:
         print(f"recover: replica {rt.replica}: {exc}", file=sys.stderr, flush=True)  # e.g. nothing left to join
         sys.stdout.flush()
         os._exit(0 if session.client.finished else EXIT_STOPPED)
+
+
+def restore(job: Any, out: Path) -> Any:
+    """Every replica holding the state was lost: the newest complete checkpoint of ``job.save()`` in the run,
+    loaded into the job's replica (None: there is none)."""
+    from recover.train import own_checkpoint
+    from recover.train.integrity import list_checkpoints
+
+    root = own_checkpoint.checkpoints_of(out)
+    return own_checkpoint.resume(root, job.replica, clean=False) if list_checkpoints(root) else None
 
 
 def record(session: Session, job: Any, outcome: StepOutcome, dt: float) -> None:

@@ -29,6 +29,9 @@ Contract:
   replica): its line, the committed state saved by the lowest member that meets it, :data:`EXIT_BAD_DATA`);
   a fenced replica whose training thread is stuck is ended by the watchdog
   (:meth:`exit_fenced`).
+- Total loss: when every replica that held the state was lost, the members of the next generation load
+  the newest complete checkpoint through ``restore`` (the job goes on from its step); with none there
+  (:class:`~recover.errors.StateLost`) each exits with its line and :data:`EXIT_STATE_LOST`.
 """
 
 from __future__ import annotations
@@ -44,7 +47,7 @@ from typing import Any
 from recover.baselines import JobFailed, ShrinkStep, step_class
 from recover.config import Config
 from recover.coord.client import CoordinatorLost, Diverged
-from recover.errors import DataError, QuorumLost
+from recover.errors import DataError, QuorumLost, StateLost
 from recover.faults import FailureSpec, Perturbation
 from recover.names import Baseline, Event
 from recover.observe.events import EventLog, JsonlWriter
@@ -57,6 +60,7 @@ from recover.train.exits import (
     EXIT_JOB_FAILED,
     EXIT_NONFINITE,
     EXIT_QUORUM_LOST,
+    EXIT_STATE_LOST,
     EXIT_STOPPED,
     replica_log_path,
 )
@@ -65,19 +69,25 @@ Save = Callable[[Path | None], Any]
 """``save(root)``: a complete checkpoint of the committed state (``root`` None: the run's own
 ``checkpoints/``); returns where it went (None if the replica cannot save)."""
 
+Restore = Callable[[], Progress | None]
+"""``restore()``: loads the newest complete checkpoint of the run into the replica and returns its counters
+(None: there is none)."""
+
 
 class Session:
     """Rank ``rank`` of replica ``replica_id`` in the job whose coordinator listens at ``host:port``."""
 
     def __init__(self, cfg: Config, out: str | os.PathLike[str], replica_id: int, host: str, port: int, token: str,
                  failures: list[FailureSpec] = (), *, join: bool = False, rank: int = 0, ranks: int = 1,
-                 start: Progress | None = None, baseline: Baseline | str | None = None) -> None:
+                 start: Progress | None = None, baseline: Baseline | str | None = None,
+                 restore: Restore | None = None) -> None:
         self.cfg, self.out, self.replica_id = cfg, Path(out), replica_id
         self.host, self.port, self.token, self.join = host, port, token, join
         self.rank, self.ranks = rank, ranks
         self.start = start or Progress()
         self.baseline = Baseline(baseline) if baseline else None
         self.failures = list(failures)
+        self.restore = restore
         self.events = EventLog(self.out / "events.jsonl")
         self.log = JsonlWriter(replica_log_path(self.out, replica_id)) if rank == 0 else None
         self.client: Any = None  # the coordinator client, once connected
@@ -95,7 +105,7 @@ class Session:
         ft, tc = self.cfg.fault_tolerance, self.cfg.training
         self.perturbation = replica.perturb = Perturbation(
             self.failures, self.replica_id, self.rank, self.ranks, target=replica,
-            record=lambda spec, kind, fields: self.event(kind, **fields))
+            record=lambda spec, kind, fields: self.event(kind, **fields, spec=spec.label))
         host, port = self._coordinator_address()
         self.client = client = CoordinatorClient(
             host, port, self.token, self.replica_id, heartbeat_interval_s=ft.heartbeat_interval_s, rank=self.rank,
@@ -111,6 +121,7 @@ class Session:
         if kind is ShrinkStep:
             step_kwargs["initial_replicas"] = self.cfg.parallel.replicas
         step_kwargs.setdefault("seed", tc.seed)
+        step_kwargs.setdefault("restore", self.restore)
         self.step = step = kind(replica, group, client, M, self.start, ft.min_replicas, hook=self.hook,
                                 on_event=self.event, policy=self.cfg.workload.policy,
                                 fingerprint_every=ft.fingerprint_every, **step_kwargs)
@@ -215,6 +226,12 @@ class Session:
             return self._save_and_stop(save, Event.QUORUM_LOST, exc, "resume with more replicas", EXIT_QUORUM_LOST)
         if isinstance(exc, JobFailed):
             return EXIT_JOB_FAILED
+        if isinstance(exc, StateLost):
+            if self.rank == 0:
+                print(f"recover: replica {self.replica_id}: {exc}; run the job again (set "
+                      "training.checkpoint_every so that a checkpoint is there to fall back to)",
+                      file=sys.stderr, flush=True)
+            return EXIT_STATE_LOST
         if isinstance(exc, Diverged) or (isinstance(exc, CoordinatorLost) and client.diverged is not None):
             return self._on_divergence(save, exc if isinstance(exc, Diverged) else client.diverged)
         if isinstance(exc, DataError):

@@ -24,6 +24,9 @@ Stops and coordinator loss (exit statuses in ``train/exits.py``):
   faulty exits like any fenced one; when it ends the job (no majority among the parameter
   fingerprints, or a microbatch not finite on two replicas) the state is saved (each side's under
   ``checkpoints/diverged/``, or the last committed one) and every replica exits with status 8 or 9.
+- Total loss of state (every replica that held it was lost, e.g. all killed at once): the replicas the
+  launcher restarts load the newest complete checkpoint and the job goes on from there by itself; with
+  no checkpoint each exits with status 11 and a line saying so.
 - The coordinator lost: the client reconnects for ``fault_tolerance.coordinator_reconnect_s`` while
   the training thread keeps its state (see :mod:`recover.coord.client`); if it does not come back,
   the lowest member saves a complete checkpoint and every replica exits with status 7.
@@ -129,7 +132,18 @@ class ReplicaWorker:
         self.checkpointer = Checkpointer(self.out / "checkpoints", self.replica, cfg, self.replica.data.epoch_of)
         start = Progress.of(self.checkpointer.resume()[1]) if resume else Progress()
         self.session = Session(cfg, out, replica, host, port, token, failures, join=join, rank=rank, ranks=ranks,
-                               start=start, baseline=baseline)
+                               start=start, baseline=baseline, restore=self.restore)
+
+    def restore(self) -> Progress | None:
+        """Every replica holding the state was lost: the newest complete checkpoint, loaded (None: none)."""
+        from recover.train.integrity import list_checkpoints
+
+        if not list_checkpoints(self.checkpointer.root):
+            return None
+        path, counters = self.checkpointer.resume()
+        print(f"recover: replica {self.replica_id}: every replica holding the training state was lost; restored "
+              f"{path} (step {counters['step']})", file=sys.stderr, flush=True)
+        return Progress.of(counters)
 
     def request_stop(self, signum: int) -> None:
         """SIGTERM or SIGINT: stop after the next commit (see the module docstring). Signal handler."""
