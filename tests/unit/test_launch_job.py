@@ -30,6 +30,16 @@ def test_workers_read_the_runs_config_json_and_nothing_else_of_the_config(tmp_pa
     assert worker_config(str(tmp_path / "config.json"), []) == cfg
 
 
+def test_a_replica_started_again_is_not_given_the_injected_faults_that_struck_already(tmp_path: Path) -> None:
+    """A replica that restores an older checkpoint goes through the step of its fault again: once per launch."""
+    cfg = load_config("debug", ["--parallel.replicas=2"])
+    failures = FailureSchedule([parse_failure("1@3:reduce"), parse_failure("1@9=hang", rank=0)])
+    cmds = Commands(LaunchOptions(config=cfg, out=tmp_path, failures=failures))
+    assert cmds.fails(1) == ["1@3:reduce", "1@9:forward=hang#0"]
+    cmds.struck.add("1@9:forward=hang#0")
+    assert cmds.fails(1) == ["1@3:reduce"]
+
+
 @pytest.mark.parametrize(("text", "says"), [
     (None, "is unreadable"),
     ("{not json", "is unreadable"),

@@ -21,7 +21,7 @@ import torch
 
 from recover.baselines import JobFailed, ShrinkStep, StopOnFailureStep
 from recover.comm.reduction import DeferredReduction
-from recover.errors import PeerFailure, QuorumLost
+from recover.errors import PeerFailure, QuorumLost, StateLost
 from recover.recovery.interfaces import Totals
 from recover.recovery.protocol import Progress, ResilientStep
 from recover.workload import SpeedTracker
@@ -42,6 +42,7 @@ class FakeMembership:
     speeds: dict[int, float] | None = None
     resync: bool = False
     restore: bool = False
+    step: int = 0
 
 
 @dataclass
@@ -392,6 +393,29 @@ def test_joiners_are_admitted_at_a_commit_and_receive_the_state() -> None:
 
 
 # ---- the baselines' rules -------------------------------------------------------------------------
+@pytest.mark.parametrize("checkpoint", [Progress(2, 2, 20), None])
+def test_a_joiner_with_nobody_holding_the_state_restores_the_newest_checkpoint(checkpoint: Progress | None) -> None:
+    """A ``restore`` generation (every replica that held the state was lost at step 5): the joiner loads the
+    checkpoint (``restore``), redoes the steps after it and trains on; with no checkpoint it raises StateLost."""
+    world = World(1)
+    world.membership = FakeMembership(3, (0,), joined=(0,), restore=True, step=5)
+    run, holder = Run(FakeReplica()), []
+    p = ResilientStep(run.replica, FakeGroup(world, 0, world.membership), FakeCoordinator(world, 0, holder), M,
+                      on_event=lambda kind, **f: run.events.append((kind, f)), policy="even",
+                      restore=lambda: checkpoint)
+    holder.append(p)
+    if checkpoint is None:
+        with pytest.raises(StateLost, match="no complete checkpoint to fall back to"):
+            p.join()
+        return
+    p.join()
+    assert p.progress == checkpoint and p.coordinator.committed_step == 1
+    assert [(k, f["step"], f["redo"]) for k, f in run.events] == [("restored", 2, 3)]
+    while p.progress.step < 4:
+        run.outcomes.append(p.run())
+    assert [s for s, _, _ in run.replica.applied] == [2, 3] and all(o.microbatches == M for o in run.outcomes)
+
+
 def test_shrink_drops_a_step_whose_all_reduce_broke_and_then_averages_over_fewer() -> None:
     _, runs = run_job(4, 3, kills={(1, "backward"): (3,)}, cls=ShrinkStep, initial_replicas=4)
     s = survivors(runs)

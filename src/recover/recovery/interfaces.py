@@ -40,6 +40,11 @@ class Membership(Protocol):
     @property
     def members(self) -> tuple[int, ...]: ...
     @property
+    def step(self) -> int:
+        """The first step the generation runs (the coordinator's last committed step + 1)."""
+        ...
+
+    @property
     def speeds(self) -> dict[int, float] | None:
         """The planned seconds per microbatch when the generation formed (a joiner's first plan)."""
         ...
