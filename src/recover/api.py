@@ -32,6 +32,8 @@ Contract:
   (:mod:`recover.train.own_checkpoint`: the built-in trainer's disk conventions); ``Job(resume=RUN)``
   continues from the newest intact one, bitwise in deterministic mode. In a launched job only the lowest
   live replica writes, with no collective; ``recover launch --resume`` makes ``RUN`` the run directory.
+  When every replica holding the state is lost at once, the replicas started in their place load the newest
+  of these checkpoints and ``steps()`` redoes the steps after it (none saved: they exit with status 11).
 - A replica of several ranks (``recover launch --fsdp F --tp T``, or plain ``torchrun``: one replica of all
   its ranks, fsdp over them): :func:`init` forms the replica's process group and ``rt.mesh``, its
   ``(fsdp, tp)`` DeviceMesh, on which you apply your own FSDP2 (``fully_shard(..., mesh=rt.mesh["fsdp"])``)
