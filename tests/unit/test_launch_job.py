@@ -63,15 +63,20 @@ def test_random_faults_start_with_training_and_never_leave_too_few_replicas() ->
         return FaultClock(mtbf_s=1.0, faults=random_kinds(), ranks=2, min_replicas=1, seed=3)
 
     quiet = clock()
-    assert all(quiet.tick(t, {}, [0, 1, 2]) is None for t in range(100))  # nobody trained yet: no clock
+    assert all(quiet.tick(t, {}, dict.fromkeys([0, 1, 2], 0.0)) is None for t in range(100))  # nobody trained yet
     strikes = []
     for c in (clock(), clock()):
         times = [i * 0.1 for i in range(400)]
-        strikes.append([(t, s) for t in times if (s := c.tick(t, {0: t, 1: t, 2: t - 5.0}, [0, 1, 2])) is not None])
+        strikes.append([(t, s) for t in times
+                        if (s := c.tick(t, {0: t, 1: t, 2: t - 5.0}, dict.fromkeys([0, 1, 2], -10.0))) is not None])
     assert strikes[0] == strikes[1] and len(strikes[0]) > 10  # the seed decides: same calls, same strikes
     hit = {s for _, s in strikes[0]}
     assert {s.replica for s in hit} == {0, 1}  # replica 2 recorded no step in the last 2 s: not training
     assert {s.rank for s in hit} == {0, 1} and {s.fault for s in hit} == {"kill", "hang", "freeze"}
     assert {s.signal for s in hit} == {signal.SIGKILL, HANG_SIGNAL, signal.SIGSTOP}
     alone = clock()
-    assert all(alone.tick(t * 0.1, {0: t * 0.1}, [0]) is None for t in range(400))  # one left of min 1: never
+    assert all(alone.tick(t * 0.1, {0: t * 0.1}, {0: 0.0}) is None for t in range(400))  # one left of min 1: never
+    # replica 1 was just started in place of a struck one: its predecessor's steps do not make it a holder of
+    # the state, so replica 0 is the only one training and is never struck (it would leave nobody)
+    restarted = clock()
+    assert all(restarted.tick(t * 0.1, {0: t * 0.1, 1: t * 0.1}, {0: 0.0, 1: 1e9}) is None for t in range(400))

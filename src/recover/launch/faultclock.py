@@ -4,8 +4,9 @@ Contract (pure: no process, no signal, no file; the launcher carries a :class:`S
 - The clock starts with the first committed step (the first replica seen training); from then on
   strikes come at exponentially distributed intervals of mean ``mtbf_s``, drawn from ``seed``: the same
   seed and the same calls give the same strikes.
-- A strike hits a replica that is training right now (it recorded a step in the last
-  :data:`TRAINING_WINDOW_S`), never one already struck (a hung replica has no second fault), and never
+- A strike hits a replica that is training right now (its current processes recorded a step in the last
+  :data:`TRAINING_WINDOW_S`: a replica just started in place of a struck one has no state yet, whatever its
+  predecessor recorded), never one already struck (a hung replica has no second fault), and never
   leaves fewer than ``min_replicas`` training: a strike that would is skipped, not postponed.
 - What it does is drawn uniformly from ``faults``, fault kinds that strike from outside with a signal
   (:func:`recover.faults.random_kinds`: a SIGKILL, a hung training thread, a SIGSTOP;
@@ -15,7 +16,7 @@ Contract (pure: no process, no signal, no file; the launcher carries a :class:`S
 from __future__ import annotations
 
 import random
-from collections.abc import Iterable, Mapping
+from collections.abc import Mapping
 from dataclasses import dataclass
 
 from recover.faults import kind
@@ -61,13 +62,13 @@ class FaultClock:
         self.next_at: float | None = None
         """When the next strike is due (None until the clock starts)."""
 
-    def tick(self, now: float, last_step_at: Mapping[int, float], candidates: Iterable[int]) -> Strike | None:
+    def tick(self, now: float, last_step_at: Mapping[int, float], candidates: Mapping[int, float]) -> Strike | None:
         """The strike due at ``now``, if any.
 
         Args:
             now: the time, seconds.
             last_step_at: replica -> when it last recorded a step (the clock starts with the first).
-            candidates: the replicas running and not struck before.
+            candidates: the replicas running and not struck before -> when their processes started.
         """
         if not last_step_at:
             return None
@@ -76,7 +77,8 @@ class FaultClock:
         if now < self.next_at:
             return None
         self.next_at = now + self._interval()
-        training = sorted(r for r in candidates if now - last_step_at.get(r, 0.0) < TRAINING_WINDOW_S)
+        training = sorted(r for r, started in candidates.items()
+                          if started <= last_step_at.get(r, -1.0) and now - last_step_at[r] < TRAINING_WINDOW_S)
         if len(training) - 1 < self.min_replicas:
             return None
         replica = self.rng.choice(training)

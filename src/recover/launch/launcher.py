@@ -207,11 +207,7 @@ class Launcher:
     # ---- faults, restarts, stops -----------------------------------------------------------
     def _strike(self, now: float) -> None:
         """A random fault, when the fault clock has one due: logged (``kill``), then sent."""
-        if self.clock is None:
-            return
-        reps = self.supervisor.replicas  # steps a replica's current processes recorded (not a predecessor's)
-        training = {r: t for r, t in self.last_step_at.items() if r in reps and t >= reps[r].started}
-        strike = self.clock.tick(now, training, self.supervisor.unstruck())
+        strike = None if self.clock is None else self.clock.tick(now, self.last_step_at, self.supervisor.unstruck())
         if strike is None:
             return
         self.events.event("kill", replica=strike.replica, rank=strike.rank, step=self.records.last_step() + 1,

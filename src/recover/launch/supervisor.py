@@ -280,9 +280,9 @@ class Supervisor:
         self.struck.add(pid)
         signal_processes([self.replicas[rid].procs[rank]], sig)
 
-    def unstruck(self) -> list[int]:
-        """The running replicas no fault of the launcher hit yet."""
-        return [r.rid for r in self.live() if not any(p.pid in self.struck for p in r.procs)]
+    def unstruck(self) -> dict[int, float]:
+        """The running replicas no fault of the launcher hit yet -> when their processes started."""
+        return {r.rid: r.started for r in self.live() if not any(p.pid in self.struck for p in r.procs)}
 
     def stop(self) -> None:
         """A graceful stop: no more rejoins, the spare ends, SIGTERM to the coordinator and every worker."""
