@@ -42,12 +42,40 @@ def test_fenced_replicas_are_reaped_kills_are_told_apart_and_everything_ends(tmp
         assert sup.poll(now + grace, step=4, unfinished=True) is False
         assert sup.exit_codes() == {0: LOST, 1: None, 2: LOST}
         assert sup.rejoin_at == {2: now + grace + 30.0}  # only replica 2 rejoins (--rejoin-replicas 2)
-        assert sup.unstruck() == [1] and sup.busy()
+        assert list(sup.unstruck()) == [1] and sup.busy()
         sup.strike(1, 0, signal.SIGSTOP)  # a random freeze: replica 1 is no target of another fault
-        assert sup.unstruck() == [] and sup.replicas[1].running()
+        assert sup.unstruck() == {} and sup.replicas[1].running()
     finally:
         sup.kill_all()
     assert not sup.replicas[1].running()
     events.close()
     kinds = [(e["kind"], e.get("replica"), e.get("source")) for e in read_jsonl(tmp_path / "events.jsonl")]
     assert kinds == [("reaped", 0, None), ("replica_exit", 0, None), ("kill", 2, "external"), ("replica_exit", 2, None)]
+
+
+def test_rejoins_go_on_with_every_replica_lost_but_not_once_one_ended_the_job(tmp_path: Path) -> None:
+    """Both replicas SIGKILLed: nobody is live, yet both are due to rejoin (they will restore a checkpoint).
+    A replica that exits with a status that ends the job (3: quorum lost) cancels every rejoin."""
+    cfg = load_config("debug", ["--parallel.replicas=2"])
+    events = EventLog(tmp_path / "events.jsonl")
+    sup = Supervisor(LaunchOptions(config=cfg, out=tmp_path, rejoin_after_s=30.0), events, say=print)
+    sup.replicas = {rid: sleeper(tmp_path, rid) for rid in range(2)}
+    try:
+        now = time.time()
+        for rid in (0, 1):
+            sup.replicas[rid].kill()
+        assert sup.poll(now, step=4, unfinished=True) is False
+        assert sup.live() == [] and sup.rejoin_at == {0: now + 30.0, 1: now + 30.0} and sup.busy()
+        sup.poll(now + 1.0, step=4, unfinished=True)
+        assert sorted(sup.rejoin_at) == [0, 1]
+        sup.replicas = {0: sleeper(tmp_path, 0),
+                        1: ReplicaProcesses(1, [spawn(["sh", "-c", "exit 3"], tmp_path / "logs" / "q.log", {})],
+                                            time.time(), False)}
+        sup.rejoin_at.clear()
+        sup.replicas[0].kill()
+        sup.replicas[1].procs[0].wait(10)
+        sup.poll(now + 2.0, step=4, unfinished=True)
+        assert sup.exit_codes() == {0: LOST, 1: 3} and sup.rejoin_at == {} and not sup.busy()
+    finally:
+        sup.kill_all()
+    events.close()
