@@ -54,6 +54,7 @@ follows: docs/DESIGN.md §4.3).
 from __future__ import annotations
 
 import itertools
+import math
 import os
 import socket
 import threading
@@ -63,6 +64,7 @@ from contextlib import contextmanager
 from typing import Any
 
 from recover.coord.conn import connect_patiently
+from recover.coord.deadline import DEADLINE_BEATS, Verdict, ack_age_s, host_answered, judge, read_deadline
 from recover.coord.generations import Generations
 from recover.coord.probe import PROBE_TIMEOUT_S, LinkProbe
 from recover.coord.protocol import (
@@ -125,6 +127,11 @@ class CoordinatorClient:
         self._attempt_failed = False
         self.gone = False
         """The coordinator did not come back within ``reconnect_s``."""
+        self.cut_off: str | None = None
+        """Why this replica is cut off from the coordinator (its host answers nothing): it leaves."""
+        self._heard = time.monotonic()  # when the coordinator last sent a byte
+        self._deadline_s: float | None = None  # the read deadline (None: the coordinator does not beat)
+        self._away = False  # silent beyond the deadline while its host answers: paused or restarting
         self.committed_step = -1
         """The last step this replica knows committed (the worker sets it on resume and after a join)."""
         self.stop_requested = False
@@ -164,13 +171,17 @@ class CoordinatorClient:
             self.heartbeat_interval_s = max(self.heartbeat_interval_s, float(ok["heartbeat_s"]))
         self._registered = True
         self._spawn(self._heartbeat, "recover-coord-heartbeat")
+        self._deadline_s = read_deadline(ok.get("beat_s"))
+        if self._deadline_s is not None:
+            self._spawn(self._watch, "recover-coord-deadline")
         return self._wait(lambda: self._known.admitted(self.replica_id), timeout, "admission to a generation")
 
     def _connect(self, patient: bool = False) -> socket.socket:
-        """``patient``: the first connection, to a coordinator that may still be starting."""
+        """``patient``: the first connection, to a coordinator that may still be starting; else one try
+        within the read deadline, when there is one."""
         address = (self.host, self.port)
         sock = (connect_patiently(address, self.connect_timeout_s) if patient else
-                socket.create_connection(address, timeout=self.connect_timeout_s))
+                socket.create_connection(address, timeout=min(self.connect_timeout_s, self._deadline_s or math.inf)))
         sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
         sock.settimeout(None)
         return sock
@@ -403,6 +414,9 @@ class CoordinatorClient:
                     raise CoordinatorLost(f"{self._who} lost the coordinator at "
                                           f"{self.host}:{self.port} while waiting for {what}: {self._lost}")
                 left = deadline - time.monotonic()
+                if left <= 0 and (self._reconnecting or self._away):  # it ends within reconnect_s, gone or back
+                    deadline = time.monotonic() + (self._deadline_s or RECONNECT_EVERY_S)
+                    continue
                 if left <= 0:
                     raise TimeoutError(f"{self._who}: no {what} from the coordinator "
                                        f"within {timeout:g} s")
@@ -418,18 +432,20 @@ class CoordinatorClient:
 
     def _reader(self, sock: socket.socket) -> None:
         decoder = FrameDecoder(_SERVER_TYPES)
-        why = "coordinator closed the connection"
+        why, answered = "coordinator closed the connection", True
         try:
             while True:
                 data = sock.recv(1 << 16)
                 if not data:
                     break
+                self._heard, self._away = time.monotonic(), False
                 for msg in decoder.feed(data):
                     if isinstance(msg, ProtocolError):
                         raise msg
                     self._on_message(msg)
         except (OSError, ProtocolError) as exc:
             why = f"{type(exc).__name__}: {exc}"
+            answered = not isinstance(exc, OSError) or host_answered(exc)
         if sock is not self._sock:
             return  # a connection already given up (a reconnect replaced it)
         if self._closing:
@@ -441,17 +457,19 @@ class CoordinatorClient:
                     self._cond.notify_all()
                     return
                 self._reconnecting = True  # one reconnect at a time, started by the current connection's reader
-            self._spawn(lambda: self._reconnect(why), "recover-coord-reconnect")
+            self._spawn(lambda: self._reconnect(why, answered), "recover-coord-reconnect")
         else:
             self._mark_lost(why)
 
-    def _reconnect(self, why: str) -> None:
+    def _reconnect(self, why: str, answered: bool) -> None:
         """The coordinator connection ended without a fence: reach it again within ``reconnect_s``,
         register with what this replica holds, then answer the requests in flight (see the module
         docstring). A new connection that ends before its register is answered (a dying listener took
-        it) is tried again. Not back in time: lost for good (``gone``)."""
+        it) is tried again. Not back in time: lost for good (``gone``). Its host answering none of the
+        tries for the read deadline (``answered``: the old connection's end was its answer): cut off."""
         t0 = time.monotonic()
         deadline = t0 + self.reconnect_s
+        last_answer = t0 if answered else self._heard
         reply = None
         while reply is None:
             if self._stop.is_set() or self._lost is not None:
@@ -464,9 +482,13 @@ class CoordinatorClient:
             try:
                 sock = self._connect()
                 sock.sendall(encode({**self._register_msg(), "id": rid}))
-            except OSError:
+            except OSError as exc:
                 if sock is not None:
                     sock.close()
+                now = time.monotonic()
+                last_answer = now if host_answered(exc) else last_answer
+                if self._judge(now - self._heard, now - last_answer, f" (it closed: {why}; again: {exc})"):
+                    return
                 self._stop.wait(RECONNECT_EVERY_S)
                 continue
             with self._send_lock, self._cond:
@@ -519,6 +541,8 @@ class CoordinatorClient:
             elif msg["code"] == "coordinator_gone":  # from the replica's relay: it gave up reconnecting
                 self.gone = True
                 self._mark_lost(msg["message"])
+            elif msg["code"] == "cut_off":  # from the replica's relay: the coordinator's host answers it nothing
+                self._leave(msg["message"])
             elif msg["code"] in ("diverged", "nonfinite"):
                 self.diverged = Diverged(msg["code"], msg["message"], msg.get("sides"))
                 self._mark_lost(msg["message"])
@@ -537,6 +561,50 @@ class CoordinatorClient:
                 self.on_fenced(why)
 
         threading.Thread(target=watch, name="recover-fence-watchdog", daemon=True).start()
+
+    def _watch(self) -> None:
+        """The read deadline (:mod:`recover.coord.deadline`): every beat, judges the coordinator's silence."""
+        assert self._deadline_s is not None
+        while not self._stop.wait(self._deadline_s / DEADLINE_BEATS):
+            sock = self._sock
+            if self._lost is not None:
+                return
+            if self._reconnecting or sock is None:
+                continue  # the reconnect judges its own tries
+            self._judge(time.monotonic() - self._heard, ack_age_s(sock))
+
+    def _judge(self, silent_s: float, answered_s: float | None, detail: str = "") -> bool:
+        """Acts on the verdict on a silence of ``silent_s``, the coordinator's host having answered
+        ``answered_s`` ago; True when it ended the connection for good."""
+        if self._deadline_s is None:
+            return False
+        verdict = judge(silent_s, self._deadline_s, answered_s, self.reconnect_s)
+        self._away = verdict is Verdict.AWAY
+        if verdict is Verdict.CUT_OFF:
+            self._leave(f"cut off from the coordinator at {self.host}:{self.port}: nothing heard from it for "
+                        f"{silent_s:.1f} s and its host answered nothing for {answered_s:.1f} s{detail}")
+        elif verdict is Verdict.GONE and not self._reconnecting:
+            self.gone = True
+            self._end(f"the coordinator was silent for {silent_s:.1f} s (paused?), more than "
+                      f"{self.reconnect_s:g} s")
+        return verdict in (Verdict.CUT_OFF, Verdict.GONE) and self._lost is not None
+
+    def _leave(self, why: str) -> None:
+        """Cut off: lost (every waiting call raises CoordinatorLost), and the process ends like a fenced
+        one (the coordinator has fenced it by now) if its training thread does not leave first."""
+        self.cut_off = why
+        self._end(why)
+        self._start_watchdog(why)
+
+    def _end(self, why: str) -> None:
+        """Lost for good: every waiting call raises CoordinatorLost; a send blocked on a dead path returns."""
+        self._mark_lost(why)
+        sock = self._sock
+        if sock is not None:
+            try:
+                sock.shutdown(socket.SHUT_RDWR)
+            except OSError:
+                pass
 
     def _heartbeat(self) -> None:
         while not self._stop.wait(self.heartbeat_interval_s):

@@ -23,7 +23,10 @@ client: ``ok`` / ``error`` / ``committed`` (with the ``speeds`` to plan the next
 ``stop``: every member stops after this step) / ``aborted`` replies (``re`` names the request ``id``; an
 ``error`` of code ``diverged`` or ``nonfinite`` ends the job and ``sides`` maps each parameter
 fingerprint to the replicas that hold it), and
-the pushes ``failing`` (generation g is being replaced) and ``membership`` (a new generation).
+the pushes ``failing`` (generation g is being replaced), ``membership`` (a new generation) and ``beat``
+(nothing to tell: the coordinator is there; every ``beat_s`` named in the ``ok`` reply to a
+``register``, so that a worker's read deadline tells a silence from a quiet stretch,
+:mod:`recover.coord.deadline`).
 
 Replicas of several ranks: each rank (process) of a replica keeps its own connection and numbers
 its own requests 1, 2, 3...; ``re`` always names the id *that connection* sent. Every rank of a
@@ -74,13 +77,14 @@ SCHEMAS: dict[str, dict[str, str]] = {
     "vote": {"id": _INT, "generation": _INT, "step": _INT, "ids": _INTS, "mb_s": _ABSENT_NUM, "rank": _ABSENT_INT,
              "stop": _ABSENT_BOOL, "fp": _ABSENT_STR, "audit": _ABSENT_DICT},
     "bye": {"rank": _ABSENT_INT},
-    "ok": {"re": _INT, "heartbeat_s": _ABSENT_NUM},
+    "ok": {"re": _INT, "heartbeat_s": _ABSENT_NUM, "beat_s": _ABSENT_NUM},
     "error": {"re": _OPT_INT, "code": _STR, "message": _STR, "sides": _ABSENT_DICT},
     "committed": {"re": _INT, "generation": _INT, "step": _INT, "new_generation": _OPT_INT, "speeds": _OPT_DICT,
                   "stop": _ABSENT_BOOL},
     "aborted": {"re": _INT, "generation": _INT, "reason": _STR},
     "failing": {"generation": _INT, "dead": _INTS, "reason": _STR},
     "membership": {"membership": _OPT_DICT},
+    "beat": {},
 }
 CLIENT_TYPES = frozenset({"register", "hb", "hbs", "ack", "report", "nonfinite", "vote", "bye"})
 SERVER_TYPES = frozenset(SCHEMAS) - CLIENT_TYPES

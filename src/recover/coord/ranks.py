@@ -27,6 +27,8 @@ Invariants:
   * A ``report`` that a collective of the current generation timed out fences the members that never
     reached it (computing or in io, by their heartbeats). When every member reached it (a broken
     link), the reports are held and judged by the link rule (:mod:`recover.coord.links`).
+  * With ``beat_s``, every registered connection gets a ``beat`` that often (the coordinator is never
+    silent for longer: a worker's read deadline, :mod:`recover.coord.deadline`).
   * Timeouts (heartbeat, registration, hangs) are judged on a coarser clock (``scan_s``,
     :func:`recover.coord.scale.scan_interval`), not at every tick: at most one scan late.
   * Any rank's connection closing, its silence beyond ``heartbeat_timeout_s`` (counted from the
@@ -68,11 +70,14 @@ class RankAggregator:
             gathered before the replica they implicate is fenced (:mod:`recover.coord.links`).
         heartbeat_s: the heartbeat interval named in every ``ok`` reply to a ``register`` (None: none).
         scan_s: seconds between timeout scans (0: at every tick).
+        beat_s: every this many seconds each registered connection gets a ``beat`` (its read deadline,
+            :mod:`recover.coord.deadline`), and every ``ok`` names it; 0: no beats.
     """
 
     def __init__(self, state: MembershipState, *, token: str, heartbeat_timeout_s: float,
                  register_timeout_s: float, liveness: Liveness | None = None,
-                 link_grace_s: float = LINK_GRACE_S, heartbeat_s: float | None = None, scan_s: float = 0.0) -> None:
+                 link_grace_s: float = LINK_GRACE_S, heartbeat_s: float | None = None, scan_s: float = 0.0,
+                 beat_s: float = 0.0) -> None:
         if not token:
             raise ValueError("token must be a non-empty string")
         self.state = state
@@ -89,6 +94,8 @@ class RankAggregator:
         self.heartbeat_s = heartbeat_s
         self.scan_s = scan_s
         self._next_scan = float("-inf")
+        self.beat_s = beat_s
+        self._next_beat = float("-inf")
 
     @property
     def slots(self) -> Mapping[int, Slot]:
@@ -166,7 +173,17 @@ class RankAggregator:
             self._scan(now)
         self._settle_links(now)
         self._apply(self.state.on_tick(now), now)
+        if self.beat_s and now >= self._next_beat:
+            self._next_beat = now + self.beat_s
+            self._beat()
         return self._take()
+
+    def _beat(self) -> None:
+        """One ``beat`` (a single message, encoded once) to every registered connection."""
+        beat = {"type": "beat"}
+        for link in self._links.values():
+            if link.replica is not None:
+                self._send(link, beat)
 
     def _scan(self, now: float) -> None:
         """The timeouts: O(connections + ranks), so run on the ``scan_s`` clock."""
@@ -395,7 +412,7 @@ class RankAggregator:
             m = msg["membership"]
             self.liveness.formed(m["generation"], m["members"], self._now)
         if re is not None and re in slot.routes:
-            extra = {"heartbeat_s": self.heartbeat_s} if msg["type"] == "ok" and self.heartbeat_s else {}
+            extra = self._told() if msg["type"] == "ok" else {}
             for link, cid in slot.routes.pop(re):
                 self._send(link, {**msg, "re": cid, **extra})
             return
@@ -405,6 +422,11 @@ class RankAggregator:
             self._abort_votes(slot, msg["generation"] + 1, "generation is failing")
         elif msg["type"] == "membership" and msg["membership"] is not None:
             self._abort_votes(slot, msg["membership"]["generation"], "generation replaced")
+
+    def _told(self) -> dict[str, float]:
+        """What an ``ok`` reply to a ``register`` names: the heartbeat interval and the beat interval."""
+        told = {"heartbeat_s": self.heartbeat_s, "beat_s": self.beat_s}
+        return {k: v for k, v in told.items() if v}
 
     def _abort_votes(self, slot: Slot, below: int, reason: str) -> None:
         """Answers ``aborted`` to buffered rank votes for generations before ``below`` (once per request)."""

@@ -35,6 +35,14 @@ clients would answer them, :mod:`recover.coord.client`); the relay reconnects ev
 generation and members, last committed step, speeds: it sees every membership and commit go by).
 Not back in time: every rank gets ``coordinator_gone`` (its client gives up at once), then the
 relay ends.
+
+Read deadline (:mod:`recover.coord.deadline`): the coordinator's ``beat`` pushes reach the ranks like
+any push (and ``beat_s`` with the ``ok``), so a rank judges the relay's silence as its own client
+would. Upstream, the relay judges the coordinator's: silent beyond the deadline while its host
+answers nothing (no acknowledgement of the batched heartbeats, no answer to a reconnect), the
+replica is cut off: every rank gets ``cut_off`` (its client leaves like a fenced one), then the
+relay ends; silent while its host answers (a paused coordinator) beyond ``reconnect_s``: every rank
+gets ``coordinator_gone``.
 """
 
 from __future__ import annotations
@@ -51,6 +59,7 @@ from typing import Any
 from recover.coord.actions import Refused
 from recover.coord.client import RECONNECT_EVERY_S
 from recover.coord.conn import FramedConn, connect_patiently
+from recover.coord.deadline import Verdict, ack_age_s, host_answered, judge, read_deadline
 from recover.coord.member import Agreed, Ballot, Disagreed, Member
 from recover.coord.protocol import (
     ACTIVITY_LETTERS,
@@ -118,6 +127,9 @@ class Relay:
         self._lost_at: float | None = None  # when the upstream connection ended (None: connected)
         self._outage_since: float | None = None  # when the coordinator went away (None: registered with it)
         self._next_try = 0.0
+        self._deadline_s: float | None = None  # the upstream read deadline (from the ok's beat_s)
+        self._heard = time.monotonic()  # when the coordinator last sent a byte
+        self._answered = self._heard  # when its host last answered (an acknowledgement, a refused connect)
 
     # ------------------------------------------------------------- lifecycle
 
@@ -174,6 +186,8 @@ class Relay:
                     self._try_reconnect()
                 elif self._registered and time.monotonic() >= self._next_batch:
                     self._batch()
+                if self._registered and self._deadline_s is not None and self._silent_s() >= self._deadline_s:
+                    self._judge(ack_age_s(self._up.sock))
         except BaseException as exc:  # a bug here must not pass silently: the replica is lost with it
             self._end(f"the relay failed: {type(exc).__name__}: {exc}")
             raise
@@ -336,7 +350,10 @@ class Relay:
 
     def _read_up(self) -> None:
         try:
-            items = self._up.receive() or []
+            items = self._up.receive()
+            if items is None:
+                return
+            self._heard = time.monotonic()
         except EOFError:
             self._upstream_ended("the coordinator closed the relay's connection")
             return
@@ -358,6 +375,7 @@ class Relay:
                 msg = {k: v for k, v in msg.items() if k != "heartbeat_s"}  # the ranks keep their own pace
             if re == self._reg_uid and msg["type"] == "ok":
                 self._registered, self._outage_since = True, None
+                self._deadline_s = read_deadline(msg.get("beat_s"))
                 self._next_batch = time.monotonic() + self.interval_s
             elif re == self._reg_uid and msg["type"] == "error" and not asked:  # refused after a restart
                 self._give_up(f"the restarted coordinator refused replica {self.replica_id}: "
@@ -400,6 +418,7 @@ class Relay:
     def _lose_upstream(self) -> None:
         """The coordinator went away (no fence): keep the ranks, answer what is in flight, reconnect."""
         self._lost_at = time.monotonic()
+        self._answered = self._lost_at - (ack_age_s(self._up.sock) or 0.0)
         if self._outage_since is None:
             self._outage_since = self._lost_at
         self._next_try = time.monotonic() + RECONNECT_EVERY_S
@@ -434,7 +453,10 @@ class Relay:
         self._next_try = now + RECONNECT_EVERY_S
         try:
             up = socket.create_connection(self.upstream_addr, timeout=min(1.0, self.connect_timeout_s))
-        except OSError:
+        except OSError as exc:
+            if host_answered(exc):
+                self._answered = time.monotonic()
+            self._judge(time.monotonic() - self._answered, f" (reconnecting: {exc})")
             return
         self._up, self._lost_at = FramedConn(up, SERVER_TYPES).register(self._sel, "up"), None
         join = self._member.join if self._member is not None else False
@@ -443,6 +465,26 @@ class Relay:
         if self._held["generation"] > 0:
             msg["resume"] = dict(self._held)
         self._reg_uid = self._forward(msg, [])  # the ranks asked nothing: the reply stays here
+
+    # ------------------------------------------------------------- the read deadline (recover.coord.deadline)
+    def _silent_s(self) -> float:
+        return time.monotonic() - self._heard
+
+    def _judge(self, answered_s: float | None, detail: str = "") -> None:
+        """Cut off (the coordinator's host answers nothing): every rank gets ``cut_off`` and leaves like a
+        fenced one; paused beyond the reconnect window: ``coordinator_gone``; else it waits."""
+        if self._deadline_s is None:
+            return
+        silent = self._silent_s()
+        verdict = judge(silent, self._deadline_s, answered_s, self.reconnect_s)
+        if verdict is Verdict.CUT_OFF:
+            why = (f"replica {self.replica_id} is cut off from the coordinator at {self.upstream_addr[0]}:"
+                   f"{self.upstream_addr[1]}: nothing heard from it for {silent:.1f} s and its host answered "
+                   f"nothing for {answered_s:.1f} s{detail}")
+            self._to_ranks(encode({"type": "error", "re": None, "code": "cut_off", "message": why}))
+            self._end(why)
+        elif verdict is Verdict.GONE and self._lost_at is None:  # (while reconnecting: _try_reconnect's own window)
+            self._give_up(f"the coordinator was silent for {silent:.1f} s (paused?), more than {self.reconnect_s:g} s")
 
     # ------------------------------------------------------------- bytes out
 

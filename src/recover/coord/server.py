@@ -15,6 +15,9 @@ actions that come back (send, close, log). The rules themselves are documented a
 Invariants:
   * A closed worker connection is reported at once (the replica is marked dead within the same loop
     turn); a connection silent for longer than ``heartbeat_timeout_s`` is fenced on the next tick.
+  * This side is never silent either: every registered connection gets a ``beat`` every half
+    heartbeat timeout (:func:`recover.coord.deadline.beat_interval`), so a worker that hears nothing
+    for its read deadline knows it is cut off or this process is paused (:mod:`recover.coord.deadline`).
   * One thread runs the event loop and is the only caller of the logic: no two workers ever see
     different generations.
   * Bad peers (wrong token, garbage, oversized or malformed frames, stale generations, too many
@@ -46,6 +49,7 @@ from typing import Any
 
 from recover.coord import scale
 from recover.coord.conn import FramedConn
+from recover.coord.deadline import beat_interval
 from recover.coord.liveness import Liveness
 from recover.coord.protocol import CLIENT_TYPES, ProtocolError, encode
 from recover.coord.ranks import Close, Out, RankAggregator, SendTo
@@ -169,7 +173,7 @@ class Coordinator:
         self.aggregator = RankAggregator(
             self.state, token=self._token, heartbeat_timeout_s=self.heartbeat_timeout_s,
             register_timeout_s=self.register_timeout_s, liveness=Liveness(self.hang_timeout_s),
-            heartbeat_s=self.heartbeat_interval_s,
+            heartbeat_s=self.heartbeat_interval_s, beat_s=beat_interval(self.heartbeat_timeout_s),
             scan_s=scale.scan_interval(self.heartbeat_timeout_s, self.register_timeout_s, self.hang_timeout_s))
         self._log("coordinator_start", host=self.host, advertise_host=self.advertise_host, port=self.port,
                   store_port=self.store_port,
