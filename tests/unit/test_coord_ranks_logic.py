@@ -459,3 +459,14 @@ def test_a_rank_asking_to_stop_makes_its_replicas_vote_a_stop() -> None:
     agg.on_message("a1", msg("vote", id=6, generation=1, step=0, ids=IDS, stop=True), 0.0)
     out = agg.on_message("b0", msg("vote", id=7, generation=1, step=0, ids=IDS), 0.0)
     assert {c: m["stop"] for c, m in sent(out, "committed").items()} == {"a0": True, "a1": True, "b0": True}
+
+
+def test_every_registered_connection_gets_a_beat_each_beat_s_and_the_ok_names_it() -> None:
+    st = MembershipState(expected=2, min_members=1, store_host="h", store_port=1, ack_timeout_s=1.0)
+    agg = RankAggregator(st, token=TOKEN, heartbeat_timeout_s=1.0, register_timeout_s=10.0, beat_s=0.5)
+    assert sent(register(agg, "a0", 0), "ok")["a0"]["beat_s"] == 0.5
+    agg.on_open("x", "peer-x", 0.0)  # not registered: no beats
+    assert set(sent(agg.on_tick(0.1), "beat")) == {"a0"}
+    assert sent(agg.on_tick(0.5), "beat") == {}
+    assert set(sent(agg.on_tick(0.7), "beat")) == {"a0"}
+    assert "beat_s" not in sent(register(make(), "a0", 0), "ok")["a0"]  # an aggregator without beats names none

@@ -42,6 +42,16 @@ generation like after a failure; gloo collectives between the replicas go on mea
 it is not back within ``reconnect_s`` is it lost (``gone``), and every waiting call raises
 CoordinatorLost.
 
+Read deadline (:mod:`recover.coord.deadline`): a coordinator that names ``beat_s`` in its ``ok`` beats
+this connection that often; a thread judges every beat whether it was heard within the deadline
+(six beats, three heartbeat timeouts). Silent beyond it while the coordinator's host acknowledges
+nothing (nor answers a reconnect): this replica is *cut off* (``cut_off`` says why; a relay tells
+its ranks the same with a ``cut_off`` error): lost, and the process ends like a fenced one
+(``on_fenced`` after ``fence_exit_s``) unless its training thread leaves first. Silent while its
+host answers (the coordinator is paused): it waits like for a restart, and past ``reconnect_s`` of
+silence it is ``gone``. A request is never timed out (TimeoutError) while the coordinator is away
+like this or being reconnected to: the outage ends as a reply, a refusal or CoordinatorLost.
+
 Stop: ``stop_requested = True`` (the worker's SIGTERM handler) goes with the next vote; a commit
 that is a stop sets ``stopping`` (every member stops after that step), and so does the
 ``stopping`` push to a replica still waiting to be admitted (then the connection is lost too).
@@ -261,6 +271,17 @@ class CoordinatorClient:
     def lost(self) -> str | None:
         """Why the coordinator connection is gone, or None while it is up."""
         return self._lost
+
+    def settle(self) -> str | None:
+        """Blocks until the read deadline has judged the coordinator's silence, at most one deadline
+        and one beat (at once without a deadline); returns :attr:`lost` then. For a caller that met a
+        broken network path elsewhere (a store, a peer): was it this replica's?"""
+        wait_s = 0.0 if self._deadline_s is None else self._deadline_s * (1 + 1 / DEADLINE_BEATS)
+        deadline = time.monotonic() + wait_s
+        with self._cond:
+            while self._lost is None and (left := deadline - time.monotonic()) > 0:
+                self._cond.wait(left)
+            return self._lost
 
     def report_failure(self, generation: int, suspects: tuple[int, ...] | list[int] = (),
                        timed_out: bool = False) -> None:

@@ -33,8 +33,9 @@ from enum import Enum
 DEADLINE_BEATS = 6
 """Beats missed before a silence is judged (three heartbeat timeouts)."""
 _TCP_INFO_BYTES = 104
-_LAST_ACK_RECV = 56
-"""Offset of ``tcpi_last_ack_recv`` (milliseconds since the peer last acknowledged) in Linux's ``struct tcp_info``."""
+_UNACKED, _LAST_ACK_RECV = 24, 56
+"""Offsets in Linux's ``struct tcp_info`` of ``tcpi_unacked`` (segments sent, not yet acknowledged) and
+``tcpi_last_ack_recv`` (milliseconds since the peer last acknowledged)."""
 
 
 class Verdict(Enum):
@@ -75,11 +76,15 @@ def host_answered(exc: OSError) -> bool:
 
 
 def ack_age_s(sock: socket.socket) -> float | None:
-    """Seconds since the peer's host last acknowledged anything on ``sock`` (None: unknown)."""
+    """How long data sent on ``sock`` has waited for the peer's host: seconds since its last
+    acknowledgement while some is unacknowledged, 0 when all is (None: unknown). The workers send
+    heartbeats all the time, so a host that is there keeps this near 0."""
     try:
         info = sock.getsockopt(socket.IPPROTO_TCP, socket.TCP_INFO, _TCP_INFO_BYTES)
     except (AttributeError, OSError):
         return None
     if len(info) < _LAST_ACK_RECV + 4:
         return None
+    if struct.unpack_from("=I", info, _UNACKED)[0] == 0:
+        return 0.0
     return struct.unpack_from("=I", info, _LAST_ACK_RECV)[0] / 1000

@@ -28,7 +28,11 @@ Contract:
   committed state; a token id beyond the vocabulary (:class:`~recover.errors.DataError`, the same on every
   replica): its line, the committed state saved by the lowest member that meets it, :data:`EXIT_BAD_DATA`);
   a fenced replica whose training thread is stuck is ended by the watchdog
-  (:meth:`exit_fenced`).
+  (:meth:`exit_fenced`). A replica cut off from the coordinator (its client's read deadline,
+  :mod:`recover.coord.deadline`) leaves like a fenced one, with one line; so does one whose
+  training thread meets a torch.distributed network error (:data:`NETWORK_ERRORS`, a store or peer
+  out of reach) while its client finds the coordinator lost; a coordinator silent beyond
+  ``fault_tolerance.coordinator_reconnect_s`` (paused) is lost like one that did not come back.
 - Total loss: when every replica that held the state was lost, the members of the next generation load
   the newest complete checkpoint through ``restore`` (the job goes on from its step); with none there
   (:class:`~recover.errors.StateLost`) each exits with its line and :data:`EXIT_STATE_LOST`.
@@ -43,6 +47,8 @@ import threading
 from collections.abc import Callable
 from pathlib import Path
 from typing import Any
+
+from torch.distributed import DistNetworkError, DistStoreError
 
 from recover.baselines import JobFailed, ShrinkStep, step_class
 from recover.config import Config
@@ -64,6 +70,10 @@ from recover.train.exits import (
     EXIT_STOPPED,
     replica_log_path,
 )
+
+NETWORK_ERRORS = (DistNetworkError, DistStoreError)
+"""torch.distributed's errors of a path that broke (a store or peer that cannot be reached): the end
+of a replica cut off from the coordinator's host, when its coordinator client finds it so."""
 
 Save = Callable[[Path | None], Any]
 """``save(root)``: a complete checkpoint of the committed state (``root`` None: the run's own
@@ -222,6 +232,8 @@ class Session:
         if self.log is not None:
             self.log.close()
         client = self.client
+        if isinstance(exc, NETWORK_ERRORS) and client is not None and client.settle() is not None:
+            exc = CoordinatorLost(f"{client.lost} ({type(exc).__name__} meanwhile)")
         if isinstance(exc, QuorumLost):
             return self._save_and_stop(save, Event.QUORUM_LOST, exc, "resume with more replicas", EXIT_QUORUM_LOST)
         if isinstance(exc, JobFailed):

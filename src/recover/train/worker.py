@@ -28,8 +28,13 @@ Stops and coordinator loss (exit statuses in ``train/exits.py``):
   launcher restarts load the newest complete checkpoint and the job goes on from there by itself; with
   no checkpoint each exits with status 11 and a line saying so.
 - The coordinator lost: the client reconnects for ``fault_tolerance.coordinator_reconnect_s`` while
-  the training thread keeps its state (see :mod:`recover.coord.client`); if it does not come back,
-  the lowest member saves a complete checkpoint and every replica exits with status 7.
+  the training thread keeps its state (see :mod:`recover.coord.client`); if it does not come back (or,
+  paused, stays silent that long), the lowest member saves a complete checkpoint and every replica
+  exits with status 7.
+- Cut off: a replica that hears nothing from the coordinator for its read deadline while the
+  coordinator's host answers nothing (a downed link, dropped packets) leaves with one line and
+  status 5, like a fenced one (the coordinator fenced it; the job goes on without it), also when its
+  training thread meets the broken path first as a torch.distributed network error.
 
 A replica of several ranks (``parallel.pp x fsdp x tp > 1``) is one torchrun-style job: every rank
 runs this same loop with the same control flow. Rank k holds its own coordinator client (through
@@ -62,7 +67,7 @@ from recover.train.dist import DistContext, init_from_env
 from recover.train.exits import EXIT_STOPPED, PLACEMENT_ENV
 from recover.train.loop import Loop, use_deterministic_kernels
 from recover.train.replica import Replica
-from recover.train.session import Session
+from recover.train.session import NETWORK_ERRORS, Session
 from recover.train.trainer import build_replica
 
 Built = tuple[Replica, EvalSampler, DistContext]
@@ -173,9 +178,10 @@ class ReplicaWorker:
 
         try:
             loop.run(tc.steps)
-        except (QuorumLost, JobFailed, Diverged, CoordinatorLost, DataError) as exc:
+        except (QuorumLost, JobFailed, Diverged, CoordinatorLost, DataError, *NETWORK_ERRORS) as exc:
             code = session.status(exc, save)
-            assert code is not None  # every one of these ends the job for this replica
+            if code is None:  # a network error of a replica that is not cut off: not ours to hide
+                raise
             return code
         self.checkpointer.wait()
         return session.close(loop.stopped, self.checkpointer.root)

@@ -1,0 +1,206 @@
+"""The read deadline of a worker's coordinator connection (recover.coord.deadline): the pure verdict, the
+client acting on it against a stand-in coordinator on loopback that goes silent, and the replica's end
+(recover.train.session) for each verdict. Threads and sockets, no processes: well under a second each.
+"""
+
+from __future__ import annotations
+
+import socket
+import threading
+import time
+from collections.abc import Iterator
+from pathlib import Path
+from types import SimpleNamespace
+from typing import Any
+
+import pytest
+from torch.distributed import DistNetworkError
+
+from recover.config import load_config
+from recover.coord import client as client_module
+from recover.coord.client import CoordinatorClient
+from recover.coord.deadline import (
+    DEADLINE_BEATS,
+    Verdict,
+    ack_age_s,
+    beat_interval,
+    host_answered,
+    judge,
+    read_deadline,
+)
+from recover.coord.protocol import CLIENT_TYPES, FrameDecoder, Membership, encode
+from recover.errors import CoordinatorLost
+from recover.train.exits import EXIT_COORDINATOR_LOST, EXIT_FENCED
+from recover.train.session import Session
+
+BEAT_S = 0.05
+DEADLINE_S = DEADLINE_BEATS * BEAT_S
+
+
+# ---------------------------------------------------------------------------------------- the pure rule
+
+@pytest.mark.parametrize("silent, answered, reconnect, verdict", [
+    (0.2, 9.0, 30.0, Verdict.HEARD),     # within the deadline: nothing to decide, whatever the host does
+    (0.4, 0.4, 30.0, Verdict.CUT_OFF),   # silent, and its host acknowledged nothing as long: the path is gone
+    (0.4, 0.0, 30.0, Verdict.AWAY),      # silent while its host acknowledges: the process is paused
+    (0.4, None, 30.0, Verdict.AWAY),     # unknown: never cut off on a guess
+    (30.0, 0.1, 30.0, Verdict.GONE),     # paused beyond the reconnect window
+    (30.0, 30.0, 30.0, Verdict.CUT_OFF),  # cut off, however long
+    (0.4, 0.0, 0.0, Verdict.GONE),       # no reconnect window: silent past the deadline is gone
+])
+def test_a_silence_is_judged_by_whether_the_coordinators_host_still_answers(
+        silent: float, answered: float | None, reconnect: float, verdict: Verdict) -> None:
+    assert judge(silent, 0.3, answered, reconnect) is verdict
+
+
+def test_the_deadline_is_six_beats_of_half_a_heartbeat_timeout_and_none_without_beats() -> None:
+    assert beat_interval(1.0) == 0.5 and read_deadline(0.5) == 3.0
+    assert read_deadline(None) is None and read_deadline(0.0) is None
+
+
+def test_a_refused_connect_is_the_host_answering_a_timeout_or_no_route_is_not() -> None:
+    assert host_answered(ConnectionRefusedError()) and host_answered(ConnectionResetError())
+    assert not host_answered(TimeoutError()) and not host_answered(OSError(101, "Network is unreachable"))
+
+
+def test_ack_age_is_near_zero_on_a_live_tcp_connection_and_unknown_elsewhere() -> None:
+    server = socket.create_server(("127.0.0.1", 0))
+    with socket.create_connection(server.getsockname()) as c, server.accept()[0] as peer:
+        c.sendall(b"x" * 100)
+        assert peer.recv(100)
+        time.sleep(0.05)
+        age = ack_age_s(c)
+        assert age is not None and age < 0.05
+    server.close()
+    a, b = socket.socketpair()
+    with a, b:
+        assert ack_age_s(a) is None
+
+
+# ---------------------------------------------------------------------------------------- the client
+
+class Stand:
+    """A coordinator on loopback that registers one client (``ok`` naming ``beat_s``, then generation 1),
+    then reads everything (its kernel acknowledges) and answers nothing; it beats while ``beating``."""
+
+    def __init__(self, beating: bool = False) -> None:
+        self.server = socket.create_server(("127.0.0.1", 0))
+        self.port = self.server.getsockname()[1]
+        self.beating = beating
+        self.conn: socket.socket | None = None
+        threading.Thread(target=self._serve, daemon=True).start()
+
+    def _serve(self) -> None:
+        conn, _ = self.server.accept()
+        self.conn, dec = conn, FrameDecoder(CLIENT_TYPES)
+        conn.settimeout(BEAT_S)
+        while True:
+            try:
+                data = conn.recv(1 << 16)
+            except TimeoutError:
+                data = None
+            except OSError:
+                return
+            if data == b"":
+                return
+            for msg in dec.feed(data or b""):
+                if msg["type"] == "register":
+                    m = Membership(1, (0,), "127.0.0.1", 1, 0)
+                    conn.sendall(encode({"type": "ok", "re": msg["id"], "beat_s": BEAT_S}) +
+                                 encode({"type": "membership", "membership": m.to_wire()}))
+            if self.beating:
+                conn.sendall(encode({"type": "beat"}))
+
+    def close(self) -> None:
+        self.server.close()
+        if self.conn is not None:
+            self.conn.close()
+
+
+@pytest.fixture
+def stand() -> Iterator[Stand]:
+    s = Stand()
+    yield s
+    s.close()
+
+
+def test_a_coordinator_silent_beyond_the_reconnect_window_is_lost_not_a_timeout(stand: Stand) -> None:
+    """Paused (its host acknowledges): a request outlives its own timeout while the coordinator is away,
+    and ends as CoordinatorLost with ``gone`` once it stayed silent for ``reconnect_s``."""
+    c = CoordinatorClient("127.0.0.1", stand.port, "t", 0, reconnect_s=0.8)
+    try:
+        c.register(timeout=5)
+        t0 = time.monotonic()
+        with pytest.raises(CoordinatorLost, match=r"silent for 0\.\d s \(paused\?\), more than 0.8 s"):
+            c.vote_commit(1, 0, [0], timeout=DEADLINE_S * 1.5)
+        assert 0.7 < time.monotonic() - t0 < 3 and c.gone and c.cut_off is None
+    finally:
+        c.close()
+
+
+def test_a_coordinator_that_beats_is_never_judged_and_a_request_it_leaves_unanswered_times_out() -> None:
+    stand = Stand(beating=True)
+    c = CoordinatorClient("127.0.0.1", stand.port, "t", 0, reconnect_s=0.5)
+    try:
+        c.register(timeout=5)
+        with pytest.raises(TimeoutError):
+            c.vote_commit(1, 0, [0], timeout=1.0)  # twice the reconnect window: still heard
+        assert c.lost is None and not c.gone
+    finally:
+        c.close()
+        stand.close()
+
+
+def test_a_replica_whose_coordinators_host_answers_nothing_is_cut_off_and_leaves_like_a_fenced_one(
+        stand: Stand, monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setattr(client_module, "ack_age_s", lambda sock: 9.0)  # its heartbeats wait for an ack
+    left: list[str] = []
+    c = CoordinatorClient("127.0.0.1", stand.port, "t", 0, reconnect_s=30, fence_exit_s=0.1, on_fenced=left.append)
+    try:
+        c.register(timeout=5)
+        t0 = time.monotonic()
+        with pytest.raises(CoordinatorLost, match="cut off from the coordinator .* host answered nothing for 9.0 s"):
+            c.wait_for_generation(1, 5)
+        assert DEADLINE_S <= time.monotonic() - t0 < DEADLINE_S + 1 and not c.gone
+        time.sleep(0.3)
+        assert left == [c.cut_off] and c.settle() == c.lost
+    finally:
+        c.close()
+
+
+# ---------------------------------------------------------------------------------------- the replica's end
+
+def session(tmp_path: Path, client: Any, me: int, members: tuple[int, ...]) -> Session:
+    s = Session(load_config("debug"), tmp_path, me, "127.0.0.1", 1, "t")
+    s.client = client
+    s.step = SimpleNamespace(me=me, group=SimpleNamespace(members=members), progress=SimpleNamespace(step=7))
+    return s
+
+
+def lost_client(why: str, *, gone: bool = False) -> Any:
+    return SimpleNamespace(gone=gone, diverged=None, lost=why, settle=lambda: why)
+
+
+def test_a_gone_coordinator_makes_the_lowest_member_save_and_every_replica_exit_7(
+        tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    saved: list[Any] = []
+    exc = CoordinatorLost("the coordinator was silent for 70.1 s (paused?), more than 70 s")
+    for me in (1, 2):
+        s = session(tmp_path, lost_client(str(exc), gone=True), me, (1, 2))
+        assert s.status(exc, lambda root, me=me: saved.append(me) or tmp_path / "ck") == EXIT_COORDINATOR_LOST
+    assert saved == [1]
+    assert capsys.readouterr().err.count("\n") == 1
+
+
+def test_a_cut_off_replica_exits_fenced_with_one_line_also_on_a_network_error(
+        tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    why = "cut off from the coordinator at 10.0.0.1:5: nothing heard from it for 3.1 s"
+    s = session(tmp_path, lost_client(why), 1, (0, 1))
+    assert s.status(DistNetworkError("Connection reset by peer"), lambda root: pytest.fail("no save")) == EXIT_FENCED
+    err = capsys.readouterr().err
+    assert err.count("\n") == 1 and why in err and "DistNetworkError meanwhile" in err
+
+
+def test_a_network_error_while_the_coordinator_is_heard_is_not_hidden(tmp_path: Path) -> None:
+    s = session(tmp_path, SimpleNamespace(gone=False, diverged=None, lost=None, settle=lambda: None), 0, (0, 1))
+    assert s.status(DistNetworkError("Connection reset by peer"), None) is None
