@@ -7,11 +7,14 @@ connection and each rank's connection to the relay. One thread (the relay's) and
 from __future__ import annotations
 
 import socket
+import time
 from collections.abc import Iterator
+from contextlib import contextmanager
 from typing import Any
 
 import pytest
 
+from recover.coord import relay as relay_module
 from recover.coord.protocol import CLIENT_TYPES, SERVER_TYPES, FrameDecoder, encode
 from recover.coord.relay import Relay
 
@@ -46,12 +49,12 @@ class Peer:
             return True
 
 
-@pytest.fixture
-def relayed() -> Iterator[tuple[Relay, Peer, list[Peer]]]:
-    """A relay for replica 5 of P ranks, its upstream end, and P registered ranks (ok'ed)."""
+@contextmanager
+def relay_of(reconnect_s: float = 0.0, **ok: Any) -> Iterator[tuple[Relay, Peer, list[Peer]]]:
+    """A relay for replica 5 of P ranks, its upstream end, and P registered ranks (ok'ed with ``ok``'s fields)."""
     server = socket.create_server(("127.0.0.1", 0))
     relay = Relay("127.0.0.1", server.getsockname()[1], TOKEN, 5, P, heartbeat_interval_s=60.0,
-                  bind_host="127.0.0.1").start()
+                  bind_host="127.0.0.1", reconnect_s=reconnect_s).start()
     up = Peer(server.accept()[0], CLIENT_TYPES)
     server.close()
     ranks = [Peer(socket.create_connection(relay.address), SERVER_TYPES) for _ in range(P)]
@@ -61,13 +64,19 @@ def relayed() -> Iterator[tuple[Relay, Peer, list[Peer]]]:
         reg = up.next()
         assert {k: reg[k] for k in ("type", "replica", "ranks", "relay", "join")} == \
             {"type": "register", "replica": 5, "ranks": P, "relay": True, "join": False}
-        up.send(type="ok", re=reg["id"], heartbeat_s=0.5)
-        assert [r.next() for r in ranks] == [{"v": 1, "type": "ok", "re": 100 + k} for k in range(P)]
+        up.send(type="ok", re=reg["id"], heartbeat_s=0.5, **ok)
+        assert [r.next() for r in ranks] == [{"v": 1, "type": "ok", "re": 100 + k, **ok} for k in range(P)]
         yield relay, up, ranks
     finally:
         relay.stop()
         for peer in (up, *ranks):
             peer.sock.close()
+
+
+@pytest.fixture
+def relayed() -> Iterator[tuple[Relay, Peer, list[Peer]]]:
+    with relay_of() as parts:
+        yield parts
 
 
 def test_alike_votes_go_up_as_one_and_the_reply_reaches_every_rank_with_its_own_id(relayed: Any) -> None:
@@ -153,3 +162,28 @@ def test_a_local_peer_of_another_replica_is_refused_and_ends_the_relay() -> None
         server.close()
         up.sock.close()
         rank.sock.close()
+
+
+def test_a_beat_reaches_every_rank_and_the_ok_carries_beat_s() -> None:
+    with relay_of(beat_s=30.0) as (_, up, ranks):
+        up.send(type="beat")
+        assert [r.next() for r in ranks] == [{"v": 1, "type": "beat"}] * P
+
+
+def test_a_relay_whose_coordinators_host_answers_nothing_tells_its_ranks_they_are_cut_off(
+        monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setattr(relay_module, "ack_age_s", lambda sock: 9.0)  # its heartbeats wait for an ack
+    with relay_of(reconnect_s=30.0, beat_s=0.05) as (relay, _, ranks):
+        t0 = time.monotonic()
+        told = [r.next() for r in ranks]
+        assert {(m["type"], m["code"]) for m in told} == {("error", "cut_off")} and "cut off" in told[0]["message"]
+        assert 0.2 <= time.monotonic() - t0 < 1.5 and all(r.closed() for r in ranks)
+        assert relay.closed_why == told[0]["message"]
+
+
+def test_a_relay_whose_coordinator_is_silent_but_there_gives_up_after_the_reconnect_window() -> None:
+    with relay_of(reconnect_s=0.6, beat_s=0.05) as (_, _, ranks):  # the stand-in reads nothing, answers nothing
+        t0 = time.monotonic()
+        told = [r.next() for r in ranks]
+        assert {m["code"] for m in told} == {"coordinator_gone"} and "(paused?)" in told[0]["message"]
+        assert 0.6 <= time.monotonic() - t0 < 2
