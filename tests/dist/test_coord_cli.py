@@ -182,6 +182,28 @@ def test_a_coordinator_that_does_not_come_back_in_time_is_lost_for_good(tmp_path
         stop(proc)
 
 
+def test_a_coordinator_paused_beyond_the_reconnect_window_is_lost_for_good_not_a_timeout(tmp_path: Path) -> None:
+    """SIGSTOP for longer than ``reconnect_s``: a vote waiting on it (its own timeout shorter) ends as
+    CoordinatorLost with ``gone`` (the replicas then save and stop, exit 7), never as TimeoutError."""
+    proc = start_coordinator(tmp_path, "tok", tmp_path / "events.jsonl")
+    cs: list[CoordinatorClient] = []
+    try:
+        assert proc.stdout is not None
+        port = json.loads(proc.stdout.readline())["port"]
+        cs = [CoordinatorClient("127.0.0.1", port, "tok", r, reconnect_s=2.0) for r in (0, 1)]
+        register_all(cs)
+        os.kill(proc.pid, signal.SIGSTOP)
+        t0 = time.monotonic()
+        with pytest.raises(CoordinatorLost, match=r"silent for \d\.\d s \(paused\?\), more than 2 s"):
+            cs[0].vote_commit(1, 0, [0, 1], timeout=1.0)
+        assert 2.0 < time.monotonic() - t0 < 6 and cs[0].gone and cs[0].cut_off is None
+    finally:
+        os.kill(proc.pid, signal.SIGCONT)
+        for c in cs:
+            c.close()
+        stop(proc)
+
+
 def test_sigterm_to_the_coordinator_makes_the_next_commit_a_stop_then_it_exits(tmp_path: Path) -> None:
     proc = start_coordinator(tmp_path, "tok", tmp_path / "events.jsonl")
     cs: list[CoordinatorClient] = []

@@ -435,13 +435,21 @@ class CoordinatorClient:
                     raise CoordinatorLost(f"{self._who} lost the coordinator at "
                                           f"{self.host}:{self.port} while waiting for {what}: {self._lost}")
                 left = deadline - time.monotonic()
-                if left <= 0 and (self._reconnecting or self._away):  # it ends within reconnect_s, gone or back
-                    deadline = time.monotonic() + (self._deadline_s or RECONNECT_EVERY_S)
+                if left <= 0 and self._outage():  # it ends within reconnect_s: a reply, a refusal or lost
+                    deadline = time.monotonic() + (self._deadline_s / DEADLINE_BEATS if self._deadline_s
+                                                   else RECONNECT_EVERY_S)
                     continue
                 if left <= 0:
                     raise TimeoutError(f"{self._who}: no {what} from the coordinator "
                                        f"within {timeout:g} s")
                 self._cond.wait(left)
+
+    def _outage(self) -> bool:
+        """The coordinator is away: being reconnected to, judged away, or silent for two beats (the
+        read deadline judges it soon)."""
+        if self._reconnecting or self._away:
+            return True
+        return self._deadline_s is not None and time.monotonic() - self._heard > 2 * self._deadline_s / DEADLINE_BEATS
 
     def _mark_lost(self, why: str) -> None:
         with self._cond:
