@@ -81,12 +81,13 @@ def test_ack_age_is_near_zero_on_a_live_tcp_connection_and_unknown_elsewhere() -
 
 class Stand:
     """A coordinator on loopback that registers one client (``ok`` naming ``beat_s``, then generation 1),
-    then reads everything (its kernel acknowledges) and answers nothing; it beats while ``beating``."""
+    then reads everything (its kernel acknowledges) and answers nothing; it beats while ``beating``, and
+    pushes ``then`` after the registration."""
 
-    def __init__(self, beating: bool = False) -> None:
+    def __init__(self, beating: bool = False, then: dict[str, Any] | None = None) -> None:
         self.server = socket.create_server(("127.0.0.1", 0))
         self.port = self.server.getsockname()[1]
-        self.beating = beating
+        self.beating, self.then = beating, then
         self.conn: socket.socket | None = None
         threading.Thread(target=self._serve, daemon=True).start()
 
@@ -107,7 +108,8 @@ class Stand:
                 if msg["type"] == "register":
                     m = Membership(1, (0,), "127.0.0.1", 1, 0)
                     conn.sendall(encode({"type": "ok", "re": msg["id"], "beat_s": BEAT_S}) +
-                                 encode({"type": "membership", "membership": m.to_wire()}))
+                                 encode({"type": "membership", "membership": m.to_wire()}) +
+                                 (encode(self.then) if self.then else b""))
             if self.beating:
                 conn.sendall(encode({"type": "beat"}))
 
@@ -128,24 +130,24 @@ def test_a_coordinator_silent_beyond_the_reconnect_window_is_lost_not_a_timeout(
     """Paused (its host acknowledges): a request outlives its own timeout (shorter than the read deadline
     here) while the coordinator is silent, and ends as CoordinatorLost with ``gone`` once it stayed
     silent for ``reconnect_s``."""
-    c = CoordinatorClient("127.0.0.1", stand.port, "t", 0, reconnect_s=0.8)
+    c = CoordinatorClient("127.0.0.1", stand.port, "t", 0, reconnect_s=0.5)
     try:
         c.register(timeout=5)
         t0 = time.monotonic()
-        with pytest.raises(CoordinatorLost, match=r"silent for 0\.\d s \(paused\?\), more than 0.8 s"):
+        with pytest.raises(CoordinatorLost, match=r"silent for 0\.\d s \(paused\?\), more than 0.5 s"):
             c.vote_commit(1, 0, [0], timeout=0.1)
-        assert 0.7 < time.monotonic() - t0 < 3 and c.gone and c.cut_off is None
+        assert 0.4 < time.monotonic() - t0 < 2 and c.gone and c.cut_off is None
     finally:
         c.close()
 
 
 def test_a_coordinator_that_beats_is_never_judged_and_a_request_it_leaves_unanswered_times_out() -> None:
     stand = Stand(beating=True)
-    c = CoordinatorClient("127.0.0.1", stand.port, "t", 0, reconnect_s=0.5)
+    c = CoordinatorClient("127.0.0.1", stand.port, "t", 0, reconnect_s=0.2)
     try:
         c.register(timeout=5)
         with pytest.raises(TimeoutError):
-            c.vote_commit(1, 0, [0], timeout=1.0)  # twice the reconnect window: still heard
+            c.vote_commit(1, 0, [0], timeout=0.5)  # beyond the read deadline and the reconnect window: heard
         assert c.lost is None and not c.gone
     finally:
         c.close()
@@ -167,6 +169,22 @@ def test_a_replica_whose_coordinators_host_answers_nothing_is_cut_off_and_leaves
         assert left == [c.cut_off] and c.settle() == c.lost
     finally:
         c.close()
+
+
+def test_a_rank_told_cut_off_by_its_relay_leaves_like_a_fenced_one() -> None:
+    why = "replica 0 is cut off from the coordinator at 10.0.0.1:5: nothing heard from it for 3.0 s"
+    stand = Stand(then={"type": "error", "re": None, "code": "cut_off", "message": why})
+    left: list[str] = []
+    c = CoordinatorClient("127.0.0.1", stand.port, "t", 0, reconnect_s=30, fence_exit_s=0.1, on_fenced=left.append)
+    try:
+        c.register(timeout=5)
+        with pytest.raises(CoordinatorLost, match="cut off"):
+            c.wait_for_generation(1, 5)
+        time.sleep(0.3)
+        assert c.cut_off == why and left == [why] and not c.gone
+    finally:
+        c.close()
+        stand.close()
 
 
 # ---------------------------------------------------------------------------------------- the replica's end
