@@ -186,7 +186,8 @@ class Relay:
                     self._try_reconnect()
                 elif self._registered and time.monotonic() >= self._next_batch:
                     self._batch()
-                if self._registered and self._deadline_s is not None and self._silent_s() >= self._deadline_s:
+                if self._registered and self.closed_why is None and self._deadline_s is not None \
+                        and self._silent_s() >= self._deadline_s:
                     self._judge(ack_age_s(self._up.sock))
         except BaseException as exc:  # a bug here must not pass silently: the replica is lost with it
             self._end(f"the relay failed: {type(exc).__name__}: {exc}")
