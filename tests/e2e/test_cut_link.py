@@ -1,6 +1,8 @@
 """A link cut for good: replica 2's worker runs in its own network namespace, joined to the coordinator's
-by a veth pair, and the pair's link goes down mid-run. The cut-off worker leaves within 10 s with one line
-and the fenced status, no traceback; replicas 0 and 1 go on committing steps without it.
+by a veth pair, and mid-run the pair's link goes down, or the namespace's route to the coordinator's host
+becomes a black hole (its packets are dropped, the worker's sockets are told nothing). The cut-off worker
+leaves within 10 s with one line and the fenced status, no traceback; replicas 0 and 1 go on committing
+steps without it.
 
 The coordinator and the workers are started by hand (as the cluster recipes do), the coordinator bound to
 the host end of the pair, each worker's gloo on its own end. Needs root and `ip` (network namespaces);
@@ -115,20 +117,27 @@ def wait_until(done: object, timeout: float, what: str) -> None:
         time.sleep(0.1)
 
 
-def test_a_worker_cut_off_by_a_downed_link_leaves_in_one_line_and_the_job_goes_on(
-        net: Net, corpus: Path, tmp_path: Path) -> None:
+def cut(net: Net, how: str) -> subprocess.CompletedProcess[str]:
+    if how == "link down":
+        return ip("link", "set", net.host_if, "down")
+    return ip("-n", net.ns, "route", "add", "blackhole", f"{net.host_ip}/32")
+
+
+@pytest.mark.parametrize("how", ["link down", "packets dropped"])
+def test_a_worker_cut_off_leaves_in_one_line_and_the_job_goes_on(how: str, net: Net, corpus: Path,
+                                                                 tmp_path: Path) -> None:
     job = Job(tmp_path / "run", net)
     try:
         (w0, _), (w1, _) = job.worker(0, corpus, False), job.worker(1, corpus, False)
-        cut, err = job.worker(2, corpus, True)
+        off, err = job.worker(2, corpus, True)
         wait_until(lambda: len(job.steps(2)) >= 2, 60, "replica 2's first steps")
         before = err.read_text()
-        assert ip("link", "set", net.host_if, "down").returncode == 0
+        assert cut(net, how).returncode == 0
         t0 = time.monotonic()
-        wait_until(lambda: cut.poll() is not None, LEAVE_S + 5, "the cut-off worker to leave")
+        wait_until(lambda: off.poll() is not None, LEAVE_S + 5, "the cut-off worker to leave")
         left_s = time.monotonic() - t0
         said = err.read_text()[len(before):]
-        assert cut.returncode == EXIT_FENCED and left_s < LEAVE_S, (cut.returncode, left_s, said)
+        assert off.returncode == EXIT_FENCED and left_s < LEAVE_S, (off.returncode, left_s, said)
         assert said.count("\n") == 1 and "cut off from the coordinator" in said and "Traceback" not in said, said
         last = job.steps(0)[-1]["step"]
         wait_until(lambda: any(r["step"] >= last + 2 and r["live_replicas"] == 2 for r in job.steps(0)), 30,

@@ -5,6 +5,7 @@ client acting on it against a stand-in coordinator on loopback that goes silent,
 
 from __future__ import annotations
 
+import contextlib
 import socket
 import threading
 import time
@@ -17,12 +18,12 @@ import pytest
 from torch.distributed import DistNetworkError
 
 from recover.config import load_config
-from recover.coord import client as client_module
+from recover.coord import deadline
 from recover.coord.client import CoordinatorClient
 from recover.coord.deadline import (
     DEADLINE_BEATS,
+    AckClock,
     Verdict,
-    ack_age_s,
     beat_interval,
     host_answered,
     judge,
@@ -63,18 +64,40 @@ def test_a_refused_connect_is_the_host_answering_a_timeout_or_no_route_is_not() 
     assert not host_answered(TimeoutError()) and not host_answered(OSError(101, "Network is unreachable"))
 
 
-def test_ack_age_is_near_zero_on_a_live_tcp_connection_and_unknown_elsewhere() -> None:
+def test_the_ack_clock_counts_while_written_data_waits_and_the_host_acknowledges_nothing_new(
+        monkeypatch: pytest.MonkeyPatch) -> None:
+    states = iter([(100, 5, 900), (100, 5, 900), (100, 6, 900), (100, 6, 900), (0, 6, 900), (100, 6, 900),
+                   (100, 6, 0), (100, 6, None), (100, 6, None)])
+    monkeypatch.setattr(deadline, "_tcp_state", lambda sock: next(states))
+    clock = AckClock(socket.socket())
+    ages = [clock.age(t) for t in (0.0, 1.0, 2.0, 3.5, 4.0, 5.0, 6.0, 7.0, 8.5)]
+    # waits; new bytes acknowledged; waits; nothing waits; waits; zero window (paused); waits on
+    assert ages == [0.0, 1.0, 0.0, 1.5, 0.0, 1.0, 0.0, 1.0, 2.5]
+    clock.sock.close()
+
+
+def test_the_ack_clock_reads_a_live_connection_and_a_zero_window_as_answered_and_knows_no_unix_socket() -> None:
     server = socket.create_server(("127.0.0.1", 0))
     with socket.create_connection(server.getsockname()) as c, server.accept()[0] as peer:
+        clock = AckClock(c)
         c.sendall(b"x" * 100)
-        assert peer.recv(100)
-        time.sleep(0.05)
-        age = ack_age_s(c)
-        assert age is not None and age < 0.05
+        assert peer.recv(100) and clock.age(0.0) == 0.0 and clock.age(5.0) == 0.0
+        peer.setsockopt(socket.SOL_SOCKET, socket.SO_RCVBUF, 4096)
+        c.setblocking(False)
+        with contextlib.suppress(BlockingIOError):
+            while True:
+                c.send(b"x" * 65536)  # the peer reads nothing: its window closes, its host still answers
+        time.sleep(0.2)
+        clock.age(10.0)
+        time.sleep(0.1)
+        queued, _, window = deadline._tcp_state(c)
+        if window is None:
+            pytest.skip("this kernel's tcp_info has no tcpi_snd_wnd")
+        assert queued > 0 and window == 0 and clock.age(12.0) == 0.0  # nothing moved for 2 s: the window says why
     server.close()
     a, b = socket.socketpair()
     with a, b:
-        assert ack_age_s(a) is None
+        assert AckClock(a).age(0.0) is None
 
 
 # ---------------------------------------------------------------------------------------- the client
@@ -156,7 +179,7 @@ def test_a_coordinator_that_beats_is_never_judged_and_a_request_it_leaves_unansw
 
 def test_a_replica_whose_coordinators_host_answers_nothing_is_cut_off_and_leaves_like_a_fenced_one(
         stand: Stand, monkeypatch: pytest.MonkeyPatch) -> None:
-    monkeypatch.setattr(client_module, "ack_age_s", lambda sock: 9.0)  # its heartbeats wait for an ack
+    monkeypatch.setattr(AckClock, "age", lambda self, now: 9.0)  # its heartbeats wait for an acknowledgement
     left: list[str] = []
     c = CoordinatorClient("127.0.0.1", stand.port, "t", 0, reconnect_s=30, fence_exit_s=0.1, on_fenced=left.append)
     try:

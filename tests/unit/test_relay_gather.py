@@ -14,7 +14,7 @@ from typing import Any
 
 import pytest
 
-from recover.coord import relay as relay_module
+from recover.coord.deadline import AckClock
 from recover.coord.protocol import CLIENT_TYPES, SERVER_TYPES, FrameDecoder, encode
 from recover.coord.relay import Relay
 
@@ -172,7 +172,7 @@ def test_a_beat_reaches_every_rank_and_the_ok_carries_beat_s() -> None:
 
 def test_a_relay_whose_coordinators_host_answers_nothing_tells_its_ranks_they_are_cut_off(
         monkeypatch: pytest.MonkeyPatch) -> None:
-    monkeypatch.setattr(relay_module, "ack_age_s", lambda sock: 9.0)  # its heartbeats wait for an ack
+    monkeypatch.setattr(AckClock, "age", lambda self, now: 9.0)  # its heartbeats wait for an acknowledgement
     with relay_of(reconnect_s=30.0, beat_s=0.05) as (relay, _, ranks):
         t0 = time.monotonic()
         told = [r.next() for r in ranks]

@@ -74,7 +74,7 @@ from contextlib import contextmanager
 from typing import Any
 
 from recover.coord.conn import connect_patiently
-from recover.coord.deadline import DEADLINE_BEATS, Verdict, ack_age_s, host_answered, judge, read_deadline
+from recover.coord.deadline import DEADLINE_BEATS, AckClock, Verdict, host_answered, judge, read_deadline
 from recover.coord.generations import Generations
 from recover.coord.probe import PROBE_TIMEOUT_S, LinkProbe
 from recover.coord.protocol import (
@@ -594,13 +594,17 @@ class CoordinatorClient:
     def _watch(self) -> None:
         """The read deadline (:mod:`recover.coord.deadline`): every beat, judges the coordinator's silence."""
         assert self._deadline_s is not None
+        acks: AckClock | None = None
         while not self._stop.wait(self._deadline_s / DEADLINE_BEATS):
             sock = self._sock
             if self._lost is not None:
                 return
             if self._reconnecting or sock is None:
                 continue  # the reconnect judges its own tries
-            self._judge(time.monotonic() - self._heard, ack_age_s(sock))
+            if acks is None or acks.sock is not sock:
+                acks = AckClock(sock)
+            now = time.monotonic()
+            self._judge(now - self._heard, acks.age(now))
 
     def _judge(self, silent_s: float, answered_s: float | None, detail: str = "") -> bool:
         """Acts on the verdict on a silence of ``silent_s``, the coordinator's host having answered

@@ -1,7 +1,7 @@
 """The read deadline of a worker's coordinator connection: cut off, or a coordinator away?
 
 Pure rules (no sockets, no clock) shared by the client (:mod:`recover.coord.client`) and a replica's
-relay (:mod:`recover.coord.relay`), plus :func:`ack_age_s`, the one socket read they feed in.
+relay (:mod:`recover.coord.relay`), plus :class:`AckClock`, the one socket read they feed in.
 
 Contract:
 * The coordinator is never legitimately silent: it sends every registered connection a ``beat``
@@ -11,7 +11,7 @@ Contract:
   coordinator has fenced a replica whose heartbeats stopped reaching it).
 * :func:`judge` decides what a silence means, from how long the coordinator has been silent and how
   long ago its *host* last answered anything (a TCP acknowledgement of this side's heartbeats on the
-  connection, :func:`ack_age_s`; a refused or accepted connect while reconnecting):
+  connection, :class:`AckClock`; a refused or accepted connect while reconnecting):
 
   - silent less than the deadline: ``HEARD``, nothing to decide;
   - its host answered nothing for the deadline either: ``CUT_OFF``: the network path is gone, the
@@ -26,16 +26,19 @@ Contract:
 
 from __future__ import annotations
 
+import array
+import fcntl
 import socket
 import struct
+import termios
 from enum import Enum
 
 DEADLINE_BEATS = 6
 """Beats missed before a silence is judged (three heartbeat timeouts)."""
-_TCP_INFO_BYTES = 104
-_UNACKED, _LAST_ACK_RECV = 24, 56
-"""Offsets in Linux's ``struct tcp_info`` of ``tcpi_unacked`` (segments sent, not yet acknowledged) and
-``tcpi_last_ack_recv`` (milliseconds since the peer last acknowledged)."""
+_TCP_INFO_BYTES = 232
+_BYTES_ACKED, _SND_WND = 120, 228
+"""Offsets in Linux's ``struct tcp_info`` of ``tcpi_bytes_acked`` (u64, since 4.1) and ``tcpi_snd_wnd``
+(the peer's advertised window, u32, newer kernels: absent from a shorter answer)."""
 
 
 class Verdict(Enum):
@@ -75,16 +78,42 @@ def host_answered(exc: OSError) -> bool:
     return isinstance(exc, (ConnectionRefusedError, ConnectionResetError))
 
 
-def ack_age_s(sock: socket.socket) -> float | None:
-    """How long data sent on ``sock`` has waited for the peer's host: seconds since its last
-    acknowledgement while some is unacknowledged, 0 when all is (None: unknown). The workers send
-    heartbeats all the time, so a host that is there keeps this near 0."""
+class AckClock:
+    """How long data written to one TCP connection has waited for the peer's *host*: seconds since
+    the host last acknowledged new data while some waits (a route that drops packets sends nothing
+    at all), 0 while nothing waits or the host advertises a zero window (it answers; its process does
+    not read: paused). Sampled at every beat, so that an age is never older than the samples. A
+    segment the host merely retransmits does not count: it proves the path towards this side only.
+
+    Args:
+        sock: a connected TCP socket.
+    """
+
+    def __init__(self, sock: socket.socket) -> None:
+        self.sock = sock
+        self._acked: int | None = None
+        self._since = 0.0
+
+    def age(self, now: float) -> float | None:
+        """The age at ``now`` (``time.monotonic()``); None where the platform does not tell."""
+        state = _tcp_state(self.sock)
+        if state is None:
+            return None
+        queued, acked, window = state
+        if queued == 0 or window == 0 or acked != self._acked:
+            self._acked, self._since = acked, now
+        return now - self._since
+
+
+def _tcp_state(sock: socket.socket) -> tuple[int, int, int | None] | None:
+    """``(bytes not yet acknowledged, bytes acknowledged so far, the peer's window or None)``, or None."""
     try:
         info = sock.getsockopt(socket.IPPROTO_TCP, socket.TCP_INFO, _TCP_INFO_BYTES)
+        queued = array.array("i", [0])
+        fcntl.ioctl(sock.fileno(), termios.TIOCOUTQ, queued)  # SIOCOUTQ: written, not yet acknowledged
     except (AttributeError, OSError):
         return None
-    if len(info) < _LAST_ACK_RECV + 4:
+    if len(info) < _BYTES_ACKED + 8:
         return None
-    if struct.unpack_from("=I", info, _UNACKED)[0] == 0:
-        return 0.0
-    return struct.unpack_from("=I", info, _LAST_ACK_RECV)[0] / 1000
+    window = struct.unpack_from("=I", info, _SND_WND)[0] if len(info) >= _SND_WND + 4 else None
+    return queued[0], struct.unpack_from("=Q", info, _BYTES_ACKED)[0], window

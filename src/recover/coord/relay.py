@@ -59,7 +59,7 @@ from typing import Any
 from recover.coord.actions import Refused
 from recover.coord.client import RECONNECT_EVERY_S
 from recover.coord.conn import FramedConn, connect_patiently
-from recover.coord.deadline import Verdict, ack_age_s, host_answered, judge, read_deadline
+from recover.coord.deadline import AckClock, Verdict, host_answered, judge, read_deadline
 from recover.coord.member import Agreed, Ballot, Disagreed, Member
 from recover.coord.protocol import (
     ACTIVITY_LETTERS,
@@ -147,6 +147,7 @@ class Relay:
         self._sel = selectors.DefaultSelector()
         self._sel.register(self._listener, selectors.EVENT_READ, "accept")
         self._up = FramedConn(up, SERVER_TYPES).register(self._sel, "up")
+        self._acks = AckClock(up)
         self._sel.register(self._wake_r, selectors.EVENT_READ, "wake")
         self._thread = threading.Thread(target=self._loop, name=f"recover-relay-{self.replica_id}", daemon=True)
         self._thread.start()
@@ -186,9 +187,8 @@ class Relay:
                     self._try_reconnect()
                 elif self._registered and time.monotonic() >= self._next_batch:
                     self._batch()
-                if self._registered and self.closed_why is None and self._deadline_s is not None \
-                        and self._silent_s() >= self._deadline_s:
-                    self._judge(ack_age_s(self._up.sock))
+                if self._registered and self.closed_why is None and self._deadline_s is not None:
+                    self._watch()
         except BaseException as exc:  # a bug here must not pass silently: the replica is lost with it
             self._end(f"the relay failed: {type(exc).__name__}: {exc}")
             raise
@@ -419,7 +419,7 @@ class Relay:
     def _lose_upstream(self) -> None:
         """The coordinator went away (no fence): keep the ranks, answer what is in flight, reconnect."""
         self._lost_at = time.monotonic()
-        self._answered = self._lost_at - (ack_age_s(self._up.sock) or 0.0)
+        self._answered = self._lost_at - (self._acks.age(self._lost_at) or 0.0)
         if self._outage_since is None:
             self._outage_since = self._lost_at
         self._next_try = time.monotonic() + RECONNECT_EVERY_S
@@ -460,6 +460,7 @@ class Relay:
             self._judge(time.monotonic() - self._answered, f" (reconnecting: {exc})")
             return
         self._up, self._lost_at = FramedConn(up, SERVER_TYPES).register(self._sel, "up"), None
+        self._acks = AckClock(up)
         join = self._member.join if self._member is not None else False
         msg = {"type": "register", "token": self._token, "replica": self.replica_id, "join": join,
                "ranks": self.ranks, "relay": True}
@@ -470,6 +471,12 @@ class Relay:
     # ------------------------------------------------------------- the read deadline (recover.coord.deadline)
     def _silent_s(self) -> float:
         return time.monotonic() - self._heard
+
+    def _watch(self) -> None:
+        """Samples the upstream acknowledgements (every loop turn) and judges a silence past the deadline."""
+        age = self._acks.age(time.monotonic())
+        if self._deadline_s is not None and self._silent_s() >= self._deadline_s:
+            self._judge(age)
 
     def _judge(self, answered_s: float | None, detail: str = "") -> None:
         """Cut off (the coordinator's host answers nothing): every rank gets ``cut_off`` and leaves like a
