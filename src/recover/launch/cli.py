@@ -334,8 +334,8 @@ def launch(req: LaunchRequest) -> int:
               f"under {opts.out / 'checkpoints'}", file=sys.stderr)
     elif code == EXIT_STATE_LOST:
         print("recover: the job stopped: every replica holding the training state was lost and there was no "
-              f"complete checkpoint under {opts.out / 'checkpoints'} to fall back to; run it again, with "
-              "training.checkpoint_every set", file=sys.stderr)
+              f"complete checkpoint under {opts.out / 'checkpoints'} to fall back to; start it afresh (the same "
+              "command with --overwrite), with --training.checkpoint_every set", file=sys.stderr)
     elif code in (EXIT_STOPPED, EXIT_COORDINATOR_LOST):
         why = "on request" if code == EXIT_STOPPED else "because the coordinator did not come back"
         print(f"recover: the job stopped {why} after {launcher.written + 1} committed steps; a complete checkpoint is "

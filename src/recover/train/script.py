@@ -17,6 +17,7 @@ from pathlib import Path
 from typing import Any
 
 from recover.coord.client import CoordinatorLost
+from recover.errors import StateLost
 from recover.faults import hang_on_signal, parse_failure
 from recover.names import Phase
 from recover.recovery.protocol import ResilientStep, StepOutcome
@@ -50,6 +51,9 @@ def connect(job: Any) -> tuple[Session, ResilientStep]:
         print(f"recover: replica {rt.replica}: {exc}", file=sys.stderr, flush=True)  # e.g. nothing left to join
         sys.stdout.flush()
         os._exit(0 if session.client.finished else EXIT_STOPPED)
+    except StateLost as exc:  # admitted where nobody holds the state, and no checkpoint to restore
+        fail(session, exc)
+        raise
 
 
 def restore(job: Any, out: Path) -> Any:

@@ -240,8 +240,8 @@ class Session:
             return EXIT_JOB_FAILED
         if isinstance(exc, StateLost):
             if self.rank == 0:
-                print(f"recover: replica {self.replica_id}: {exc}; run the job again (set "
-                      "training.checkpoint_every so that a checkpoint is there to fall back to)",
+                print(f"recover: replica {self.replica_id}: {exc}; start the job afresh, with "
+                      "training.checkpoint_every set so that a checkpoint is there to fall back to",
                       file=sys.stderr, flush=True)
             return EXIT_STATE_LOST
         if isinstance(exc, Diverged) or (isinstance(exc, CoordinatorLost) and client.diverged is not None):

@@ -58,7 +58,7 @@ from recover.baselines import JobFailed
 from recover.config import Config
 from recover.coord.client import CoordinatorLost, Diverged
 from recover.data.sampler import EvalSampler
-from recover.errors import ConfigError, DataError, QuorumLost, RecoverError
+from recover.errors import ConfigError, DataError, QuorumLost, RecoverError, StateLost
 from recover.faults import FailureSpec
 from recover.names import Baseline, Phase
 from recover.recovery.protocol import Progress
@@ -165,6 +165,8 @@ class ReplicaWorker:
                 raise
             print(f"recover: replica {self.replica_id}: {exc}", file=sys.stderr, flush=True)
             return 0 if session.client.finished else EXIT_STOPPED
+        except StateLost as exc:  # admitted where nobody holds the state, and no checkpoint to restore
+            return session.status(exc, None)
         loop = Loop(self.cfg, step, self.replica, self.eval_data, self.checkpointer, session.write,
                     after_step=lambda s: step.hook(s, Phase.IDLE), busy=session.client.activity,
                     on_event=session.event if session.rank == 0 else lambda kind, **fields: None)
@@ -178,7 +180,7 @@ class ReplicaWorker:
 
         try:
             loop.run(tc.steps)
-        except (QuorumLost, JobFailed, Diverged, CoordinatorLost, DataError, *NETWORK_ERRORS) as exc:
+        except (QuorumLost, JobFailed, Diverged, CoordinatorLost, DataError, StateLost, *NETWORK_ERRORS) as exc:
             code = session.status(exc, save)
             if code is None:  # a network error of a replica that is not cut off: not ours to hide
                 raise
