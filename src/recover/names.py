@@ -104,6 +104,8 @@ class Event(str, Enum):
     BAD_DATA_STOP = "bad_data_stop"
     CHECKPOINT = "checkpoint"
     CHECKPOINT_ABANDONED = "checkpoint_abandoned"
+    CHECKPOINT_INTERVAL = "checkpoint_interval"
+    CHECKPOINT_UNSAVED = "checkpoint_unsaved"
     COMMIT = "commit"
     COORDINATOR_EXIT = "coordinator_exit"
     COORDINATOR_KILLED = "coordinator_killed"

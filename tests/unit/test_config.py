@@ -163,3 +163,24 @@ def test_data_sources_from_the_command_line_toml_and_config_json(tmp_path: Path)
     toml.write_text('[data]\nsources = [{path = "a", share = 2}]\n')
     with pytest.raises(ConfigError, match="is not a"):
         load_config(str(toml))
+
+
+def test_checkpoint_every_is_a_count_or_auto_from_the_command_line_toml_and_config_json(tmp_path: Path) -> None:
+    assert load_config("debug", ["--training.checkpoint_every", "auto"]).training.checkpoint_every == "auto"
+    assert load_config("debug", ["--training.checkpoint_every=7"]).training.checkpoint_every == 7
+    path = tmp_path / "auto.toml"
+    path.write_text('[training]\ncheckpoint_every = "auto"\n[fault_tolerance]\nmtbf_s = 3600\n')
+    cfg = load_config(str(path))
+    assert cfg.training.checkpoint_every == "auto" and cfg.fault_tolerance.mtbf_s == 3600.0
+    (tmp_path / "config.json").write_text(json.dumps(cfg.to_dict()))
+    assert load_config(str(tmp_path / "config.json")).training.checkpoint_every == "auto"
+    for bad, rule in (("often", "expected int or 'auto'"), ("2.5", "expected int or 'auto'"),
+                      ("-1", "an integer >= 0 (steps between saves; 0: none) or 'auto' (Young/Daly)")):
+        with pytest.raises(ConfigError) as info:
+            load_config("debug", ["--training.checkpoint_every", bad])
+        shown = bad if bad == "-1" else repr(bad)
+        assert str(info.value) == f"training.checkpoint_every = {shown} is not allowed: {rule}"
+    with pytest.raises(ConfigError, match=r"^training\.checkpoint_every = True is not allowed"):
+        TrainingConfig(checkpoint_every=True)  # type: ignore[arg-type]
+    with pytest.raises(ConfigError, match=r"^fault_tolerance\.mtbf_s = -1\.0 is not allowed: a number of seconds"):
+        load_config("debug", ["--fault_tolerance.mtbf_s", "-1"])

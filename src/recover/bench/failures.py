@@ -91,6 +91,7 @@ from recover.errors import ConfigError
 from recover.faults import FailureSchedule, FailureSpec, random_schedule
 from recover.names import Baseline, Event, Phase
 from recover.observe.plots import load_events, load_metrics
+from recover.train.cadence import young_daly_interval_s, young_daly_steps
 
 SYSTEMS = ("recover", Baseline.RESTART.value, "restart-async", Baseline.SHRINK.value, "torchft")
 RESTARTS = {Baseline.RESTART.value: False, "restart-async": True}
@@ -120,20 +121,6 @@ RUN_KEYS = ("round", "load", "exit_code", "error")
 
 
 # ---------------------------------------------------------------- pure parts
-
-def young_daly_steps(save_cost_s: float, mtbf_s: float, step_time_s: float) -> int:
-    """Checkpoint interval in steps by Young/Daly: ``max(1, round(sqrt(2 C MTBF) / step_time))``.
-
-    Raises:
-        ConfigError: a cost, MTBF or step time that is not finite and > 0 (cost may be 0).
-    """
-    if not (math.isfinite(save_cost_s) and save_cost_s >= 0):
-        raise ConfigError(f"save cost {save_cost_s!r} s must be finite and >= 0")
-    for name, value in (("MTBF", mtbf_s), ("step time", step_time_s)):
-        if not (math.isfinite(value) and value > 0):
-            raise ConfigError(f"{name} {value!r} s must be finite and > 0")
-    return max(1, round(math.sqrt(2.0 * save_cost_s * mtbf_s) / step_time_s))
-
 
 def successive_schedule(replicas: int, steps: int, min_replicas: int = 1) -> FailureSchedule:
     """Loses ``replicas // 2`` replicas (at least 1, keeping ``min_replicas``) at evenly spaced steps.
@@ -599,7 +586,7 @@ def run_bench(config: str = "tiny", replicas: int = 4, steps: int = 60, schedule
             cost, whole = measure_save_cost(config, overrides, replicas, asynchronous=asynchronous)
             ks[name] = checkpoint_every or young_daly_steps(cost, mtbf, step_time)
             mode = {"save_cost_s": round(cost, 4), "save_total_s": round(whole, 4),
-                    "interval_s": round(math.sqrt(2 * cost * mtbf), 3), "checkpoint_every": ks[name]}
+                    "interval_s": round(young_daly_interval_s(cost, mtbf), 3), "checkpoint_every": ks[name]}
             if asynchronous:
                 young_daly["async"] = mode
             else:

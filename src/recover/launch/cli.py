@@ -299,7 +299,8 @@ def launch(req: LaunchRequest) -> int:
     Returns:
         The launcher's exit status: 0 when every step committed, 3 when too few replicas survived,
         6 when stopped on request (SIGTERM, SIGINT) with a checkpoint, 7 when the coordinator was lost
-        for good (a checkpoint was saved), 1 otherwise.
+        for good (a checkpoint was saved), 12 when the storage refused the checkpoint the job ended with,
+        1 otherwise.
 
     Raises:
         ConfigError: from :func:`check_launch`, before anything is created or started.
@@ -315,6 +316,7 @@ def launch(req: LaunchRequest) -> int:
         EXIT_QUORUM_LOST,
         EXIT_STATE_LOST,
         EXIT_STOPPED,
+        EXIT_UNSAVED,
     )
 
     opts = check_launch(req)
@@ -329,7 +331,14 @@ def launch(req: LaunchRequest) -> int:
     launcher = Launcher(opts)
     code = launcher.run()
     _report(launcher, opts, req.reference)
-    if code == EXIT_QUORUM_LOST:
+    if code == EXIT_UNSAVED:
+        from recover.observe.events import read_jsonl
+
+        lost = [e for e in read_jsonl(opts.out / "events.jsonl") if e.get("kind") == Event.CHECKPOINT_UNSAVED][-1:]
+        why = lost[0]["message"] if lost else "the storage refused the final checkpoint"
+        print(f"recover: the job ended after {launcher.written + 1} committed steps without its final checkpoint: "
+              f"{why}", file=sys.stderr)
+    elif code == EXIT_QUORUM_LOST:
         print("recover: the job stopped because too few replicas survived; a complete checkpoint was saved "
               f"under {opts.out / 'checkpoints'}", file=sys.stderr)
     elif code == EXIT_STATE_LOST:

@@ -23,7 +23,9 @@ Contract:
   ``--resume``), 7 the coordinator was lost for good (a checkpoint was saved), 8 the replicas'
   parameters disagree with no majority (each side saved), 9 the training diverged (a microbatch not
   finite on two replicas), 10 bad data, 11 every replica holding the state lost with no checkpoint to
-  fall back to (with one, the replicas that come back restore it and the job goes on), 1 otherwise.
+  fall back to (with one, the replicas that come back restore it and the job goes on), 12 the storage
+  refused the checkpoint the job ended with (before any other: the committed steps are recorded, the
+  older checkpoints kept), 1 otherwise.
 - Once every step is committed, a replica still running after ``fault_tolerance.stop_grace_s`` (stuck
   in its exit) is killed (``exit_grace_over``); the status stays 0.
 - ``resume``: the workers start from the newest complete checkpoint in ``out``; the records of
@@ -51,13 +53,15 @@ from recover.train.exits import (
     EXIT_QUORUM_LOST,
     EXIT_STATE_LOST,
     EXIT_STOPPED,
+    EXIT_UNSAVED,
 )
 
 JOINER_GRACE_S = 3.0
 """How long joiners left alone after the last committed step get to exit on their own before being stopped."""
-EXIT_ORDER = (EXIT_DIVERGED, EXIT_NONFINITE, EXIT_BAD_DATA, EXIT_STATE_LOST, EXIT_QUORUM_LOST, EXIT_COORDINATOR_LOST,
-              EXIT_STOPPED)
-"""An unfinished job's exit status: the first of these that a replica exited with (else 1)."""
+EXIT_ORDER = (EXIT_UNSAVED, EXIT_DIVERGED, EXIT_NONFINITE, EXIT_BAD_DATA, EXIT_STATE_LOST, EXIT_QUORUM_LOST,
+              EXIT_COORDINATOR_LOST, EXIT_STOPPED)
+"""An unfinished job's exit status: the first of these that a replica exited with (else 1); a finished
+job's is 0, or :data:`EXIT_UNSAVED` when its final checkpoint could not be written."""
 
 
 class Launcher:
@@ -252,7 +256,7 @@ class Launcher:
         self.events.event("end", wall_s=round(self.wall_s, 3), exit_codes=codes)
         self.events.close()
         if self.written + 1 >= self.cfg.training.steps:
-            return 0
+            return EXIT_UNSAVED if EXIT_UNSAVED in codes.values() else 0
         return next((status for status in EXIT_ORDER if status in codes.values()), 1)
 
 

@@ -25,6 +25,7 @@ from functools import lru_cache
 import numpy as np
 
 from recover.errors import ConfigError
+from recover.train.cadence import young_daly_interval_s
 from recover.workload import assign, check_assignment, makespan, quotas, replan
 from recover.workload.policy import Assignment
 
@@ -180,11 +181,6 @@ def _positive(name: str, value: object) -> None:
 def _non_negative(name: str, value: object) -> None:
     if isinstance(value, bool) or not isinstance(value, (int, float)) or not (math.isfinite(value) and value >= 0):
         raise ConfigError(f"{name} = {value!r} must be a finite number >= 0")
-
-
-def young_daly_interval_s(save_s: float, mtbf_s: float) -> float:
-    """Young/Daly's first-order optimal compute time between checkpoints, ``sqrt(2 * save * MTBF)``."""
-    return math.sqrt(2.0 * save_s * mtbf_s)
 
 
 class StepModel:

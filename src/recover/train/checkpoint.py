@@ -311,10 +311,19 @@ def save_failures() -> tuple[type[BaseException], ...]:
     return OSError, RuntimeError, CheckpointError, CheckpointException
 
 
-def abandon(root: str | os.PathLike[str], step: int, exc: BaseException) -> str:
+GOES_ON = "training goes on, older checkpoints are kept"
+"""What follows an abandoned periodic checkpoint (:func:`abandon`'s default ``then``)."""
+UNSAVED = ("the job's final state is NOT saved; the committed steps stay recorded and older checkpoints are kept "
+           "(--resume continues from the newest)")
+"""What follows an abandoned checkpoint the job ends with (at the end, a stop, too few replicas, the
+coordinator lost): the process exits with :data:`~recover.train.exits.EXIT_UNSAVED`."""
+
+
+def abandon(root: str | os.PathLike[str], step: int, exc: BaseException, then: str = GOES_ON) -> str:
     """Removes what failed saves wrote (every ``.partial`` directory: after a failed save none is in flight,
     and an asynchronous one that failed earlier, reported now, left one too; complete checkpoints and
-    ``.replaced`` ones stay) and returns one line naming the path of ``step``'s, the free space and the cause."""
+    ``.replaced`` ones stay) and returns one line naming the path of ``step``'s, the free space and the
+    cause, ending with ``then`` (:data:`GOES_ON` or :data:`UNSAVED`)."""
     final = Path(root) / f"step_{step:06d}"
     for partial in Path(root).glob("step_*.partial"):
         shutil.rmtree(partial, ignore_errors=True)
@@ -328,7 +337,7 @@ def abandon(root: str | os.PathLike[str], step: int, exc: BaseException) -> str:
         exc = first[0] if isinstance(first, tuple) else first
     cause = str(exc).strip().splitlines()[0][:160] if str(exc).strip() else ""
     return (f"checkpoint of step {step} abandoned: could not write {final} ({free}; {type(exc).__name__}"
-            f"{': ' + cause if cause else ''}); training goes on, older checkpoints are kept")
+            f"{': ' + cause if cause else ''}); {then}")
 
 
 class Checkpointer:

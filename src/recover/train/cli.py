@@ -105,7 +105,7 @@ def run_train(args: argparse.Namespace) -> int:
     from recover.coord.client import Diverged
     from recover.observe.rundir import check_out, clear_run
     from recover.train.dist import init_from_env, shutdown
-    from recover.train.exits import EXIT_NONFINITE, EXIT_STOPPED
+    from recover.train.exits import EXIT_NONFINITE, EXIT_STOPPED, EXIT_UNSAVED
     from recover.train.trainer import train
 
     cfg = train_config(args.config, [*args.overrides, *init_from_override(args.init_from)], world_size())
@@ -135,7 +135,9 @@ def run_train(args: argparse.Namespace) -> int:
         print(f"done: {summary['steps_run']} steps in {summary['wall_s']:.1f} s, "
               f"{summary['tokens_per_s']:,.0f} tokens/s, final validation loss {val_text}", flush=True)
         print(f"run directory: {args.out} (metrics.jsonl, summary.json, loss.png)", flush=True)
-        if summary["stopped"]:
+        if summary["stopped"] and not summary["unsaved"]:
             print(f"stopped on request after {summary['steps_run']} steps of this run; a complete checkpoint is "
                   f"in {args.out}/checkpoints; continue with the same command and --resume", flush=True)
+    if summary["unsaved"]:
+        return EXIT_UNSAVED
     return EXIT_STOPPED if summary["stopped"] else 0

@@ -37,6 +37,12 @@ EXIT_STATE_LOST = 11
 (with one, the job restores it and goes on by itself); run again, from the start or from a checkpoint of
 another run."""
 
+EXIT_UNSAVED = 12
+"""the job ended (every step committed, stopped on request, too few replicas, the coordinator lost) but the
+storage refused its final checkpoint (a full disk, an I/O error: one line names the path, the free space
+and the cause): the committed steps stay recorded and the older checkpoints intact, so ``--resume``
+continues from the newest of those, redoing the steps after it."""
+
 PLACEMENT_ENV = "RECOVER_PLACEMENT"
 """Set for a process ``recover launch`` gave no GPU: ``none`` (it found none), ``shared`` (``--share-gpus``)."""
 

@@ -10,7 +10,12 @@ Contract: a record is written for every committed step, after its optimizer upda
 ``data_wait_ms``: how long the training thread waited for microbatches in the step (reads that the
 read-ahead of :mod:`recover.data.prefetch` did not hide); validation
 and checkpoints run on the lowest live replica only (every rank of it: both are collective inside
-a replica of several ranks), so the other replicas never wait for them.
+a replica of several ranks), so the other replicas never wait for them; which steps are saved is the
+:class:`~recover.train.cadence.Cadence`'s (``training.checkpoint_every``, a number or ``"auto"``).
+Storage errors are not faults of the replica: a periodic checkpoint the storage refuses is abandoned
+and training goes on (:meth:`Loop.save_or_abandon`); one the job ends with (the last step's, a stop's,
+one when the job cannot go on: :meth:`Loop.save_last`) leaves ``unsaved`` set to its line, and the
+process exits with :data:`~recover.train.exits.EXIT_UNSAVED`.
 """
 
 from __future__ import annotations
@@ -20,7 +25,8 @@ import sys
 import time
 from collections.abc import Callable
 from contextlib import AbstractContextManager, nullcontext
-from dataclasses import dataclass
+from dataclasses import dataclass, field
+from pathlib import Path
 from typing import Any
 
 import torch
@@ -29,7 +35,8 @@ from recover.config import Config
 from recover.data.sampler import EvalSampler
 from recover.names import Event
 from recover.recovery.protocol import ResilientStep, StepOutcome
-from recover.train.checkpoint import Checkpointer, abandon, save_failures
+from recover.train.cadence import Cadence
+from recover.train.checkpoint import UNSAVED, Checkpointer, abandon, save_failures
 from recover.train.optim import lr_at
 from recover.train.replica import Replica
 from recover.train.steps import Steps  # the committed-step iterator of the library API, the one there is
@@ -87,13 +94,14 @@ class Loop:
         step: the step protocol (its ``progress`` says where training stands).
         replica: the replica it trains (validation).
         eval_data: the validation batches.
-        checkpointer: saves when ``training.checkpoint_every`` says so.
+        checkpointer: saves when the cadence says so (``training.checkpoint_every``).
         write: takes each step's record (with ``total_tokens`` and, when due, ``val_loss``).
         after_step: called with the step after its record (fault injection at ``idle``).
         busy: ``busy("io")`` is a context around validation and checkpoints (the coordinator does not
             judge the progress of a replica inside it: see :mod:`recover.coord.liveness`).
         on_event: called as ``(kind, **fields)``: ``checkpoint`` (step, blocking_s) after each save, for
-            the goodput's lost time (:mod:`recover.observe.goodput`).
+            the goodput's lost time (:mod:`recover.observe.goodput`); ``checkpoint_interval`` when
+            ``"auto"`` chooses a new one; ``checkpoint_abandoned`` and ``checkpoint_unsaved`` (message).
     """
 
     cfg: Config
@@ -109,15 +117,24 @@ class Loop:
     """The last validation loss this replica computed."""
     stopped: bool = False
     """The job stopped on request before ``end`` (a graceful stop was committed)."""
+    unsaved: str | None = None
+    """The line of a checkpoint the job ends with that the storage refused (:meth:`save_last`)."""
+    cadence: Cadence = field(init=False)
+    """Which steps are saved (``Cadence.of(cfg)``)."""
+
+    def __post_init__(self) -> None:
+        self.cadence = Cadence.of(self.cfg)
 
     def run(self, end: int) -> None:
         """Trains until ``end`` steps are committed, or until a commit is a stop: then the lowest live
         replica saves a complete checkpoint of it (unless one was due anyway) and ``stopped`` is set."""
-        tc = self.cfg.training
+        tc, cadence = self.cfg.training, self.cadence
         for committed in Steps(self.step).steps(end):
             t0 = time.perf_counter()
             outcome = committed.run()  # plan, compute, reduce, recover, commit, apply, admit
-            record = step_record(outcome, time.perf_counter() - t0, lr_at(outcome.step, tc))
+            dt = time.perf_counter() - t0
+            cadence.stepped(dt, sum(len(r["dead"]) for r in outcome.recoveries))
+            record = step_record(outcome, dt, lr_at(outcome.step, tc))
             record["data_wait_ms"] = round(self.replica.reads.take().wait_s * 1000, 3)  # reads not hidden
             record["total_tokens"] = self.step.progress.tokens
             mixture = getattr(self.replica.data, "source_tokens", None)
@@ -132,13 +149,15 @@ class Loop:
                     self.val_loss = record["val_loss"] = self.evaluate()
                 record["eval_s"] = round(time.perf_counter() - t_eval, 6)
             self.write(record)
-            due = tc.checkpoint_due(outcome.step, end)
-            if leader and outcome.stop:
+            due = leader and cadence.due(outcome.step, end)
+            if leader and (outcome.stop or (due and outcome.step + 1 == end)):
                 with self.busy("io"):
-                    self.save(blocking=True)
-            elif leader and due:
+                    self.save_last()
+            elif due:
                 with self.busy("io"):
                     self.save_or_abandon()
+            if leader and cadence.auto and (due or outcome.recoveries):
+                self.choose_interval(outcome.step)
             if outcome.stop and self.step.progress.step < end:
                 self.stopped = True
                 return
@@ -148,16 +167,56 @@ class Loop:
         """Mean validation loss over ``training.eval_batches`` fixed batches (collective in a replica)."""
         return self.replica.evaluate([self.eval_data.batch(i) for i in range(self.cfg.training.eval_batches)])
 
+    def choose_interval(self, step: int) -> None:
+        """``"auto"``: Young/Daly's interval from this replica's measurements (its rank 0's, in a replica
+        of several ranks: every rank must save alike), logged when it changes."""
+        cadence = self.cadence
+        if cadence.save_costs and cadence.set(int(self.replica.agreed(cadence.choose()))):
+            self.on_event(Event.CHECKPOINT_INTERVAL, step=step + 1, **cadence.describe())
+
     def save_or_abandon(self) -> Any:
         """A periodic checkpoint; one the storage cannot take (a full disk, an I/O error) is abandoned with
         one line and an event, and training goes on: a storage error is not a fault of this replica."""
+        t0 = time.perf_counter()
         try:
             return self.save()
         except save_failures() as exc:
-            line = abandon(self.checkpointer.root, self.step.progress.step, exc)
-            print(f"recover: warning: {line}", file=sys.stderr, flush=True)
-            self.on_event(Event.CHECKPOINT_ABANDONED, step=self.step.progress.step, message=line)
+            self._abandoned(exc)
             return None
+        finally:  # what training waited for it, saved or not
+            self.cadence.saved(self.step.progress.step, time.perf_counter() - t0)
+
+    def save_last(self, root: Path | None = None) -> Path | None:
+        """(collective in a replica of several ranks) The blocking checkpoint the job ends with (the last
+        step's, a stop's, one when the job cannot go on; under ``root`` instead of the run's own
+        checkpoints when given). One the storage cannot take is abandoned: its line (path, free space,
+        cause) is printed and logged (``checkpoint_unsaved``), kept in ``unsaved``, and None returned;
+        older checkpoints stay. An asynchronous save still in flight that fails is abandoned as a periodic one."""
+        self.settle()
+        p = self.step.progress
+        try:
+            if root is None:
+                return self.save(blocking=True)
+            return Checkpointer(root, self.replica, self.cfg, self.checkpointer.epoch_of).save(
+                p.step, p.data_step, p.tokens, blocking=True)
+        except save_failures() as exc:
+            self.unsaved = abandon(root or self.checkpointer.root, p.step, exc, then=UNSAVED)
+            print(f"recover: error: {self.unsaved}", file=sys.stderr, flush=True)
+            self.on_event(Event.CHECKPOINT_UNSAVED, step=p.step, message=self.unsaved)
+            return None
+
+    def settle(self) -> None:
+        """Waits for the asynchronous save in flight, if any; one that failed is abandoned (training may
+        go on: it was a periodic one)."""
+        try:
+            self.checkpointer.wait()
+        except save_failures() as exc:
+            self._abandoned(exc)
+
+    def _abandoned(self, exc: BaseException) -> None:
+        line = abandon(self.checkpointer.root, self.step.progress.step, exc)
+        print(f"recover: warning: {line}", file=sys.stderr, flush=True)
+        self.on_event(Event.CHECKPOINT_ABANDONED, step=self.step.progress.step, message=line)
 
     def save(self, blocking: bool | None = None) -> Any:
         """A checkpoint of the committed progress (collective in a replica of several ranks)."""

@@ -571,6 +571,16 @@ class Replica:
         dist.all_reduce(value, group=self.group)  # only rank 0 holds a value: a broadcast
         return float(value.item())
 
+    def agreed(self, value: float) -> float:
+        """(collective in a replica of several ranks) ``value`` as the replica's rank 0 has it, on every rank:
+        a decision every rank must take alike from measurements that differ per rank."""
+        if self.group is None:
+            return value
+        mine = value if dist.get_rank() == dist.get_global_rank(self.group, 0) else 0.0
+        shared = torch.tensor([mine], dtype=torch.float64, device=self.device)  # the group may have no CPU backend
+        dist.all_reduce(shared, group=self.group)  # only rank 0 holds a value: a broadcast
+        return float(shared.item())
+
     def _mean_loss(self, model: torch.nn.Module, batches: list[tuple[torch.Tensor, torch.Tensor]]) -> float:
         was_training = model.training
         model.eval()

@@ -13,7 +13,9 @@ With ``parallel.pp x fsdp x tp > 1`` the torchrun processes are the ranks of ONE
 
 SIGTERM or SIGINT (torchrun passes its own on; Slurm signals every process) is a graceful stop: the
 ranks agree on it at the next vote, finish that step, save a complete checkpoint and return with
-``summary["stopped"]``; ``--resume`` continues bitwise where it stopped (deterministic mode).
+``summary["stopped"]``; ``--resume`` continues bitwise where it stopped (deterministic mode). A
+checkpoint the run ends with that the storage refuses leaves its line in ``summary["unsaved"]``
+(``recover train`` then exits with ``EXIT_UNSAVED``).
 """
 
 from __future__ import annotations
@@ -123,22 +125,23 @@ def train(cfg: Config, out: str | os.PathLike[str], ctx: DistContext | None = No
     try:
         loop.run(end)
     except Diverged as exc:  # a microbatch was not finite: save the last committed state, then stop
-        path = loop.save(blocking=True)
-        raise Diverged(exc.code, f"{exc}; the last committed state (step {step.progress.step}) is saved at "
-                                 f"{path}") from None
+        path = loop.save_last()
+        saved = f"is saved at {path}" if path else "could not be saved"
+        raise Diverged(exc.code, f"{exc}; the last committed state (step {step.progress.step}) {saved}") from None
     finally:
         restore()
         display.close()
         if metrics is not None:
             metrics.close()
-    checkpointer.wait()  # an asynchronous save still writing is part of the run
+    loop.settle()  # an asynchronous save still writing is part of the run
     wall = time.perf_counter() - t_start
     done = step.progress.step - first
     tokens_per_step = tc.global_microbatches * replica.tokens_per_microbatch
     summary = {"name": cfg.name, "steps": end, "steps_run": done, "wall_s": round(wall, 3),
                "final_val_loss": loop.val_loss, "total_tokens": step.progress.tokens,
                "tokens_per_s": done * tokens_per_step / wall if wall > 0 else 0.0,
-               "params": stats.params, "world_size": ctx.world_size, "stopped": loop.stopped}
+               "params": stats.params, "world_size": ctx.world_size, "stopped": loop.stopped,
+               "unsaved": loop.unsaved}
     if writer:
         from recover.observe.goodput import goodput
         from recover.observe.plots import load_metrics

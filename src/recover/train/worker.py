@@ -35,6 +35,10 @@ Stops and coordinator loss (exit statuses in ``train/exits.py``):
   coordinator's host answers nothing (a downed link, dropped packets) leaves with one line and
   status 5, like a fenced one (the coordinator fenced it; the job goes on without it), also when its
   training thread meets the broken path first as a torch.distributed network error.
+- A full disk (or an I/O error): a periodic checkpoint the storage refuses is abandoned and training
+  goes on; when the checkpoint the job ends with is refused (the last step's, a stop's, or one when the
+  job cannot go on), the saver exits with status 12 (``EXIT_UNSAVED``) after one line naming the path,
+  the free space and the cause; older checkpoints are kept (:class:`~recover.train.loop.Loop`).
 
 A replica of several ranks (``parallel.pp x fsdp x tp > 1``) is one torchrun-style job: every rank
 runs this same loop with the same control flow. Rank k holds its own coordinator client (through
@@ -64,7 +68,7 @@ from recover.names import Baseline, Phase
 from recover.recovery.protocol import Progress
 from recover.train.checkpoint import Checkpointer
 from recover.train.dist import DistContext, init_from_env
-from recover.train.exits import EXIT_STOPPED, PLACEMENT_ENV
+from recover.train.exits import EXIT_STOPPED, EXIT_UNSAVED, PLACEMENT_ENV
 from recover.train.loop import Loop, use_deterministic_kernels
 from recover.train.replica import Replica
 from recover.train.session import NETWORK_ERRORS, Session
@@ -171,19 +175,13 @@ class ReplicaWorker:
                     after_step=lambda s: step.hook(s, Phase.IDLE), busy=session.client.activity,
                     on_event=session.event if session.rank == 0 else lambda kind, **fields: None)
 
-        def save(root: Path | None) -> Path:
-            if root is None:
-                return loop.save(blocking=True)
-            p = step.progress
-            return Checkpointer(root, self.replica, self.cfg, self.replica.data.epoch_of).save(
-                p.step, p.data_step, p.tokens, blocking=True)
-
         try:
             loop.run(tc.steps)
         except (QuorumLost, JobFailed, Diverged, CoordinatorLost, DataError, StateLost, *NETWORK_ERRORS) as exc:
-            code = session.status(exc, save)
+            code = session.status(exc, loop.save_last)
             if code is None:  # a network error of a replica that is not cut off: not ours to hide
                 raise
-            return code
-        self.checkpointer.wait()
-        return session.close(loop.stopped, self.checkpointer.root)
+            return EXIT_UNSAVED if loop.unsaved else code
+        loop.settle()
+        code = session.close(loop.stopped, None if loop.unsaved else self.checkpointer.root)
+        return EXIT_UNSAVED if loop.unsaved else code
