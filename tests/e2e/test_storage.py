@@ -1,12 +1,12 @@
 """End to end: storage errors are not replica faults. The checkpoint directory is a 2.5 MB tmpfs, room for
 one checkpoint of the debug model (1.8 MB) but not two: the first save commits, the later ones fail with
 ENOSPC mid-write and are abandoned (their partial files removed, the older checkpoint kept), each with
-one warning line, and the job trains on to its last step, bitwise equal to the run on an ample disk.
+one line, and the job trains on to its last step, bitwise equal to the run on an ample disk (which
+saves when ``checkpoint_every = "auto"`` says); the final save refused, it exits with status 11.
 Needs root (it mounts the tmpfs); skipped otherwise."""
 
 from __future__ import annotations
 
-import json
 import os
 import subprocess
 from collections.abc import Iterator
@@ -15,6 +15,7 @@ from pathlib import Path
 import pytest
 
 from conftest import losses, run_recover
+from recover.observe.events import read_jsonl
 
 STEPS = 6
 
@@ -32,24 +33,32 @@ def small_disk(tmp_path: Path) -> Iterator[Path]:
         subprocess.run(["umount", "-l", str(mount)], check=False)
 
 
-def launch(out: Path, corpus: Path) -> subprocess.CompletedProcess[str]:
+def launch(out: Path, corpus: Path, every: str = "2") -> subprocess.CompletedProcess[str]:
     return run_recover(["launch", "--config", "debug", "--replicas", "2", "--steps", str(STEPS), "--out", str(out),
                         "--no-progress", "--data.path", str(corpus), "--deterministic", "--overwrite",
-                        "--training.checkpoint_every=2", "--training.checkpoint_async=false"], timeout=300)
+                        f"--training.checkpoint_every={every}", "--training.checkpoint_async=false"], timeout=300,
+                       check=False)
 
 
 def test_a_full_checkpoint_disk_abandons_saves_and_training_goes_on_bitwise(small_disk: Path, corpus: Path,
                                                                            tmp_path: Path) -> None:
     reference = tmp_path / "reference"
-    launch(reference, corpus)
+    assert launch(reference, corpus, every="auto").returncode == 0
+    saved = [e for e in read_jsonl(reference / "events.jsonl") if e["kind"] in ("checkpoint", "checkpoint_interval")]
+    assert [(e["kind"], e["step"]) for e in saved] == [("checkpoint", 1), ("checkpoint_interval", 1),
+                                                       ("checkpoint", STEPS)]  # measured, then past the end
+    assert saved[1]["every"] > STEPS and saved[1]["save_cost_s"] > 0 and saved[1]["failures"] == 0
     run = small_disk.parent
-    launch(run, corpus)
-    rows = [json.loads(line) for line in (run / "metrics.jsonl").read_text().splitlines()]
+    res = launch(run, corpus)
+    assert res.returncode == 11, res.stderr[-2000:]
+    rows = list(read_jsonl(run / "metrics.jsonl"))
     assert [r["step"] for r in rows] == list(range(STEPS)) and losses(run) == losses(reference)
-    events = [json.loads(line) for line in (run / "events.jsonl").read_text().splitlines()]
-    abandoned = [e for e in events if e["kind"] == "checkpoint_abandoned"]
-    assert [e["step"] for e in abandoned] == [4, 6] and all("MiB free" in e["message"] for e in abandoned)
+    events = list(read_jsonl(run / "events.jsonl"))
+    abandoned = [e for e in events if e["kind"] in ("checkpoint_abandoned", "checkpoint_unsaved")]
+    assert [(e["kind"], e["step"]) for e in abandoned] == [("checkpoint_abandoned", 4), ("checkpoint_unsaved", 6)]
+    assert all("MiB free" in e["message"] for e in abandoned)
     assert not [e for e in events if e["kind"] in ("failure_detected", "kill")]  # no replica paid for it
     assert sorted(p.name for p in small_disk.iterdir()) == ["step_000002"]  # the older one kept, no partials
-    warnings = (run / "logs" / "replica_0.log").read_text() + (run / "logs" / "replica_1.log").read_text()
-    assert warnings.count("abandoned: could not write") == 2
+    logs = (run / "logs" / "replica_0.log").read_text() + (run / "logs" / "replica_1.log").read_text()
+    assert logs.count("abandoned: could not write") == 2 and "Traceback" not in logs + res.stderr
+    assert "without its final checkpoint: checkpoint of step 6 abandoned: could not write" in res.stderr

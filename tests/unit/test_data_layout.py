@@ -117,7 +117,7 @@ def test_missing_shards_name_what_was_looked_for_and_the_options(tmp_path: Path)
     for text in ("train_*.bin", "train.bin", "*_train*.bin", "--data.train_pattern", "recover prepare"):
         assert text in line, line
     assert "\n" not in line and "re-create" not in line
-    np.zeros(100, dtype=np.uint16).tofile(tmp_path / "train.bin")  # nanoGPT's train.bin, but no val.bin
+    np.zeros(200, dtype=np.uint16).tofile(tmp_path / "train.bin")  # nanoGPT's train.bin (3 windows), no val.bin
     assert train_config("debug", ["--data.path", str(tmp_path)], 1).model.vocab_size == 50304  # no meta.pkl: GPT-2
     with pytest.raises(DataError, match=r"no validation shards .*val\.bin .*--data\.val_pattern"):
         check_data(train_config("debug", ["--data.path", str(tmp_path)], 1).data, tmp_path, 50304)

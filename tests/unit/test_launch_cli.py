@@ -122,3 +122,30 @@ def test_a_worker_that_sees_cuda_the_launcher_did_not_refuses_to_share_gpu_0_sil
     assert worker_device(1, "shared", 4) == "cuda:0"  # --share-gpus: on purpose, over gloo
     with pytest.raises(ConfigError, match="would all use GPU 0: pass --gpus 0,1,... .* or --share-gpus"):
         worker_device(8, "none", 4)
+
+
+@pytest.mark.parametrize(("split", "kind"), [("val", "validation"), ("train", "training")])
+def test_an_empty_split_is_refused_by_launch_and_train_in_one_line(tmp_path: Path, capsys: pytest.CaptureFixture[str],
+                                                                   split: str, kind: str) -> None:
+    """A split whose shards hold no token (a data directory not made by `recover prepare`, which records no
+    counts to compare with): refused before any worker starts, not by every worker at its start."""
+    import json
+
+    from recover.data import prepare_files
+    from recover.data.shards import write_shard
+
+    (tmp_path / "a.txt").write_text("def main():\n    return 0\n" * 400)
+    (tmp_path / "b.txt").write_text("import os\nprint(os.sep)\n" * 400)
+    data = tmp_path / "data"
+    prepare_files([tmp_path / "a.txt", tmp_path / "b.txt"], data, val_fraction=0.5, quiet=True)
+    meta = json.loads((data / "meta.json").read_text())
+    (data / "meta.json").write_text(json.dumps({k: v for k, v in meta.items() if k != "shard_info"}))
+    write_shard(data / f"{split}_000000.bin", [], fmt="llmc")
+    for command in (["launch", "--replicas", "2"], ["train"]):
+        out = tmp_path / command[0]
+        code, err = refusal([*command, "--config", "debug", "--data.path", str(data), "--out", str(out),
+                             "--no-progress"], capsys)
+        assert code == 2 and err.splitlines() == [
+            f"recover: error: {data / f'{split}_*.bin'}: the {kind} split is empty (0 tokens in 1 shard(s)); give it "
+            f"data (`recover prepare` writes both splits) or name other shards with --data.{split}_pattern"], err
+        assert not out.exists()

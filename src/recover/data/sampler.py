@@ -35,7 +35,7 @@ from recover.config import DataConfig
 from recover.data.mixture import Mixture
 from recover.data.shards import TokenDataset
 from recover.data.shuffle import Shuffle
-from recover.data.verify import check_data
+from recover.data.verify import check_data, check_windows, shard_windows
 from recover.errors import DataError
 
 _SHUFFLE_CACHE = 4  # (source, epoch) orders kept: a microbatch spans at most two epochs of each source
@@ -51,23 +51,16 @@ class _Windows:
     """Window index ``0..W-1`` -> ``seq_len + 1`` tokens, over all shards of some datasets in order."""
 
     def __init__(self, datasets: Sequence[TokenDataset], seq_len: int, microbatch_size: int,
-                 vocab_size: int | None = None) -> None:
+                 vocab_size: int | None = None, split: str = "train") -> None:
         self.datasets = list(datasets)
         self.seq_len = _positive("seq_len", seq_len)
         self.vocab_size = vocab_size
         self.shards = [(ds, i) for ds in self.datasets for i in range(len(ds.lengths))]
-        counts = np.array([max(0, (ds.lengths[i] - 1) // self.seq_len) for ds, i in self.shards], dtype=np.int64)
+        check_windows(self.datasets, self.seq_len, microbatch_size, split)
+        counts = np.concatenate([shard_windows(ds, self.seq_len) for ds in self.datasets])
         self.ends = np.cumsum(counts)  # window g lives in the first shard whose end > g
         self.starts = self.ends - counts
-        self.count = int(self.ends[-1]) if len(self.ends) else 0
-        if self.count < microbatch_size:
-            names = ", ".join(ds.source for ds in self.datasets)
-            tokens = sum(ds.num_tokens for ds in self.datasets)
-            raise DataError(
-                f"{names}: {tokens} tokens in {len(self.shards)} shard(s) give only {self.count} windows of "
-                f"seq_len+1={self.seq_len + 1} tokens, fewer than microbatch_size={microbatch_size}; use a "
-                "shorter seq_len, a smaller microbatch or more data"
-            )
+        self.count = int(self.ends[-1])
 
     def gather(self, windows: np.ndarray) -> tuple[torch.Tensor, torch.Tensor]:
         """Stack ``windows`` into ``(inputs, targets)``, both ``(len(windows), seq_len)`` int64."""
@@ -220,7 +213,7 @@ class EvalSampler:
     def __init__(self, dataset: TokenDataset | Sequence[TokenDataset], seq_len: int, microbatch_size: int) -> None:
         self.microbatch_size = _positive("microbatch_size", microbatch_size)
         datasets = [dataset] if isinstance(dataset, TokenDataset) else list(dataset)
-        self.windows = _Windows(datasets, seq_len, self.microbatch_size)
+        self.windows = _Windows(datasets, seq_len, self.microbatch_size, split="val")
         self.seq_len = self.windows.seq_len
 
     @property

@@ -25,8 +25,10 @@ Contract:
       ``meta.json``'s top-level ``max_id`` (for the shards its splits list), else None (unknown: launch
       does not scan, training checks each microbatch).
     * :func:`check_data` is the start-up check of a run's splits built on it (headers, sizes, the recorded
-      vocabulary and largest ids, no token read), so ``recover launch`` refuses bad data before it starts
-      anything, in time independent of the data's size.
+      vocabulary and largest ids, and that each source's training split fills a microbatch: no token
+      read), so ``recover launch`` refuses bad data before it starts anything, in time independent of the
+      data's size; :func:`check_windows` is that last rule, which the samplers apply too (the validation
+      split: over every source together).
 """
 
 from __future__ import annotations
@@ -35,14 +37,21 @@ import json
 import os
 import sys
 import time
-from collections.abc import Callable, Iterator
+from collections.abc import Callable, Iterator, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import TYPE_CHECKING
 
 import numpy as np
 
-from recover.data.layout import check_vocab_fits, data_vocab, split_format, split_paths, split_pattern
+from recover.data.layout import (
+    SPLIT_OPTION,
+    check_vocab_fits,
+    data_vocab,
+    split_format,
+    split_paths,
+    split_pattern,
+)
 from recover.data.shards import (
     META_NAME,
     ShardHeader,
@@ -426,6 +435,29 @@ def _write_cache(directory: Path, entries: dict[str, dict]) -> str | None:
     return None
 
 
+def shard_windows(ds: TokenDataset, seq_len: int) -> np.ndarray:
+    """The windows of ``seq_len + 1`` tokens in each shard of ``ds`` (neighbours share a token)."""
+    return np.array([max(0, (n - 1) // seq_len) for n in ds.lengths], dtype=np.int64)
+
+
+def check_windows(datasets: Sequence[TokenDataset], seq_len: int, microbatch_size: int, split: str) -> None:
+    """Raises DataError unless the ``split`` (``train`` or ``val``) of ``datasets`` holds at least one
+    microbatch of windows: an empty split is named as such, a short one with its counts and the fixes."""
+    count = sum(int(shard_windows(ds, seq_len).sum()) for ds in datasets)
+    if count >= microbatch_size:
+        return
+    names = ", ".join(ds.source for ds in datasets)
+    tokens = sum(ds.num_tokens for ds in datasets)
+    shards = sum(len(ds.lengths) for ds in datasets)
+    if tokens == 0:
+        kind = "training" if split == "train" else "validation"
+        raise DataError(f"{names}: the {kind} split is empty (0 tokens in {shards} shard(s)); give it data "
+                        f"(`recover prepare` writes both splits) or name other shards with {SPLIT_OPTION[split]}")
+    raise DataError(f"{names}: {tokens} tokens in {shards} shard(s) give only {count} windows of "
+                    f"seq_len+1={seq_len + 1} tokens, fewer than microbatch_size={microbatch_size}; use a "
+                    "shorter seq_len, a smaller microbatch or more data")
+
+
 def check_data(cfg: DataConfig, data_dir: Path, vocab_size: int,
                hint: Callable[[str], None] | None = None) -> tuple[TokenDataset, TokenDataset]:
     """Opens the training and validation shards (of the directory's layout, or ``cfg``'s patterns) and
@@ -440,8 +472,9 @@ def check_data(cfg: DataConfig, data_dir: Path, vocab_size: int,
 
     Raises:
         DataError: missing splits (naming what was looked for and the options), a vocabulary smaller
-            than the data's, the first bad shard header, or a recorded id beyond ``vocab_size``, named,
-            with the problem and the fix.
+            than the data's, the first bad shard header, a training split that does not fill a
+            microbatch (:func:`check_windows`; the validation split's, over every source, is the
+            caller's), or a recorded id beyond ``vocab_size``, named, with the problem and the fix.
     """
     with one_listing():  # the directory is read once, however often its layout is asked about
         check_vocab_fits(vocab_size, data_vocab(cfg, data_dir))
@@ -449,6 +482,7 @@ def check_data(cfg: DataConfig, data_dir: Path, vocab_size: int,
             split_paths(cfg, data_dir, split)  # none: one line naming what was looked for and the option
         train, val = (TokenDataset(str(data_dir / split_pattern(cfg, data_dir, split)),
                                    fmt=split_format(cfg, data_dir, split)) for split in ("train", "val"))
+    check_windows([train], cfg.seq_len, cfg.microbatch_size, "train")
     unknown = 0
     for ds in (train, val):
         for i, rec in enumerate(recorded_maxima(ds, data_dir)):

@@ -221,7 +221,7 @@ def check_launch(req: LaunchRequest) -> LaunchOptions:
         ConfigError: the first problem found (config, flags or failure schedule), one line with the fix.
     """
     from recover.data.prepare import resolve_data_dir
-    from recover.data.verify import check_data
+    from recover.data.verify import check_data, check_windows
     from recover.faults import FailureSchedule, parse_failure
     from recover.launch.job import LaunchOptions
 
@@ -279,11 +279,15 @@ def check_launch(req: LaunchRequest) -> LaunchOptions:
         from recover.train.weights import check_init_from
 
         check_init_from(cfg.training.init_from, cfg.model)
-    for part, _ in cfg.data.parts():  # every source: headers and recorded ids (a built-in corpus: prepared later)
+    parts, vals, notes = cfg.data.parts(), [], []
+    for part, _ in parts:  # every source: headers, recorded ids, windows (a built-in corpus: prepared later)
         data_dir = resolve_data_dir(part, prepare=False)  # a missing directory is refused here, not by the workers
         if data_dir.is_dir() and any(data_dir.iterdir()):
-            check_data(part, data_dir, cfg.model.vocab_size,
-                       hint=lambda line: print(f"recover: note: {line}", file=sys.stderr))
+            vals.append(check_data(part, data_dir, cfg.model.vocab_size, hint=notes.append)[1])
+    if len(vals) == len(parts):  # validation reads every source's split together
+        check_windows(vals, cfg.data.seq_len, cfg.data.microbatch_size, "val")
+    for line in notes:  # only once nothing is refused: a refusal is one line
+        print(f"recover: note: {line}", file=sys.stderr)
     return LaunchOptions(config=cfg, out=Path(req.out),
                          failures=schedule, random_mtbf_s=req.random_mtbf_s,
                          random_faults=req.random_faults, rejoin_after_s=req.rejoin_after_s,

@@ -150,13 +150,15 @@ class Loop:
                 record["eval_s"] = round(time.perf_counter() - t_eval, 6)
             self.write(record)
             due = leader and cadence.due(outcome.step, end)
-            if leader and (outcome.stop or (due and outcome.step + 1 == end)):
+            final = outcome.stop or outcome.step + 1 == end
+            if leader and final and (due or outcome.stop):
                 with self.busy("io"):
                     self.save_last()
             elif due:
                 with self.busy("io"):
                     self.save_or_abandon()
-            if leader and cadence.auto and (due or outcome.recoveries):
+                self.choose_interval(outcome.step)
+            elif leader and outcome.recoveries and not final:
                 self.choose_interval(outcome.step)
             if outcome.stop and self.step.progress.step < end:
                 self.stopped = True
@@ -171,7 +173,7 @@ class Loop:
         """``"auto"``: Young/Daly's interval from this replica's measurements (its rank 0's, in a replica
         of several ranks: every rank must save alike), logged when it changes."""
         cadence = self.cadence
-        if cadence.save_costs and cadence.set(int(self.replica.agreed(cadence.choose()))):
+        if cadence.auto and cadence.save_costs and cadence.set(int(self.replica.agreed(cadence.choose()))):
             self.on_event(Event.CHECKPOINT_INTERVAL, step=step + 1, **cadence.describe())
 
     def save_or_abandon(self) -> Any:
