@@ -67,3 +67,18 @@ def test_a_disk_that_refuses_writes_loses_no_record_and_raises_nothing(tmp_path:
     log.close()
     assert [r["step"] for r in read_jsonl(path)] == list(range(6))
     assert len(path.read_text().splitlines()) == 6  # the record cut short was completed, not repeated
+
+
+def test_every_reader_of_a_run_skips_a_torn_last_line_even_one_cut_inside_a_character(tmp_path: Path) -> None:
+    from recover.bench.gpu import read_rows
+    from recover.observe.events import records_before
+    from recover.observe.plots import load_events, load_metrics
+
+    whole = ['{"step":0,"loss":2.5,"kind":"commit"}', '7', '{"step":1,"loss":2.25,"kind":"commit","note":"é"}']
+    torn = '{"step":2,"loss":2.0,"kind":"commit","note":"é"}'.encode()[:-3]  # a killed writer, mid-"é"
+    for name in ("metrics.jsonl", "events.jsonl"):
+        (tmp_path / name).write_bytes("\n".join(whole).encode() + b"\n" + torn)
+    assert [r["step"] for r in read_jsonl(tmp_path / "events.jsonl")] == [0, 1]  # the non-object line too
+    assert [r["step"] for r in load_metrics(tmp_path)] == [r["step"] for r in read_rows(tmp_path)] == [0, 1]
+    assert [r["step"] for r in load_events(tmp_path)] == [0, 1] and list(records_before(tmp_path / "metrics.jsonl",
+                                                                                         5)) == [0, 1]

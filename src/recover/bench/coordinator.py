@@ -39,6 +39,8 @@ from typing import Any
 
 from recover.bench.common import fmt, machine_load, print_rich_table, recover_cmd, spread, stderr_log, write_json
 from recover.errors import ConfigError
+from recover.names import Event
+from recover.observe.events import read_jsonl
 
 LAYOUTS = {"16k": (128, 128), "131k": (1024, 128)}
 TARGET_ROUND_MS = 200.0
@@ -202,13 +204,11 @@ def run(layout: str, connections: str, rounds: int = 3, steady_s: float = 5.0, p
                 per_round.append(res)
                 time.sleep(0.5)
             fenced = sum(s[3] for s in bench.ask(("status",)))
-            events = (Path(tmp) / "events.jsonl").read_text().splitlines()
+            events = list(read_jsonl(Path(tmp) / "events.jsonl"))
         finally:
             bench.stop()
-    import json
-
-    starts = [json.loads(e) for e in events if '"coordinator_start"' in e]
-    formed = {e["generation"]: e.get("latency_ms") for e in map(json.loads, events) if e.get("kind") == "generation"}
+    starts = [e for e in events if e.get("kind") == Event.COORDINATOR_START]
+    formed = {e["generation"]: e.get("latency_ms") for e in events if e.get("kind") == Event.GENERATION}
     for res in per_round:  # the coordinator's own share: round opened (kill seen) to generation formed
         res["coord_round_ms"] = formed.get(res["generation"])
     hb_s = (starts[0].get("heartbeat_s") if starts else None) or (None if heartbeat == "auto" else float(heartbeat))

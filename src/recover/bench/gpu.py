@@ -59,6 +59,7 @@ from recover.bench.common import (
     write_json,
 )
 from recover.errors import ConfigError
+from recover.observe.events import read_jsonl
 
 SYSTEMS = ("plain", "train", "launch")
 PRESETS = ("125m", "1b")
@@ -234,7 +235,7 @@ def device_info(device: str) -> dict[str, Any]:
 
 def read_rows(run: Path) -> list[dict[str, Any]]:
     path = run / "metrics.jsonl"
-    return [json.loads(line) for line in path.read_text().splitlines()] if path.exists() else []
+    return list(read_jsonl(path)) if path.exists() else []  # a torn last line (a killed run) is skipped
 
 
 def one_gpu(device: str) -> list[str]:

@@ -104,16 +104,19 @@ class EventLog(JsonlWriter):
 
 
 def read_jsonl(path: str | os.PathLike[str]) -> Iterator[dict[str, Any]]:
-    """Yields the complete records of a JSONL file; a torn last line (killed writer) is skipped."""
-    with open(path, encoding="utf-8") as f:
+    """Yields the complete records (JSON objects) of a JSONL file; a torn line (a killed writer's last, or
+    the start of one a later writer ended) is skipped, as is any line that is not an object."""
+    with open(path, encoding="utf-8", errors="replace") as f:
         for line in f:
             line = line.strip()
             if not line:
                 continue
             try:
-                yield json.loads(line)
+                record = json.loads(line)
             except json.JSONDecodeError:
                 continue
+            if isinstance(record, dict):
+                yield record
 
 
 def records_before(path: str | os.PathLike[str], step: int) -> dict[int, dict[str, Any]]:
