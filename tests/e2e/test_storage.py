@@ -2,7 +2,7 @@
 one checkpoint of the debug model (1.8 MB) but not two: the first save commits, the later ones fail with
 ENOSPC mid-write and are abandoned (their partial files removed, the older checkpoint kept), each with
 one line, and the job trains on to its last step, bitwise equal to the run on an ample disk (which
-saves when ``checkpoint_every = "auto"`` says); the final save refused, it exits with status 11.
+saves when ``checkpoint_every = "auto"`` says); the final save refused, it exits with status 12.
 Needs root (it mounts the tmpfs); skipped otherwise."""
 
 from __future__ import annotations
@@ -50,7 +50,7 @@ def test_a_full_checkpoint_disk_abandons_saves_and_training_goes_on_bitwise(smal
     assert saved[1]["every"] > STEPS and saved[1]["save_cost_s"] > 0 and saved[1]["failures"] == 0
     run = small_disk.parent
     res = launch(run, corpus)
-    assert res.returncode == 11, res.stderr[-2000:]
+    assert res.returncode == 12, res.stderr[-2000:]
     rows = list(read_jsonl(run / "metrics.jsonl"))
     assert [r["step"] for r in rows] == list(range(STEPS)) and losses(run) == losses(reference)
     events = list(read_jsonl(run / "events.jsonl"))
