@@ -12,7 +12,7 @@ Contract:
   started up and wait on stdin to be told who to be; a new spare starts at once), else afresh. Rejoins
   go on when every replica is lost (the first back restore the newest checkpoint: total loss is not
   the end of a job), but not once a replica ended the job on purpose (quorum lost, a stop, divergence,
-  bad data, no state: an exit status of :data:`ENDS_JOB`).
+  bad data, no state, a final checkpoint the storage refused: an exit status of :data:`ENDS_JOB`).
 - Every replica the coordinator declares dead (fenced, hung, silent: its ``failure_detected`` events,
   fed in by :meth:`Supervisor.on_event`) is gone soon after: its own watchdog ends it
   ``fault_tolerance.fence_exit_s`` after the fence, and one still running a second later (frozen,
@@ -51,12 +51,13 @@ from recover.train.exits import (
     EXIT_QUORUM_LOST,
     EXIT_STATE_LOST,
     EXIT_STOPPED,
+    EXIT_UNSAVED,
 )
 
 POLL_S = 0.05
 MAX_COORDINATOR_RESTARTS = 10
 ENDS_JOB = (EXIT_QUORUM_LOST, EXIT_STOPPED, EXIT_COORDINATOR_LOST, EXIT_DIVERGED, EXIT_NONFINITE, EXIT_BAD_DATA,
-            EXIT_STATE_LOST)
+            EXIT_STATE_LOST, EXIT_UNSAVED)
 """A replica's exit statuses that end the job on purpose (each after its line and saves)."""
 EXPECTED_EXITS = (0, LOST, EXIT_JOB_FAILED, *ENDS_JOB, None)
 """A replica's exit codes that tell what happened without its log."""
