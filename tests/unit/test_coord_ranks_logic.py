@@ -19,7 +19,8 @@ IDS = [0, 1, 2, 3]
 
 
 def make(expected: int = 2, hb: float = 1.0, register_timeout: float = 10.0) -> RankAggregator:
-    st = MembershipState(expected=expected, min_members=1, store_host="h", store_port=1, ack_timeout_s=hb)
+    st = MembershipState(expected=expected, min_members=1, store_host="h", store_port=1, ack_timeout_s=hb,
+                         max_replicas=4)
     return RankAggregator(st, token=TOKEN, heartbeat_timeout_s=hb, register_timeout_s=register_timeout)
 
 

@@ -12,7 +12,8 @@ from recover.coord.state import MembershipState
 
 
 def make(n: int = 3, ack_timeout: float = 1.0) -> MembershipState:
-    st = MembershipState(expected=n, min_members=2, store_host="h", store_port=1, ack_timeout_s=ack_timeout)
+    st = MembershipState(expected=n, min_members=2, store_host="h", store_port=1, ack_timeout_s=ack_timeout,
+                         max_replicas=8)
     for r in range(n):
         st.on_register(r, False, 1, 0.0)
     return st
@@ -30,6 +31,36 @@ def sent(acts: list, kind: str) -> dict[int, dict]:
 
 def logs(acts: list, kind: str) -> list[dict]:
     return [a.fields for a in acts if isinstance(a, Log) and a.kind == kind]
+
+
+def test_a_replica_id_outside_max_replicas_is_refused_and_the_job_goes_on() -> None:
+    st = MembershipState(expected=2, min_members=1, store_host="h", store_port=1, ack_timeout_s=1, max_replicas=3)
+    st.on_register(0, False, 1, 0.0)
+    st.on_register(1, False, 1, 0.0)
+    before = st.summary()
+    for bad in (3, 99, -1):
+        with pytest.raises(Refused, match=r"bad_replica: replica id -?\d+ is outside this job's 0\.\.2"):
+            st.on_register(bad, True, 1, 0.1)
+    assert st.summary() == before
+    st.on_register(2, True, 1, 0.1)  # within the bound: a joiner
+    assert st.summary()["pending_join"] == [2]
+    with pytest.raises(ValueError, match="max_replicas"):
+        MembershipState(expected=2, min_members=1, store_host="h", store_port=1, ack_timeout_s=1, max_replicas=1)
+
+
+def test_every_generation_has_a_fresh_secret_sent_to_its_members_and_never_logged() -> None:
+    st = make(3)
+    first = sent(st.on_register(3, True, 1, 0.0), "membership")  # nothing yet: a joiner waits for a commit
+    acts = [*vote(st, 0, 10, 1, 0, [0], 0.1), *vote(st, 1, 11, 1, 0, [0], 0.1), *vote(st, 2, 12, 1, 0, [0], 0.1)]
+    pushed = sent(acts, "membership")
+    assert not first and sorted(pushed) == [0, 1, 2, 3]
+    secrets_ = {m["membership"]["secret"] for m in pushed.values()}
+    assert len(secrets_) == 1
+    (secret,) = secrets_
+    assert len(secret) == 32 and int(secret, 16) >= 0  # 128 random bits, hex
+    acts += st.on_dead(3, "connection_closed", 0.2) + st.on_tick(5.0)
+    assert st.current.generation == 3 and st.current.secret not in (secret, "")
+    assert not any(secret in repr(a.fields) or st.current.secret in repr(a.fields) for a in acts if isinstance(a, Log))
 
 
 def test_initial_generation_forms_when_expected_replicas_registered() -> None:
@@ -229,7 +260,7 @@ def test_a_vote_asking_to_stop_makes_that_commit_a_stop_for_every_member() -> No
     assert sent(acts, "error")[7]["code"] == "stopping"  # the joiner is told
     assert logs(acts, "stop") == [{"step": 0, "members": [0, 1, 2], "waiting_joiners": [7]}]
     with pytest.raises(Refused, match="stopping"):
-        st.on_register(8, True, 1, 0.2)
+        st.on_register(6, True, 1, 0.2)
 
 
 def test_the_coordinators_own_stop_request_applies_at_the_next_commit_only() -> None:
@@ -244,7 +275,7 @@ def test_the_coordinators_own_stop_request_applies_at_the_next_commit_only() -> 
 
 def fresh(expected: int = 3, window: float = 3.0) -> MembershipState:
     return MembershipState(expected=expected, min_members=1, store_host="h", store_port=1, ack_timeout_s=1.0,
-                           rebuild_window_s=window)
+                           rebuild_window_s=window, max_replicas=8)
 
 
 def test_restart_with_every_member_back_forms_the_next_generation_without_resync() -> None:

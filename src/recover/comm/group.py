@@ -16,14 +16,15 @@ Call order after a failure: ``group = group.next_generation()``; every collectiv
 raises. ``next_generation`` survives further failures while the new group forms by moving on to the
 generation after (the returned group's ``members`` say who is left).
 
-Invariants: one process group per generation, rendezvoused under ``PrefixStore(f"gen{g}")`` on the
-coordinator's store; no global default group; nothing blocks for a backend timeout on the hot path.
-A group is used by one thread at a time (the training loop's).
+Invariants: one process group per generation, rendezvoused under ``PrefixStore(membership.prefix())``
+(``gen{g}/{secret}``: :func:`~recover.coord.protocol.rendezvous_prefix`, the generation's secret told
+only to its members) on the coordinator's store; no global default group; nothing blocks for a
+backend timeout on the hot path. A group is used by one thread at a time (the training loop's).
 
 Replicas of several ranks (``client.ranks`` = P > 1): rank k of every member forms *lane* k, its
 own group of ``len(members)`` processes (rank ``membership.rank_of(replica)`` as for P = 1),
-rendezvoused under ``PrefixStore(f"gen{g}/lane{k}")`` (:func:`rendezvous_prefix`): the P lanes
-of a generation are independent groups.
+rendezvoused under ``PrefixStore(f"gen{g}/{secret}/lane{k}")`` (:meth:`Membership.prefix`): the P
+lanes of a generation are independent groups.
 """
 
 from __future__ import annotations
@@ -52,12 +53,6 @@ from recover.comm.watch import POLL_MAX_S, POLL_MIN_S, Waiter, peer_failure, run
 from recover.coord.client import CoordinatorClient, CoordinatorLost
 from recover.coord.protocol import Membership
 from recover.errors import PeerFailure
-
-
-def rendezvous_prefix(generation: int, rank: int = 0, ranks: int = 1) -> str:
-    """The store prefix of generation ``generation``'s group for rank ``rank`` of a replica of
-    ``ranks`` processes: ``gen{g}`` for one, ``gen{g}/lane{rank}`` for several."""
-    return f"gen{generation}" if ranks <= 1 else f"gen{generation}/lane{rank}"
 
 
 class FaultTolerantGroup:
@@ -92,7 +87,7 @@ class FaultTolerantGroup:
                timeout_s: float = 60.0, *, bucket_bytes: int = DEFAULT_BUCKET_BYTES,
                graveyard: Graveyard | None = None, device: torch.device | None = None,
                pool: BufferPool | None = None) -> FaultTolerantGroup:
-        """Builds the process group of ``membership`` on ``PrefixStore(rendezvous_prefix(...))``.
+        """Builds the process group of ``membership`` on ``PrefixStore(membership.prefix(...))``.
 
         If that generation fails while forming (a member died during the rendezvous), follows on
         to the coordinator's next one: the returned group's ``membership`` may be newer than the
@@ -431,7 +426,7 @@ def _rendezvous(client: CoordinatorClient, m: Membership, backend: str, device: 
 
     g = m.generation
     # A fresh store client per generation: a construction abandoned mid-rendezvous keeps its own.
-    prefix = rendezvous_prefix(g, getattr(client, "rank", 0), getattr(client, "ranks", 1))
+    prefix = m.prefix(getattr(client, "rank", 0), getattr(client, "ranks", 1))
     store = PrefixStore(prefix, TCPStore(m.store_host, m.store_port, None, False, timedelta(seconds=timeout_s)))
     rank = m.rank_of(client.replica_id)
     err: list[BaseException] = []

@@ -38,6 +38,8 @@ def register(subparsers: argparse._SubParsersAction) -> None:
     p.add_argument("--token-file", required=True, help="file holding the shared registration token")
     p.add_argument("--events", default=None, help="events.jsonl to append membership changes to")
     p.add_argument("--replicas", type=int, default=1, help="replicas that form the first generation")
+    p.add_argument("--max-replicas", type=int, default=None, metavar="N",
+                   help="replica ids admitted: 0..N-1 (default: --replicas); a register beyond is refused")
     p.add_argument("--min-replicas", type=int, default=1, help="quorum; fewer live replicas is logged")
     p.add_argument("--heartbeat-interval", type=float, default=0.1,
                    help="seconds between heartbeats, at least: raised for large jobs (recover.coord.scale)")
@@ -86,6 +88,8 @@ def run(args: argparse.Namespace) -> int:
 
     if args.replicas < 1:
         raise ConfigError(f"--replicas must be >= 1, got {args.replicas}")
+    if args.max_replicas is not None and args.max_replicas < args.replicas:
+        raise ConfigError(f"--max-replicas ({args.max_replicas}) must be >= --replicas ({args.replicas})")
     if args.ranks_per_replica < 1:
         raise ConfigError(f"--ranks-per-replica must be >= 1, got {args.ranks_per_replica}")
     if args.hang_timeout < 0:
@@ -100,7 +104,7 @@ def run(args: argparse.Namespace) -> int:
                         die_at_commit=parse_die_at_commit(args.die_at_commit),
                         ranks_per_replica=args.ranks_per_replica,
                         per_replica_connections=args.connections == "replica",
-                        advertise_host=args.advertise_host)
+                        advertise_host=args.advertise_host, max_replicas=args.max_replicas)
     try:
         coord.start()
     except ConfigError:

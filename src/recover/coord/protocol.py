@@ -111,8 +111,9 @@ class Membership:
     """One membership generation, decided by the coordinator alone.
 
     Attributes:
-        generation: epoch number, >= 1; its process group rendezvouses under ``gen{generation}``
-            (lane k of replicas of several ranks: ``gen{generation}/lane{k}``).
+        generation: epoch number, >= 1; its process group rendezvouses on the store under
+            :func:`rendezvous_prefix` (``gen{generation}/{secret}``, lane k of replicas of several ranks
+            under ``gen{generation}/{secret}/lane{k}``).
         members: live replica ids, sorted; a replica's rank is its index here.
         store_host, store_port: the coordinator's c10d TCPStore.
         step: the first step this generation runs (last committed step + 1).
@@ -129,6 +130,10 @@ class Membership:
             loads the newest complete checkpoint instead, and the job goes on from its step (a
             checkpoint-restart of last resort inside the running job; ``step`` is then the step the
             coordinator had reached, and the first vote says where the checkpoint put the members).
+        secret: random, chosen by the coordinator for this generation alone and told only to its
+            members over their authenticated connections: part of every store key the generation's
+            group uses, so nobody without the token can read or write them. Never printed nor logged
+            (left out of ``repr``); empty only in tests that build a Membership by hand.
     """
 
     generation: int
@@ -143,6 +148,11 @@ class Membership:
     speeds: dict[int, float] | None = field(default=None, compare=False)
     resync: bool = False
     restore: bool = False
+    secret: str = field(default="", repr=False, compare=False)
+
+    def prefix(self, rank: int = 0, ranks: int = 1) -> str:
+        """This generation's store prefix for rank ``rank`` of a replica of ``ranks`` (:func:`rendezvous_prefix`)."""
+        return rendezvous_prefix(self.generation, rank, ranks, self.secret)
 
     def rank_of(self, replica: int) -> int:
         """The rank of ``replica`` in this generation's process group."""
@@ -157,21 +167,29 @@ class Membership:
             "generation": self.generation, "members": list(self.members), "store_host": self.store_host,
             "store_port": self.store_port, "step": self.step, "dead": list(self.dead),
             "joined": list(self.joined), "min_members": self.min_members, "reason": self.reason,
-            "speeds": speeds_to_wire(self.speeds), "resync": self.resync, "restore": self.restore,
+            "speeds": speeds_to_wire(self.speeds), "resync": self.resync, "restore": self.restore, "secret": self.secret,
         }
 
     @classmethod
     def from_wire(cls, d: dict[str, Any]) -> Membership:
         spec = {"generation": _INT, "members": _INTS, "store_host": _STR, "store_port": _INT, "step": _INT,
-                "dead": _INTS, "joined": _INTS, "min_members": _INT, "reason": _STR}
+                "dead": _INTS, "joined": _INTS, "min_members": _INT, "reason": _STR, "secret": _ABSENT_STR}
         _check_fields(d, spec, "membership")
         return cls(
             generation=d["generation"], members=tuple(sorted(d["members"])), store_host=d["store_host"],
             store_port=d["store_port"], step=d["step"], dead=tuple(sorted(d["dead"])),
             joined=tuple(sorted(d["joined"])), min_members=d["min_members"], reason=d["reason"],
             speeds=speeds_from_wire(d.get("speeds")), resync=d.get("resync") is True,
-            restore=d.get("restore") is True,
+            restore=d.get("restore") is True, secret=d.get("secret", ""),
         )
+
+
+def rendezvous_prefix(generation: int, rank: int = 0, ranks: int = 1, secret: str = "") -> str:
+    """The store prefix of generation ``generation``'s group for rank ``rank`` of a replica of ``ranks``
+    processes: ``gen{g}/{secret}`` for one, ``gen{g}/{secret}/lane{rank}`` for several (``gen{g}`` and
+    ``gen{g}/lane{rank}`` without a secret)."""
+    base = f"gen{generation}/{secret}" if secret else f"gen{generation}"
+    return base if ranks <= 1 else f"{base}/lane{rank}"
 
 
 @dataclass(frozen=True)

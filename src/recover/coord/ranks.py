@@ -166,6 +166,15 @@ class RankAggregator:
         self._apply(self.state.request_stop(), now)
         return self._take()
 
+    def on_not_ready(self, replicas: list[int], detail: str, now: float) -> list[Out]:
+        """Admitted joiners that did not start their rendezvous in time (:mod:`recover.coord.admission`):
+        each is fenced (``join_not_ready``) like a hung replica, which opens a failure round."""
+        for r in replicas:
+            slot = self._slots.get(r)
+            if slot is not None:
+                self._kill(slot, "join_not_ready", detail, now)
+        return self._take()
+
     def on_tick(self, now: float) -> list[Out]:
         """Register and heartbeat timeouts (every ``scan_s``), then the state's own deadlines."""
         if now >= self._next_scan:

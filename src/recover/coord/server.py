@@ -48,6 +48,7 @@ from datetime import timedelta
 from typing import Any
 
 from recover.coord import scale
+from recover.coord.admission import JOIN_READY_S, JoinWatch
 from recover.coord.conn import FramedConn
 from recover.coord.deadline import beat_interval
 from recover.coord.liveness import Liveness
@@ -64,6 +65,15 @@ MAX_CONNECTIONS = 4096
 
 
 WILDCARDS = ("", "0.0.0.0", "::")
+
+
+def _store_listener(host: str, port: int) -> int | None:
+    """The store's listening socket, bound to ``host`` (its file descriptor, handed over to the store,
+    which closes it); None for a wildcard ``host``: the store then binds every interface itself."""
+    if host in WILDCARDS:
+        return None
+    family = socket.getaddrinfo(host, port, 0, socket.SOCK_STREAM)[0][0]
+    return socket.create_server((host, port), family=family, backlog=4096).detach()
 
 
 def advertised(host: str, advertise_host: str | None = None) -> str:
@@ -98,6 +108,9 @@ class Coordinator:
         per_replica_connections: each replica reaches the coordinator through one connection (a relay,
             :mod:`recover.coord.relay`) instead of one per rank.
         advertise_host: the address replicas are told to reach the c10d store at (:func:`advertised`).
+        max_replicas: replica ids are admitted in ``[0, max_replicas)`` (None: ``expected_replicas``).
+        join_ready_s: an admitted joiner that has not started its rendezvous this long after its
+            admission is fenced (:mod:`recover.coord.admission`).
     """
 
     def __init__(self, host: str = "127.0.0.1", port: int = 0, *, token: str, events_path: str | None = None,
@@ -105,7 +118,8 @@ class Coordinator:
                  min_members: int = 1, expected_replicas: int = 1, register_timeout_s: float = 10.0,
                  hang_timeout_s: float = 0.0, die_at_commit: tuple[int, int] | None = None,
                  ranks_per_replica: int = 1, per_replica_connections: bool = False,
-                 advertise_host: str | None = None) -> None:
+                 advertise_host: str | None = None, max_replicas: int | None = None,
+                 join_ready_s: float = JOIN_READY_S) -> None:
         if not token:
             raise ValueError("token must be a non-empty string")
         if heartbeat_timeout_s <= heartbeat_interval_s:
@@ -123,6 +137,8 @@ class Coordinator:
         self.max_connections = MAX_CONNECTIONS
         self.min_members = min_members
         self.expected_replicas = expected_replicas
+        self.max_replicas = max_replicas
+        self._joins = JoinWatch(join_ready_s)
         self.register_timeout_s = register_timeout_s
         self.hang_timeout_s = hang_timeout_s
         self.die_at_commit = die_at_commit
@@ -156,7 +172,8 @@ class Coordinator:
         self.max_connections = scale.max_connections(soft)
 
         self._store = TCPStore(self.host, self._req_store_port, None, True, timedelta(seconds=300),
-                               wait_for_workers=False, multi_tenant=False)
+                               wait_for_workers=False, multi_tenant=False,
+                               master_listen_fd=_store_listener(self.host, self._req_store_port))
         self.store_port = int(self._store.port)
         gc.freeze()  # torch's objects live as long as this process: no collection should walk them
         self._listener = socket.create_server((self.host, self._req_port), backlog=512)
@@ -169,7 +186,7 @@ class Coordinator:
         self._sel.register(self._wake_r, selectors.EVENT_READ, "wake")
         self.state = MembershipState(expected=self.expected_replicas, min_members=self.min_members,
                                      store_host=self.advertise_host, store_port=self.store_port,
-                                     ack_timeout_s=self.heartbeat_timeout_s)
+                                     ack_timeout_s=self.heartbeat_timeout_s, max_replicas=self.max_replicas)
         self.aggregator = RankAggregator(
             self.state, token=self._token, heartbeat_timeout_s=self.heartbeat_timeout_s,
             register_timeout_s=self.register_timeout_s, liveness=Liveness(self.hang_timeout_s),
@@ -177,7 +194,8 @@ class Coordinator:
             scan_s=scale.scan_interval(self.heartbeat_timeout_s, self.register_timeout_s, self.hang_timeout_s))
         self._log("coordinator_start", host=self.host, advertise_host=self.advertise_host, port=self.port,
                   store_port=self.store_port,
-                  expected_replicas=self.expected_replicas, heartbeat_s=self.heartbeat_interval_s,
+                  expected_replicas=self.expected_replicas, max_replicas=self.state.max_replicas,
+                  heartbeat_s=self.heartbeat_interval_s,
                   heartbeat_timeout_s=self.heartbeat_timeout_s, connections=self.connections,
                   max_connections=self.max_connections)
         self._thread = threading.Thread(target=self._loop, name="recover-coordinator", daemon=True)
@@ -278,13 +296,30 @@ class Coordinator:
                         if not pending:
                             break
                         self._handle(pending, now)
+                    self._joins.pause(stall)
                     self._run(agg.on_resumed(stall, now))
                 self._run(agg.on_tick(now))
+                self._check_joiners(now)
                 self._cond.notify_all()
                 if agg.state.generation != formed:  # the records of its members will live on
                     formed = agg.state.generation
+                    if agg.state.current is not None:
+                        self._joins.formed(agg.state.current, self._lanes_of, now)
                     gc.freeze()
             last = time.monotonic()
+
+    def _lanes_of(self, replica: int) -> int | None:
+        assert self.aggregator is not None
+        slot = self.aggregator.slots.get(replica)
+        return slot.ranks if slot is not None else None
+
+    def _check_joiners(self, now: float) -> None:
+        """Fences the admitted joiners that did not start their rendezvous in time (:mod:`recover.coord.admission`)."""
+        assert self.aggregator is not None
+        late = self._joins.due(now, lambda key: bool(self._store.check([key])))
+        if late:
+            self._run(self.aggregator.on_not_ready(
+                late, f"admitted but did not start its rendezvous within {self._joins.ready_s:g} s", now))
 
     def _handle(self, events: list[tuple[Any, int]], now: float) -> None:
         for key, mask in events:

@@ -19,6 +19,9 @@ Invariants:
     feed the :class:`~recover.workload.speeds.SpeedTracker` (the single writer of the plan's
     times), whose planned times go with every ``committed`` reply and every membership, so all
     members (joiners too) plan the next step alike. Stragglers and rebalances are logged.
+  * Admission: replica ids in ``[0, max_replicas)`` only (default ``expected``); any other is refused
+    (``bad_replica``) and the job goes on. Every generation gets a fresh random ``secret``, sent only
+    in its ``membership`` pushes (never logged): its group's store prefix (:mod:`recover.coord.protocol`).
   * Joiners are admitted only at a commit (a step boundary), or at once when no member is left.
     ``Membership.joined`` lists the members admitted since the last commit: a generation formed
     by a failure before that commit carries them on, so the state transfer is done again on it.
@@ -51,6 +54,7 @@ Invariants:
 
 from __future__ import annotations
 
+import secrets
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -76,10 +80,15 @@ class MembershipState:
     """Generations, failure rounds, commit votes and joins (see the module docstring)."""
 
     def __init__(self, *, expected: int, min_members: int, store_host: str, store_port: int,
-                 ack_timeout_s: float, speeds: SpeedTracker | None = None, rebuild_window_s: float = 3.0) -> None:
+                 ack_timeout_s: float, speeds: SpeedTracker | None = None, rebuild_window_s: float = 3.0,
+                 max_replicas: int | None = None) -> None:
         if expected < 1:
             raise ValueError(f"expected replicas must be >= 1, got {expected}")
+        if max_replicas is not None and max_replicas < expected:
+            raise ValueError(f"max_replicas ({max_replicas}) must be >= the expected replicas ({expected})")
         self.expected = expected
+        self.max_replicas = expected if max_replicas is None else max_replicas
+        """Replica ids are admitted in ``[0, max_replicas)`` (``recover launch --max-replicas``)."""
         self.min_members = min_members
         self.store_host = store_host
         self.store_port = store_port
@@ -140,8 +149,9 @@ class MembershipState:
     def on_register(self, replica: int, join: bool, req_id: int, now: float,
                     resume: Resume | None = None) -> list[Action]:
         """A replica registers; ``resume``: it lost its coordinator and holds this (see the module docstring)."""
-        if replica < 0:
-            raise Refused("bad_replica", f"replica id must be >= 0, got {replica}")
+        if not 0 <= replica < self.max_replicas:
+            raise Refused("bad_replica", f"replica id {replica} is outside this job's 0..{self.max_replicas - 1} "
+                                         "(--max-replicas lets it grow)")
         if replica in self.live:
             raise Refused("duplicate_replica", f"replica {replica} is already registered and alive")
         if self.stopped:
@@ -434,7 +444,8 @@ class MembershipState:
                        store_port=self.store_port, step=self.committed_step + 1, dead=dead, joined=joined,
                        min_members=self.min_members, reason=reason,
                        speeds=dict(self.speeds.planned) if self.speeds.planned else None,
-                       resync=self._resync and bool(joined) and not self._restoring, restore=self._restoring)
+                       resync=self._resync and bool(joined) and not self._restoring, restore=self._restoring,
+                       secret=secrets.token_hex(16))
         acts: list[Action] = [Send(r, {"type": "aborted", "re": rid, "generation": old.generation if old else 0,
                                        "reason": f"generation replaced ({reason})"})
                               for r, (rid, _) in self.votes.items() if r in self.live]

@@ -46,6 +46,9 @@ def register(sub: argparse._SubParsersAction) -> None:
     )
     p.add_argument("--config", default="tiny", help="preset name or .toml path")
     p.add_argument("--replicas", type=int, default=None, help="replicas (default: parallel.replicas of the config)")
+    p.add_argument("--max-replicas", type=int, default=None, metavar="N",
+                   help="replica ids the coordinator admits: 0..N-1 (default: --replicas); a register beyond is "
+                        "refused")
     p.add_argument("--steps", type=int, default=None, help="committed steps (default: training.steps)")
     p.add_argument("--out", required=True, help="run directory")
     for kind in registered().values():  # one flag per fault kind (recover.faults.kinds)
@@ -140,6 +143,8 @@ class LaunchRequest:
     overrides: tuple[str, ...] = ()
     """Config overrides, ``--section.field VALUE``."""
     replicas: int | None = None
+    max_replicas: int | None = None
+    """Replica ids the coordinator admits are ``0..max_replicas - 1`` (None: ``replicas``)."""
     steps: int | None = None
     pp: int | None = None
     tp: int | None = None
@@ -250,6 +255,8 @@ def check_launch(req: LaunchRequest) -> LaunchOptions:
     if req.rejoin_replicas is not None and not req.rejoin_replicas <= set(range(p.replicas)):
         raise ConfigError(f"--rejoin-replicas {','.join(map(str, sorted(req.rejoin_replicas)))} is not allowed: "
                           f"replicas are 0..{p.replicas - 1}")
+    if req.max_replicas is not None and req.max_replicas < p.replicas:
+        raise ConfigError(f"--max-replicas {req.max_replicas} is not allowed: at least --replicas ({p.replicas})")
     if req.baseline == Baseline.RESTART and cfg.training.checkpoint_every == 0:
         raise ConfigError(f"--baseline {Baseline.RESTART} needs periodic checkpoints: set --training.checkpoint_every "
                           "K (`recover bench failures` picks K by Young/Daly)")
@@ -293,7 +300,7 @@ def check_launch(req: LaunchRequest) -> LaunchOptions:
                          random_faults=req.random_faults, rejoin_after_s=req.rejoin_after_s,
                          rejoin_replicas=req.rejoin_replicas, seed=req.seed, baseline=req.baseline,
                          progress=req.progress, resume=req.resume, kill_coordinator=req.kill_coordinator,
-                         placement=placement, script=req.script,
+                         placement=placement, script=req.script, max_replicas=req.max_replicas or p.replicas,
                          title=f"{cfg.name} x{p.replicas}" + (f" (x{P} ranks)" if P > 1 else ""))
 
 
@@ -428,6 +435,7 @@ def run_launch(args: argparse.Namespace) -> int:
     """``recover launch``: the flags as a :class:`LaunchRequest`, run by :func:`launch`."""
     return launch(LaunchRequest(
         out=Path(args.out), config=args.config, overrides=tuple(args.overrides), replicas=args.replicas,
+        max_replicas=args.max_replicas,
         steps=args.steps, pp=args.pp, tp=args.tp, fsdp=args.fsdp, procs_per_replica=args.procs_per_replica,
         deterministic=args.deterministic, device_time_s=args.device_time_s, fail_rank=args.fail_rank,
         failures=fault_specs(args),

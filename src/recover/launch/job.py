@@ -48,6 +48,8 @@ class LaunchOptions:
     script: tuple[str, ...] = ()
     """Each replica runs this command (a user's script on :mod:`recover.api`) instead of ``recover worker``;
     it learns its job from :data:`recover.api.WORKER_ENV`. No hot spare is kept for a script."""
+    max_replicas: int | None = None
+    """Replica ids the coordinator admits: ``0..max_replicas - 1`` (None: ``parallel.replicas``)."""
     kill_coordinator: str | None = None
     """Fault injection ``STEP[:SENT]``: the first coordinator SIGKILLs itself in step STEP's commit after
     SENT of its replies went out (the launcher then restarts it)."""
@@ -88,7 +90,8 @@ class Commands:
                      str(self.o.out / "events.jsonl"), "--replicas", str(expected), "--min-replicas",
                      str(ft.min_replicas), "--heartbeat-interval", str(ft.heartbeat_interval_s),
                      "--heartbeat-timeout", str(ft.heartbeat_timeout_s), "--hang-timeout", str(ft.hang_timeout_s),
-                     "--ranks-per-replica", str(self.ranks), "--connections", ft.connections)
+                     "--ranks-per-replica", str(self.ranks), "--connections", ft.connections,
+                     "--max-replicas", str(self.o.max_replicas or self.o.config.parallel.replicas))
         if self.o.kill_coordinator and first:
             cmd += ["--die-at-commit", self.o.kill_coordinator]
         return cmd
