@@ -1,5 +1,6 @@
 """Multi-process layer-1 acceptance: real SIGKILL / SIGSTOP of replica processes during and between
-all-reduces, two at once, a second failure while the new generation forms, and a joiner.
+all-reduces, two at once, a second failure while the new generation forms, a joiner, and a joiner that
+never rendezvouses (it holds the token but does not belong).
 
 Each survivor must raise PeerFailure naming exactly the dead, keep its inputs bit-identical, finish
 a correct all-reduce (exact integer sums) on the new generation, and never wait for the backend
@@ -9,12 +10,16 @@ timeout (30 s here: every recovery must take a small fraction of it).
 from __future__ import annotations
 
 import signal
+import threading
+import time
 from pathlib import Path
 from typing import Any
 
 import pytest
 
-from _workers.harness import Cluster
+from _workers.harness import TOKEN, Cluster
+from recover.coord.admission import JOIN_READY_S
+from recover.coord.client import CoordinatorClient
 
 pytestmark = pytest.mark.slow
 BACKEND_TIMEOUT_S = 30.0
@@ -124,4 +129,26 @@ def test_sigstop_one_is_detected_by_heartbeat_and_fenced(tmp_path: Path) -> None
         for rep in c.expect_all([0, 1], "reply", "allreduce").values():
             assert rep["ok"] and rep["failure"] is None and rep["members"] == [0, 1]
     finally:
+        c.close()
+
+
+def test_a_joiner_that_never_rendezvouses_stalls_the_members_join_ready_s_at_most(tmp_path: Path) -> None:
+    c = Cluster(2, tmp_path / "events.jsonl", max_replicas=3)
+    intruder = CoordinatorClient("127.0.0.1", c.coord.port, TOKEN, 2, heartbeat_interval_s=0.05)
+    try:  # it registers, heartbeats and acks (its client threads do), but never forms a group
+        threading.Thread(target=lambda: intruder.register(join=True, timeout=30), daemon=True).start()
+        c.coord.wait_until(lambda s: 2 in s["pending_join"], 10)
+        t0 = time.monotonic()
+        c.send_all([0, 1], op="vote", step=0, ids=list(range(8)))
+        for rep in c.expect_all([0, 1], "reply", "vote", timeout=60).values():
+            assert rep["result"] == "joined" and rep["members"] == [0, 1] and rep["state_ok"], rep
+        stall = time.monotonic() - t0
+        assert stall < JOIN_READY_S + 2.0 < BACKEND_TIMEOUT_S, f"the members waited {stall:.1f} s"
+        (fenced,) = c.events_of("fenced")
+        assert fenced["replica"] == 2 and "did not start its rendezvous" in fenced["reason"], fenced
+        c.send_all([0, 1], op="allreduce", n=1000, seed=3)
+        for rep in c.expect_all([0, 1], "reply", "allreduce").values():
+            assert rep["ok"] and rep["failure"] is None and rep["members"] == [0, 1], rep
+    finally:
+        intruder.close()
         c.close()

@@ -101,11 +101,11 @@ class Proc:
 class Cluster:
     """A coordinator in this process and ``n`` worker processes (replicas 0..n-1)."""
 
-    def __init__(self, n: int, events: Path, heartbeat_timeout_s: float = 1.0) -> None:
+    def __init__(self, n: int, events: Path, heartbeat_timeout_s: float = 1.0, max_replicas: int | None = None) -> None:
         from recover.coord.server import Coordinator
 
         self.coord = Coordinator(token=TOKEN, events_path=str(events), expected_replicas=n,
-                                 heartbeat_timeout_s=heartbeat_timeout_s).start()
+                                 heartbeat_timeout_s=heartbeat_timeout_s, max_replicas=max_replicas).start()
         self.events = events
         self.procs: dict[int, Proc] = {}
         try:
