@@ -278,7 +278,6 @@ def test_register_fields_are_checked() -> None:
         assert isinstance(item, ProtocolError) and item.code == "malformed", item
     assert rendezvous_prefix(3) == "gen3" and rendezvous_prefix(3, 0, 1) == "gen3"
     assert rendezvous_prefix(3, 1, 2) == "gen3/lane1" and rendezvous_prefix(3, 0, 2) == "gen3/lane0"
-    assert rendezvous_prefix(3, 0, 1, "ab") == "gen3/ab" and rendezvous_prefix(3, 1, 2, "ab") == "gen3/ab/lane1"
 
 
 def test_replica_dying_before_all_its_ranks_registered(coord: Coordinator) -> None:

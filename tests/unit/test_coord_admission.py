@@ -6,6 +6,7 @@ import pytest
 
 from recover.coord.admission import JoinWatch
 from recover.coord.protocol import Membership
+from recover.coord.sealing import sealed_key
 
 
 def gen(g: int, members: tuple[int, ...], joined: tuple[int, ...] = ()) -> Membership:
@@ -31,15 +32,17 @@ def test_a_joiner_that_never_rendezvouses_is_due_at_its_deadline_and_only_then()
 def test_a_joiner_that_published_its_probe_key_under_the_secret_prefix_is_ready() -> None:
     asked: list[str] = []
     w = watch_join()
-    assert w.due(13.0, lambda key: asked.append(key) or key == "gen2/s2/probe/2") == []
-    assert asked == ["gen2/s2/probe/2"]  # one lookup, at the deadline
-    w = watch_join()
-    assert w.due(13.0, lambda key: key == "gen2/probe/2") == [2]  # the old, secret-less key proves nothing
+    key = sealed_key("s2", "gen2", "probe/2")
+    assert w.due(13.0, lambda k: asked.append(k) or k == key) == []
+    assert asked == [key]  # one lookup, at the deadline
+    for other in ("gen2/probe/2", sealed_key("s1", "gen2", "probe/2")):  # in the clear, or another secret's
+        assert watch_join().due(13.0, lambda k, other=other: k == other) == [2]
 
 
 def test_every_lane_of_a_joiner_of_several_ranks_must_publish() -> None:
-    assert watch_join(lanes=2).due(13.0, lambda key: key == "gen2/s2/lane0/probe/2") == [2]
-    both = {"gen2/s2/lane0/probe/2", "gen2/s2/lane1/probe/2"}
+    lane0 = sealed_key("s2", "gen2/lane0", "probe/2")
+    assert watch_join(lanes=2).due(13.0, lambda key: key == lane0) == [2]
+    both = {lane0, sealed_key("s2", "gen2/lane1", "probe/2")}
     assert watch_join(lanes=2).due(13.0, both.__contains__) == []
 
 
@@ -47,7 +50,7 @@ def test_a_joiner_moved_on_by_a_failure_may_publish_in_the_later_generation() ->
     w = watch_join()
     w.formed(gen(3, (0, 2), joined=(2,)), lambda r: 1, 11.0)  # replica 1 died while generation 2 formed
     assert w.watching == [2]
-    assert w.due(13.0, lambda key: key == "gen3/s3/probe/2") == []
+    assert w.due(13.0, lambda key: key == sealed_key("s3", "gen3", "probe/2")) == []
 
 
 def test_members_before_and_the_first_generation_are_never_watched_and_leavers_are_dropped() -> None:

@@ -16,15 +16,16 @@ Call order after a failure: ``group = group.next_generation()``; every collectiv
 raises. ``next_generation`` survives further failures while the new group forms by moving on to the
 generation after (the returned group's ``members`` say who is left).
 
-Invariants: one process group per generation, rendezvoused under ``PrefixStore(membership.prefix())``
-(``gen{g}/{secret}``: :func:`~recover.coord.protocol.rendezvous_prefix`, the generation's secret told
-only to its members) on the coordinator's store; no global default group; nothing blocks for a
-backend timeout on the hot path. A group is used by one thread at a time (the training loop's).
+Invariants: one process group per generation, rendezvoused on the coordinator's store under
+``membership.prefix()`` (``gen{g}``), every entry sealed with the generation's secret
+(:class:`~recover.comm.store.SealedStore`: nobody without the token can find, forge or alter them); no
+global default group; nothing blocks for a backend timeout on the hot path. A group is used by one
+thread at a time (the training loop's).
 
 Replicas of several ranks (``client.ranks`` = P > 1): rank k of every member forms *lane* k, its
 own group of ``len(members)`` processes (rank ``membership.rank_of(replica)`` as for P = 1),
-rendezvoused under ``PrefixStore(f"gen{g}/{secret}/lane{k}")`` (:meth:`Membership.prefix`): the P
-lanes of a generation are independent groups.
+rendezvoused under ``gen{g}/lane{k}`` (:meth:`Membership.prefix`), sealed alike: the P lanes of a
+generation are independent groups.
 """
 
 from __future__ import annotations
@@ -87,7 +88,7 @@ class FaultTolerantGroup:
                timeout_s: float = 60.0, *, bucket_bytes: int = DEFAULT_BUCKET_BYTES,
                graveyard: Graveyard | None = None, device: torch.device | None = None,
                pool: BufferPool | None = None) -> FaultTolerantGroup:
-        """Builds the process group of ``membership`` on ``PrefixStore(membership.prefix(...))``.
+        """Builds the process group of ``membership`` on its sealed store (``membership.prefix(...)``).
 
         If that generation fails while forming (a member died during the rendezvous), follows on
         to the coordinator's next one: the returned group's ``membership`` may be newer than the
@@ -422,12 +423,15 @@ def _try_shrink(old: FaultTolerantGroup, old_pg: Any, m: Membership) -> Any | No
 def _rendezvous(client: CoordinatorClient, m: Membership, backend: str, device: torch.device,
                 timeout_s: float, yard: Graveyard) -> tuple[Any, Any]:
     """Builds generation ``m``'s process group on a helper thread while watching for notices."""
-    from torch.distributed import PrefixStore, TCPStore
+    from torch.distributed import TCPStore
+
+    from recover.comm.store import SealedStore
 
     g = m.generation
     # A fresh store client per generation: a construction abandoned mid-rendezvous keeps its own.
     prefix = m.prefix(getattr(client, "rank", 0), getattr(client, "ranks", 1))
-    store = PrefixStore(prefix, TCPStore(m.store_host, m.store_port, None, False, timedelta(seconds=timeout_s)))
+    store = SealedStore(TCPStore(m.store_host, m.store_port, None, False, timedelta(seconds=timeout_s)), prefix,
+                        m.secret)
     rank = m.rank_of(client.replica_id)
     err: list[BaseException] = []
 

@@ -2,8 +2,9 @@
 
 Contract: the coordinator hosts the store its generations rendezvous on, so it can see who started.
 Every rank of every member publishes its probe address (``probe/{replica}``) under its lane's prefix
-of the generation (:meth:`~recover.coord.protocol.Membership.prefix`, with the generation's secret)
-first thing when it forms that generation's group (``recover.comm.group._rendezvous``). A replica
+of the generation (:meth:`~recover.coord.protocol.Membership.prefix`), sealed with the generation's
+secret (:mod:`recover.coord.sealing`: nobody else can publish it), first thing when it forms that
+generation's group (``recover.comm.group._rendezvous``). A replica
 admitted at a step boundary (one of ``Membership.joined`` that was not a member of the generation
 before) is *ready* once it has published that key on every lane, under the prefix of that generation
 or of a later one it is still a member of (a failure while it forms moves it on). One that is not
@@ -28,6 +29,7 @@ from collections.abc import Callable
 from dataclasses import dataclass, field
 
 from recover.coord.protocol import Membership
+from recover.coord.sealing import sealed_key
 
 JOIN_READY_S = 3.0
 """Seconds an admitted joiner has to start its rendezvous (``recover coordinator`` default)."""
@@ -69,7 +71,7 @@ class JoinWatch:
                 if lanes is not None:
                     self._watched[r] = _Watch(now + self.ready_s, lanes)
         for r, w in self._watched.items():
-            w.keys.append([f"{m.prefix(k, w.lanes)}/probe/{r}" for k in range(w.lanes)])
+            w.keys.append([sealed_key(m.secret, m.prefix(k, w.lanes), f"probe/{r}") for k in range(w.lanes)])
 
     def due(self, now: float, published: Callable[[str], bool]) -> list[int]:
         """The watched replicas whose deadline passed without their being ready (no longer watched

@@ -112,8 +112,8 @@ class Membership:
 
     Attributes:
         generation: epoch number, >= 1; its process group rendezvouses on the store under
-            :func:`rendezvous_prefix` (``gen{generation}/{secret}``, lane k of replicas of several ranks
-            under ``gen{generation}/{secret}/lane{k}``).
+            :func:`rendezvous_prefix` (``gen{generation}``, lane k of replicas of several ranks
+            ``gen{generation}/lane{k}``), every key and value sealed with ``secret``.
         members: live replica ids, sorted; a replica's rank is its index here.
         store_host, store_port: the coordinator's c10d TCPStore.
         step: the first step this generation runs (last committed step + 1).
@@ -131,9 +131,9 @@ class Membership:
             checkpoint-restart of last resort inside the running job; ``step`` is then the step the
             coordinator had reached, and the first vote says where the checkpoint put the members).
         secret: random, chosen by the coordinator for this generation alone and told only to its
-            members over their authenticated connections: part of every store key the generation's
-            group uses, so nobody without the token can read or write them. Never printed nor logged
-            (left out of ``repr``); empty only in tests that build a Membership by hand.
+            members over their authenticated connections: it seals every store entry the generation's
+            group uses (:mod:`recover.coord.sealing`), so nobody without the token can find, forge or
+            alter them. Never printed nor logged (left out of ``repr``).
     """
 
     generation: int
@@ -152,7 +152,7 @@ class Membership:
 
     def prefix(self, rank: int = 0, ranks: int = 1) -> str:
         """This generation's store prefix for rank ``rank`` of a replica of ``ranks`` (:func:`rendezvous_prefix`)."""
-        return rendezvous_prefix(self.generation, rank, ranks, self.secret)
+        return rendezvous_prefix(self.generation, rank, ranks)
 
     def rank_of(self, replica: int) -> int:
         """The rank of ``replica`` in this generation's process group."""
@@ -184,12 +184,10 @@ class Membership:
         )
 
 
-def rendezvous_prefix(generation: int, rank: int = 0, ranks: int = 1, secret: str = "") -> str:
+def rendezvous_prefix(generation: int, rank: int = 0, ranks: int = 1) -> str:
     """The store prefix of generation ``generation``'s group for rank ``rank`` of a replica of ``ranks``
-    processes: ``gen{g}/{secret}`` for one, ``gen{g}/{secret}/lane{rank}`` for several (``gen{g}`` and
-    ``gen{g}/lane{rank}`` without a secret)."""
-    base = f"gen{generation}/{secret}" if secret else f"gen{generation}"
-    return base if ranks <= 1 else f"{base}/lane{rank}"
+    processes: ``gen{g}`` for one, ``gen{g}/lane{rank}`` for several."""
+    return f"gen{generation}" if ranks <= 1 else f"gen{generation}/lane{rank}"
 
 
 @dataclass(frozen=True)
