@@ -3,7 +3,8 @@
 Contract: start it before the replicas; it binds 127.0.0.1 unless ``--host`` says otherwise (the
 replicas are told to reach its store at ``--advertise-host``, by default that address), reads
 the shared token from ``--token-file`` (never from the command line, which other users can see),
-prints one ``ready`` line with both ports, and serves until interrupted.
+prints one ``ready`` line with both ports, and serves until interrupted. Replica ids ``0..N-1`` of
+``--max-replicas N`` (default ``--replicas``) are admitted; any other register is refused.
 
 SIGTERM or SIGINT stops the job gracefully: the next commit is a stop (every replica finishes that
 step, the lowest saves a complete checkpoint, all exit), and the coordinator exits once every replica

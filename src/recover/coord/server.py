@@ -2,10 +2,14 @@
 
 Contract: one :class:`Coordinator` per job, in its own process (``recover coordinator``) or in a
 driver that is not a worker; it must never run inside a worker, since a worker's death must not take
-the store with it. It hosts the c10d ``TCPStore`` (``store_port``) on which every generation's process
-group rendezvouses under ``PrefixStore(f"gen{g}")`` (lane k of replicas of P > 1 ranks under
-``gen{g}/lane{k}``), and a TCP service (``port``, length-prefixed JSON,
-:mod:`recover.coord.protocol`) to which every worker process keeps one persistent connection.
+the store with it. It hosts the c10d ``TCPStore`` (``store_port``, bound to ``host`` unless that is a
+wildcard) on which every generation's process group rendezvouses under ``gen{g}`` (lane k of replicas
+of P > 1 ranks under ``gen{g}/lane{k}``), every entry sealed with the generation's secret
+(:mod:`recover.coord.sealing`: the store authenticates nobody), and a TCP service (``port``,
+length-prefixed JSON, :mod:`recover.coord.protocol`) to which every worker process keeps one
+persistent connection. Replica ids are admitted in ``[0, max_replicas)``; a joiner that has not
+started its rendezvous ``join_ready_s`` after its admission is fenced (:mod:`recover.coord.admission`:
+the server looks its sealed probe key up in the store it hosts).
 
 This module only moves bytes: it accepts connections, decodes frames, hands each event to
 :class:`recover.coord.ranks.RankAggregator` (authentication, timeouts, the aggregation of a
