@@ -244,3 +244,22 @@ def test_a_coordinator_bound_to_every_interface_tells_replicas_a_store_address_t
     finally:
         cl.close()
         c.stop()
+
+
+def reaches(host: str, port: int) -> bool:
+    try:
+        socket.create_connection((host, port), timeout=2).close()
+        return True
+    except OSError:
+        return False
+
+
+def test_the_store_binds_the_coordinators_host_unless_that_is_a_wildcard() -> None:
+    """c10d alone binds every interface; 127.0.0.2 is this machine too, but not the address bound."""
+    for host, elsewhere in (("127.0.0.1", False), ("0.0.0.0", True)):
+        c = Coordinator(host, token=TOKEN, advertise_host="127.0.0.1", expected_replicas=1).start()
+        try:
+            assert reaches("127.0.0.1", c.store_port)
+            assert reaches("127.0.0.2", c.store_port) is elsewhere, host
+        finally:
+            c.stop()
