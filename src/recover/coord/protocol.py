@@ -167,7 +167,8 @@ class Membership:
             "generation": self.generation, "members": list(self.members), "store_host": self.store_host,
             "store_port": self.store_port, "step": self.step, "dead": list(self.dead),
             "joined": list(self.joined), "min_members": self.min_members, "reason": self.reason,
-            "speeds": speeds_to_wire(self.speeds), "resync": self.resync, "restore": self.restore, "secret": self.secret,
+            "speeds": speeds_to_wire(self.speeds), "resync": self.resync, "restore": self.restore,
+            "secret": self.secret,
         }
 
     @classmethod
