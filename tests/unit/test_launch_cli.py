@@ -29,6 +29,7 @@ TP3_SWIGLU = ["--config", "debug", "--replicas", "1", "--procs-per-replica", "3"
     (["--config", "debug", "--slow", "1@3:0.5"], "slow-down factor 0.5", "a number >= 1"),
     (["--config", "debug", "--random-failures", "5", "--random-faults", "kill,crash"], "--random-faults kill,crash",
      "some of kill, hang, freeze"),
+    (["--config", "debug", "--replicas", "3", "--max-replicas", "2"], "--max-replicas 2", "at least --replicas (3)"),
 ])
 def test_a_bad_launch_is_refused_in_one_line_before_anything_starts(
         tmp_path: Path, capsys: pytest.CaptureFixture[str], args: list[str], field: str, says: str) -> None:

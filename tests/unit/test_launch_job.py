@@ -80,3 +80,11 @@ def test_random_faults_start_with_training_and_never_leave_too_few_replicas() ->
     # the state, so replica 0 is the only one training and is never struck (it would leave nobody)
     restarted = clock()
     assert all(restarted.tick(t * 0.1, {0: t * 0.1, 1: t * 0.1}, {0: 0.0, 1: 1e9}) is None for t in range(400))
+
+
+def test_the_coordinator_admits_replica_ids_below_max_replicas_default_replicas(tmp_path: Path) -> None:
+    cfg = load_config("debug", ["--parallel.replicas=3"])
+    addr = Address("127.0.0.1", 5000, 5001, tmp_path / "token")
+    for given, told in ((None, "3"), (5, "5")):
+        cmd = Commands(LaunchOptions(config=cfg, out=tmp_path, max_replicas=given)).coordinator(addr, 3, first=True)
+        assert cmd[cmd.index("--max-replicas") + 1] == told and cmd[cmd.index("--replicas") + 1] == "3"
