@@ -4,7 +4,9 @@ Contract: start it before the replicas; it binds 127.0.0.1 unless ``--host`` say
 replicas are told to reach its store at ``--advertise-host``, by default that address), reads
 the shared token from ``--token-file`` (never from the command line, which other users can see),
 prints one ``ready`` line with both ports, and serves until interrupted. Replica ids ``0..N-1`` of
-``--max-replicas N`` (default ``--replicas``) are admitted; any other register is refused.
+``--max-replicas N`` (default ``--replicas``) are admitted; any other register is refused. With
+``--tls-cert/--tls-key/--tls-ca`` the wire is TLS, every worker presenting a certificate signed by the
+CA (:mod:`recover.coord.tls`).
 
 SIGTERM or SIGINT stops the job gracefully: the next commit is a stop (every replica finishes that
 step, the lowest saves a complete checkpoint, all exit), and the coordinator exits once every replica
@@ -24,6 +26,7 @@ import signal
 from pathlib import Path
 from typing import Any
 
+from recover.coord.tls import Tls, add_tls_flags
 from recover.errors import ConfigError
 
 
@@ -52,6 +55,7 @@ def register(subparsers: argparse._SubParsersAction) -> None:
     p.add_argument("--hang-timeout", type=float, default=0.0,
                    help="no progress (s) while others wait that marks a replica hung; 0: from the step time")
     p.add_argument("--die-at-commit", default=None, metavar="STEP[:SENT]", help=argparse.SUPPRESS)
+    add_tls_flags(p)
     p.set_defaults(func=run)
 
 
@@ -105,7 +109,8 @@ def run(args: argparse.Namespace) -> int:
                         die_at_commit=parse_die_at_commit(args.die_at_commit),
                         ranks_per_replica=args.ranks_per_replica,
                         per_replica_connections=args.connections == "replica",
-                        advertise_host=args.advertise_host, max_replicas=args.max_replicas)
+                        advertise_host=args.advertise_host, max_replicas=args.max_replicas,
+                        tls=Tls.from_flags(args.tls_cert, args.tls_key, args.tls_ca))
     try:
         coord.start()
     except ConfigError:

@@ -87,6 +87,7 @@ from recover.coord.protocol import (
     encode,
     speeds_from_wire,
 )
+from recover.coord.tls import SerialSocket, Tls
 from recover.errors import CoordinatorLost, CoordinatorRefused, Diverged, Expelled, PeerFailure, QuorumLost
 from recover.faults.perturb import NONE
 
@@ -102,14 +103,16 @@ class CoordinatorClient:
                  connect_timeout_s: float = 10.0, request_timeout_s: float = 60.0, *, rank: int = 0,
                  ranks: int = 1, fence_exit_s: float | None = None,
                  on_fenced: Callable[[str], Any] | None = None, reconnect_s: float = 0.0,
-                 on_reconnected: Callable[[float], Any] | None = None) -> None:
+                 on_reconnected: Callable[[float], Any] | None = None, tls: Tls | None = None) -> None:
         self.host, self.port, self.replica_id = host, int(port), int(replica_id)
         self.rank, self.ranks = int(rank), int(ranks)  # this process within its replica (checked at register)
         self._token = token
+        self.tls = tls
+        """Connect over TLS with this certificate (:mod:`recover.coord.tls`; None: plain TCP)."""
         self.heartbeat_interval_s = heartbeat_interval_s
         self.connect_timeout_s = connect_timeout_s
         self.request_timeout_s = request_timeout_s
-        self._sock: socket.socket | None = None
+        self._sock: Any = None  # a socket, or a SerialSocket over TLS
         self._send_lock = threading.Lock()
         self._cond = threading.Condition()
         self._ids = itertools.count(1)
@@ -186,17 +189,24 @@ class CoordinatorClient:
             self._spawn(self._watch, "recover-coord-deadline")
         return self._wait(lambda: self._known.admitted(self.replica_id), timeout, "admission to a generation")
 
-    def _connect(self, patient: bool = False) -> socket.socket:
+    def _connect(self, patient: bool = False) -> Any:
         """``patient``: the first connection, to a coordinator that may still be starting; else one try
-        within the read deadline, when there is one."""
+        within the read deadline, when there is one. Over TLS the handshake is made here (a refused one
+        raises ``ssl.SSLError``, an OSError)."""
         address = (self.host, self.port)
         sock = (connect_patiently(address, self.connect_timeout_s) if patient else
                 socket.create_connection(address, timeout=min(self.connect_timeout_s, self._deadline_s or math.inf)))
         sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
+        if self.tls is not None:
+            try:
+                return SerialSocket(self.tls.client().wrap_socket(sock, server_hostname=self.host))
+            except OSError:
+                sock.close()
+                raise
         sock.settimeout(None)
         return sock
 
-    def _use(self, sock: socket.socket) -> None:
+    def _use(self, sock: Any) -> None:
         """``sock`` is the coordinator connection from now on; a reader thread serves it."""
         self._sock = sock
         self._spawn(lambda: self._reader(sock), "recover-coord-reader")
@@ -459,7 +469,7 @@ class CoordinatorClient:
             for event in self._wakers:
                 event.set()
 
-    def _reader(self, sock: socket.socket) -> None:
+    def _reader(self, sock: Any) -> None:
         decoder = FrameDecoder(_SERVER_TYPES)
         why, answered = "coordinator closed the connection", True
         try:

@@ -13,7 +13,10 @@ Invariants:
   * A failed write never raises: :meth:`FramedConn.flush` answers False and the caller decides
     (the server and the relay's local side drop the output, the relay's upstream side reconnects).
   * :meth:`FramedConn.receive` answers None when nothing is there yet and raises EOFError when the
-    peer is gone.
+    peer is gone (``error`` then holds a refused TLS handshake's error, if that ended it).
+  * A TLS socket (:mod:`recover.coord.tls`) is read and written alike: a read or write that TLS cannot
+    complete yet (its handshake, a partial record) counts as "nothing yet", and what TLS already
+    decrypted is read at once (the selector cannot see it).
 
 :func:`connect_patiently` is a replica's first connection to a coordinator that may still be starting
 (the launcher starts it beside the workers, so its import of torch overlaps theirs): a refused
@@ -24,6 +27,7 @@ from __future__ import annotations
 
 import selectors
 import socket
+import ssl
 import time
 from typing import Any
 
@@ -58,7 +62,7 @@ class FramedConn:
             or :data:`~recover.coord.protocol.SERVER_TYPES`).
     """
 
-    __slots__ = ("sock", "decoder", "out", "closed", "sel", "data", "_writing")
+    __slots__ = ("sock", "decoder", "out", "closed", "sel", "data", "_writing", "error")
 
     def __init__(self, sock: socket.socket, allowed: frozenset[str] | None) -> None:
         sock.setblocking(False)
@@ -70,6 +74,7 @@ class FramedConn:
         self.sel: selectors.BaseSelector | None = None
         self.data: Any = self
         self._writing = False  # the selector watches for writability
+        self.error: ssl.SSLError | None = None  # the refused TLS handshake that ended it, if any
 
     def register(self, sel: selectors.BaseSelector, data: Any = None) -> FramedConn:
         """Watches the socket for reading with ``sel`` (``data``: what the selector hands back)."""
@@ -83,8 +88,12 @@ class FramedConn:
         ProtocolError when the stream is out of sync."""
         try:
             data = self.sock.recv(1 << 16)
-        except (BlockingIOError, InterruptedError):
+            while isinstance(self.sock, ssl.SSLSocket) and data and self.sock.pending():
+                data += self.sock.recv(self.sock.pending())
+        except (BlockingIOError, InterruptedError, ssl.SSLWantReadError, ssl.SSLWantWriteError):
             return None
+        except ssl.SSLError as exc:
+            self.error, data = exc, b""
         except OSError:
             data = b""
         if not data:
@@ -101,7 +110,7 @@ class FramedConn:
         try:
             while self.out:
                 del self.out[:self.sock.send(self.out)]
-        except (BlockingIOError, InterruptedError):
+        except (BlockingIOError, InterruptedError, ssl.SSLWantReadError, ssl.SSLWantWriteError):
             pass
         except OSError:
             self.out.clear()

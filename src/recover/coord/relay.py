@@ -28,6 +28,9 @@ when any local connection closes, a local peer does not speak the protocol (it i
 coordinator fences the replica at once (``connection_closed``) and every rank's waiting calls
 raise ``CoordinatorLost``.
 
+TLS (:mod:`recover.coord.tls`): with a certificate, the upstream connection is a TLS client of the
+coordinator's and the local listener a TLS server to the ranks, both mutually authenticated.
+
 Coordinator restart: when the upstream connection ends without a fence, the ranks keep their
 connections and notice nothing but requests answered ``coordinator_restarted`` (as their own
 clients would answer them, :mod:`recover.coord.client`); the relay reconnects every
@@ -69,6 +72,7 @@ from recover.coord.protocol import (
     encode,
     register_ranks,
 )
+from recover.coord.tls import Tls
 
 _LETTER = {name: letter for letter, name in ACTIVITY_LETTERS.items()}
 
@@ -97,17 +101,21 @@ class Relay:
         heartbeat_interval_s: the batch interval until the coordinator names one.
         bind_host: where the ranks reach the relay (None: the address this node reaches the
             coordinator from, so ranks on the node and their link probes work as without a relay).
+        tls: both sides over TLS with this certificate (:mod:`recover.coord.tls`): upstream as a
+            client of the coordinator, and to its ranks as a server (None: plain TCP).
     """
 
     def __init__(self, host: str, port: int, token: str, replica_id: int, ranks: int,
                  heartbeat_interval_s: float = 0.1, bind_host: str | None = None,
-                 connect_timeout_s: float = 10.0, reconnect_s: float = 0.0) -> None:
+                 connect_timeout_s: float = 10.0, reconnect_s: float = 0.0, tls: Tls | None = None) -> None:
         if ranks < 1:
             raise ValueError(f"a relay speaks for ranks >= 1, got {ranks}")
         self.upstream_addr = (host, int(port))
         self._token, self.replica_id, self.ranks = token, int(replica_id), int(ranks)
         self.interval_s = heartbeat_interval_s
         self.bind_host, self.connect_timeout_s = bind_host, connect_timeout_s
+        self.tls = tls
+        self._tls_server = tls.server() if tls is not None else None
         self._locals: set[_Local] = set()
         self._member: Member[Asked] | None = None  # the replica's ranks as one member (from the first register)
         self._routes: dict[int, list[Asked]] = {}  # upstream id -> who asked
@@ -139,7 +147,7 @@ class Relay:
         Raises:
             OSError: the coordinator cannot be reached or the listener cannot bind.
         """
-        up = connect_patiently(self.upstream_addr, self.connect_timeout_s)  # the coordinator may be starting
+        up = self._secure(connect_patiently(self.upstream_addr, self.connect_timeout_s))  # it may be starting
         bind = self.bind_host or up.getsockname()[0]
         self._listener = socket.create_server((bind, 0), backlog=max(16, self.ranks))
         self._listener.setblocking(False)
@@ -220,6 +228,8 @@ class Relay:
                 sock, _ = self._listener.accept()
             except (BlockingIOError, InterruptedError):
                 return
+            if self.tls is not None:
+                sock = self.tls.accept(self._tls_server, sock)
             loc = _Local(sock)
             loc.register(self._sel)
             self._locals.add(loc)
@@ -443,6 +453,17 @@ class Relay:
         self._to_ranks(encode({"type": "error", "re": None, "code": "coordinator_gone", "message": why}))
         self._end(why)
 
+    def _secure(self, sock: socket.socket) -> socket.socket:
+        """The upstream connection over TLS, its handshake made (blocking, within the connect timeout);
+        ``sock`` itself without TLS. Raises OSError (``ssl.SSLError`` for a refused handshake)."""
+        if self.tls is None:
+            return sock
+        try:
+            return self.tls.client().wrap_socket(sock, server_hostname=self.upstream_addr[0])
+        except OSError:
+            sock.close()
+            raise
+
     def _try_reconnect(self) -> None:
         assert self._lost_at is not None and self._outage_since is not None
         now = time.monotonic()
@@ -453,7 +474,7 @@ class Relay:
             return
         self._next_try = now + RECONNECT_EVERY_S
         try:
-            up = socket.create_connection(self.upstream_addr, timeout=min(1.0, self.connect_timeout_s))
+            up = self._secure(socket.create_connection(self.upstream_addr, timeout=min(1.0, self.connect_timeout_s)))
         except OSError as exc:
             if host_answered(exc):
                 self._answered = time.monotonic()

@@ -7,7 +7,8 @@ wildcard) on which every generation's process group rendezvouses under ``gen{g}`
 of P > 1 ranks under ``gen{g}/lane{k}``), every entry sealed with the generation's secret
 (:mod:`recover.coord.sealing`: the store authenticates nobody), and a TCP service (``port``,
 length-prefixed JSON, :mod:`recover.coord.protocol`) to which every worker process keeps one
-persistent connection. Replica ids are admitted in ``[0, max_replicas)``; a joiner that has not
+persistent connection (over TLS with mutual authentication when given ``tls``,
+:mod:`recover.coord.tls`). Replica ids are admitted in ``[0, max_replicas)``; a joiner that has not
 started its rendezvous ``join_ready_s`` after its admission is fenced (:mod:`recover.coord.admission`:
 the server looks its sealed probe key up in the store it hosts).
 
@@ -59,6 +60,7 @@ from recover.coord.liveness import Liveness
 from recover.coord.protocol import CLIENT_TYPES, ProtocolError, encode
 from recover.coord.ranks import Close, Out, RankAggregator, SendTo
 from recover.coord.state import MembershipState
+from recover.coord.tls import Tls
 from recover.errors import ConfigError
 from recover.observe.events import EventLog
 
@@ -115,6 +117,8 @@ class Coordinator:
         max_replicas: replica ids are admitted in ``[0, max_replicas)`` (None: ``expected_replicas``).
         join_ready_s: an admitted joiner that has not started its rendezvous this long after its
             admission is fenced (:mod:`recover.coord.admission`).
+        tls: serve the wire over TLS, every worker (or relay) presenting a certificate signed by the
+            job's CA (:mod:`recover.coord.tls`; None: plain TCP).
     """
 
     def __init__(self, host: str = "127.0.0.1", port: int = 0, *, token: str, events_path: str | None = None,
@@ -123,7 +127,7 @@ class Coordinator:
                  hang_timeout_s: float = 0.0, die_at_commit: tuple[int, int] | None = None,
                  ranks_per_replica: int = 1, per_replica_connections: bool = False,
                  advertise_host: str | None = None, max_replicas: int | None = None,
-                 join_ready_s: float = JOIN_READY_S) -> None:
+                 join_ready_s: float = JOIN_READY_S, tls: Tls | None = None) -> None:
         if not token:
             raise ValueError("token must be a non-empty string")
         if heartbeat_timeout_s <= heartbeat_interval_s:
@@ -143,6 +147,8 @@ class Coordinator:
         self.expected_replicas = expected_replicas
         self.max_replicas = max_replicas
         self._joins = JoinWatch(join_ready_s)
+        self.tls = tls
+        self._tls_ctx = tls.server() if tls is not None else None
         self.register_timeout_s = register_timeout_s
         self.hang_timeout_s = hang_timeout_s
         self.die_at_commit = die_at_commit
@@ -197,7 +203,7 @@ class Coordinator:
             heartbeat_s=self.heartbeat_interval_s, beat_s=beat_interval(self.heartbeat_timeout_s),
             scan_s=scale.scan_interval(self.heartbeat_timeout_s, self.register_timeout_s, self.hang_timeout_s))
         self._log("coordinator_start", host=self.host, advertise_host=self.advertise_host, port=self.port,
-                  store_port=self.store_port,
+                  store_port=self.store_port, tls=self.tls is not None,
                   expected_replicas=self.expected_replicas, max_replicas=self.state.max_replicas,
                   heartbeat_s=self.heartbeat_interval_s,
                   heartbeat_timeout_s=self.heartbeat_timeout_s, connections=self.connections,
@@ -356,6 +362,8 @@ class Coordinator:
                 sock.close()
                 self._log("refused", peer=peer, code="too_many_connections")
                 continue
+            if self.tls is not None:
+                sock = self.tls.accept(self._tls_ctx, sock)
             conn = FramedConn(sock, CLIENT_TYPES).register(self._sel)
             self._conns.add(conn)
             self.aggregator.on_open(conn, peer, now)
@@ -366,6 +374,8 @@ class Coordinator:
         try:
             items = conn.receive()
         except EOFError:
+            if conn.error is not None:
+                self._log("refused", code="tls", message=str(conn.error))
             self._run(agg.on_closed(conn, "connection_closed", now))
             return
         except ProtocolError as exc:  # the stream is out of sync

@@ -22,6 +22,7 @@ from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
 from recover.config import Config, load_config
+from recover.coord.tls import Tls, add_tls_flags
 from recover.errors import ConfigError, RecoverError
 from recover.faults.registry import random_kinds, registered
 from recover.faults.schedule import KILL
@@ -97,6 +98,7 @@ def register(sub: argparse._SubParsersAction) -> None:
     p.add_argument("--overwrite", action="store_true",
                    help="start afresh in an --out that holds another run (deletes its records and checkpoints)")
     p.add_argument("--no-progress", action="store_true", help="no live progress display")
+    add_tls_flags(p)
     p.set_defaults(func=run_launch, accepts_overrides=True)
 
     c = sub.add_parser("compare", help="per-step loss difference of a run against a reference run",
@@ -129,6 +131,7 @@ def register(sub: argparse._SubParsersAction) -> None:
                         "that registers after the job began does so without it: a restarted pod or srun step)")
     w.add_argument("--baseline", choices=BASELINES, default=None, help=Baseline.describe())
     w.add_argument("--resume", action="store_true", help="start from the newest complete checkpoint in --out")
+    add_tls_flags(w)
     w.set_defaults(func=run_worker, accepts_overrides=True)
 
 
@@ -145,6 +148,8 @@ class LaunchRequest:
     replicas: int | None = None
     max_replicas: int | None = None
     """Replica ids the coordinator admits are ``0..max_replicas - 1`` (None: ``replicas``)."""
+    tls: tuple[str | None, str | None, str | None] = (None, None, None)
+    """``--tls-cert``, ``--tls-key``, ``--tls-ca``: the coordinator wire over TLS (all three) or not (none)."""
     steps: int | None = None
     pp: int | None = None
     tp: int | None = None
@@ -255,6 +260,7 @@ def check_launch(req: LaunchRequest) -> LaunchOptions:
     if req.rejoin_replicas is not None and not req.rejoin_replicas <= set(range(p.replicas)):
         raise ConfigError(f"--rejoin-replicas {','.join(map(str, sorted(req.rejoin_replicas)))} is not allowed: "
                           f"replicas are 0..{p.replicas - 1}")
+    tls = Tls.from_flags(*req.tls)
     if req.max_replicas is not None and req.max_replicas < p.replicas:
         raise ConfigError(f"--max-replicas {req.max_replicas} is not allowed: at least --replicas ({p.replicas})")
     if req.baseline == Baseline.RESTART and cfg.training.checkpoint_every == 0:
@@ -300,7 +306,7 @@ def check_launch(req: LaunchRequest) -> LaunchOptions:
                          random_faults=req.random_faults, rejoin_after_s=req.rejoin_after_s,
                          rejoin_replicas=req.rejoin_replicas, seed=req.seed, baseline=req.baseline,
                          progress=req.progress, resume=req.resume, kill_coordinator=req.kill_coordinator,
-                         placement=placement, script=req.script, max_replicas=req.max_replicas or p.replicas,
+                         placement=placement, script=req.script, max_replicas=req.max_replicas or p.replicas, tls=tls,
                          title=f"{cfg.name} x{p.replicas}" + (f" (x{P} ranks)" if P > 1 else ""))
 
 
@@ -435,7 +441,7 @@ def run_launch(args: argparse.Namespace) -> int:
     """``recover launch``: the flags as a :class:`LaunchRequest`, run by :func:`launch`."""
     return launch(LaunchRequest(
         out=Path(args.out), config=args.config, overrides=tuple(args.overrides), replicas=args.replicas,
-        max_replicas=args.max_replicas,
+        max_replicas=args.max_replicas, tls=(args.tls_cert, args.tls_key, args.tls_ca),
         steps=args.steps, pp=args.pp, tp=args.tp, fsdp=args.fsdp, procs_per_replica=args.procs_per_replica,
         deterministic=args.deterministic, device_time_s=args.device_time_s, fail_rank=args.fail_rank,
         failures=fault_specs(args),
@@ -502,7 +508,8 @@ def run_worker(args: argparse.Namespace) -> int:
     for text in fails:  # R@STEP:PHASE, with #RANK when the launcher was given --fail-rank
         spec, _, rank = text.partition("#")
         specs.append(parse_failure(spec, int(rank) if rank else None))
-    worker = ReplicaWorker(cfg, args.out, replica, host, int(port), token,
+    tls = Tls.from_flags(args.tls_cert, args.tls_key, args.tls_ca)
+    worker = ReplicaWorker(cfg, args.out, replica, host, int(port), token, tls=tls,
                            failures=specs, join=join, procs=args.procs, built=built,
                            baseline=Baseline(args.baseline) if args.baseline else None, resume=args.resume)
     holder.append(worker)

@@ -18,6 +18,7 @@ from dataclasses import asdict, dataclass, field
 from pathlib import Path
 
 from recover.config import RUN_CONFIG, Config
+from recover.coord.tls import Tls
 from recover.faults import FailureSchedule
 from recover.launch.placement import Placement
 from recover.names import WORKER_ENV, Baseline
@@ -50,6 +51,8 @@ class LaunchOptions:
     it learns its job from :data:`recover.api.WORKER_ENV`. No hot spare is kept for a script."""
     max_replicas: int | None = None
     """Replica ids the coordinator admits: ``0..max_replicas - 1`` (None: ``parallel.replicas``)."""
+    tls: Tls | None = None
+    """The coordinator wire over TLS: every process started gets ``--tls-*`` (None: plain TCP)."""
     kill_coordinator: str | None = None
     """Fault injection ``STEP[:SENT]``: the first coordinator SIGKILLs itself in step STEP's commit after
     SENT of its replies went out (the launcher then restarts it)."""
@@ -91,7 +94,7 @@ class Commands:
                      str(ft.min_replicas), "--heartbeat-interval", str(ft.heartbeat_interval_s),
                      "--heartbeat-timeout", str(ft.heartbeat_timeout_s), "--hang-timeout", str(ft.hang_timeout_s),
                      "--ranks-per-replica", str(self.ranks), "--connections", ft.connections,
-                     "--max-replicas", str(self.o.max_replicas or self.o.config.parallel.replicas))
+                     "--max-replicas", str(self.o.max_replicas or self.o.config.parallel.replicas), *self.tls_flags)
         if self.o.kill_coordinator and first:
             cmd += ["--die-at-commit", self.o.kill_coordinator]
         return cmd
@@ -100,7 +103,7 @@ class Commands:
         """``recover worker`` of this job, before it is told its replica."""
         cmd = python("worker", "--config", str(self.o.out / RUN_CONFIG), "--out", str(self.o.out), "--coordinator",
                      f"{addr.host}:{addr.port}", "--token-file", str(addr.token_file), "--procs",
-                     str(self.o.config.parallel.replicas * self.ranks))
+                     str(self.o.config.parallel.replicas * self.ranks), *self.tls_flags)
         if self.o.baseline:
             cmd += ["--baseline", Baseline(self.o.baseline).value]
         if resume:
@@ -120,8 +123,13 @@ class Commands:
         """What a user's script learns its job from (:data:`recover.names.WORKER_ENV`)."""
         job = {"coordinator": f"{addr.host}:{addr.port}", "token_file": str(addr.token_file), "out": str(self.o.out),
                "replica": rid, "fail": self.fails(rid), "join": join,
-               "resume": resume}  # Job(resume=) defaults to this run's checkpoints
+               "resume": resume,  # Job(resume=) defaults to this run's checkpoints
+               **({"tls": asdict(self.o.tls)} if self.o.tls else {})}
         return {WORKER_ENV: json.dumps(job)}
+
+    @property
+    def tls_flags(self) -> list[str]:
+        return self.o.tls.flags() if self.o.tls is not None else []
 
     def fails(self, rid: int) -> list[str]:
         """Failure specs of replica ``rid`` as the worker reads them, ``R@STEP:PHASE[#RANK]``, but those that

@@ -17,6 +17,7 @@ from pathlib import Path
 from typing import Any
 
 from recover.coord.client import CoordinatorLost
+from recover.coord.tls import Tls
 from recover.errors import StateLost
 from recover.faults import hang_on_signal, parse_failure
 from recover.names import Phase
@@ -39,9 +40,10 @@ def connect(job: Any) -> tuple[Session, ResilientStep]:
     hang_on_signal()  # the launcher's random hangs: the training thread stops, heartbeats go on
     host, _, port = info["coordinator"].rpartition(":")
     token = Path(info["token_file"]).read_text().strip()
+    tls = Tls(**info["tls"]) if info.get("tls") else None
     session = Session(info["config"], info["out"], rt.replica, host, int(port), token, specs,
                       join=bool(info.get("join")), rank=rt.rank, ranks=rt.ranks, start=job.start,
-                      restore=lambda: restore(job, Path(info["out"])))
+                      restore=lambda: restore(job, Path(info["out"])), tls=tls)
     session.stop_on_signals()
     try:
         return session, session.connect(job.replica, job.M, seed=job.seed, overlap=False)

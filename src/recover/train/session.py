@@ -90,7 +90,7 @@ class Session:
     def __init__(self, cfg: Config, out: str | os.PathLike[str], replica_id: int, host: str, port: int, token: str,
                  failures: list[FailureSpec] = (), *, join: bool = False, rank: int = 0, ranks: int = 1,
                  start: Progress | None = None, baseline: Baseline | str | None = None,
-                 restore: Restore | None = None) -> None:
+                 restore: Restore | None = None, tls: Any = None) -> None:
         self.cfg, self.out, self.replica_id = cfg, Path(out), replica_id
         self.host, self.port, self.token, self.join = host, port, token, join
         self.rank, self.ranks = rank, ranks
@@ -98,6 +98,7 @@ class Session:
         self.baseline = Baseline(baseline) if baseline else None
         self.failures = list(failures)
         self.restore = restore
+        self.tls = tls  # a recover.coord.tls.Tls: the coordinator wire over TLS (None: plain TCP)
         self.events = EventLog(self.out / "events.jsonl")
         self.log = JsonlWriter(replica_log_path(self.out, replica_id)) if rank == 0 else None
         self.client: Any = None  # the coordinator client, once connected
@@ -121,7 +122,8 @@ class Session:
             host, port, self.token, self.replica_id, heartbeat_interval_s=ft.heartbeat_interval_s, rank=self.rank,
             ranks=self.ranks, fence_exit_s=ft.fence_exit_s, on_fenced=self.exit_fenced,
             reconnect_s=ft.coordinator_reconnect_s,
-            on_reconnected=lambda s: self.event(Event.COORDINATOR_RECONNECTED, outage_ms=round(s * 1000, 1)))
+            on_reconnected=lambda s: self.event(Event.COORDINATOR_RECONNECTED, outage_ms=round(s * 1000, 1)),
+            tls=self.tls)
         client.committed_step = self.start.step - 1
         client.perturb = self.perturbation
         membership = client.register(join=self.join)
@@ -158,7 +160,8 @@ class Session:
             try:
                 ft = self.cfg.fault_tolerance
                 self.relay = Relay(self.host, self.port, self.token, self.replica_id, self.ranks,
-                                   ft.heartbeat_interval_s, reconnect_s=ft.coordinator_reconnect_s).start()
+                                   ft.heartbeat_interval_s, reconnect_s=ft.coordinator_reconnect_s,
+                                   tls=self.tls).start()
             except OSError as exc:
                 raise CoordinatorLost(f"replica {self.replica_id}: its relay cannot reach the coordinator at "
                                       f"{self.host}:{self.port}: {exc}") from None

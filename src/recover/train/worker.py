@@ -134,14 +134,15 @@ class ReplicaWorker:
 
     def __init__(self, cfg: Config, out: str | os.PathLike[str], replica: int, host: str, port: int, token: str,
                  failures: list[FailureSpec] = (), join: bool = False, procs: int = 1,
-                 built: Built | None = None, baseline: Baseline | str | None = None, resume: bool = False) -> None:
+                 built: Built | None = None, baseline: Baseline | str | None = None, resume: bool = False,
+                 tls: Any = None) -> None:
         self.cfg, self.out, self.replica_id = cfg, Path(out), replica
         self.replica, self.eval_data, ctx = built or build(cfg, procs)
         rank, ranks = (ctx.rank, ctx.world_size) if cfg.parallel.procs_per_replica > 1 else (0, 1)
         self.checkpointer = Checkpointer(self.out / "checkpoints", self.replica, cfg, self.replica.data.epoch_of)
         start = Progress.of(self.checkpointer.resume()[1]) if resume else Progress()
         self.session = Session(cfg, out, replica, host, port, token, failures, join=join, rank=rank, ranks=ranks,
-                               start=start, baseline=baseline, restore=self.restore)
+                               start=start, baseline=baseline, restore=self.restore, tls=tls)
 
     def restore(self) -> Progress | None:
         """Every replica holding the state was lost: the newest complete checkpoint, loaded (None: none)."""
