@@ -1,4 +1,5 @@
-"""Shared fixtures: a small prepared corpus and a runner for `recover` subprocesses.
+"""Shared fixtures: a small prepared corpus, TLS certificates of a test CA, and a runner for `recover`
+subprocesses.
 
 Every subprocess is started in its own session and, if it outlives its timeout, stopped by PID
 (never by name): SIGINT to its process group first (a launcher then stops the coordinator and the
@@ -19,9 +20,11 @@ import errno
 import json
 import multiprocessing.process
 import os
+import shutil
 import subprocess
 import sys
 from pathlib import Path
+from typing import Any
 
 import pytest
 
@@ -111,3 +114,40 @@ def corpus(tmp_path_factory: pytest.TempPathFactory) -> Path:
     out = tmp_path_factory.mktemp("corpus") / "stdlib"
     prepare_builtin("stdlib", out, max_bytes=1_500_000, quiet=True)
     return out
+
+
+LEAF = ("basicConstraints=CA:FALSE\nkeyUsage=critical,digitalSignature,keyEncipherment\n"
+        "extendedKeyUsage=serverAuth,clientAuth\nsubjectKeyIdentifier=hash\nauthorityKeyIdentifier=keyid\n")
+
+
+def openssl(*args: str, cwd: Path) -> None:
+    subprocess.run(["openssl", *args], cwd=cwd, check=True, capture_output=True, timeout=60)
+
+
+def make_ca(d: Path, name: str) -> None:
+    openssl("req", "-x509", "-newkey", "rsa:2048", "-nodes", "-keyout", f"{name}.key", "-out", f"{name}.pem",
+            "-days", "1", "-subj", f"/CN={name}", "-addext", "basicConstraints=critical,CA:TRUE",
+            "-addext", "keyUsage=critical,keyCertSign,cRLSign", cwd=d)
+
+
+def make_leaf(d: Path, name: str, ca: str) -> Any:
+    from recover.coord.tls import Tls
+
+    (d / "leaf.ext").write_text(LEAF)
+    openssl("req", "-newkey", "rsa:2048", "-nodes", "-keyout", f"{name}.key", "-out", f"{name}.csr",
+            "-subj", f"/CN={name}", cwd=d)
+    openssl("x509", "-req", "-in", f"{name}.csr", "-CA", f"{ca}.pem", "-CAkey", f"{ca}.key", "-CAcreateserial",
+            "-out", f"{name}.pem", "-days", "1", "-extfile", "leaf.ext", cwd=d)
+    return Tls(str(d / f"{name}.pem"), str(d / f"{name}.key"), str(d / "ca.pem"))
+
+
+@pytest.fixture(scope="session")
+def pki(tmp_path_factory: pytest.TempPathFactory) -> dict[str, Any]:
+    """A CA, a certificate it signs for the job's processes (``job``) and one another CA signs
+    (``stranger``), made with the ``openssl`` command (the test is skipped where there is none)."""
+    if shutil.which("openssl") is None:
+        pytest.skip("no openssl command to make the test's certificates with")
+    d = tmp_path_factory.mktemp("pki")
+    make_ca(d, "ca")
+    make_ca(d, "other-ca")
+    return {"job": make_leaf(d, "node", "ca"), "stranger": make_leaf(d, "stranger", "other-ca")}

@@ -9,9 +9,7 @@ each logged, and the coordinator serves on.
 
 from __future__ import annotations
 
-import shutil
 import ssl
-import subprocess
 import threading
 import time
 from pathlib import Path
@@ -25,39 +23,6 @@ from recover.errors import ConfigError
 from recover.observe.events import read_jsonl
 
 TOKEN = "tl5"
-LEAF = ("basicConstraints=CA:FALSE\nkeyUsage=critical,digitalSignature,keyEncipherment\n"
-        "extendedKeyUsage=serverAuth,clientAuth\nsubjectKeyIdentifier=hash\nauthorityKeyIdentifier=keyid\n")
-
-
-def openssl(*args: str, cwd: Path) -> None:
-    subprocess.run(["openssl", *args], cwd=cwd, check=True, capture_output=True, timeout=60)
-
-
-def make_ca(d: Path, name: str) -> None:
-    openssl("req", "-x509", "-newkey", "rsa:2048", "-nodes", "-keyout", f"{name}.key", "-out", f"{name}.pem",
-            "-days", "1", "-subj", f"/CN={name}", "-addext", "basicConstraints=critical,CA:TRUE",
-            "-addext", "keyUsage=critical,keyCertSign,cRLSign", cwd=d)
-
-
-def make_leaf(d: Path, name: str, ca: str) -> Tls:
-    (d / "leaf.ext").write_text(LEAF)
-    openssl("req", "-newkey", "rsa:2048", "-nodes", "-keyout", f"{name}.key", "-out", f"{name}.csr",
-            "-subj", f"/CN={name}", cwd=d)
-    openssl("x509", "-req", "-in", f"{name}.csr", "-CA", f"{ca}.pem", "-CAkey", f"{ca}.key", "-CAcreateserial",
-            "-out", f"{name}.pem", "-days", "1", "-extfile", "leaf.ext", cwd=d)
-    return Tls(str(d / f"{name}.pem"), str(d / f"{name}.key"), str(d / "ca.pem"))
-
-
-@pytest.fixture(scope="module")
-def pki(tmp_path_factory: pytest.TempPathFactory) -> dict[str, Tls]:
-    if shutil.which("openssl") is None:
-        pytest.skip("no openssl command to make the test's certificates with")
-    d = tmp_path_factory.mktemp("pki")
-    make_ca(d, "ca")
-    make_ca(d, "other-ca")
-    return {"job": make_leaf(d, "node", "ca"), "stranger": make_leaf(d, "stranger", "other-ca")}
-
-
 @pytest.fixture()
 def coord(pki: dict[str, Tls], tmp_path: Path):
     c = Coordinator(token=TOKEN, events_path=str(tmp_path / "events.jsonl"), expected_replicas=2,

@@ -7,6 +7,9 @@ generations to come, overwrites every entry it lists, and tries to register; and
 who starts ``recover worker`` with a replica id beyond ``--max-replicas``. The stranger is refused,
 its writes are never read, the extra worker is refused in one line (exit 2), and the run is bitwise
 equal to the failure-free reference. Nothing the coordinator logs holds a generation's secret.
+
+Then a job of replicas of 2 ranks (each behind its relay) runs over TLS with mutual authentication
+(``--tls-*``, certificates of a CA made by ``openssl`` here), through a killed and replaced replica.
 """
 
 from __future__ import annotations
@@ -32,7 +35,7 @@ from test_launch import (  # noqa: F401 - fixtures: the failure-free reference, 
     second_source,
 )
 
-from conftest import losses, subprocess_env
+from conftest import losses, run_recover, subprocess_env
 from recover.coord.protocol import FrameDecoder, encode
 from recover.observe.events import read_jsonl
 
@@ -113,3 +116,17 @@ def test_a_stranger_and_an_extra_replica_id_are_refused_and_the_job_is_bitwise_u
     assert max(e["generation"] for e in ev if e["kind"] == "generation") >= 3  # formed after the stranger wrote
     for text in [(run / "events.jsonl").read_text(), *(p.read_text() for p in (run / "logs").glob("*.log"))]:
         assert not SECRET_LIKE.search(text), SECRET_LIKE.search(text)
+
+
+def test_a_launch_over_tls_trains_through_a_kill_and_a_rejoin(corpus: Path, tmp_path: Path, pki: dict) -> None:
+    run = tmp_path / "tls"
+    steps = 8
+    run_recover(["launch", "--config", "debug", "--replicas", "2", "--fsdp", "2", "--steps", str(steps), "--out",
+                 str(run), "--no-progress", "--data.path", str(corpus), "--training.eval_every=0",
+                 "--fail", "1@3:backward", "--rejoin-after", "0", *pki["job"].flags()], timeout=300)
+    recs = rows(run)
+    assert [r["step"] for r in recs] == list(range(steps)) and all(r["microbatches"] == M for r in recs)
+    ev = events(run)
+    assert next(e for e in ev if e["kind"] == "coordinator_start")["tls"] is True
+    assert not [e for e in ev if e["kind"] == "refused"]
+    assert sorted(e["rank"] for e in ev if e["kind"] == "state_received" and e["replica"] == 1) == [0, 1]
