@@ -56,6 +56,10 @@ Stop: ``stop_requested = True`` (the worker's SIGTERM handler) goes with the nex
 that is a stop sets ``stopping`` (every member stops after that step), and so does the
 ``stopping`` push to a replica still waiting to be admitted (then the connection is lost too).
 
+TLS (:mod:`recover.coord.tls`): with ``tls`` the connection is TLS with mutual authentication, its
+handshake made at connect; reader and senders then share it through a
+:class:`~recover.coord.tls.SerialSocket`.
+
 Join: ``register(join=True)`` returns once a commit admitted the replica (``membership.joined``
 lists it); the old members get that Membership back from ``vote_commit`` (the state transfer that
 follows: docs/DESIGN.md §4.3).
