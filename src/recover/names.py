@@ -177,4 +177,5 @@ class Event(str, Enum):
 WORKER_ENV = "RECOVER_WORKER"
 """Set by ``recover launch ... -- CMD`` in each replica's process, as JSON: ``coordinator`` (HOST:PORT),
 ``token_file``, ``out`` (the run directory), ``replica``, ``fail`` (its fault specs ``R@STEP:PHASE[=FAULT]``)
-and ``join`` (it joins a running job). :func:`recover.api.init` reads it."""
+and ``join`` (it joins a running job); ``tls`` (``cert``, ``key``, ``ca``) when the coordinator wire is TLS
+(:mod:`recover.coord.tls`). :func:`recover.api.init` reads it."""
