@@ -176,7 +176,8 @@ def run(kills: int = 20, replicas: int = 4, floats: int = 10_000_000, kill_float
     token = secrets.token_hex(16)
     tmp = tempfile.mkdtemp(prefix="recover-bench-")
     events = Path(tmp) / "events.jsonl"
-    coord = Coordinator(token=token, events_path=str(events), expected_replicas=replicas).start()
+    coord = Coordinator(token=token, events_path=str(events), expected_replicas=replicas,
+                        max_replicas=replicas + kills).start()  # each kill's spare joins with a new id
     procs: dict[int, _Proc] = {}
     spare: _Proc | None = None
     try:
