@@ -256,15 +256,82 @@ def test_a_lone_survivor_that_hangs_is_fenced_and_the_job_restores_its_checkpoin
     assert json.loads((tmp_path / "summary.json").read_text())["goodput"]["lost_s"]["restart"] > 0
 
 
-def test_every_replica_killed_at_once_restores_the_newest_checkpoint_by_itself(reference_det: Path,
-                                                                              corpus: Path, tmp_path: Path) -> None:
-    """All four replicas are SIGKILLed at the same moment from outside: the replicas started in their place
-    find nobody holding the state, the first one back restores the newest complete checkpoint, the others
-    take its state as they come, and the job finishes with exit 0, every step bitwise equal to the
-    failure-free run."""
+SECRET_LIKE = re.compile(r"\b[0-9a-f]{32}\b")
+
+
+def _stranger_writes(host: str, store_port: int) -> int:
+    """What a stranger on the store port does: every old name of the next generations forged, every entry it
+    lists overwritten. Returns how many entries it listed."""
+    from datetime import timedelta
+
+    import torch.distributed as dist
+
+    store = dist.TCPStore(host, store_port, None, False, timedelta(seconds=5))
+    listed = store.list_keys()
+    for name in listed:
+        store.set(name, "127.0.0.1:1")
+    for g in range(1, 8):
+        for r in range(4):
+            store.set(f"gen{g}/0/{r}", "127.0.0.1:1")
+            store.set(f"gen{g}/probe/{r}", "127.0.0.1:1")
+    return len(listed)
+
+
+def _stranger_registers(host: str, port: int) -> dict:
+    """A register without the token: the coordinator's answer."""
+    import socket
+
+    from recover.coord.protocol import FrameDecoder, encode
+
+    with socket.create_connection((host, port), timeout=10) as sock:
+        sock.sendall(encode({"type": "register", "id": 1, "token": "guessed", "replica": 0, "join": True}))
+        decoder = FrameDecoder()
+        while True:
+            got = decoder.feed(sock.recv(1 << 16))
+            if got:
+                return got[0]
+
+
+def _coordinator_start(run: Path, proc: subprocess.Popen[bytes], timeout: float = 60) -> dict:
+    """The coordinator's ``coordinator_start`` event, once it is in ``events.jsonl``."""
+    deadline = time.monotonic() + timeout
+    while True:
+        path = run / "events.jsonl"
+        found = [e for e in events(run) if e["kind"] == "coordinator_start"] if path.exists() else []
+        if found:
+            return found[0]
+        assert time.monotonic() < deadline and proc.poll() is None, "the coordinator never started"
+        time.sleep(0.05)
+
+
+def test_intruders_and_every_replica_killed_at_once_leave_the_run_bitwise_unaffected(
+        reference_det: Path, corpus: Path, tmp_path: Path) -> None:
+    """While the job trains: a stranger without the token lists the coordinator's store, forges every key a
+    generation's group used to read in the clear for the generations to come, overwrites every entry it lists
+    and tries to register (refused); a holder of the token starts `recover worker` with a replica id beyond
+    --max-replicas (refused in one line, exit 2). Then all four replicas are SIGKILLed at the same moment from
+    outside: the replicas started in their place find nobody holding the state, the first one back restores
+    the newest complete checkpoint, the others take its state as they come. Exit 0, every step bitwise equal
+    to the failure-free run, and nothing the job logs holds a generation's secret."""
     run = tmp_path / "run"
-    proc = _start_launch(run, corpus, "--rejoin-after", "0", "--training.checkpoint_every=4")
+    proc = _start_launch(run, corpus, "--rejoin-after", "0", "--training.checkpoint_every=4", "--device-time-s", "0.2")
+    extra = None
     try:
+        start = _coordinator_start(run, proc)
+        assert start["max_replicas"] == 4
+        extra = subprocess.Popen([sys.executable, "-m", "recover", "worker", "--config", str(run / "config.json"),
+                                  "--out", str(tmp_path / "extra"), "--coordinator", f"127.0.0.1:{start['port']}",
+                                  "--token-file", str(run / "token"), "--replica", "4", "--join"],
+                                 env=subprocess_env(), stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+        _await_step(run, 2, proc)
+        assert _stranger_writes("127.0.0.1", start["store_port"]) > 0
+        reply = _stranger_registers("127.0.0.1", start["port"])
+        assert reply["type"] == "error" and reply["code"] == "unauthorized", reply
+        _, said = extra.communicate(timeout=120)
+        assert extra.returncode == 2, said
+        assert said.strip().splitlines() == [
+            "recover: error: coordinator refused the request: bad_replica: replica id 4 is outside this job's "
+            "0..3 (--max-replicas lets it grow)"]
         _await_step(run, 10, proc)
         workers = [p for p in _processes_of(run) if b"--replica\x00" in Path(f"/proc/{p}/cmdline").read_bytes()]
         assert len(workers) == 4
@@ -273,17 +340,24 @@ def test_every_replica_killed_at_once_restores_the_newest_checkpoint_by_itself(r
         _, err = proc.communicate(timeout=180)
         assert proc.returncode == 0, err.decode()[-3000:]
     finally:
+        if extra is not None and extra.poll() is None:
+            extra.kill()
+            extra.wait(10)
         _reap(run, proc)
     recs = rows(run)
     assert [r["step"] for r in recs] == list(range(STEPS)) and all(r["microbatches"] == M for r in recs)
     assert losses(run) == losses(reference_det)
     ev = events(run)
+    assert {e["code"] for e in ev if e["kind"] == "refused"} == {"unauthorized", "bad_replica"}
     restored = [e for e in ev if e["kind"] == "restored"]
     assert len(restored) == 1 and restored[0]["step"] % 4 == 0 and 8 <= restored[0]["step"] < STEPS
     after = [e for e in ev if e["kind"] == "state_received" and e["t"] > restored[0]["t"]]
     assert all(e["step"] > restored[0]["step"] for e in after)  # the others took the restored state
+    assert sorted(e["replica"] for e in ev if e["kind"] == "failure_detected") == [0, 1, 2, 3]  # the kills alone
     assert json.loads((run / "summary.json").read_text())["kills"] == 4
     assert sorted(e["replica"] for e in ev if e["kind"] == "rejoin_started") == [0, 1, 2, 3]
+    for text in [(run / "events.jsonl").read_text(), *(p.read_text() for p in (run / "logs").glob("*.log"))]:
+        assert not SECRET_LIKE.search(text), SECRET_LIKE.search(text)
 
 
 def test_a_replica_frozen_for_good_is_fenced_reaped_and_replaced(reference_det: Path, corpus: Path,
