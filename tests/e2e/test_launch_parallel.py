@@ -4,7 +4,8 @@ Each configuration (pp2 with 1F1B, fsdp2, pp2 x tp2 with GPipe) runs 2 replicas 
 `debug` model (M = 8) with the LAST rank of replica 1 SIGKILLed (pp2 x tp2) or SIGSTOPped for good
 mid-step (its replica's other ranks are reaped, the surviving replica's ranks recover in-step on
 their lanes); in the pp2 and fsdp2 cases the whole replica then rejoins from a hot
-spare and takes its state, rank by rank, from the survivor. Checks: every step commits all M
+spare and takes its state, rank by rank, from the survivor; the fsdp2 case runs over TLS with mutual
+authentication (the coordinator, the relays and every rank's connection). Checks: every step commits all M
 microbatches; the per-step losses are within 2e-5 relative of a plain one-process run with the same
 global batch (the failure-free layouts alone are compared with it in tests/dist/test_parallel_dist.py);
 and recovery took far less than the intra-replica timeout (no rank of the surviving replica waited
@@ -14,6 +15,7 @@ for a backend timeout).
 from __future__ import annotations
 
 import json
+import shutil
 from pathlib import Path
 
 import pytest
@@ -60,12 +62,19 @@ stuck in a collective inside the replica, leave within 2 s quietly; the launcher
 REJOIN = {"pp2", "fsdp2"}
 
 
+TLS = "fsdp2"
+"""The case that runs over TLS with mutual authentication on the coordinator wire (``--tls-*``, the ``pki``
+fixture's certificates; where there is no ``openssl`` to make them, it runs in the clear)."""
+
+
 @pytest.mark.parametrize("name", list(CONFIGS))
-def test_kill_one_rank_of_a_replica(name: str, plain: Path, corpus: Path, tmp_path: Path) -> None:
+def test_kill_one_rank_of_a_replica(name: str, plain: Path, corpus: Path, tmp_path: Path,
+                                    request: pytest.FixtureRequest) -> None:
     run = tmp_path / "killed"
     rejoin = ["--rejoin-after", "0.2"] if name in REJOIN else []
     fault = ["--freeze", "1@2:backward", "--device-time-s", "0.1"] if name in FROZEN else ["--fail", "1@2:backward"]
-    launch(run, corpus, *CONFIGS[name], *fault, *rejoin)
+    tls = request.getfixturevalue("pki")["job"].flags() if name == TLS and shutil.which("openssl") else []
+    launch(run, corpus, *CONFIGS[name], *fault, *rejoin, *tls)
 
     recs = rows(run)
     assert [r["step"] for r in recs] == list(range(STEPS))
@@ -93,6 +102,8 @@ def test_kill_one_rank_of_a_replica(name: str, plain: Path, corpus: Path, tmp_pa
         assert exits.count((1, 0)) == 1
     recovered = [e for e in ev if e["kind"] == "recovered" and e["replica"] == 0]
     assert sorted(e["rank"] for e in recovered) == list(range(ranks))  # every rank of the survivor recovered
+    assert next(e for e in ev if e["kind"] == "coordinator_start")["tls"] is bool(tls)
+    assert not [e for e in ev if e["kind"] == "refused"]
     summary = json.loads((run / "summary.json").read_text())
     assert summary["min_microbatches"] == M and len(summary["recoveries"]) == 1
     assert summary["recoveries"][0]["latency_ms"] < INTRA_TIMEOUT_S * 1000 / 4
