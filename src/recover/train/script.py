@@ -59,13 +59,17 @@ def connect(job: Any) -> tuple[Session, ResilientStep]:
 
 
 def restore(job: Any, out: Path) -> Any:
-    """Every replica holding the state was lost: the newest complete checkpoint of ``job.save()`` in the run,
-    loaded into the job's replica (None: there is none)."""
+    """Every replica holding the state was lost: the newest intact checkpoint of ``job.save()`` in the run,
+    loaded into the job's replica (None: there is none, or every one is damaged or of another model)."""
+    from recover.errors import CheckpointError
     from recover.train import own_checkpoint
     from recover.train.integrity import list_checkpoints
 
     root = own_checkpoint.checkpoints_of(out)
-    return own_checkpoint.resume(root, job.replica, clean=False) if list_checkpoints(root) else None
+    try:
+        return own_checkpoint.resume(root, job.replica, clean=False) if list_checkpoints(root) else None
+    except CheckpointError:  # each damaged one was named on stderr
+        return None
 
 
 def record(session: Session, job: Any, outcome: StepOutcome, dt: float) -> None:

@@ -145,12 +145,17 @@ class ReplicaWorker:
                                start=start, baseline=baseline, restore=self.restore, tls=tls)
 
     def restore(self) -> Progress | None:
-        """Every replica holding the state was lost: the newest complete checkpoint, loaded (None: none)."""
+        """Every replica holding the state was lost: the newest intact checkpoint, loaded (None: none, or every
+        one damaged: each named on stderr)."""
+        from recover.errors import CheckpointError
         from recover.train.integrity import list_checkpoints
 
         if not list_checkpoints(self.checkpointer.root):
             return None
-        path, counters = self.checkpointer.resume()
+        try:
+            path, counters = self.checkpointer.resume()
+        except CheckpointError:
+            return None
         print(f"recover: replica {self.replica_id}: every replica holding the training state was lost; restored "
               f"{path} (step {counters['step']})", file=sys.stderr, flush=True)
         return Progress.of(counters)
