@@ -36,7 +36,7 @@ class QuorumLost(RecoverError):
 
 
 class StateLost(RecoverError):
-    """Every replica that held the training state was lost and there is no complete checkpoint to fall back to."""
+    """Every replica that held the training state was lost and there is no intact checkpoint to fall back to."""
 
 
 class PeerFailure(Exception):

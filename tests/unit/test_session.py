@@ -17,7 +17,7 @@ def test_nobody_holding_the_state_and_no_checkpoint_ends_with_one_line_and_statu
     s = Session(load_config("debug"), tmp_path, 3, "127.0.0.1", 1, "t")
     saves: list[Path | None] = []
     exc = StateLost("every replica that held the training state was lost before step 6 was committed, and there "
-                    "is no complete checkpoint to fall back to")
+                    "is no intact checkpoint to fall back to")
     assert s.status(exc, saves.append) == EXIT_STATE_LOST and saves == []  # nothing to save: no state here
     lines = capsys.readouterr().err.strip().splitlines()
     assert len(lines) == 1 and lines[0].startswith("recover: replica 3: every replica that held")

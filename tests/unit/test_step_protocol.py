@@ -405,7 +405,7 @@ def test_a_joiner_with_nobody_holding_the_state_restores_the_newest_checkpoint(c
                       restore=lambda: checkpoint)
     holder.append(p)
     if checkpoint is None:
-        with pytest.raises(StateLost, match="no complete checkpoint to fall back to"):
+        with pytest.raises(StateLost, match="no intact checkpoint to fall back to"):
             p.join()
         return
     p.join()

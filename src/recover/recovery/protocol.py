@@ -449,7 +449,7 @@ class ResilientStep:
         found = self.restore() if self.restore is not None else None
         if found is None:
             raise StateLost(f"every replica that held the training state was lost before step {m.step} was "
-                            "committed, and there is no complete checkpoint to fall back to")
+                            "committed, and there is no intact checkpoint to fall back to")
         self.progress = found
         self.coordinator.committed_step = found.step - 1
         self.speeds = m.speeds

@@ -33,7 +33,7 @@ EXIT_BAD_DATA = 10
 is wrong, on every replica alike; the lowest member saved the last committed state."""
 
 EXIT_STATE_LOST = 11
-"""every replica that held the training state was lost and there was no complete checkpoint to fall back to
+"""every replica that held the training state was lost and there was no intact checkpoint to fall back to
 (with one, the job restores it and goes on by itself); run again, from the start or from a checkpoint of
 another run."""
 
