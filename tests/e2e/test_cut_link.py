@@ -1,8 +1,9 @@
 """A link cut for good: replica 2's worker runs in its own network namespace, joined to the coordinator's
-by a veth pair, and mid-run the pair's link goes down, or the namespace's route to the coordinator's host
-becomes a black hole (its packets are dropped, the worker's sockets are told nothing). The cut-off worker
-leaves within 10 s with one line and the fenced status, no traceback; replicas 0 and 1 go on committing
-steps without it.
+by a veth pair, and mid-run the namespace's route to the coordinator's host becomes a black hole (its
+packets are dropped, the worker's sockets are told nothing: the coordinator's retransmissions still
+arrive, which is why the worker judges by what its host acknowledges). The cut-off worker leaves within
+10 s with one line and the fenced status, no traceback; replicas 0 and 1 go on committing steps without
+it. (A link that goes down is judged the same way; by hand it left in 3.0-3.4 s.)
 
 The coordinator and the workers are started by hand (as the cluster recipes do), the coordinator bound to
 the host end of the pair, each worker's gloo on its own end. Needs root and `ip` (network namespaces);
@@ -117,22 +118,21 @@ def wait_until(done: object, timeout: float, what: str) -> None:
         time.sleep(0.1)
 
 
-def cut(net: Net, how: str) -> subprocess.CompletedProcess[str]:
-    if how == "link down":
-        return ip("link", "set", net.host_if, "down")
+def cut(net: Net) -> subprocess.CompletedProcess[str]:
+    """The namespace's route to the coordinator's host becomes a black hole: its packets are dropped, its
+    sockets told nothing (the harder case: a link that goes down tells the kernel, and the worker's
+    connection gets no acknowledgement either way)."""
     return ip("-n", net.ns, "route", "add", "blackhole", f"{net.host_ip}/32")
 
 
-@pytest.mark.parametrize("how", ["link down", "packets dropped"])
-def test_a_worker_cut_off_leaves_in_one_line_and_the_job_goes_on(how: str, net: Net, corpus: Path,
-                                                                 tmp_path: Path) -> None:
+def test_a_worker_cut_off_leaves_in_one_line_and_the_job_goes_on(net: Net, corpus: Path, tmp_path: Path) -> None:
     job = Job(tmp_path / "run", net)
     try:
         (w0, _), (w1, _) = job.worker(0, corpus, False), job.worker(1, corpus, False)
         off, err = job.worker(2, corpus, True)
         wait_until(lambda: len(job.steps(2)) >= 2, 60, "replica 2's first steps")
         before = err.read_text()
-        assert cut(net, how).returncode == 0
+        assert cut(net).returncode == 0
         t0 = time.monotonic()
         wait_until(lambda: off.poll() is not None, LEAVE_S + 5, "the cut-off worker to leave")
         left_s = time.monotonic() - t0

@@ -348,23 +348,6 @@ def test_intruders_and_every_replica_killed_at_once_leave_the_run_bitwise_unaffe
         assert not SECRET_LIKE.search(text), SECRET_LIKE.search(text)
 
 
-def test_a_replica_frozen_for_good_is_fenced_reaped_and_replaced(reference_det: Path, corpus: Path,
-                                                                 tmp_path: Path) -> None:
-    # 0.1 s per microbatch (emulated devices): the job outlasts detection, reaping and the rejoin
-    launch(tmp_path, corpus, "--deterministic", "--freeze", "2@3:reduce", "--rejoin-after", "0",
-           "--device-time-s", "0.1")
-    summary = check_run(tmp_path, reference_det, bitwise=True, kills=1)
-    assert summary["rejoins"] == 1
-    ev = events(tmp_path)
-    frozen = next(e for e in ev if e["kind"] == "kill")
-    assert frozen["fault"] == "freeze" and gone(frozen["pid"])
-    assert next(e for e in ev if e["kind"] == "failure_detected")["cause"] == "heartbeat_timeout"
-    assert any(e["kind"] == "reaped" and e["replica"] == 2 for e in ev)  # SIGKILLed: it could not exit itself
-    assert any(e["kind"] == "state_received" and e["replica"] == 2 for e in ev)
-    live = [r["live_replicas"] for r in rows(tmp_path)]
-    assert live[2] == 4 and 3 in live[3:] and live[-1] == 4  # gone from step 3, back with the state
-
-
 def test_a_straggler_gets_fewer_microbatches_without_changing_the_trajectory(reference_det: Path, corpus: Path,
                                                                              tmp_path: Path) -> None:
     """Replica 3's microbatches take 4x as long from step 3 (emulated devices): the agreed speeds name
