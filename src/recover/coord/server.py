@@ -294,7 +294,7 @@ class Coordinator:
         while not self._stopping:
             events = self._sel.select(self._tick_s)
             now = time.monotonic()
-            stall = now - last - self._tick_s
+            stall, last = now - last - self._tick_s, now  # from the last pass's start: a pause inside a pass counts
             with self._cond:
                 if self._stop_job:
                     self._stop_job = False
@@ -316,7 +316,6 @@ class Coordinator:
                     if agg.state.current is not None:
                         self._joins.formed(agg.state.current, self._lanes_of, now)
                     gc.freeze()
-            last = time.monotonic()
 
     def _lanes_of(self, replica: int) -> int | None:
         assert self.aggregator is not None
