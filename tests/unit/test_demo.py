@@ -38,3 +38,15 @@ def test_the_printed_launch_flags_inject_the_same_faults() -> None:
     flags = " ".join(fault.flag(STEPS) for fault in DEMO_FAULTS).split()
     args = build_parser().parse_args(["launch", "--out", "x", *flags])
     assert sorted(fault_specs(args)) == sorted(demo_failures(STEPS))
+
+
+def test_the_closing_lines_name_commands_that_parse(tmp_path: Path) -> None:
+    """What the demo tells a new user to try next is a valid command line of this recover."""
+    import shlex
+
+    from recover.cli import build_parser
+    from recover.launch.demo import next_commands
+
+    lines = [line.split("#")[0].strip() for line in next_commands(tmp_path / "failures").splitlines()[1:]]
+    parsed = [build_parser().parse_args(shlex.split(line)[1:]) for line in lines]
+    assert [a.command for a in parsed] == ["sample", "export", "report"]

@@ -7,7 +7,10 @@ slower for a while) and a corrupted replica (one parameter bit flipped); each lo
 with the others' state. It prints, per fault, its detection and recovery times, and the two runs
 side by side: microbatches per step (all M), the largest loss deviation from the reference (0:
 bitwise equal), and goodput with the time lost by cause. Both launches are checked before the first
-starts; the plots (loss over the reference, throughput, goodput) stay in the run directory.
+starts; the plots (loss over the reference, throughput, goodput) stay in the run directory, and so does
+a complete checkpoint of the last step (``training.checkpoint_every = "auto"``: Young/Daly's interval,
+which for a run this short is a save after the first step and one at the end), so the closing lines can
+name what to try next on the trained model: ``recover sample``, ``recover export``, ``recover report``.
 """
 
 from __future__ import annotations
@@ -91,7 +94,7 @@ def demo_requests(out: Path, config: str = "tiny", steps: int | None = STEPS,
     n = steps or load_config(config).training.steps
     common: dict[str, Any] = dict(  # overwrite: the demo owns its directories
         config=config, replicas=REPLICAS, steps=steps, progress=progress, overwrite=True, deterministic=True,
-        overrides=(f"--fault_tolerance.hang_timeout_s={HANG_TIMEOUT_S:g}",))
+        overrides=(f"--fault_tolerance.hang_timeout_s={HANG_TIMEOUT_S:g}", "--training.checkpoint_every=auto"))
     reference = LaunchRequest(out=out / "reference", **common)
     faults = LaunchRequest(out=out / "failures", failures=demo_failures(n), rejoin_after_s=REJOIN_AFTER_S,
                            reference=out / "reference", **common)
@@ -119,9 +122,19 @@ def run_demo(args: argparse.Namespace) -> int:
     s_run = json.loads((faults.out / "summary.json").read_text())
     console.print(faults_table(s_run["faults"], title="recover demo: each fault, found and recovered from in-step"))
     console.print(comparison_table(s_ref, s_run, compare(reference.out, faults.out)))
-    console.print(f"plots in {faults.out}: loss.png (over the reference), throughput.png, goodput.png; "
-                  f"`recover report {faults.out}` prints these tables again")
+    console.print(f"plots in {faults.out}: loss.png (over the reference), throughput.png, goodput.png")
+    console.print(next_commands(faults.out), soft_wrap=True, highlight=False)
     return 0
+
+
+def next_commands(run: Path) -> str:
+    """The closing lines: what to try next on the run the demo trained (its final checkpoint is there)."""
+    return "\n".join([
+        "next, on the model the faulty run trained (its final checkpoint is in the run directory):",
+        f"  recover sample {run} --prompt 'def main('      # continue a prompt",
+        f"  recover export {run} --format hf --out {run.parent / 'hf'}   # a Hugging Face Llama",
+        f"  recover report {run} --reference {run.parent / 'reference'}   # these tables again",
+    ])
 
 
 def comparison_table(s_ref: dict[str, Any], s_run: dict[str, Any], cmp: dict[str, Any]) -> Table:
