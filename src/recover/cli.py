@@ -28,6 +28,7 @@ COMMAND_MODULES = (
     "recover.launch.cli",  # launch, compare, worker
     "recover.launch.report",  # report
     "recover.launch.collect",  # collect
+    "recover.launch.status",  # status
     "recover.coord.cli",  # coordinator
     "recover.ops.check",  # check
     "recover.bench.cli",  # bench ...

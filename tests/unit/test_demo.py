@@ -49,4 +49,4 @@ def test_the_closing_lines_name_commands_that_parse(tmp_path: Path) -> None:
 
     lines = [line.split("#")[0].strip() for line in next_commands(tmp_path / "failures").splitlines()[1:]]
     parsed = [build_parser().parse_args(shlex.split(line)[1:]) for line in lines]
-    assert [a.command for a in parsed] == ["sample", "export", "report"]
+    assert [a.command for a in parsed] == ["sample", "export", "report", "status"]

@@ -134,6 +134,7 @@ def next_commands(run: Path) -> str:
         f"  recover sample {run} --prompt 'def main('      # continue a prompt",
         f"  recover export {run} --format hf --out {run.parent / 'hf'}   # a Hugging Face Llama",
         f"  recover report {run} --reference {run.parent / 'reference'}   # these tables again",
+        f"  recover status {run}                            # the job's state (while a job runs, too)",
     ])
 
 

@@ -1,0 +1,149 @@
+"""``recover status RUN_DIR``: a job's state now, read from its run directory (while it runs or after).
+
+Contract: it only reads ``events.jsonl`` and the replicas' step records (``replicas/replica_R.jsonl``,
+merged by the launcher's rule, :mod:`recover.launch.records`), so it works for a job of ``recover launch``
+and for one run across machines (the recipes' ``recover coordinator`` and ``recover worker`` processes
+writing to shared storage), any number of times. :func:`job_status` is pure. A replica's state is the
+last word the events say about it:
+
+  ``training``  a member of the newest generation;
+  ``joining``   registered or restarted and not yet admitted (it takes the state at the next commit);
+  ``lost``      declared dead (fenced, hung, silent, crashed) and not back;
+  ``left``      said goodbye (trained to the end, or stopped).
+
+Per replica: its state, the last step it recorded and its planned seconds per microbatch (the newest
+speeds the coordinator agreed, ``rebalanced``). For the job: the generation and its members, the
+committed steps of the planned ones, goodput so far (:mod:`recover.observe.goodput`) and the last
+faults. ``--json`` prints the same as one JSON object; ``--watch S`` refreshes it every S seconds.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import time
+from pathlib import Path
+from typing import Any
+
+from recover.errors import RecoverError
+from recover.names import Event
+
+FAULT_KINDS = (Event.KILL, Event.FAILURE_DETECTED, Event.FENCED, Event.RESTORED, Event.DIVERGENT,
+               Event.NONFINITE, Event.QUORUM_LOST, Event.COORDINATOR_EXIT)
+"""The events :func:`job_status` lists as the last faults."""
+
+
+def register(sub: argparse._SubParsersAction) -> None:
+    p = sub.add_parser("status", help="a job's state now: members, step, speeds, goodput, the last faults",
+                       description=__doc__.split("\n\n")[0])
+    p.add_argument("run_dir", help="the job's --out (while it runs, or after)")
+    p.add_argument("--json", action="store_true", help="one JSON object instead of the table")
+    p.add_argument("--watch", type=float, default=None, metavar="S", help="refresh every S seconds (Ctrl-C ends)")
+    p.add_argument("--faults", type=int, default=5, metavar="N", help="how many of the last faults (default 5)")
+    p.set_defaults(func=run_status)
+
+
+def job_status(events: list[dict[str, Any]], records: dict[int, dict[str, Any]], last_steps: dict[int, int],
+               now: float, faults: int = 5) -> dict[str, Any]:
+    """The job's state from its events (file order), merged step records (step -> record) and the last step
+    each replica recorded itself (replica -> step)."""
+    from recover.observe.goodput import goodput
+
+    replicas: dict[int, dict[str, Any]] = {}
+    members: list[int] = []
+    generation, planned, speeds = 0, None, {}
+
+    def at(r: int) -> dict[str, Any]:
+        return replicas.setdefault(r, {"replica": r, "state": "joining", "last_step": None, "mb_s": None})
+
+    for e in events:
+        kind, r = e.get("kind"), e.get("replica")
+        if kind == Event.LAUNCH:
+            planned = e.get("steps")
+        elif kind == Event.GENERATION:
+            generation, members = e["generation"], list(e["members"])
+            for m in members:
+                at(m)["state"] = "training"
+        elif kind == Event.REBALANCED:
+            speeds = {int(k): v for k, v in e.get("speeds", {}).items()}
+        elif r is None:
+            continue
+        elif kind in (Event.REGISTER, Event.JOIN_REQUEST, Event.REJOIN_STARTED) and r not in members:
+            at(r)["state"] = "joining"
+        elif kind == Event.FAILURE_DETECTED:
+            at(r)["state"] = "left" if e.get("cause") == "left" else "lost"
+        elif kind in (Event.LEFT, Event.FINISHED, Event.STOPPED):
+            at(r)["state"] = "left"
+    for r, step in last_steps.items():
+        at(r)["last_step"] = step
+    for r, rep in replicas.items():
+        rep["mb_s"] = speeds.get(r)
+    rows = [records[s] for s in sorted(records)]
+    committed = 0
+    while committed in records:
+        committed += 1
+    g = goodput(rows, events, now=now) if rows else None
+    return {"generation": generation, "members": members, "committed_steps": committed, "planned_steps": planned,
+            "replicas": [replicas[r] for r in sorted(replicas)],
+            "goodput": g.to_dict() if g is not None else None,
+            "faults": [e for e in events if e.get("kind") in FAULT_KINDS][-faults:] if faults > 0 else []}
+
+
+def read_status(run_dir: Path, faults: int = 5) -> dict[str, Any]:
+    """:func:`job_status` of ``run_dir``. Raises RecoverError when it holds no job's events."""
+    from recover.launch.records import StepRecords
+    from recover.observe.events import read_jsonl
+
+    path = run_dir / "events.jsonl"
+    if not path.is_file():
+        raise RecoverError(f"{run_dir}: no events.jsonl; give the --out of a job (recover launch, or the "
+                           "recipes' coordinator and workers)")
+    records, last_steps = StepRecords(), {}
+    for log in sorted((run_dir / "replicas").glob("replica_*.jsonl")):
+        steps = [rec["step"] for rec in read_jsonl(log) if records.add(rec)]
+        if steps:
+            last_steps[int(log.stem.removeprefix("replica_"))] = max(steps)
+    return job_status(list(read_jsonl(path)), records.merged(), last_steps, time.time(), faults)
+
+
+def status_table(s: dict[str, Any], run_dir: Path) -> Any:
+    """The status as a rich table: one row per replica, the job's figures in the title and caption."""
+    from rich.table import Table
+
+    of = f" of {s['planned_steps']}" if s["planned_steps"] else ""
+    g = s["goodput"]
+    table = Table(title=f"{run_dir}: generation {s['generation']}, members {s['members']}, "
+                        f"{s['committed_steps']}{of} steps committed"
+                        + (f", goodput {100 * g['ettr']:.1f}%" if g else ""))
+    for col in ("replica", "state", "last step", "s / microbatch"):
+        table.add_column(col, justify="right" if col != "state" else "left")
+    for rep in s["replicas"]:
+        table.add_row(str(rep["replica"]), rep["state"], "-" if rep["last_step"] is None else str(rep["last_step"]),
+                      "-" if rep["mb_s"] is None else f"{rep['mb_s']:.4f}")
+    lines = []
+    for e in s["faults"]:
+        detail = ", ".join(f"{k} {e[k]}" for k in ("step", "cause", "fault", "reason") if e.get(k) is not None)
+        lines.append(f"{time.strftime('%H:%M:%S', time.localtime(e['t']))} {e['kind']} replica "
+                     f"{e.get('replica', '-')}" + (f": {detail}" if detail else ""))
+    table.caption = "last faults:\n" + "\n".join(lines) if lines else "no faults"
+    return table
+
+
+def run_status(args: argparse.Namespace) -> int:
+    from rich.console import Console
+
+    run_dir, console = Path(args.run_dir), Console()
+    while True:
+        s = read_status(run_dir, args.faults)
+        if args.json:
+            print(json.dumps(s), flush=True)
+        else:
+            if args.watch:
+                console.clear()
+            console.print(status_table(s, run_dir))
+        if not args.watch:
+            return 0
+        try:
+            time.sleep(args.watch)
+        except KeyboardInterrupt:
+            return 0
