@@ -42,9 +42,11 @@ Contract:
   ranks of a TP group compute the same ones. recover sums the gradients across replicas from the local
   shards after backward: no DDP or FSDP hooks of its own (it sets FSDP2's gradient divide factor to 1: a
   shard holds a sum).
-- SIGTERM or SIGINT in a launched script: the job stops after the next commit; the lowest live replica
-  saves a checkpoint of it (as it does when the quorum or the coordinator is lost, or the replicas
-  diverge), every replica's ``steps()`` ends and the process exits with status 6.
+- SIGINT in a launched script (or SIGTERM to the launcher): the job stops after the next commit; the
+  lowest live replica saves a checkpoint of it (as it does when the quorum or the coordinator is lost,
+  or the replicas diverge), every replica's ``steps()`` ends and the process exits with status 6.
+  SIGTERM to one replica's process is its graceful leave: its ``steps()`` ends after the next commit,
+  it saves nothing and exits with status 0, and the others train on.
 - Scope: pipeline parallelism, audits of arithmetic and the overlapped reduction are the built-in
   trainer's (``recover train``, ``recover launch`` without ``--``).
 """
@@ -299,7 +301,8 @@ class Job(Steps):
 
     def steps(self, total: int) -> Iterator[Step]:
         """Committed steps until ``total`` are committed (a joiner starts where the job is), or until a
-        committed stop (SIGTERM/SIGINT in a launched job: the process then exits with status 6)."""
+        committed stop (SIGINT in a launched job: the process then exits with status 6), or this replica's
+        leave (SIGTERM to it: status 0)."""
         if self.protocol is None:
             self._start()
         try:

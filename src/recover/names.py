@@ -133,6 +133,8 @@ class Event(str, Enum):
     JOIN_REQUEST = "join_request"
     KILL = "kill"
     LAUNCH = "launch"
+    LEAVE = "leave"
+    LEAVE_SIGNAL = "leave_signal"
     LEFT = "left"
     LINK_CUT = "link_cut"
     LINK_REPORT = "link_report"

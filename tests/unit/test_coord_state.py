@@ -21,7 +21,7 @@ def make(n: int = 3, ack_timeout: float = 1.0) -> MembershipState:
 
 def vote(st: MembershipState, replica: int, rid: int, g: int, step: int, ids: list[int], now: float,
          mb_s: float | None = None, **extra: Any) -> list:
-    """``replica``'s vote as a ballot (its ``extra``: stop, fp, audit)."""
+    """``replica``'s vote as a ballot (its ``extra``: stop, fp, audit, leave)."""
     return st.on_vote(replica, rid, Ballot.make(g, step, ids, mb_s, **extra), now)
 
 
@@ -253,7 +253,7 @@ def test_a_vote_asking_to_stop_makes_that_commit_a_stop_for_every_member() -> No
     st = make(3)
     st.on_register(7, True, 1, 0.0)  # a joiner waiting for the next commit
     vote(st, 0, 10, 1, 0, [0, 1], 0.1)
-    vote(st, 1, 11, 1, 0, [0, 1], 0.1, stop=True)  # its process got SIGTERM
+    vote(st, 1, 11, 1, 0, [0, 1], 0.1, stop=True)  # its process got SIGINT
     acts = vote(st, 2, 12, 1, 0, [0, 1], 0.1)
     assert {r: m["stop"] for r, m in sent(acts, "committed").items()} == {0: True, 1: True, 2: True}
     assert all(m["new_generation"] is None for m in sent(acts, "committed").values())  # nobody admitted
@@ -269,6 +269,49 @@ def test_the_coordinators_own_stop_request_applies_at_the_next_commit_only() -> 
     assert logs(st.request_stop(), "stop_requested") and st.request_stop() == []  # once
     acts = vote(st, 1, 11, 1, 0, [0], 0.1)
     assert all(m["stop"] for m in sent(acts, "committed").values()) and st.stopped
+
+
+# ---- graceful leave ----------------------------------------------------------------------------------
+
+def test_a_vote_asking_to_leave_forms_the_next_generation_without_it_at_that_commit() -> None:
+    st = make(4)
+    st.on_register(7, True, 1, 0.0)  # a joiner waiting for the next commit: admitted in the same generation
+    acts = []
+    for r in range(4):
+        acts += vote(st, r, 10 + r, 1, 0, [0, 1, 2, 3], 0.1, leave=r == 2)  # replica 2 got SIGTERM
+    committed = sent(acts, "committed")
+    assert committed[2]["left"] is True and committed[2]["new_generation"] is None
+    assert {r: (m["new_generation"], "left" in m) for r, m in committed.items() if r != 2} == {
+        0: (2, False), 1: (2, False), 3: (2, False)}
+    assert not any(m["stop"] for m in committed.values()) and not st.stopped
+    assert logs(acts, "leave") == [{"replicas": [2], "step": 0, "generation": 1}]
+    assert logs(acts, "failing") == [] and sent(acts, "failing") == {}  # no failure round
+    (gen,) = logs(acts, "generation")
+    assert (gen["reason"], gen["members"], gen["dead"], gen["joined"], gen["step"]) == (
+        "leave", [0, 1, 3, 7], [2], [7], 1)
+    assert sorted(sent(acts, "membership")) == [0, 1, 3, 7]  # not to the leaver
+    acts = st.on_dead(2, "left", 0.2)  # its goodbye: no failure, nothing to recompute
+    assert logs(acts, "left") == [{"replica": 2, "generation": 2}]
+    assert logs(acts, "failure_detected") == [] and logs(acts, "failing") == [] and not st.failing
+    acts = []
+    for r in (0, 1, 3, 7):
+        acts += vote(st, r, 20 + r, 2, 1, [0, 1, 2, 3], 0.3)
+    assert logs(acts, "commit") == [{"generation": 2, "step": 1, "ids": 4}] and st.generation == 2
+
+
+def test_a_stop_outranks_a_leave_and_a_leave_of_every_member_is_a_stop() -> None:
+    st = make(2)
+    vote(st, 0, 10, 1, 0, [0], 0.1, leave=True)
+    st.request_stop()  # the launcher's graceful stop reached the coordinator meanwhile
+    acts = vote(st, 1, 11, 1, 0, [0], 0.1)
+    assert {r: (m["stop"], "left" in m) for r, m in sent(acts, "committed").items()} == {
+        0: (True, False), 1: (True, False)}
+    assert logs(acts, "generation") == [] and st.stopped
+    st = make(2)
+    vote(st, 0, 10, 1, 0, [0], 0.1, leave=True)
+    acts = vote(st, 1, 11, 1, 0, [0], 0.1, leave=True)  # nobody would be left to hold the state: saved
+    assert all(m["stop"] and "left" not in m for m in sent(acts, "committed").values()) and st.stopped
+    assert logs(acts, "stop_requested") == [{"source": "leave", "step": 0}]
 
 
 # ---- a restarted coordinator rebuilds the job from what the replicas hold -----------------------------

@@ -52,9 +52,11 @@ host answers (the coordinator is paused): it waits like for a restart, and past 
 silence it is ``gone``. A request is never timed out (TimeoutError) while the coordinator is away
 like this or being reconnected to: the outage ends as a reply, a refusal or CoordinatorLost.
 
-Stop: ``stop_requested = True`` (the worker's SIGTERM handler) goes with the next vote; a commit
+Stop: ``stop_requested = True`` (the worker's SIGINT handler) goes with the next vote; a commit
 that is a stop sets ``stopping`` (every member stops after that step), and so does the
 ``stopping`` push to a replica still waiting to be admitted (then the connection is lost too).
+Leave: ``leave_requested = True`` (the worker's SIGTERM handler) goes with the next vote as
+``leave``; its commit sets ``left`` (this replica is no member of the next generation: it closes).
 
 TLS (:mod:`recover.coord.tls`): with ``tls`` the connection is TLS with mutual authentication, its
 handshake made at connect; reader and senders then share it through a
@@ -155,6 +157,10 @@ class CoordinatorClient:
         """Set by the worker when its process is asked to stop; sent with the next vote."""
         self.stopping = False
         """The job stops: the last commit was a stop, or this replica was told while waiting to join."""
+        self.leave_requested = False
+        """Set by the worker when its process is asked to leave the job; sent with the next vote."""
+        self.left = False
+        """The last commit was this replica's leave: it is no member of the next generation."""
         self.finished = False
         """The job had finished when this replica registered: nothing to join."""
         self.diverged: Diverged | None = None
@@ -348,13 +354,14 @@ class CoordinatorClient:
 
         Returns:
             None when all members agreed and the step is committed; a new Membership when the step
-            is committed and joiners were admitted (a new generation starts at ``step + 1``).
+            is committed and joiners were admitted or a replica left (a new generation starts at
+            ``step + 1``); None to the replica that left at it (``left`` is set).
         Raises:
             PeerFailure: a member died, the votes disagreed, or a divergent minority was fenced; nothing
                 was committed.
             Diverged: the fingerprints disagree with no majority: the job ends.
         """
-        ballot = Ballot.make(generation, step, ids, mb_s, self.stop_requested, fp, audit)
+        ballot = Ballot.make(generation, step, ids, mb_s, self.stop_requested, fp, audit, self.leave_requested)
         try:
             reply = self._request(ballot.to_wire(), timeout)
         except Diverged:
@@ -367,6 +374,7 @@ class CoordinatorClient:
             self.speeds = speeds_from_wire(reply.get("speeds"))
             self.committed_step = max(self.committed_step, step)
             self.stopping = self.stopping or reply.get("stop") is True
+            self.left = reply.get("left") is True
             new = reply.get("new_generation")
             return None if new is None else self._known.of(new)
         self.wait_for_generation(generation, timeout or self.request_timeout_s)

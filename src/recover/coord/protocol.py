@@ -17,10 +17,12 @@ thread's progress, activity and newest generation), ``ack`` (of a ``failing`` no
 collective failed), ``nonfinite`` (microbatches whose loss or gradient was not finite on it), ``vote`` (commit vote,
 a :class:`Ballot` built once by the voter and carried unchanged to the membership state,
 with ``mb_s``, the seconds per microbatch the voter measured in the step, ``stop`` when its process
-was asked to stop, ``fp``, the fingerprint of its parameters, and ``audit``, that of the audited
+was asked to stop the job, ``leave`` when it was asked to leave it (a graceful leave), ``fp``, the fingerprint of its parameters, and ``audit``, that of the audited
 microbatch's gradient), ``bye``. Coordinator ->
 client: ``ok`` / ``error`` / ``committed`` (with the ``speeds`` to plan the next step with, and
-``stop``: every member stops after this step) / ``aborted`` replies (``re`` names the request ``id``; an
+``stop``: every member stops after this step;
+``left``: to a voter that asked to leave, the step is its last and it is no member of the next
+generation) / ``aborted`` replies (``re`` names the request ``id``; an
 ``error`` of code ``diverged`` or ``nonfinite`` ends the job and ``sides`` maps each parameter
 fingerprint to the replicas that hold it), and
 the pushes ``failing`` (generation g is being replaced), ``membership`` (a new generation) and ``beat``
@@ -75,12 +77,12 @@ SCHEMAS: dict[str, dict[str, str]] = {
     "report": {"id": _INT, "generation": _INT, "suspects": _INTS, "timeout": _ABSENT_BOOL, "rank": _ABSENT_INT},
     "nonfinite": {"id": _INT, "generation": _INT, "step": _INT, "ids": _INTS, "rank": _ABSENT_INT},
     "vote": {"id": _INT, "generation": _INT, "step": _INT, "ids": _INTS, "mb_s": _ABSENT_NUM, "rank": _ABSENT_INT,
-             "stop": _ABSENT_BOOL, "fp": _ABSENT_STR, "audit": _ABSENT_DICT},
+             "stop": _ABSENT_BOOL, "fp": _ABSENT_STR, "audit": _ABSENT_DICT, "leave": _ABSENT_BOOL},
     "bye": {"rank": _ABSENT_INT},
     "ok": {"re": _INT, "heartbeat_s": _ABSENT_NUM, "beat_s": _ABSENT_NUM},
     "error": {"re": _OPT_INT, "code": _STR, "message": _STR, "sides": _ABSENT_DICT},
     "committed": {"re": _INT, "generation": _INT, "step": _INT, "new_generation": _OPT_INT, "speeds": _OPT_DICT,
-                  "stop": _ABSENT_BOOL},
+                  "stop": _ABSENT_BOOL, "left": _ABSENT_BOOL},
     "aborted": {"re": _INT, "generation": _INT, "reason": _STR},
     "failing": {"generation": _INT, "dead": _INTS, "reason": _STR},
     "membership": {"membership": _OPT_DICT},
@@ -223,7 +225,8 @@ class Ballot(NamedTuple):
     ``ids`` are sorted; ``mb_s``: seconds per microbatch measured in the step (None: none computed);
     ``stop``: the voter was asked to stop; ``fp``: the fingerprint of its parameters (a replica of
     several ranks: its lanes' joined by ``|`` in rank order); ``audit``: ``{id, fp, norm, exact}`` of
-    the audited microbatch's gradient, when the voter computed it.
+    the audited microbatch's gradient, when the voter computed it; ``leave``: the voter was asked to
+    leave the job after this step (its process got SIGTERM: a graceful leave).
     """
 
     generation: int
@@ -233,18 +236,20 @@ class Ballot(NamedTuple):
     stop: bool = False
     fp: str | None = None
     audit: Mapping[str, Any] | None = None
+    leave: bool = False
 
     @classmethod
     def make(cls, generation: int, step: int, ids: Any, mb_s: float | None = None, stop: bool = False,
-             fp: str | None = None, audit: Mapping[str, Any] | None = None) -> Ballot:
+             fp: str | None = None, audit: Mapping[str, Any] | None = None, leave: bool = False) -> Ballot:
         """A ballot with ``ids`` sorted and ``mb_s`` kept only when it is a positive, finite time."""
-        return cls(int(generation), int(step), tuple(sorted(map(int, ids))), _speed(mb_s), bool(stop), fp, audit)
+        return cls(int(generation), int(step), tuple(sorted(map(int, ids))), _speed(mb_s), bool(stop), fp, audit,
+                   bool(leave))
 
     @classmethod
     def from_wire(cls, msg: Mapping[str, Any]) -> Ballot:
         """The ballot of a schema-valid ``vote`` message (its numbers are ints already)."""
         return cls(msg["generation"], msg["step"], tuple(sorted(msg["ids"])), _speed(msg.get("mb_s")),
-                   msg.get("stop") is True, msg.get("fp"), msg.get("audit"))
+                   msg.get("stop") is True, msg.get("fp"), msg.get("audit"), msg.get("leave") is True)
 
     def to_wire(self) -> dict[str, Any]:
         """The ``vote`` message of this ballot (without its request id)."""
@@ -258,6 +263,8 @@ class Ballot(NamedTuple):
             vote["fp"] = self.fp
         if self.audit is not None:
             vote["audit"] = dict(self.audit)
+        if self.leave:
+            vote["leave"] = True
         return vote
 
     @property
@@ -268,7 +275,7 @@ class Ballot(NamedTuple):
     @classmethod
     def of_ranks(cls, ballots: list[Ballot]) -> Ballot:
         """The one ballot of a replica from its ranks' alike ballots, in rank order: the slowest rank's
-        seconds per microbatch, a stop if any rank asked for one, the ranks' fingerprints joined in rank
+        seconds per microbatch, a stop (a leave) if any rank asked for one, the ranks' fingerprints joined in rank
         order (lane k is compared with lane k; None unless every rank sent one), and no audit (a
         replica of several ranks does not audit). One rank: its ballot."""
         first = ballots[0]
@@ -277,7 +284,8 @@ class Ballot(NamedTuple):
         speeds = [b.mb_s for b in ballots if b.mb_s is not None]
         fps = [b.fp for b in ballots if b.fp is not None]
         return cls(first.generation, first.step, first.ids, max(speeds) if speeds else None,
-                   any(b.stop for b in ballots), "|".join(fps) if len(fps) == len(ballots) else None)
+                   any(b.stop for b in ballots), "|".join(fps) if len(fps) == len(ballots) else None, None,
+                   any(b.leave for b in ballots))
 
 
 def _speed(mb_s: float | None) -> float | None:

@@ -34,8 +34,14 @@ Invariants:
     strict majority the job ends (``diverged``, :mod:`recover.coord.integrity`). A microbatch not
     finite on one replica fences it; the same microbatch not finite on a second one ends the job
     (``nonfinite``).
-  * Stop: a vote with ``stop`` (its process got SIGTERM or SIGINT) or :meth:`request_stop` (the
-    coordinator's own) makes the next commit a stop: its ``committed`` replies carry ``stop``, so
+  * Leave: a vote with ``leave`` (its process got SIGTERM: a preempted node) makes its voter leave at
+    that step's commit: the step commits as usual (the leaver's microbatches are in it), the leaver's
+    ``committed`` reply carries ``left``, and the others' ``new_generation``: the next generation is
+    formed without it (reason ``leave``; joiners waiting are admitted in it too), as at a join, with
+    no failure round and nothing recomputed. The leaver then says goodbye (``left``, no failure). A
+    leave of every member is a stop (someone must save the job's state).
+  * Stop: a vote with ``stop`` (its process got SIGINT) or :meth:`request_stop` (the coordinator's
+    own: SIGTERM to it or to the launcher) makes the next commit a stop (it outranks a leave): its ``committed`` replies carry ``stop``, so
     every member stops after that same step; no joiner is admitted at it, waiting joiners are told
     ``stopping``, and later registrations are refused.
   * End: once every member has left (trained to the end), a replica that registers is told
@@ -240,8 +246,8 @@ class MembershipState:
 
     def on_vote(self, replica: int, req_id: int, ballot: Ballot, now: float) -> list[Action]:
         """A member's commit vote (:class:`~recover.coord.protocol.Ballot`): its ``mb_s`` is the seconds
-        per microbatch it measured in the step; ``stop``: its process was asked to stop (the commit, if
-        it happens, is a stop); ``fp`` and ``audit`` are compared across the members
+        per microbatch it measured in the step; ``stop``: its process was asked to stop the job (the
+        commit, if it happens, is a stop); ``leave``: to leave it (at the commit, if it happens); ``fp`` and ``audit`` are compared across the members
         (:mod:`recover.coord.integrity`)."""
         generation, step = ballot.generation, ballot.step
         cur = self.current
@@ -285,15 +291,23 @@ class MembershipState:
         acts: list[Action] = [Log("commit", {"generation": generation, "step": step, "ids": len(ids)})]
         measured = {r: b.mb_s for r, (_, b) in votes.items() if b.mb_s is not None}
         acts += self._observe_speeds(step, len(ids), self.current.members, measured)
+        leavers = {r for r, (_, b) in votes.items() if b.leave}
+        if leavers and leavers >= set(self.current.members) and not self.stop_requested:
+            self.stop_requested = True  # nobody would be left to hold the state: a stop, saved
+            acts.append(Log("stop_requested", {"source": "leave", "step": step}))
         new_gen = None
         if self.stop_requested:
             acts += self._stop(step)
-        elif self.pending_join:
-            acts += self._admit_joiners(now)
+            leavers = set()
+        elif self.pending_join or leavers:
+            if leavers:
+                acts.append(Log("leave", {"replicas": sorted(leavers), "step": step, "generation": generation}))
+            acts += self._admit_joiners(now, leavers)
             new_gen = self.generation
         speeds = speeds_to_wire(self.speeds.planned)
         return acts + [Send(r, {"type": "committed", "re": rid, "generation": generation, "step": step,
-                                "new_generation": new_gen, "speeds": speeds, "stop": self.stopped})
+                                "new_generation": None if r in leavers else new_gen, "speeds": speeds,
+                                "stop": self.stopped, **({"left": True} if r in leavers else {})})
                        for r, (rid, _) in votes.items()]
 
     def on_nonfinite(self, replica: int, req_id: int, generation: int, step: int, ids: list[int],
@@ -323,7 +337,8 @@ class MembershipState:
                   for m in cur.members if m != replica and m in self.live)]
 
     def request_stop(self) -> list[Action]:
-        """The coordinator itself was asked to stop the job (SIGTERM): the next commit is a stop."""
+        """The coordinator itself was asked to stop the job (SIGTERM to it, as the launcher's graceful stop
+        sends): the next commit is a stop, for every member."""
         if self.stop_requested:
             return []
         self.stop_requested = True
@@ -421,17 +436,18 @@ class MembershipState:
             acts += self._admit_joiners(now)
         return acts
 
-    def _admit_joiners(self, now: float) -> list[Action]:
+    def _admit_joiners(self, now: float, leavers: set[int] | None = None) -> list[Action]:
+        """The next generation at a step boundary: the waiting joiners in, the ``leavers`` out."""
         joiners = sorted(self.pending_join & self.live)
         self.pending_join.clear()
-        if not joiners:
+        if not joiners and not leavers:
             return []
         self.fresh |= set(joiners)
         if self.late & set(joiners):  # they hold a step's state already, midway through the next: resync
             self._resync = True
             self.late -= set(joiners)
-        members = sorted(set(self.current.members if self.current else ()) | set(joiners))
-        return self._form(members, "join", now)
+        members = sorted((set(self.current.members if self.current else ()) - (leavers or set())) | set(joiners))
+        return self._form(members, "leave" if leavers else "join", now)
 
     def _form(self, members: list[int], reason: str, now: float, *, detail: str = "",
               latency_s: float | None = None) -> list[Action]:

@@ -481,11 +481,11 @@ def run_worker(args: argparse.Namespace) -> int:
     hang_on_signal()  # the launcher's random hangs: the training thread stops, heartbeats go on
     holder: list[ReplicaWorker] = []
 
-    def stop(signum: int, frame: Any) -> None:  # SIGTERM/SIGINT: a graceful stop (see train/worker.py)
+    def stop(signum: int, frame: Any) -> None:  # SIGTERM: a leave, SIGINT: a stop (see train/worker.py)
         if holder:
             holder[0].request_stop(signum)
-        else:
-            os._exit(EXIT_STOPPED)  # still starting up: nothing to save
+        else:  # still starting up: nothing to save
+            os._exit(0 if signum == signal.SIGTERM else EXIT_STOPPED)
 
     signal.signal(signal.SIGTERM, stop)
     signal.signal(signal.SIGINT, stop)

@@ -16,7 +16,8 @@ Contract:
 - The launcher is the single writer of ``metrics.jsonl``: one record per committed step, merged from
   the replicas' own logs (``replicas/replica_R.jsonl``) by the rule of :mod:`recover.launch.records`
   (``recover collect`` merges by the same), written as steps commit and again, final, at the end.
-- SIGTERM or SIGINT is a graceful stop: the coordinator and every worker are sent SIGTERM, the next
+- SIGTERM or SIGINT is a graceful stop: the coordinator is sent SIGTERM and every worker SIGINT
+  (SIGTERM to one worker alone is that replica's graceful leave, :mod:`recover.train.worker`), the next
   commit is a stop, the lowest live replica saves a complete checkpoint, and everything exits; after
   ``fault_tolerance.stop_grace_s`` whatever still runs is killed. A second signal kills at once.
   Exit statuses: 0 every step committed, 3 quorum lost, 6 stopped with a checkpoint (continue with
@@ -241,7 +242,7 @@ class Launcher:
         self.stop_signal = signum
 
     def _begin_stop(self, now: float) -> None:
-        """Passes the stop on: SIGTERM to the coordinator and every worker; no more rejoins or faults."""
+        """Passes the stop on: SIGTERM to the coordinator, SIGINT to every worker; no more rejoins or faults."""
         self.stop_started = now
         assert self.stop_signal is not None
         grace = self.cfg.fault_tolerance.stop_grace_s

@@ -286,14 +286,16 @@ class Supervisor:
         return {r.rid: r.started for r in self.live() if not any(p.pid in self.struck for p in r.procs)}
 
     def stop(self) -> None:
-        """A graceful stop: no more rejoins, the spare ends, SIGTERM to the coordinator and every worker."""
+        """A graceful stop: no more rejoins, the spare ends, SIGTERM to the coordinator and SIGINT to every
+        worker (SIGINT stops the job; SIGTERM to a worker would be its leave alone)."""
         self.stopping = True
         self.rejoin_at.clear()
         if self.spare:
             kill_processes([s.proc for s in self.spare])
             self.spare = None
-        signal_processes([p for r in self.live() for p in r.procs] + ([self.coordinator.proc] if self.coordinator
-                                                                       else []), signal.SIGTERM)
+        signal_processes([p for r in self.live() for p in r.procs], signal.SIGINT)
+        if self.coordinator:
+            signal_processes([self.coordinator.proc], signal.SIGTERM)
 
     def end_job(self) -> list[int]:
         """Checkpoint-and-restart: lets the survivors notice and exit (5 s, as a failed torchrun job does),

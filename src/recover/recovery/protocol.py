@@ -81,6 +81,8 @@ class Committed:
     """The membership that admits joiners at this commit, or None."""
     stop: bool = False
     """The commit is a stop: every member stops after this step."""
+    left: bool = False
+    """This replica asked to leave and the step is its last: it is no member of the next generation."""
 
 
 @dataclass
@@ -103,6 +105,8 @@ class StepOutcome:
     """Replicas the agreed speeds name slow, with their time over the others' median."""
     stop: bool = False
     """The job stops after this step (a graceful stop was committed with it)."""
+    left: bool = False
+    """This replica left the job after this step (a graceful leave); the others train on."""
 
     @property
     def loss(self) -> float:
@@ -287,7 +291,8 @@ class ResilientStep:
         self.speeds = self.coordinator.speeds
         quotas = {r: len(share) for r, share in sorted(plan.items())}
         return Committed(reduced, t, ids, self.group.generation, tuple(self.group.members), computed, quotas,
-                         recoveries, admitted, self.coordinator.stopping)
+                         recoveries, admitted, self.coordinator.stopping,
+                         self.coordinator.left)
 
     def apply(self, step: int, c: Committed) -> StepOutcome:
         """The optimizer update of a committed step; the progress advances."""
@@ -299,7 +304,7 @@ class ResilientStep:
         slow = {r: round(s, 2) for r, s in slowdowns(self.speeds or {}).items()
                 if s >= STRAGGLER_RATIO and r in c.live}
         outcome = StepOutcome(step, self.progress.data_step, loss_sum, count, tokens, grad_norm, c.generation,
-                              c.live, c.computed, c.recoveries, c.quotas, slow, c.stop)
+                              c.live, c.computed, c.recoveries, c.quotas, slow, c.stop, c.left)
         self.progress.step += 1
         self.progress.data_step += 1
         self.progress.tokens += tokens

@@ -82,8 +82,10 @@ def record(session: Session, job: Any, outcome: StepOutcome, dt: float) -> None:
 
 
 def end(session: Session, stopped: bool, save: Save | None = None) -> None:
-    """Every step committed, or a committed stop (the leader saves first, when it can; then the process exits
-    with its status, through ``SystemExit`` so the script's own cleanup runs)."""
+    """Every step committed, a committed stop (the leader saves first, when it can; then the process exits
+    with its status, through ``SystemExit`` so the script's own cleanup runs), or this replica's leave
+    (nothing saved, status 0)."""
+    stopped = stopped and not session.client.left
     saved = save(None) if stopped and save is not None and session.leader else None
     code = session.close(stopped, saved)
     session.step.group.graveyard.settle(SETTLE_S)  # retired groups released before the interpreter tears down

@@ -20,8 +20,12 @@ Contract:
   and the coordinator client: the only way a fault of any kind reaches them).
 - Records go to the replica's log (rank 0 only; the launcher merges them into ``metrics.jsonl``),
   events to ``events.jsonl``.
-- SIGTERM/SIGINT (:meth:`request_stop`): the next vote asks for a stop; a process not yet training
-  exits at once with :data:`EXIT_STOPPED`.
+- SIGTERM (:meth:`request_stop`): a graceful leave (a preempted node): the next vote asks to leave,
+  and at its commit this replica leaves the job (it computed its share of that step; the others
+  train on in the next generation, with no failure round and nothing recomputed); it saves nothing
+  and :meth:`close` ends with 0. SIGINT (Ctrl-C; the launcher's graceful stop): the next vote asks
+  for a stop of the whole job. A process not yet training exits at once: 0 on SIGTERM,
+  :data:`EXIT_STOPPED` on SIGINT.
 - :meth:`status` maps the end of a job this replica cannot go on in to its exit status, with one line
   and the saves the worker's docstring lists (quorum lost, coordinator lost: the lowest member saves the
   committed state; divergence: each side's lowest replica saves its side; non-finite: the last
@@ -170,7 +174,8 @@ class Session:
         return host, int(port)
 
     def stop_on_signals(self) -> None:
-        """SIGTERM and SIGINT call :meth:`request_stop` (from the main thread only; elsewhere a no-op)."""
+        """SIGTERM (a leave) and SIGINT (a stop) call :meth:`request_stop` (from the main thread only;
+        elsewhere a no-op)."""
         if threading.current_thread() is threading.main_thread():
             for sig in (signal.SIGTERM, signal.SIGINT):
                 signal.signal(sig, lambda signum, frame: self.request_stop(signum))
@@ -198,19 +203,24 @@ class Session:
         return self.step is not None and self.step.me == min(self.step.group.members)
 
     def request_stop(self, signum: int) -> None:
-        """SIGTERM or SIGINT: stop after the next commit (see the module docstring). Signal handler."""
+        """SIGTERM: leave the job after the next commit; SIGINT: stop it after the next commit (see the
+        module docstring). Signal handler."""
+        leave = signum == signal.SIGTERM
         if self.client is None or self.client.membership is None:
-            print(f"recover: replica {self.replica_id} rank {self.rank}: stopped by signal {signum} before "
-                  "training", file=sys.stderr, flush=True)
-            os._exit(EXIT_STOPPED)
-        if not self.client.stop_requested:
+            print(f"recover: replica {self.replica_id} rank {self.rank}: {'left' if leave else 'stopped'} by "
+                  f"signal {signum} before training", file=sys.stderr, flush=True)
+            os._exit(0 if leave else EXIT_STOPPED)
+        if leave and not self.client.leave_requested:
+            self.client.leave_requested = True
+            self.event(Event.LEAVE_SIGNAL, signal=signum)
+        elif not leave and not self.client.stop_requested:
             self.client.stop_requested = True
             self.event(Event.STOP_SIGNAL, signal=signum)
 
     # ---- the end ---------------------------------------------------------------------------------
     def close(self, stopped: bool, saved_in: Path | None = None) -> int:
-        """Every step committed (or a committed stop): the events, then the group, the connection and the
-        relay closed; returns the exit status (0, or :data:`EXIT_STOPPED`)."""
+        """Every step committed (or a committed stop, or this replica's leave): the events, then the group,
+        the connection and the relay closed; returns the exit status (0, or :data:`EXIT_STOPPED`)."""
         step = self.step
         assert step is not None
         if self.log is not None:
@@ -221,6 +231,11 @@ class Session:
                 where = f"; a complete checkpoint is in {saved_in}" if saved_in else ""
                 print(f"recover: stopped on request after {step.progress.step} committed steps{where}; continue "
                       "with --resume", file=sys.stderr, flush=True)
+        elif self.client.left:
+            self.event(Event.LEFT, step=step.progress.step, generation=step.group.generation)
+            if self.rank == 0:
+                print(f"recover: replica {self.replica_id} left the job after {step.progress.step} committed "
+                      "steps (SIGTERM); the others train on", file=sys.stderr, flush=True)
         else:
             self.event(Event.FINISHED, step=step.progress.step, generation=step.group.generation)
         step.group.close()

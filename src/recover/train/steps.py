@@ -120,7 +120,8 @@ class Steps:
 
     def steps(self, total: int) -> Iterator[Step]:
         """Committed steps until ``total`` are committed (a joiner starts where the job is), or until a
-        committed stop (SIGTERM/SIGINT in a launched job)."""
+        committed stop (SIGINT in a launched job, or SIGTERM to its launcher) or this replica's leave
+        (SIGTERM to it)."""
         stopped = False
         while self.protocol.progress.step < total and not stopped:
             self._step = self.protocol.progress.step
@@ -130,7 +131,7 @@ class Steps:
             if step.outcome is None:  # the loop broke out of the step's microbatches
                 raise RuntimeError(f"step {self._step} was left before its microbatches were all computed")
             self._committed(step.outcome, time.perf_counter() - t0)
-            stopped = step.outcome.stop
+            stopped = step.outcome.stop or step.outcome.left
 
     def _committed(self, outcome: Any, dt: float) -> None:
         """After each committed step (a launched Job's records)."""

@@ -17,9 +17,14 @@ fewer than ``fault_tolerance.min_replicas`` survive, the lowest live replica sav
 checkpoint and every survivor exits with status 3 and a message saying so.
 
 Stops and coordinator loss (exit statuses in ``train/exits.py``):
-- SIGTERM or SIGINT (:meth:`ReplicaWorker.request_stop`): the next vote asks for a stop; the commit
-  that carries it ends the job for every member after that step, the lowest live replica saving a
-  complete checkpoint: status 6. A process not yet training exits at once with status 6.
+- SIGTERM (:meth:`ReplicaWorker.request_stop`, a preempted node): a graceful leave: the next vote
+  asks to leave; at its commit this replica leaves (its share of that step is in it), the others go
+  on in the next generation without a failure round or any recompute; it saves nothing and exits
+  with status 0 (the launcher does not restart it: a replacement joins when started). A process not
+  yet training exits at once with status 0.
+- SIGINT (Ctrl-C; the launcher's graceful stop sends it to every worker): the next vote asks for a
+  stop; the commit that carries it ends the job for every member after that step, the lowest live
+  replica saving a complete checkpoint: status 6. A process not yet training exits at once with 6.
 - Silent data corruption and non-finite values: a replica the coordinator fences as ``divergent`` or
   faulty exits like any fenced one; when it ends the job (no majority among the parameter
   fingerprints, or a microbatch not finite on two replicas) the state is saved (each side's under
@@ -161,7 +166,8 @@ class ReplicaWorker:
         return Progress.of(counters)
 
     def request_stop(self, signum: int) -> None:
-        """SIGTERM or SIGINT: stop after the next commit (see the module docstring). Signal handler."""
+        """SIGTERM: leave after the next commit; SIGINT: stop the job then (see the module docstring).
+        Signal handler."""
         self.session.request_stop(signum)
 
     def run(self) -> int:
