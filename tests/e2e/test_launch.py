@@ -569,6 +569,44 @@ def test_sigterm_to_the_launcher_saves_a_checkpoint_and_resume_finishes_bitwise(
     assert losses(run) == losses(reference_det)
 
 
+def _worker_pid(run: Path, replica: int) -> int:
+    """The PID of replica ``replica``'s worker process (one rank)."""
+    pattern = re.compile(rf" worker .*--replica {replica}( |$)")
+    pids = [p for p in _processes_of(run)
+            if pattern.search(Path(f"/proc/{p}/cmdline").read_bytes().replace(b"\0", b" ").decode(errors="replace"))]
+    assert len(pids) == 1, pids
+    return pids[0]
+
+
+def test_sigterm_to_one_worker_is_a_graceful_leave_and_the_others_finish_bitwise(reference_det: Path,
+                                                                                 corpus: Path, tmp_path: Path) -> None:
+    """SIGTERM to replica 2's worker (a preempted node) at step ~15: it leaves at the next commit, exits 0
+    and saves nothing; the other three go on in a generation formed without it (no failure round, no
+    recompute, no microbatch lost), the job finishes every step bitwise equal to the failure-free run, exit 0."""
+    run = tmp_path / "run"
+    proc = _start_launch(run, corpus)
+    try:
+        _await_step(run, 14, proc)
+        os.kill(_worker_pid(run, 2), signal.SIGTERM)
+        _, err = proc.communicate(timeout=180)
+        assert proc.returncode == 0, err.decode()[-3000:]
+    finally:
+        _reap(run, proc)
+    recs = rows(run)
+    assert [r["step"] for r in recs] == list(range(STEPS)) and all(r["microbatches"] == M for r in recs)
+    assert losses(run) == losses(reference_det)
+    ev = events(run)
+    (leave,) = [e for e in ev if e["kind"] == "leave"]
+    assert leave["replicas"] == [2] and 14 <= leave["step"] < STEPS - 1
+    assert [r["live_replicas"] for r in recs if r["step"] > leave["step"]] == [3] * (STEPS - 1 - leave["step"])
+    (gen,) = [e for e in ev if e["kind"] == "generation" and e["reason"] == "leave"]
+    assert gen["members"] == [0, 1, 3] and gen["dead"] == [2] and gen["step"] == leave["step"] + 1
+    assert not [e for e in ev if e["kind"] in ("failure_detected", "failing", "stop_requested", "stop", "kill")]
+    assert [e["code"] for e in ev if e["kind"] == "replica_exit" and e["replica"] == 2] == [0]
+    assert [e["step"] for e in ev if e["kind"] == "left" and e.get("replica") == 2 and "step" in e] \
+        == [leave["step"] + 1]
+
+
 def test_a_corrupted_replica_and_a_nan_are_found_and_healed_in_their_step(reference_det: Path, corpus: Path,
                                                                           tmp_path: Path) -> None:
     """One bit of replica 2's parameters flips before step 8 (nothing crashes): its fingerprint differs

@@ -17,8 +17,8 @@ thread's progress, activity and newest generation), ``ack`` (of a ``failing`` no
 collective failed), ``nonfinite`` (microbatches whose loss or gradient was not finite on it), ``vote`` (commit vote,
 a :class:`Ballot` built once by the voter and carried unchanged to the membership state,
 with ``mb_s``, the seconds per microbatch the voter measured in the step, ``stop`` when its process
-was asked to stop the job, ``leave`` when it was asked to leave it (a graceful leave), ``fp``, the fingerprint of its parameters, and ``audit``, that of the audited
-microbatch's gradient), ``bye``. Coordinator ->
+was asked to stop the job, ``leave`` when it was asked to leave it (a graceful leave), ``fp``, the
+fingerprint of its parameters, and ``audit``, that of the audited microbatch's gradient), ``bye``. Coordinator ->
 client: ``ok`` / ``error`` / ``committed`` (with the ``speeds`` to plan the next step with, and
 ``stop``: every member stops after this step;
 ``left``: to a voter that asked to leave, the step is its last and it is no member of the next

@@ -41,9 +41,9 @@ Invariants:
     no failure round and nothing recomputed. The leaver then says goodbye (``left``, no failure). A
     leave of every member is a stop (someone must save the job's state).
   * Stop: a vote with ``stop`` (its process got SIGINT) or :meth:`request_stop` (the coordinator's
-    own: SIGTERM to it or to the launcher) makes the next commit a stop (it outranks a leave): its ``committed`` replies carry ``stop``, so
-    every member stops after that same step; no joiner is admitted at it, waiting joiners are told
-    ``stopping``, and later registrations are refused.
+    own: SIGTERM to it or to the launcher) makes the next commit a stop (it outranks a leave): its
+    ``committed`` replies carry ``stop``, so every member stops after that same step; no joiner is
+    admitted at it, waiting joiners are told ``stopping``, and later registrations are refused.
   * End: once every member has left (trained to the end), a replica that registers is told
     ``finished`` (a late rejoin, a restarted pod or srun step: nothing to join; it exits with 0).
   * Restart: a coordinator that starts afresh while a job runs learns the job from the registers'
@@ -247,8 +247,8 @@ class MembershipState:
     def on_vote(self, replica: int, req_id: int, ballot: Ballot, now: float) -> list[Action]:
         """A member's commit vote (:class:`~recover.coord.protocol.Ballot`): its ``mb_s`` is the seconds
         per microbatch it measured in the step; ``stop``: its process was asked to stop the job (the
-        commit, if it happens, is a stop); ``leave``: to leave it (at the commit, if it happens); ``fp`` and ``audit`` are compared across the members
-        (:mod:`recover.coord.integrity`)."""
+        commit, if it happens, is a stop); ``leave``: to leave it (at the commit, if it happens); ``fp``
+        and ``audit`` are compared across the members (:mod:`recover.coord.integrity`)."""
         generation, step = ballot.generation, ballot.step
         cur = self.current
         if cur is None or generation != cur.generation or replica not in self._members:
