@@ -601,7 +601,9 @@ def test_sigterm_to_one_worker_is_a_graceful_leave_and_the_others_finish_bitwise
     assert [r["live_replicas"] for r in recs if r["step"] > leave["step"]] == [3] * (STEPS - 1 - leave["step"])
     (gen,) = [e for e in ev if e["kind"] == "generation" and e["reason"] == "leave"]
     assert gen["members"] == [0, 1, 3] and gen["dead"] == [2] and gen["step"] == leave["step"] + 1
-    assert not [e for e in ev if e["kind"] in ("failure_detected", "failing", "stop_requested", "stop", "kill")]
+    assert not [e for e in ev if e["kind"] in ("failure_detected", "stop_requested", "stop", "kill")]
+    assert all(e["reason"].endswith(": left") and e["generation"] >= gen["generation"] and "replica 2" not in
+               e["reason"] for e in ev if e["kind"] == "failing")  # only the goodbyes at the end
     assert [e["code"] for e in ev if e["kind"] == "replica_exit" and e["replica"] == 2] == [0]
     assert [e["step"] for e in ev if e["kind"] == "left" and e.get("replica") == 2 and "step" in e] \
         == [leave["step"] + 1]
