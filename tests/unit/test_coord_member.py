@@ -15,6 +15,8 @@ def test_a_ballot_sorts_its_ids_keeps_only_a_real_speed_and_round_trips_the_wire
     b = Ballot.make(2, 7, [3, 1, 2], mb_s=0.5, stop=True, fp="ab", audit={"id": 1, "fp": "x", "norm": 1.0})
     assert b.ids == (1, 2, 3) and b.key == (2, 7, (1, 2, 3))
     assert Ballot.from_wire({**b.to_wire(), "id": 9}) == b
+    leave = Ballot.make(2, 7, [1], leave=True)
+    assert leave.to_wire()["leave"] is True and Ballot.from_wire({**leave.to_wire(), "id": 9}) == leave
     for bad in (0.0, -1.0, math.inf, math.nan, None):
         assert Ballot.make(1, 0, [0], mb_s=bad).mb_s is None
         assert "mb_s" not in Ballot.make(1, 0, [0], mb_s=bad).to_wire()
@@ -26,6 +28,8 @@ def test_ranks_ballots_merge_into_the_replicas_slowest_speed_any_stop_and_lane_f
              Ballot.make(1, 4, [0, 1], None, fp="c", audit={"id": 0})]
     assert Ballot.of_ranks(ranks) == Ballot(1, 4, (0, 1), 0.5, True, "a|b|c", None)  # no audit for P > 1
     assert Ballot.of_ranks([ranks[0], Ballot.make(1, 4, [0, 1])]).fp is None  # not every lane sent one
+    assert Ballot.of_ranks([ranks[0], Ballot.make(1, 4, [0, 1], leave=True)]).leave  # one rank's SIGTERM: all leave
+    assert not Ballot.of_ranks(ranks).leave
     assert Ballot.of_ranks([ranks[2]]) is ranks[2]  # one rank: its ballot, audit and all
 
 
