@@ -179,7 +179,7 @@ class FakeCoordinator:
     def __init__(self, world: World, me: int, step_protocol: list[ResilientStep]) -> None:
         self.world, self.me, self.protocol = world, me, step_protocol
         self.speeds: dict[int, float] | None = None
-        self.stopping = False
+        self.stopping = self.left = False
         self.committed_step = -1
 
     def vote_commit(self, generation: int, step: int, ids: list[int],

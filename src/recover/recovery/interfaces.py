@@ -118,7 +118,9 @@ class Coordinator(Protocol):
     speeds: dict[int, float] | None
     """Seconds per microbatch by replica to plan the next step with, as of the last commit (None: even)."""
     stopping: bool
-    """The last commit was a stop: every member stops after that step (SIGTERM or SIGINT somewhere)."""
+    """The last commit was a stop: every member stops after that step (SIGINT to a worker, or the job's stop)."""
+    left: bool
+    """The last commit was this replica's leave (SIGTERM to it): it stops after that step, the others go on."""
     committed_step: int
     """The last step this replica holds committed (set after a resume or a state transfer)."""
 

@@ -138,6 +138,7 @@ class CommitAll:
     """
 
     speeds = None  # no one measures: the even split
+    left = False  # no replica leaves a job without a coordinator: a signal stops every process
 
     def __init__(self) -> None:
         self.stop_requested = False
