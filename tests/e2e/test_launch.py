@@ -321,9 +321,7 @@ def test_intruders_and_every_replica_killed_at_once_leave_the_run_bitwise_unaffe
             "recover: error: coordinator refused the request: bad_replica: replica id 4 is outside this job's "
             "0..3 (--max-replicas lets it grow)"]
         _await_step(run, 10, proc)
-        workers = [p for p in _processes_of(run) if b"--replica\x00" in Path(f"/proc/{p}/cmdline").read_bytes()]
-        assert len(workers) == 4
-        for pid in workers:
+        for pid in [_worker_pid(run, r) for r in range(4)]:  # gathered first, then killed at once
             os.kill(pid, signal.SIGKILL)
         _, err = proc.communicate(timeout=180)
         assert proc.returncode == 0, err.decode()[-3000:]
@@ -515,8 +513,7 @@ def test_the_coordinator_killed_mid_commit_paused_and_killed_again_costs_no_step
         _await_step(run, 16, proc)
         os.kill(_coordinator_pid(run), signal.SIGKILL)
         _await_step(run, 19, proc)  # and a replica killed from outside, once the coordinator is back
-        worker = [p for p in _processes_of(run) if b"--replica\x003" in Path(f"/proc/{p}/cmdline").read_bytes()]
-        os.kill(worker[0], signal.SIGKILL)
+        os.kill(_worker_pid(run, 3), signal.SIGKILL)
         _, err = proc.communicate(timeout=180)
         assert proc.returncode == 0, err.decode()[-3000:]
         deadline = time.monotonic() + 5

@@ -8,6 +8,7 @@ from pathlib import Path
 import pytest
 
 from recover.cli import main
+from recover.launch.records import StepRecords
 from recover.launch.status import job_status
 
 T = 1000.0
@@ -28,8 +29,8 @@ def job_events() -> list[dict]:
 
 
 def test_each_replica_has_the_state_the_last_event_about_it_says() -> None:
-    records = {s: {"step": s, "loss": 1.0, "t": T + 1 + s * 0.1, "tokens": 10, "time_s": 0.1, "live_replicas": 3}
-               for s in range(8)}
+    records = StepRecords({"step": s, "loss": 1.0, "t": T + 1 + s * 0.1, "tokens": 10, "time_s": 0.1,
+                           "live_replicas": 3} for s in (*range(8), 9))  # step 8 missing: 8 committed
     s = job_status(job_events(), records, {0: 7, 1: 7, 2: 7, 3: 4}, now=T + 5, faults=2)
     assert (s["generation"], s["members"], s["committed_steps"], s["planned_steps"]) == (2, [0, 1, 2], 8, 20)
     assert [(r["replica"], r["state"], r["last_step"], r["mb_s"]) for r in s["replicas"]] == [

@@ -26,6 +26,7 @@ from pathlib import Path
 from typing import Any
 
 from recover.errors import RecoverError
+from recover.launch.records import StepRecords
 from recover.names import Event
 
 FAULT_KINDS = (Event.KILL, Event.FAILURE_DETECTED, Event.FENCED, Event.RESTORED, Event.DIVERGENT,
@@ -43,10 +44,10 @@ def register(sub: argparse._SubParsersAction) -> None:
     p.set_defaults(func=run_status)
 
 
-def job_status(events: list[dict[str, Any]], records: dict[int, dict[str, Any]], last_steps: dict[int, int],
+def job_status(events: list[dict[str, Any]], records: StepRecords, last_steps: dict[int, int],
                now: float, faults: int = 5) -> dict[str, Any]:
-    """The job's state from its events (file order), merged step records (step -> record) and the last step
-    each replica recorded itself (replica -> step)."""
+    """The job's state from its events (file order), merged step records and the last step each replica
+    recorded itself (replica -> step)."""
     from recover.observe.goodput import goodput
 
     replicas: dict[int, dict[str, Any]] = {}
@@ -78,12 +79,11 @@ def job_status(events: list[dict[str, Any]], records: dict[int, dict[str, Any]],
         at(r)["last_step"] = step
     for r, rep in replicas.items():
         rep["mb_s"] = speeds.get(r)
-    rows = [records[s] for s in sorted(records)]
-    committed = 0
-    while committed in records:
-        committed += 1
+    merged = records.merged()
+    rows = [merged[s] for s in sorted(merged)]
     g = goodput(rows, events, now=now) if rows else None
-    return {"generation": generation, "members": members, "committed_steps": committed, "planned_steps": planned,
+    return {"generation": generation, "members": members, "committed_steps": records.committed(),
+            "planned_steps": planned,
             "replicas": [replicas[r] for r in sorted(replicas)],
             "goodput": g.to_dict() if g is not None else None,
             "faults": [e for e in events if e.get("kind") in FAULT_KINDS][-faults:] if faults > 0 else []}
@@ -91,7 +91,6 @@ def job_status(events: list[dict[str, Any]], records: dict[int, dict[str, Any]],
 
 def read_status(run_dir: Path, faults: int = 5) -> dict[str, Any]:
     """:func:`job_status` of ``run_dir``. Raises RecoverError when it holds no job's events."""
-    from recover.launch.records import StepRecords
     from recover.observe.events import read_jsonl
 
     path = run_dir / "events.jsonl"
@@ -103,7 +102,7 @@ def read_status(run_dir: Path, faults: int = 5) -> dict[str, Any]:
         steps = [rec["step"] for rec in read_jsonl(log) if records.add(rec)]
         if steps:
             last_steps[int(log.stem.removeprefix("replica_"))] = max(steps)
-    return job_status(list(read_jsonl(path)), records.merged(), last_steps, time.time(), faults)
+    return job_status(list(read_jsonl(path)), records, last_steps, time.time(), faults)
 
 
 def status_table(s: dict[str, Any], run_dir: Path) -> Any:
