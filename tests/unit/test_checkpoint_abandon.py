@@ -14,7 +14,7 @@ from recover.names import Event
 from recover.recovery.protocol import Progress
 from recover.train import exits
 from recover.train.cadence import Cadence
-from recover.train.checkpoint import abandon
+from recover.train.checkpoint import MARKER, UNSAVED, UNSAVED_NONE, abandon
 from recover.train.loop import Loop
 
 
@@ -56,16 +56,24 @@ def loop_over(checkpointer: FullDisk) -> tuple[Loop, list[tuple[str, dict]]]:
 def test_a_final_save_the_disk_refuses_is_one_line_and_unsaved_older_checkpoints_kept(
         tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
     (tmp_path / "step_000004").mkdir()
+    (tmp_path / "step_000004" / MARKER).write_text("4")  # a complete older checkpoint
     loop, events = loop_over(FullDisk(tmp_path, pending_fails=True))  # a periodic async save failed meanwhile
     assert loop.save_last() is None
     assert sorted(p.name for p in tmp_path.iterdir()) == ["step_000004"]
     assert loop.unsaved is not None and "\n" not in loop.unsaved
     assert loop.unsaved.startswith(f"checkpoint of step 6 abandoned: could not write {tmp_path / 'step_000006'} (")
-    assert "MiB free; OSError: [Errno 28] No space left on device); the job's final state is NOT saved" in loop.unsaved
+    assert loop.unsaved.endswith("); " + UNSAVED) and "MiB free; OSError: [Errno 28] No space left" in loop.unsaved
     assert [kind for kind, _ in events] == [Event.CHECKPOINT_ABANDONED, Event.CHECKPOINT_UNSAVED]
     assert events[1][1] == {"step": 6, "message": loop.unsaved}
     err = capsys.readouterr().err.splitlines()
     assert len(err) == 2 and err[0].startswith("recover: warning: ") and err[1] == f"recover: error: {loop.unsaved}"
+
+
+def test_an_unsaved_end_with_no_complete_checkpoint_says_there_is_none_to_resume_from(tmp_path: Path) -> None:
+    (tmp_path / "step_000004").mkdir()  # never completed: no marker
+    loop, _ = loop_over(FullDisk(tmp_path))
+    assert loop.save_last() is None and loop.unsaved is not None
+    assert loop.unsaved.endswith("); " + UNSAVED_NONE) and "older checkpoints are kept" not in loop.unsaved
 
 
 def test_a_periodic_save_the_disk_refuses_goes_on_and_still_counts_for_the_cadence(tmp_path: Path) -> None:

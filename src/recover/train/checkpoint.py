@@ -316,7 +316,10 @@ GOES_ON = "training goes on, older checkpoints are kept"
 UNSAVED = ("the job's final state is NOT saved; the committed steps stay recorded and older checkpoints are kept "
            "(--resume continues from the newest)")
 """What follows an abandoned checkpoint the job ends with (at the end, a stop, too few replicas, the
-coordinator lost): the process exits with :data:`~recover.train.exits.EXIT_UNSAVED`."""
+coordinator lost): the process exits with :data:`~recover.train.exits.EXIT_UNSAVED`. :func:`abandon`
+says instead that there is none to resume from when no complete checkpoint is left."""
+UNSAVED_NONE = ("the job's final state is NOT saved and no older checkpoint exists; the committed steps stay "
+                "recorded (a new run starts from step 0)")
 
 
 def abandon(root: str | os.PathLike[str], step: int, exc: BaseException, then: str = GOES_ON) -> str:
@@ -336,6 +339,8 @@ def abandon(root: str | os.PathLike[str], step: int, exc: BaseException, then: s
         first = next(iter(failures.values()))
         exc = first[0] if isinstance(first, tuple) else first
     cause = str(exc).strip().splitlines()[0][:160] if str(exc).strip() else ""
+    if then == UNSAVED and not list_checkpoints(root):
+        then = UNSAVED_NONE
     return (f"checkpoint of step {step} abandoned: could not write {final} ({free}; {type(exc).__name__}"
             f"{': ' + cause if cause else ''}); {then}")
 
