@@ -115,6 +115,8 @@ class Event(str, Enum):
     COORDINATOR_START = "coordinator_start"
     COORDINATOR_STOP = "coordinator_stop"
     DIVERGED = "diverged"
+    DRAIN_REQUESTED = "drain_requested"
+    DRAINED = "drained"
     DIVERGED_STOP = "diverged_stop"
     DIVERGENT = "divergent"
     END = "end"

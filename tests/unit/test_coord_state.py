@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import re
 from typing import Any
 
 import pytest
@@ -312,6 +313,65 @@ def test_a_stop_outranks_a_leave_and_a_leave_of_every_member_is_a_stop() -> None
     acts = vote(st, 1, 11, 1, 0, [0], 0.1, leave=True)  # nobody would be left to hold the state: saved
     assert all(m["stop"] and "left" not in m for m in sent(acts, "committed").values()) and st.stopped
     assert logs(acts, "stop_requested") == [{"source": "leave", "step": 0}]
+
+
+def test_a_drain_is_refused_with_its_reason_and_leaves_the_state_unchanged() -> None:
+    st = make(3)  # min_members 2, max_replicas 8
+    st.on_register(5, True, 1, 0.0)  # registered, not yet admitted
+    before = (st.summary(), set(st.draining))
+    for replica, code, words in ((9, "bad_replica", "0..7"), (5, "not_member", "members [0, 1, 2]"),
+                                 (6, "not_member", "nothing to drain")):
+        with pytest.raises(Refused, match=rf"{code}: .*{re.escape(words)}"):
+            st.request_drain(replica)
+    assert logs(st.request_drain(1), "drain_requested") == [{"replica": 1, "step": 0, "generation": 1}]
+    assert st.request_drain(1) == []  # asked again: the same drain
+    with pytest.raises(Refused, match=r"below_quorum: draining replica 2 would leave 1 member\(s\), below "
+                                      r"min_replicas 2; to stop the whole job instead .*SIGTERM to the launcher"):
+        st.request_drain(2)
+    st.request_stop()
+    with pytest.raises(Refused, match="stopping"):
+        st.request_drain(0)
+    assert before[0] == st.summary() and st.draining == {1}
+
+
+def test_a_drained_member_leaves_at_the_next_commit_as_a_leave_does() -> None:
+    st = make(4)
+    st.request_drain(1)
+    acts = []
+    for r in range(4):
+        acts += vote(st, r, 10 + r, 1, 0, [0, 1, 2, 3], 0.1)  # an ordinary vote: the drain is the coordinator's
+    committed = sent(acts, "committed")
+    assert committed[1]["left"] is True and committed[1]["new_generation"] is None and not committed[1]["stop"]
+    assert {r: m["new_generation"] for r, m in committed.items() if r != 1} == {0: 2, 2: 2, 3: 2}
+    assert logs(acts, "drained") == [{"replicas": [1], "step": 0, "generation": 1}] and logs(acts, "leave") == []
+    assert logs(acts, "failing") == [] and sent(acts, "failing") == {}
+    (gen,) = logs(acts, "generation")
+    assert (gen["reason"], gen["members"], gen["dead"]) == ("drain", [0, 2, 3], [1])
+    assert st.drained == {1: (0, 2)} and st.draining == set()
+    assert logs(st.on_dead(1, "left", 0.2), "failure_detected") == [] and st.left == {1}
+    st.request_drain(2)  # a drained replica that dies first is only lost: its drain is dropped
+    st.on_dead(2, "connection_closed", 0.3)
+    assert st.draining == set() and 2 not in st.drained and st.lost == {2}
+
+
+def test_the_status_snapshot_names_every_replica_state_speed_and_fault() -> None:
+    from recover.coord.operator import job_status
+
+    st = make(4)
+    acts = []
+    for r in range(4):
+        acts += vote(st, r, 10 + r, 1, 0, [0, 1, 2, 3], 0.1, mb_s=0.5)
+    st.request_drain(1)
+    st.on_register(5, True, 1, 0.2)  # joining
+    st.on_dead(3, "hung", 0.3)  # lost (a failure round opens)
+    snap = job_status(st, {0: ("compute",), 1: ("wait",), 2: ("wait", "wait")}, [6], now=1.3)
+    assert (snap["generation"], snap["members"], snap["committed_steps"], snap["failing"]) == (1, [0, 1, 2, 3], 1,
+                                                                                               True)
+    states = {row["replica"]: row["state"] for row in snap["replicas"]}
+    assert states == {0: "computing", 1: "draining", 2: "waiting", 3: "lost", 5: "joining", 6: "joining"}
+    assert [f for f in snap["faults"]] == [{"kind": "failure_detected", "replica": 3, "cause": "hung",
+                                            "generation": 1, "step": 1, "ago_s": 1.0}]
+    assert snap["goodput"] is None and all(row["mb_s"] is None for row in snap["replicas"])  # an even split
 
 
 # ---- a restarted coordinator rebuilds the job from what the replicas hold -----------------------------

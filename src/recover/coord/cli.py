@@ -16,6 +16,12 @@ Restart: if the coordinator dies while a job runs, start it again with the same 
 ``--port`` and ``--store-port``): the replicas, which keep their state and retry for
 ``fault_tolerance.coordinator_reconnect_s``, register again with what they hold and it rebuilds
 the membership from them (``recover launch`` does this by itself).
+
+``recover drain R --coordinator HOST:PORT --token-file F`` asks a running coordinator to drain replica
+R: it leaves at the next commit as on SIGTERM to it (its share of that step is in it; it saves nothing
+and exits 0), the others train on in a generation formed without it, and the command prints one line,
+``drained at step S``, or the refusal (not a member, or the members left would fall below
+``--min-replicas``: stop the job instead) with exit status 2.
 """
 
 from __future__ import annotations
@@ -58,6 +64,19 @@ def register(subparsers: argparse._SubParsersAction) -> None:
     add_tls_flags(p)
     p.set_defaults(func=run)
 
+    d = subparsers.add_parser("drain", help="make one replica of a running job leave at its next step boundary",
+                              description="Ask the coordinator of a running job to drain replica R: it leaves at "
+                                          "the next commit (its share of that step is in it; it saves nothing and "
+                                          "exits 0) and the others train on without it. Prints `drained at step S` "
+                                          "or the refusal.")
+    d.add_argument("replica", type=int, metavar="R", help="the replica id to drain")
+    d.add_argument("--coordinator", required=True, metavar="HOST:PORT", help="the job's coordinator")
+    d.add_argument("--token-file", required=True, help="the file holding the job's token")
+    d.add_argument("--timeout", type=float, default=600.0, metavar="S",
+                   help="how long to wait for the step boundary it leaves at (default 600 s)")
+    add_tls_flags(d)
+    d.set_defaults(func=run_drain)
+
 
 def read_token(path: str) -> str:
     """The token in ``path`` (surrounding whitespace stripped). Raises ConfigError if unusable."""
@@ -83,6 +102,23 @@ def parse_die_at_commit(text: str | None) -> tuple[int, int] | None:
     if out[0] < 0 or out[1] < 0:
         raise ConfigError(f"--die-at-commit {text!r}: STEP and SENT must be >= 0")
     return out
+
+
+def run_drain(args: argparse.Namespace) -> int:
+    """``recover drain``: one line, ``drained at step S`` (0) or the refusal (a RecoverError: 2)."""
+    import time
+
+    from recover.coord.operator import ask
+
+    if args.timeout <= 0:
+        raise ConfigError(f"--timeout must be > 0 seconds, got {args.timeout}")
+    tls = Tls.from_flags(args.tls_cert, args.tls_key, args.tls_ca)
+    t0 = time.monotonic()
+    reply = ask(args.coordinator, read_token(args.token_file), {"type": "drain", "replica": args.replica}, tls,
+                args.timeout)
+    print(f"replica {reply['replica']} drained at step {reply['step']}: generation {reply['generation']} goes on "
+          f"without it ({1e3 * (time.monotonic() - t0):.0f} ms after the request)", flush=True)
+    return 0
 
 
 def run(args: argparse.Namespace) -> int:

@@ -187,6 +187,10 @@ class Liveness:
                         f"generation {generation} formed (hang timeout {limit:.1f} s): its training thread is stuck")
         return None
 
+    def activities(self, replica: int) -> tuple[str, ...]:
+        """The activity of each rank of ``replica`` in its last heartbeat, in rank order (none: unknown)."""
+        return tuple(r.activity for _, r in sorted(self._replicas.get(replica, {}).items()))
+
     def away(self, replica: int) -> bool:
         """Whether a rank of ``replica`` is in ``compute`` or ``io``: not at a collective of the others."""
         return any(r.activity in ("compute", "io") for r in self._replicas.get(replica, {}).values())

@@ -18,7 +18,11 @@ collective failed), ``nonfinite`` (microbatches whose loss or gradient was not f
 a :class:`Ballot` built once by the voter and carried unchanged to the membership state,
 with ``mb_s``, the seconds per microbatch the voter measured in the step, ``stop`` when its process
 was asked to stop the job, ``leave`` when it was asked to leave it (a graceful leave), ``fp``, the
-fingerprint of its parameters, and ``audit``, that of the audited microbatch's gradient), ``bye``. Coordinator ->
+fingerprint of its parameters, and ``audit``, that of the audited microbatch's gradient), ``bye``; from an operator's short-lived
+connection that is no member (:mod:`recover.coord.operator`): ``status`` (the job now, answered by
+``job_status`` with its ``status`` object) and ``drain`` (replica ``replica`` leaves at the next commit,
+answered by ``drained`` with the ``step`` it left at and the ``generation`` formed without it), each
+carrying the token. Coordinator ->
 client: ``ok`` / ``error`` / ``committed`` (with the ``speeds`` to plan the next step with, and
 ``stop``: every member stops after this step;
 ``left``: to a voter that asked to leave, the step is its last and it is no member of the next
@@ -79,6 +83,10 @@ SCHEMAS: dict[str, dict[str, str]] = {
     "vote": {"id": _INT, "generation": _INT, "step": _INT, "ids": _INTS, "mb_s": _ABSENT_NUM, "rank": _ABSENT_INT,
              "stop": _ABSENT_BOOL, "fp": _ABSENT_STR, "audit": _ABSENT_DICT, "leave": _ABSENT_BOOL},
     "bye": {"rank": _ABSENT_INT},
+    "status": {"id": _INT, "token": _STR},
+    "job_status": {"re": _INT, "status": _OPT_DICT},
+    "drain": {"id": _INT, "token": _STR, "replica": _INT},
+    "drained": {"re": _INT, "replica": _INT, "step": _INT, "generation": _INT},
     "ok": {"re": _INT, "heartbeat_s": _ABSENT_NUM, "beat_s": _ABSENT_NUM},
     "error": {"re": _OPT_INT, "code": _STR, "message": _STR, "sides": _ABSENT_DICT},
     "committed": {"re": _INT, "generation": _INT, "step": _INT, "new_generation": _OPT_INT, "speeds": _OPT_DICT,
@@ -88,8 +96,10 @@ SCHEMAS: dict[str, dict[str, str]] = {
     "membership": {"membership": _OPT_DICT},
     "beat": {},
 }
-CLIENT_TYPES = frozenset({"register", "hb", "hbs", "ack", "report", "nonfinite", "vote", "bye"})
+CLIENT_TYPES = frozenset({"register", "hb", "hbs", "ack", "report", "nonfinite", "vote", "bye", "status", "drain"})
 SERVER_TYPES = frozenset(SCHEMAS) - CLIENT_TYPES
+OPERATOR_TYPES = frozenset({"status", "drain"})
+"""The requests of an operator's connection (no member): the first message may be one of these."""
 ACTIVITY_LETTERS = {"c": "compute", "w": "wait", "i": "io"}
 """The one-letter activities of a batched heartbeat (``hbs``), by letter."""
 

@@ -10,7 +10,9 @@ and carries out the actions each returns, in order (:mod:`recover.coord.slots`: 
 
 Invariants:
   * A connection's first message must be a ``register`` with the right token that passes
-    :func:`~recover.coord.slots.check_register`; anything else is refused (``error`` reply,
+    :func:`~recover.coord.slots.check_register`, or an operator's ``status`` or ``drain`` with the right
+    token (:mod:`recover.coord.operator`: such a connection is no member, never judged by a timeout,
+    and each of its requests carries the token); anything else is refused (``error`` reply,
     ``refused`` log) and the connection closed. So is a connection that does not register within
     ``register_timeout_s``, or one whose stream is out of sync. A bad message on a registered
     connection is refused and the connection stays.
@@ -50,7 +52,8 @@ from recover.coord.actions import Action, Fence, Log, Refused, Send
 from recover.coord.links import LinkJudge
 from recover.coord.liveness import Liveness
 from recover.coord.member import Agreed, Disagreed
-from recover.coord.protocol import Ballot, ProtocolError, Resume, batch_beats
+from recover.coord.operator import job_status
+from recover.coord.protocol import OPERATOR_TYPES, Ballot, ProtocolError, Resume, batch_beats
 from recover.coord.slots import Close, Link, Out, SendTo, Slot, check_register, replica_resume
 from recover.coord.state import MembershipState
 
@@ -96,6 +99,7 @@ class RankAggregator:
         self._next_scan = float("-inf")
         self.beat_s = beat_s
         self._next_beat = float("-inf")
+        self._drains: dict[int, list[tuple[Link, int]]] = {}  # replica -> the operators' drains awaiting its commit
 
     @property
     def slots(self) -> Mapping[int, Slot]:
@@ -200,7 +204,7 @@ class RankAggregator:
             if link.closed:
                 continue  # fenced with a replica-mate earlier in this loop
             if link.replica is None:
-                if now - link.opened > self.register_timeout_s:
+                if not link.operator and now - link.opened > self.register_timeout_s:
                     self._refuse(link, "register_timeout", "no valid register message in time", None, True, now)
                 continue
             slot = self._slots.get(link.replica)
@@ -216,12 +220,47 @@ class RankAggregator:
 
     def _authenticate(self, link: Link, msg: dict[str, Any], now: float) -> None:
         req = msg.get("id")
-        if msg["type"] != "register":
+        if msg["type"] != "register" and msg["type"] not in OPERATOR_TYPES:
             self._refuse(link, "unauthenticated", "the first message must be register", req, True, now)
         elif not hmac.compare_digest(msg["token"].encode(), self._token):
             self._refuse(link, "unauthorized", "wrong token", req, True, now)
-        else:
+        elif msg["type"] == "register":
             self._register(link, msg, now)
+        else:
+            self._operate(link, msg, now)
+
+    def _operate(self, link: Link, msg: dict[str, Any], now: float) -> None:
+        """An operator's ``status`` (answered at once) or ``drain`` (answered at the commit it leaves at)."""
+        link.operator = True
+        if msg["type"] == "status":
+            activities = {r: self.liveness.activities(r) for r in self._slots}
+            registering = [r for r, s in self._slots.items() if not s.registered]
+            self._send(link, {"type": "job_status", "re": msg["id"],
+                              "status": job_status(self.state, activities, registering, now)})
+            return
+        replica = msg["replica"]
+        try:
+            acts = self.state.request_drain(replica)
+        except Refused as ref:
+            self._refuse(link, ref.code, ref.message, msg["id"], False, now)
+            return
+        self._drains.setdefault(replica, []).append((link, msg["id"]))
+        self._apply(acts, now)
+
+    def _answer_drains(self) -> None:
+        """Each drain whose replica left (or was lost, or the job stopped first) gets its answer."""
+        for r, asked in list(self._drains.items()):
+            done = self.state.drained.get(r)
+            if done is None and r in self.state.draining:
+                continue
+            del self._drains[r]
+            if done is not None:
+                msg = {"type": "drained", "replica": r, "step": done[0], "generation": done[1]}
+            else:
+                why = "the job stopped first" if self.state.stop_requested else "it was lost before that commit"
+                msg = {"type": "error", "code": "drain_failed", "message": f"replica {r} was not drained: {why}"}
+            for link, cid in asked:
+                self._send(link, {**msg, "re": cid})
 
     def _handle(self, link: Link, msg: dict[str, Any], now: float) -> None:
         assert link.replica is not None
@@ -499,6 +538,8 @@ class RankAggregator:
         self._out.append(Log(kind, fields))
 
     def _take(self) -> list[Out]:
+        if self._drains:
+            self._answer_drains()
         out, self._out = self._out, []
         return out
 

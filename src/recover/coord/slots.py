@@ -49,6 +49,7 @@ class Link:
     rank: int = 0
     closed: bool = False
     relay: bool = False  # carries every rank of its replica (one connection per replica)
+    operator: bool = False  # an operator's (:mod:`recover.coord.operator`): no member, never timed out
 
 
 Asked = tuple[Link, int]

@@ -40,6 +40,11 @@ Invariants:
     formed without it (reason ``leave``; joiners waiting are admitted in it too), as at a join, with
     no failure round and nothing recomputed. The leaver then says goodbye (``left``, no failure). A
     leave of every member is a stop (someone must save the job's state).
+  * Drain: :meth:`request_drain` (an operator's ``recover drain R``) makes member R leave at the next
+    commit exactly as if its vote carried ``leave`` (``drained`` logs it, the generation's reason is
+    ``drain``); refused (:class:`Refused`, state unchanged) for a replica that is no member, during a
+    stop, or when the members left would fall below ``min_members``. A drained replica lost before
+    that commit is simply lost (its drain is dropped).
   * Stop: a vote with ``stop`` (its process got SIGINT) or :meth:`request_stop` (the coordinator's
     own: SIGTERM to it or to the launcher) makes the next commit a stop (it outranks a leave): its
     ``committed`` replies carry ``stop``, so every member stops after that same step; no joiner is
@@ -61,6 +66,7 @@ Invariants:
 from __future__ import annotations
 
 import secrets
+from collections import deque
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -68,6 +74,9 @@ from recover.coord import integrity
 from recover.coord.actions import Action, Fence, Log, Refused, Send
 from recover.coord.protocol import Ballot, Membership, Resume, speeds_to_wire
 from recover.workload.speeds import SpeedTracker
+
+FAULTS_KEPT = 5
+"""How many of the last failures :attr:`MembershipState.faults` keeps (what ``recover status`` shows)."""
 
 
 @dataclass
@@ -118,6 +127,10 @@ class MembershipState:
         self._restoring = False  # a ``restore`` generation: its first commit may go back to a checkpoint's step
         self.late: set[int] = set()  # replicas that came back after the rebuild, waiting to be admitted
         self.left: set[int] = set()  # replicas that said goodbye (their departure is no failure)
+        self.lost: set[int] = set()  # replicas declared dead (not a goodbye) and not registered since
+        self.draining: set[int] = set()  # members an operator drains: they leave at the next commit
+        self.drained: dict[int, tuple[int, int]] = {}  # drained replica -> (step it left at, generation without it)
+        self.faults: deque[dict[str, Any]] = deque(maxlen=FAULTS_KEPT)  # the last failures, for ``status``
         self._nonfinite: dict[tuple[int, int], set[int]] = {}  # (step, id) -> replicas it was not finite on
         self._members: frozenset[int] = frozenset()  # the current generation's, for O(1) lookups
 
@@ -163,6 +176,8 @@ class MembershipState:
         if self.stopped:
             raise Refused("stopping", "the job is stopping (a stop was committed); nothing to join")
         self.live.add(replica)
+        self.lost.discard(replica)
+        self.drained.pop(replica, None)
         acts: list[Action] = [Send(replica, {"type": "ok", "re": req_id, "generation": self.generation}),
                               Log("register", {"replica": replica, "join": join,
                                                **({"resume": resume.to_wire()} if resume else {})})]
@@ -203,11 +218,13 @@ class MembershipState:
         self.pending_join.discard(replica)
         self.late.discard(replica)
         self.speeds.forget(replica)
+        self.draining.discard(replica)
         if cause == "left":  # it said goodbye (finished, stopped): a departure, not a failure
             self.left.add(replica)
             acts: list[Action] = [Log("left", {"replica": replica, "generation": self.generation})]
         else:
             acts = [Log("failure_detected", {"replica": replica, "cause": cause, "generation": self.generation})]
+            self._lose(replica, cause, now)
         if self.rebuild.pop(replica, None) is not None:
             acts += self._check_rebuild(now)
         if self.current is not None and replica in self._members:
@@ -291,7 +308,8 @@ class MembershipState:
         acts: list[Action] = [Log("commit", {"generation": generation, "step": step, "ids": len(ids)})]
         measured = {r: b.mb_s for r, (_, b) in votes.items() if b.mb_s is not None}
         acts += self._observe_speeds(step, len(ids), self.current.members, measured)
-        leavers = {r for r, (_, b) in votes.items() if b.leave}
+        drained = self.draining & set(votes)
+        leavers = {r for r, (_, b) in votes.items() if b.leave} | drained
         if leavers and leavers >= set(self.current.members) and not self.stop_requested:
             self.stop_requested = True  # nobody would be left to hold the state: a stop, saved
             acts.append(Log("stop_requested", {"source": "leave", "step": step}))
@@ -300,10 +318,15 @@ class MembershipState:
             acts += self._stop(step)
             leavers = set()
         elif self.pending_join or leavers:
-            if leavers:
-                acts.append(Log("leave", {"replicas": sorted(leavers), "step": step, "generation": generation}))
-            acts += self._admit_joiners(now, leavers)
+            if leavers - drained:
+                acts.append(Log("leave", {"replicas": sorted(leavers - drained), "step": step,
+                                          "generation": generation}))
+            if drained:
+                acts.append(Log("drained", {"replicas": sorted(drained), "step": step, "generation": generation}))
+            acts += self._admit_joiners(now, leavers, "drain" if drained == leavers else "leave")
             new_gen = self.generation
+            self.drained.update(dict.fromkeys(drained, (step, new_gen)))
+        self.draining -= drained
         speeds = speeds_to_wire(self.speeds.planned)
         return acts + [Send(r, {"type": "committed", "re": rid, "generation": generation, "step": step,
                                 "new_generation": None if r in leavers else new_gen, "speeds": speeds,
@@ -335,6 +358,35 @@ class MembershipState:
                 Send(replica, {"type": "error", "re": req_id, "code": "nonfinite", "message": msg}),
                 *(Send(m, {"type": "error", "re": None, "code": "nonfinite", "message": msg})
                   for m in cur.members if m != replica and m in self.live)]
+
+    def request_drain(self, replica: int) -> list[Action]:
+        """An operator drains member ``replica``: it leaves at the next commit (see the module docstring).
+        Raises :class:`Refused` (``bad_replica``, ``not_member``, ``stopping``, ``below_quorum``)."""
+        if not 0 <= replica < self.max_replicas:
+            raise Refused("bad_replica", f"replica {replica} is unknown: this job's replica ids are "
+                                         f"0..{self.max_replicas - 1}")
+        members = set(self.current.members) if self.current is not None else set()
+        if replica not in members:
+            raise Refused("not_member", f"replica {replica} is not a member of generation {self.generation} "
+                                        f"(members {sorted(members)}): nothing to drain")
+        if self.stop_requested:
+            raise Refused("stopping", "the job is stopping at its next commit: nothing to drain")
+        left = len(members - self.draining - {replica})
+        if left < self.min_members:
+            raise Refused("below_quorum", f"draining replica {replica} would leave {left} member(s), below "
+                                          f"min_replicas {self.min_members}; to stop the whole job instead (with a "
+                                          "checkpoint), send SIGTERM to the launcher or the coordinator")
+        if replica in self.draining:
+            return []
+        self.draining.add(replica)
+        return [Log("drain_requested", {"replica": replica, "step": self.committed_step + 1,
+                                        "generation": self.generation})]
+
+    def _lose(self, replica: int, cause: str, now: float) -> None:
+        """``replica`` was declared dead (not a goodbye): remembered for ``status``."""
+        self.lost.add(replica)
+        self.faults.append({"replica": replica, "cause": cause, "generation": self.generation,
+                            "step": self.committed_step + 1, "at": now})
 
     def request_stop(self) -> list[Action]:
         """The coordinator itself was asked to stop the job (SIGTERM to it, as the launcher's graceful stop
@@ -427,6 +479,8 @@ class MembershipState:
         for m in sorted(r.pending):
             r.dead.add(m)
             self.live.discard(m)
+            self.draining.discard(m)
+            self._lose(m, "no_ack", now)
             acts.append(Fence(m, f"no ack of failure notice for generation {r.generation} "
                                  f"within {self.ack_timeout_s:g} s"))
         self.round = None
@@ -436,8 +490,9 @@ class MembershipState:
             acts += self._admit_joiners(now)
         return acts
 
-    def _admit_joiners(self, now: float, leavers: set[int] | None = None) -> list[Action]:
-        """The next generation at a step boundary: the waiting joiners in, the ``leavers`` out."""
+    def _admit_joiners(self, now: float, leavers: set[int] | None = None, reason: str = "leave") -> list[Action]:
+        """The next generation at a step boundary: the waiting joiners in, the ``leavers`` out (``reason``
+        names why they leave)."""
         joiners = sorted(self.pending_join & self.live)
         self.pending_join.clear()
         if not joiners and not leavers:
@@ -447,7 +502,7 @@ class MembershipState:
             self._resync = True
             self.late -= set(joiners)
         members = sorted((set(self.current.members if self.current else ()) - (leavers or set())) | set(joiners))
-        return self._form(members, "leave" if leavers else "join", now)
+        return self._form(members, reason if leavers else "join", now)
 
     def _form(self, members: list[int], reason: str, now: float, *, detail: str = "",
               latency_s: float | None = None) -> list[Action]:

@@ -15,6 +15,11 @@ Per replica: its state, the last step it recorded and its planned seconds per mi
 speeds the coordinator agreed, ``rebalanced``). For the job: the generation and its members, the
 committed steps of the planned ones, goodput so far (:mod:`recover.observe.goodput`) and the last
 faults. ``--json`` prints the same as one JSON object; ``--watch S`` refreshes it every S seconds.
+
+With ``--coordinator HOST:PORT`` (and the job's ``--token-file``, and ``--tls-*`` when its wire is TLS)
+it asks the running coordinator instead (:mod:`recover.coord.operator`): the same figures as it sees
+them now, each member ``computing``, ``waiting`` or ``draining`` by its last heartbeat, but no goodput
+(the step records are in the run directory, not in the coordinator).
 """
 
 from __future__ import annotations
@@ -22,9 +27,11 @@ from __future__ import annotations
 import argparse
 import json
 import time
+from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
+from recover.coord.tls import Tls, add_tls_flags
 from recover.errors import RecoverError
 from recover.launch.records import StepRecords
 from recover.names import Event
@@ -37,7 +44,11 @@ FAULT_KINDS = (Event.KILL, Event.FAILURE_DETECTED, Event.FENCED, Event.RESTORED,
 def register(sub: argparse._SubParsersAction) -> None:
     p = sub.add_parser("status", help="a job's state now: members, step, speeds, goodput, the last faults",
                        description=__doc__.split("\n\n")[0])
-    p.add_argument("run_dir", help="the job's --out (while it runs, or after)")
+    p.add_argument("run_dir", nargs="?", default=None, help="the job's --out (while it runs, or after)")
+    p.add_argument("--coordinator", default=None, metavar="HOST:PORT",
+                   help="ask the running job's coordinator instead of reading RUN_DIR (with --token-file)")
+    p.add_argument("--token-file", default=None, help="with --coordinator: the file holding the job's token")
+    add_tls_flags(p)
     p.add_argument("--json", action="store_true", help="one JSON object instead of the table")
     p.add_argument("--watch", type=float, default=None, metavar="S", help="refresh every S seconds (Ctrl-C ends)")
     p.add_argument("--faults", type=int, default=5, metavar="N", help="how many of the last faults (default 5)")
@@ -105,41 +116,73 @@ def read_status(run_dir: Path, faults: int = 5) -> dict[str, Any]:
     return job_status(list(read_jsonl(path)), records, last_steps, time.time(), faults)
 
 
-def status_table(s: dict[str, Any], run_dir: Path) -> Any:
-    """The status as a rich table: one row per replica, the job's figures in the title and caption."""
+COLUMNS = (("state", "state"), ("last_step", "last step"), ("activity", "activity"), ("mb_s", "s / microbatch"))
+"""The per-replica columns a table shows, when its rows carry them (a run directory's or a coordinator's)."""
+
+
+def status_table(s: dict[str, Any], where: Any) -> Any:
+    """The status (of a run directory or a coordinator: ``where``) as a rich table: one row per replica,
+    the job's figures in the title and caption."""
     from rich.table import Table
 
-    of = f" of {s['planned_steps']}" if s["planned_steps"] else ""
+    of = f" of {s['planned_steps']}" if s.get("planned_steps") else ""
     g = s["goodput"]
-    table = Table(title=f"{run_dir}: generation {s['generation']}, members {s['members']}, "
+    table = Table(title=f"{where}: generation {s['generation']}, members {s['members']}, "
                         f"{s['committed_steps']}{of} steps committed"
                         + (f", goodput {100 * g['ettr']:.1f}%" if g else ""))
-    for col in ("replica", "state", "last step", "s / microbatch"):
-        table.add_column(col, justify="right" if col != "state" else "left")
-    for rep in s["replicas"]:
-        table.add_row(str(rep["replica"]), rep["state"], "-" if rep["last_step"] is None else str(rep["last_step"]),
-                      "-" if rep["mb_s"] is None else f"{rep['mb_s']:.4f}")
+    rows = s["replicas"]
+    cols = [(key, name) for key, name in COLUMNS if any(key in rep for rep in rows)]
+    table.add_column("replica", justify="right")
+    for key, name in cols:
+        table.add_column(name, justify="left" if key in ("state", "activity") else "right")
+    for rep in rows:
+        cells = ["-" if rep.get(key) is None else f"{rep[key]:.4f}" if key == "mb_s" else str(rep[key])
+                 for key, _ in cols]
+        table.add_row(str(rep["replica"]), *cells)
     lines = []
     for e in s["faults"]:
         detail = ", ".join(f"{k} {e[k]}" for k in ("step", "cause", "fault", "reason") if e.get(k) is not None)
-        lines.append(f"{time.strftime('%H:%M:%S', time.localtime(e['t']))} {e['kind']} replica "
+        when = time.localtime(e["t"] if "t" in e else time.time() - e["ago_s"])
+        lines.append(f"{time.strftime('%H:%M:%S', when)} {e['kind']} replica "
                      f"{e.get('replica', '-')}" + (f": {detail}" if detail else ""))
     table.caption = "last faults:\n" + "\n".join(lines) if lines else "no faults"
     return table
 
 
+def status_source(args: argparse.Namespace) -> tuple[Any, Callable[[], dict[str, Any]]]:
+    """Where the status comes from (a run directory, or a coordinator asked with the token) and how to
+    read it now. Raises RecoverError (one line) for a command line naming neither or both."""
+    if (args.run_dir is None) == (args.coordinator is None):
+        raise RecoverError("give a run directory (RUN_DIR) or --coordinator HOST:PORT with --token-file, not both")
+    if args.run_dir is not None:
+        run_dir = Path(args.run_dir)
+        return run_dir, lambda: read_status(run_dir, args.faults)
+    from recover.coord.cli import read_token
+    from recover.coord.operator import ask
+
+    if args.token_file is None:
+        raise RecoverError("--coordinator needs --token-file (the file holding the job's token)")
+    token, tls = read_token(args.token_file), Tls.from_flags(args.tls_cert, args.tls_key, args.tls_ca)
+
+    def live() -> dict[str, Any]:
+        s = ask(args.coordinator, token, {"type": "status"}, tls)["status"]
+        return {**s, "faults": s["faults"][-args.faults:] if args.faults > 0 else []}
+    return args.coordinator, live
+
+
 def run_status(args: argparse.Namespace) -> int:
     from rich.console import Console
 
-    run_dir, console = Path(args.run_dir), Console()
+    where, read = status_source(args)
+    console = Console()
     while True:
-        s = read_status(run_dir, args.faults)
+        s = read()
         if args.json:
             print(json.dumps(s), flush=True)
         else:
             if args.watch:
                 console.clear()
-            console.print(status_table(s, run_dir))
+            console.print(status_table(s, where))
         if not args.watch:
             return 0
         try:
