@@ -263,3 +263,35 @@ def test_the_store_binds_the_coordinators_host_unless_that_is_a_wildcard() -> No
             assert reaches("127.0.0.2", c.store_port) is elsewhere, host
         finally:
             c.stop()
+
+
+def test_an_operator_asks_the_status_and_drains_a_replica_without_being_a_member(coord: Coordinator) -> None:
+    from recover.coord.operator import ask
+    from recover.errors import RecoverError
+
+    at = f"127.0.0.1:{coord.port}"
+    cs = clients(coord, [0, 1, 2])
+    try:
+        in_threads([c.register for c in cs])
+        with pytest.raises(RecoverError, match=r"refused \(unauthorized\): wrong token"):
+            ask(at, "wrong", {"type": "status"})
+        with pytest.raises(RecoverError, match=r"refused \(bad_replica\): replica 7 is unknown"):
+            ask(at, TOKEN, {"type": "drain", "replica": 7})
+        status = ask(at, TOKEN, {"type": "status"})["status"]
+        assert (status["generation"], status["members"], status["committed_steps"]) == (1, [0, 1, 2], 0)
+        assert [(r["replica"], r["state"]) for r in status["replicas"]] == [(0, "computing"), (1, "computing"),
+                                                                           (2, "computing")]
+        ids = list(range(6))
+        out = in_threads([lambda: ask(at, TOKEN, {"type": "drain", "replica": 1}, timeout_s=15),
+                          *(lambda c=c: (time.sleep(0.3), c.vote_commit(1, 0, ids))[1] for c in cs)])
+        assert out[0]["type"] == "drained" and (out[0]["replica"], out[0]["step"], out[0]["generation"]) == (1, 0, 2)
+        assert cs[1].left and not cs[0].left and coord.snapshot()["members"] == [0, 2]
+        cs[1].close()  # its goodbye
+        coord.wait_until(lambda s: 1 not in s["live"], 5)
+        status = ask(at, TOKEN, {"type": "status"})["status"]
+        assert {r["replica"]: r["state"] for r in status["replicas"]}[1] == "left" and status["faults"] == []
+        kinds = [e["kind"] for e in events(coord)]
+        assert "drained" in kinds and "failure_detected" not in kinds and kinds.count("register") == 3
+    finally:
+        for c in cs:
+            c.close()

@@ -18,11 +18,11 @@ collective failed), ``nonfinite`` (microbatches whose loss or gradient was not f
 a :class:`Ballot` built once by the voter and carried unchanged to the membership state,
 with ``mb_s``, the seconds per microbatch the voter measured in the step, ``stop`` when its process
 was asked to stop the job, ``leave`` when it was asked to leave it (a graceful leave), ``fp``, the
-fingerprint of its parameters, and ``audit``, that of the audited microbatch's gradient), ``bye``; from an operator's short-lived
-connection that is no member (:mod:`recover.coord.operator`): ``status`` (the job now, answered by
-``job_status`` with its ``status`` object) and ``drain`` (replica ``replica`` leaves at the next commit,
-answered by ``drained`` with the ``step`` it left at and the ``generation`` formed without it), each
-carrying the token. Coordinator ->
+fingerprint of its parameters, and ``audit``, that of the audited microbatch's gradient), ``bye``; from an
+operator's short-lived connection that is no member (:mod:`recover.coord.operator`): ``status`` (the job
+now, answered by ``job_status`` with its ``status`` object) and ``drain`` (replica ``replica`` leaves at
+the next commit, answered by ``drained`` with the ``step`` it left at and the ``generation`` formed
+without it), each carrying the token. Coordinator ->
 client: ``ok`` / ``error`` / ``committed`` (with the ``speeds`` to plan the next step with, and
 ``stop``: every member stops after this step;
 ``left``: to a voter that asked to leave, the step is its last and it is no member of the next
