@@ -707,3 +707,59 @@ def test_bfloat16_compute_survives_a_kill_and_stays_near_float32(reference_det: 
     assert recs[10]["live_replicas"] == 3
     ref = losses(reference_det)[STEPS - 1]
     assert recs[-1]["loss"] != ref and abs(recs[-1]["loss"] - ref) <= 0.03 * ref  # bf16 arithmetic, near fp32
+
+
+def _await_record(run: Path, replica: int, proc: subprocess.Popen[bytes], timeout: float = 120) -> None:
+    """Waits until replica ``replica`` logged a step record of its own (it trains as a member)."""
+    path, deadline = run / "replicas" / f"replica_{replica}.jsonl", time.monotonic() + timeout
+    while not (path.exists() and path.read_text().strip()):
+        assert time.monotonic() < deadline and proc.poll() is None, f"replica {replica} never trained"
+        time.sleep(0.05)
+
+
+def test_a_fifth_replica_started_by_hand_joins_and_a_drained_one_leaves_both_bitwise(
+        reference_det: Path, corpus: Path, tmp_path: Path) -> None:
+    """`recover launch --replicas 4 --max-replicas 5`, then `recover worker --replica 4` started by hand once
+    step 1 is in: it joins at a step boundary and takes its share (5 members: quotas of 2 and 1 microbatches;
+    on 2 shared cores the step time cannot show the gain, so the quotas are what is checked). `recover status
+    --coordinator --json` lists every member with its state while it runs; `recover drain 2` makes replica 2
+    leave at the next commit: it exits 0, is not restarted, and no failure is detected. Every step holds M
+    microbatches, bitwise equal to the failure-free run, and the launcher exits 0."""
+    run = tmp_path / "run"
+    proc = _start_launch(run, corpus, "--max-replicas", "5", "--device-time-s", "0.2")
+    fifth = None
+    try:
+        at = f"127.0.0.1:{_coordinator_start(run, proc)['port']}"
+        _await_step(run, 1, proc)
+        with open(tmp_path / "fifth.log", "wb") as log:
+            fifth = subprocess.Popen([sys.executable, "-m", "recover", "worker", "--config", str(run / "config.json"),
+                                      "--out", str(run), "--coordinator", at, "--token-file", str(run / "token"),
+                                      "--procs", "4", "--replica", "4", "--join"], env=subprocess_env(),
+                                     start_new_session=True, stdout=log, stderr=subprocess.STDOUT)
+        _await_record(run, 4, proc)
+        status = json.loads(run_recover(["status", "--coordinator", at, "--token-file", str(run / "token"),
+                                         "--json"]).stdout)
+        assert status["members"] == [0, 1, 2, 3, 4]
+        assert {r["replica"]: r["state"] in ("computing", "waiting") for r in status["replicas"]} == dict.fromkeys(
+            range(5), True)
+        drained = run_recover(["drain", "2", "--coordinator", at, "--token-file", str(run / "token")]).stdout
+        left_at = int(re.search(r"replica 2 drained at step (\d+)", drained).group(1))
+        _, err = proc.communicate(timeout=180)
+        assert proc.returncode == 0, err.decode()[-3000:]
+        assert fifth.wait(60) == 0, (tmp_path / "fifth.log").read_text()[-3000:]
+    finally:
+        _reap(run, proc)
+    recs = rows(run)
+    assert [r["step"] for r in recs] == list(range(STEPS)) and all(r["microbatches"] == M for r in recs)
+    assert losses(run) == losses(reference_det)
+    five = [r for r in recs if r["live_replicas"] == 5]
+    assert five and all(sorted(r["quotas"].values()) == [1, 1, 2, 2, 2] for r in five)  # the quota falls
+    assert [r["live_replicas"] for r in recs if r["step"] > left_at] == [4] * (STEPS - 1 - left_at)
+    ev = events(run)
+    (gen,) = [e for e in ev if e["kind"] == "generation" and e["reason"] == "drain"]
+    assert gen["members"] == [0, 1, 3, 4] and gen["dead"] == [2] and gen["step"] == left_at + 1
+    assert [e["replicas"] for e in ev if e["kind"] == "drained"] == [[2]]
+    assert not [e for e in ev if e["kind"] in ("failure_detected", "rejoin_started", "kill")]
+    assert [e["code"] for e in ev if e["kind"] == "replica_exit" and e["replica"] == 2] == [0]
+    summary = json.loads((run / "summary.json").read_text())
+    assert summary["max_live_replicas"] == 5 and summary["drained"] == [2]

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import json
 import socket
 import struct
 import threading
@@ -292,6 +293,25 @@ def test_an_operator_asks_the_status_and_drains_a_replica_without_being_a_member
         assert {r["replica"]: r["state"] for r in status["replicas"]}[1] == "left" and status["faults"] == []
         kinds = [e["kind"] for e in events(coord)]
         assert "drained" in kinds and "failure_detected" not in kinds and kinds.count("register") == 3
+    finally:
+        for c in cs:
+            c.close()
+
+
+def test_recover_drain_prints_one_line_for_a_refusal(coord: Coordinator, tmp_path: Path,
+                                                     capsys: pytest.CaptureFixture[str]) -> None:
+    from recover.cli import main
+
+    (tmp_path / "token").write_text(TOKEN)
+    cs = clients(coord, [0, 1, 2])
+    try:
+        in_threads([c.register for c in cs])
+        at = ["--coordinator", f"127.0.0.1:{coord.port}", "--token-file", str(tmp_path / "token")]
+        assert main(["drain", "5", *at]) == 2
+        err = capsys.readouterr().err.strip().splitlines()
+        assert len(err) == 1 and "refused (bad_replica): replica 5 is unknown" in err[0]
+        assert main(["status", *at, "--json"]) == 0
+        assert json.loads(capsys.readouterr().out)["members"] == [0, 1, 2]
     finally:
         for c in cs:
             c.close()

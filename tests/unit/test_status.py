@@ -52,3 +52,39 @@ def test_the_command_reads_a_run_directory_and_refuses_one_without_events(
     assert main(["status", str(tmp_path / "nothing")]) == 2
     err = capsys.readouterr().err.strip().splitlines()
     assert len(err) == 1 and "no events.jsonl" in err[0]
+
+
+def test_a_drained_member_is_draining_until_the_generation_without_it() -> None:
+    ev = [*job_events(), {"t": T + 4.5, "kind": "drain_requested", "replica": 2, "step": 9, "generation": 2}]
+    s = job_status(ev, StepRecords(), {}, now=T + 5)
+    assert [r["state"] for r in s["replicas"]] == ["training", "left", "draining", "joining"]
+    ev.append({"t": T + 4.8, "kind": "generation", "generation": 3, "members": [0], "step": 10})
+    ev.append({"t": T + 4.9, "kind": "left", "replica": 2, "generation": 3})
+    assert [r["state"] for r in job_status(ev, StepRecords(), {}, now=T + 5)["replicas"]][2] == "left"
+
+
+@pytest.mark.parametrize("argv, words", [([], "give a run directory"), (["RUN", "--coordinator", "h:1"], "not both"),
+                                         (["--coordinator", "h:1"], "needs --token-file")])
+def test_a_status_needs_a_run_directory_or_a_coordinator_with_its_token(
+        argv: list[str], words: str, capsys: pytest.CaptureFixture[str]) -> None:
+    assert main(["status", *argv]) == 2
+    err = capsys.readouterr().err.strip().splitlines()
+    assert len(err) == 1 and words in err[0]
+
+
+def test_a_coordinators_status_renders_its_activity_and_the_age_of_its_faults() -> None:
+    from rich.console import Console
+
+    from recover.launch.status import status_table
+
+    s = {"generation": 3, "members": [0, 1], "committed_steps": 12, "goodput": None,
+         "replicas": [{"replica": 0, "state": "computing", "activity": "compute", "mb_s": 0.25},
+                      {"replica": 1, "state": "draining", "activity": "wait", "mb_s": None},
+                      {"replica": 2, "state": "lost", "activity": None, "mb_s": None}],
+         "faults": [{"kind": "failure_detected", "replica": 2, "cause": "hung", "step": 9, "ago_s": 4.0}]}
+    console = Console(width=160, record=True)
+    console.print(status_table(s, "127.0.0.1:29400"))
+    text = " ".join(console.export_text().split())  # rich wraps the title and caption to the table's width
+    assert "127.0.0.1:29400: generation 3, members [0, 1], 12 steps committed" in text
+    assert "activity" in text and "last step" not in text and "0.2500" in text and "draining" in text
+    assert "failure_detected replica 2: step 9, cause hung" in text

@@ -149,6 +149,8 @@ def summarize(run_dir: Path, name: str, wall_s: float) -> dict[str, Any]:
         "final_loss": rows[-1]["loss"] if rows else None,
         "final_val_loss": val[-1] if val else None,
         "final_live_replicas": rows[-1]["live_replicas"] if rows else 0,
+        "max_live_replicas": max((r["live_replicas"] for r in rows), default=0),  # a grown job's too
+        "drained": sorted({r for e in events if e.get("kind") == Event.DRAINED for r in e["replicas"]}),
         "final_generation": rows[-1]["generation"] if rows else 0,
         "committed_tokens": tokens,
         "effective_tokens_per_s": round(tokens / wall_s, 2) if wall_s > 0 else 0.0,

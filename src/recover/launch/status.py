@@ -7,6 +7,7 @@ writing to shared storage), any number of times. :func:`job_status` is pure. A r
 last word the events say about it:
 
   ``training``  a member of the newest generation;
+  ``draining``  a member an operator drains (``recover drain``): it leaves at the next commit;
   ``joining``   registered or restarted and not yet admitted (it takes the state at the next commit);
   ``lost``      declared dead (fenced, hung, silent, crashed) and not back;
   ``left``      said goodbye (trained to the end, or stopped).
@@ -82,6 +83,8 @@ def job_status(events: list[dict[str, Any]], records: StepRecords, last_steps: d
             continue
         elif kind in (Event.REGISTER, Event.JOIN_REQUEST, Event.REJOIN_STARTED) and r not in members:
             at(r)["state"] = "joining"
+        elif kind == Event.DRAIN_REQUESTED and r in members:
+            at(r)["state"] = "draining"
         elif kind == Event.FAILURE_DETECTED:
             at(r)["state"] = "left" if e.get("cause") == "left" else "lost"
         elif kind in (Event.LEFT, Event.FINISHED, Event.STOPPED):

@@ -235,7 +235,7 @@ class Session:
             self.event(Event.LEFT, step=step.progress.step, generation=step.group.generation)
             if self.rank == 0:
                 print(f"recover: replica {self.replica_id} left the job after {step.progress.step} committed "
-                      "steps (SIGTERM); the others train on", file=sys.stderr, flush=True)
+                      "steps (SIGTERM, or `recover drain`); the others train on", file=sys.stderr, flush=True)
         else:
             self.event(Event.FINISHED, step=step.progress.step, generation=step.group.generation)
         step.group.close()
