@@ -471,3 +471,24 @@ def test_every_registered_connection_gets_a_beat_each_beat_s_and_the_ok_names_it
     assert sent(agg.on_tick(0.5), "beat") == {}
     assert set(sent(agg.on_tick(0.7), "beat")) == {"a0"}
     assert "beat_s" not in sent(register(make(), "a0", 0), "ok")["a0"]  # an aggregator without beats names none
+
+
+def test_an_operator_connection_is_no_member_never_times_out_and_its_drain_is_answered_at_the_commit() -> None:
+    agg = make(expected=3, register_timeout=1.0)
+    for r, name in enumerate("abc"):
+        register(agg, f"{name}0", r)
+    agg.on_open("op", "peer-op", 0.0)
+    (status,) = sent(agg.on_message("op", msg("status", id=1, token=TOKEN), 0.1), "job_status").values()
+    assert status["re"] == 1 and [r["replica"] for r in status["status"]["replicas"]] == [0, 1, 2]
+    assert agg.on_message("op", msg("drain", id=2, token=TOKEN, replica=1), 0.2) == [
+        Log("drain_requested", {"replica": 1, "step": 0, "generation": 1})]  # answered at the commit
+    for conn in ("a0", "b0", "c0"):
+        agg.on_heard(conn, 2.0)
+    assert closed(agg.on_tick(2.5)) == []  # past the register timeout: an operator's connection stays
+    refused = sent(agg.on_message("a0", msg("drain", id=5, token=TOKEN, replica=2), 2.6), "error")
+    assert refused["a0"]["code"] == "not_operator" and agg.state.draining == {1}
+    out = [*vote(agg, "a0", 10, now=3.0), *vote(agg, "b0", 11, now=3.0), *vote(agg, "c0", 12, now=3.0)]
+    assert sent(out, "drained") == {"op": {"type": "drained", "re": 2, "replica": 1, "step": 0, "generation": 2}}
+    assert sent(out, "committed")["b0"]["left"] is True and agg.state.current.members == (0, 2)
+    out = agg.on_message("op", msg("status", id=3, token="nope"), 3.1)
+    assert sent(out, "error")["op"]["code"] == "unauthorized" and closed(out) == ["op"]

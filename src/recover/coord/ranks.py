@@ -288,6 +288,8 @@ class RankAggregator:
                 return
             if kind == "register":
                 raise Refused("already_registered", f"this connection is already {slot.who(link.rank)}")
+            if kind in OPERATOR_TYPES:
+                raise Refused("not_operator", f"{kind} comes on an operator's own connection, not a replica's")
             if not slot.registered:
                 raise Refused("not_registered", f"replica {slot.replica} waits for its other ranks "
                                                 f"({len(slot.links)} of {slot.ranks} registered)")
