@@ -744,7 +744,7 @@ def test_a_fifth_replica_started_by_hand_joins_and_a_drained_one_leaves_both_bit
             range(5), True)
         drained = run_recover(["drain", "2", "--coordinator", at, "--token-file", str(run / "token")]).stdout
         left_at = int(re.search(r"replica 2 drained at step (\d+)", drained).group(1))
-        _, err = proc.communicate(timeout=180)
+        out, err = proc.communicate(timeout=180)
         assert proc.returncode == 0, err.decode()[-3000:]
         assert fifth.wait(60) == 0, (tmp_path / "fifth.log").read_text()[-3000:]
     finally:
@@ -763,3 +763,5 @@ def test_a_fifth_replica_started_by_hand_joins_and_a_drained_one_leaves_both_bit
     assert [e["code"] for e in ev if e["kind"] == "replica_exit" and e["replica"] == 2] == [0]
     summary = json.loads((run / "summary.json").read_text())
     assert summary["max_live_replicas"] == 5 and summary["drained"] == [2]
+    assert summary["grown"] == [4] and summary["rejoins"] == 0
+    assert "grew by replicas [4]; drained replicas [2]" in out.decode()

@@ -413,11 +413,13 @@ def _report(launcher: Launcher, opts: LaunchOptions, reference: Path | None) -> 
     for text in launcher.supervisor.failed_logs():
         print(text, file=sys.stderr)
     lat = summary["recovery_latency_ms_median"]
-    restores = "".join(f"; nobody held the state: restored step {r['step']} ({r['redo']} steps redone)"
+    extra = "".join(f"; nobody held the state: restored step {r['step']} ({r['redo']} steps redone)"
                        for r in summary["restores"])
+    extra += f"; grew by replicas {summary['grown']}" if summary["grown"] else ""
+    extra += f"; drained replicas {summary['drained']}" if summary["drained"] else ""
     print(f"{summary['committed_steps']} steps committed in {summary['wall_s']:.1f} s; microbatches per step "
           f"{summary['min_microbatches']}..{summary['max_microbatches']}; kills {summary['kills']}, rejoins "
-          f"{summary['rejoins']}{restores}; median recovery {lat if lat is not None else '-'} ms; "
+          f"{summary['rejoins']}{extra}; median recovery {lat if lat is not None else '-'} ms; "
           f"goodput {100 * summary['goodput']['ettr']:.1f}%; "
           f"final val loss {summary['final_val_loss']}; outputs in {out}", flush=True)
 

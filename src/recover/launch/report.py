@@ -135,12 +135,15 @@ def summarize(run_dir: Path, name: str, wall_s: float) -> dict[str, Any]:
     base = statistics.median(normal) if normal else 0.0
     tokens = sum(r["tokens"] for r in rows)
     val = [r["val_loss"] for r in rows if r.get("val_loss") is not None]
+    joins = [e for e in events if e.get("kind") == Event.STARTED and e.get("joined") and not e.get("rank")]
+    launched = next((e["replicas"] for e in events if e.get("kind") == Event.LAUNCH), math.inf)
     summary = {
         "name": name, "committed_steps": len(rows), "wall_s": round(wall_s, 3),
         "min_microbatches": min((r["microbatches"] for r in rows), default=0),
         "max_microbatches": max((r["microbatches"] for r in rows), default=0),
         "kills": sum(1 for e in events if e.get("kind") == Event.KILL),
-        "rejoins": sum(1 for e in events if e.get("kind") == Event.STARTED and e.get("joined") and not e.get("rank")),
+        "rejoins": sum(1 for e in joins if e["replica"] < launched),
+        "grown": sorted({e["replica"] for e in joins if e["replica"] >= launched}),  # beyond the launch's count
         "recoveries": lat,
         "recovery_latency_ms_median": _median([x["latency_ms"] for x in lat]),
         "recovery_latency_ms_max": max((x["latency_ms"] for x in lat), default=None),
@@ -149,7 +152,7 @@ def summarize(run_dir: Path, name: str, wall_s: float) -> dict[str, Any]:
         "final_loss": rows[-1]["loss"] if rows else None,
         "final_val_loss": val[-1] if val else None,
         "final_live_replicas": rows[-1]["live_replicas"] if rows else 0,
-        "max_live_replicas": max((r["live_replicas"] for r in rows), default=0),  # a grown job's too
+        "max_live_replicas": max((r["live_replicas"] for r in rows), default=0),
         "drained": sorted({r for e in events if e.get("kind") == Event.DRAINED for r in e["replicas"]}),
         "final_generation": rows[-1]["generation"] if rows else 0,
         "committed_tokens": tokens,
