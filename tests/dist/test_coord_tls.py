@@ -142,3 +142,27 @@ def test_the_tls_flags_go_together_and_must_load(pki: dict[str, Tls], tmp_path: 
     (tmp_path / "bad.pem").write_text("not a certificate")
     with pytest.raises(ConfigError, match="cannot be loaded"):
         Tls.from_flags(str(tmp_path / "bad.pem"), job.key, job.ca)
+
+
+def test_an_operators_status_and_drain_speak_tls_and_a_plain_one_is_refused(
+        coord: Coordinator, pki: dict[str, Tls], tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    import json
+
+    from recover.cli import main
+
+    (tmp_path / "token").write_text(TOKEN)
+    clients = [CoordinatorClient("127.0.0.1", coord.port, TOKEN, r, heartbeat_interval_s=0.05, tls=pki["job"])
+               for r in (0, 1)]
+    at = ["--coordinator", f"127.0.0.1:{coord.port}", "--token-file", str(tmp_path / "token")]
+    try:
+        registered(clients)
+        assert main(["status", *at, "--json", *pki["job"].flags()]) == 0
+        assert json.loads(capsys.readouterr().out)["members"] == [0, 1]
+        assert main(["drain", "5", *at, *pki["job"].flags()]) == 2  # answered over TLS: refused in one line
+        assert "refused (bad_replica): replica 5 is unknown" in capsys.readouterr().err
+        assert main(["status", *at]) == 2  # plain TCP to a TLS coordinator: no handshake, no reply
+        err = capsys.readouterr().err.strip().splitlines()
+        assert len(err) == 1 and f"the coordinator at 127.0.0.1:{coord.port}" in err[0], err
+    finally:
+        for c in clients:
+            c.close()
