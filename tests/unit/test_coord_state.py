@@ -358,20 +358,22 @@ def test_the_status_snapshot_names_every_replica_state_speed_and_fault() -> None
     from recover.coord.operator import job_status
 
     st = make(4)
-    acts = []
-    for r in range(4):
-        acts += vote(st, r, 10 + r, 1, 0, [0, 1, 2, 3], 0.1, mb_s=0.5)
+    for step in range(3):  # a speed is measured once a replica has 3 samples
+        for r in range(4):
+            vote(st, r, 10 + r, 1, step, [0, 1, 2, 3], 0.1, mb_s=0.5)
     st.request_drain(1)
     st.on_register(5, True, 1, 0.2)  # joining
     st.on_dead(3, "hung", 0.3)  # lost (a failure round opens)
     snap = job_status(st, {0: ("compute",), 1: ("wait",), 2: ("wait", "wait")}, [6], now=1.3)
-    assert (snap["generation"], snap["members"], snap["committed_steps"], snap["failing"]) == (1, [0, 1, 2, 3], 1,
+    assert (snap["generation"], snap["members"], snap["committed_steps"], snap["failing"]) == (1, [0, 1, 2, 3], 3,
                                                                                                True)
     states = {row["replica"]: row["state"] for row in snap["replicas"]}
     assert states == {0: "computing", 1: "draining", 2: "waiting", 3: "lost", 5: "joining", 6: "joining"}
     assert [f for f in snap["faults"]] == [{"kind": "failure_detected", "replica": 3, "cause": "hung",
-                                            "generation": 1, "step": 1, "ago_s": 1.0}]
-    assert snap["goodput"] is None and all(row["mb_s"] is None for row in snap["replicas"])  # an even split
+                                            "generation": 1, "step": 3, "ago_s": 1.0}]
+    assert snap["goodput"] is None and all(row["planned"] is None for row in snap["replicas"])  # an even split
+    assert {row["replica"]: row["mb_s"] for row in snap["replicas"]} == {0: 0.5, 1: 0.5, 2: 0.5, 3: None, 5: None,
+                                                                         6: None}
 
 
 # ---- a restarted coordinator rebuilds the job from what the replicas hold -----------------------------

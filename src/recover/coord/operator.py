@@ -16,8 +16,10 @@ replica's state, the last of:
   ``left``       said goodbye (drained, left on SIGTERM, trained to the end);
   ``lost``       declared dead (crashed, fenced, silent, hung) and not registered since;
 
-with its agreed seconds per microbatch (the speeds the members plan with; None before any rebalance,
-when every member gets the even split), and the last faults, each ``ago_s`` seconds old. The
+with its speed: ``mb_s``, the median seconds per microbatch it measured in its last commits (None
+until it has a few), and ``planned``, the relative time per microbatch the members agreed to plan with
+(the median member is 1.0; None before any rebalance: the even split); and the last faults, each
+``ago_s`` seconds old. The
 coordinator holds no step records, so goodput is not part of it (``recover status RUN_DIR`` reads it
 from the run directory). ``drain`` is answered ``drained`` once the replica left (the step it left at,
 the generation formed without it), or ``error`` with one line: refused at once, or lost before that commit.
@@ -58,12 +60,13 @@ def job_status(state: MembershipState, activities: dict[int, tuple[str, ...]], r
     state's faults were stamped with."""
     members = list(state.current.members) if state.current is not None else []
     joining = set(registering)
-    speeds = state.speeds.planned or {}
+    planned, measured = state.speeds.planned or {}, state.speeds.estimates()
     rows = []
     for r in sorted(set(members) | state.live | state.left | state.lost | joining):
         acts = activities.get(r, ())
         rows.append({"replica": r, "state": replica_state(r, state, acts, r in joining),
-                     "activity": "/".join(sorted(set(acts))) or None, "mb_s": speeds.get(r)})
+                     "activity": "/".join(sorted(set(acts))) or None, "mb_s": measured.get(r),
+                     "planned": planned.get(r)})
     return {"generation": state.generation, "members": members, "committed_step": state.committed_step,
             "committed_steps": state.committed_step + 1, "failing": state.failing, "stopping": state.stop_requested,
             "max_replicas": state.max_replicas, "min_replicas": state.min_members, "replicas": rows,

@@ -19,8 +19,9 @@ faults. ``--json`` prints the same as one JSON object; ``--watch S`` refreshes i
 
 With ``--coordinator HOST:PORT`` (and the job's ``--token-file``, and ``--tls-*`` when its wire is TLS)
 it asks the running coordinator instead (:mod:`recover.coord.operator`): the same figures as it sees
-them now, each member ``computing``, ``waiting`` or ``draining`` by its last heartbeat, but no goodput
-(the step records are in the run directory, not in the coordinator).
+them now, each member ``computing``, ``waiting`` or ``draining`` by its last heartbeat, its measured
+seconds per microbatch and its planned (relative) time, but no goodput (the step records are in the
+run directory, not in the coordinator).
 """
 
 from __future__ import annotations
@@ -119,7 +120,8 @@ def read_status(run_dir: Path, faults: int = 5) -> dict[str, Any]:
     return job_status(list(read_jsonl(path)), records, last_steps, time.time(), faults)
 
 
-COLUMNS = (("state", "state"), ("last_step", "last step"), ("activity", "activity"), ("mb_s", "s / microbatch"))
+COLUMNS = (("state", "state"), ("last_step", "last step"), ("activity", "activity"), ("mb_s", "s / microbatch"),
+           ("planned", "planned"))
 """The per-replica columns a table shows, when its rows carry them (a run directory's or a coordinator's)."""
 
 
@@ -139,7 +141,7 @@ def status_table(s: dict[str, Any], where: Any) -> Any:
     for key, name in cols:
         table.add_column(name, justify="left" if key in ("state", "activity") else "right")
     for rep in rows:
-        cells = ["-" if rep.get(key) is None else f"{rep[key]:.4f}" if key == "mb_s" else str(rep[key])
+        cells = ["-" if rep.get(key) is None else f"{rep[key]:.4f}" if key in ("mb_s", "planned") else str(rep[key])
                  for key, _ in cols]
         table.add_row(str(rep["replica"]), *cells)
     lines = []
