@@ -68,7 +68,8 @@ def register(subparsers: argparse._SubParsersAction) -> None:
                               description="Ask the coordinator of a running job to drain replica R: it leaves at "
                                           "the next commit (its share of that step is in it; it saves nothing and "
                                           "exits 0) and the others train on without it. Prints `drained at step S` "
-                                          "or the refusal.")
+                                          "or the refusal. Once accepted, the drain stands: Ctrl-C or --timeout ends "
+                                          "only the wait.")
     d.add_argument("replica", type=int, metavar="R", help="the replica id to drain")
     d.add_argument("--coordinator", required=True, metavar="HOST:PORT", help="the job's coordinator")
     d.add_argument("--token-file", required=True, help="the file holding the job's token")
@@ -115,7 +116,8 @@ def run_drain(args: argparse.Namespace) -> int:
     tls = Tls.from_flags(args.tls_cert, args.tls_key, args.tls_ca)
     t0 = time.monotonic()
     reply = ask(args.coordinator, read_token(args.token_file), {"type": "drain", "replica": args.replica}, tls,
-                args.timeout)
+                args.timeout, f"; if the coordinator took the request, replica {args.replica} still leaves at "
+                              "its next commit")
     print(f"replica {reply['replica']} drained at step {reply['step']}: generation {reply['generation']} goes on "
           f"without it ({1e3 * (time.monotonic() - t0):.0f} ms after the request)", flush=True)
     return 0

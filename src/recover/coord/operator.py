@@ -85,9 +85,10 @@ def parse_address(text: str) -> tuple[str, int]:
 
 
 def ask(address: str, token: str, msg: dict[str, Any], tls: Tls | None = None,
-        timeout_s: float = ASK_TIMEOUT_S) -> dict[str, Any]:
+        timeout_s: float = ASK_TIMEOUT_S, meanwhile: str = "") -> dict[str, Any]:
     """Sends one operator request (``msg`` without ``id`` and ``token``) to the coordinator at ``address``
-    (``HOST:PORT``) and returns its reply.
+    (``HOST:PORT``) and returns its reply; ``meanwhile`` ends the line of a reply that did not come in time
+    (what stands all the same).
 
     Raises:
         RecoverError: unreachable, no reply within ``timeout_s``, or an ``error`` reply (its message).
@@ -102,20 +103,20 @@ def ask(address: str, token: str, msg: dict[str, Any], tls: Tls | None = None,
         if tls is not None:
             sock = tls.client().wrap_socket(sock, server_hostname=host)
         sock.sendall(encode({**msg, "id": 1, "token": token}))
-        return _reply(sock, address, deadline)
+        return _reply(sock, address, deadline, meanwhile)
     except (OSError, ProtocolError) as exc:
         raise RecoverError(f"the coordinator at {address} did not answer: {exc}") from None
     finally:
         sock.close()
 
 
-def _reply(sock: Any, address: str, deadline: float) -> dict[str, Any]:
+def _reply(sock: Any, address: str, deadline: float, meanwhile: str) -> dict[str, Any]:
     """The first message on ``sock`` that answers request 1 (or an error for no request: a refusal)."""
     decoder = FrameDecoder(SERVER_TYPES)
     while True:
         left = deadline - time.monotonic()
         if left <= 0:
-            raise RecoverError(f"no reply from the coordinator at {address} in time")
+            raise RecoverError(f"no reply from the coordinator at {address} in time{meanwhile}")
         sock.settimeout(left)
         try:
             data = sock.recv(1 << 16)
