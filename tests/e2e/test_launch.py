@@ -719,23 +719,29 @@ def _await_record(run: Path, replica: int, proc: subprocess.Popen[bytes], timeou
 
 def test_a_fifth_replica_started_by_hand_joins_and_a_drained_one_leaves_both_bitwise(
         reference_det: Path, corpus: Path, tmp_path: Path) -> None:
-    """`recover launch --replicas 4 --max-replicas 5`, then `recover worker --replica 4` started by hand once
-    step 1 is in: it joins at a step boundary and takes its share (5 members: quotas of 2 and 1 microbatches;
-    on 2 shared cores the step time cannot show the gain, so the quotas are what is checked). `recover status
-    --coordinator --json` lists every member with its state while it runs; `recover drain 2` makes replica 2
-    leave at the next commit: it exits 0, is not restarted, and no failure is detected. Every step holds M
-    microbatches, bitwise equal to the failure-free run, and the launcher exits 0."""
+    """`recover launch --replicas 4 --max-replicas 5`, then a fifth `recover worker` started by hand, told to be
+    replica 4 once step 1 is in (started as `--spare`, its imports and model build overlap the job's start:
+    a cold start takes 3-15 s on 2 shared cores, longer than this whole job at a high load; what follows
+    its order is a `--replica 4 --join` worker's path): it joins at a step boundary and takes its share (5
+    members: quotas of 2, 2, 2, 1, 1 microbatches). The step time is not checked: with M = 8 the largest
+    quota is 2 with 4 members as with 5, and 2 shared cores run every replica's compute in turn anyway.
+    `recover status --coordinator --json` lists every member with its state while it runs; `recover drain 2`
+    makes replica 2 leave at the next commit: it exits 0, is not restarted, and no failure is detected.
+    Every step holds M microbatches, bitwise equal to the failure-free run, and the launcher exits 0."""
     run = tmp_path / "run"
     proc = _start_launch(run, corpus, "--max-replicas", "5", "--device-time-s", "0.2")
     fifth = None
     try:
         at = f"127.0.0.1:{_coordinator_start(run, proc)['port']}"
-        _await_step(run, 1, proc)
         with open(tmp_path / "fifth.log", "wb") as log:
             fifth = subprocess.Popen([sys.executable, "-m", "recover", "worker", "--config", str(run / "config.json"),
                                       "--out", str(run), "--coordinator", at, "--token-file", str(run / "token"),
-                                      "--procs", "4", "--replica", "4", "--join"], env=subprocess_env(),
-                                     start_new_session=True, stdout=log, stderr=subprocess.STDOUT)
+                                      "--procs", "4", "--spare"], env=subprocess_env(), start_new_session=True,
+                                     stdin=subprocess.PIPE, stdout=log, stderr=subprocess.STDOUT)
+        _await_step(run, 1, proc)
+        assert fifth.stdin is not None
+        fifth.stdin.write(b'{"replica": 4, "fail": []}\n')
+        fifth.stdin.close()
         _await_record(run, 4, proc)
         status = json.loads(run_recover(["status", "--coordinator", at, "--token-file", str(run / "token"),
                                          "--json"]).stdout)
