@@ -160,6 +160,7 @@ class Event(str, Enum):
     RESTORED = "restored"
     RESYNCED = "resynced"
     SLOWED = "slowed"
+    SPARE_EXIT = "spare_exit"
     STARTED = "started"
     STATE_RECEIVED = "state_received"
     STEP_DROPPED = "step_dropped"

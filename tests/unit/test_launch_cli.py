@@ -150,3 +150,38 @@ def test_an_empty_split_is_refused_by_launch_and_train_in_one_line(tmp_path: Pat
             f"recover: error: {data / f'{split}_*.bin'}: the {kind} split is empty (0 tokens in 1 shard(s)); give it "
             f"data (`recover prepare` writes both splits) or name other shards with --data.{split}_pattern"], err
         assert not out.exists()
+
+
+def test_spare_devices_are_the_cpu_or_gpus_no_rank_holds() -> None:
+    from recover.launch.placement import parse_gpus, place
+
+    assert place(3, 1, []).spare_devices(1, 2) == [(None,), (None,)]
+    assert place(2, 2, parse_gpus("0,1,2,3,4,5,6")).spare_devices(2, 5) == [("4", "5")]  # GPU 6 is half a replica
+    assert place(2, 1, parse_gpus("0,1,2")).spare_devices(1, 0) == []
+    assert place(3, 1, ["0"], share=True).spare_devices(1, 1) == []  # every GPU is some rank's
+
+
+@pytest.mark.parametrize(("flags", "gpus", "spares"), [
+    ({"rejoin_after_s": 0.0}, "", 1),                          # the CPU: one by default
+    ({}, "", 0),                                               # no rejoins: no spare
+    ({"rejoin_after_s": 0.0, "warm_spares": 3}, "", 3),
+    ({"rejoin_after_s": 0.0, "warm_spares": 0}, "", 0),
+    ({"rejoin_after_s": 0.0}, "0,1", 0),                       # both GPUs hold a rank
+    ({"rejoin_after_s": 0.0}, "0,1,2,3", 1),
+    ({"rejoin_after_s": 0.0, "warm_spares": 2}, "0,1,2,3", 2),
+])
+def test_how_many_spares_a_launch_keeps(tmp_path: Path, flags: dict, gpus: str, spares: int) -> None:
+    req = LaunchRequest(out=tmp_path / "run", config="debug", replicas=2, gpus=gpus or None, **flags)
+    assert check_launch(req).warm_spares == spares
+
+
+@pytest.mark.parametrize(("flags", "says"), [
+    ({"warm_spares": 1}, "give --rejoin-after too"),
+    ({"warm_spares": -1, "rejoin_after_s": 0.0}, "--warm-spares -1 is not allowed"),
+    ({"warm_spares": 1, "rejoin_after_s": 0.0, "script": ("train.py",)}, "not to a script"),
+    ({"warm_spares": 2, "rejoin_after_s": 0.0, "gpus": "0,1,2"}, "needs 2 GPUs that hold no rank; 1 do (2)"),
+])
+def test_impossible_spares_are_refused(tmp_path: Path, flags: dict, says: str) -> None:
+    with pytest.raises(ConfigError, match=r"^" + r".*" + says.replace("(", r"\(").replace(")", r"\)")):
+        check_launch(LaunchRequest(out=tmp_path / "run", config="debug", replicas=2, **flags))
+    assert not (tmp_path / "run").exists()

@@ -7,7 +7,7 @@ Contract (pure: nothing here starts a process or touches a file):
   what differs between processes: the coordinator's address, its replica, its failures, join/resume.
 - A replica of P = pp x fsdp x tp ranks is P processes given torchrun's environment (RANK,
   LOCAL_RANK, WORLD_SIZE, MASTER_ADDR, MASTER_PORT on a port of its own) and the device of each rank
-  (:mod:`recover.launch.placement`; a hot spare, whose replica is not known yet, none).
+  (:mod:`recover.launch.placement`; a warm spare's are those the pool gives it, :mod:`recover.launch.spares`).
 """
 
 from __future__ import annotations
@@ -48,7 +48,10 @@ class LaunchOptions:
     """The device of every rank (:mod:`recover.launch.placement`)."""
     script: tuple[str, ...] = ()
     """Each replica runs this command (a user's script on :mod:`recover.api`) instead of ``recover worker``;
-    it learns its job from :data:`recover.api.WORKER_ENV`. No hot spare is kept for a script."""
+    it learns its job from :data:`recover.api.WORKER_ENV`. No warm spare is kept for a script."""
+    warm_spares: int = 0
+    """Spare workers kept started for rejoins (:mod:`recover.launch.spares`; resolved by
+    :func:`recover.launch.cli.check_launch`)."""
     max_replicas: int | None = None
     """Replica ids the coordinator admits: ``0..max_replicas - 1`` (None: ``parallel.replicas``)."""
     tls: Tls | None = None
@@ -116,7 +119,7 @@ class Commands:
         return [*cmd, "--join"] if join else cmd
 
     def spare_order(self, rid: int) -> bytes:
-        """The line a hot spare reads on its stdin to become replica ``rid``."""
+        """The line a warm spare reads on its stdin to become replica ``rid``."""
         return (json.dumps({"replica": rid, "fail": self.fails(rid)}) + "\n").encode()
 
     def script_env(self, addr: Address, resume: bool, rid: int, join: bool) -> dict[str, str]:
@@ -137,10 +140,10 @@ class Commands:
         again, and an injected fault strikes once per launch."""
         return [spec.label for spec in self.o.failures.for_replica(rid) if spec.label not in self.struck]
 
-    def env(self, rid: int | None, k: int, port: int | str) -> dict[str, str]:
-        """What rank ``k`` of replica ``rid`` gets on top of this environment: torchrun's variables
-        (P > 1) and its device (:mod:`recover.launch.placement`; a spare, ``rid`` None, none)."""
-        env = self.o.placement.env(rid, k)
+    def env(self, gpu: str | None, k: int, port: int | str) -> dict[str, str]:
+        """What rank ``k`` of a replica or spare gets on top of this environment: torchrun's variables
+        (P > 1) and its device, ``gpu`` (None: the CPU; :mod:`recover.launch.placement`)."""
+        env = self.o.placement.env_on(gpu)
         if self.ranks > 1:
             env.update({"RANK": str(k), "LOCAL_RANK": str(k), "WORLD_SIZE": str(self.ranks),
                         "LOCAL_WORLD_SIZE": str(self.ranks), "MASTER_ADDR": self.o.host, "MASTER_PORT": str(port)})
@@ -156,9 +159,12 @@ class Commands:
         for rid in range(self.o.config.parallel.replicas):
             cmd = " ".join(self.replica(addr, self.o.resume, rid, join=False))
             for k in range(self.ranks):
-                env = " ".join(f"{key}={v}" for key, v in sorted(self.env(rid, k, "<port>").items()))
+                env = " ".join(f"{key}={v}" for key, v in sorted(self.env(self.o.placement.gpus.get((rid, k)), k,
+                                                                          "<port>").items()))
                 lines.append(f"replica {rid} rank {k}: {self.o.placement.device(rid, k)}; env {env or '-'}; {cmd}")
         if self.o.rejoin_after_s is not None:
-            lines.append("rejoins: a replica restarts on the devices of the one it replaces"
-                         + ("" if self.o.placement.gpus else "; a hot spare waits on the CPU"))
+            spares = self.o.placement.spare_devices(self.ranks, self.o.warm_spares)
+            where = " on GPUs " + " ".join(",".join(map(str, d)) for d in spares) if self.o.placement.gpus else ""
+            lines.append("rejoins: a replica restarts on the devices of the one it replaces, or takes a warm "
+                         f"spare's; {len(spares)} warm spare(s) wait" + (where if spares else ""))
         return lines

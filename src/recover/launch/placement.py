@@ -14,7 +14,8 @@ Contract:
   ``--share-gpus``), and :func:`recover.train.worker.worker_device` decides in the worker, which can ask CUDA: the CPU,
   ``cuda:0`` when the GPU is its alone or shared on purpose, or a refusal in one line when several
   processes would silently share GPU 0 because the launcher could not see the GPUs.
-- A replica that rejoins takes the devices of the one it replaces.
+- A replica that rejoins takes the devices of the one it replaces; a warm spare waits on the CPU, or on
+  GPUs no rank was placed on (:meth:`Placement.spare_devices`), and a replica it becomes keeps them.
 """
 
 from __future__ import annotations
@@ -66,13 +67,29 @@ class Placement:
     shared: bool = False
     """Several ranks share a GPU (``--share-gpus`` with fewer GPUs than ranks, or none found): every
     collective must run on gloo."""
+    unused: tuple[str, ...] = ()
+    """The GPUs given that no rank was placed on (warm spares may wait there, :mod:`recover.launch.spares`)."""
 
-    def env(self, replica: int | None, rank: int) -> dict[str, str]:
-        """The environment that puts rank ``rank`` of ``replica`` (None: a hot spare) on its device."""
-        gpu = self.gpus.get((replica, rank)) if replica is not None else None
+    def env(self, replica: int, rank: int) -> dict[str, str]:
+        """The environment that puts rank ``rank`` of ``replica`` on its device."""
+        return self.env_on(self.gpus.get((replica, rank)))
+
+    def env_on(self, gpu: str | None) -> dict[str, str]:
+        """The environment that puts a process on ``gpu`` (None: no GPU of its own)."""
         if gpu is None:
             return {PLACEMENT_ENV: "shared" if self.shared else "none"}
         return {"CUDA_VISIBLE_DEVICES": gpu}
+
+    def devices(self, replica: int, ranks: int) -> tuple[str | None, ...]:
+        """The GPU of each rank of ``replica`` (None: none of its own)."""
+        return tuple(self.gpus.get((replica, k)) for k in range(ranks))
+
+    def spare_devices(self, ranks: int, want: int) -> list[tuple[str | None, ...]]:
+        """Up to ``want`` device sets of ``ranks`` ranks for warm spares: the CPU's when no rank has a GPU,
+        else groups of GPUs no rank was placed on (none when ranks share GPUs)."""
+        if not self.gpus:
+            return [(None,) * ranks] * want
+        return [tuple(self.unused[i:i + ranks]) for i in range(0, len(self.unused) - ranks + 1, ranks)][:want]
 
     def device(self, replica: int, rank: int) -> str:
         gpu = self.gpus.get((replica, rank))
@@ -89,4 +106,4 @@ def place(replicas: int, ranks: int, gpus: list[str], share: bool = False) -> Pl
                           f"({','.join(gpus)}): use fewer replicas or ranks, more --gpus, or --share-gpus "
                           "(ranks share GPUs, collectives on gloo: for tests)")
     return Placement({(r, k): gpus[(r * ranks + k) % len(gpus)] for r in range(replicas) for k in range(ranks)},
-                     shared=need > len(gpus))
+                     shared=need > len(gpus), unused=tuple(gpus[need:]))

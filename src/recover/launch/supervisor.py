@@ -8,8 +8,9 @@ Contract:
 - Every replica is P processes (:class:`~recover.launch.processes.ReplicaProcesses`, torchrun's
   agent for them; commands from :class:`~recover.launch.job.Commands`). Its end is logged
   (``replica_exit``); one lost to a SIGKILL rejoins ``rejoin_after_s`` later while the job is
-  unfinished (``rejoin_started``): as the hot spare when one is ready (a replica's workers that
-  started up and wait on stdin to be told who to be; a new spare starts at once), else afresh. Rejoins
+  unfinished (``rejoin_started``): as a warm spare when one runs (:mod:`recover.launch.spares`: the
+  ``warm_spares`` spares are started with the replicas, and a new one behind each spare taken; a
+  replica keeps its spare's devices), else afresh on its own devices. Rejoins
   go on when every replica is lost (the first back restore the newest checkpoint: total loss is not
   the end of a job), but not once a replica ended the job on purpose (quorum lost, a stop, divergence,
   bad data, no state, a final checkpoint the storage refused: an exit status of :data:`ENDS_JOB`).
@@ -19,7 +20,9 @@ Contract:
   or stuck below Python) is SIGKILLed (``reaped``); it then rejoins like a killed replica.
 - A rank SIGKILLed by neither a logged fault (a ``kill`` event naming its PID) nor the supervisor was
   killed from outside (an operator, the OOM killer): logged as a ``kill`` from ``external``.
-- :meth:`Supervisor.kill_all` SIGKILLs and reaps every process the supervisor started that still runs;
+- A spare that exits by itself is logged (``spare_exit``) and replaced (:data:`~recover.launch.spares.MAX_EXITS`).
+- :meth:`Supervisor.kill_all` SIGKILLs and reaps every process the supervisor started that still runs
+  (spares included; a stop ends the spares at once);
   the launcher calls it whatever ends the job (with :mod:`recover.lifeline` for the case
   where the launcher itself is killed).
 - Checkpoint-and-restart baseline: :meth:`Supervisor.poll` reports a replica lost while the job is
@@ -39,6 +42,7 @@ from typing import Any
 
 from recover.launch.job import Address, Commands, LaunchOptions
 from recover.launch.processes import LOST, ReplicaProcesses, Spawned, free_port, kill_processes, signal_processes, spawn
+from recover.launch.spares import Devices, SparePool
 from recover.names import Baseline
 from recover.observe.events import EventLog
 from recover.observe.rundir import write_private
@@ -85,7 +89,9 @@ class Supervisor:
         self.stopping = False
         """A graceful stop began: no more rejoins, and a coordinator that exits stays down."""
         self.replicas: dict[int, ReplicaProcesses] = {}
-        self.spare: list[Spawned] | None = None
+        self.devices: dict[int, Devices] = {}
+        """replica -> its ranks' devices, once a spare it became brought its own (else the placement's)."""
+        self.pool = SparePool(opts.placement.spare_devices(self.cmds.ranks, opts.warm_spares), self._start_spare)
         self.spares_started = 0
         self.rejoin_at: dict[int, float] = {}
         """replica -> when it rejoins."""
@@ -104,13 +110,12 @@ class Supervisor:
 
     # ---- starting --------------------------------------------------------------------------
     def start(self) -> None:
-        """The coordinator, every replica and (with rejoins, on the CPU) a hot spare. The workers start
-        while the coordinator starts (their first connection waits for it), so its start-up overlaps theirs."""
+        """The coordinator, every replica and the warm spares. The workers start while the coordinator
+        starts (their first connection waits for it), so its start-up overlaps theirs."""
         self._spawn_coordinator(self.o.config.parallel.replicas)
         for rid in range(self.o.config.parallel.replicas):
             self._start_replica(rid, join=False)
-        if self.o.rejoin_after_s is not None and not self.o.placement.gpus:  # a spare needs its device
-            self._start_spare()                                                  # before it knows its replica
+        self.pool.fill()
         self._await_coordinator()
 
     def _new_address(self) -> Address:
@@ -142,37 +147,39 @@ class Supervisor:
                 time.sleep(0.05)
         raise RuntimeError("the coordinator did not start listening within 30 s")
 
-    def _spawn(self, cmd: list[str], name: str, rid: int | None, stdin: Any = None,
+    def _spawn(self, cmd: list[str], name: str, devices: Devices, stdin: Any = None,
                extra_env: dict[str, str] | None = None) -> list[Spawned]:
-        """The P processes of one replica, each in its own session; P > 1 get torchrun's environment."""
+        """The P processes of one replica or spare, each in its own session on its device; P > 1 get
+        torchrun's environment."""
         P = self.cmds.ranks
         port = free_port(self.o.host) if P > 1 else 0
         logs = self.o.out / "logs"
         return [spawn(cmd, logs / (f"{name}.log" if P == 1 else f"{name}_rank{k}.log"),
-                      {**self.cmds.env(rid, k, port), **(extra_env or {})}, stdin) for k in range(P)]
+                      {**self.cmds.env(devices[k], k, port), **(extra_env or {})}, stdin) for k in range(P)]
 
-    def _start_spare(self) -> None:
-        """A hot spare: a replica's workers that have started up (torch, model, data) and wait to be told who to be."""
-        if self.o.script:
-            return  # a user's script starts as the replica it is told to be
+    def _start_spare(self, devices: Devices) -> list[Spawned]:
+        """A warm spare on ``devices``: a replica's workers that start up (torch, model, data) and wait on
+        stdin to be told who to be."""
         name = f"spare_{self.spares_started}"
         self.spares_started += 1
-        self.spare = self._spawn([*self.cmds.worker(self.addr, self.resume), "--spare"], name, None,
-                                 stdin=subprocess.PIPE)
+        return self._spawn([*self.cmds.worker(self.addr, self.resume), "--spare"], name, devices,
+                           stdin=subprocess.PIPE)
+
+    def devices_of(self, rid: int) -> Devices:
+        """The devices replica ``rid`` runs on (a replica started afresh takes them again)."""
+        return self.devices.get(rid) or self.o.placement.devices(rid, self.cmds.ranks)
 
     def _start_replica(self, rid: int, join: bool) -> None:
-        if join and self.spare is not None and all(s.proc.poll() is None for s in self.spare):
-            ranks, self.spare = self.spare, None
-            for rank in ranks:
-                assert rank.proc.stdin is not None
-                rank.proc.stdin.write(self.cmds.spare_order(rid))
-                rank.proc.stdin.close()
-            self._start_spare()
+        spare = self.pool.take(self.devices_of(rid)) if join else None
+        if spare is not None:
+            spare.order(self.cmds.spare_order(rid))
+            ranks, self.devices[rid] = spare.ranks, spare.devices
         elif self.o.script:
             env = self.cmds.script_env(self.addr, self.resume, rid, join)
-            ranks = self._spawn(list(self.o.script), f"replica_{rid}", rid, extra_env=env)
+            ranks = self._spawn(list(self.o.script), f"replica_{rid}", self.devices_of(rid), extra_env=env)
         else:
-            ranks = self._spawn(self.cmds.replica(self.addr, self.resume, rid, join), f"replica_{rid}", rid)
+            ranks = self._spawn(self.cmds.replica(self.addr, self.resume, rid, join), f"replica_{rid}",
+                                self.devices_of(rid))
         self.replicas[rid] = ReplicaProcesses(rid, ranks, time.time(), join)
         if join:
             self.events.event("rejoin_started", replica=rid, pid=ranks[0].proc.pid, log=ranks[0].path.name)
@@ -252,6 +259,9 @@ class Supervisor:
             wanted = self.o.rejoin_replicas is None or rep.rid in self.o.rejoin_replicas
             if code == -signal.SIGKILL and self.o.rejoin_after_s is not None and unfinished and wanted:
                 self.rejoin_at[rep.rid] = now + self.o.rejoin_after_s
+        for spare in self.pool.reap():
+            self.events.event("spare_exit", code=spare.ranks[0].proc.returncode, log=spare.ranks[0].path.name,
+                              replaced=not self.pool.gave_up)
         for rid, when in list(self.rejoin_at.items()):
             if self.ended or not unfinished:  # nothing to join
                 del self.rejoin_at[rid]
@@ -286,13 +296,11 @@ class Supervisor:
         return {r.rid: r.started for r in self.live() if not any(p.pid in self.struck for p in r.procs)}
 
     def stop(self) -> None:
-        """A graceful stop: no more rejoins, the spare ends, SIGTERM to the coordinator and SIGINT to every
+        """A graceful stop: no more rejoins, the spares end, SIGTERM to the coordinator and SIGINT to every
         worker (SIGINT stops the job; SIGTERM to a worker would be its leave alone)."""
         self.stopping = True
         self.rejoin_at.clear()
-        if self.spare:
-            kill_processes([s.proc for s in self.spare])
-            self.spare = None
+        self.pool.close()
         signal_processes([p for r in self.live() for p in r.procs], signal.SIGINT)
         if self.coordinator:
             signal_processes([self.coordinator.proc], signal.SIGTERM)
@@ -323,10 +331,10 @@ class Supervisor:
             self._start_replica(rid, join=False)
 
     def kill_all(self) -> None:
-        """SIGKILLs and reaps every process started that still runs (replicas, spare, coordinator)."""
+        """SIGKILLs and reaps every process started that still runs (spares, replicas, coordinator)."""
+        self.pool.close()
         procs = [p for r in self.replicas.values() for p in r.procs]
-        procs += [s.proc for s in self.spare or []] + ([self.coordinator.proc] if self.coordinator else [])
-        kill_processes(procs)
+        kill_processes(procs + ([self.coordinator.proc] if self.coordinator else []))
 
     # ---- the end ---------------------------------------------------------------------------
     def exit_codes(self) -> dict[int, int | None]:
