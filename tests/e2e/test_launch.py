@@ -298,11 +298,13 @@ def test_intruders_and_every_replica_killed_at_once_leave_the_run_bitwise_unaffe
     generation's group used to read in the clear for the generations to come, overwrites every entry it lists
     and tries to register (refused); a holder of the token starts `recover worker` with a replica id beyond
     --max-replicas (refused in one line, exit 2). Then all four replicas are SIGKILLed at the same moment from
-    outside: the replicas started in their place find nobody holding the state, the first one back restores
-    the newest complete checkpoint, the others take its state as they come. Exit 0, every step bitwise equal
-    to the failure-free run, and nothing the job logs holds a generation's secret."""
+    outside: their replacements come from the warm pool (two spares started with the job, then those started
+    behind them), find nobody holding the state, the first one back restores the newest complete checkpoint,
+    the others take its state as they come. Exit 0, every step bitwise equal to the failure-free run, nothing
+    the job logs holds a generation's secret, and no process (spares included) outlives the launcher."""
     run = tmp_path / "run"
-    proc = _start_launch(run, corpus, "--rejoin-after", "0", "--training.checkpoint_every=4", "--device-time-s", "0.2")
+    proc = _start_launch(run, corpus, "--rejoin-after", "0", "--training.checkpoint_every=4", "--device-time-s", "0.2",
+                         "--warm-spares", "2")
     extra = None
     try:
         start = _coordinator_start(run, proc)
@@ -325,6 +327,7 @@ def test_intruders_and_every_replica_killed_at_once_leave_the_run_bitwise_unaffe
             os.kill(pid, signal.SIGKILL)
         _, err = proc.communicate(timeout=180)
         assert proc.returncode == 0, err.decode()[-3000:]
+        assert _processes_of(run) == []  # the launcher reaped every replica and spare before it exited
     finally:
         if extra is not None and extra.poll() is None:
             extra.kill()
@@ -341,7 +344,12 @@ def test_intruders_and_every_replica_killed_at_once_leave_the_run_bitwise_unaffe
     assert all(e["step"] > restored[0]["step"] for e in after)  # the others took the restored state
     assert sorted(e["replica"] for e in ev if e["kind"] == "failure_detected") == [0, 1, 2, 3]  # the kills alone
     assert json.loads((run / "summary.json").read_text())["kills"] == 4
-    assert sorted(e["replica"] for e in ev if e["kind"] == "rejoin_started") == [0, 1, 2, 3]
+    rejoins = [e for e in ev if e["kind"] == "rejoin_started"]
+    assert sorted(e["replica"] for e in rejoins) == [0, 1, 2, 3]
+    trained = next(e["t"] for e in ev if e["kind"] == "commit")
+    assert [e["log"] for e in rejoins][:2] == ["spare_0.log", "spare_1.log"]  # the oldest spares first,
+    assert all(e["t"] - e["spare_waited_s"] < trained for e in rejoins[:2])  # both started with the job
+    assert all(e["log"].startswith("spare_") for e in rejoins) and not any(e["kind"] == "spare_exit" for e in ev)
     for text in [(run / "events.jsonl").read_text(), *(p.read_text() for p in (run / "logs").glob("*.log"))]:
         assert not SECRET_LIKE.search(text), SECRET_LIKE.search(text)
 

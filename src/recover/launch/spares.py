@@ -21,8 +21,9 @@ milliseconds joining; a spare pays the seconds before any replica dies. Contract
 
 from __future__ import annotations
 
+import time
 from collections.abc import Callable
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 from recover.launch.processes import Spawned, kill_processes
 
@@ -35,10 +36,11 @@ MAX_EXITS = 3
 
 @dataclass
 class Spare:
-    """One spare: its ranks' processes (rank 0 first) and their devices."""
+    """One spare: its ranks' processes (rank 0 first), their devices and when they were started."""
 
     ranks: list[Spawned]
     devices: Devices
+    started: float = field(default_factory=time.time)
 
     def running(self) -> bool:
         """Whether every rank still runs."""

@@ -10,7 +10,8 @@ Contract:
   (``replica_exit``); one lost to a SIGKILL rejoins ``rejoin_after_s`` later while the job is
   unfinished (``rejoin_started``): as a warm spare when one runs (:mod:`recover.launch.spares`: the
   ``warm_spares`` spares are started with the replicas, and a new one behind each spare taken; a
-  replica keeps its spare's devices), else afresh on its own devices. Rejoins
+  replica keeps its spare's devices; the event says how long the spare waited, ``spare_waited_s``),
+  else afresh on its own devices. Rejoins
   go on when every replica is lost (the first back restore the newest checkpoint: total loss is not
   the end of a job), but not once a replica ended the job on purpose (quorum lost, a stop, divergence,
   bad data, no state, a final checkpoint the storage refused: an exit status of :data:`ENDS_JOB`).
@@ -171,9 +172,11 @@ class Supervisor:
 
     def _start_replica(self, rid: int, join: bool) -> None:
         spare = self.pool.take(self.devices_of(rid)) if join else None
+        waited: dict[str, float] = {}
         if spare is not None:
             spare.order(self.cmds.spare_order(rid))
             ranks, self.devices[rid] = spare.ranks, spare.devices
+            waited = {"spare_waited_s": round(time.time() - spare.started, 3)}
         elif self.o.script:
             env = self.cmds.script_env(self.addr, self.resume, rid, join)
             ranks = self._spawn(list(self.o.script), f"replica_{rid}", self.devices_of(rid), extra_env=env)
@@ -182,7 +185,7 @@ class Supervisor:
                                 self.devices_of(rid))
         self.replicas[rid] = ReplicaProcesses(rid, ranks, time.time(), join)
         if join:
-            self.events.event("rejoin_started", replica=rid, pid=ranks[0].proc.pid, log=ranks[0].path.name)
+            self.events.event("rejoin_started", replica=rid, pid=ranks[0].proc.pid, log=ranks[0].path.name, **waited)
 
     # ---- watching --------------------------------------------------------------------------
     def live(self) -> list[ReplicaProcesses]:
