@@ -1,8 +1,8 @@
 """The warm pool's bookkeeping: spares kept started, taken oldest first, devices handed on, exits replaced
-(up to a limit), and nothing left running once it is closed.
+(up to a limit), nothing left running once it is closed; and the supervisor's use of it for a rejoin.
 
-Spares here are ``sleep`` processes (milliseconds to start): what is under test is the pool, not a worker.
-"""
+Spares and replicas here are ``sleep`` processes (milliseconds to start): what is under test is the
+bookkeeping, not a worker."""
 
 from __future__ import annotations
 
