@@ -322,16 +322,16 @@ def warm_spares(req: LaunchRequest, placement: Placement, ranks: int) -> int:
     """How many warm spares the launch keeps: ``--warm-spares``, else 1 on the CPU, 1 on GPUs when ``ranks``
     of them hold no rank (a spare holds its devices while it waits), else 0; none without rejoins or for a
     script (which starts as the replica it is told to be). Raises ConfigError."""
-    can = len(placement.spare_devices(ranks, req.warm_spares or 1))
     if req.warm_spares is None:
-        return min(1, can) if req.rejoin_after_s is not None and not req.script else 0
+        wanted = req.rejoin_after_s is not None and not req.script
+        return len(placement.spare_devices(ranks, 1)) if wanted else 0
     if req.warm_spares < 0:
         raise ConfigError(f"--warm-spares {req.warm_spares} is not allowed: a count >= 0")
     if req.warm_spares and req.rejoin_after_s is None:
         raise ConfigError("--warm-spares replaces killed replicas: give --rejoin-after too")
     if req.warm_spares and req.script:
         raise ConfigError("--warm-spares applies to `recover worker` replicas, not to a script")
-    if req.warm_spares > can:
+    if req.warm_spares > len(placement.spare_devices(ranks, req.warm_spares)):
         raise ConfigError(f"--warm-spares {req.warm_spares} needs {req.warm_spares * ranks} GPUs that hold no rank; "
                           f"{len(placement.unused)} do ({','.join(placement.unused) or 'none'}): give more --gpus "
                           "or fewer spares")
