@@ -263,8 +263,8 @@ class Supervisor:
             if code == -signal.SIGKILL and self.o.rejoin_after_s is not None and unfinished and wanted:
                 self.rejoin_at[rep.rid] = now + self.o.rejoin_after_s
         for spare in self.pool.reap():
-            self.events.event("spare_exit", code=spare.ranks[0].proc.returncode, log=spare.ranks[0].path.name,
-                              replaced=not self.pool.gave_up)
+            self.events.event("spare_exit", codes=[r.proc.returncode for r in spare.ranks],
+                              log=spare.ranks[0].path.name, replaced=not self.pool.gave_up)
         for rid, when in list(self.rejoin_at.items()):
             if self.ended or not unfinished:  # nothing to join
                 del self.rejoin_at[rid]
