@@ -299,9 +299,10 @@ def test_intruders_and_every_replica_killed_at_once_leave_the_run_bitwise_unaffe
     and tries to register (refused); a holder of the token starts `recover worker` with a replica id beyond
     --max-replicas (refused in one line, exit 2). Then all four replicas are SIGKILLed at the same moment from
     outside: their replacements come from the warm pool (two spares started with the job, then those started
-    behind them), find nobody holding the state, the first one back restores the newest complete checkpoint,
-    the others take its state as they come. Exit 0, every step bitwise equal to the failure-free run, nothing
-    the job logs holds a generation's secret, and no process (spares included) outlives the launcher."""
+    behind them), find nobody holding the state, the first back (one spare, or both when they register
+    together) restore the newest complete checkpoint, the others take its state as they come. Exit 0, every
+    step bitwise equal to the failure-free run, nothing the job logs holds a generation's secret, and no
+    process (spares included) outlives the launcher."""
     run = tmp_path / "run"
     proc = _start_launch(run, corpus, "--rejoin-after", "0", "--training.checkpoint_every=4", "--device-time-s", "0.2",
                          "--warm-spares", "2")
@@ -338,10 +339,12 @@ def test_intruders_and_every_replica_killed_at_once_leave_the_run_bitwise_unaffe
     assert losses(run) == losses(reference_det)
     ev = events(run)
     assert {e["code"] for e in ev if e["kind"] == "refused"} == {"unauthorized", "bad_replica"}
-    restored = [e for e in ev if e["kind"] == "restored"]
-    assert len(restored) == 1 and restored[0]["step"] % 4 == 0 and 8 <= restored[0]["step"] < STEPS
-    after = [e for e in ev if e["kind"] == "state_received" and e["t"] > restored[0]["t"]]
-    assert all(e["step"] > restored[0]["step"] for e in after)  # the others took the restored state
+    # (a joiner admitted at the last commit, left alone as the others finish, restores the final checkpoint)
+    restored = [e for e in ev if e["kind"] == "restored" and e["step"] < STEPS]
+    assert len(restored) in (1, 2) and len({(e["generation"], e["step"]) for e in restored}) == 1  # one checkpoint
+    assert restored[0]["step"] % 4 == 0 and 8 <= restored[0]["step"] < STEPS
+    after = [e for e in ev if e["kind"] == "state_received" and e["t"] > restored[-1]["t"]]
+    assert after and all(e["step"] > restored[0]["step"] for e in after)  # the others took the restored state
     assert sorted(e["replica"] for e in ev if e["kind"] == "failure_detected") == [0, 1, 2, 3]  # the kills alone
     assert json.loads((run / "summary.json").read_text())["kills"] == 4
     rejoins = [e for e in ev if e["kind"] == "rejoin_started"]
