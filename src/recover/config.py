@@ -48,6 +48,7 @@ from recover.names import (
     Policy,
     Schedule,
     ShardFormat,
+    WandbMode,
 )
 
 if sys.version_info >= (3, 11):
@@ -397,6 +398,26 @@ class WorkloadConfig:
 
 
 @dataclass(frozen=True)
+class ObserveConfig:
+    """Where the job's metrics go besides ``metrics.jsonl`` and ``events.jsonl`` (:mod:`recover.observe.sinks`)."""
+
+    SECTION: ClassVar[str] = "observe"
+
+    tensorboard: bool = False
+    """TensorBoard event files under ``RUN_DIR/tensorboard/``: ``replica_R/`` from each replica (loss,
+    tokens/s, step time, ...), ``job/`` from the coordinator (generation, members, goodput, faults)."""
+    wandb: WandbMode = "off"
+    """Weights & Biases: one run per replica, grouped by the run directory (``pip install
+    'recover-llm[wandb]'``); ``offline`` keeps them under ``WANDB_DIR`` for ``wandb sync``."""
+    wandb_project: str = "recover"
+    """The W&B project of those runs."""
+
+    def __post_init__(self) -> None:
+        _check_choices(self)
+        require(bool(self.wandb_project), "observe.wandb_project", self.wandb_project, "a non-empty project name")
+
+
+@dataclass(frozen=True)
 class Config:
     """The whole job."""
 
@@ -408,6 +429,7 @@ class Config:
     parallel: ParallelConfig = field(default_factory=ParallelConfig)
     fault_tolerance: FaultToleranceConfig = field(default_factory=FaultToleranceConfig)
     workload: WorkloadConfig = field(default_factory=WorkloadConfig)
+    observe: ObserveConfig = field(default_factory=ObserveConfig)
 
     def __post_init__(self) -> None:
         """Every constraint between sections, checked before anything starts."""
@@ -452,7 +474,7 @@ def check_layout(model: ModelConfig, pp: int = 1, tp: int = 1) -> None:
 
 _SECTION_TYPES: dict[str, type] = {
     cls.SECTION: cls for cls in (ModelConfig, DataConfig, TrainingConfig, ParallelConfig, FaultToleranceConfig,
-                                  WorkloadConfig)
+                                  WorkloadConfig, ObserveConfig)
 }
 
 

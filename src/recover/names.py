@@ -85,6 +85,8 @@ Connections = Literal["replica", "rank"]
 heartbeats batched: :mod:`recover.coord.relay`), or one per rank."""
 ShardFormat = Literal["auto", "llmc", "nanogpt"]
 """Token shard format: ``auto`` (from the header), ``llmc`` (256 x int32 header) or ``nanogpt``."""
+WandbMode = Literal["off", "offline", "online"]
+"""``observe.wandb``: no Weights & Biases runs, runs kept on disk (``wandb sync`` uploads them), or uploaded live."""
 
 BACKENDS: tuple[str, ...] = get_args(Backend)
 SCHEDULES: tuple[str, ...] = get_args(Schedule)
