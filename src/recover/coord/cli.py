@@ -8,6 +8,11 @@ prints one ``ready`` line with both ports, and serves until interrupted. Replica
 ``--tls-cert/--tls-key/--tls-ca`` the wire is TLS, every worker presenting a certificate signed by the
 CA (:mod:`recover.coord.tls`).
 
+Metrics: ``--metrics-port P`` serves the job's state in Prometheus' text format at
+``http://HOST:P/metrics`` (generation, members, live replicas, committed step, failures by cause,
+goodput, step seconds: :mod:`recover.observe.jobmetrics`); ``--tensorboard DIR`` writes the job's
+TensorBoard run there (generation, members, step time, goodput, faults as text).
+
 SIGTERM or SIGINT stops the job gracefully: the next commit is a stop (every replica finishes that
 step, the lowest saves a complete checkpoint, all exit), and the coordinator exits once every replica
 is gone. A second signal stops it at once.
@@ -60,6 +65,10 @@ def register(subparsers: argparse._SubParsersAction) -> None:
                    help="one coordinator connection per rank, or per replica through its relay (default rank)")
     p.add_argument("--hang-timeout", type=float, default=0.0,
                    help="no progress (s) while others wait that marks a replica hung; 0: from the step time")
+    p.add_argument("--metrics-port", type=int, default=0, metavar="P",
+                   help="serve Prometheus metrics at http://HOST:P/metrics (HOST: --host); 0: off (default)")
+    p.add_argument("--tensorboard", default=None, metavar="DIR",
+                   help="write the job's TensorBoard run into DIR (e.g. RUN_DIR/tensorboard/job)")
     p.add_argument("--die-at-commit", default=None, metavar="STEP[:SENT]", help=argparse.SUPPRESS)
     add_tls_flags(p)
     p.set_defaults(func=run)
@@ -123,9 +132,24 @@ def run_drain(args: argparse.Namespace) -> int:
     return 0
 
 
+def job_metrics(args: argparse.Namespace) -> tuple[Any, Any]:
+    """The job's tallies (with its TensorBoard run under ``--tensorboard``) and, with ``--metrics-port``,
+    its endpoint, bound (ConfigError: the port is taken) but not yet serving."""
+    from recover.observe.jobmetrics import JobMetrics, sample_every
+    from recover.observe.prometheus import MetricsServer
+    from recover.observe.tensorboard import EventFileWriter
+
+    metrics = JobMetrics(EventFileWriter(args.tensorboard) if args.tensorboard else None)
+    if metrics.board is not None:
+        sample_every(metrics, 10.0)
+    endpoint = MetricsServer(args.host, args.metrics_port) if args.metrics_port else None
+    return metrics, endpoint
+
+
 def run(args: argparse.Namespace) -> int:
     from recover.coord.server import Coordinator
     from recover.lifeline import die_with_launcher
+    from recover.observe.prometheus import render
 
     die_with_launcher()  # started by `recover launch`: never outlive it
 
@@ -140,6 +164,7 @@ def run(args: argparse.Namespace) -> int:
     if args.heartbeat_timeout <= args.heartbeat_interval:
         raise ConfigError(f"--heartbeat-timeout ({args.heartbeat_timeout}) must exceed "
                           f"--heartbeat-interval ({args.heartbeat_interval})")
+    metrics, endpoint = job_metrics(args)
     coord = Coordinator(args.host, args.port, token=read_token(args.token_file), events_path=args.events,
                         heartbeat_interval_s=args.heartbeat_interval, heartbeat_timeout_s=args.heartbeat_timeout,
                         store_port=args.store_port, min_members=args.min_replicas,
@@ -148,15 +173,18 @@ def run(args: argparse.Namespace) -> int:
                         ranks_per_replica=args.ranks_per_replica,
                         per_replica_connections=args.connections == "replica",
                         advertise_host=args.advertise_host, max_replicas=args.max_replicas,
-                        tls=Tls.from_flags(args.tls_cert, args.tls_key, args.tls_ca))
+                        tls=Tls.from_flags(args.tls_cert, args.tls_key, args.tls_ca), on_event=metrics.on_event)
     try:
         coord.start()
     except ConfigError:
         raise
     except (OSError, RuntimeError) as exc:
         raise ConfigError(f"cannot bind {args.host}:{args.port} or store port {args.store_port}: {exc}") from None
+    if endpoint is not None:
+        endpoint.start(lambda: render(metrics.families(coord.snapshot())))
     print(json.dumps({"ready": True, "host": args.host, "advertise_host": coord.advertise_host, "port": coord.port,
                       "store_port": coord.store_port,
+                      **({"metrics_port": endpoint.port} if endpoint is not None else {}),
                       "heartbeat_s": coord.heartbeat_interval_s, "heartbeat_timeout_s": coord.heartbeat_timeout_s}),
           flush=True)
 

@@ -119,6 +119,8 @@ class Coordinator:
             admission is fenced (:mod:`recover.coord.admission`).
         tls: serve the wire over TLS, every worker (or relay) presenting a certificate signed by the
             job's CA (:mod:`recover.coord.tls`; None: plain TCP).
+        on_event: called as ``(kind, fields)`` with every record logged (``events.jsonl``'s), in order, from
+            the loop thread (the job's metrics, :class:`recover.observe.jobmetrics.JobMetrics`).
     """
 
     def __init__(self, host: str = "127.0.0.1", port: int = 0, *, token: str, events_path: str | None = None,
@@ -127,7 +129,8 @@ class Coordinator:
                  hang_timeout_s: float = 0.0, die_at_commit: tuple[int, int] | None = None,
                  ranks_per_replica: int = 1, per_replica_connections: bool = False,
                  advertise_host: str | None = None, max_replicas: int | None = None,
-                 join_ready_s: float = JOIN_READY_S, tls: Tls | None = None) -> None:
+                 join_ready_s: float = JOIN_READY_S, tls: Tls | None = None,
+                 on_event: Callable[[str, dict[str, Any]], None] | None = None) -> None:
         if not token:
             raise ValueError("token must be a non-empty string")
         if heartbeat_timeout_s <= heartbeat_interval_s:
@@ -139,6 +142,7 @@ class Coordinator:
         self._req_store_port = store_port
         self._token = token
         self._events = EventLog(events_path) if events_path else None
+        self._on_event = on_event
         self.connections, ranks = scale.job_connections(expected_replicas, ranks_per_replica, per_replica_connections)
         self.heartbeat_interval_s, self.heartbeat_timeout_s = scale.cadence(
             heartbeat_interval_s, heartbeat_timeout_s, self.connections, ranks)
@@ -435,3 +439,5 @@ class Coordinator:
     def _log(self, kind: str, **fields: Any) -> None:
         if self._events is not None:
             self._events.event(kind, **fields)
+        if self._on_event is not None:
+            self._on_event(kind, fields)

@@ -103,6 +103,10 @@ def register(sub: argparse._SubParsersAction) -> None:
     p.add_argument("--overwrite", action="store_true",
                    help="start afresh in an --out that holds another run (deletes its records and checkpoints)")
     p.add_argument("--no-progress", action="store_true", help="no live progress display")
+    p.add_argument("--metrics-port", type=int, default=0, metavar="P",
+                   help="the coordinator serves Prometheus metrics at http://127.0.0.1:P/metrics (generation, "
+                        "members, committed step, failures by cause, goodput); 0: off (default). TensorBoard and "
+                        "W&B: --observe.tensorboard true, --observe.wandb offline|online")
     add_tls_flags(p)
     p.set_defaults(func=run_launch, accepts_overrides=True)
 
@@ -188,6 +192,8 @@ class LaunchRequest:
     """Replace the run ``out`` holds (its records and checkpoints are deleted when the launch starts)."""
     kill_coordinator: str | None = None
     """Fault injection ``STEP[:SENT]`` (see :class:`~recover.launch.job.LaunchOptions`)."""
+    metrics_port: int = 0
+    """``--metrics-port``: the coordinator's Prometheus endpoint (0: none)."""
     gpus: str | None = None
     """``--gpus``: the GPUs to place ranks on (None: all visible)."""
     share_gpus: bool = False
@@ -241,6 +247,8 @@ def check_launch(req: LaunchRequest) -> LaunchOptions:
     from recover.data.verify import check_data, check_windows
     from recover.faults import FailureSchedule, parse_failure
     from recover.launch.job import LaunchOptions
+    from recover.observe.prometheus import MetricsServer
+    from recover.observe.sinks import check_extras
 
     cfg = launch_config(req)
     p, ft = cfg.parallel, cfg.fault_tolerance
@@ -287,6 +295,9 @@ def check_launch(req: LaunchRequest) -> LaunchOptions:
             raise ConfigError(f"--kill-coordinator {req.kill_coordinator}: step {kill_step} is beyond the run's "
                               f"{cfg.training.steps} steps (0-based)")
     check_out(Path(req.out), req.resume, req.overwrite)
+    check_extras(cfg.observe)
+    if req.metrics_port:  # taken now: refused here in one line, not by the coordinator once it all started
+        MetricsServer("127.0.0.1", req.metrics_port).close()
     if req.resume:
         from recover.train.integrity import list_checkpoints
 
@@ -314,6 +325,7 @@ def check_launch(req: LaunchRequest) -> LaunchOptions:
                          random_faults=req.random_faults, rejoin_after_s=req.rejoin_after_s,
                          rejoin_replicas=req.rejoin_replicas, warm_spares=spares, seed=req.seed, baseline=req.baseline,
                          progress=req.progress, resume=req.resume, kill_coordinator=req.kill_coordinator,
+                         metrics_port=req.metrics_port,
                          placement=placement, script=req.script, max_replicas=req.max_replicas or p.replicas, tls=tls,
                          title=f"{cfg.name} x{p.replicas}" + (f" (x{P} ranks)" if P > 1 else ""))
 
@@ -480,7 +492,8 @@ def run_launch(args: argparse.Namespace) -> int:
         rejoin_replicas=_ids("--rejoin-replicas", args.rejoin_replicas), warm_spares=args.warm_spares,
         baseline=Baseline(args.baseline) if args.baseline else None, seed=args.seed,
         reference=Path(args.reference) if args.reference else None, progress=not args.no_progress,
-        resume=args.resume, overwrite=args.overwrite, kill_coordinator=args.kill_coordinator, gpus=args.gpus,
+        resume=args.resume, overwrite=args.overwrite, kill_coordinator=args.kill_coordinator,
+        metrics_port=args.metrics_port, gpus=args.gpus,
         share_gpus=args.share_gpus, dry_run=args.dry_run, init_from=args.init_from,
         script=tuple(getattr(args, "script", ()))))
 
@@ -504,6 +517,7 @@ def run_compare(args: argparse.Namespace) -> int:
 def run_worker(args: argparse.Namespace) -> int:
     from recover.faults import hang_on_signal, parse_failure
     from recover.lifeline import die_with_launcher
+    from recover.observe.sinks import check_extras
     from recover.train.exits import EXIT_STOPPED
     from recover.train.worker import ReplicaWorker, build
 
@@ -520,6 +534,7 @@ def run_worker(args: argparse.Namespace) -> int:
     signal.signal(signal.SIGTERM, stop)
     signal.signal(signal.SIGINT, stop)
     cfg = worker_config(args.config, args.overrides)
+    check_extras(cfg.observe)
     host, _, port = args.coordinator.rpartition(":")
     if not host or not port.isdigit():
         raise RecoverError(f"--coordinator {args.coordinator!r}: expected HOST:PORT")

@@ -56,6 +56,8 @@ class LaunchOptions:
     """Replica ids the coordinator admits: ``0..max_replicas - 1`` (None: ``parallel.replicas``)."""
     tls: Tls | None = None
     """The coordinator wire over TLS: every process started gets ``--tls-*`` (None: plain TCP)."""
+    metrics_port: int = 0
+    """The coordinator's Prometheus endpoint, ``--metrics-port`` (0: none)."""
     kill_coordinator: str | None = None
     """Fault injection ``STEP[:SENT]``: the first coordinator SIGKILLs itself in step STEP's commit after
     SENT of its replies went out (the launcher then restarts it)."""
@@ -98,6 +100,10 @@ class Commands:
                      "--heartbeat-timeout", str(ft.heartbeat_timeout_s), "--hang-timeout", str(ft.hang_timeout_s),
                      "--ranks-per-replica", str(self.ranks), "--connections", ft.connections,
                      "--max-replicas", str(self.o.max_replicas or self.o.config.parallel.replicas), *self.tls_flags)
+        if self.o.metrics_port:
+            cmd += ["--metrics-port", str(self.o.metrics_port)]
+        if self.o.config.observe.tensorboard:
+            cmd += ["--tensorboard", str(self.o.out / "tensorboard" / "job")]
         if self.o.kill_coordinator and first:
             cmd += ["--die-at-commit", self.o.kill_coordinator]
         return cmd

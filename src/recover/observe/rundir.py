@@ -4,7 +4,8 @@ Contract: :func:`check_out` (no side effect) refuses, with one line naming what 
 ways on, an ``--out`` that holds another run's records or checkpoints unless the command continues
 it (``--resume``) or replaces it (``--overwrite``), and one that cannot be written (a file in its
 path, a read-only file system, no permission), before anything starts. :func:`clear_run` deletes only
-what a run writes there (records, checkpoints, logs, plots), never anything else in the directory.
+what a run writes there (records, checkpoints, logs, plots, TensorBoard files, offline W&B runs), never
+anything else in the directory.
 :func:`write_private` writes a secret (the coordinator's token) readable by its owner alone from the
 moment it exists.
 """
@@ -18,7 +19,7 @@ from pathlib import Path
 from recover.errors import ConfigError
 
 RECORDS = ("metrics.jsonl", "events.jsonl", "summary.json", "config.json", "token")
-DIRECTORIES = ("checkpoints", "replicas", "logs")
+DIRECTORIES = ("checkpoints", "replicas", "logs", "tensorboard", "wandb")
 
 
 def run_contents(out: Path) -> list[str]:

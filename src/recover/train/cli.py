@@ -104,12 +104,14 @@ def run_train(args: argparse.Namespace) -> int:
 
     from recover.coord.client import Diverged
     from recover.observe.rundir import check_out, clear_run
+    from recover.observe.sinks import check_extras
     from recover.train.dist import init_from_env, shutdown
     from recover.train.exits import EXIT_NONFINITE, EXIT_STOPPED, EXIT_UNSAVED
     from recover.train.trainer import train
 
     cfg = train_config(args.config, [*args.overrides, *init_from_override(args.init_from)], world_size())
     check_out(Path(args.out), args.resume, args.overwrite)
+    check_extras(cfg.observe)
     if cfg.training.init_from:  # refused before anything starts, with one line
         from recover.train.weights import check_init_from
 

@@ -18,8 +18,9 @@ Contract:
 - :meth:`hook` is every phase point: progress for the coordinator's hang rule, then the fault injections
   (:class:`~recover.faults.Perturbation`, built from this replica's specs and installed on the replica
   and the coordinator client: the only way a fault of any kind reaches them).
-- Records go to the replica's log (rank 0 only; the launcher merges them into ``metrics.jsonl``),
-  events to ``events.jsonl``.
+- Records go to the replica's log (rank 0 only; the launcher merges them into ``metrics.jsonl``) and
+  to the dashboards ``observe`` asks for (:mod:`recover.observe.sinks`: ``tensorboard/replica_R/``,
+  a W&B run), events to ``events.jsonl``.
 - SIGTERM (:meth:`request_stop`): a graceful leave (a preempted node): the next vote asks to leave,
   and at its commit this replica leaves the job (it computed its share of that step; the others
   train on in the next generation, with no failure round and nothing recomputed); it saves nothing
@@ -61,6 +62,7 @@ from recover.errors import DataError, QuorumLost, StateLost
 from recover.faults import FailureSpec, Perturbation
 from recover.names import Baseline, Event
 from recover.observe.events import EventLog, JsonlWriter
+from recover.observe.sinks import StepSinks
 from recover.recovery.protocol import Progress, ResilientStep
 from recover.train.exits import (
     EXIT_BAD_DATA,
@@ -105,6 +107,7 @@ class Session:
         self.tls = tls  # a recover.coord.tls.Tls: the coordinator wire over TLS (None: plain TCP)
         self.events = EventLog(self.out / "events.jsonl")
         self.log = JsonlWriter(replica_log_path(self.out, replica_id)) if rank == 0 else None
+        self.sinks = StepSinks.open(cfg, self.out, f"replica_{replica_id}") if rank == 0 else None
         self.client: Any = None  # the coordinator client, once connected
         self.relay: Any = None  # rank 0's relay of the replica's coordinator connection, if any
         self.perturbation: Perturbation | None = None
@@ -196,6 +199,8 @@ class Session:
         """A committed step's record into the replica's log (rank 0)."""
         if self.log is not None:
             self.log.write({**record, "replica": self.replica_id})
+        if self.sinks is not None:
+            self.sinks.step(record)
 
     @property
     def leader(self) -> bool:
@@ -223,8 +228,7 @@ class Session:
         the connection and the relay closed; returns the exit status (0, or :data:`EXIT_STOPPED`)."""
         step = self.step
         assert step is not None
-        if self.log is not None:
-            self.log.close()
+        self._close_logs()
         if stopped:
             self.event(Event.STOPPED, step=step.progress.step, generation=step.group.generation)
             if self.rank == 0 and self.leader:
@@ -244,11 +248,17 @@ class Session:
             self.relay.stop()
         return EXIT_STOPPED if stopped else 0
 
+    def _close_logs(self) -> None:
+        if self.log is not None:
+            self.log.close()
+        if self.sinks is not None:
+            self.sinks.close()
+            self.sinks = None
+
     def status(self, exc: BaseException, save: Save | None) -> int | None:
         """The exit status of an end this replica cannot go on from (see the module docstring), after its
         line and saves; None for any other exception (the caller's own error: it propagates)."""
-        if self.log is not None:
-            self.log.close()
+        self._close_logs()
         client = self.client
         if isinstance(exc, NETWORK_ERRORS) and client is not None and client.settle() is not None:
             exc = CoordinatorLost(f"{client.lost} ({type(exc).__name__} meanwhile)")

@@ -37,6 +37,7 @@ from recover.data.sampler import EvalSampler, Sampler, open_samplers
 from recover.model import model_stats
 from recover.observe.events import JsonlWriter, keep_records_before
 from recover.observe.progress import ProgressDisplay
+from recover.observe.sinks import StepSinks
 from recover.recovery.protocol import Progress, ResilientStep
 from recover.train.checkpoint import Checkpointer
 from recover.train.dist import CommitAll, DistContext, StaticGroup
@@ -78,7 +79,7 @@ def train(cfg: Config, out: str | os.PathLike[str], ctx: DistContext | None = No
     """Trains ``cfg`` from scratch (or the newest checkpoint in ``out``); returns the run's summary.
 
     Writes ``metrics.jsonl``, ``config.json``, ``summary.json`` (with the goodput), ``loss.png`` and ``checkpoints/``
-    under ``out`` (rank 0).
+    under ``out`` (rank 0), and ``tensorboard/train/`` or a W&B run as ``observe`` asks.
     """
     ctx, out = ctx or DistContext(), Path(out)
     tc = cfg.training
@@ -104,6 +105,7 @@ def train(cfg: Config, out: str | os.PathLike[str], ctx: DistContext | None = No
     if writer:
         keep_records_before(out / "metrics.jsonl", first)  # a resume redoes the steps after its checkpoint
     metrics = JsonlWriter(out / "metrics.jsonl") if writer else None
+    sinks = StepSinks.open(cfg, out, "train") if writer else None  # TensorBoard, W&B (observe.*)
     if writer:
         out.mkdir(parents=True, exist_ok=True)
         write_run_config(cfg, out)
@@ -118,6 +120,8 @@ def train(cfg: Config, out: str | os.PathLike[str], ctx: DistContext | None = No
         record["elapsed_s"] = round(time.perf_counter() - t_start, 3)
         if metrics is not None:
             metrics.write(record)
+        if sinks is not None:
+            sinks.step(record)
         display.update(record)
 
     loop = Loop(cfg, step, replica, eval_data, checkpointer, write)
@@ -133,6 +137,8 @@ def train(cfg: Config, out: str | os.PathLike[str], ctx: DistContext | None = No
         display.close()
         if metrics is not None:
             metrics.close()
+        if sinks is not None:
+            sinks.close()
     loop.settle()  # an asynchronous save still writing is part of the run
     wall = time.perf_counter() - t_start
     done = step.progress.step - first
