@@ -3,7 +3,8 @@
 #   make test   the whole test suite: tests/unit, tests/dist (multi-process gloo), tests/e2e (launch runs),
 #               all but the interop tests
 #   make test-unit   the unit tier alone (under a minute)
-#   make test-interop   Hugging Face models and torchtitan's Llama 3 trained through recover.api (CI runs it too)
+#   make test-interop   Hugging Face models and torchtitan's Llama 3 trained through recover.api, and the metrics
+#                       files read by TensorBoard's and W&B's own readers (CI runs it too)
 #   make test-compat   tests/unit and tests/dist on the oldest torch pyproject.toml allows, in ./.venv-compat
 #   make gpu-check   on a GPU node: check, test and benchmark everything one GPU can, into one report
 # Both create and reuse ./.venv. Override the interpreter with PYTHON=..., and the
@@ -47,9 +48,15 @@ TITAN_UNMET := import sys, re, importlib.metadata as md; \
 	old and print("torchtitan needs Python >= 3.11: tests/e2e/test_own_loop_titan.py is skipped", file=sys.stderr); \
 	sys.exit(not old and not have >= set(sys.argv[1:]))
 
+# The metrics' readers: TensorBoard's event reader and W&B's offline run files (observe.*), with their dependencies
+# (none of them touches torch); prometheus_client comes with the dev extra (make test uses it).
+VIEWERS := tensorboard==2.21.0 wandb==0.31.0
+
 test-interop: $(STAMP)
 	@$(PY) -c '$(TITAN_UNMET)' $(TITAN) || { echo "installing $(TITAN) (--no-deps) into $(VENV)"; \
 		$(PY) -m pip install -q --no-deps $(TITAN); }
+	@$(PY) -c 'import tensorboard, wandb' 2>/dev/null || { echo "installing $(VIEWERS) into $(VENV)"; \
+		$(PY) -m pip install -q $(VIEWERS); }
 	$(PY) -m pytest -q -m interop tests/e2e
 
 test-unit: $(STAMP)

@@ -9,8 +9,9 @@ text entry under ``faults`` (TensorBoard's Text tab), at the step in progress.
 Goodput (:mod:`recover.observe.goodput`) is computed from the coordinator's own records only: its commits
 (with the members of their generation) and events, from this coordinator's start; checkpoint and
 evaluation time, which only replicas log, count as ``other``. It costs O(steps) (about 2 s for 100,000
-steps), so :meth:`goodput` keeps its value for ``max(min_age_s, 20 x its own cost)`` and is never
-computed in the loop thread: a reader (a scrape, :meth:`sample`) pays for it. Thread-safe.
+steps), so :meth:`goodput` keeps its value for 20 x its own cost (``min_age_s`` more while no step
+commits) and is never computed in the loop thread: a reader (a scrape, :meth:`sample`) pays for it, at
+most 5% of a core. Thread-safe.
 """
 
 from __future__ import annotations
@@ -32,7 +33,7 @@ _FAULTS = {Event.FAILURE_DETECTED: "failure", Event.LEAVE: "leave", Event.DIVERG
 class JobMetrics:
     """Tallies of one coordinator's events (see the module docstring)."""
 
-    def __init__(self, board: EventFileWriter | None = None, min_age_s: float = 5.0) -> None:
+    def __init__(self, board: EventFileWriter | None = None, min_age_s: float = 1.0) -> None:
         self.board = board
         self.min_age_s = min_age_s
         self.started = time.time()
@@ -44,7 +45,7 @@ class JobMetrics:
         self._step = 0  # the step in progress
         self._commits: list[dict[str, Any]] = []
         self._events: list[dict[str, Any]] = [{"kind": Event.LAUNCH, "t": self.started}]
-        self._cached: tuple[float, float] | None = None  # (valid until, ratio)
+        self._cached: tuple[float, float, float, int] | None = None  # (computed at, its cost, ratio, commits)
 
     def on_event(self, kind: str, fields: dict[str, Any]) -> None:
         """One record the coordinator logged (its loop thread)."""
@@ -74,15 +75,15 @@ class JobMetrics:
 
     def goodput(self) -> float:
         """The goodput so far, from a copy of the records (see the module docstring for its cache)."""
+        now = time.time()
         with self._lock:
-            if self._cached is not None and time.time() < self._cached[0]:
-                return self._cached[1]
+            n, cached = len(self._commits), self._cached
+            if cached is not None and now < cached[0] + 20 * cached[1] + (self.min_age_s if n == cached[3] else 0):
+                return cached[2]
             rows, events = list(self._commits), [*self._events, *self._commits_as_events()]
-        t0 = time.time()
-        ratio = goodput(rows, events, now=t0).ratio
-        cost = time.time() - t0
+        ratio = goodput(rows, events, now=now).ratio
         with self._lock:
-            self._cached = (t0 + max(self.min_age_s, 20 * cost), ratio)
+            self._cached = (now, time.time() - now, ratio, n)
         return ratio
 
     def _commits_as_events(self) -> list[dict[str, Any]]:
