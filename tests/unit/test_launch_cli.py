@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import socket
 import time
 from pathlib import Path
 
@@ -30,6 +31,8 @@ TP3_SWIGLU = ["--config", "debug", "--replicas", "1", "--procs-per-replica", "3"
     (["--config", "debug", "--random-failures", "5", "--random-faults", "kill,crash"], "--random-faults kill,crash",
      "some of kill, hang, freeze"),
     (["--config", "debug", "--replicas", "3", "--max-replicas", "2"], "--max-replicas 2", "at least --replicas (3)"),
+    (["--config", "debug", "--metrics-port", "70000"], "--metrics-port 70000", "is not a port number"),
+    (["--config", "debug", "--observe.wandb", "yes"], "observe.wandb", "one of 'off', 'offline', 'online'"),
 ])
 def test_a_bad_launch_is_refused_in_one_line_before_anything_starts(
         tmp_path: Path, capsys: pytest.CaptureFixture[str], args: list[str], field: str, says: str) -> None:
@@ -43,6 +46,19 @@ def test_a_bad_launch_is_refused_in_one_line_before_anything_starts(
     assert field in lines[0] and says in lines[0], lines[0]
     assert elapsed < 10, f"refused after {elapsed:.1f} s"
     assert not out.exists()  # no run directory, so no coordinator, no worker, no data
+
+
+def test_a_metrics_port_in_use_is_refused_in_one_line(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    with socket.socket() as taken:
+        taken.bind(("127.0.0.1", 0))
+        taken.listen()
+        port = taken.getsockname()[1]
+        code, err = refusal(["launch", "--config", "debug", "--out", str(tmp_path / "run"), "--no-progress",
+                             "--metrics-port", str(port)], capsys)
+    assert code == 2 and err.splitlines() == [f"recover: error: --metrics-port {port}: cannot listen on "
+                                              f"127.0.0.1:{port} (Address already in use); choose another port, "
+                                              "or 0 for no endpoint"]
+    assert not (tmp_path / "run").exists()
 
 
 def test_a_malformed_command_line_is_one_line_too(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:

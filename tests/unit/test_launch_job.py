@@ -88,3 +88,13 @@ def test_the_coordinator_admits_replica_ids_below_max_replicas_default_replicas(
     for given, told in ((None, "3"), (5, "5")):
         cmd = Commands(LaunchOptions(config=cfg, out=tmp_path, max_replicas=given)).coordinator(addr, 3, first=True)
         assert cmd[cmd.index("--max-replicas") + 1] == told and cmd[cmd.index("--replicas") + 1] == "3"
+
+
+def test_the_coordinator_serves_metrics_and_writes_the_job_board_when_asked(tmp_path: Path) -> None:
+    addr = Address("127.0.0.1", 5000, 5001, tmp_path / "token")
+    plain = Commands(LaunchOptions(config=load_config("debug"), out=tmp_path)).coordinator(addr, 2, first=True)
+    assert "--metrics-port" not in plain and "--tensorboard" not in plain
+    cfg = load_config("debug", ["--observe.tensorboard", "true"])
+    cmd = Commands(LaunchOptions(config=cfg, out=tmp_path, metrics_port=9400)).coordinator(addr, 2, first=False)
+    assert cmd[cmd.index("--metrics-port") + 1] == "9400"
+    assert cmd[cmd.index("--tensorboard") + 1] == str(tmp_path / "tensorboard" / "job")
