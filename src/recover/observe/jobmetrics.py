@@ -8,16 +8,17 @@ text entry under ``faults`` (TensorBoard's Text tab), at the step in progress.
 
 Goodput (:mod:`recover.observe.goodput`) is computed from the coordinator's own records only: its commits
 (with the members of their generation) and events, from this coordinator's start; checkpoint and
-evaluation time, which only replicas log, count as ``other``. It costs O(steps) (about 2 s for 100,000
+evaluation time, which only replicas log, count as ``other``. It costs O(steps) (2-4 s for 100,000
 steps), so :meth:`goodput` keeps its value for 20 x its own cost (``min_age_s`` more while no step
 commits) and is never computed in the loop thread: a reader (a scrape, :meth:`sample`) pays for it, at
-most 5% of a core. Thread-safe.
+most 5% of a core. A commit costs the loop thread ~3 us and 24 bytes kept. Thread-safe.
 """
 
 from __future__ import annotations
 
 import threading
 import time
+from array import array
 from collections import Counter
 from typing import Any
 
@@ -43,7 +44,7 @@ class JobMetrics:
         self._lock = threading.Lock()
         self._members = 0
         self._step = 0  # the step in progress
-        self._commits: list[dict[str, Any]] = []
+        self._commits = (array("q"), array("d"), array("q"))  # step, time, members: 24 bytes per commit
         self._events: list[dict[str, Any]] = [{"kind": Event.LAUNCH, "t": self.started}]
         self._cached: tuple[float, float, float, int] | None = None  # (computed at, its cost, ratio, commits)
 
@@ -66,9 +67,12 @@ class JobMetrics:
             self.board.text(self._step, "faults", _fault_line(kind, fields), now)
 
     def _commit(self, fields: dict[str, Any], now: float) -> None:
-        if self._commits:
-            self.step_s = now - self._commits[-1]["t"]
-        self._commits.append({"step": fields["step"], "t": now, "live_replicas": self._members})
+        steps, times, members = self._commits
+        if times:
+            self.step_s = now - times[-1]
+        steps.append(fields["step"])
+        times.append(now)
+        members.append(self._members)
         self._step = fields["step"] + 1
         if self.board is not None and self.step_s is not None:
             self.board.scalars(fields["step"], {"job/step_s": self.step_s}, now)
@@ -77,21 +81,21 @@ class JobMetrics:
         """The goodput so far, from a copy of the records (see the module docstring for its cache)."""
         now = time.time()
         with self._lock:
-            n, cached = len(self._commits), self._cached
+            n, cached = len(self._commits[0]), self._cached
             if cached is not None and now < cached[0] + 20 * cached[1] + (self.min_age_s if n == cached[3] else 0):
                 return cached[2]
-            rows, events = list(self._commits), [*self._events, *self._commits_as_events()]
+            steps, times, members = (list(a) for a in self._commits)
+            events = list(self._events)
+        rows = [{"step": s, "t": t, "live_replicas": m} for s, t, m in zip(steps, times, members, strict=True)]
+        events += [{"kind": Event.COMMIT, "t": t, "step": s} for s, t in zip(steps, times, strict=True)]
         ratio = goodput(rows, events, now=now).ratio
         with self._lock:
             self._cached = (now, time.time() - now, ratio, n)
         return ratio
 
-    def _commits_as_events(self) -> list[dict[str, Any]]:
-        return [{"kind": Event.COMMIT, "t": c["t"], "step": c["step"]} for c in self._commits]
-
     def sample(self) -> None:
         """Writes the goodput so far to the board (a reader's thread: :func:`sample_every`)."""
-        if self.board is not None and self._commits:
+        if self.board is not None and self._commits[0]:
             self.board.scalars(self._step, {"job/goodput": self.goodput()})
 
     def families(self, snapshot: dict[str, Any]) -> list[Family]:
