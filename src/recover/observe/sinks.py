@@ -11,7 +11,8 @@ TensorBoard at ``RUN_DIR/tensorboard`` shows every replica and the job as runs s
 
 W&B: one run per replica process (named NAME, ``job_type`` ``replica``), grouped by the run directory's
 name (or ``WANDB_RUN_GROUP``): W&B's model for distributed training, a run per process, and a replica is
-a process on its own machine that can die or rejoin alone. ``wandb`` is an optional extra imported only
+a process on its own machine that can die or rejoin alone. W&B leaves the process's stdout and stderr
+alone (``console="off"``: they stay the replica's log). ``wandb`` is an optional extra imported only
 here; :func:`check_extras` refuses a config that asks for it when it is absent, in one line, before
 anything starts. A sink that fails to start or to log costs one line on stderr and is dropped: the
 training never stops for its dashboards.
@@ -94,7 +95,8 @@ def _wandb_run(cfg: Config, run_dir: Path, name: str) -> Any:
 
         return wandb.init(project=cfg.observe.wandb_project, mode=cfg.observe.wandb, name=name,
                           group=os.environ.get("WANDB_RUN_GROUP") or run_dir.resolve().name, job_type="replica",
-                          config=cfg.to_dict(), dir=os.environ.get("WANDB_DIR") or str(run_dir))
+                          config=cfg.to_dict(), dir=os.environ.get("WANDB_DIR") or str(run_dir),
+                          settings=wandb.Settings(console="off"))  # the process's streams stay its own
     except Exception as exc:  # noqa: BLE001 - no login, no network, a broken install: one line
         return _dropped("start a W&B run", exc)
 
