@@ -11,7 +11,8 @@ random secret (so keep the rendered file, or set it, to re-apply the same job). 
 a value or a --set of a name the template does not use is refused. The rendered manifests are parsed
 (with PyYAML when it is installed, else with the small reader below, which knows the subset of YAML
 the template is written in) and checked: every document has a kind and a name, the values are in
-range, the Services select the pods they front, and every Secret and claim a pod mounts is defined.
+range, the Services select the pods they front, every Secret and claim a pod mounts is defined, and
+a Job with a podFailurePolicy has restartPolicy Never (the API refuses it otherwise).
 Standard library only; no Helm.
 """
 
@@ -205,6 +206,7 @@ def check(docs: list[dict[str, Any]]) -> None:
             raise RenderError(f"a document without apiVersion, kind or metadata.name: {str(d)[:80]}")
         names.add(f"{d['kind']}/{d['metadata']['name']}")
     pods = pod_specs(docs)
+    jobs = {f"Job/{d['metadata']['name']}": d["spec"] for d in docs if d["kind"] == "Job"}
     for d in docs:
         if d["kind"] == "Service":
             sel = d["spec"]["selector"].items()
@@ -217,6 +219,8 @@ def check(docs: list[dict[str, Any]]) -> None:
                    if "persistentVolumeClaim" in vol else None)
             if ref and ref not in names:
                 raise RenderError(f"{who} mounts {ref}, which is not defined")
+        if who.startswith("Job/") and jobs[who].get("podFailurePolicy") and pod["spec"].get("restartPolicy") != "Never":
+            raise RenderError(f"{who}: a podFailurePolicy needs restartPolicy Never")
         for c in pod["spec"]["containers"]:
             if not c.get("command") or not all(isinstance(a, str) for a in c["command"]):
                 raise RenderError(f"{who}: container {c.get('name')} has no command of strings")

@@ -5,7 +5,10 @@ mapped to 127.0.0.1).
 
 Each job is 2 replicas of 1 process (`debug` preset, emulated devices). Every process a test starts
 is found by its parentage (torchrun starts its workers in sessions of their own) and SIGKILLed by
-PID at the end, whatever happened.
+PID at the end, whatever happened. A preemption notice is sent as the cluster sends it: Slurm's to
+every process of one step (`scancel --signal=TERM JOBID.STEPID`), the kubelet's to a pod's first
+process. Each test prints the notice's cost: signal -> the leave committed, and -> the replacement
+training again (with the machine's load).
 """
 
 from __future__ import annotations
@@ -21,14 +24,15 @@ from pathlib import Path
 
 import pytest
 
-from conftest import ROOT, subprocess_env
+from conftest import ROOT, run_recover, subprocess_env
 from recover.launch.processes import free_port
 from recover.launch.records import StepRecords
 
 pytestmark = pytest.mark.slow
 
-STEPS = 8
-FLAGS = ["--training.steps", str(STEPS), "--training.device_time_s", "0.05", "--training.eval_every", "4"]
+STEPS = 20
+FLAGS = ["--training.steps", str(STEPS), "--training.eval_every", "10", "--training.deterministic", "true",
+         "--training.threads", "1"]
 
 SRUN = """#!/bin/bash
 # srun stand-in: runs the step's command here, as its one task, with the task's Slurm variables
@@ -40,7 +44,7 @@ while [ $# -gt 0 ]; do
     *) break ;;
   esac
 done
-echo "srun $*" >> "$FAKE_SLURM_LOG"
+{ printf 'srun %s' "$$"; printf ' %q' "$@"; echo; } >> "$FAKE_SLURM_LOG"  # its PID: the step's first process
 export SLURM_PROCID=0 SLURM_LOCALID=0 SLURM_NODEID=0 SLURM_NTASKS=1 SLURM_STEP_ID=$$
 if [ -n "$out" ]; then exec "$@" >> "$out" 2>&1; else exec "$@"; fi
 """
@@ -132,16 +136,48 @@ def committed(run: Path) -> list[dict]:
     return [json.loads(line) for line in (run / "metrics.jsonl").read_text().splitlines()]
 
 
-def replica_steps(run: Path) -> int:
-    path = run / "replicas" / "replica_0.jsonl"
-    return len(path.read_text().splitlines()) if path.is_file() else 0
+def last_step(run: Path, replica: int = 0) -> int:
+    """The newest step ``replica`` recorded (-1: none yet)."""
+    path = run / "replicas" / f"replica_{replica}.jsonl"
+    lines = path.read_text().splitlines() if path.is_file() else []
+    return json.loads(lines[-1])["step"] if lines else -1
 
 
-def test_slurm_script_runs_is_preempted_requeues_and_resumes(tmp_path: Path, corpus: Path, procs: Procs) -> None:
-    """The sbatch script with srun, scontrol and torchrun stand-ins: the coordinator and 2 replicas train;
-    SIGTERM to the batch shell (what --signal=B:TERM@120 sends) stops the job at a step boundary with a
-    checkpoint, exit 6, `recover collect` and a requeue; the requeued start resumes (--resume) and every
-    step ends up in metrics.jsonl once, the steps before the stop unchanged."""
+def events(run: Path) -> list[dict]:
+    return [json.loads(line) for line in (run / "events.jsonl").read_text().splitlines()]
+
+
+def notice_costs(ev: list[dict], replica: int, t0: float) -> tuple[dict, dict]:
+    """The leave of ``replica`` signalled at ``t0`` and its replacement's start (joined, after the leave);
+    prints what each cost, with the machine's load."""
+    (leave,) = [e for e in ev if e["kind"] == "leave"]
+    back = [e for e in ev if e["kind"] == "started" and e.get("replica") == replica and e["joined"]
+            and e["t"] > leave["t"]]
+    assert leave["replicas"] == [replica] and back, [e for e in ev if e.get("replica") == replica][-5:]
+    print(f"replica {replica}'s notice: the leave committed {(leave['t'] - t0) * 1e3:.0f} ms later (step "
+          f"{leave['step']}), its replacement trained again {back[0]['t'] - t0:.1f} s later; load "
+          f"{os.getloadavg()[0]:.1f}")
+    return leave, back[0]
+
+
+def step_pid(slurm_log: Path, replica: int) -> int:
+    """The first process of ``replica``'s newest srun step (the stand-in logs its PID and command)."""
+    steps = [line.split() for line in slurm_log.read_text().splitlines() if line.startswith("srun ")]
+    return int([words for words in steps if f"replica-{replica}" in words][-1][1])
+
+
+def test_slurm_script_runs_is_preempted_requeues_resumes_and_replaces_a_replica_that_got_a_notice(
+        tmp_path: Path, corpus: Path, procs: Procs) -> None:
+    """The sbatch script with srun, scontrol and torchrun stand-ins, a deterministic job of 2 replicas:
+    SIGTERM to the batch shell (what --signal=B:TERM@120 sends) stops it at a step boundary with a
+    checkpoint, exit 6, `recover collect` and a requeue; the requeued start resumes (--resume). There,
+    replica 1's step gets SIGTERM in every process (`scancel --signal=TERM JOBID.STEPID`, a node's
+    preemption notice): replica 1 leaves at its next commit (no failure detected), its step ends with
+    143, and the script starts a replacement step (--join) that rejoins. The job ends with exit 0: every
+    step once in metrics.jsonl with 8 microbatches, bitwise equal to a failure-free run."""
+    ref = tmp_path / "ref"  # failure-free; deterministic: one replica computes what two do, bit for bit
+    run_recover(["launch", "--config", "debug", "--replicas", "1", "--out", str(ref), "--no-progress",
+                 "--data.path", str(corpus), *FLAGS])
     bin_dir = tmp_path / "bin"
     bin_dir.mkdir()
     for name, text in (("srun", SRUN), ("scontrol", SCONTROL), ("torchrun", TORCHRUN)):
@@ -153,12 +189,14 @@ def test_slurm_script_runs_is_preempted_requeues_and_resumes(tmp_path: Path, cor
            "SLURM_SUBMIT_DIR": str(tmp_path), "OUT": str(run), "CONFIG": "debug", "GPUS_PER_NODE": "0",
            "RANKS_PER_NODE": "2", "PORT": str(free_port()), "STORE_PORT": str(free_port()),
            "RECOVER": f"{sys.executable} -m recover", "TORCHRUN": str(bin_dir / "torchrun"), "PYTHON": sys.executable}
-    cmd = ["bash", str(ROOT / "examples" / "slurm" / "recover.sbatch"), "--data.path", str(corpus), *FLAGS]
+    # 0.1 s per microbatch: replica 0 alone takes 0.8 s a step, time for the replacement to start and join
+    cmd = ["bash", str(ROOT / "examples" / "slurm" / "recover.sbatch"), "--data.path", str(corpus), *FLAGS,
+           "--training.device_time_s", "0.1"]
 
     log = tmp_path / "job.out"
     job = procs.start(cmd, env, log)
     deadline = time.time() + 120
-    while replica_steps(run) < 2:
+    while last_step(run) < 1:
         assert job.poll() is None and time.time() < deadline, log.read_text()[-3000:]
         procs.track()
         time.sleep(0.1)
@@ -170,13 +208,31 @@ def test_slurm_script_runs_is_preempted_requeues_and_resumes(tmp_path: Path, cor
     assert json.loads((run / "summary.json").read_text())["stopped"]
 
     job = procs.start(cmd, {**env, "SLURM_RESTART_COUNT": "1"}, log)  # what Slurm runs after the requeue
+    deadline = time.time() + 120
+    while last_step(run) < len(stopped) + 4:
+        assert job.poll() is None and time.time() < deadline, log.read_text()[-3000:]
+        procs.track()
+        time.sleep(0.1)
+    first = step_pid(slurm_log, 1)
+    t0 = time.time()
+    for pid in [first, *descendants(first)]:  # scancel --signal=TERM 4242.STEP: every process of the step
+        os.kill(pid, signal.SIGTERM)
     assert wait_for(job, procs, 180, log) == 0, log.read_text()[-3000:]
+
     rows = committed(run)
     assert [r["step"] for r in rows] == list(range(STEPS)) and {r["microbatches"] for r in rows} == {8}
     assert [r["loss"] for r in rows[:len(stopped)]] == [r["loss"] for r in stopped]
+    assert [r["loss"] for r in rows] == [r["loss"] for r in committed(ref)]  # bitwise
     summary = json.loads((run / "summary.json").read_text())
     assert summary["committed_steps"] == STEPS and not summary["stopped"]
-    assert "--resume" in slurm_log.read_text().splitlines()[-1] and "continuing from" in log.read_text()
+    ev = events(run)
+    leave, back = notice_costs(ev, 1, t0)
+    assert not [e for e in ev if e["kind"] == "failure_detected"]
+    assert rows[leave["step"] + 1]["live_replicas"] == 1 and rows[-1]["live_replicas"] == 2
+    assert "replica 1 left the job on a notice" in log.read_text() and "continuing from" in log.read_text()
+    starts = [line for line in slurm_log.read_text().splitlines() if line.startswith("srun ")]
+    assert [("--resume" in s, "--join" in s) for s in starts[-3:]] == [(True, False), (True, False), (False, True)]
+    assert step_pid(slurm_log, 1) != first and "replica-1" in starts[-1]
 
 
 def load_render() -> object:
@@ -218,17 +274,20 @@ def pod_command(pod: dict, root: Path, services: list[str], docs: list[dict]) ->
     return [local(a) for a in container["command"]]
 
 
-def test_kubernetes_manifests_render_parse_and_their_pods_commands_train(tmp_path: Path, corpus: Path,
-                                                                        procs: Procs) -> None:
+def test_kubernetes_manifests_render_parse_and_their_pods_commands_train_and_a_deleted_pod_is_replaced(
+        tmp_path: Path, corpus: Path, procs: Procs) -> None:
     """render.py fills the template (and refuses a bad value); the manifests parse (PyYAML and the
     subset reader agree); the coordinator's and both replica pods' commands run here with the
-    Service name mapped to 127.0.0.1; replica 1's container is SIGKILLed and started again as the
-    kubelet restarts it, and it joins the running job; every step is committed with all microbatches."""
+    Service name mapped to 127.0.0.1. Replica 1's pod is deleted (SIGTERM to its first process, as the
+    kubelet sends it): replica 1 leaves at its next commit (no failure detected) and the pod ends with
+    143, which the Job's podFailurePolicy ignores (a replacement, not counted against backoffLimit; a
+    pod that exits 0 would be its index completed); the replacement pod runs the same command and joins
+    the running job; every step is committed with all microbatches, both pods end with 0."""
     render = [sys.executable, str(ROOT / "examples" / "k8s" / "render.py")]
     bad = subprocess.run([*render, "--set", "GRACE_S=10"], capture_output=True, text=True, timeout=30)
     assert bad.returncode == 2 and "GRACE_S=10" in bad.stderr and not bad.stdout
     # 2 pods on 2 cores: one thread each; 16 steps of 0.1 s per microbatch leave replica 0 alone for
-    # 12 s after the kill (0.8 s a step), time enough for the restarted pod to start up (~4 s) and join
+    # 12 s after the leave (0.8 s a step), time enough for the new pod to start up (~4 s) and join
     overrides = " ".join(["--data.path", str(corpus), "--training.threads", "1", "--training.steps", "16",
                           "--training.device_time_s", "0.1"])
     sets = {"NAME": "rt", "CONFIG": "debug", "REPLICAS": "2", "GPUS_PER_REPLICA": "0", "OVERRIDES": overrides,
@@ -243,8 +302,13 @@ def test_kubernetes_manifests_render_parse_and_their_pods_commands_train(tmp_pat
                      "Deployment/rt-coordinator", "Service/rt-replicas", "Job/rt-replicas"}
     coord_pod, job = [d["spec"]["template"] for d in docs if d["kind"] == "Deployment"], \
         next(d for d in docs if d["kind"] == "Job")
-    assert job["spec"]["completionMode"] == "Indexed" and job["spec"]["completions"] == 2
-    assert job["spec"]["template"]["spec"]["terminationGracePeriodSeconds"] > 20
+    spec, pod_spec = job["spec"], job["spec"]["template"]["spec"]
+    assert spec["completionMode"] == "Indexed" and spec["completions"] == 2
+    assert pod_spec["terminationGracePeriodSeconds"] > 20 and pod_spec["restartPolicy"] == "Never"
+    assert spec["podReplacementPolicy"] == "Failed"
+    assert spec["podFailurePolicy"]["rules"] == [  # evictions, preemptions and leaves are not failures
+        {"action": "Ignore", "onPodConditions": [{"type": "DisruptionTarget"}]},
+        {"action": "Ignore", "onExitCodes": {"containerName": "replica", "operator": "In", "values": [143]}}]
 
     bin_dir = tmp_path / "bin"  # the image's entry points
     bin_dir.mkdir()
@@ -265,15 +329,16 @@ def test_kubernetes_manifests_render_parse_and_their_pods_commands_train(tmp_pat
     pods = {i: procs.start(replica_cmd, {**env, "JOB_COMPLETION_INDEX": str(i)}, tmp_path / f"replica_{i}.log")
             for i in (0, 1)}
     deadline = time.time() + 120
-    while replica_steps(run) < 1:
+    while last_step(run) < 0:
         assert all(p.poll() is None for p in pods.values()) and time.time() < deadline, \
             (tmp_path / "replica_0.log").read_text()[-3000:]
         procs.track()
         time.sleep(0.1)
-    for pid in [*descendants(pods[1].pid), pods[1].pid]:  # the container dies (OOM kill, a lost GPU)
-        os.kill(pid, signal.SIGKILL)
-    pods[1].wait(10)
-    pods[1] = procs.start(replica_cmd, {**env, "JOB_COMPLETION_INDEX": "1"}, tmp_path / "replica_1.log")  # restarted
+    t0 = time.time()
+    pods[1].send_signal(signal.SIGTERM)  # kubectl delete pod, a drain, a preemption: its first process
+    assert wait_for(pods[1], procs, 60, tmp_path / "replica_1.log") == 143
+    # the Job's new pod for index 1 (podReplacementPolicy Failed: once the old one has terminated)
+    pods[1] = procs.start(replica_cmd, {**env, "JOB_COMPLETION_INDEX": "1"}, tmp_path / "replica_1.log")
     for i, pod in pods.items():
         assert wait_for(pod, procs, 180, tmp_path / f"replica_{i}.log") == 0
 
@@ -282,8 +347,9 @@ def test_kubernetes_manifests_render_parse_and_their_pods_commands_train(tmp_pat
                          for line in path.read_text().splitlines()).merged()
     rows = [merged[s] for s in sorted(merged)]
     assert [r["step"] for r in rows] == list(range(16)) and {r["microbatches"] for r in rows} == {8}
-    events = [json.loads(line) for line in (run / "events.jsonl").read_text().splitlines()]
-    joined = [e["step"] for e in events if e["kind"] == "started" and e["replica"] == 1 and e["joined"]]
-    assert joined and rows[-1]["live_replicas"] == 2, (tmp_path / "replica_1.log").read_text()[-2000:]
+    ev = events(run)
+    leave, _ = notice_costs(ev, 1, t0)
+    assert not [e for e in ev if e["kind"] == "failure_detected"] and rows[-1]["live_replicas"] == 2
+    assert rows[leave["step"] + 1]["live_replicas"] == 1
     coordinator.send_signal(signal.SIGTERM)  # kubectl delete: with no job running it exits at once
     assert coordinator.wait(20) == 0
