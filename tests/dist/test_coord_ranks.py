@@ -367,3 +367,23 @@ def test_lanes_are_independent_process_groups(tmp_path: Path) -> None:
             except subprocess.TimeoutExpired:
                 pass
         c.stop()
+
+
+def test_one_rank_asked_to_leave_makes_its_whole_replica_leave_at_that_commit(coord: Coordinator) -> None:
+    """A notice that reached one rank of a 2-rank replica (SIGTERM to one process): its vote carries the
+    leave for the replica, so at that commit every rank of it is told it left, the other replica goes
+    on alone in a generation formed without it, and the leavers' goodbyes are no failure."""
+    a, b = replica(coord, 0), replica(coord, 1)
+    try:
+        register_all([*a, *b])
+        b[1].leave_requested = True
+        replies = vote_all([*a, *b], 1, 0)
+        assert replies[2:] == [None, None] and [c.left for c in b] == [True, True]
+        assert [(m.generation, m.members, m.step) for m in replies[:2]] == [(2, (0,), 1)] * 2
+        assert not any(c.left for c in a)
+        close_all(b)
+        assert vote_all(a, 2, 1) == [None, None]  # the survivor commits its next step alone
+        assert [(e["replicas"], e["step"]) for e in events(coord, "leave")] == [([1], 0)]
+        assert not events(coord, "failure_detected") and coord.snapshot()["live"] == [0]
+    finally:
+        close_all(a, b)
