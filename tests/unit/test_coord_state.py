@@ -376,6 +376,16 @@ def test_the_status_snapshot_names_every_replica_state_speed_and_fault() -> None
                                                                          6: None}
 
 
+def test_a_leave_below_min_members_loses_the_quorum_at_that_commit() -> None:
+    st = make(2)  # min_members 2
+    vote(st, 0, 10, 1, 0, [0], 0.1)
+    acts = vote(st, 1, 11, 1, 0, [0], 0.1, leave=True)  # the step commits; 0 alone is too few to go on
+    assert sent(acts, "committed")[1]["left"] is True and not st.stopped
+    (gen,) = logs(acts, "generation")
+    assert (gen["reason"], gen["members"], gen["dead"]) == ("leave", [0], [1])
+    assert logs(acts, "quorum_lost") == [{"generation": 2, "members": [0], "min_members": 2}]
+
+
 # ---- a restarted coordinator rebuilds the job from what the replicas hold -----------------------------
 
 def fresh(expected: int = 3, window: float = 3.0) -> MembershipState:
