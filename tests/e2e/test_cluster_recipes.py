@@ -189,9 +189,10 @@ def test_slurm_script_runs_is_preempted_requeues_resumes_and_replaces_a_replica_
            "SLURM_SUBMIT_DIR": str(tmp_path), "OUT": str(run), "CONFIG": "debug", "GPUS_PER_NODE": "0",
            "RANKS_PER_NODE": "2", "PORT": str(free_port()), "STORE_PORT": str(free_port()),
            "RECOVER": f"{sys.executable} -m recover", "TORCHRUN": str(bin_dir / "torchrun"), "PYTHON": sys.executable}
-    # 0.1 s per microbatch: replica 0 alone takes 0.8 s a step, time for the replacement to start and join
+    # 0.15 s per microbatch: replica 0 alone takes 1.2 s a step, time for the replacement to start (5 to
+    # 15 s on 2 busy cores) and join before the last of the ~14 steps after the notice
     cmd = ["bash", str(ROOT / "examples" / "slurm" / "recover.sbatch"), "--data.path", str(corpus), *FLAGS,
-           "--training.device_time_s", "0.1"]
+           "--training.device_time_s", "0.15"]
 
     log = tmp_path / "job.out"
     job = procs.start(cmd, env, log)
@@ -209,7 +210,7 @@ def test_slurm_script_runs_is_preempted_requeues_resumes_and_replaces_a_replica_
 
     job = procs.start(cmd, {**env, "SLURM_RESTART_COUNT": "1"}, log)  # what Slurm runs after the requeue
     deadline = time.time() + 120
-    while last_step(run) < len(stopped) + 4:
+    while last_step(run) < len(stopped) + 1:
         assert job.poll() is None and time.time() < deadline, log.read_text()[-3000:]
         procs.track()
         time.sleep(0.1)
@@ -286,10 +287,11 @@ def test_kubernetes_manifests_render_parse_and_their_pods_commands_train_and_a_d
     render = [sys.executable, str(ROOT / "examples" / "k8s" / "render.py")]
     bad = subprocess.run([*render, "--set", "GRACE_S=10"], capture_output=True, text=True, timeout=30)
     assert bad.returncode == 2 and "GRACE_S=10" in bad.stderr and not bad.stdout
-    # 2 pods on 2 cores: one thread each; 16 steps of 0.1 s per microbatch leave replica 0 alone for
-    # 12 s after the leave (0.8 s a step), time enough for the new pod to start up (~4 s) and join
-    overrides = " ".join(["--data.path", str(corpus), "--training.threads", "1", "--training.steps", "16",
-                          "--training.device_time_s", "0.1"])
+    # 2 pods on 2 cores: one thread each; 20 steps of 0.15 s per microbatch leave replica 0 alone for
+    # 21 s after the leave (1.2 s a step), time enough for the new pod to start up (its torchrun and
+    # its worker: 8 to 17 s on 2 busy cores) and join
+    overrides = " ".join(["--data.path", str(corpus), "--training.threads", "1", "--training.steps", "20",
+                          "--training.device_time_s", "0.15"])
     sets = {"NAME": "rt", "CONFIG": "debug", "REPLICAS": "2", "GPUS_PER_REPLICA": "0", "OVERRIDES": overrides,
             "PORT": str(free_port()), "STORE_PORT": str(free_port())}
     out = subprocess.run([*render, *(a for k, v in sets.items() for a in ("--set", f"{k}={v}"))],
@@ -346,7 +348,7 @@ def test_kubernetes_manifests_render_parse_and_their_pods_commands_train_and_a_d
     merged = StepRecords(json.loads(line) for path in sorted((run / "replicas").glob("*.jsonl"))
                          for line in path.read_text().splitlines()).merged()
     rows = [merged[s] for s in sorted(merged)]
-    assert [r["step"] for r in rows] == list(range(16)) and {r["microbatches"] for r in rows} == {8}
+    assert [r["step"] for r in rows] == list(range(20)) and {r["microbatches"] for r in rows} == {8}
     ev = events(run)
     leave, _ = notice_costs(ev, 1, t0)
     assert not [e for e in ev if e["kind"] == "failure_detected"] and rows[-1]["live_replicas"] == 2
