@@ -339,6 +339,7 @@ def test_kubernetes_manifests_render_parse_and_their_pods_commands_train_and_a_d
     t0 = time.time()
     pods[1].send_signal(signal.SIGTERM)  # kubectl delete pod, a drain, a preemption: its first process
     assert wait_for(pods[1], procs, 60, tmp_path / "replica_1.log") == 143
+    print(f"the deleted pod ended {time.time() - t0:.1f} s after its SIGTERM")
     # the Job's new pod for index 1 (podReplacementPolicy Failed: once the old one has terminated)
     pods[1] = procs.start(replica_cmd, {**env, "JOB_COMPLETION_INDEX": "1"}, tmp_path / "replica_1.log")
     for i, pod in pods.items():
