@@ -205,6 +205,8 @@ def test_a_coordinator_paused_beyond_the_reconnect_window_is_lost_for_good_not_a
 
 
 def test_sigterm_to_the_coordinator_makes_the_next_commit_a_stop_then_it_exits(tmp_path: Path) -> None:
+    """Two SIGTERMs at once (a Slurm time limit signals the coordinator and the batch script, which passes
+    its own on) are one graceful stop, not the second signal that stops it at once."""
     proc = start_coordinator(tmp_path, "tok", tmp_path / "events.jsonl")
     cs: list[CoordinatorClient] = []
     try:
@@ -213,6 +215,8 @@ def test_sigterm_to_the_coordinator_makes_the_next_commit_a_stop_then_it_exits(t
         cs = [CoordinatorClient("127.0.0.1", port, "tok", r) for r in (0, 1)]
         register_all(cs)
         os.kill(proc.pid, signal.SIGTERM)
+        time.sleep(0.2)  # handled apart (two signals sent at once would merge into one)
+        os.kill(proc.pid, signal.SIGTERM)  # a Slurm time limit's, and the batch script's: one request
         time.sleep(0.3)
         assert proc.poll() is None  # a job runs: it waits for the stop to commit
         vote_all(cs, 0)

@@ -169,8 +169,11 @@ def step_pid(slurm_log: Path, replica: int) -> int:
 def test_slurm_script_runs_is_preempted_requeues_resumes_and_replaces_a_replica_that_got_a_notice(
         tmp_path: Path, corpus: Path, procs: Procs) -> None:
     """The sbatch script with srun, scontrol and torchrun stand-ins, a deterministic job of 2 replicas:
-    SIGTERM to the batch shell (what --signal=B:TERM@120 sends) stops it at a step boundary with a
-    checkpoint, exit 6, `recover collect` and a requeue; the requeued start resumes (--resume). There,
+    SIGTERM to every process of the job at once (the time limit, a preemption: the batch shell, the
+    coordinator it started and every step; the replicas' leave votes and the script's and Slurm's stop
+    requests meet) stops it at a step boundary with a checkpoint, exit 6, `recover collect` and a
+    requeue (--signal=B:TERM@120 reaches the batch shell alone: the same without the leave votes); the
+    requeued start resumes (--resume). There,
     replica 1's step gets SIGTERM in every process (`scancel --signal=TERM JOBID.STEPID`, a node's
     preemption notice): replica 1 leaves at its next commit (no failure detected), its step ends with
     143, and the script starts a replacement step (--join) that rejoins. The job ends with exit 0: every
@@ -202,7 +205,8 @@ def test_slurm_script_runs_is_preempted_requeues_resumes_and_replaces_a_replica_
         assert job.poll() is None and time.time() < deadline, log.read_text()[-3000:]
         procs.track()
         time.sleep(0.1)
-    job.send_signal(signal.SIGTERM)  # --signal=B:TERM: the batch shell only
+    for pid in [job.pid, *descendants(job.pid)]:  # the time limit, a preemption: every process at once
+        os.kill(pid, signal.SIGTERM)
     assert wait_for(job, procs, 120, log) == 6, log.read_text()[-3000:]
     stopped = committed(run)
     assert 2 <= len(stopped) < STEPS and (run / "checkpoints" / f"step_{len(stopped):06d}" / "COMMITTED").is_file()

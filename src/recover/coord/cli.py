@@ -15,7 +15,9 @@ TensorBoard run there (generation, members, step time, goodput, faults as text).
 
 SIGTERM or SIGINT stops the job gracefully: the next commit is a stop (every replica finishes that
 step, the lowest saves a complete checkpoint, all exit), and the coordinator exits once every replica
-is gone. A second signal stops it at once.
+is gone. A second signal stops it at once; one within :data:`SAME_REQUEST_S` of the first is the same
+request (a Slurm time limit or preemption signals every process of the job at once, this one and the
+batch script that passes its own on).
 
 Restart: if the coordinator dies while a job runs, start it again with the same flags (same
 ``--port`` and ``--store-port``): the replicas, which keep their state and retry for
@@ -34,11 +36,15 @@ from __future__ import annotations
 import argparse
 import json
 import signal
+import time
 from pathlib import Path
 from typing import Any
 
 from recover.coord.tls import Tls, add_tls_flags
 from recover.errors import ConfigError
+
+SAME_REQUEST_S = 2.0
+"""Stop signals this soon after the first are the same request, not the second that stops at once."""
 
 
 def register(subparsers: argparse._SubParsersAction) -> None:
@@ -116,8 +122,6 @@ def parse_die_at_commit(text: str | None) -> tuple[int, int] | None:
 
 def run_drain(args: argparse.Namespace) -> int:
     """``recover drain``: one line, ``drained at step S`` (0) or the refusal (a RecoverError: 2)."""
-    import time
-
     from recover.coord.operator import ask
 
     if args.timeout <= 0:
@@ -188,9 +192,15 @@ def run(args: argparse.Namespace) -> int:
                       "heartbeat_s": coord.heartbeat_interval_s, "heartbeat_timeout_s": coord.heartbeat_timeout_s}),
           flush=True)
 
+    asked: list[float] = []  # when a signal asked for the stop
+
     def stop_job(signum: int, frame: Any) -> None:
+        now = time.monotonic()
+        if asked and now - asked[0] < SAME_REQUEST_S:
+            return  # the same request, sent twice
         if coord.state is None or coord.state.stop_requested or not coord.state.live:
             raise KeyboardInterrupt(f"signal {signum}")  # the second one, or no job to stop: at once
+        asked.append(now)
         coord.request_stop()
 
     signal.signal(signal.SIGTERM, stop_job)
