@@ -44,7 +44,8 @@ while [ $# -gt 0 ]; do
     *) break ;;
   esac
 done
-{ printf 'srun %s' "$$"; printf ' %q' "$@"; echo; } >> "$FAKE_SLURM_LOG"  # its PID: the step's first process
+line="srun $$$(printf ' %q' "$@")"  # its PID (the step's first process) and its command, on one line
+echo "$line" >> "$FAKE_SLURM_LOG"  # one write: steps start together
 export SLURM_PROCID=0 SLURM_LOCALID=0 SLURM_NODEID=0 SLURM_NTASKS=1 SLURM_STEP_ID=$$
 if [ -n "$out" ]; then exec "$@" >> "$out" 2>&1; else exec "$@"; fi
 """
