@@ -77,6 +77,10 @@ RUNS: dict[str, tuple[int, int, str, bool]] = {
     "2x_tp2_tied_ac": (4, 2, "tp=2,tied=1,ac=1", True),
     "2x_fsdp2_hsdp": (4, 2, "fsdp=2,tied=1", True),
     "1x_fsdp2_tp2_sp": (4, 1, "fsdp=2,tp=2,sp=1,tied=1,replicas=1", True),
+    "2x_fsdp2_det": (4, 2, "fsdp=2,tied=1,det=1", True),
+    "2x_fsdp2_det_other": (4, 2, "fsdp=2,tied=1,det=1,other=1", True),
+    "1x_fsdp2_tp2_det": (4, 1, "fsdp=2,tp=2,tied=1,replicas=1,det=1", True),
+    "1x_fsdp2_tp2_det_other": (4, 1, "fsdp=2,tp=2,tied=1,replicas=1,det=1,other=1", True),
 }
 
 
@@ -103,7 +107,7 @@ def test_replicas_match_single_process(name: str, jobs: Callable[[int], Path], d
     ref_losses, ref_norms, ref_params = ref(data, tied)
     for q, rep in enumerate(reports):
         assert rep["timeouts"] == [INTRA_TIMEOUT_S] * 4, "every intra-replica group must carry the timeout"
-        assert rep["ledgers"] == [sum(plan(step, q, replicas), []) for step in range(STEPS)]
+        assert rep["ledgers"] == [sum(plan(step, q, replicas, name.endswith("_other")), []) for step in range(STEPS)]
         for step, (got, want) in enumerate(zip(rep["losses"], ref_losses, strict=True)):
             assert abs(got - want) <= 1e-5 * abs(want), f"replica {q} step {step}: loss {got} vs {want}"
         for got, want in zip(rep["norms"], ref_norms, strict=True):
@@ -121,3 +125,17 @@ def test_replicas_match_single_process(name: str, jobs: Callable[[int], Path], d
         assert all(torch.equal(first[n], second[n]) for n in first), "the replicas diverged"
     times = reports[0]["times"]
     print(f"{name}: step times {', '.join(f'{t:.2f}' for t in times)} s")
+
+
+@pytest.mark.parametrize("name", ["2x_fsdp2_det", "1x_fsdp2_tp2_det"])
+def test_deterministic_fsdp_replicas_end_bitwise_equal_whatever_the_split(name: str, jobs: Callable[[int], Path]) -> None:
+    """The same ids of every step, split otherwise over replicas, calls and FSDP shard columns (so other pairs
+    of microbatches meet in each reduce-scatter): the same grad norms and parameters, bitwise (HSDP: 2
+    replicas of fsdp 2; FSDP over TP: one replica of fsdp 2 x tp 2)."""
+    nproc, replicas, _, _ = RUNS[name]
+    runs = [jobs(nproc) / name, jobs(nproc) / f"{name}_other"]
+    norms = [json.loads((run / "replica0.json").read_text())["norms"] for run in runs]
+    assert norms[0] == norms[1]
+    for q in range(replicas):
+        first, second = (replica_params(run, q) for run in runs)
+        assert [n for n in first if not torch.equal(first[n], second[n])] == []

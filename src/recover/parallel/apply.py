@@ -11,7 +11,8 @@ Contract:
   replicate axis: the cross-replica reduction is layer 1's, interruptible and fault tolerant,
   whereas FSDP2's own replicate all-reduce cannot be interrupted (docs/DESIGN.md §11).
 - FSDP2's gradient reduce-scatter SUMS over the shard ranks (divide factor 1), because each shard
-  rank runs its own microbatches and the replica must contribute the sum of microbatch gradients.
+  rank runs its own microbatches and the replica must contribute the sum of microbatch gradients;
+  with ``exact`` (deterministic mode) it sums in float64 (:mod:`recover.parallel.exact`).
 - Degrees of 1 are skipped, so ``ParallelDims()`` leaves the model a plain module.
 
 ``checkpoint_wrapper`` comes from a private module path (no public twin; torchtitan imports it too): a
@@ -20,10 +21,11 @@ torch that moved it fails at this module's import, loudly.
 
 from __future__ import annotations
 
+import torch
 from torch import nn
 from torch.distributed.algorithms._checkpoint.checkpoint_wrapper import checkpoint_wrapper
 from torch.distributed.device_mesh import DeviceMesh
-from torch.distributed.fsdp import FSDPModule, fully_shard
+from torch.distributed.fsdp import FSDPModule, MixedPrecisionPolicy, fully_shard
 
 from recover.errors import ConfigError
 from recover.model.spec import spec_of
@@ -36,7 +38,7 @@ WRAPPED = "_checkpoint_wrapped_module."
 
 def parallelize(model: nn.Module, dims: ParallelDims, mesh: DeviceMesh | None,
                 activation_checkpointing: bool = False, sequence_parallel: bool = False,
-                compile_blocks: str | None = None) -> nn.Module:
+                compile_blocks: str | None = None, exact: bool = False) -> nn.Module:
     """Applies TP, then activation checkpointing, then compile, then FSDP2 to ``model`` in place; returns it.
 
     Args:
@@ -46,6 +48,7 @@ def parallelize(model: nn.Module, dims: ParallelDims, mesh: DeviceMesh | None,
         activation_checkpointing: recompute each block in backward instead of storing activations.
         sequence_parallel: shard norms and the residual stream along the sequence (needs tp > 1, pp = 1).
         compile_blocks: ``torch.compile`` every transformer block with this backend (``training.compile``).
+        exact: FSDP2 reduce-scatters in float64 (deterministic mode, :mod:`recover.parallel.exact`).
 
     Raises:
         ConfigError: sequence parallelism asked for with tp = 1 or pp > 1.
@@ -63,7 +66,7 @@ def parallelize(model: nn.Module, dims: ParallelDims, mesh: DeviceMesh | None,
         for block in spec_of(model).block_dict(model).values():
             block.compile(backend=compile_blocks)  # in place: the module and its parameter names stay
     if dims.fsdp > 1:
-        apply_fsdp(model, mesh[MeshAxis.FSDP.value])
+        apply_fsdp(model, mesh[MeshAxis.FSDP.value], exact)
     return model
 
 
@@ -75,11 +78,13 @@ def apply_activation_checkpointing(model: nn.Module) -> nn.Module:
     return model
 
 
-def apply_fsdp(model: nn.Module, fsdp_mesh: DeviceMesh) -> nn.Module:
-    """``fully_shard`` each block, then the root, over ``fsdp_mesh``; reduce-scatter sums (no average)."""
+def apply_fsdp(model: nn.Module, fsdp_mesh: DeviceMesh, exact: bool = False) -> nn.Module:
+    """``fully_shard`` each block, then the root, over ``fsdp_mesh``; reduce-scatter sums (no average), in
+    float64 when ``exact``."""
+    mp = MixedPrecisionPolicy(reduce_dtype=torch.float64) if exact else MixedPrecisionPolicy()
     for block in spec_of(model).block_dict(model).values():
-        fully_shard(block, mesh=fsdp_mesh, reshard_after_forward=True)
-    fully_shard(model, mesh=fsdp_mesh, reshard_after_forward=True)
+        fully_shard(block, mesh=fsdp_mesh, reshard_after_forward=True, mp_policy=mp)
+    fully_shard(model, mesh=fsdp_mesh, reshard_after_forward=True, mp_policy=mp)
     for module in model.modules():
         if isinstance(module, FSDPModule):
             module.set_gradient_divide_factor(1.0)

@@ -85,6 +85,7 @@ from recover.model import build_model, lm_loss
 from recover.names import Phase
 from recover.parallel.apply import clean_name, parallelize
 from recover.parallel.dims import AXES, Coord, MeshAxis, ParallelDims
+from recover.parallel.exact import ExactShards
 from recover.recovery.interfaces import Totals
 from recover.train.bits import MASK, bit_sum, flip_bit, to_host
 from recover.train.optim import build_optimizer, lr_at, set_lr
@@ -178,12 +179,14 @@ class Replica:
             from recover.parallel.pipeline import PipelineRunner, split_stage  # ~1 s import: only when used
 
             split_stage(model, dims, self.coord.pp)
+        exact = training.deterministic and dims.fsdp > 1  # FSDP2 reduce-scatters in float64
         self.model = parallelize(model, dims, mesh, activation_checkpointing, sequence_parallel,
-                                 training.compile_backend if training.compile else None)
+                                 training.compile_backend if training.compile else None, exact)
         self.optimizer = build_optimizer(self.model, training)
         named = [(n, p) for n, p in self.model.named_parameters() if p.requires_grad]
         self.names = [clean_name(n) for n, _ in named]
         self.params = [p for _, p in named]
+        self.exact = ExactShards(self.model, self.params) if exact else None
         self.dtype = torch.float64 if training.deterministic else torch.float32
         self.buffers = [torch.zeros_like(local(p), dtype=self.dtype) for p in self.params]
         self.stats = torch.zeros(2, dtype=torch.float64, device=self.device)  # the replica's [loss_sum, count]
@@ -378,9 +381,8 @@ class Replica:
         if perturb is None:
             return
         with torch.no_grad():
-            for p in self.params:
-                if p.grad is not None:
-                    perturb(local(p.grad))
+            for g in self._local_grads():
+                perturb(g)
 
     @property
     def audits(self) -> bool:
@@ -424,7 +426,7 @@ class Replica:
     def _gradient_finite(self) -> torch.Tensor:
         """Whether every element of this rank's gradients of the pass just run is finite: a boolean on the
         device (one read of the gradients, no host synchronisation)."""
-        grads = [local(p.grad) for p in self.params if p.grad is not None]
+        grads = self._local_grads()
         if not grads:
             return torch.ones((), dtype=torch.bool, device=self.device)
         return torch.stack(torch._foreach_norm(grads)).sum().isfinite()
@@ -477,9 +479,19 @@ class Replica:
         self.nonfinite += [mb for mb, v in losses.items() if not math.isfinite(v)]  # the last stage sees it
         return losses
 
+    def _local_grads(self) -> list[torch.Tensor]:
+        """This rank's gradients of the pass just run, as they are folded: each ``.grad``'s local shard, or
+        in deterministic FSDP replicas the float64 sums over the shard ranks (:mod:`recover.parallel.exact`)."""
+        if self.exact is not None:
+            return [g for g in self.exact.gradients() if g is not None]
+        return [local(p.grad) for p in self.params if p.grad is not None]
+
     @torch.no_grad()
     def _fold(self) -> None:
         """Adds this rank's local gradients into the buffers and clears ``.grad``."""
+        if self.exact is not None:
+            self._fold_exact()
+            return
         for buf, p in zip(self.buffers, self.params, strict=True):
             g = p.grad
             if g is None:
@@ -487,6 +499,16 @@ class Replica:
             if isinstance(g, DTensor) and g.placements != p.placements:
                 g = g.redistribute(p.device_mesh, p.placements)  # e.g. a pending partial sum
             buf.add_(local(g).to(self.dtype))
+            p.grad = None
+
+    def _fold_exact(self) -> None:
+        """Deterministic FSDP: adds the pass's float64 shard sums (:class:`~recover.parallel.exact.ExactShards`)."""
+        assert self.exact is not None
+        for buf, g in zip(self.buffers, self.exact.gradients(), strict=True):
+            if g is not None:
+                buf.add_(g)
+        self.exact.clear()
+        for p in self.params:
             p.grad = None
 
     def _record(self, ids: list[int], mine: dict[int, float]) -> None:

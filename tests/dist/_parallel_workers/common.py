@@ -29,9 +29,9 @@ def model_cfg(tied: bool) -> ModelConfig:
     return ModelConfig(vocab_size=320, dim=64, n_layers=4, n_heads=4, max_seq_len=64, tie_embeddings=tied)
 
 
-def train_cfg(steps: int) -> TrainingConfig:
+def train_cfg(steps: int, deterministic: bool = False) -> TrainingConfig:
     return TrainingConfig(steps=steps, global_microbatches=M, lr=3e-3, min_lr=3e-4, warmup_steps=1,
-                          grad_clip=1.0, seed=SEED)
+                          grad_clip=1.0, seed=SEED, deterministic=deterministic)
 
 
 def write_corpus(directory: Path) -> Path:
@@ -82,9 +82,19 @@ PLANS: list[tuple[list[list[int]], list[list[int]]]] = [
     ([[]], [[0, 1, 2, 3, 4, 5, 6, 7]]),
     ([[0, 1, 2], [6, 7]], [[3, 4, 5]]),
 ]
+# The same ids of every step split otherwise: other pairs of ids in an FSDP replica's passes (its column
+# blocks), other calls, other replicas. A deterministic run must end bitwise where a PLANS run ends.
+OTHER_PLANS: list[tuple[list[list[int]], list[list[int]]]] = [
+    ([[0, 2, 4, 6]], [[7, 5, 3, 1]]),
+    ([[7, 6, 5, 4, 3]], [[0, 1], [2]]),
+    ([[3, 1, 4]], [[0, 5, 2, 6, 7]]),
+    ([[5]], [[0, 1, 2, 3], [4], [6, 7]]),
+]
 STEPS = len(PLANS)
 
 
-def plan(step: int, replica: int, replicas: int) -> list[list[int]]:
-    """The compute() calls of ``replica`` at ``step``; a lone replica makes both replicas' calls."""
-    return PLANS[step][replica] if replicas == 2 else PLANS[step][0] + PLANS[step][1]
+def plan(step: int, replica: int, replicas: int, other: bool = False) -> list[list[int]]:
+    """The compute() calls of ``replica`` at ``step`` (``other``: in OTHER_PLANS); a lone replica makes both
+    replicas' calls."""
+    calls = (OTHER_PLANS if other else PLANS)[step]
+    return calls[replica] if replicas == 2 else calls[0] + calls[1]

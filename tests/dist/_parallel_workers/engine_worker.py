@@ -1,6 +1,7 @@
 """torchrun worker: runs, one after another, training runs of 1 or 2 replicas of ``pp x fsdp x tp`` ranks.
 
-Each ``--spec NAME:key=value,...`` (keys: pp, tp, fsdp, replicas, tied, schedule, ac, sp) must use
+Each ``--spec NAME:key=value,...`` (keys: pp, tp, fsdp, replicas, tied, schedule, ac, sp, det: deterministic
+mode, other: ``common.OTHER_PLANS``) must use
 every process of the job (``replicas x pp x fsdp x tp``); running several in one job saves a
 torchrun start and the torch imports of every process. In a run, replica ``q`` is global ranks
 ``q*P .. q*P+P-1``; its mesh and group carry the intra-replica timeout. Layer 1 is emulated by one
@@ -33,7 +34,7 @@ from recover.train.dist import StaticGroup  # noqa: E402
 from recover.train.replica import Replica  # noqa: E402
 
 DEFAULTS: dict[str, Any] = {"pp": 1, "tp": 1, "fsdp": 1, "replicas": 2, "tied": 0, "schedule": "1f1b", "ac": 0,
-                            "sp": 0}
+                            "sp": 0, "det": 0, "other": 0}
 
 
 def parse_run(spec: str) -> tuple[str, dict[str, Any]]:
@@ -62,7 +63,7 @@ def train(run: dict[str, Any], data: Path, out: Path, timeout_s: float) -> None:
     cross = [dist.new_group([r * P + j for r in range(R)], timeout=timedelta(seconds=60)) for j in range(P)]
     timeouts = [timeout_of(groups[q])] + [timeout_of(meshes[q][axis.value].get_group()) for axis in MeshAxis]
 
-    tc = train_cfg(STEPS)
+    tc = train_cfg(STEPS, bool(run["det"]))
     assert tc.seed == SEED
     engine = Replica(model_cfg(bool(run["tied"])), tc, make_sampler(data), dims, meshes[q], groups[q],
                      schedule=run["schedule"], activation_checkpointing=bool(run["ac"]),
@@ -72,7 +73,7 @@ def train(run: dict[str, Any], data: Path, out: Path, timeout_s: float) -> None:
     for step in range(STEPS):
         t0 = time.perf_counter()
         engine.reset()
-        for ids in plan(step, q, R):
+        for ids in plan(step, q, R, bool(run["other"])):
             engine.compute(step, ids)
         reduced = lane.allreduce(engine.payload())
         t = engine.totals(reduced)
