@@ -16,6 +16,7 @@ from __future__ import annotations
 
 import json
 import shutil
+from collections.abc import Callable
 from pathlib import Path
 
 import pytest
@@ -25,6 +26,7 @@ from conftest import losses, max_rel_diff, run_recover
 STEPS = 12
 M = 8
 INTRA_TIMEOUT_S = 20.0
+HANG_S = 2.0  # fault_tolerance.hang_timeout_s where a case hangs a training thread
 MODEL = ["--model.n_layers=2", "--model.tie_embeddings=false", "--training.eval_every=0",
          f"--fault_tolerance.intra_replica_timeout_s={INTRA_TIMEOUT_S}", "--training.threads=1"]
 
@@ -56,6 +58,32 @@ CONFIGS = {
     "fsdp2": ["--fsdp", "2"],
     "pp2xtp2": ["--pp", "2", "--tp", "2", "--procs-per-replica", "4", "--parallel.schedule=gpipe"],
 }
+BITWISE = {"fsdp2"}
+"""Cases that run in deterministic mode and must be bitwise equal to a failure-free run of their layout."""
+
+
+@pytest.fixture(scope="module")
+def failure_free(tmp_path_factory: pytest.TempPathFactory, corpus: Path) -> Callable[[str], Path]:
+    """Layout -> a failure-free deterministic run of 2 replicas of it (launched on first use)."""
+    runs: dict[str, Path] = {}
+
+    def get(name: str) -> Path:
+        if name not in runs:
+            runs[name] = tmp_path_factory.mktemp(f"failure-free-{name}")
+            launch(runs[name], corpus, *CONFIGS[name], "--deterministic")
+            assert all(r["live_replicas"] == 2 for r in rows(runs[name]))
+        return runs[name]
+
+    return get
+
+
+def check_trajectory(run: Path, plain: Path, reference: Path | None) -> None:
+    """The per-step losses follow plain training; with a ``reference`` (same layout, deterministic, failure
+    free) they and the grad norms are bitwise equal to its."""
+    assert max_rel_diff(losses(plain), losses(run)) <= 2e-5
+    if reference is not None:
+        assert losses(run) == losses(reference)
+        assert [r["grad_norm"] for r in rows(run)] == [r["grad_norm"] for r in rows(reference)]
 FROZEN = {"pp2", "fsdp2"}
 """Cases whose rank is SIGSTOPped for good instead of SIGKILLed: fenced by its silence; its partners,
 stuck in a collective inside the replica, leave within 2 s quietly; the launcher reaps the frozen one."""
@@ -74,12 +102,13 @@ def test_kill_one_rank_of_a_replica(name: str, plain: Path, corpus: Path, tmp_pa
     rejoin = ["--rejoin-after", "0.2"] if name in REJOIN else []
     fault = ["--freeze", "1@2:backward", "--device-time-s", "0.1"] if name in FROZEN else ["--fail", "1@2:backward"]
     tls = request.getfixturevalue("pki")["job"].flags() if name == TLS and shutil.which("openssl") else []
-    launch(run, corpus, *CONFIGS[name], *fault, *rejoin, *tls)
+    deterministic = ["--deterministic"] if name in BITWISE else []
+    launch(run, corpus, *CONFIGS[name], *fault, *rejoin, *tls, *deterministic)
 
     recs = rows(run)
     assert [r["step"] for r in recs] == list(range(STEPS))
     assert all(r["microbatches"] == M for r in recs)
-    assert max_rel_diff(losses(plain), losses(run)) <= 2e-5
+    check_trajectory(run, plain, request.getfixturevalue("failure_free")(name) if name in BITWISE else None)
     live = {r["step"]: r["live_replicas"] for r in rows(run)}
     assert live[1] == 2 and live[2] == 1 and live[STEPS - 1] == (2 if rejoin else 1)
 
@@ -111,22 +140,29 @@ def test_kill_one_rank_of_a_replica(name: str, plain: Path, corpus: Path, tmp_pa
     assert [r["step"] for r in failed] == [2] and failed[0]["time_s"] < INTRA_TIMEOUT_S / 2
 
 
-def test_a_corrupted_rank_of_an_fsdp_replica_is_fenced_at_that_steps_vote(plain: Path, corpus: Path,
-                                                                         tmp_path: Path) -> None:
-    """3 replicas of 2 FSDP ranks; one bit of rank 0's parameter shard in replica 1 flips before step 4:
-    lane 0's fingerprint differs from the other two replicas', replica 1 is fenced before step 4 commits
-    and its microbatches are recomputed by the others. (Not bitwise: FSDP sums two ranks' microbatches
-    inside a replica, and the pairs change with the plan.)"""
+def test_a_killed_a_corrupted_and_a_hung_fsdp_replica_leave_the_run_bitwise_unaffected(
+        plain: Path, corpus: Path, tmp_path: Path, failure_free: Callable[[str], Path]) -> None:
+    """3 replicas of 2 FSDP ranks in deterministic mode, every fault on rank 0: replica 2 is SIGKILLed in
+    step 1's backward and rejoins from a warm spare; one bit of replica 1's parameter shard flips before
+    step 4: lane 0's fingerprint differs from the other two replicas', replica 1 is fenced before step 4
+    commits and its microbatches are recomputed by the others; replica 0's training thread hangs in step
+    9's backward (fenced as hung). Every step holds M microbatches, bitwise equal to the failure-free run
+    of 2 replicas: the same ids in other pairs inside each replica's reduce-scatters change nothing."""
     run = tmp_path / "corrupt"
     run_recover(["launch", "--config", "debug", "--replicas", "3", "--steps", str(STEPS), "--out", str(run),
-                 "--no-progress", "--data.path", str(corpus), *MODEL, "--fsdp", "2", "--corrupt", "1@4",
-                 "--fail-rank", "0", "--deterministic"], timeout=300)
+                 "--no-progress", "--data.path", str(corpus), *MODEL, "--fsdp", "2", "--fail", "2@1:backward",
+                 "--corrupt", "1@4", "--hang", "0@9:backward", "--fail-rank", "0", "--rejoin-after", "0.2",
+                 f"--fault_tolerance.hang_timeout_s={HANG_S}", "--deterministic"], timeout=300)
     recs = rows(run)
     assert [r["step"] for r in recs] == list(range(STEPS)) and all(r["microbatches"] == M for r in recs)
-    assert max_rel_diff(losses(plain), losses(run)) <= 2e-5
-    divergent = [e for e in events(run) if e["kind"] == "divergent"]
+    check_trajectory(run, plain, failure_free("fsdp2"))
+    ev = events(run)
+    divergent = [e for e in ev if e["kind"] == "divergent"]
     assert [(d["step"], d["replicas"]) for d in divergent] == [(4, [1])]
-    assert {r["step"]: r["live_replicas"] for r in recs}[4] == 2
+    assert {r["step"]: r["live_replicas"] for r in recs}[1] == 2
+    detected = [(e["replica"], e["cause"]) for e in ev if e["kind"] == "failure_detected"]
+    assert [r for r, _ in detected[:3]] == [2, 1, 0] and detected[2][1] == "hung"
+    assert [(e["replica"], e["step"]) for e in ev if e["kind"] == "kill"] == [(2, 1), (0, 9)]
 
 
 def test_a_coordinator_killed_mid_commit_is_survived_through_the_relays(plain: Path, corpus: Path,
