@@ -61,8 +61,10 @@ surfaces as an exception within it and the caller treats the whole replica as lo
   it is built, on every rank, before the pipeline split, TP and FSDP (:mod:`recover.train.weights`):
   every replica starts from the same parameters, as with the seeded initialisation.
 - In deterministic mode the buffers are float64: a sum of float32 microbatch gradients in float64 does
-  not depend on who computed which id, so a step is bitwise reproducible (per rank's own passes; not
-  inside FSDP reduce-scatters or pipeline chunks).
+  not depend on who computed which id, so a step is bitwise reproducible (not inside pipeline chunks).
+  In an FSDP replica FSDP2 reduce-scatters each pass's gradient over the shard columns in float64 and the
+  pass's float64 shard is folded (:mod:`recover.parallel.exact`; the float32 ``.grad`` beside it is
+  dropped): which ids met in a pass, and a zero-weight padding pass, change nothing.
 """
 
 from __future__ import annotations
