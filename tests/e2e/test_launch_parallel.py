@@ -8,8 +8,9 @@ spare and takes its state, rank by rank, from the survivor; the fsdp2 case runs 
 authentication (the coordinator, the relays and every rank's connection). Checks: every step commits all M
 microbatches; the per-step losses are within 2e-5 relative of a plain one-process run with the same
 global batch (the failure-free layouts alone are compared with it in tests/dist/test_parallel_dist.py);
-and recovery took far less than the intra-replica timeout (no rank of the surviving replica waited
-for a backend timeout).
+the BITWISE cases run in deterministic mode and their losses and grad norms equal, bit for bit, those of
+a failure-free run of the same layout; and recovery took far less than the intra-replica timeout (no
+rank of the surviving replica waited for a backend timeout).
 """
 
 from __future__ import annotations

@@ -58,8 +58,9 @@ def test_a_users_fsdp2_inside_each_replica_survives_the_loss_of_a_rank(tmp_path:
     """2 replicas x 2 ranks, the user's own `fully_shard` on `rt.mesh`; rank 0 of replica 1 (its relay's
     holder) is killed mid-backward: the replica is fenced, its other rank reaped, the survivor's two ranks
     take its 4 microbatches in the same step. Losses match the script run alone (one process, no FSDP)
-    within float32 rounding: FSDP2 sums a shard's gradient over the ranks in float32, in pairs that change
-    when the survivor takes the orphans (bitwise with FSDP is the built-in trainer's open work)."""
+    within float32 rounding: the user's FSDP2 sums a shard's gradient over the ranks in float32, in pairs
+    that change when the survivor takes the orphans (the built-in trainer's FSDP replicas reduce-scatter in
+    float64 in deterministic mode: bitwise, tests/e2e/test_launch_parallel.py)."""
     alone = subprocess.run([sys.executable, str(FSDP_SCRIPT)], capture_output=True, text=True, timeout=120,
                            env={**os.environ, "PYTHONPATH": str(ROOT / "src")})
     assert alone.returncode == 0, alone.stderr[-2000:]
