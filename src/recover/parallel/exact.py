@@ -15,10 +15,13 @@ ids ran in which shard column, so it would tie a deterministic step to the plan.
   are summed, in float64).
 - After the backward, :meth:`ExactShards.gradients` gives each parameter's float64 shard of the pass:
   the float32 ``.grad`` FSDP2 set is a view (shape, strides, offset) of the cast of that module's
-  output, so the same view of the float64 output is the exact value. A ``.grad`` that is not such a
-  view (another torch's layout) raises instead of folding a wrong value.
+  output, so the same view of the float64 output is the exact value. A ``.grad`` whose storage is not
+  that output's size (another torch's layout) raises instead of folding a wrong value.
 - The caller folds those shards into its float64 buffers, then calls :meth:`ExactShards.clear` and sets
   every ``.grad`` to None before the next backward (:meth:`recover.train.replica.Replica._fold`).
+
+Under a pipeline schedule (PP x FSDP) FSDP2 accumulates a stage's unsharded gradients over the
+microbatches in the float64 reduce dtype and reduce-scatters once: the same holds.
 
 Cost: the reduce-scatter moves float64 (twice float32's bytes); the passes, their all-gathers and the
 memory of the unsharded gradients are FSDP2's own. The default (float32) mode does none of this.
