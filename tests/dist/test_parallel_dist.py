@@ -1,6 +1,8 @@
 """Multi-process tests of ``recover.parallel`` under torchrun/gloo: 2 replicas x (PP | TP | FSDP), and one
 replica of FSDP x TP with sequence parallelism (the 2-D FSDP-over-TP layout). PP x TP (8 processes,
-GPipe) is compared with a single process, through a kill, in tests/e2e/test_launch_parallel.py.
+GPipe) is compared with a single process, through a kill, in tests/e2e/test_launch_parallel.py. In the same
+job, pipeline replicas (pp2; pp2 x tp2) compute one step's ids in several splits: bitwise the same
+buffers in deterministic mode.
 
 The runs of one process count share one torchrun job (each torch import costs seconds on 2 cores).
 In a run the replicas (layer 1 emulated by a plain all-reduce per replica-local rank) follow
@@ -86,6 +88,12 @@ RUNS: dict[str, tuple[int, int, str, bool]] = {
     "1x_pp2_fsdp2_det": (4, 1, "pp=2,fsdp=2,replicas=1,det=1", False),
     "1x_pp2_fsdp2_det_other": (4, 1, "pp=2,fsdp=2,replicas=1,det=1,other=1", False),
 }
+SPLIT_RUNS: dict[str, tuple[int, str]] = {
+    "splits_2x_pp2_1f1b": (4, "pp=2,splits=1"),
+    "splits_1x_pp2_tp2_gpipe": (4, "pp=2,tp=2,replicas=1,schedule=gpipe,splits=1"),
+}
+"""name -> (processes, worker options) of the runs that compute one step's ids in several splits (in the
+4-process job too)."""
 
 
 @pytest.fixture(scope="module")
@@ -96,7 +104,8 @@ def jobs(data: Path, tmp_path_factory: pytest.TempPathFactory) -> Callable[[int]
     def get(nproc: int) -> Path:
         if nproc not in launched:
             out = tmp_path_factory.mktemp(f"parallel_{nproc}procs")
-            torchrun(nproc, [f"{n}:{opts}" for n, (p, _, opts, _) in RUNS.items() if p == nproc], data, out)
+            specs = [(n, p, opts) for n, (p, _, opts, _) in RUNS.items()] + [(n, *v) for n, v in SPLIT_RUNS.items()]
+            torchrun(nproc, [f"{n}:{opts}" for n, p, opts in specs if p == nproc], data, out)
             launched[nproc] = out
         return launched[nproc]
 
@@ -144,3 +153,16 @@ def test_deterministic_fsdp_replicas_end_bitwise_equal_whatever_the_split(name: 
     for q in range(replicas):
         first, second = (replica_params(run, q) for run in runs)
         assert [n for n in first if not torch.equal(first[n], second[n])] == []
+
+
+@pytest.mark.parametrize("name", list(SPLIT_RUNS))
+def test_deterministic_pipeline_buffers_do_not_depend_on_the_split(name: str, jobs: Callable[[int], Path]) -> None:
+    """A pipeline replica (pp2; pp2 x tp2) that computes the same ids of a step in calls of other sizes and
+    orders (one 1F1B or GPipe pass of all; two; one of a single id) holds bitwise the same gradient buffers
+    and stats on every rank in deterministic mode; in default mode (float32 sums inside the schedule) it
+    does not, which is what this test would catch."""
+    nproc, _ = SPLIT_RUNS[name]
+    results = [json.loads(path.read_text()) for path in sorted((jobs(nproc) / name).glob("splits_rank*.json"))]
+    assert len(results) == nproc
+    assert all(r["deterministic"] for r in results), results
+    assert not all(r["default"] for r in results), results

@@ -72,7 +72,8 @@ from __future__ import annotations
 import math
 import time
 from collections.abc import Callable
-from contextlib import AbstractContextManager, nullcontext
+from contextlib import AbstractContextManager, ExitStack, nullcontext
+from functools import partial
 from typing import TYPE_CHECKING, Any, Protocol
 
 import torch
@@ -472,10 +473,10 @@ class Replica:
             inputs = torch.cat([x for x, _ in batches])  # (n*B, T)
             targets = torch.cat([y for _, y in batches])
         hook(step, Phase.FORWARD)
-        with self.compute_dtype():
+        with self.compute_dtype(), self._folding_each_backward():
             by_position = self.pipe.run(n, B, T, inputs, targets, [0.0 if mb is None else 1.0 for mb in column])
         hook(step, Phase.BACKWARD)
-        self._fold()
+        self._fold()  # deterministic mode: nothing is left in .grad
         self._emulate_device(t0, n)
         losses = {column[k]: v for k, v in by_position.items() if column[k] is not None}
         self.nonfinite += [mb for mb, v in losses.items() if not math.isfinite(v)]  # the last stage sees it
@@ -495,13 +496,21 @@ class Replica:
             self._fold_exact()
             return
         for buf, p in zip(self.buffers, self.params, strict=True):
-            g = p.grad
-            if g is None:
-                continue
-            if isinstance(g, DTensor) and g.placements != p.placements:
-                g = g.redistribute(p.device_mesh, p.placements)  # e.g. a pending partial sum
-            buf.add_(local(g).to(self.dtype))
-            p.grad = None
+            fold_grad(buf, p)
+
+    def _folding_each_backward(self) -> AbstractContextManager[Any]:
+        """In deterministic mode, a context in which each backward's gradient of a parameter goes into its
+        buffer on its own, as autograd accumulates it (a post-accumulate-grad hook folds ``.grad`` and clears
+        it, so the next microbatch's backward starts from nothing): a pipeline stage's buffers are then the
+        float64 sum of per-microbatch gradients, whichever microbatches shared its schedule and in what order.
+        Otherwise, and under FSDP (whose reduce-scatter sets ``.grad``; :mod:`recover.parallel.exact`), nothing:
+        the schedule sums in ``.grad`` and :meth:`_fold` folds once."""
+        if not self.training.deterministic or self.exact is not None:  # PP x FSDP: FSDP2 sums in float64
+            return nullcontext()
+        hooks = ExitStack()
+        for buf, p in zip(self.buffers, self.params, strict=True):
+            hooks.callback(p.register_post_accumulate_grad_hook(partial(fold_grad, buf)).remove)
+        return hooks
 
     def _fold_exact(self) -> None:
         """Deterministic FSDP: adds the pass's float64 shard sums (:class:`~recover.parallel.exact.ExactShards`)."""
@@ -633,6 +642,18 @@ class Replica:
             ValueError: ``state`` lacks parameters of this replica (built from another config).
         """
         return load_transferred(self.names, self.params, self.optimizer, state)
+
+
+@torch.no_grad()
+def fold_grad(buf: torch.Tensor, p: torch.Tensor) -> None:
+    """Adds ``p``'s local gradient (if any) into ``buf`` in ``buf``'s dtype and clears ``p.grad``."""
+    g = p.grad
+    if g is None:
+        return
+    if isinstance(g, DTensor) and g.placements != p.placements:
+        g = g.redistribute(p.device_mesh, p.placements)  # e.g. a pending partial sum
+    buf.add_(local(g).to(buf.dtype))
+    p.grad = None
 
 
 def shards(p: torch.Tensor) -> int:

@@ -1,7 +1,7 @@
 """torchrun worker: runs, one after another, training runs of 1 or 2 replicas of ``pp x fsdp x tp`` ranks.
 
 Each ``--spec NAME:key=value,...`` (keys: pp, tp, fsdp, replicas, tied, schedule, ac, sp, det: deterministic
-mode, other: ``common.OTHER_PLANS``) must use
+mode, other: ``common.OTHER_PLANS``, splits) must use
 every process of the job (``replicas x pp x fsdp x tp``); running several in one job saves a
 torchrun start and the torch imports of every process. In a run, replica ``q`` is global ranks
 ``q*P .. q*P+P-1``; its mesh and group carry the intra-replica timeout. Layer 1 is emulated by one
@@ -9,7 +9,8 @@ plain gloo group per replica-local rank ``k`` (rank ``k`` of every replica) that
 payloads. The ids each replica computes follow ``common.plan``. A run writes, under ``OUT/NAME/``,
 ``replica{q}.json`` (losses, grad norms, step times, ledgers, group timeouts) from each replica's
 local rank 0 and ``params_r{q}_s{stage}.pt`` (a stage's whole parameters) from the (fsdp 0, tp 0)
-rank of each stage.
+rank of each stage. A run with ``splits=1`` does not train: every replica computes the same ids of
+one step in several splits and orders (:func:`splits`).
 """
 
 from __future__ import annotations
@@ -34,7 +35,7 @@ from recover.train.dist import StaticGroup  # noqa: E402
 from recover.train.replica import Replica  # noqa: E402
 
 DEFAULTS: dict[str, Any] = {"pp": 1, "tp": 1, "fsdp": 1, "replicas": 2, "tied": 0, "schedule": "1f1b", "ac": 0,
-                            "sp": 0, "det": 0, "other": 0}
+                            "sp": 0, "det": 0, "other": 0, "splits": 0}
 
 
 def parse_run(spec: str) -> tuple[str, dict[str, Any]]:
@@ -51,7 +52,8 @@ def timeout_of(group: dist.ProcessGroup) -> float:
     return group._get_backend(torch.device("cpu")).options._timeout.total_seconds()
 
 
-def train(run: dict[str, Any], data: Path, out: Path, timeout_s: float) -> None:
+def layout(run: dict[str, Any], timeout_s: float) -> tuple[ParallelDims, int, int, list[Any], list[Any]]:
+    """(dims, this rank's replica q, its replica-local rank k, every replica's mesh, every replica's group)."""
     dims = ParallelDims(pp=run["pp"], tp=run["tp"], fsdp=run["fsdp"])
     P, R, rank = dims.world, run["replicas"], dist.get_rank()
     assert dist.get_world_size() == P * R, f"{run}: launch replicas x pp x fsdp x tp processes"
@@ -60,14 +62,25 @@ def train(run: dict[str, Any], data: Path, out: Path, timeout_s: float) -> None:
     spans = [list(range(r * P, (r + 1) * P)) for r in range(R)]
     meshes = [dims.build_mesh("cpu", timeout_s, ranks=span) for span in spans]
     groups = [dims.build_group(timeout_s, ranks=span) for span in spans]
+    return dims, q, k, meshes, groups
+
+
+def replica(run: dict[str, Any], data: Path, dims: ParallelDims, mesh: Any, group: Any,
+            deterministic: bool = False) -> Replica:
+    tc = train_cfg(STEPS, deterministic)
+    assert tc.seed == SEED
+    return Replica(model_cfg(bool(run["tied"])), tc, make_sampler(data), dims, mesh, group,
+                   schedule=run["schedule"], activation_checkpointing=bool(run["ac"]),
+                   sequence_parallel=bool(run["sp"]))
+
+
+def train(run: dict[str, Any], data: Path, out: Path, timeout_s: float) -> None:
+    dims, q, k, meshes, groups = layout(run, timeout_s)
+    P, R = dims.world, run["replicas"]
     cross = [dist.new_group([r * P + j for r in range(R)], timeout=timedelta(seconds=60)) for j in range(P)]
     timeouts = [timeout_of(groups[q])] + [timeout_of(meshes[q][axis.value].get_group()) for axis in MeshAxis]
 
-    tc = train_cfg(STEPS, bool(run["det"]))
-    assert tc.seed == SEED
-    engine = Replica(model_cfg(bool(run["tied"])), tc, make_sampler(data), dims, meshes[q], groups[q],
-                     schedule=run["schedule"], activation_checkpointing=bool(run["ac"]),
-                     sequence_parallel=bool(run["sp"]))
+    engine = replica(run, data, dims, meshes[q], groups[q], bool(run["det"]))
     lane = StaticGroup(R, q, cross[k])  # layer 1 stand-in: rank k of every replica
     losses, norms, times, ledgers = [], [], [], []
     for step in range(STEPS):
@@ -92,6 +105,32 @@ def train(run: dict[str, Any], data: Path, out: Path, timeout_s: float) -> None:
     dist.barrier()
 
 
+SPLITS = [[list(range(M))], [[3, 1], [7, 0, 5, 2, 6, 4]], [[6], [5, 4, 3, 2, 1, 0, 7]]]
+"""The same M ids of one step in compute() calls of other sizes and orders (a call of one id, below pp,
+takes the GPipe fallback of a 1F1B replica)."""
+
+
+def splits(run: dict[str, Any], data: Path, out: Path, timeout_s: float) -> None:
+    """Every replica computes the M ids of step 0 in each split of ``SPLITS``, in deterministic and in default
+    mode; each rank writes ``splits_rank{rank}.json``: per mode, whether its payloads (gradient buffers and
+    stats) were bitwise equal in every split."""
+    dims, q, _, meshes, groups = layout(run, timeout_s)
+    equal = {}
+    for deterministic in (True, False):
+        engine = replica(run, data, dims, meshes[q], groups[q], deterministic)
+        payloads = []
+        for calls in SPLITS:
+            engine.reset()
+            for ids in calls:
+                engine.compute(0, ids)
+            payloads.append([t.clone() for t in engine.payload()])
+        equal["deterministic" if deterministic else "default"] = all(
+            torch.equal(a, b) for other in payloads[1:] for a, b in zip(payloads[0], other, strict=True))
+    out.mkdir(parents=True, exist_ok=True)
+    (out / f"splits_rank{dist.get_rank()}.json").write_text(json.dumps(equal))
+    dist.barrier()
+
+
 def main() -> None:
     ap = argparse.ArgumentParser()
     ap.add_argument("--spec", action="append", required=True, help="NAME:key=value,... (repeatable)")
@@ -104,7 +143,7 @@ def main() -> None:
     dist.init_process_group("gloo", timeout=timedelta(seconds=120))  # the job's group (not used by the engine)
     for spec in a.spec:
         name, run = parse_run(spec)
-        train(run, Path(a.data), Path(a.out) / name, a.timeout)
+        (splits if run["splits"] else train)(run, Path(a.data), Path(a.out) / name, a.timeout)
     dist.destroy_process_group()
     sys.stdout.flush()
     os._exit(0)  # skip interpreter teardown (seconds with torch loaded on a busy 2-core box)
