@@ -192,9 +192,9 @@ class TrainingConfig:
     """Accumulate and reduce gradients in float64 so a step does not depend on who computed what, and use
     deterministic kernels (``torch.use_deterministic_algorithms``; on CUDA also
     ``CUBLAS_WORKSPACE_CONFIG``; inductor does not autotune): a run with faults is then bitwise equal to
-    its failure-free run for one-process, tensor-parallel and FSDP replicas (FSDP2 reduce-scatters each
-    pass in float64), on the same hardware and software (every replica on the same GPU model; exact audits
-    compare fingerprints). Pipeline replicas sum inside their schedules in float32: equal within ~1e-5 there.
+    its failure-free run for one-process, tensor-parallel, FSDP (FSDP2 reduce-scatters each pass in
+    float64) and pipeline replicas (a stage folds each microbatch's gradient on its own), on the same
+    hardware and software (every replica on the same GPU model; exact audits compare fingerprints).
     Slower on GPUs (deterministic attention backward)."""
     dtype: Dtype = "float32"
     """Compute dtype: ``bfloat16`` runs forward and backward under autocast (matmuls in bf16) while the

@@ -61,10 +61,14 @@ surfaces as an exception within it and the caller treats the whole replica as lo
   it is built, on every rank, before the pipeline split, TP and FSDP (:mod:`recover.train.weights`):
   every replica starts from the same parameters, as with the seeded initialisation.
 - In deterministic mode the buffers are float64: a sum of float32 microbatch gradients in float64 does
-  not depend on who computed which id, so a step is bitwise reproducible (not inside pipeline chunks).
+  not depend on who computed which id, so a step is bitwise reproducible. Each microbatch's gradient
+  reaches the buffers on its own. A pipeline stage folds from a post-accumulate-grad hook on each
+  parameter as each microbatch's backward inside the schedule accumulates it, and clears ``.grad`` (the
+  schedule never sums two microbatches in float32; a padding pass adds exact zeros).
   In an FSDP replica FSDP2 reduce-scatters each pass's gradient over the shard columns in float64 and the
   pass's float64 shard is folded (:mod:`recover.parallel.exact`; the float32 ``.grad`` beside it is
-  dropped): which ids met in a pass, and a zero-weight padding pass, change nothing.
+  dropped): which ids met in a pass, and a zero-weight padding pass, change nothing (under a pipeline,
+  FSDP2 accumulates the stage's passes in float64 and the hooks stand aside).
 """
 
 from __future__ import annotations
