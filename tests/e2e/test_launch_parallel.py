@@ -9,8 +9,8 @@ authentication (the coordinator, the relays and every rank's connection). Checks
 microbatches; the per-step losses are within 2e-5 relative of a plain one-process run with the same
 global batch (the failure-free layouts alone are compared with it in tests/dist/test_parallel_dist.py);
 the BITWISE cases run in deterministic mode and their losses and grad norms equal, bit for bit, those of
-a failure-free run of the same layout; and recovery took far less than the intra-replica timeout (no
-rank of the surviving replica waited for a backend timeout).
+a failure-free run of one replica of the same layout; and recovery took far less than the intra-replica
+timeout (no rank of the surviving replica waited for a backend timeout).
 """
 
 from __future__ import annotations
@@ -32,8 +32,8 @@ MODEL = ["--model.n_layers=2", "--model.tie_embeddings=false", "--training.eval_
          f"--fault_tolerance.intra_replica_timeout_s={INTRA_TIMEOUT_S}", "--training.threads=1"]
 
 
-def launch(out: Path, corpus: Path, *extra: str) -> None:
-    run_recover(["launch", "--config", "debug", "--replicas", "2", "--steps", str(STEPS), "--out", str(out),
+def launch(out: Path, corpus: Path, *extra: str, replicas: int = 2) -> None:
+    run_recover(["launch", "--config", "debug", "--replicas", str(replicas), "--steps", str(STEPS), "--out", str(out),
                  "--no-progress", "--data.path", str(corpus), *MODEL, *extra], timeout=300)
 
 
@@ -65,14 +65,15 @@ BITWISE = {"pp2", "fsdp2", "pp2xtp2"}
 
 @pytest.fixture(scope="module")
 def failure_free(tmp_path_factory: pytest.TempPathFactory, corpus: Path) -> Callable[[str], Path]:
-    """Layout -> a failure-free deterministic run of 2 replicas of it (launched on first use)."""
+    """Layout -> a failure-free deterministic run of ONE replica of it (launched on first use): half the
+    processes of a 2-replica run, and other splits of every step's ids than the runs compared with it."""
     runs: dict[str, Path] = {}
 
     def get(name: str) -> Path:
         if name not in runs:
             runs[name] = tmp_path_factory.mktemp(f"failure-free-{name}")
-            launch(runs[name], corpus, *CONFIGS[name], "--deterministic")
-            assert all(r["live_replicas"] == 2 for r in rows(runs[name]))
+            launch(runs[name], corpus, *CONFIGS[name], "--deterministic", replicas=1)
+            assert all(r["live_replicas"] == 1 for r in rows(runs[name]))
         return runs[name]
 
     return get
@@ -150,7 +151,7 @@ def test_a_killed_a_corrupted_and_a_hung_fsdp_replica_leave_the_run_bitwise_unaf
     step 4: lane 0's fingerprint differs from the other two replicas', replica 1 is fenced before step 4
     commits and its microbatches are recomputed by the others; replica 0's training thread hangs in step
     9's backward (fenced as hung). Every step holds M microbatches, bitwise equal to the failure-free run
-    of 2 replicas: the same ids in other pairs inside each replica's reduce-scatters change nothing."""
+    of one replica: the same ids in other pairs inside each replica's reduce-scatters change nothing."""
     run = tmp_path / "corrupt"
     run_recover(["launch", "--config", "debug", "--replicas", "3", "--steps", str(STEPS), "--out", str(run),
                  "--no-progress", "--data.path", str(corpus), *MODEL, "--fsdp", "2", "--fail", "2@1:backward",
@@ -175,8 +176,8 @@ def test_a_killed_coordinator_and_a_corrupted_pipeline_replica_leave_the_run_bit
     register again with what the replica holds, the replicas behind take the state of one ahead. Before step 8
     one bit of replica 2's parameters flips: its fingerprint differs, it is fenced before step 8 commits and
     its microbatches are recomputed by the others. Every step holds M microbatches, bitwise equal to the
-    failure-free run of 2 replicas: other splits of the same ids (3 replicas, then 2) under the weighted
-    policy change nothing."""
+    failure-free run of one replica: other splits of the same ids (3 replicas, then 2, under the weighted
+    policy) change nothing."""
     run = tmp_path / "restart"
     run_recover(["launch", "--config", "debug", "--replicas", "3", "--steps", str(STEPS), "--out", str(run),
                  "--no-progress", "--data.path", str(corpus), *MODEL, "--pp", "2", "--kill-coordinator", "4:1",
@@ -191,4 +192,5 @@ def test_a_killed_coordinator_and_a_corrupted_pipeline_replica_leave_the_run_bit
     assert 1 <= len(rebuilt[0]["behind"]) <= 2
     divergent = [e for e in ev if e["kind"] == "divergent"]
     assert [(d["step"], d["replicas"]) for d in divergent] == [(8, [2])]
+    assert [e["replica"] for e in ev if e["kind"] == "fenced"] == [2]  # the coordinator's restart fenced no one
     assert {r["step"]: r["live_replicas"] for r in recs}[8] == 2
