@@ -3,6 +3,8 @@ and a one-process replica against plain PyTorch gradient accumulation."""
 
 from __future__ import annotations
 
+import dataclasses
+
 import pytest
 import torch
 
@@ -157,6 +159,33 @@ def test_one_process_replica_is_plain_pytorch_gradient_accumulation() -> None:
         torch.testing.assert_close(p, q, rtol=1e-5, atol=1e-6, msg=n)
 
 
+@pytest.mark.parametrize("deterministic", [True, False])
+def test_backwards_in_a_pipeline_schedule_fold_one_by_one_in_deterministic_mode(deterministic: bool) -> None:
+    """What a pipeline stage's schedule runs under (``_folding_each_backward``): in deterministic mode each
+    backward's gradient reaches the float64 buffers on its own (``.grad`` is cleared after each) and a
+    zero-weight padding pass adds exact zeros; in default mode the backwards sum in ``.grad``, folded after."""
+    sampler = _Sampler()
+    replica = Replica(CFG, dataclasses.replace(TC, deterministic=deterministic), sampler)
+    passes = [(1, 1.0), (0, 0.0), (2, 1.0)]  # (id, weight): the middle one is padding
+    alone = []
+    for mb, weight in passes:  # each pass's gradient on its own, outside the context
+        x, y = sampler.microbatch(0, mb)
+        (lm_loss(replica.model(x), y) * weight).backward()
+        alone.append([p.grad.clone() for p in replica.params])
+        replica.model.zero_grad(set_to_none=True)
+    with replica._folding_each_backward():
+        for mb, weight in passes:
+            x, y = sampler.microbatch(0, mb)
+            (lm_loss(replica.model(x), y) * weight).backward()
+            assert all(p.grad is None for p in replica.params) is deterministic
+    replica._fold()
+    for i, buf in enumerate(replica.buffers):
+        if deterministic:
+            assert torch.equal(buf, alone[0][i].double() + alone[2][i].double())
+        else:
+            torch.testing.assert_close(buf, alone[0][i] + alone[2][i])
+
+
 def test_transfer_state_round_trip() -> None:
     sampler = _Sampler()
     src = Replica(CFG, TC, sampler)
@@ -189,8 +218,6 @@ def test_an_emulated_device_makes_each_microbatch_take_its_time_and_changes_no_n
 def test_compiled_blocks_train_like_eager_ones() -> None:
     """``training.compile`` compiles each block in place (names unchanged); the aot_eager backend traces
     forward and backward without generating kernels (inductor, the default, is for GPUs: minutes on CPU)."""
-    import dataclasses
-
     cfg = dataclasses.replace(CFG, n_layers=1)
     eager = Replica(cfg, TC, _Sampler())
     compiled = Replica(cfg, dataclasses.replace(TC, compile=True, compile_backend="aot_eager"), _Sampler())
