@@ -480,7 +480,7 @@ class Replica:
         with self.compute_dtype(), self._folding_each_backward():
             by_position = self.pipe.run(n, B, T, inputs, targets, [0.0 if mb is None else 1.0 for mb in column])
         hook(step, Phase.BACKWARD)
-        self._fold()  # deterministic mode: nothing is left in .grad
+        self._fold()  # deterministic without FSDP: the hooks left nothing in .grad
         self._emulate_device(t0, n)
         losses = {column[k]: v for k, v in by_position.items() if column[k] is not None}
         self.nonfinite += [mb for mb, v in losses.items() if not math.isfinite(v)]  # the last stage sees it
