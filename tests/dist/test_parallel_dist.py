@@ -9,7 +9,7 @@ In a run the replicas (layer 1 emulated by a plain all-reduce per replica-local 
 ``common.plan`` (an even split, a 1/7 split, a quota of 0, two compute calls in one step); each
 test compares every replica of its run with a single-process reference of the same global batch:
 per-step losses within 1e-5 relative, grad norms, final parameters, ledgers, and the
-intra-replica timeout on every group. Deterministic FSDP runs (HSDP, FSDP x TP, PP x FSDP) also run
+intra-replica timeout on every group. Deterministic FSDP runs (FSDP x TP, PP x FSDP) also run
 ``common.OTHER_PLANS`` (the same ids split otherwise) and must end bitwise where their PLANS run ends.
 Jobs run in their own session, killed by PID on timeout.
 """
@@ -81,8 +81,6 @@ RUNS: dict[str, tuple[int, int, str, bool]] = {
     "2x_tp2_tied_ac": (4, 2, "tp=2,tied=1,ac=1", True),
     "2x_fsdp2_hsdp": (4, 2, "fsdp=2,tied=1", True),
     "1x_fsdp2_tp2_sp": (4, 1, "fsdp=2,tp=2,sp=1,tied=1,replicas=1", True),
-    "2x_fsdp2_det": (4, 2, "fsdp=2,tied=1,det=1", True),
-    "2x_fsdp2_det_other": (4, 2, "fsdp=2,tied=1,det=1,other=1", True),
     "1x_fsdp2_tp2_det": (4, 1, "fsdp=2,tp=2,tied=1,replicas=1,det=1", True),
     "1x_fsdp2_tp2_det_other": (4, 1, "fsdp=2,tp=2,tied=1,replicas=1,det=1,other=1", True),
     "1x_pp2_fsdp2_det": (4, 1, "pp=2,fsdp=2,replicas=1,det=1", False),
@@ -140,12 +138,13 @@ def test_replicas_match_single_process(name: str, jobs: Callable[[int], Path], d
     print(f"{name}: step times {', '.join(f'{t:.2f}' for t in times)} s")
 
 
-@pytest.mark.parametrize("name", ["2x_fsdp2_det", "1x_fsdp2_tp2_det", "1x_pp2_fsdp2_det"])
+@pytest.mark.parametrize("name", ["1x_fsdp2_tp2_det", "1x_pp2_fsdp2_det"])
 def test_deterministic_fsdp_replicas_end_bitwise_equal_whatever_the_split(name: str, jobs: Callable[[int], Path]) -> None:
-    """The same ids of every step, split otherwise over replicas, calls and FSDP shard columns (so other pairs
-    of microbatches meet in each reduce-scatter): the same grad norms and parameters, bitwise (HSDP: 2
-    replicas of fsdp 2; FSDP over TP: one replica of fsdp 2 x tp 2; one replica of 2 pipeline stages of
-    fsdp 2, whose schedule accumulates each stage's gradient inside FSDP2, in its float64 reduce dtype)."""
+    """The same ids of every step, split otherwise over calls and FSDP shard columns (so other pairs of
+    microbatches meet in each reduce-scatter): the same grad norms and parameters, bitwise (FSDP over TP: one
+    replica of fsdp 2 x tp 2; one replica of 2 pipeline stages of fsdp 2, whose schedule accumulates each
+    stage's gradient inside FSDP2, in its float64 reduce dtype). HSDP (replicas of fsdp 2) is bitwise through
+    a kill, a corruption and a hang against one replica's run in tests/e2e/test_launch_parallel.py."""
     nproc, replicas, _, _ = RUNS[name]
     runs = [jobs(nproc) / name, jobs(nproc) / f"{name}_other"]
     norms = [json.loads((run / "replica0.json").read_text())["norms"] for run in runs]
