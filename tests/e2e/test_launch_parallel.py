@@ -169,19 +169,21 @@ def test_a_killed_a_corrupted_and_a_hung_fsdp_replica_leave_the_run_bitwise_unaf
     assert [(e["replica"], e["step"]) for e in ev if e["kind"] == "kill"] == [(2, 1), (0, 9)]
 
 
-def test_a_killed_coordinator_and_a_corrupted_pipeline_replica_leave_the_run_bitwise_unaffected(
+def test_a_killed_coordinator_a_corrupted_and_a_hung_pipeline_replica_leave_the_run_bitwise_unaffected(
         plain: Path, corpus: Path, tmp_path: Path, failure_free: Callable[[str], Path]) -> None:
     """3 replicas of 2 pipeline stages in deterministic mode, each reaching the coordinator through its relay;
     the coordinator SIGKILLs itself in step 4's commit after one reply went out: the relays keep their ranks,
     register again with what the replica holds, the replicas behind take the state of one ahead. Before step 8
     one bit of replica 2's parameters flips: its fingerprint differs, it is fenced before step 8 commits and
-    its microbatches are recomputed by the others. Every step holds M microbatches, bitwise equal to the
-    failure-free run of one replica: other splits of the same ids (3 replicas, then 2, under the weighted
-    policy) change nothing."""
+    its microbatches are recomputed by the others; replica 0's training thread hangs in step 10's backward and
+    it is fenced as hung. Every step holds M microbatches, bitwise equal to the failure-free run of one
+    replica: other splits of the same ids (3 replicas, then 2, then 1, under the weighted policy) change
+    nothing."""
     run = tmp_path / "restart"
     run_recover(["launch", "--config", "debug", "--replicas", "3", "--steps", str(STEPS), "--out", str(run),
                  "--no-progress", "--data.path", str(corpus), *MODEL, "--pp", "2", "--kill-coordinator", "4:1",
-                 "--corrupt", "2@8", "--deterministic"], timeout=300)
+                 "--corrupt", "2@8", "--hang", "0@10:backward", f"--fault_tolerance.hang_timeout_s={HANG_S}",
+                 "--deterministic"], timeout=300)
     recs = rows(run)
     assert [r["step"] for r in recs] == list(range(STEPS)) and all(r["microbatches"] == M for r in recs)
     check_trajectory(run, plain, failure_free("pp2"))
@@ -192,5 +194,7 @@ def test_a_killed_coordinator_and_a_corrupted_pipeline_replica_leave_the_run_bit
     assert 1 <= len(rebuilt[0]["behind"]) <= 2
     divergent = [e for e in ev if e["kind"] == "divergent"]
     assert [(d["step"], d["replicas"]) for d in divergent] == [(8, [2])]
-    assert [e["replica"] for e in ev if e["kind"] == "fenced"] == [2]  # the coordinator's restart fenced no one
+    assert [e["replica"] for e in ev if e["kind"] == "fenced"] == [2, 0]  # the coordinator's restart fenced no one
     assert {r["step"]: r["live_replicas"] for r in recs}[8] == 2
+    assert [(e["replica"], e["cause"]) for e in ev if e["kind"] == "failure_detected"][-1] == (0, "hung")
+    assert {r["step"]: r["live_replicas"] for r in recs}[STEPS - 1] == 1
