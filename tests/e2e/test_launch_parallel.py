@@ -198,3 +198,25 @@ def test_a_killed_coordinator_a_corrupted_and_a_hung_pipeline_replica_leave_the_
     assert {r["step"]: r["live_replicas"] for r in recs}[8] == 2
     assert [(e["replica"], e["cause"]) for e in ev if e["kind"] == "failure_detected"][-1] == (0, "hung")
     assert {r["step"]: r["live_replicas"] for r in recs}[STEPS - 1] == 1
+
+
+def test_a_corrupted_and_a_hung_pipeline_x_tensor_parallel_replica_leave_the_run_bitwise_unaffected(
+        plain: Path, corpus: Path, tmp_path: Path, failure_free: Callable[[str], Path]) -> None:
+    """3 replicas of 2 pipeline stages x 2 tensor-parallel ranks in deterministic mode (the kill of one of their
+    ranks is the parametrized case above): one bit of replica 1's parameters flips before step 4 (the other
+    two outvote it: fenced, its microbatches recomputed by them); replica 0's training thread hangs in step 8's
+    backward (fenced as hung; replica 2 finishes alone). Every step holds M microbatches, bitwise equal to the
+    failure-free run of one replica."""
+    run = tmp_path / "pp2xtp2"
+    run_recover(["launch", "--config", "debug", "--replicas", "3", "--steps", str(STEPS), "--out", str(run),
+                 "--no-progress", "--data.path", str(corpus), *MODEL, *CONFIGS["pp2xtp2"], "--corrupt", "1@4",
+                 "--hang", "0@8:backward", f"--fault_tolerance.hang_timeout_s={HANG_S}",
+                 "--deterministic"], timeout=300)
+    recs = rows(run)
+    assert [r["step"] for r in recs] == list(range(STEPS)) and all(r["microbatches"] == M for r in recs)
+    check_trajectory(run, plain, failure_free("pp2xtp2"))
+    ev = events(run)
+    assert [(d["step"], d["replicas"]) for d in ev if d["kind"] == "divergent"] == [(4, [1])]
+    detected = [(e["replica"], e["cause"]) for e in ev if e["kind"] == "failure_detected"]
+    assert detected[-1] == (0, "hung") and len(detected) == 2
+    assert [r["live_replicas"] for r in recs if r["step"] in (3, 4, STEPS - 1)] == [3, 2, 1]
