@@ -55,6 +55,15 @@ def rows(run: Path) -> list[dict]:
     return [json.loads(line) for line in (run / "metrics.jsonl").read_text().splitlines()]
 
 
+def every_step_bitwise(run: Path, reference: Path) -> list[dict]:
+    """The run's step records, once checked: every step committed with all M microbatches, each loss bitwise
+    equal to the failure-free ``reference``'s."""
+    recs = rows(run)
+    assert [r["step"] for r in recs] == list(range(STEPS)) and all(r["microbatches"] == M for r in recs)
+    assert losses(run) == losses(reference)
+    return recs
+
+
 def events(run: Path) -> list[dict]:
     return [json.loads(line) for line in (run / "events.jsonl").read_text().splitlines()]
 
@@ -334,9 +343,7 @@ def test_intruders_and_every_replica_killed_at_once_leave_the_run_bitwise_unaffe
             extra.kill()
             extra.wait(10)
         _reap(run, proc)
-    recs = rows(run)
-    assert [r["step"] for r in recs] == list(range(STEPS)) and all(r["microbatches"] == M for r in recs)
-    assert losses(run) == losses(reference_det)
+    every_step_bitwise(run, reference_det)
     ev = events(run)
     assert {e["code"] for e in ev if e["kind"] == "refused"} == {"unauthorized", "bad_replica"}
     # (a joiner admitted at the last commit, left alone as the others finish, restores the final checkpoint)
@@ -362,9 +369,7 @@ def test_a_straggler_gets_fewer_microbatches_without_changing_the_trajectory(ref
     """Replica 3's microbatches take 4x as long from step 3 (emulated devices): the agreed speeds name
     it and move its work to the others; every step still holds all M, bitwise equal to the reference."""
     launch(tmp_path, corpus, "--deterministic", "--slow", "3@3:4", "--device-time-s", "0.05")
-    recs = rows(tmp_path)
-    assert [r["step"] for r in recs] == list(range(STEPS)) and all(r["microbatches"] == M for r in recs)
-    assert losses(tmp_path) == losses(reference_det)
+    recs = every_step_bitwise(tmp_path, reference_det)
     ev = events(tmp_path)
     named = next(e for e in ev if e["kind"] == "straggler")
     assert named["replica"] == 3 and named["slowdown"] >= 1.5 and not any(e["kind"] == "kill" for e in ev)
@@ -383,9 +388,7 @@ def test_random_hangs_sent_from_outside_are_fenced_reaped_and_rejoined(reference
     exits or is reaped, and rejoins; the run stays bitwise equal to the failure-free one."""
     launch(tmp_path, corpus, "--deterministic", "--random-failures", "1.0", "--random-faults", "hang",
            "--rejoin-after", "0", "--device-time-s", "0.05", "--fault_tolerance.hang_timeout_s=2")
-    recs = rows(tmp_path)
-    assert [r["step"] for r in recs] == list(range(STEPS)) and all(r["microbatches"] == M for r in recs)
-    assert losses(tmp_path) == losses(reference_det)
+    every_step_bitwise(tmp_path, reference_det)
     ev = events(tmp_path)
     hangs = [e for e in ev if e["kind"] == "kill"]
     assert hangs and all(e["fault"] == "hang" and e["source"] == "launcher" for e in hangs)
@@ -415,9 +418,7 @@ def test_a_broken_link_between_two_replicas_fences_one_of_them_never_the_same_ge
     the implicated replica, and the survivors recover in-step, bitwise equal to the reference."""
     launch(tmp_path, corpus, "--deterministic", "--cut", "1@5:2", "--device-time-s", "0.05",
            "--fault_tolerance.collective_timeout_s=3")
-    recs = rows(tmp_path)
-    assert [r["step"] for r in recs] == list(range(STEPS)) and all(r["microbatches"] == M for r in recs)
-    assert losses(tmp_path) == losses(reference_det)
+    every_step_bitwise(tmp_path, reference_det)
     ev = events(tmp_path)
     report = next(e for e in ev if e["kind"] == "link_report")
     assert report["unreachable"]["1"] == [2] and report["unreachable"]["2"] == [1]
@@ -533,9 +534,7 @@ def test_the_coordinator_killed_mid_commit_paused_and_killed_again_costs_no_step
         assert _processes_of(run) == []
     finally:
         _reap(run, proc)
-    recs = rows(run)
-    assert [r["step"] for r in recs] == list(range(STEPS)) and all(r["microbatches"] == M for r in recs)
-    assert losses(run) == losses(reference_det)
+    every_step_bitwise(run, reference_det)
     ev = events(run)
     assert [e["code"] for e in ev if e["kind"] == "coordinator_exit"] == [-9, -9]
     rebuilt = [e for e in ev if e["kind"] == "rebuilt"]
@@ -572,9 +571,7 @@ def test_sigterm_to_the_launcher_saves_a_checkpoint_and_resume_finishes_bitwise(
     assert refused.returncode == 2 and "holds another run" in refused.stderr and "--resume" in refused.stderr
     assert len(refused.stderr.strip().splitlines()) == 1 and len(rows(run)) == stopped_at  # nothing touched
     launch(run, corpus, "--deterministic", "--resume")
-    recs = rows(run)
-    assert [r["step"] for r in recs] == list(range(STEPS)) and all(r["microbatches"] == M for r in recs)
-    assert losses(run) == losses(reference_det)
+    every_step_bitwise(run, reference_det)
 
 
 def _worker_pid(run: Path, replica: int) -> int:
@@ -600,9 +597,7 @@ def test_sigterm_to_one_worker_is_a_graceful_leave_and_the_others_finish_bitwise
         assert proc.returncode == 0, err.decode()[-3000:]
     finally:
         _reap(run, proc)
-    recs = rows(run)
-    assert [r["step"] for r in recs] == list(range(STEPS)) and all(r["microbatches"] == M for r in recs)
-    assert losses(run) == losses(reference_det)
+    recs = every_step_bitwise(run, reference_det)
     ev = events(run)
     (leave,) = [e for e in ev if e["kind"] == "leave"]
     assert leave["replicas"] == [2] and 14 <= leave["step"] < STEPS - 1
@@ -626,9 +621,7 @@ def test_a_corrupted_replica_and_a_nan_are_found_and_healed_in_their_step(refere
     holds M microbatches, bitwise equal to the failure-free run (neither is counted as a kill)."""
     launch(tmp_path, corpus, "--deterministic", "--corrupt", "2@8", "--nan", "1@16:2", "--rejoin-after", "0",
            "--device-time-s", "0.02", "--workload.policy=even")
-    recs = rows(tmp_path)
-    assert [r["step"] for r in recs] == list(range(STEPS)) and all(r["microbatches"] == M for r in recs)
-    assert losses(tmp_path) == losses(reference_det)
+    every_step_bitwise(tmp_path, reference_det)
     ev = events(tmp_path)
     divergent = [e for e in ev if e["kind"] == "divergent"]
     assert [(d["step"], d["replicas"], d["majority"]) for d in divergent] == [(8, [2], [0, 1, 3])]
@@ -766,9 +759,7 @@ def test_a_fifth_replica_started_by_hand_joins_and_a_drained_one_leaves_both_bit
         assert fifth.wait(60) == 0, (tmp_path / "fifth.log").read_text()[-3000:]
     finally:
         _reap(run, proc)
-    recs = rows(run)
-    assert [r["step"] for r in recs] == list(range(STEPS)) and all(r["microbatches"] == M for r in recs)
-    assert losses(run) == losses(reference_det)
+    recs = every_step_bitwise(run, reference_det)
     five = [r for r in recs if r["live_replicas"] == 5]
     assert five and all(sorted(r["quotas"].values()) == [1, 1, 2, 2, 2] for r in five)  # the quota falls
     assert [r["live_replicas"] for r in recs if r["step"] > left_at] == [4] * (STEPS - 1 - left_at)
