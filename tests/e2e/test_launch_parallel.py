@@ -148,21 +148,21 @@ def test_a_killed_a_corrupted_and_a_hung_fsdp_replica_leave_the_run_bitwise_unaf
         plain: Path, corpus: Path, tmp_path: Path, failure_free: Callable[[str], Path]) -> None:
     """3 replicas of 2 FSDP ranks in deterministic mode, every fault on rank 0: replica 2 is SIGKILLed in
     step 1's backward and rejoins from a warm spare; one bit of replica 1's parameter shard flips before
-    step 4: lane 0's fingerprint differs from the other two replicas', replica 1 is fenced before step 4
-    commits and its microbatches are recomputed by the others; replica 0's training thread hangs in step
-    9's backward (fenced as hung). Every step holds M microbatches, bitwise equal to the failure-free run
+    step 7 (the rejoin has time to land on busy cores): lane 0's fingerprint differs from the other two
+    replicas', replica 1 is fenced before step 7 commits and its microbatches are recomputed by the others;
+    replica 0's training thread hangs in step 9's backward (fenced as hung). Every step holds M microbatches, bitwise equal to the failure-free run
     of one replica: the same ids in other pairs inside each replica's reduce-scatters change nothing."""
     run = tmp_path / "corrupt"
     run_recover(["launch", "--config", "debug", "--replicas", "3", "--steps", str(STEPS), "--out", str(run),
                  "--no-progress", "--data.path", str(corpus), *MODEL, "--fsdp", "2", "--fail", "2@1:backward",
-                 "--corrupt", "1@4", "--hang", "0@9:backward", "--fail-rank", "0", "--rejoin-after", "0.2",
+                 "--corrupt", "1@7", "--hang", "0@9:backward", "--fail-rank", "0", "--rejoin-after", "0.2",
                  f"--fault_tolerance.hang_timeout_s={HANG_S}", "--deterministic"], timeout=300)
     recs = rows(run)
     assert [r["step"] for r in recs] == list(range(STEPS)) and all(r["microbatches"] == M for r in recs)
     check_trajectory(run, plain, failure_free("fsdp2"))
     ev = events(run)
     divergent = [e for e in ev if e["kind"] == "divergent"]
-    assert [(d["step"], d["replicas"]) for d in divergent] == [(4, [1])]
+    assert [(d["step"], d["replicas"]) for d in divergent] == [(7, [1])]
     assert {r["step"]: r["live_replicas"] for r in recs}[1] == 2
     detected = [(e["replica"], e["cause"]) for e in ev if e["kind"] == "failure_detected"]
     assert [r for r, _ in detected[:3]] == [2, 1, 0] and detected[2][1] == "hung"
