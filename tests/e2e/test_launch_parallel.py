@@ -150,8 +150,9 @@ def test_a_killed_a_corrupted_and_a_hung_fsdp_replica_leave_the_run_bitwise_unaf
     step 1's backward and rejoins from a warm spare; one bit of replica 1's parameter shard flips before
     step 7 (the rejoin has time to land on busy cores): lane 0's fingerprint differs from the other two
     replicas', replica 1 is fenced before step 7 commits and its microbatches are recomputed by the others;
-    replica 0's training thread hangs in step 9's backward (fenced as hung). Every step holds M microbatches, bitwise equal to the failure-free run
-    of one replica: the same ids in other pairs inside each replica's reduce-scatters change nothing."""
+    replica 0's training thread hangs in step 9's backward (fenced as hung). Every step holds M microbatches,
+    bitwise equal to the failure-free run of one replica: the same ids in other pairs inside each replica's
+    reduce-scatters change nothing."""
     run = tmp_path / "corrupt"
     run_recover(["launch", "--config", "debug", "--replicas", "3", "--steps", str(STEPS), "--out", str(run),
                  "--no-progress", "--data.path", str(corpus), *MODEL, "--fsdp", "2", "--fail", "2@1:backward",
