@@ -80,6 +80,10 @@ def main(argv: list[str] | None = None) -> int:
         return int(args.func(args) or 0)
     except RecoverError as exc:
         print(f"recover: error: {one_line(str(exc))}", file=sys.stderr)
+        if args.command == "worker":
+            from recover.train.exits import record_exit
+
+            record_exit(2)
         return 2
     except KeyboardInterrupt:
         print("recover: interrupted", file=sys.stderr)

@@ -84,6 +84,11 @@ class Hosts:
         """``argv`` run inside namespace ``ns``."""
         return ["ip", "netns", "exec", ns, *argv]
 
+    def enter(self, ns: str, argv: list[str]) -> list[str]:
+        """``argv`` run in namespace ``ns``'s network only: unlike ``cmd`` it keeps the machine's mounts
+        (``ip netns exec`` mounts a sysfs of its own, which hides ``/sys/fs/cgroup``) and ``/etc/hosts``."""
+        return ["nsenter", f"--net=/run/netns/{ns}", *argv]
+
     def cut(self, name: str) -> None:
         """The host's link to the switch goes down (its processes live on, unreachable)."""
         _ip("-n", self.ns[name], "link", "set", "eth0", "down")

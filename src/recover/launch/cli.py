@@ -518,7 +518,7 @@ def run_worker(args: argparse.Namespace) -> int:
     from recover.faults import hang_on_signal, parse_failure
     from recover.lifeline import die_with_launcher
     from recover.observe.sinks import check_extras
-    from recover.train.exits import EXIT_STOPPED
+    from recover.train.exits import EXIT_STOPPED, record_exit
     from recover.train.worker import ReplicaWorker, build
 
     die_with_launcher()
@@ -561,6 +561,7 @@ def run_worker(args: argparse.Namespace) -> int:
     code = worker.run()
     # Skip interpreter teardown: a retired gloo group still held by the graveyard's daemon thread
     # would be destroyed mid-shutdown (std::terminate, SIGABRT). Everything is written and flushed.
+    record_exit(code)
     sys.stdout.flush()
     sys.stderr.flush()
     os._exit(code)

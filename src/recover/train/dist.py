@@ -55,6 +55,10 @@ def init_from_env(backend: str = "auto", timeout_s: float = 300.0) -> DistContex
     if ctx.backend == "nccl" or torch.cuda.is_available():  # a launcher that gave each rank its own GPU
         ctx.device = torch.device("cuda", ctx.local_rank % torch.cuda.device_count())  # shows it as cuda:0
         torch.cuda.set_device(ctx.device)
+    if "MASTER_ADDR" in os.environ:  # a replica that spans hosts: bind what reaches its rendezvous
+        from recover.comm.netaddr import bind_gloo_towards
+
+        bind_gloo_towards(os.environ["MASTER_ADDR"])
     dist.init_process_group(ctx.backend, timeout=timedelta(seconds=timeout_s))
     return ctx
 

@@ -43,6 +43,25 @@ storage refused its final checkpoint (a full disk, an I/O error: one line names 
 and the cause): the committed steps stay recorded and the older checkpoints intact, so ``--resume``
 continues from the newest of those, redoing the steps after it."""
 
+EXIT_FILE_ENV = "RECOVER_EXIT_FILE"
+"""A file the worker's local rank 0 writes its exit status to when it exits (when the variable is set):
+under torchrun, which turns every rank's failure or signal into its own status 1, the cluster recipes read
+a replica's real status there (the Slurm recipe's step wrapper)."""
+
+
+def record_exit(code: int) -> None:
+    """Writes ``code`` to ``$RECOVER_EXIT_FILE`` from local rank 0, if the variable is set; never raises."""
+    import os
+
+    path = os.environ.get(EXIT_FILE_ENV)
+    if not path or os.environ.get("LOCAL_RANK", "0") != "0":
+        return
+    try:
+        Path(path).write_text(f"{code}\n")
+    except OSError:
+        pass  # the status is a courtesy to the wrapper; the exit itself must happen
+
+
 PLACEMENT_ENV = "RECOVER_PLACEMENT"
 """Set for a process ``recover launch`` gave no GPU: ``none`` (it found none), ``shared`` (``--share-gpus``)."""
 

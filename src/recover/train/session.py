@@ -118,6 +118,7 @@ class Session:
         """Registers with the coordinator, forms the group and builds the step protocol over ``replica``
         (``step_kwargs`` go to it: ``assignment``, ``audit_every``, ``overlap``)."""
         from recover.comm import FaultTolerantGroup
+        from recover.comm.netaddr import bind_gloo_towards
         from recover.coord.client import CoordinatorClient
 
         ft, tc = self.cfg.fault_tolerance, self.cfg.training
@@ -125,6 +126,7 @@ class Session:
             self.failures, self.replica_id, self.rank, self.ranks, target=replica,
             record=lambda spec, kind, fields: self.event(kind, **fields, spec=spec.label))
         host, port = self._coordinator_address()
+        bind_gloo_towards(host)  # the generations' groups span hosts: bind what reaches the coordinator
         self.client = client = CoordinatorClient(
             host, port, self.token, self.replica_id, heartbeat_interval_s=ft.heartbeat_interval_s, rank=self.rank,
             ranks=self.ranks, fence_exit_s=ft.fence_exit_s, on_fenced=self.exit_fenced,
