@@ -51,3 +51,33 @@ def test_each_fault_is_timed_from_injection_to_detection_to_recovery_and_rejoin(
            for f in incidents(ev)]
     assert got == [("crash", 1, "connection_closed", 30.0, 30.0, 2.0), ("hang", 2, "hung", 3000.0, 10.0, None),
                    ("straggler", 3, "straggler", 500.0, 0.0, None), ("corruption", 0, "divergent", 110.0, 20.0, None)]
+
+
+def test_a_loss_nobody_injected_is_timed_from_its_detection_and_counted_by_cause() -> None:
+    """A cluster recipe's job has no launcher to write ``kill``: a node's death is known only from the
+    coordinator's detection, and it still counts as a recovery (a launcher's kill is not counted twice)."""
+    from recover.launch.report import failures_detected
+
+    ev = [kill(5.0, 3, source="external", at=5.0),
+          {"t": 5.01, "kind": "failure_detected", "replica": 3, "cause": "connection_closed"},
+          recovered(5.03, 0, [3]),
+          {"t": 9.0, "kind": "failure_detected", "replica": 1, "cause": "connection_closed"},
+          {"t": 9.002, "kind": "generation", "members": [0, 2], "dead": [1], "step": 14},
+          recovered(9.006, 0, [1]), recovered(9.011, 2, [1]),
+          {"t": 12.0, "kind": "failure_detected", "replica": 2, "cause": "hung"}, recovered(12.004, 0, [2])]
+    lat = recovery_latencies(ev)
+    assert [(x["replica"], x["step"], x["latency_ms"], x["survivors"]) for x in lat] == [
+        (3, 0, 30.0, [0]), (1, 14, 11.0, [0, 2]), (2, None, 4.0, [0])]
+    assert failures_detected(ev) == {"connection_closed": 2, "hung": 1}
+
+
+def test_a_coordinator_start_is_a_restart_only_while_its_job_runs() -> None:
+    """The first start, and the first start of a requeued or resumed job, are not restarts; a start after
+    the coordinator died mid-run is, whoever started it (a launcher, a cluster recipe's script)."""
+    from recover.launch.report import coordinator_restarts
+
+    start, launch = {"kind": "coordinator_start"}, {"kind": "launch"}
+    stopped, finished = {"kind": "stopped", "replica": 0}, {"kind": "finished", "replica": 0}
+    assert coordinator_restarts([start, {"kind": "generation"}, stopped, start, start, finished]) == 1
+    assert coordinator_restarts([launch, start, start, {"kind": "coordinator_exit"}, start]) == 2
+    assert coordinator_restarts([launch, start, stopped, launch, start, finished]) == 0

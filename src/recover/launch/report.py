@@ -36,14 +36,57 @@ from recover.observe.goodput import CAUSES, Goodput, goodput
 from recover.observe.plots import load_events, load_metrics, plot_goodput, plot_loss, plot_throughput
 
 
+def _unseen_losses(events: list[dict[str, Any]]) -> list[dict[str, Any]]:
+    """The coordinator's detections of a replica's loss that no ``kill`` event accounts for, as kills from
+    outside timed from the detection: a job without a launcher (a cluster recipe: a node's death, a step
+    cancelled by the scheduler) has nobody to write ``kill``."""
+    kills = [e for e in events if e.get("kind") == Event.KILL]
+    out = []
+    for det in (e for e in events if e.get("kind") == Event.FAILURE_DETECTED):
+        r, t = det["replica"], det["t"]
+        if any(k["replica"] == r and t - 120 <= k.get("at", k["t"]) <= t + 1 for k in kills):
+            continue  # the launcher saw (or made) this one
+        step = next((g.get("step") for g in events if g.get("kind") == Event.GENERATION and g["t"] >= t
+                     and r in g.get("dead", [])), None)
+        out.append({"kind": Event.KILL, "t": t, "replica": r, "step": step, "source": "detected",
+                    "cause": det.get("cause")})
+    return out
+
+
+def failures_detected(events: list[dict[str, Any]]) -> dict[str, int]:
+    """How many replica losses the coordinator detected, by cause (``connection_closed``, ``hung``, ...)."""
+    out: dict[str, int] = {}
+    for e in events:
+        if e.get("kind") == Event.FAILURE_DETECTED:
+            out[e.get("cause") or "unknown"] = out.get(e.get("cause") or "unknown", 0) + 1
+    return out
+
+
+def coordinator_restarts(events: list[dict[str, Any]]) -> int:
+    """Starts of a coordinator while its job still ran: after an earlier start and before that run ended
+    (a replica's ``finished`` or ``stopped``, or a new ``launch``). A requeued or resumed job's first start
+    is none; a start by the launcher or a cluster recipe's script after the coordinator died is one."""
+    restarts, running = 0, False
+    for e in events:
+        kind = e.get("kind")
+        if kind == Event.COORDINATOR_START:
+            restarts += running
+            running = True
+        elif kind in (Event.LAUNCH, Event.FINISHED, Event.STOPPED):
+            running = False
+    return restarts
+
+
 def recovery_latencies(events: list[dict[str, Any]]) -> list[dict[str, Any]]:
     """One entry per kill that survivors recovered from: step, replica, latency_ms, survivors.
 
     A kill's recoveries are those naming its replica dead before the same replica's next kill (a
     replica killed, rejoined and killed again is two kills, each with its own latency). A kill from
-    outside (``source: external``) is timed from ``at``, when the coordinator saw the replica go."""
+    outside (``source: external``) is timed from ``at``, when the coordinator saw the replica go; a loss
+    that only the coordinator saw (``source: detected``), from its detection."""
     out = []
-    kills = sorted((e for e in events if e.get("kind") == Event.KILL), key=lambda k: k.get("at", k["t"]))
+    kills = sorted((e for e in [*events, *_unseen_losses(events)] if e.get("kind") == Event.KILL),
+                   key=lambda k: k.get("at", k["t"]))
     recovered = [e for e in events if e.get("kind") == Event.RECOVERED]
     for i, kill in enumerate(kills):
         start = kill.get("at", kill["t"])
@@ -142,6 +185,7 @@ def summarize(run_dir: Path, name: str, wall_s: float) -> dict[str, Any]:
         "min_microbatches": min((r["microbatches"] for r in rows), default=0),
         "max_microbatches": max((r["microbatches"] for r in rows), default=0),
         "kills": sum(1 for e in events if e.get("kind") == Event.KILL),
+        "failures_detected": failures_detected(events),
         "rejoins": sum(1 for e in joins if e["replica"] < launched),
         "grown": sorted({e["replica"] for e in joins if e["replica"] >= launched}),  # beyond the launch's count
         "recoveries": lat,
@@ -157,7 +201,7 @@ def summarize(run_dir: Path, name: str, wall_s: float) -> dict[str, Any]:
         "final_generation": rows[-1]["generation"] if rows else 0,
         "committed_tokens": tokens,
         "effective_tokens_per_s": round(tokens / wall_s, 2) if wall_s > 0 else 0.0,
-        "coordinator_restarts": sum(1 for e in events if e.get("kind") == Event.COORDINATOR_EXIT),
+        "coordinator_restarts": coordinator_restarts(events),
         "restores": list({e["generation"]: {"step": e["step"], "redo": e["redo"]} for e in events
                           if e.get("kind") == Event.RESTORED}.values()),  # one per generation (every member logs it)
         "coordinator_outage_ms_max": max((e["outage_ms"] for e in events
