@@ -16,7 +16,7 @@ TORCH  ?= torch==2.13.0
 PY     := $(VENV)/bin/python
 STAMP  := $(VENV)/.recover-installed
 
-.PHONY: demo test test-unit test-interop test-compat lint venv clean gpu-check
+.PHONY: demo test test-unit test-interop test-slurm test-compat lint venv clean gpu-check
 
 PY_CHECK := import sys; sys.exit(0 if sys.version_info >= (3, 10) else "recover needs Python >= 3.10; found " \
 	+ sys.version.split()[0] + " at " + sys.executable + ". Run: make PYTHON=python3.11 ...")
@@ -58,6 +58,15 @@ test-interop: $(STAMP)
 	@$(PY) -c 'import tensorboard, wandb' 2>/dev/null || { echo "installing $(VIEWERS) into $(VENV)"; \
 		$(PY) -m pip install -q $(VIEWERS); }
 	$(PY) -m pytest -q -m interop tests/e2e
+
+# test-slurm: the real-cluster tier (tests/cluster). A real Slurm cluster (Debian's slurm-wlm and munge: slurmctld
+# and four slurmd, each node in a network namespace of its own) runs examples/slurm/recover.sbatch through a
+# node's death, notices, the time limit, scancel, requeues and a coordinator kill, a real Prometheus scraping the
+# coordinator; the Kubernetes manifests are checked against the API schema and their pods' commands run in
+# namespaces. Needs root (namespaces); installs slurm-wlm, munge and prometheus with apt-get when absent
+# (~2 min); without root or apt its tests are skipped with the reason. CI runs it after make test-interop.
+test-slurm: $(STAMP)
+	$(PY) -m pytest -q -p no:cacheprovider -rs --durations=0 tests/cluster
 
 test-unit: $(STAMP)
 	$(PY) -m pytest -q tests/unit

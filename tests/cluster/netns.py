@@ -1,4 +1,5 @@
-"""Hosts for the cluster tier: network namespaces on a private bridge, each with its own address.
+"""Hosts for the cluster tier (`make test-slurm`; pyproject's testpaths leave tests/cluster out of `make test`):
+network namespaces on a private bridge, each with its own address.
 
 ``Hosts(prefix, names)`` makes one namespace ``{prefix}-hub`` holding a bridge (the "switch", address
 ``SUBNET.1``) and one namespace per host name, each joined to the bridge by a veth pair and given
