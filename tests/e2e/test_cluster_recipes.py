@@ -1,7 +1,6 @@
-"""The cluster recipes of examples/ run on this machine: the Slurm batch script under bash with local
-stand-ins for srun, scontrol and torchrun, and the Kubernetes manifests rendered, parsed and their
-containers' commands run as the pods would run them, real torchrun included (the Service names
-mapped to 127.0.0.1).
+"""The Kubernetes recipe of examples/ on this machine: the manifests rendered, parsed and their containers'
+commands run as the pods would run them, real torchrun included (the Service names mapped to 127.0.0.1).
+The Slurm recipe runs on a real Slurm cluster in the cluster tier (tests/cluster, `make test-slurm`).
 
 Each job is 2 replicas of 1 process (`debug` preset, emulated devices). Every process a test starts
 is found by its parentage (torchrun starts its workers in sessions of their own) and SIGKILLed by
@@ -24,7 +23,7 @@ from pathlib import Path
 
 import pytest
 
-from conftest import ROOT, run_recover, subprocess_env
+from conftest import ROOT, subprocess_env
 from recover.launch.processes import free_port
 from recover.launch.records import StepRecords
 
@@ -33,38 +32,6 @@ pytestmark = pytest.mark.slow
 STEPS = 20
 FLAGS = ["--training.steps", str(STEPS), "--training.eval_every", "10", "--training.deterministic", "true",
          "--training.threads", "1"]
-
-SRUN = """#!/bin/bash
-# srun stand-in: runs the step's command here, as its one task, with the task's Slurm variables
-out=""
-while [ $# -gt 0 ]; do
-  case "$1" in
-    --output=*) out=${1#--output=}; shift ;;
-    --*=*|--exact|--overlap) shift ;;
-    *) break ;;
-  esac
-done
-line="srun $$$(printf ' %q' "$@")"  # its PID (the step's first process) and its command, on one line
-echo "$line" >> "$FAKE_SLURM_LOG"  # one write: steps start together
-export SLURM_PROCID=0 SLURM_LOCALID=0 SLURM_NODEID=0 SLURM_NTASKS=1 SLURM_STEP_ID=$$
-if [ -n "$out" ]; then exec "$@" >> "$out" 2>&1; else exec "$@"; fi
-"""
-TORCHRUN = """#!/bin/bash
-# torchrun stand-in for replicas of one process: runs the module itself (saves two torch imports per
-# replica; the Kubernetes test runs the real torchrun)
-while [ $# -gt 0 ] && [ "$1" != "-m" ]; do shift; done
-shift
-exec "$PYTHON" -m "$@"
-"""
-SCONTROL = """#!/bin/bash
-# scontrol stand-in: `show hostnames LIST` (a plain comma-separated list) and `requeue JOBID`
-case "$1 $2" in
-  "show hostnames") echo "$3" | tr ',' '\\n' ;;
-  requeue*) echo "requeue $2" >> "$FAKE_SLURM_LOG" ;;
-  *) echo "scontrol stand-in: $*: not supported" >&2; exit 1 ;;
-esac
-"""
-
 
 def descendants(pid: int) -> list[int]:
     """Every living process below ``pid`` (by parent PID, through sessions), deepest first."""
@@ -159,88 +126,6 @@ def notice_costs(ev: list[dict], replica: int, t0: float) -> tuple[dict, dict]:
           f"{leave['step']}), its replacement trained again {back[0]['t'] - t0:.1f} s later; load "
           f"{os.getloadavg()[0]:.1f}")
     return leave, back[0]
-
-
-def step_pid(slurm_log: Path, replica: int) -> int:
-    """The first process of ``replica``'s newest srun step (the stand-in logs its PID and command)."""
-    steps = [line.split() for line in slurm_log.read_text().splitlines() if line.startswith("srun ")]
-    return int([words for words in steps if f"replica-{replica}" in words][-1][1])
-
-
-def test_slurm_script_runs_is_preempted_requeues_resumes_and_replaces_a_replica_that_got_a_notice(
-        tmp_path: Path, corpus: Path, procs: Procs) -> None:
-    """The sbatch script with srun, scontrol and torchrun stand-ins, a deterministic job of 2 replicas:
-    SIGTERM to every process of the job at once (the time limit, a preemption: the batch shell, the
-    coordinator it started and every step; the replicas' leave votes and the script's and Slurm's stop
-    requests meet) stops it at a step boundary with a checkpoint, exit 6, `recover collect` and a
-    requeue (--signal=B:TERM@120 reaches the batch shell alone: the same without the leave votes); the
-    requeued start resumes (--resume). There,
-    replica 1's step gets SIGTERM in every process (`scancel --signal=TERM JOBID.STEPID`, a node's
-    preemption notice): replica 1 leaves at its next commit (no failure detected), its step ends with
-    143, and the script starts a replacement step (--join) that rejoins. The job ends with exit 0: every
-    step once in metrics.jsonl with 8 microbatches, bitwise equal to a failure-free run."""
-    ref = tmp_path / "ref"  # failure-free; deterministic: one replica computes what two do, bit for bit
-    run_recover(["launch", "--config", "debug", "--replicas", "1", "--out", str(ref), "--no-progress",
-                 "--data.path", str(corpus), *FLAGS])
-    bin_dir = tmp_path / "bin"
-    bin_dir.mkdir()
-    for name, text in (("srun", SRUN), ("scontrol", SCONTROL), ("torchrun", TORCHRUN)):
-        (bin_dir / name).write_text(text)
-        (bin_dir / name).chmod(0o755)
-    run, slurm_log = tmp_path / "run", tmp_path / "slurm.log"
-    env = {**subprocess_env(), "PATH": f"{bin_dir}{os.pathsep}{os.environ['PATH']}", "FAKE_SLURM_LOG": str(slurm_log),
-           "SLURM_JOB_ID": "4242", "SLURM_JOB_NODELIST": "localhost", "SLURM_JOB_NUM_NODES": "1",
-           "SLURM_SUBMIT_DIR": str(tmp_path), "OUT": str(run), "CONFIG": "debug", "GPUS_PER_NODE": "0",
-           "RANKS_PER_NODE": "2", "PORT": str(free_port()), "STORE_PORT": str(free_port()),
-           "RECOVER": f"{sys.executable} -m recover", "TORCHRUN": str(bin_dir / "torchrun"), "PYTHON": sys.executable}
-    # 0.15 s per microbatch: replica 0 alone takes 1.2 s a step, time for the replacement to start (4 to
-    # 8 s at load 6-7 on 2 cores, one process without torchrun) and join within the ~14 steps after the
-    # notice
-    cmd = ["bash", str(ROOT / "examples" / "slurm" / "recover.sbatch"), "--data.path", str(corpus), *FLAGS,
-           "--training.device_time_s", "0.15"]
-
-    log = tmp_path / "job.out"
-    job = procs.start(cmd, env, log)
-    deadline = time.time() + 120
-    while last_step(run) < 1:
-        assert job.poll() is None and time.time() < deadline, log.read_text()[-3000:]
-        procs.track()
-        time.sleep(0.1)
-    for pid in [job.pid, *descendants(job.pid)]:  # the time limit, a preemption: every process at once
-        os.kill(pid, signal.SIGTERM)
-    assert wait_for(job, procs, 120, log) == 6, log.read_text()[-3000:]
-    stopped = committed(run)
-    assert 2 <= len(stopped) < STEPS and (run / "checkpoints" / f"step_{len(stopped):06d}" / "COMMITTED").is_file()
-    assert "requeue 4242" in slurm_log.read_text()
-    assert json.loads((run / "summary.json").read_text())["stopped"]
-
-    job = procs.start(cmd, {**env, "SLURM_RESTART_COUNT": "1"}, log)  # what Slurm runs after the requeue
-    deadline = time.time() + 120
-    while last_step(run) < len(stopped) + 1:
-        assert job.poll() is None and time.time() < deadline, log.read_text()[-3000:]
-        procs.track()
-        time.sleep(0.1)
-    first = step_pid(slurm_log, 1)
-    t0 = time.time()
-    for pid in [first, *descendants(first)]:  # scancel --signal=TERM 4242.STEP: every process of the step
-        os.kill(pid, signal.SIGTERM)
-    assert wait_for(job, procs, 180, log) == 0, log.read_text()[-3000:]
-
-    rows = committed(run)
-    assert [r["step"] for r in rows] == list(range(STEPS)) and {r["microbatches"] for r in rows} == {8}
-    assert [r["loss"] for r in rows[:len(stopped)]] == [r["loss"] for r in stopped]
-    assert [r["loss"] for r in rows] == [r["loss"] for r in committed(ref)]  # bitwise
-    summary = json.loads((run / "summary.json").read_text())
-    assert summary["committed_steps"] == STEPS and not summary["stopped"]
-    ev = events(run)
-    leave, back = notice_costs(ev, 1, t0)
-    assert not [e for e in ev if e["kind"] == "failure_detected"]
-    assert rows[leave["step"] + 1]["live_replicas"] == 1 and rows[-1]["live_replicas"] == 2
-    assert "replica 1 left the job on a notice" in log.read_text() and "continuing from" in log.read_text()
-    starts = [line for line in slurm_log.read_text().splitlines() if line.startswith("srun ")]
-    assert [("--resume" in s, "--join" in s) for s in starts] == [(False, False)] * 2 + [(True, False)] * 2 + [
-        (False, True)]  # no replacement after the stop: only after the notice
-    assert step_pid(slurm_log, 1) != first and "replica-1" in starts[-1]
 
 
 def load_render() -> object:
