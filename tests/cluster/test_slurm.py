@@ -104,12 +104,15 @@ class Job:
 
     def restart_now(self, restarts: int, timeout: float = 150, minutes: int = 10) -> None:
         """Waits until the job is requeued for the ``restarts``-th time; a requeued job is held about two minutes
-        before it may start again: it starts now instead, with a longer time limit."""
+        before it may start again: it starts as soon as its nodes are done with the last start instead (a
+        start while they still complete it fails: "Job credential revoked"), with a longer time limit."""
         deadline = time.time() + timeout
-        while not ((job := self.state()).get("JobState") == "PENDING" and int(job.get("Restarts", 0)) >= restarts):
+        while not ((job := self.state()).get("JobState") == "PENDING" and int(job.get("Restarts", 0)) >= restarts
+                   and not any("comp" in st for st in self.cluster.node_states().values())):
             assert job.get("JobState") not in ENDED, f"job {self.id} ended: {job.get('JobState')}\n{self.output()}"
             assert time.time() < deadline, f"job {self.id} not requeued in {timeout} s\n{self.output()}"
             time.sleep(0.5)
+        time.sleep(2)  # slurmd refuses credentials issued within a second of the revocation
         self.cluster.run(["scontrol", "update", f"jobid={self.id}", "StartTime=now", f"TimeLimit={minutes}"])
 
 
@@ -261,11 +264,13 @@ def test_a_node_dies_and_another_is_set_down_the_job_trains_on_and_prometheus_sa
 
 def test_the_time_limit_notice_stops_with_a_checkpoint_requeues_and_the_job_resumes(
         cluster: SlurmCluster, reference: Path, tmp_path: Path, corpus: Path) -> None:
-    """`--time=2 --signal=B:TERM@95`: Slurm's own timer signals the batch script ~25 s into the job; the
-    next commit is a stop, a checkpoint is saved, the script requeues the job (it is still RUNNING), and
-    the requeued job resumes from the checkpoint to the end."""
+    """`--time=2 --signal=B:TERM@35`: Slurm's own timer signals the batch script; the next commit is a stop, a
+    checkpoint is saved, the script requeues the job (it is still RUNNING), and the requeued job resumes
+    from the checkpoint to the end. slurmctld checks time limits every 30 s and sends the signal once fewer
+    than @ + 60 s remain, so it comes 25 to 55 s into the job: 0.4 s per microbatch keeps it training
+    until then (40 steps of 1.6 s)."""
     job = submit(cluster, tmp_path, "limit", 2, "--data.path", str(corpus), *FLAGS,
-                 "--training.device_time_s", "0.25", sbatch=("--time=2", "--signal=B:TERM@95"))
+                 "--training.device_time_s", "0.4", sbatch=("--time=2", "--signal=B:TERM@35"))
     job.restart_now(1)
     assert "requeueing job" in job.output(), job.output()
     stopped = json.loads((job.out / "summary.json").read_text())
