@@ -1,14 +1,11 @@
-"""The cluster recipes of examples/ run on this machine: the Slurm batch script under bash with local
-stand-ins for srun, scontrol and torchrun, and the Kubernetes manifests rendered, parsed and their
-containers' commands run as the pods would run them, real torchrun included (the Service names
-mapped to 127.0.0.1).
+"""The Slurm recipe of examples/ run on this machine: the batch script under bash with local
+stand-ins for srun, scontrol and torchrun (the Kubernetes recipe's pods run in tests/cluster/test_k8s.py).
 
 Each job is 2 replicas of 1 process (`debug` preset, emulated devices). Every process a test starts
 is found by its parentage (torchrun starts its workers in sessions of their own) and SIGKILLed by
-PID at the end, whatever happened. A preemption notice is sent as the cluster sends it: Slurm's to
-every process of one step (`scancel --signal=TERM JOBID.STEPID`), the kubelet's to a pod's first
-process. Each test prints the notice's cost: signal -> the leave committed, and -> the replacement
-training again (with the machine's load).
+PID at the end, whatever happened. A preemption notice is sent as Slurm sends it: to every process of
+one step (`scancel --signal=TERM JOBID.STEPID`). The test prints the notice's cost: signal -> the
+leave committed, and -> the replacement training again (with the machine's load).
 """
 
 from __future__ import annotations
@@ -26,7 +23,6 @@ import pytest
 
 from conftest import ROOT, run_recover, subprocess_env
 from recover.launch.processes import free_port
-from recover.launch.records import StepRecords
 
 pytestmark = pytest.mark.slow
 
@@ -242,124 +238,3 @@ def test_slurm_script_runs_is_preempted_requeues_resumes_and_replaces_a_replica_
         (False, True)]  # no replacement after the stop: only after the notice
     assert step_pid(slurm_log, 1) != first and "replica-1" in starts[-1]
 
-
-def load_render() -> object:
-    import importlib.util
-
-    spec = importlib.util.spec_from_file_location("k8s_render", ROOT / "examples" / "k8s" / "render.py")
-    assert spec is not None and spec.loader is not None
-    mod = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(mod)
-    return mod
-
-
-def pod_command(pod: dict, root: Path, services: list[str], docs: list[dict]) -> list[str]:
-    """The pod's container command as this machine runs it: each volume a directory under ``root``
-    (a Secret's keys written into it), each Service name resolved to 127.0.0.1."""
-    (container,) = pod["spec"]["containers"]
-    volumes = {v["name"]: v for v in pod["spec"].get("volumes", [])}
-    mounts = {}
-    for m in container.get("volumeMounts", []):
-        vol = volumes[m["name"]]
-        if "emptyDir" in vol:
-            continue
-        local = root / m["name"]
-        local.mkdir(exist_ok=True)
-        if "secret" in vol:
-            name = vol["secret"]["secretName"]
-            (secret,) = [d for d in docs if d["kind"] == "Secret" and d["metadata"]["name"] == name]
-            for key, value in secret["stringData"].items():
-                (local / key).write_text(value)
-        mounts[m["mountPath"]] = str(local)
-
-    def local(arg: str) -> str:
-        for path, there in mounts.items():
-            arg = arg.replace(path + "/", there + "/").replace("=" + path, "=" + there)
-        for name in services:
-            arg = arg.replace(name + ":", "127.0.0.1:").replace("=" + name, "=127.0.0.1")
-        return arg
-
-    return [local(a) for a in container["command"]]
-
-
-def test_kubernetes_manifests_render_parse_and_their_pods_commands_train_and_a_deleted_pod_is_replaced(
-        tmp_path: Path, corpus: Path, procs: Procs) -> None:
-    """render.py fills the template (and refuses a bad value); the manifests parse (PyYAML and the
-    subset reader agree); the coordinator's and both replica pods' commands run here with the
-    Service name mapped to 127.0.0.1. Replica 1's pod is deleted (SIGTERM to its first process, as the
-    kubelet sends it): replica 1 leaves at its next commit (no failure detected) and the pod ends with
-    143, which the Job's podFailurePolicy ignores (a replacement, not counted against backoffLimit; a
-    pod that exits 0 would be its index completed); the replacement pod runs the same command and joins
-    the running job; every step is committed with all microbatches, both pods end with 0."""
-    render = [sys.executable, str(ROOT / "examples" / "k8s" / "render.py")]
-    bad = subprocess.run([*render, "--set", "GRACE_S=10"], capture_output=True, text=True, timeout=30)
-    assert bad.returncode == 2 and "GRACE_S=10" in bad.stderr and not bad.stdout
-    # 2 pods on 2 cores: one thread each; 20 steps of 0.15 s per microbatch leave replica 0 alone for
-    # 21 s after the leave (1.2 s a step), time enough for the new pod to start up (its torchrun and
-    # its worker: 8 to 17 s on 2 busy cores) and join
-    overrides = " ".join(["--data.path", str(corpus), "--training.threads", "1", "--training.steps", "20",
-                          "--training.device_time_s", "0.15"])
-    sets = {"NAME": "rt", "CONFIG": "debug", "REPLICAS": "2", "GPUS_PER_REPLICA": "0", "OVERRIDES": overrides,
-            "PORT": str(free_port()), "STORE_PORT": str(free_port())}
-    out = subprocess.run([*render, *(a for k, v in sets.items() for a in ("--set", f"{k}={v}"))],
-                         capture_output=True, text=True, timeout=30, check=True).stdout
-    mod = load_render()
-    docs = mod.load_all(out)  # type: ignore[attr-defined]
-    assert docs == mod.load_subset(out)  # type: ignore[attr-defined]
-    kinds = {f"{d['kind']}/{d['metadata']['name']}" for d in docs}
-    assert kinds == {"Secret/rt-token", "PersistentVolumeClaim/rt-runs", "Service/rt-coordinator",
-                     "Deployment/rt-coordinator", "Service/rt-replicas", "Job/rt-replicas"}
-    coord_pod, job = [d["spec"]["template"] for d in docs if d["kind"] == "Deployment"], \
-        next(d for d in docs if d["kind"] == "Job")
-    spec, pod_spec = job["spec"], job["spec"]["template"]["spec"]
-    assert spec["completionMode"] == "Indexed" and spec["completions"] == 2
-    assert pod_spec["terminationGracePeriodSeconds"] > 20 and pod_spec["restartPolicy"] == "Never"
-    assert spec["podReplacementPolicy"] == "Failed"
-    assert spec["podFailurePolicy"]["rules"] == [  # evictions, preemptions and leaves are not failures
-        {"action": "Ignore", "onPodConditions": [{"type": "DisruptionTarget"}]},
-        {"action": "Ignore", "onExitCodes": {"containerName": "replica", "operator": "In", "values": [143]}}]
-
-    bin_dir = tmp_path / "bin"  # the image's entry points
-    bin_dir.mkdir()
-    for name, module in (("recover", "recover"), ("torchrun", "torch.distributed.run")):
-        (bin_dir / name).write_text(f"#!/bin/sh\nexec {sys.executable} -m {module} \"$@\"\n")
-        (bin_dir / name).chmod(0o755)
-    services = [d["metadata"]["name"] for d in docs if d["kind"] == "Service"]
-    env = {**subprocess_env(), "PATH": f"{bin_dir}{os.pathsep}{os.environ['PATH']}", "PYTHONUNBUFFERED": "1"}
-    coord_cmd = pod_command(coord_pod[0], tmp_path, services, docs)
-    replica_cmd = pod_command(job["spec"]["template"], tmp_path, services, docs)
-    run = tmp_path / "runs" / "rt"
-
-    coordinator = procs.start(coord_cmd, env, tmp_path / "coordinator.log")
-    deadline = time.time() + 120
-    while '"ready": true' not in (tmp_path / "coordinator.log").read_text():
-        assert coordinator.poll() is None and time.time() < deadline, (tmp_path / "coordinator.log").read_text()
-        time.sleep(0.1)
-    pods = {i: procs.start(replica_cmd, {**env, "JOB_COMPLETION_INDEX": str(i)}, tmp_path / f"replica_{i}.log")
-            for i in (0, 1)}
-    deadline = time.time() + 120
-    while last_step(run) < 0:
-        assert all(p.poll() is None for p in pods.values()) and time.time() < deadline, \
-            (tmp_path / "replica_0.log").read_text()[-3000:]
-        procs.track()
-        time.sleep(0.1)
-    t0 = time.time()
-    pods[1].send_signal(signal.SIGTERM)  # kubectl delete pod, a drain, a preemption: its first process
-    assert wait_for(pods[1], procs, 60, tmp_path / "replica_1.log") == 143
-    print(f"the deleted pod ended {time.time() - t0:.1f} s after its SIGTERM")
-    # the Job's new pod for index 1 (podReplacementPolicy Failed: once the old one has terminated)
-    pods[1] = procs.start(replica_cmd, {**env, "JOB_COMPLETION_INDEX": "1"}, tmp_path / "replica_1.log")
-    for i, pod in pods.items():
-        assert wait_for(pod, procs, 180, tmp_path / f"replica_{i}.log") == 0
-
-    # the step records as `recover collect` merges them (the Slurm test runs the command itself)
-    merged = StepRecords(json.loads(line) for path in sorted((run / "replicas").glob("*.jsonl"))
-                         for line in path.read_text().splitlines()).merged()
-    rows = [merged[s] for s in sorted(merged)]
-    assert [r["step"] for r in rows] == list(range(20)) and {r["microbatches"] for r in rows} == {8}
-    ev = events(run)
-    leave, _ = notice_costs(ev, 1, t0)
-    assert not [e for e in ev if e["kind"] == "failure_detected"] and rows[-1]["live_replicas"] == 2
-    assert rows[leave["step"] + 1]["live_replicas"] == 1
-    coordinator.send_signal(signal.SIGTERM)  # kubectl delete: with no job running it exits at once
-    assert coordinator.wait(20) == 0
