@@ -10,8 +10,9 @@ Service's name resolves to the coordinator pod's address through each namespace'
 cluster's DNS resolves it to the Service's address: the replicas reach the coordinator and its c10d store
 across the bridge, never through 127.0.0.1. A new coordinator pod takes the same address (the Service's,
 which outlives its pods); a new replica pod (the Job's replacement for its index) gets a new host and
-address. Volumes are directories (the claim's, and the Secret's keys written as files), the image's entry
-points (`recover`, `torchrun`) scripts running this interpreter's; torchrun is the real one.
+address. Volumes are directories (the claim's, an emptyDir the pod's own, the Secret's keys written as
+files), the image's entry points (`recover`, `torchrun`) scripts running this interpreter's; torchrun is
+the real one.
 
 Scenarios (deterministic, `debug` preset, 2 replicas of 1 process, 30 steps), each compared bitwise with
 a failure-free `recover launch` of the same config (`recover compare --tol 0` on what `recover collect`
@@ -19,8 +20,10 @@ makes of the run, as the README runs them in the coordinator's pod): failure-fre
 (SIGKILL to every process of it: the others recover in-step and the Job's new pod joins); a replica pod
 deleted (SIGTERM to its first process: the replica leaves at its next commit, the pod ends with 143, the
 new pod joins); the coordinator pod killed and a new one started with the same command (the replicas wait
-for it and lose no step). Every pod ends by itself (the coordinator on SIGTERM, as `kubectl delete` sends
-it once the Job is done) and no process is left in any of the namespaces; then the namespaces go.
+for it and lose no step); the coordinator pod deleted (SIGTERM: a stop at a checkpoint, the replica pods
+end with 6, the new pods resume from it). Every pod ends by itself (the coordinator on SIGTERM, as
+`kubectl delete` sends it once the Job is done) and no process is left in any of the namespaces; then the
+namespaces go.
 """
 
 from __future__ import annotations
@@ -47,9 +50,10 @@ OLDEST, NEWEST = (1, 29), (1, 37)  # podReplacementPolicy is on by default from 
 STEPS = 30
 FLAGS = ["--training.steps", str(STEPS), "--training.eval_every", "10", "--training.deterministic", "true",
          "--training.threads", "1"]
-# 0.2 s per microbatch: 0.8 s a step with both replicas, 1.6 s with one: the ~45 s after a fault at step 0
-# leave a new pod time to start (torchrun and its worker: 8 to 27 s on 2 cores at load 6-7) and join
-DEVICE_S = "0.2"
+# emulated device time per microbatch (it changes no bit). Where a new replica pod must join: 0.8 s a step
+# with both replicas, 1.6 s with one: the ~45 s after a fault at step 0 leave it time to start (torchrun
+# and its worker: 8 to 27 s on 2 cores at load 6-10) and join; elsewhere steps as short as a pod's tests allow
+JOINING_S, SHORT_S = "0.2", "0.05"
 SHAPES = {  # representative renderings: what --set combinations users write
     "cpu": {"REPLICAS": "2", "GPUS_PER_REPLICA": "0", "CONFIG": "debug"},
     "gpus": {"REPLICAS": "4", "IMAGE": "registry.example/recover:1", "CONFIG": "125m",
@@ -120,7 +124,8 @@ def test_the_schema_check_rejects_a_broken_manifest(breakage: str) -> None:
 
 def test_render_refuses_a_bad_value_and_the_job_replaces_a_left_or_disrupted_pod() -> None:
     """render.py refuses a value out of range before writing anything; the Job's pods are replaced, not
-    counted as failures, when they end with 143 (a leave) or were disrupted (eviction, preemption, drain)."""
+    counted as failures, when they end with 6 (a stop, checkpoint saved) or 143 (a leave) or were disrupted
+    (eviction, preemption, drain)."""
     yaml = pytest.importorskip("yaml")
     bad = subprocess.run([sys.executable, str(RENDER), "--set", "GRACE_S=10"], capture_output=True, text=True,
                          timeout=60)
@@ -131,7 +136,7 @@ def test_render_refuses_a_bad_value_and_the_job_replaces_a_left_or_disrupted_pod
     assert pod["restartPolicy"] == "Never" and spec["podReplacementPolicy"] == "Failed"
     assert spec["podFailurePolicy"]["rules"] == [
         {"action": "Ignore", "onPodConditions": [{"type": "DisruptionTarget", "status": "True"}]},
-        {"action": "Ignore", "onExitCodes": {"containerName": "replica", "operator": "In", "values": [143]}}]
+        {"action": "Ignore", "onExitCodes": {"containerName": "replica", "operator": "In", "values": [6, 143]}}]
 
 
 # ---- the pods' commands on hosts of their own ------------------------------------------------------------
@@ -139,11 +144,8 @@ class Job:
     """The rendered job's pods as processes in network namespaces (see the module docstring)."""
 
     def __init__(self, tmp: Path, corpus: Path, hosts: Hosts) -> None:
-        import yaml
-
-        self.tmp, self.hosts = tmp, hosts
-        overrides = " ".join(["--data.path", str(corpus), *FLAGS, "--training.device_time_s", DEVICE_S])
-        self.docs = list(yaml.safe_load_all(render({**SHAPES["cpu"], "NAME": "rk", "OVERRIDES": overrides})))
+        self.tmp, self.hosts, self.corpus = tmp, hosts, corpus
+        self.docs: list[dict[str, Any]] = []
         self.pods: list[subprocess.Popen[str]] = []
         self.coord: subprocess.Popen[str] | None = None
         self.bin = tmp / "image-bin"  # the image's entry points
@@ -152,23 +154,29 @@ class Job:
             (self.bin / name).write_text(f"#!/bin/sh\nexec {sys.executable} -m {module} \"$@\"\n")
             (self.bin / name).chmod(0o755)
         self.run_dir = tmp / "runs" / "rk"
-        self.service = self.doc("Service", "rk-coordinator")["metadata"]["name"]
+        self.service = "rk-coordinator"
+
+    def render(self, device_s: str) -> None:
+        """The job's manifests: 2 replicas of 1 process on CPUs, the test's flags as OVERRIDES."""
+        import yaml
+
+        overrides = " ".join(["--data.path", str(self.corpus), *FLAGS, "--training.device_time_s", device_s])
+        self.docs = list(yaml.safe_load_all(render({**SHAPES["cpu"], "NAME": "rk", "OVERRIDES": overrides})))
+        assert self.doc("Service", self.service)
 
     def doc(self, kind: str, name: str) -> dict[str, Any]:
         (d,) = [d for d in self.docs if d["kind"] == kind and d["metadata"]["name"] == name]
         return d
 
-    def container(self, pod: dict[str, Any]) -> tuple[list[str], dict[str, str]]:
+    def container(self, pod: dict[str, Any], host: str) -> tuple[list[str], dict[str, str]]:
         """The pod's command with each volume a directory under the test's folder (a Secret's keys written
-        as files), and its environment."""
+        as files, an emptyDir the pod's own), and its environment."""
         (c,) = pod["spec"]["containers"]
         volumes = {v["name"]: v for v in pod["spec"].get("volumes", [])}
         mounts = {}
         for m in c.get("volumeMounts", []):
             vol = volumes[m["name"]]
-            if "emptyDir" in vol:
-                continue
-            local = self.tmp / "volumes" / m["name"]
+            local = self.tmp / "volumes" / (f"{host}-{m['name']}" if "emptyDir" in vol else m["name"])
             local.mkdir(parents=True, exist_ok=True)
             if "secret" in vol:
                 for key, value in self.doc("Secret", vol["secret"]["secretName"])["stringData"].items():
@@ -192,7 +200,7 @@ class Job:
         the shell before it exec into it)."""
         self.hosts.hosts_file(self.hosts.ns[host], {self.service: self.hosts.addr["coord"],
                                                      hostname: self.hosts.addr[host]})
-        cmd, pod_env = self.container(pod)
+        cmd, pod_env = self.container(pod, host)
         argv = self.hosts.cmd(self.hosts.ns[host], ["unshare", "--uts", "sh", "-c", 'hostname "$0" && exec "$@"',
                                                     hostname, *cmd])
         with open(self.tmp / f"{hostname}.log", "a") as log:
@@ -257,9 +265,9 @@ class Job:
     def collect_and_compare(self, reference: Path) -> list[dict[str, Any]]:
         """`recover collect` in the coordinator's pod, then `recover compare --tol 0` with ``reference``;
         returns the step records."""
+        env = self.container(self.doc("Deployment", "rk-coordinator")["spec"]["template"], "coord")[1]
         collect = subprocess.run(self.hosts.cmd(self.hosts.ns["coord"], ["recover", "collect", str(self.run_dir)]),
-                                 env=self.container(self.doc("Deployment", "rk-coordinator")["spec"]["template"])[1],
-                                 capture_output=True, text=True, timeout=120)
+                                 env=env, capture_output=True, text=True, timeout=120)
         assert collect.returncode == 0, collect.stdout + collect.stderr
         compare = subprocess.run([sys.executable, "-m", "recover", "compare", str(reference), str(self.run_dir),
                                   "--tol", "0"], capture_output=True, text=True, timeout=120,
@@ -300,7 +308,7 @@ def job(tmp_path: Path, corpus: Path) -> Iterator[Job]:
     if (why := usable()) is not None:
         pytest.skip(why)
     pytest.importorskip("yaml")
-    hosts = Hosts("rk", ["coord", "r0", "r1", "r1b"])
+    hosts = Hosts("rk", ["coord", "r0", "r1", "r0b", "r1b"])
     job = Job(tmp_path, corpus, hosts)
     try:
         yield job
@@ -313,8 +321,9 @@ def job(tmp_path: Path, corpus: Path) -> Iterator[Job]:
     assert not re.search(r"^rk-", left, re.M), left
 
 
-def started(job: Job) -> tuple[subprocess.Popen[str], dict[int, subprocess.Popen[str]]]:
-    """The coordinator's pod, ready, and both replica pods, training (step 0 recorded)."""
+def started(job: Job, device_s: str = SHORT_S) -> tuple[subprocess.Popen[str], dict[int, subprocess.Popen[str]]]:
+    """The job rendered; the coordinator's pod, ready, and both replica pods, training (step 0 recorded)."""
+    job.render(device_s)
     coordinator = job.coordinator()
     pods = {i: job.replica(i, f"r{i}") for i in (0, 1)}
     job.until(lambda: job.last_step(0) >= 0, 180, job.tmp / "rk-replicas-0.log", coordinator, *pods.values())
@@ -336,7 +345,7 @@ def test_the_pods_train_across_hosts_bitwise_equal_to_launch(job: Job, reference
 def test_a_killed_replica_pod_is_recovered_in_step_and_its_new_pod_joins(job: Job, reference: Path) -> None:
     """Every process of replica 1's pod SIGKILLed (a node's death, an OOM kill): replica 0 recovers
     in-step; the Job's new pod for index 1, on another host, joins; no step is lost."""
-    _, pods = started(job)
+    _, pods = started(job, JOINING_S)
     t0 = time.time()
     job.kill_pod("r1")
     assert job.wait(pods[1], 30) == -signal.SIGKILL  # the kubelet reports 137
@@ -357,7 +366,7 @@ def test_a_deleted_replica_pod_leaves_ends_with_143_and_its_new_pod_joins(job: J
     """SIGTERM to replica 1's first process (kubectl delete pod, a drain, a preemption): the replica leaves
     at its next commit (no failure detected), the pod ends with 143 (the Job's podFailurePolicy ignores
     it), the new pod for index 1 joins; every step committed with all microbatches."""
-    _, pods = started(job)
+    _, pods = started(job, JOINING_S)
     t0 = time.time()
     pods[1].send_signal(signal.SIGTERM)
     assert job.wait(pods[1], 90) == 143
@@ -395,3 +404,28 @@ def test_the_coordinator_pods_loss_loses_no_step(job: Job, reference: Path) -> N
     assert back, [e["kind"] for e in ev][-20:]
     print(f"the coordinator's pod killed: a new one ready {ready:.1f} s later, the replicas back after "
           f"{max(e['outage_ms'] for e in back) / 1e3:.1f} s; load {os.getloadavg()[0]:.1f}")
+
+
+def test_a_deleted_coordinator_pod_stops_the_job_at_a_checkpoint_and_the_new_pods_resume(
+        job: Job, reference: Path) -> None:
+    """SIGTERM to the coordinator's pod (its deletion, eviction, a drained node): the next commit is a stop,
+    replica 0 saves a complete checkpoint, both replica pods end with 6 (stopped: the Job's podFailurePolicy
+    replaces them without counting a failure; torchrun itself ends with 1), the coordinator with 0. The
+    Deployment's new pod and the Job's new pods (other hosts) continue from the checkpoint (--resume): every
+    step once, bitwise."""
+    coordinator, pods = started(job)
+    job.until(lambda: job.last_step(0) >= 2, 120, job.tmp / "rk-replicas-0.log", coordinator, *pods.values())
+    coordinator.send_signal(signal.SIGTERM)
+    assert [job.wait(p, 120) for p in pods.values()] == [6, 6]
+    assert job.wait(coordinator, 60) == 0
+    saved = sorted((job.run_dir / "checkpoints").glob("step_*/COMMITTED"))
+    assert saved and job.last_step(0) < STEPS - 1, saved
+    job.coordinator()
+    new = [job.replica(i, f"r{i}b") for i in (0, 1)]
+    assert [job.wait(p, 240) for p in new] == [0, 0]
+    job.end()
+    rows = job.collect_and_compare(reference)
+    assert {r["live_replicas"] for r in rows} == {2}
+    resumed = [e for e in job.events() if e["kind"] == Event.STARTED and e["step"] > 0]
+    assert sorted(e["replica"] for e in resumed) == [0, 1] and not any(e["joined"] for e in resumed), resumed
+    assert {e["step"] for e in resumed} == {int(saved[-1].parent.name.split("_")[1])}  # from the checkpoint
