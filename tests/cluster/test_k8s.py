@@ -19,6 +19,7 @@ from __future__ import annotations
 
 import os
 import re
+import shutil
 import signal
 import subprocess
 import sys
@@ -119,7 +120,7 @@ def reference(tmp_path_factory: pytest.TempPathFactory, corpus: Path) -> Path:
 
 @pytest.fixture
 def job(tmp_path: Path, corpus: Path) -> Iterator[Job]:
-    if (why := usable()) is not None:
+    if (why := usable() or (None if shutil.which("unshare") else "`unshare` (util-linux) is not installed")):
         pytest.skip(why)
     pytest.importorskip("yaml")
     hosts = Hosts("rk", ["coord", "r0", "r1", "r0b", "r1b"])
