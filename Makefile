@@ -65,7 +65,11 @@ test-interop: $(STAMP)
 # coordinator; the Kubernetes manifests are checked against the API schema and their pods' commands run in
 # namespaces. Needs root (namespaces); installs slurm-wlm, munge and prometheus with apt-get when absent
 # (~2 min); without root or apt its tests are skipped with the reason. CI runs it after make test-interop.
+K8S_VALIDATE := kubernetes-validate==1.37.0
+
 test-slurm: $(STAMP)
+	@$(PY) -c 'import kubernetes_validate' 2>/dev/null || { echo "installing $(K8S_VALIDATE) into $(VENV)"; \
+		$(PY) -m pip install -q $(K8S_VALIDATE); }
 	$(PY) -m pytest -q -p no:cacheprovider -rs --durations=0 tests/cluster
 
 test-unit: $(STAMP)
