@@ -69,6 +69,12 @@ class Prometheus:
         assert len(result) <= 1, result
         return float(result[0]["value"][1]) if result else None
 
+    def samples(self, expr: str) -> list[float]:
+        """The values of a range vector ``expr`` (one series, e.g. ``recover_live_replicas[10m]``), oldest first."""
+        result = self.query(expr)
+        assert len(result) <= 1, result
+        return [float(v) for _, v in result[0]["values"]] if result else []
+
     def wait_up(self, timeout: float) -> None:
         """Until a scrape of the target has succeeded."""
         deadline = time.time() + timeout
