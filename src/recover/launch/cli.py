@@ -299,12 +299,7 @@ def check_launch(req: LaunchRequest) -> LaunchOptions:
     if req.metrics_port:  # taken now: refused here in one line, not by the coordinator once it all started
         MetricsServer("127.0.0.1", req.metrics_port).close()
     if req.resume:
-        from recover.train.integrity import list_checkpoints
-
-        if not list_checkpoints(Path(req.out) / "checkpoints"):
-            raise ConfigError(f"--resume: no complete checkpoint under {Path(req.out) / 'checkpoints'}; run without "
-                              "--resume to start afresh (a checkpoint is saved on SIGTERM, on quorum loss and every "
-                              "training.checkpoint_every steps)")
+        check_resume(cfg, Path(req.out))
         if req.baseline:
             raise ConfigError("--resume continues a recover run; the baselines restart by themselves")
     if cfg.training.init_from:  # a source that does not fit is refused here, not by every worker
@@ -328,6 +323,34 @@ def check_launch(req: LaunchRequest) -> LaunchOptions:
                          metrics_port=req.metrics_port,
                          placement=placement, script=req.script, max_replicas=req.max_replicas or p.replicas, tls=tls,
                          title=f"{cfg.name} x{p.replicas}" + (f" (x{P} ranks)" if P > 1 else ""))
+
+
+def check_resume(cfg: Config, out: Path) -> None:
+    """What ``--resume`` needs, from the newest complete checkpoint under ``out`` before any process starts:
+    one to resume from, written for this model (one of another model would be refused by every worker, once
+    each), and no more steps in it than the run has.
+
+    Raises:
+        ConfigError: one line naming the checkpoint and the fix.
+    """
+    from recover.errors import CheckpointError, IncompatibleCheckpoint
+    from recover.train.integrity import check_compatible, list_checkpoints, read_meta
+
+    found = list_checkpoints(out / "checkpoints")
+    if not found:
+        raise ConfigError(f"--resume: no complete checkpoint under {out / 'checkpoints'}; run without "
+                          "--resume to start afresh (a checkpoint is saved on SIGTERM, on quorum loss and every "
+                          "training.checkpoint_every steps)")
+    step, path = found[-1]
+    try:
+        check_compatible(read_meta(path), cfg.model, path)
+    except IncompatibleCheckpoint as exc:
+        raise ConfigError(f"--resume: {exc}") from None
+    except CheckpointError:
+        pass  # damaged: the workers name it and fall back to an older one
+    if step > cfg.training.steps:
+        raise ConfigError(f"--resume: the newest checkpoint, {path}, holds {step} committed steps, more than "
+                          f"training.steps = {cfg.training.steps}: give --steps {step} or more (or a new --out)")
 
 
 def warm_spares(req: LaunchRequest, placement: Placement, ranks: int) -> int:

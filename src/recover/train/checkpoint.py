@@ -57,10 +57,11 @@ import torch
 from torch import nn
 
 from recover.config import ModelConfig
-from recover.errors import CheckpointError, IncompatibleCheckpoint
+from recover.errors import CheckpointError
 from recover.train.describe import RunDescription, describe_run
 from recover.train.integrity import (  # noqa: F401 - the on-disk helpers are part of this module's API
     MARKER,
+    check_compatible,
     checkpoint_path,
     latest_checkpoint,
     list_checkpoints,
@@ -251,16 +252,6 @@ def _fsync_dir(path: Path) -> None:
         os.fsync(fd)
     finally:
         os.close(fd)
-
-
-def check_compatible(meta: dict[str, Any], model_cfg: ModelConfig, path: Path) -> None:
-    saved = {"arch": "llama", **meta.get("model", {})}  # written before model.arch existed: Llama, the only one
-    current = dataclasses.asdict(model_cfg)
-    diffs = [f"model.{k}: checkpoint {saved.get(k)!r}, this run {v!r}" for k, v in current.items()
-             if saved.get(k) != v]
-    if diffs:
-        raise IncompatibleCheckpoint(f"checkpoint {path} was written for another model ({'; '.join(diffs)}); "
-                                     "resume with the same model config, or use a new --out directory")
 
 
 def load_checkpoint(path: str | os.PathLike[str], model: nn.Module, optimizer: torch.optim.Optimizer,
