@@ -9,12 +9,13 @@ from __future__ import annotations
 
 import os
 import subprocess
+import sys
 from collections.abc import Iterator
 from pathlib import Path
 
 import pytest
 
-from conftest import losses, run_recover
+from conftest import ROOT, losses, run_recover, subprocess_env
 from recover.observe.events import read_jsonl
 
 STEPS = 6
@@ -62,3 +63,35 @@ def test_a_full_checkpoint_disk_abandons_saves_and_training_goes_on_bitwise(smal
     logs = (run / "logs" / "replica_0.log").read_text() + (run / "logs" / "replica_1.log").read_text()
     assert logs.count("abandoned: could not write") == 2 and "Traceback" not in logs + res.stderr
     assert "without its final checkpoint: checkpoint of step 6 abandoned: could not write" in res.stderr
+
+
+FULL_AT_SUMMARY = """
+import errno, pathlib, sys
+write_text = pathlib.Path.write_text
+def full(self, *args, **kwargs):
+    if self.name == "summary.json":  # the disk fills as the job ends: the launcher's own write is refused
+        raise OSError(errno.ENOSPC, "No space left on device")
+    return write_text(self, *args, **kwargs)
+pathlib.Path.write_text = full
+from recover.cli import main
+sys.exit(main(sys.argv[1:]))
+"""
+
+
+def test_the_launchers_own_records_refused_by_the_storage_end_with_status_12_and_its_line(
+        corpus: Path, tmp_path: Path) -> None:
+    # issue 41: the launcher died with an OSError traceback writing summary.json, status 1 and no line
+
+    run = tmp_path / "run"
+    res = subprocess.run([sys.executable, "-c", FULL_AT_SUMMARY, "launch", "--config", "debug", "--replicas", "2",
+                          "--steps", "3", "--out", str(run), "--no-progress", "--data.path", str(corpus)],
+                         capture_output=True, text=True, timeout=300, env=subprocess_env(), cwd=ROOT)
+    assert res.returncode == 12, res.stderr[-3000:]
+    assert "Traceback" not in res.stderr + res.stdout
+    lines = [line for line in res.stderr.splitlines() if line.startswith("recover: ")]
+    assert len(lines) == 1, res.stderr
+    assert lines[0].startswith(f"recover: the storage refused the launcher's records after 3 committed steps: could "
+                               f"not write {run / 'summary.json'} (")
+    assert "MiB free; OSError: [Errno 28] No space left on device); free some space and run `recover collect " \
+           f"{run}` to write them" in lines[0]
+    assert [r["step"] for r in read_jsonl(run / "metrics.jsonl")] == [0, 1, 2] and not (run / "summary.json").exists()

@@ -13,6 +13,7 @@ a bad request is refused in well under a second with one line and exit status 2.
 from __future__ import annotations
 
 import argparse
+import contextlib
 import json
 import os
 import signal
@@ -410,8 +411,12 @@ def launch(req: LaunchRequest) -> int:
     resolve_data_dir(opts.config.data, quiet=not req.progress)
     launcher = Launcher(opts)
     code = launcher.run()
-    _report(launcher, opts, req.reference)
-    if code == EXIT_UNSAVED:
+    unwritten = _report(launcher, opts, req.reference)
+    if unwritten:  # the job's own status and line stand; a finished job ends with the storage's
+        print(f"recover: the storage refused the launcher's records after {launcher.written + 1} committed steps: "
+              f"{unwritten}; free some space and run `recover collect {opts.out}` to write them", file=sys.stderr)
+        code = code or EXIT_UNSAVED
+    elif code == EXIT_UNSAVED:
         from recover.observe.events import read_jsonl
 
         lost = [e for e in read_jsonl(opts.out / "events.jsonl") if e.get("kind") == Event.CHECKPOINT_UNSAVED][-1:]
@@ -459,13 +464,22 @@ def launch(req: LaunchRequest) -> int:
     return code
 
 
-def _report(launcher: Launcher, opts: LaunchOptions, reference: Path | None) -> None:
-    """Summary, recovery events, plots and the one-line result of a finished run."""
+def _report(launcher: Launcher, opts: LaunchOptions, reference: Path | None) -> str | None:
+    """Summary, recovery events, plots and the one-line result of a finished run; returns the line naming
+    ``summary.json`` when the storage refused it (a full disk), else None."""
     from recover.launch.report import plot_run, summarize
     from recover.observe.events import EventLog
+    from recover.observe.rundir import refused
 
     out = opts.out
-    summary = summarize(out, opts.config.name, launcher.wall_s)
+    summary = summarize(out, opts.config.name, launcher.wall_s, write=False)
+    unwritten = None
+    try:
+        (out / "summary.json").write_text(json.dumps(summary, indent=1))
+    except OSError as exc:
+        unwritten = refused(out / "summary.json", exc)
+        with contextlib.suppress(OSError):
+            (out / "summary.json").unlink(missing_ok=True)  # never a torn one
     with EventLog(out / "events.jsonl") as events:  # kill -> all survivors computing again, per kill
         for rec in summary["recoveries"]:
             events.event(Event.RECOVERY, **rec)
@@ -485,6 +499,7 @@ def _report(launcher: Launcher, opts: LaunchOptions, reference: Path | None) -> 
           f"{summary['rejoins']}{extra}; median recovery {lat if lat is not None else '-'} ms; "
           f"goodput {100 * summary['goodput']['ettr']:.1f}%; "
           f"final val loss {summary['final_val_loss']}; outputs in {out}", flush=True)
+    return unwritten
 
 
 def _ids(flag: str, text: str | None) -> frozenset[int] | None:

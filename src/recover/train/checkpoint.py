@@ -42,6 +42,7 @@ from __future__ import annotations
 
 import dataclasses
 import json
+import math
 import os
 import shutil
 import sys
@@ -319,21 +320,35 @@ def abandon(root: str | os.PathLike[str], step: int, exc: BaseException, then: s
     ``.replaced`` ones stay) and returns one line naming the path of ``step``'s, the free space and the
     cause, ending with ``then`` (:data:`GOES_ON` or :data:`UNSAVED`)."""
     final = Path(root) / f"step_{step:06d}"
+    full = _free_bytes(root) < FULL_BYTES  # before the partial files go: what the save met
     for partial in Path(root).glob("step_*.partial"):
         shutil.rmtree(partial, ignore_errors=True)
-    try:
-        free = f"{shutil.disk_usage(root).free / 2**20:,.1f} MiB free"
-    except OSError as err:
-        free = f"free space unknown ({err.strerror})"
+    free = _free_bytes(root)
+    free_text = f"{free / 2**20:,.1f} MiB free" if free != math.inf else "free space unknown"
     failures = getattr(exc, "failures", None)  # DCP's wrapper: rank -> (exception, traceback)
     if failures:
         first = next(iter(failures.values()))
         exc = first[0] if isinstance(first, tuple) else first
     cause = str(exc).strip().splitlines()[0][:160] if str(exc).strip() else ""
+    what = f"{type(exc).__name__}{': ' + cause if cause else ''}"
+    if full and not (isinstance(exc, OSError) and exc.errno):  # torch's zip writer loses the errno
+        what = f"ENOSPC: no space left on device (torch's writer said {what})"
     if then == UNSAVED and not list_checkpoints(root):
         then = UNSAVED_NONE
-    return (f"checkpoint of step {step} abandoned: could not write {final} ({free}; {type(exc).__name__}"
-            f"{': ' + cause if cause else ''}); {then}")
+    return f"checkpoint of step {step} abandoned: could not write {final} ({free_text}; {what}); {then}"
+
+
+FULL_BYTES = 1 << 20
+"""Below this much free space a save that failed without an errno (torch's zip writer: "unexpected pos",
+"file write failed") is named as what it is, ENOSPC."""
+
+
+def _free_bytes(root: str | os.PathLike[str]) -> float:
+    """Free bytes for this user on ``root``'s file system (inf when the system does not say)."""
+    try:
+        return float(shutil.disk_usage(root).free)
+    except OSError:
+        return math.inf
 
 
 class Checkpointer:
