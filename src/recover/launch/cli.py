@@ -423,6 +423,8 @@ def launch(req: LaunchRequest) -> int:
         why = lost[0]["message"] if lost else "the storage refused the final checkpoint"
         print(f"recover: the job ended after {launcher.written + 1} committed steps without its final checkpoint: "
               f"{why}", file=sys.stderr)
+    elif code == EXIT_QUORUM_LOST and launcher.all_lost:
+        print(f"recover: the job stopped: {_everyone_lost(opts.out)}", file=sys.stderr)
     elif code == EXIT_QUORUM_LOST:
         print("recover: the job stopped because too few replicas survived; a complete checkpoint was saved "
               f"under {opts.out / 'checkpoints'}", file=sys.stderr)
@@ -462,6 +464,25 @@ def launch(req: LaunchRequest) -> int:
               f"fault_tolerance.stop_grace_s; the newest complete checkpoint under {opts.out / 'checkpoints'} "
               "(if any) is where --resume continues", file=sys.stderr)
     return code
+
+
+LOST_AS = {"connection_closed": "died", "heartbeat_timeout": "went silent", "hung": "hung"}
+"""How a replica was lost, by the cause of its ``failure_detected``, in the line of a job that lost them all."""
+
+
+def _everyone_lost(out: Path) -> str:
+    """The line of a job whose every replica was fenced or killed with none to come back: who went how, and
+    the newest complete checkpoint to resume from."""
+    from recover.observe.events import read_jsonl
+    from recover.train.integrity import list_checkpoints
+
+    causes = {e["replica"]: e.get("cause", "lost") for e in read_jsonl(out / "events.jsonl")
+              if e.get("kind") == Event.FAILURE_DETECTED and "replica" in e}
+    how = ", ".join(f"replica {r} {LOST_AS.get(c, c)}" for r, c in sorted(causes.items())) or "fenced or killed"
+    step, path = list_checkpoints(out / "checkpoints")[-1]
+    return (f"every replica was lost ({how}) and none was to come back (no --rejoin-after); the newest complete "
+            f"checkpoint is {path} (step {step}): continue with the same command and --resume, redoing the steps "
+            "after it")
 
 
 def _report(launcher: Launcher, opts: LaunchOptions, reference: Path | None) -> str | None:

@@ -20,8 +20,9 @@ Contract:
   (SIGTERM to one worker alone is that replica's graceful leave, :mod:`recover.train.worker`), the next
   commit is a stop, the lowest live replica saves a complete checkpoint, and everything exits; after
   ``fault_tolerance.stop_grace_s`` whatever still runs is killed. A second signal kills at once.
-  Exit statuses: 0 every step committed, 3 quorum lost, 6 stopped with a checkpoint (continue with
-  ``--resume``), 7 the coordinator was lost for good (a checkpoint was saved), 8 the replicas'
+  Exit statuses: 0 every step committed, 3 quorum lost (also when every replica was fenced or killed
+  with none to come back and an older complete checkpoint exists; with none, 11), 6 stopped with a
+  checkpoint (continue with ``--resume``), 7 the coordinator was lost for good (a checkpoint was saved), 8 the replicas'
   parameters disagree with no majority (each side saved), 9 the training diverged (a microbatch not
   finite on two replicas), 10 bad data, 11 every replica holding the state lost with no checkpoint to
   fall back to (with one, the replicas that come back restore it and the job goes on), 12 the storage
@@ -42,6 +43,7 @@ from typing import Any
 from recover.config import write_run_config
 from recover.launch.faultclock import FaultClock
 from recover.launch.job import LaunchOptions
+from recover.launch.processes import LOST
 from recover.launch.records import JsonlTail, StepRecords, metrics_row, write_metrics
 from recover.launch.supervisor import POLL_S, Supervisor
 from recover.observe.events import EventLog, JsonlWriter
@@ -96,6 +98,8 @@ class Launcher:
         self.stop_started: float | None = None
         self.goodput_at, self.goodput_line = 0.0, None
         self.wall_s = 0.0
+        self.all_lost = False
+        """Whether the job ended because every replica was fenced or killed with none to come back."""
 
     def _prepare_out(self) -> float:
         """The run directory; with ``resume``, the step records before the newest checkpoint are kept.
@@ -258,7 +262,14 @@ class Launcher:
         self.events.close()
         if self.written + 1 >= self.cfg.training.steps:
             return EXIT_UNSAVED if EXIT_UNSAVED in codes.values() else 0
-        return next((status for status in EXIT_ORDER if status in codes.values()), 1)
+        status = next((status for status in EXIT_ORDER if status in codes.values()), None)
+        if status is None and self.stop_signal is None and codes and all(c == LOST for c in codes.values()):
+            # every replica fenced or killed and none to come back (no --rejoin-after): nobody saved at the end
+            from recover.train.integrity import list_checkpoints
+
+            self.all_lost = True
+            status = EXIT_QUORUM_LOST if list_checkpoints(self.out / "checkpoints") else EXIT_STATE_LOST
+        return status or 1
 
 
 __all__ = ["LaunchOptions", "Launcher"]
