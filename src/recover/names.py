@@ -161,6 +161,7 @@ class Event(str, Enum):
     REPLICA_EXIT = "replica_exit"
     RESTORED = "restored"
     RESYNCED = "resynced"
+    RUN_DIR_RECREATED = "run_dir_recreated"
     SLOWED = "slowed"
     SPARE_EXIT = "spare_exit"
     STARTED = "started"

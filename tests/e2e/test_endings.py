@@ -85,3 +85,31 @@ def test_the_last_live_replica_hung_without_rejoins_ends_with_status_3_naming_th
         f"recover: the job stopped: every replica was lost (replica 0 hung) and none was to come back "
         f"(no --rejoin-after); the newest complete checkpoint is {newest[1]} (step {newest[0]}): continue "
         "with the same command and --resume, redoing the steps after it"], err[-3000:]
+
+
+def test_the_run_directory_removed_under_the_running_job_is_created_again_and_the_job_goes_on(
+        corpus: Path, tmp_path: Path) -> None:
+    # issue 41: the launcher died with FileNotFoundError opening logs/spare_1.log at the next kill
+    import shutil
+
+    out = tmp_path / "run"
+    proc = start(out, corpus, "--replicas", "2", "--steps", "24", "--fail", "1@14:forward", "--rejoin-after", "0.3",
+                 "--training.checkpoint_every=4")
+    try:
+        wait_for("step 4", lambda: committed(out) >= 4)
+        while out.exists():  # the workers write on meanwhile: remove until nothing is left
+            shutil.rmtree(out, ignore_errors=True)
+    finally:
+        code, err = finish(proc)
+    assert code == 0, err[-3000:]
+    assert "Traceback" not in err
+    assert [line for line in err.splitlines() if line.startswith("recover: ")] == [
+        f"recover: warning: the run directory {out} was removed while the job ran; created again (logs/, replicas/, "
+        f"config.json, the token) at step {err.split(' the token) at step ')[1].split(':')[0]}: the job goes on, but "
+        "the checkpoints, logs and events written before are gone"], err[-3000:]
+    rows = list(read_jsonl(out / "metrics.jsonl"))
+    assert [r["step"] for r in rows] == list(range(24)) and {r["microbatches"] for r in rows} == {8}
+    events = list(read_jsonl(out / "events.jsonl"))
+    assert [e["kind"] for e in events].count("run_dir_recreated") == 1
+    assert any(e["kind"] == "state_received" and e["replica"] == 1 for e in events)  # the rejoin after the removal
+    assert list_checkpoints(out / "checkpoints")[-1][0] == 24  # saves go on into the new directory

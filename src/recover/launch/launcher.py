@@ -37,15 +37,18 @@ Contract:
 from __future__ import annotations
 
 import signal
+import sys
 import time
 from typing import Any
 
 from recover.config import write_run_config
+from recover.errors import RecoverError
 from recover.launch.faultclock import FaultClock
 from recover.launch.job import LaunchOptions
 from recover.launch.processes import LOST
 from recover.launch.records import JsonlTail, StepRecords, metrics_row, write_metrics
 from recover.launch.supervisor import POLL_S, Supervisor
+from recover.names import Event
 from recover.observe.events import EventLog, JsonlWriter
 from recover.observe.progress import ProgressDisplay
 from recover.train.exits import (
@@ -100,6 +103,8 @@ class Launcher:
         self.wall_s = 0.0
         self.all_lost = False
         """Whether the job ended because every replica was fenced or killed with none to come back."""
+        self.token: str | None = None
+        """The coordinator's token, kept to be written again if the run directory is removed."""
 
     def _prepare_out(self) -> float:
         """The run directory; with ``resume``, the step records before the newest checkpoint are kept.
@@ -138,6 +143,7 @@ class Launcher:
         signal.signal(signal.SIGINT, self._request_stop)
         try:
             self.supervisor.start()
+            self._read_token()
             self._watch()
             self._collect()
             self._flush_metrics(final=True)
@@ -156,6 +162,7 @@ class Launcher:
             now = time.time()
             if self.stop_signal is not None and self.stop_started is None:
                 self._begin_stop(now)
+            self._keep_run_dir()
             self.supervisor.watch_coordinator()
             for rec in self.tail.read(self.out / "events.jsonl"):
                 self.seen_events.append(rec)
@@ -184,6 +191,38 @@ class Launcher:
             elif self.stop_started is None:
                 self._strike(now)  # faults strike a job that trains, not one that ends
             time.sleep(POLL_S)
+
+    def _keep_run_dir(self) -> None:
+        """The run directory removed under the running job: what the launcher owns and the processes it
+        starts read is created again (``logs/``, ``replicas/``, ``config.json``, the coordinator's token),
+        with one warning line and a ``run_dir_recreated`` event; the job goes on. The records that every
+        writer appends reopen at their paths by themselves (:class:`~recover.observe.events.JsonlWriter`),
+        and ``metrics.jsonl`` is written whole at the end from the records the launcher holds."""
+        from recover.observe.rundir import write_private
+
+        if (self.out / "config.json").is_file():
+            return
+        token = self.token
+        try:
+            for sub in ("logs", "replicas"):
+                (self.out / sub).mkdir(parents=True, exist_ok=True)
+            write_run_config(self.cfg, self.out)
+            if token is not None:
+                write_private(self.supervisor.addr.token_file, token)
+        except OSError as exc:
+            raise RecoverError(f"the run directory {self.out} was removed while the job ran and cannot be created "
+                               f"again ({exc}); the job is lost from step {self.written + 1}") from None
+        print(f"recover: warning: the run directory {self.out} was removed while the job ran; created again "
+              f"(logs/, replicas/, config.json, the token) at step {self.written + 1}: the job goes on, but the "
+              "checkpoints, logs and events written before are gone", file=sys.stderr, flush=True)
+        self.events.event(Event.RUN_DIR_RECREATED, step=self.written + 1)
+
+    def _read_token(self) -> None:
+        """Keeps the coordinator's token (written again should its file be removed)."""
+        try:
+            self.token = self.supervisor.addr.token_file.read_text(encoding="utf-8")
+        except OSError:
+            self.token = None
 
     # ---- records ---------------------------------------------------------------------------
     def _collect(self) -> None:
@@ -238,6 +277,7 @@ class Launcher:
                           restart=self.supervisor.restarts)
         if len(survivors) >= self.cfg.fault_tolerance.min_replicas:
             self.supervisor.restart_job(survivors, resume=resume_step > 0)
+            self._read_token()
 
     def _request_stop(self, signum: int, frame: Any) -> None:
         """SIGTERM or SIGINT: a graceful stop (see the module docstring); the second one: at once."""

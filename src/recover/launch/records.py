@@ -135,6 +135,8 @@ class JsonlTail:
     def __init__(self) -> None:
         self.offsets: dict[Path, int] = {}
         """path -> the byte offset read up to (the end of its last complete line)."""
+        self.inodes: dict[Path, int] = {}
+        """path -> the inode read: a file removed and created again (its run directory deleted) is read anew."""
 
     def read(self, path: Path) -> list[Record]:
         """The JSON objects on the complete lines appended to ``path`` since the last read; a torn last
@@ -143,6 +145,9 @@ class JsonlTail:
         start = self.offsets.get(path, 0)
         try:
             with open(path, "rb") as f:
+                ino = os.fstat(f.fileno()).st_ino
+                if self.inodes.setdefault(path, ino) != ino:  # removed and created again: a new file
+                    self.inodes[path], start = ino, 0
                 f.seek(start)
                 data = f.read()
         except FileNotFoundError:

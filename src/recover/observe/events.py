@@ -8,7 +8,8 @@ Storage errors never reach the caller: a write the disk refuses (full, I/O error
 record in a bounded backlog (:data:`BACKLOG` records; beyond it the oldest not yet begun are dropped and
 counted) that every later write tries again, in order, after one warning line on stderr; a record cut
 short by a full disk is completed, never duplicated. A file that a killed writer left torn is closed
-with a newline before the first new record.
+with a newline before the first new record. A file removed under its writer (the run directory deleted
+while the job runs) is created again at its path with the next record.
 """
 
 from __future__ import annotations
@@ -44,12 +45,26 @@ class JsonlWriter:
     def write(self, record: dict[str, Any]) -> dict[str, Any]:
         line = json.dumps({"t": round(time.time(), 6), **record}, separators=(",", ":")) + "\n"
         with self._lock:
+            self._reopen_if_removed()
             if len(self._backlog) >= BACKLOG:
                 del self._backlog[1 if self._sent else 0]  # the oldest not begun: a begun one is completed
                 self.dropped += 1
             self._backlog.append(line.encode())
             self._drain()
         return record
+
+    def _reopen_if_removed(self) -> None:
+        """A file removed under the writer (its run directory deleted) is created again at its path, so
+        the records go on where readers look, not into an unlinked file. One ``fstat`` per record."""
+        try:
+            if os.fstat(self._file.fileno()).st_nlink:
+                return
+            self.path.parent.mkdir(parents=True, exist_ok=True)
+            fresh = open(self.path, "ab", buffering=0)  # noqa: SIM115 - closed in close()
+        except OSError:
+            return  # the drain names what the storage refuses
+        self._file.close()
+        self._file, self._sent = fresh, 0  # a record begun in the removed file is written whole in the new one
 
     def _drain(self) -> None:
         while self._backlog:
