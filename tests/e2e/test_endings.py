@@ -113,3 +113,31 @@ def test_the_run_directory_removed_under_the_running_job_is_created_again_and_th
     assert [e["kind"] for e in events].count("run_dir_recreated") == 1
     assert any(e["kind"] == "state_received" and e["replica"] == 1 for e in events)  # the rejoin after the removal
     assert list_checkpoints(out / "checkpoints")[-1][0] == 24  # saves go on into the new directory
+
+
+def test_a_training_shard_cut_short_under_the_running_job_is_bad_data_status_10_naming_the_file(
+        corpus: Path, tmp_path: Path) -> None:
+    # issue 41: every worker died of SIGBUS within 0.1 s, status 1, no line, no rejoin
+    import shutil
+
+    data = tmp_path / "data"
+    shutil.copytree(corpus, data)
+    shard = sorted(data.glob("train*.bin"))[0]
+    out = tmp_path / "run"
+    proc = start(out, data, "--replicas", "2", "--steps", "200", "--rejoin-after", "1",
+                 "--training.checkpoint_every=2")
+    try:
+        wait_for("step 3", lambda: committed(out) >= 3)
+        size = shard.stat().st_size
+        with open(shard, "r+b") as f:
+            f.truncate(2048)  # the header and a few hundred tokens left: the next windows past them are gone
+    finally:
+        code, err = finish(proc)
+    assert code == 10, err[-3000:]
+    assert "Traceback" not in err
+    line = [line for line in err.splitlines() if line.startswith("recover: ")]
+    assert len(line) == 1 and line[0].startswith(
+        f"recover: the job stopped on bad data: {shard}: shard changed on disk during the run ({size} bytes when "
+        "opened, now 2048)"), err[-3000:]
+    logs = "".join(p.read_text(errors="replace") for p in (out / "logs").glob("replica_*.log"))
+    assert "Traceback" not in logs and "SIGBUS" not in logs
