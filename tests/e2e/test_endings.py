@@ -141,3 +141,40 @@ def test_a_training_shard_cut_short_under_the_running_job_is_bad_data_status_10_
         "opened, now 2048)"), err[-3000:]
     logs = "".join(p.read_text(errors="replace") for p in (out / "logs").glob("replica_*.log"))
     assert "Traceback" not in logs and "SIGBUS" not in logs
+
+
+def test_a_torn_metrics_file_then_resume_recovers_the_committed_steps_from_the_replicas_logs(
+        corpus: Path, tmp_path: Path) -> None:
+    # issue 41: the record of the last step inside the checkpoint was gone for good: "59 steps committed", status 1
+    import shutil
+
+    from conftest import run_recover
+
+    def launch(out: Path, steps: int, *flags: str) -> subprocess.CompletedProcess[str]:
+        return run_recover(["launch", "--config", "debug", "--replicas", "2", "--steps", str(steps), "--out", str(out),
+                            "--no-progress", "--data.path", str(corpus), "--deterministic",
+                            "--training.checkpoint_every=3", *flags], timeout=300, check=False)
+
+    first = tmp_path / "first"
+    assert launch(first, 6).returncode == 0
+    torn = (first / "metrics.jsonl").read_bytes()
+    before = {r["step"]: r for r in read_jsonl(first / "metrics.jsonl")}
+    (first / "metrics.jsonl").write_bytes(torn[:torn.rstrip(b"\n").rfind(b"\n") + 40])  # step 5's line torn
+    lost = tmp_path / "lost"
+    shutil.copytree(first, lost)
+    for log in (lost / "replicas").glob("*.jsonl"):
+        log.unlink()  # and no replica log to recover it from
+
+    res = launch(first, 9, "--resume")
+    assert res.returncode == 0, res.stderr[-3000:]
+    rows = {r["step"]: r for r in read_jsonl(first / "metrics.jsonl")}
+    assert sorted(rows) == list(range(9))
+    assert {s: rows[s]["loss"] for s in range(6)} == {s: before[s]["loss"] for s in range(6)}  # step 5 recovered
+    assert rows[5]["microbatches"] == 8 and abs(rows[5]["elapsed_s"] - before[5]["elapsed_s"]) < 0.5
+
+    res = launch(lost, 9, "--resume")
+    assert res.returncode == 0, res.stderr[-3000:]
+    assert [line for line in res.stderr.splitlines() if line.startswith("recover: ")] == [
+        "recover: warning: the records of committed steps 5 are lost (metrics.jsonl torn and no replica log holds "
+        "them); the steps are in the checkpoint, their records stay missing from metrics.jsonl"]
+    assert [r["step"] for r in read_jsonl(lost / "metrics.jsonl")] == [0, 1, 2, 3, 4, 6, 7, 8]

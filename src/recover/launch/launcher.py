@@ -46,7 +46,7 @@ from recover.errors import RecoverError
 from recover.launch.faultclock import FaultClock
 from recover.launch.job import LaunchOptions
 from recover.launch.processes import LOST
-from recover.launch.records import JsonlTail, StepRecords, metrics_row, write_metrics
+from recover.launch.records import JsonlTail, StepRecords, metrics_row, recover_rows, write_metrics
 from recover.launch.supervisor import POLL_S, Supervisor
 from recover.names import Event
 from recover.observe.events import EventLog, JsonlWriter
@@ -68,6 +68,17 @@ EXIT_ORDER = (EXIT_UNSAVED, EXIT_DIVERGED, EXIT_NONFINITE, EXIT_BAD_DATA, EXIT_S
               EXIT_COORDINATOR_LOST, EXIT_STOPPED)
 """An unfinished job's exit status: the first of these that a replica exited with (else 1); a finished
 job's is 0, or :data:`EXIT_UNSAVED` when its final checkpoint could not be written."""
+
+
+def _ranges(steps: list[int]) -> str:
+    """``[3, 4, 5, 9]`` -> ``3-5, 9``."""
+    out: list[str] = []
+    for s in sorted(steps):
+        if out and out[-1].split("-")[-1] == str(s - 1):
+            out[-1] = f"{out[-1].split('-')[0]}-{s}"
+        else:
+            out.append(str(s))
+    return ", ".join(out)
 
 
 class Launcher:
@@ -109,7 +120,7 @@ class Launcher:
     def _prepare_out(self) -> float:
         """The run directory; with ``resume``, the step records before the newest checkpoint are kept.
         Returns when the run began."""
-        from recover.observe.events import records_before
+        from recover.observe.events import read_jsonl, records_before
         from recover.train.integrity import list_checkpoints, remove_leftovers
 
         for sub in ("logs", "replicas"):
@@ -117,9 +128,16 @@ class Launcher:
         remove_leftovers(self.out / "checkpoints")  # what interrupted saves left (no process runs yet)
         old_logs = sorted((self.out / "replicas").glob("*.jsonl"))
         kept: dict[int, dict[str, Any]] = {}
-        if self.o.resume:
+        lost: list[int] = []
+        if self.o.resume:  # the records before the checkpoint: metrics.jsonl's, completed from the replicas' logs
             found = list_checkpoints(self.out / "checkpoints")
-            kept = records_before(self.out / "metrics.jsonl", found[-1][0] if found else 0)
+            before = found[-1][0] if found else 0
+            kept, lost = recover_rows(records_before(self.out / "metrics.jsonl", before),
+                                      (rec for path in old_logs for rec in read_jsonl(path)), before)
+            if lost:
+                print(f"recover: warning: the records of committed steps {_ranges(lost)} are lost (metrics.jsonl "
+                      "torn and no replica log holds them); the steps are in the checkpoint, their records stay "
+                      "missing from metrics.jsonl", file=sys.stderr, flush=True)
         for stale in ["metrics.jsonl", "summary.json", *(p.relative_to(self.out) for p in old_logs)]:
             (self.out / stale).unlink(missing_ok=True)
         if not self.o.resume:
@@ -128,12 +146,14 @@ class Launcher:
         t0 = time.time() - max((rec["elapsed_s"] for rec in kept.values()), default=0.0)  # time goes on
         for rec in kept.values():
             self.records.add({**rec, "t": t0 + rec["elapsed_s"]})
+        self.records.mark_lost(lost)
         return t0
 
     def run(self) -> int:
         """Runs the job to its end; returns its exit status (see the module docstring)."""
         for step in range(self.written + 1):
-            self.metrics.write(metrics_row(self.records.record(step), self.t0))
+            if step not in self.records.lost:
+                self.metrics.write(metrics_row(self.records.record(step), self.t0))
         started = time.time()
         self.events.event("launch", replicas=self.cfg.parallel.replicas, steps=self.cfg.training.steps,
                           failures=[str(s) for s in self.o.failures], random_mtbf_s=self.o.random_mtbf_s,
@@ -236,6 +256,8 @@ class Launcher:
         """Writes committed steps in order; a step waits for the next one (so its val_loss can merge)."""
         while (self.written + 1) in self.records and (final or (self.written + 2) in self.records):
             self.written += 1
+            if self.written in self.records.lost:
+                continue
             row = metrics_row(self.records.record(self.written), self.t0)
             self.metrics.write(row)
             self.display.update(row, self._goodput(final))
@@ -247,7 +269,7 @@ class Launcher:
 
         now = time.time()
         if final or now >= self.goodput_at:
-            rows = [self.records.record(s) for s in range(self.written + 1)]
+            rows = [self.records.record(s) for s in range(self.written + 1) if s not in self.records.lost]
             self.goodput_line = describe(goodput(rows, self.seen_events, now=now))
             self.goodput_at = now + 20 * (time.time() - now)
         return self.goodput_line
