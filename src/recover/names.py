@@ -102,6 +102,7 @@ class Event(str, Enum):
     """
 
     AUDIT = "audit"
+    BARREN_REPORTS = "barren_reports"
     BAD_DATA = "bad_data"
     BAD_DATA_STOP = "bad_data_stop"
     CHECKPOINT = "checkpoint"
