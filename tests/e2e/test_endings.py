@@ -178,3 +178,29 @@ def test_a_torn_metrics_file_then_resume_recovers_the_committed_steps_from_the_r
         "recover: warning: the records of committed steps 5 are lost (metrics.jsonl torn and no replica log holds "
         "them); the steps are in the checkpoint, their records stay missing from metrics.jsonl"]
     assert [r["step"] for r in read_jsonl(lost / "metrics.jsonl")] == [0, 1, 2, 3, 4, 6, 7, 8]
+
+
+def test_a_worker_out_of_file_descriptors_is_fenced_as_the_fault_and_the_job_goes_on(
+        corpus: Path, tmp_path: Path) -> None:
+    # issue 41: with `ulimit -n` exhausted on one worker, then another replica killed, one step took 86 s (5
+    # generations with the same members, a 60 s collective timeout) and the worker died with a traceback
+    out = tmp_path / "run"
+    proc = start(out, corpus, "--replicas", "3", "--steps", "40", "--fault_tolerance.collective_timeout_s=20")
+    try:
+        wait_for("step 3", lambda: committed(out) >= 3)
+        pid = worker_pid(out, 2)
+        limit = max(16, len(os.listdir(f"/proc/{pid}/fd")) // 2)  # what it holds stays open; nothing new opens
+        subprocess.run(["prlimit", f"--pid={pid}", f"--nofile={limit}:{limit}"], check=True)
+        at = committed(out)
+        os.kill(worker_pid(out, 0), signal.SIGKILL)
+    finally:
+        code, err = finish(proc)
+    events = list(read_jsonl(out / "events.jsonl"))
+    rows = list(read_jsonl(out / "metrics.jsonl"))
+    assert code == 0, err[-3000:]
+    assert [r["step"] for r in rows] == list(range(40)) and {r["microbatches"] for r in rows} == {8}
+    slowest = max(r["time_s"] for r in rows[at:])
+    assert slowest < 15, slowest  # within the step's budget, not a collective timeout
+    fenced = [e for e in events if e["kind"] == "barren_reports"]
+    assert [e["replica"] for e in fenced] == [2], [e for e in events if e["kind"] in ("generation", "failure_report")]
+    assert "Traceback" not in err
