@@ -12,6 +12,8 @@ import sys
 import time
 from pathlib import Path
 
+import pytest
+
 from conftest import ROOT, STOP_GRACE_S, kill_group, subprocess_env
 from recover.observe.events import read_jsonl
 from recover.train.integrity import list_checkpoints
@@ -48,18 +50,33 @@ def committed(out: Path) -> int:
     return len(list(read_jsonl(path))) if path.is_file() else 0
 
 
+def _cmdlines() -> dict[int, list[str]]:
+    out = {}
+    for entry in Path("/proc").iterdir():
+        if entry.name.isdigit():
+            try:
+                out[int(entry.name)] = (entry / "cmdline").read_bytes().decode(errors="replace").split("\0")
+            except OSError:
+                continue
+    return out
+
+
 def worker_pid(out: Path, replica: int) -> int:
     """The PID of the ``recover worker`` process of ``replica`` in the run ``out`` (found as operators do:
     its command line holds ``recover worker``, ``--out OUT`` and ``--replica R``)."""
-    for entry in Path("/proc").iterdir():
-        try:
-            args = (entry / "cmdline").read_bytes().decode(errors="replace").split("\0")
-        except OSError:
-            continue
+    for pid, args in _cmdlines().items():
         if "worker" in args and str(out) in args and "--replica" in args and args[args.index("--replica") + 1] \
                 == str(replica):
-            return int(entry.name)
+            return pid
     raise AssertionError(f"no worker of replica {replica} of {out}")
+
+
+def coordinator_pid(out: Path) -> int:
+    """The PID of the run's ``recover coordinator`` (its command line holds a path inside ``out``)."""
+    for pid, args in _cmdlines().items():
+        if "coordinator" in args and any(a.startswith(str(out)) for a in args):
+            return pid
+    raise AssertionError(f"no coordinator of {out}")
 
 
 def endings(err: str) -> list[str]:
@@ -204,3 +221,102 @@ def test_a_worker_out_of_file_descriptors_is_fenced_as_the_fault_and_the_job_goe
     fenced = [e for e in events if e["kind"] == "barren_reports"]
     assert [e["replica"] for e in fenced] == [2], [e for e in events if e["kind"] in ("generation", "failure_report")]
     assert "Traceback" not in err
+
+
+def _kill_replica_1(out: Path) -> None:
+    os.kill(worker_pid(out, 1), signal.SIGKILL)
+
+
+def _hang_replica_0(out: Path) -> None:
+    os.kill(worker_pid(out, 0), signal.SIGUSR1)
+
+
+def _stop_launcher(proc: subprocess.Popen[str]) -> None:
+    proc.send_signal(signal.SIGTERM)
+
+
+def _pause_coordinator(out: Path) -> None:
+    os.kill(coordinator_pid(out), signal.SIGSTOP)  # for good: the launcher kills it at the end
+
+
+def _cut_shard(data: Path) -> None:
+    with open(sorted(data.glob("train*.bin"))[0], "r+b") as f:
+        f.truncate(2048)
+
+
+FULL_AT_SUMMARY = """
+import errno, pathlib, sys
+write_text = pathlib.Path.write_text
+def full(self, *args, **kwargs):
+    if self.name == "summary.json":  # the disk fills as the job ends: the launcher's own write is refused
+        raise OSError(errno.ENOSPC, "No space left on device")
+    return write_text(self, *args, **kwargs)
+pathlib.Path.write_text = full
+from recover.cli import main
+sys.exit(main(sys.argv[1:]))
+"""
+
+LONG = ("--steps", "200", "--training.eval_every=0")
+STATUSES = {  # status: (launch flags, what is done to the running job after step 3, the line it ends with)
+    0: (("--replicas", "2", "--steps", "3"), None, r"^3 steps committed in .* outputs in "),
+    2: (("--training.lr", "inf"), None, r"^recover: error: training.lr = inf is not allowed: a finite number$"),
+    3: (("--replicas", "2", "--fault_tolerance.min_replicas=2", "--training.checkpoint_every=2", *LONG),
+        _kill_replica_1, r"^recover: the job stopped because too few replicas survived; a complete checkpoint was "
+                         r"saved under "),
+    6: (("--replicas", "2", *LONG), _stop_launcher,
+        r"^recover: the job stopped on request after \d+ committed steps; a complete checkpoint is under .*; "
+        r"continue with the same command and --resume$"),
+    7: (("--replicas", "2", "--fault_tolerance.coordinator_reconnect_s=2", *LONG), _pause_coordinator,
+        r"^recover: the job stopped because the coordinator did not come back after \d+ committed steps; a "
+        r"complete checkpoint is under .*--resume$"),
+    8: (("--replicas", "2", "--corrupt", "1@4", *LONG), None,
+        r"^recover: the job stopped: the replicas' parameters disagree at step 4 with no majority to trust"),
+    9: (("--replicas", "2", "--workload.policy=even", "--nan", "0@4:2", "--nan", "1@4:2", *LONG), None,
+        r"^recover: the job stopped: microbatch 2 of step 4 was not finite on replicas \[\d, \d\]: the training "
+        r"diverged"),
+    10: (("--replicas", "2", "--rejoin-after", "1", *LONG), _cut_shard,
+         r"^recover: the job stopped on bad data: .*train.*\.bin: shard changed on disk during the run \(\d+ bytes "
+         r"when opened, now 2048\)"),
+    11: (("--replicas", "1", "--fault_tolerance.hang_timeout_s=2", *LONG), _hang_replica_0,
+         r"^recover: the job stopped: every replica holding the training state was lost and there was no complete "
+         r"checkpoint under .* to fall back to; start it afresh"),
+    12: (("--replicas", "2", "--steps", "3"), None,
+         r"^recover: the storage refused the launcher's records after 3 committed steps: could not write .*summary"
+         r"\.json \(.*No space left on device\); free some space and run `recover collect "),
+    1: (("--replicas", "1", "--steps", "3", "--", sys.executable, "-c", "raise SystemExit(1)"), None,
+        r"^replica 0 exited with 1:$"),
+}
+"""Every status of the README's table, each provoked for real through ``recover launch``."""
+
+
+@pytest.mark.parametrize("status", list(STATUSES))
+def test_every_documented_exit_status_is_provoked_for_real_and_ends_with_its_line(
+        status: int, corpus: Path, tmp_path: Path) -> None:
+    import re
+    import shutil
+
+    readme = (ROOT / "README.md").read_text()
+    assert re.search(rf"^  \| {status} \| ", readme, re.M), f"status {status} is not in the README's table"
+    flags, act, line = STATUSES[status]
+    data = tmp_path / "data"
+    shutil.copytree(corpus, data)  # a copy: one case cuts a shard
+    out = tmp_path / "run"
+    pre = [sys.executable, "-c", FULL_AT_SUMMARY] if status == 12 else [sys.executable, "-m", "recover"]
+    script = list(flags[flags.index("--"):]) if "--" in flags else []
+    flags = flags[:len(flags) - len(script)]
+    cmd = [*pre, "launch", "--config", "debug", "--out", str(out), "--no-progress", "--data.path", str(data),
+           "--device-time-s", "0.02", *flags, *script]
+    proc = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, env=subprocess_env(),
+                            cwd=ROOT, start_new_session=True)
+    try:
+        if act is not None:
+            wait_for("step 3", lambda: committed(out) >= 3)
+            act(proc) if act is _stop_launcher else act(data if act is _cut_shard else out)  # type: ignore[arg-type]
+        stdout, err = proc.communicate(timeout=240)
+    except BaseException:
+        kill_group(proc, STOP_GRACE_S)
+        raise
+    assert proc.returncode == status, (stdout + err)[-3000:]
+    said = [ln for ln in (stdout + err).splitlines() if re.search(line, ln)]
+    assert said, f"no line matching {line!r} in\n{(stdout + err)[-3000:]}"
+    assert "Traceback" not in stdout + err
