@@ -321,3 +321,21 @@ def test_every_documented_exit_status_is_provoked_for_real_and_ends_with_its_lin
     said = [ln for ln in (stdout + err).splitlines() if re.search(line, ln)]
     assert said, f"no line matching {line!r} in\n{(stdout + err)[-3000:]}"
     assert "Traceback" not in stdout + err
+
+
+def test_a_learning_rate_that_sends_every_replica_to_infinity_is_a_divergence_status_9(
+        corpus: Path, tmp_path: Path) -> None:
+    # issue 41: every replica was fenced in turn as `nonfinite` at step 1, logs with a RuntimeError traceback
+    from conftest import run_recover
+
+    out = tmp_path / "run"
+    res = run_recover(["launch", "--config", "debug", "--replicas", "3", "--steps", "6", "--out", str(out),
+                       "--no-progress", "--data.path", str(corpus), "--training.lr", "1e30",
+                       "--training.warmup_steps", "0"], timeout=300, check=False)
+    assert res.returncode == 9, res.stderr[-3000:]
+    assert [line for line in res.stderr.splitlines() if line.startswith("recover: ")] == [
+        "recover: the job stopped: the microbatches of step 1 were not finite on every replica [0, 1, 2]: the "
+        f"training diverged; the last committed state is under {out / 'checkpoints'}"], res.stderr[-3000:]
+    logs = "".join(p.read_text(errors="replace") for p in (out / "logs").glob("*.log"))
+    assert "Traceback" not in logs + res.stderr
+    assert [p.name for p in (out / "checkpoints").iterdir()] == ["step_000001"]  # the last committed state

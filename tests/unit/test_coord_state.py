@@ -557,3 +557,22 @@ def test_barren_reports_are_counted_only_in_a_row_without_a_commit_or_a_loss() -
     g = st.current.generation
     acts = st.on_report(1, 50, g, [0], 5.0)  # a report naming a suspect is never barren
     assert not [a for a in acts if isinstance(a, Fence)]
+
+
+def test_every_live_replica_not_finite_in_the_same_step_is_a_divergence_not_a_fence_of_each() -> None:
+    # issue 41: with a learning rate that sends the model to infinity every replica was fenced in turn as
+    # `nonfinite` (three logs with a traceback) instead of ending the job as a divergence (exit 9)
+    from recover.coord.actions import Fence
+
+    st = make(3)
+    st.min_members = 1
+    g = st.current.generation
+    for replica, ids in ((1, [3, 4, 5]), (2, [6, 7])):
+        acts = st.on_nonfinite(replica, 10 + replica, g, 1, ids, 0.1 * replica)
+        assert [a.replica for a in acts if isinstance(a, Fence)] == [replica]  # one faulty device: fenced
+        st.on_dead(replica, "fenced", 0.1 * replica)
+    acts = st.on_nonfinite(0, 20, g, 1, [0, 1, 2], 0.5)
+    assert not [a for a in acts if isinstance(a, Fence)]
+    assert logs(acts, "nonfinite_divergence") == [{"step": 1, "id": None, "replicas": [0, 1, 2]}]
+    assert sent(acts, "error")[0]["code"] == "nonfinite" and "not finite on every replica [0, 1, 2]" in \
+        sent(acts, "error")[0]["message"]

@@ -349,24 +349,31 @@ class MembershipState:
                      now: float) -> list[Action]:
         """Microbatches ``ids`` of ``step`` were not finite on ``replica``. The first replica to report an
         id is fenced as faulty (the others recompute its microbatches in the step); a second replica
-        reporting the same id means the training itself diverged: the job ends (``nonfinite``)."""
+        reporting the same id, or every live member reporting some in the same step (a learning rate that
+        sends the model to infinity), means the training itself diverged: the job ends (``nonfinite``)."""
         cur = self.current
         if cur is None or replica not in cur.members:
             raise Refused("not_member", f"replica {replica} is not a member of the current generation")
         again = sorted(i for i in ids if self._nonfinite.get((step, i), set()) - {replica})
         for i in ids:
             self._nonfinite.setdefault((step, i), set()).add(replica)
-        if not again:
+        reported = {r for (s, _), rs in self._nonfinite.items() if s == step for r in rs}
+        everyone = not [m for m in cur.members if m in self.live and m not in reported]
+        if not again and not everyone:
             return [Log("nonfinite", {"replica": replica, "step": step, "ids": sorted(ids), "generation": generation}),
                     Send(replica, {"type": "ok", "re": req_id, "generation": self.generation}),
                     Fence(replica, f"microbatch(es) {sorted(ids)} of step {step} were not finite on it; "
                                    "the other replicas recompute them")]
         self.stopped = True
-        who = sorted(self._nonfinite[(step, again[0])])
-        msg = (f"microbatch {again[0]} of step {step} has a loss or gradient that is not finite on replicas {who}: "
-               "the training diverged (its data or its model), not a faulty device; the last committed state "
-               "is saved")
-        return [Log("nonfinite_divergence", {"step": step, "id": again[0], "replicas": who}),
+        if again:
+            who = sorted(self._nonfinite[(step, again[0])])
+            what = f"microbatch {again[0]} of step {step} has a loss or gradient that is not finite on replicas {who}"
+        else:  # each on its own microbatches, but every replica left: the model itself is not finite
+            who = sorted(reported)
+            what = f"microbatches of step {step} have losses or gradients that are not finite on every replica {who}"
+        msg = f"{what}: the training diverged (its data or its model), not a faulty device; the last committed " \
+              "state is saved"
+        return [Log("nonfinite_divergence", {"step": step, "id": again[0] if again else None, "replicas": who}),
                 Send(replica, {"type": "error", "re": req_id, "code": "nonfinite", "message": msg}),
                 *(Send(m, {"type": "error", "re": None, "code": "nonfinite", "message": msg})
                   for m in cur.members if m != replica and m in self.live)]

@@ -448,8 +448,10 @@ def launch(req: LaunchRequest) -> int:
                     f"to trust ({sides}); each side's state is under {opts.out / 'checkpoints' / 'diverged'}")
         else:
             e = last[0] if last else {"id": "?", "step": "?", "replicas": []}
-            what = (f"microbatch {e['id']} of step {e['step']} was not finite on replicas {e['replicas']}: the "
-                    f"training diverged; the last committed state is under {opts.out / 'checkpoints'}")
+            which = (f"microbatch {e['id']} of step {e['step']} was not finite on replicas {e['replicas']}"
+                     if e.get("id") is not None else
+                     f"the microbatches of step {e['step']} were not finite on every replica {e['replicas']}")
+            what = f"{which}: the training diverged; the last committed state is under {opts.out / 'checkpoints'}"
         print(f"recover: the job stopped: {what}", file=sys.stderr)
     elif code == EXIT_BAD_DATA:
         from recover.observe.events import read_jsonl
