@@ -22,16 +22,21 @@ Contract:
   ``fault_tolerance.stop_grace_s`` whatever still runs is killed. A second signal kills at once.
   Exit statuses: 0 every step committed, 3 quorum lost (also when every replica was fenced or killed
   with none to come back and an older complete checkpoint exists; with none, 11), 6 stopped with a
-  checkpoint (continue with ``--resume``), 7 the coordinator was lost for good (a checkpoint was saved), 8 the replicas'
-  parameters disagree with no majority (each side saved), 9 the training diverged (a microbatch not
-  finite on two replicas), 10 bad data, 11 every replica holding the state lost with no checkpoint to
-  fall back to (with one, the replicas that come back restore it and the job goes on), 12 the storage
-  refused the checkpoint the job ended with (before any other: the committed steps are recorded, the
-  older checkpoints kept), 1 otherwise.
+  checkpoint (continue with ``--resume``), 7 the coordinator was lost for good (a checkpoint was
+  saved), 8 the replicas' parameters disagree with no majority (each side saved), 9 the training
+  diverged (a microbatch not finite on two replicas, or some on every replica in one step), 10 bad
+  data, 11 every replica holding the state lost with no checkpoint to fall back to (with one, the
+  replicas that come back restore it and the job goes on), 12 the storage refused the checkpoint the
+  job ended with (before any other: the committed steps are recorded, the older checkpoints kept) or,
+  the job finished, the launcher's ``summary.json``, 1 otherwise.
 - Once every step is committed, a replica still running after ``fault_tolerance.stop_grace_s`` (stuck
   in its exit) is killed (``exit_grace_over``); the status stays 0.
 - ``resume``: the workers start from the newest complete checkpoint in ``out``; the records of
-  ``metrics.jsonl`` before it are kept (it holds each step once).
+  ``metrics.jsonl`` before it are kept (it holds each step once), completed from the replicas' own logs
+  where a torn or lost line took one; a step no record holds is named in one warning line and counted
+  committed (its training is in the checkpoint).
+- The run directory removed while the job runs: what the launcher owns and its processes read is created
+  again (:meth:`Launcher._keep_run_dir`) and the job goes on.
 """
 
 from __future__ import annotations
