@@ -282,8 +282,8 @@ STATUSES = {  # status: (launch flags, what is done to the running job after ste
          r"^recover: the job stopped: every replica holding the training state was lost and there was no complete "
          r"checkpoint under .* to fall back to; start it afresh"),
     12: (("--replicas", "2", "--steps", "3"), None,
-         r"^recover: the storage refused the launcher's records after 3 committed steps: could not write .*summary"
-         r"\.json \(.*No space left on device\); free some space and run `recover collect "),
+         r"^recover: the storage refused the launcher's records with 3 committed steps recorded: could not write "
+         r".*summary\.json \(.*No space left on device\); free some space and run `recover collect "),
     1: (("--replicas", "1", "--steps", "3", "--", sys.executable, "-c", "raise SystemExit(1)"), None,
         r"^replica 0 exited with 1:$"),
 }

@@ -90,8 +90,58 @@ def test_the_launchers_own_records_refused_by_the_storage_end_with_status_12_and
     assert "Traceback" not in res.stderr + res.stdout
     lines = [line for line in res.stderr.splitlines() if line.startswith("recover: ")]
     assert len(lines) == 1, res.stderr
-    assert lines[0].startswith(f"recover: the storage refused the launcher's records after 3 committed steps: could "
-                               f"not write {run / 'summary.json'} (")
+    assert lines[0].startswith("recover: the storage refused the launcher's records with 3 committed steps recorded: "
+                               f"could not write {run / 'summary.json'} (")
     assert "MiB free; OSError: [Errno 28] No space left on device); free some space and run `recover collect " \
            f"{run}` to write them" in lines[0]
     assert [r["step"] for r in read_jsonl(run / "metrics.jsonl")] == [0, 1, 2] and not (run / "summary.json").exists()
+
+
+@pytest.fixture
+def small_run_disk(tmp_path: Path) -> Iterator[Path]:
+    """The whole run directory on a 12 MB tmpfs (its logs, records and checkpoints)."""
+    run = tmp_path / "run"
+    run.mkdir()
+    if os.geteuid() != 0 or subprocess.run(["mount", "-t", "tmpfs", "-o", "size=12m", "tmpfs", str(run)],
+                                           capture_output=True).returncode != 0:
+        pytest.skip("needs root to mount a small tmpfs")
+    try:
+        yield run
+    finally:
+        subprocess.run(["umount", "-l", str(run)], check=False)
+
+
+def test_the_runs_whole_disk_filling_under_the_job_ends_it_with_status_12_and_its_lines(
+        small_run_disk: Path, corpus: Path) -> None:
+    # issue 41: the replicas' logs on the full disk: their prints failed and they died with status 1 and no
+    # line; with the logs elsewhere, the launcher died with an OSError traceback writing summary.json
+    import time
+
+    run = small_run_disk
+    proc = subprocess.Popen([sys.executable, "-m", "recover", "launch", "--config", "debug", "--replicas", "2",
+                             "--steps", "40", "--out", str(run), "--no-progress", "--data.path", str(corpus),
+                             "--device-time-s", "0.05", "--training.checkpoint_every=5"],
+                            stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, env=subprocess_env(), cwd=ROOT,
+                            start_new_session=True)
+    try:
+        end = time.monotonic() + 120
+        while not (run / "metrics.jsonl").is_file() or len((run / "metrics.jsonl").read_text().splitlines()) < 3:
+            assert time.monotonic() < end and proc.poll() is None, "the job did not reach step 3"
+            time.sleep(0.1)
+        with open(run / "filler", "wb") as f:  # the disk fills under the running job
+            try:
+                while True:
+                    f.write(b"\0" * (1 << 16))
+                    f.flush()
+            except OSError:
+                pass
+        _, err = proc.communicate(timeout=240)
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+    assert proc.returncode == 12, err[-3000:]
+    assert "Traceback" not in err
+    lines = [line for line in err.splitlines() if line.startswith("recover: ") and "warning" not in line]
+    assert len(lines) == 2 and "without its final checkpoint" in lines[0], err[-3000:]
+    assert lines[1].startswith("recover: the storage refused the launcher's records with ") and \
+        "No space left on device" in lines[1], err[-3000:]

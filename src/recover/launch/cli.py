@@ -412,10 +412,12 @@ def launch(req: LaunchRequest) -> int:
     launcher = Launcher(opts)
     code = launcher.run()
     unwritten = _report(launcher, opts, req.reference)
-    if unwritten:  # the job's own status and line stand; a finished job ends with the storage's
-        print(f"recover: the storage refused the launcher's records after {launcher.written + 1} committed steps: "
-              f"{unwritten}; free some space and run `recover collect {opts.out}` to write them", file=sys.stderr)
-        code = code or EXIT_UNSAVED
+    if unwritten:  # after the job's own line (a finished job's is this one)
+        unwritten = (f"recover: the storage refused the launcher's records with {launcher.written + 1} committed "
+                     f"steps recorded: {unwritten}; free some space and run `recover collect {opts.out}` to write them")
+    if unwritten and code == 0:
+        print(unwritten, file=sys.stderr)
+        code, unwritten = EXIT_UNSAVED, None
     elif code == EXIT_UNSAVED:
         from recover.observe.events import read_jsonl
 
@@ -465,6 +467,8 @@ def launch(req: LaunchRequest) -> int:
         print(f"recover: stopped by signal {launcher.stop_signal} without reaching a step boundary within "
               f"fault_tolerance.stop_grace_s; the newest complete checkpoint under {opts.out / 'checkpoints'} "
               "(if any) is where --resume continues", file=sys.stderr)
+    if unwritten:
+        print(unwritten, file=sys.stderr)
     return code
 
 
