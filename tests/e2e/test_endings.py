@@ -321,6 +321,9 @@ def test_every_documented_exit_status_is_provoked_for_real_and_ends_with_its_lin
     said = [ln for ln in (stdout + err).splitlines() if re.search(line, ln)]
     assert said, f"no line matching {line!r} in\n{(stdout + err)[-3000:]}"
     assert "Traceback" not in stdout + err
+    for log in sorted((out / "logs").glob("*.log")) if (out / "logs").is_dir() else []:  # the coordinator's, workers'
+        text = log.read_text(errors="replace")
+        assert "Traceback" not in text, f"{log.name}:\n{text[-3000:]}"
 
 
 def test_a_learning_rate_that_sends_every_replica_to_infinity_is_a_divergence_status_9(
