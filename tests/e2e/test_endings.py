@@ -342,3 +342,23 @@ def test_a_learning_rate_that_sends_every_replica_to_infinity_is_a_divergence_st
     logs = "".join(p.read_text(errors="replace") for p in (out / "logs").glob("*.log"))
     assert "Traceback" not in logs + res.stderr
     assert [p.name for p in (out / "checkpoints").iterdir()] == ["step_000001"]  # the last committed state
+
+
+def test_a_run_directory_replaced_by_a_file_under_the_job_stops_it_in_lines_without_a_traceback(
+        corpus: Path, tmp_path: Path) -> None:
+    import shutil
+
+    out = tmp_path / "run"
+    proc = start(out, corpus, "--replicas", "2", *LONG)
+    try:
+        wait_for("step 3", lambda: committed(out) >= 3)
+        while out.is_dir():
+            shutil.rmtree(out, ignore_errors=True)
+        out.write_text("not a directory")  # nothing can be created under it again
+    finally:
+        code, err = finish(proc)
+    assert "Traceback" not in err, err[-3000:]
+    lines = [line for line in err.splitlines() if line.startswith("recover: ") and "warning" not in line]
+    assert lines and lines[0].startswith(f"recover: the run directory {out} was removed while the job ran and cannot "
+                                         "be created again"), err[-3000:]
+    assert code == 12 and any("without its final checkpoint" in line for line in lines), err[-3000:]  # nowhere

@@ -419,9 +419,7 @@ def launch(req: LaunchRequest) -> int:
         print(unwritten, file=sys.stderr)
         code, unwritten = EXIT_UNSAVED, None
     elif code == EXIT_UNSAVED:
-        from recover.observe.events import read_jsonl
-
-        lost = [e for e in read_jsonl(opts.out / "events.jsonl") if e.get("kind") == Event.CHECKPOINT_UNSAVED][-1:]
+        lost = [e for e in _events(opts.out) if e.get("kind") == Event.CHECKPOINT_UNSAVED][-1:]
         why = lost[0]["message"] if lost else "the storage refused the final checkpoint"
         print(f"recover: the job ended after {launcher.written + 1} committed steps without its final checkpoint: "
               f"{why}", file=sys.stderr)
@@ -439,10 +437,8 @@ def launch(req: LaunchRequest) -> int:
         print(f"recover: the job stopped {why} after {launcher.written + 1} committed steps; a complete checkpoint is "
               f"under {opts.out / 'checkpoints'}; continue with the same command and --resume", file=sys.stderr)
     elif code in (EXIT_DIVERGED, EXIT_NONFINITE):
-        from recover.observe.events import read_jsonl
-
         kinds = {EXIT_DIVERGED: Event.DIVERGED, EXIT_NONFINITE: Event.NONFINITE_DIVERGENCE}
-        last = [e for e in read_jsonl(opts.out / "events.jsonl") if e.get("kind") == kinds[code]][-1:]
+        last = [e for e in _events(opts.out) if e.get("kind") == kinds[code]][-1:]
         if code == EXIT_DIVERGED:
             sides = "; ".join(f"replicas {rs} hold {fp}" for fp, rs in (last[0]["sides"] if last else {}).items())
             of = "gradients of the audited microbatch" if last and last[0].get("check") == "audit" else "parameters"
@@ -456,9 +452,7 @@ def launch(req: LaunchRequest) -> int:
             what = f"{which}: the training diverged; the last committed state is under {opts.out / 'checkpoints'}"
         print(f"recover: the job stopped: {what}", file=sys.stderr)
     elif code == EXIT_BAD_DATA:
-        from recover.observe.events import read_jsonl
-
-        bad = [e for e in read_jsonl(opts.out / "events.jsonl") if e.get("kind") == Event.BAD_DATA][:1]
+        bad = [e for e in _events(opts.out) if e.get("kind") == Event.BAD_DATA][:1]
         why = bad[0]["message"] if bad else "a microbatch held a token id beyond the vocabulary"
         print(f"recover: the job stopped on bad data: {why}. The last committed state is under "
               f"{opts.out / 'checkpoints'}; fix the data (`recover prepare --verify DIR` finds every bad id) and "
@@ -472,6 +466,16 @@ def launch(req: LaunchRequest) -> int:
     return code
 
 
+def _events(out: Path) -> list[dict[str, Any]]:
+    """The run's events, for the line it ends with (none when the run directory is gone)."""
+    from recover.observe.events import read_jsonl
+
+    try:
+        return list(read_jsonl(out / "events.jsonl"))
+    except OSError:
+        return []
+
+
 LOST_AS = {"connection_closed": "died", "heartbeat_timeout": "went silent", "hung": "hung"}
 """How a replica was lost, by the cause of its ``failure_detected``, in the line of a job that lost them all."""
 
@@ -479,10 +483,9 @@ LOST_AS = {"connection_closed": "died", "heartbeat_timeout": "went silent", "hun
 def _everyone_lost(out: Path) -> str:
     """The line of a job whose every replica was fenced or killed with none to come back: who went how, and
     the newest complete checkpoint to resume from."""
-    from recover.observe.events import read_jsonl
     from recover.train.integrity import list_checkpoints
 
-    causes = {e["replica"]: e.get("cause", "lost") for e in read_jsonl(out / "events.jsonl")
+    causes = {e["replica"]: e.get("cause", "lost") for e in _events(out)
               if e.get("kind") == Event.FAILURE_DETECTED and "replica" in e}
     how = ", ".join(f"replica {r} {LOST_AS.get(c, c)}" for r, c in sorted(causes.items())) or "fenced or killed"
     step, path = list_checkpoints(out / "checkpoints")[-1]
@@ -507,15 +510,17 @@ def _report(launcher: Launcher, opts: LaunchOptions, reference: Path | None) -> 
         unwritten = refused(out / "summary.json", exc)
         with contextlib.suppress(OSError):
             (out / "summary.json").unlink(missing_ok=True)  # never a torn one
-    with EventLog(out / "events.jsonl") as events:  # kill -> all survivors computing again, per kill
-        for rec in summary["recoveries"]:
-            events.event(Event.RECOVERY, **rec)
+    with contextlib.suppress(OSError):  # the run directory gone for good: the summary line says the rest
+        with EventLog(out / "events.jsonl") as events:  # kill -> all survivors computing again, per kill
+            for rec in summary["recoveries"]:
+                events.event(Event.RECOVERY, **rec)
     try:
         plot_run(out, reference)
     except Exception as exc:  # a plot never fails a run
         print(f"warning: plots not written: {exc}", file=sys.stderr)
-    for text in launcher.supervisor.failed_logs():
-        print(text, file=sys.stderr)
+    with contextlib.suppress(OSError):
+        for text in launcher.supervisor.failed_logs():
+            print(text, file=sys.stderr)
     lat = summary["recovery_latency_ms_median"]
     extra = "".join(f"; nobody held the state: restored step {r['step']} ({r['redo']} steps redone)"
                        for r in summary["restores"])

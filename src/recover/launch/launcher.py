@@ -47,7 +47,6 @@ import time
 from typing import Any
 
 from recover.config import write_run_config
-from recover.errors import RecoverError
 from recover.launch.faultclock import FaultClock
 from recover.launch.job import LaunchOptions
 from recover.launch.processes import LOST
@@ -121,6 +120,8 @@ class Launcher:
         """Whether the job ended because every replica was fenced or killed with none to come back."""
         self.token: str | None = None
         """The coordinator's token, kept to be written again if the run directory is removed."""
+        self.run_dir_lost = False
+        """Whether the run directory was removed and could not be created again (the job then stops)."""
 
     def _prepare_out(self) -> float:
         """The run directory; with ``resume``, the step records before the newest checkpoint are kept.
@@ -225,7 +226,7 @@ class Launcher:
         and ``metrics.jsonl`` is written whole at the end from the records the launcher holds."""
         from recover.observe.rundir import write_private
 
-        if (self.out / "config.json").is_file():
+        if self.run_dir_lost or (self.out / "config.json").is_file():
             return
         token = self.token
         try:
@@ -234,9 +235,12 @@ class Launcher:
             write_run_config(self.cfg, self.out)
             if token is not None:
                 write_private(self.supervisor.addr.token_file, token)
-        except OSError as exc:
-            raise RecoverError(f"the run directory {self.out} was removed while the job ran and cannot be created "
-                               f"again ({exc}); the job is lost from step {self.written + 1}") from None
+        except OSError as exc:  # stop as on SIGTERM: the replicas save where they can
+            self.run_dir_lost = True
+            self.stop_signal = self.stop_signal or signal.SIGTERM
+            print(f"recover: the run directory {self.out} was removed while the job ran and cannot be created again "
+                  f"({exc}); stopping at the next step boundary", file=sys.stderr, flush=True)
+            return
         print(f"recover: warning: the run directory {self.out} was removed while the job ran; created again "
               f"(logs/, replicas/, config.json, the token) at step {self.written + 1}: the job goes on, but the "
               "checkpoints, logs and events written before are gone", file=sys.stderr, flush=True)

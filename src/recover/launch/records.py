@@ -21,6 +21,7 @@ absent from the merge (:meth:`StepRecords.committed` counts the steps before the
 
 from __future__ import annotations
 
+import contextlib
 import json
 import os
 import sys
@@ -152,7 +153,8 @@ def write_metrics(path: Path, records: StepRecords, t0: float) -> None:
                 f.write(json.dumps(metrics_row(records.record(step), t0), separators=(",", ":")) + "\n")
         os.replace(tmp, path)
     except OSError as exc:
-        tmp.unlink(missing_ok=True)
+        with contextlib.suppress(OSError):
+            tmp.unlink(missing_ok=True)
         print(f"recover: warning: could not rewrite {path} ({exc.strerror or exc}); it keeps the records "
               "written as the steps committed", file=sys.stderr, flush=True)
 
@@ -178,7 +180,7 @@ class JsonlTail:
                     self.inodes[path], start = ino, 0
                 f.seek(start)
                 data = f.read()
-        except FileNotFoundError:
+        except OSError:  # not there (yet, or any more: its directory removed)
             return []
         end = data.rfind(b"\n") + 1
         self.offsets[path] = start + end
