@@ -4,6 +4,7 @@ Each sub-command lives next to the code it drives, in a module exposing ``regist
 that adds its parser and sets ``func(args) -> int``. This file only lists those modules, so the
 command stays cheap to start (torch is imported by a sub-command only when it runs).
 
+A write to stdout or stderr that the storage refuses (a log on a full disk) is lost, never the process.
 Bad input never ends in a traceback: a :class:`~recover.errors.RecoverError` (a config error
 among them) and a malformed command line are both one line on stderr, ``recover: error: ...``,
 with exit status 2.
@@ -60,7 +61,40 @@ def one_line(text: str) -> str:
     return "; ".join(line.strip() for line in text.splitlines() if line.strip())
 
 
+class _Tolerant:
+    """A text stream whose writes never raise the storage's errors: a process whose log is on a full disk
+    (its stdout and stderr are files ``recover launch`` opened) trains on; what it could not say is lost,
+    never the process."""
+
+    def __init__(self, stream: typing.TextIO) -> None:
+        self.stream = stream
+
+    def write(self, text: str) -> int:
+        try:
+            return self.stream.write(text)
+        except OSError:
+            return len(text)
+
+    def flush(self) -> None:
+        try:
+            self.stream.flush()
+        except OSError:
+            pass
+
+    def __getattr__(self, name: str) -> typing.Any:
+        return getattr(self.stream, name)
+
+
 def main(argv: list[str] | None = None) -> int:
+    streams = sys.stdout, sys.stderr
+    sys.stdout, sys.stderr = (s if isinstance(s, _Tolerant) else _Tolerant(s) for s in streams)  # type: ignore
+    try:
+        return _main(argv)
+    finally:
+        sys.stdout, sys.stderr = streams
+
+
+def _main(argv: list[str] | None) -> int:
     parser = build_parser()
     argv = list(sys.argv[1:] if argv is None else argv)
     script: list[str] = []

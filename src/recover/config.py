@@ -35,7 +35,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, ClassVar, Literal
 
-from recover.errors import ConfigError, require
+from recover.errors import ConfigError, check_numbers, require
 from recover.model import spec as model_spec
 from recover.model.config import ModelConfig
 from recover.names import (
@@ -58,6 +58,11 @@ else:  # pragma: no cover - exercised on Python 3.10 only
 
 
 AUTO = "auto"
+MAX_MICROBATCHES = 2**20
+"""The most microbatches a step may hold (``training.global_microbatches``): every step's ids are planned,
+voted on and recorded by every replica."""
+STEP_MEMORY_SHARE = 0.5
+"""The share of this machine's memory one step's tokens may take (:func:`step_bytes`)."""
 """The value of a field chosen as the job runs (``training.checkpoint_every``)."""
 
 
@@ -68,7 +73,9 @@ def _choice_error(name: str, value: Any, choices: tuple[Any, ...]) -> ConfigErro
 
 
 def _check_choices(section: Any) -> None:
-    """Checks every ``Literal`` field of a section dataclass against the type's arguments."""
+    """Checks every ``Literal`` field of a section dataclass against the type's arguments, and every numeric
+    field's range (:func:`~recover.errors.check_numbers`: finite, 64 bits, durations bounded)."""
+    check_numbers(section, section.SECTION)
     for fname, typ in _field_types(type(section)).items():
         if typing.get_origin(typ) is Literal:
             value, choices = getattr(section, fname), typing.get_args(typ)
@@ -446,6 +453,22 @@ class Config:
                  "over the TP ranks)")
         require(self.fault_tolerance.min_replicas <= p.replicas, "fault_tolerance.min_replicas",
                  self.fault_tolerance.min_replicas, f"at most parallel.replicas = {p.replicas}")
+        self._check_step_size()
+
+    def _check_step_size(self) -> None:
+        """What one step may hold: at most :data:`MAX_MICROBATCHES` ids, and its tokens within
+        :data:`STEP_MEMORY_SHARE` of this machine's memory (:func:`step_bytes`)."""
+        m, d = self.training.global_microbatches, self.data
+        require(m <= MAX_MICROBATCHES, "training.global_microbatches", m,
+                f"at most {MAX_MICROBATCHES:,} (every step's ids are planned and voted on): fewer, larger "
+                "microbatches (data.microbatch_size)")
+        need, have = step_bytes(self), memory_bytes()
+        if have and need > STEP_MEMORY_SHARE * have:
+            raise ConfigError(
+                f"training.global_microbatches = {m} is not allowed with data.microbatch_size = {d.microbatch_size} "
+                f"and data.seq_len = {d.seq_len}: a step of {m * d.microbatch_size * d.seq_len:,} tokens holds "
+                f"{need / 2**30:.1f} GiB of token ids ({d.prefetch + 1} steps with data.prefetch = {d.prefetch}), "
+                f"more than half of this machine's {have / 2**30:.1f} GiB: lower one of them")
 
     def to_dict(self) -> dict[str, Any]:
         return dataclasses.asdict(self)
@@ -453,6 +476,21 @@ class Config:
     def replace(self, overrides: dict[str, Any]) -> Config:
         """A copy with ``{"section.field": value}`` overrides applied (values already typed)."""
         return from_dict(_merge(self.to_dict(), _nest(overrides)))
+
+
+def step_bytes(cfg: Config) -> int:
+    """The bytes of token ids one replica holds for a step when it computes all of it (the others lost):
+    inputs and targets as int64 for every token of the step, for the step and ``data.prefetch`` coming ones."""
+    d = cfg.data
+    return cfg.training.global_microbatches * d.microbatch_size * d.seq_len * 16 * (d.prefetch + 1)
+
+
+def memory_bytes() -> int:
+    """This machine's physical memory in bytes (0 where the system does not say)."""
+    try:
+        return int(os.sysconf("SC_PAGE_SIZE")) * int(os.sysconf("SC_PHYS_PAGES"))
+    except (ValueError, OSError, AttributeError):
+        return 0
 
 
 def check_layout(model: ModelConfig, pp: int = 1, tp: int = 1) -> None:

@@ -8,6 +8,8 @@ of the step protocol (:class:`PeerFailure`) are caught in exactly one place, the
 
 from __future__ import annotations
 
+import dataclasses
+import math
 from typing import Any
 
 
@@ -59,6 +61,33 @@ def require(ok: bool, name: str, value: Any, allowed: str) -> None:
     """Raises the one-line ConfigError ``{name} = {value!r} is not allowed: {allowed}`` unless ``ok``."""
     if not ok:
         raise ConfigError(f"{name} = {value!r} is not allowed: {allowed}")
+
+
+MAX_INT = 2**63 - 1
+"""The largest integer a field may hold: torch and numpy keep them as 64-bit integers."""
+MAX_SECONDS = 30 * 24 * 3600.0
+"""The longest duration a ``*_s`` field may hold (30 days): a timeout beyond it is a typo, not a wish."""
+
+
+def check_numbers(section: Any, prefix: str) -> None:
+    """The range every numeric field of a config section dataclass must be in, whatever the field:
+    a float is finite (``inf`` and ``nan`` are refused: they pass ``> 0`` checks and end a job at its
+    first step), an integer fits 64 bits, and a duration in seconds (a ``*_s`` field) is at most
+    :data:`MAX_SECONDS`. Each section's own checks (signs, relations) come after this one.
+
+    Raises:
+        ConfigError: one line naming ``prefix.field``, the value and what is allowed.
+    """
+    for f in dataclasses.fields(section):
+        value, name = getattr(section, f.name), f"{prefix}.{f.name}"
+        if isinstance(value, bool) or not isinstance(value, (int, float)):
+            continue
+        if isinstance(value, float):
+            require(math.isfinite(value), name, value, "a finite number")
+        else:
+            require(abs(value) <= MAX_INT, name, value, f"an integer of at most {MAX_INT} (64 bits)")
+        if f.name.endswith("_s"):
+            require(value <= MAX_SECONDS, name, value, f"at most {MAX_SECONDS:.0f} seconds (30 days)")
 
 
 class CoordinatorLost(RecoverError):

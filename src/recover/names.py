@@ -102,6 +102,7 @@ class Event(str, Enum):
     """
 
     AUDIT = "audit"
+    BARREN_REPORTS = "barren_reports"
     BAD_DATA = "bad_data"
     BAD_DATA_STOP = "bad_data_stop"
     CHECKPOINT = "checkpoint"
@@ -161,6 +162,7 @@ class Event(str, Enum):
     REPLICA_EXIT = "replica_exit"
     RESTORED = "restored"
     RESYNCED = "resynced"
+    RUN_DIR_RECREATED = "run_dir_recreated"
     SLOWED = "slowed"
     SPARE_EXIT = "spare_exit"
     STARTED = "started"

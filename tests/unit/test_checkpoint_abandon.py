@@ -28,6 +28,21 @@ def test_abandon_removes_every_partial_keeps_complete_and_set_aside_ones_and_nam
     assert "MiB free; OSError: [Errno 28] No space left on device" in line and "\n" not in line
 
 
+def test_a_full_disk_behind_torchs_zip_writer_is_named_enospc(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    # issue 41: the warning showed torch's "unexpected pos 704 vs 598" instead of ENOSPC
+    import shutil
+    from collections import namedtuple
+
+    usage = namedtuple("usage", "total used free")
+    monkeypatch.setattr(shutil, "disk_usage", lambda path: usage(10 << 20, 10 << 20, 4096))
+    line = abandon(tmp_path, 4, RuntimeError("[enforce fail at inline_container.cc:664] . unexpected pos 704 vs 598"))
+    assert ("(0.0 MiB free; ENOSPC: no space left on device (torch's writer said RuntimeError: [enforce fail at "
+            "inline_container.cc:664] . unexpected pos 704 vs 598)); training goes on") in line
+    monkeypatch.setattr(shutil, "disk_usage", lambda path: usage(10 << 30, 0, 10 << 30))
+    line = abandon(tmp_path, 4, RuntimeError("file write failed"))  # room left: not a full disk, said as it came
+    assert "MiB free; RuntimeError: file write failed); training goes on" in line and "ENOSPC" not in line
+
+
 class FullDisk:
     """A checkpointer whose writes fail as on a full disk; an asynchronous save in flight fails too when asked."""
 

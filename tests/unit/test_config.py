@@ -184,3 +184,58 @@ def test_checkpoint_every_is_a_count_or_auto_from_the_command_line_toml_and_conf
         TrainingConfig(checkpoint_every=True)  # type: ignore[arg-type]
     with pytest.raises(ConfigError, match=r"^fault_tolerance\.mtbf_s = -1\.0 is not allowed: a number of seconds"):
         load_config("debug", ["--fault_tolerance.mtbf_s", "-1"])
+
+
+def _numeric_fields() -> list[tuple[str, type]]:
+    """Every float and int field of every section, as ``section.field`` with its type."""
+    import dataclasses
+
+    from recover.config import _SECTION_TYPES, _field_types
+
+    return [(f"{section}.{f.name}", _field_types(cls)[f.name]) for section, cls in _SECTION_TYPES.items()
+            for f in dataclasses.fields(cls) if _field_types(cls)[f.name] in (int, float)]
+
+
+@pytest.mark.parametrize("name", [n for n, t in _numeric_fields() if t is float])
+@pytest.mark.parametrize("bad", ["inf", "-inf", "nan"])
+def test_every_float_field_is_refused_when_not_finite(name: str, bad: str) -> None:
+    # issue 41: --training.lr inf was accepted (> 0 holds for inf) and every replica was fenced at step 1
+    with pytest.raises(ConfigError, match=rf"^{name} = (-?inf|nan) is not allowed: a finite number$"):
+        load_config("debug", [f"--{name}", bad])
+
+
+@pytest.mark.parametrize("name", [n for n, t in _numeric_fields() if t is int])
+def test_every_int_field_fits_64_bits(name: str) -> None:
+    with pytest.raises(ConfigError, match=rf"^{name} = {2**64} is not allowed"):
+        load_config("debug", [f"--{name}", str(2**64)])
+
+
+def test_durations_are_bounded() -> None:
+    with pytest.raises(ConfigError, match=r"fault_tolerance.collective_timeout_s = 1e\+300 is not allowed: at most "
+                                          r"2592000 seconds"):
+        load_config("debug", ["--fault_tolerance.collective_timeout_s", "1e300"])
+
+
+def test_a_step_too_large_for_memory_is_refused_with_the_fields_and_the_fix() -> None:
+    # issue 41: --training.global_microbatches 1e12 was accepted; every worker died of MemoryError
+    with pytest.raises(ConfigError, match=r"^training.global_microbatches = 1000000000000 is not allowed: at most "
+                                          r"1,048,576 .*fewer, larger microbatches \(data.microbatch_size\)$"):
+        load_config("debug", ["--training.global_microbatches", "1000000000000"])
+    with pytest.raises(ConfigError) as err:
+        load_config("debug", ["--training.global_microbatches", "1048576", "--data.microbatch_size", "4096"])
+    msg = str(err.value)
+    assert msg.startswith("training.global_microbatches = 1048576 is not allowed with data.microbatch_size = 4096 "
+                          "and data.seq_len = 64: a step of 274,877,906,944 tokens holds")
+    assert "more than half of this machine's" in msg and msg.endswith("lower one of them")
+    cfg = load_config("debug", ["--training.global_microbatches", "1024"])  # a large step that fits is kept
+    assert cfg.training.global_microbatches == 1024
+
+
+def test_a_section_built_alone_checks_its_numbers_too() -> None:
+    from recover.config import TrainingConfig
+    from recover.model.config import ModelConfig
+
+    with pytest.raises(ConfigError, match="training.lr = inf is not allowed: a finite number"):
+        TrainingConfig(lr=float("inf"))
+    with pytest.raises(ConfigError, match="model.init_std = nan is not allowed: a finite number"):
+        ModelConfig(init_std=float("nan"))

@@ -519,3 +519,60 @@ def test_audited_norms_are_compared_within_the_tolerance_their_dtype_names(tol: 
         acts += vote(st, r, 10 + r, 1, 0, [0, 1], 0.1, audit=audit)
     assert sorted(a.replica for a in acts if isinstance(a, Fence)) == fenced
     assert bool(sent(acts, "committed")) == (not fenced)
+
+
+def test_a_replica_whose_reports_find_nobody_generation_after_generation_is_fenced_with_the_cause() -> None:
+    # issue 41: a worker out of file descriptors reported failures naming nobody; 5 generations with the same
+    # members formed in 7 ms, then a 60 s collective timeout
+    from recover.coord.actions import Fence
+    from recover.coord.barren import LIMIT
+
+    st = make(3)
+    for k in range(LIMIT):  # each round finds everyone alive: the same members again
+        g = st.current.generation
+        st.on_report(2, 10 + k, g, [], 0.1 * k)
+        for r in range(3):
+            st.on_ack(r, g, 0.1 * k + 0.01)
+        assert st.current.members == (0, 1, 2) and st.current.generation == g + 1
+    acts = st.on_report(2, 20, st.current.generation, [], 1.0)
+    fences = [a for a in acts if isinstance(a, Fence)]
+    assert [f.replica for f in fences] == [2] and f"failed in {LIMIT} generations in a row" in fences[0].reason
+    assert logs(acts, "barren_reports") == [{"replica": 2, "generation": LIMIT + 1, "rounds": LIMIT}]
+
+
+def test_barren_reports_are_counted_only_in_a_row_without_a_commit_or_a_loss() -> None:
+    from recover.coord.actions import Fence
+    from recover.coord.barren import LIMIT
+
+    st = make(3)
+    for k in range(LIMIT + 1):
+        g = st.current.generation
+        if k == LIMIT - 1:  # a commit in between: the job moves
+            for r in range(3):
+                vote(st, r, 30 + r, g, 0, [0, 1, 2], 0.5 * k)
+        acts = st.on_report(2, 10 + k, g, [], 0.5 * k + 0.1)
+        assert not [a for a in acts if isinstance(a, Fence)]
+        for r in range(3):
+            st.on_ack(r, g, 0.5 * k + 0.2)
+    g = st.current.generation
+    acts = st.on_report(1, 50, g, [0], 5.0)  # a report naming a suspect is never barren
+    assert not [a for a in acts if isinstance(a, Fence)]
+
+
+def test_every_live_replica_not_finite_in_the_same_step_is_a_divergence_not_a_fence_of_each() -> None:
+    # issue 41: with a learning rate that sends the model to infinity every replica was fenced in turn as
+    # `nonfinite` (three logs with a traceback) instead of ending the job as a divergence (exit 9)
+    from recover.coord.actions import Fence
+
+    st = make(3)
+    st.min_members = 1
+    g = st.current.generation
+    for replica, ids in ((1, [3, 4, 5]), (2, [6, 7])):
+        acts = st.on_nonfinite(replica, 10 + replica, g, 1, ids, 0.1 * replica)
+        assert [a.replica for a in acts if isinstance(a, Fence)] == [replica]  # one faulty device: fenced
+        st.on_dead(replica, "fenced", 0.1 * replica)
+    acts = st.on_nonfinite(0, 20, g, 1, [0, 1, 2], 0.5)
+    assert not [a for a in acts if isinstance(a, Fence)]
+    assert logs(acts, "nonfinite_divergence") == [{"step": 1, "id": None, "replicas": [0, 1, 2]}]
+    assert sent(acts, "error")[0]["code"] == "nonfinite" and "not finite on every replica [0, 1, 2]" in \
+        sent(acts, "error")[0]["message"]

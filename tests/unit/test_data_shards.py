@@ -155,3 +155,18 @@ def test_a_damaged_magic_or_a_cut_header_is_named_as_such_never_as_a_vocabulary_
         TokenDataset(cut)
     nanogpt = write_shard(tmp_path / "raw.bin", tokens, fmt="nanogpt")  # raw tokens stay raw tokens
     assert detect_format(nanogpt) == "nanogpt"
+
+
+def test_a_shard_cut_short_under_a_reader_is_a_data_error_naming_it_never_a_sigbus(tmp_path: Path) -> None:
+    # issue 41: a training shard truncated under a running job killed every worker with SIGBUS (its memory map)
+    path = tmp_path / "train_000.bin"
+    write_shard(path, np.arange(50_000) % 300, fmt="llmc")
+    ds = TokenDataset(path)
+    assert ds.read(0, 40_000, 5).tolist() == [(40_000 + k) % 300 for k in range(5)]  # opened and read
+    with open(path, "r+b") as f:
+        f.truncate(1024 + 2 * 10_000)  # the header and 10,000 tokens left
+    assert ds.read(0, 9_000, 3).tolist() == [0, 1, 2]  # what is still there reads as before
+    with pytest.raises(DataError, match=rf"^{path}: shard changed on disk during the run \(101024 bytes when opened, "
+                                        r"now 21024\); the data must not change during a run: restore it"):
+        ds.read(0, 40_000, 5)
+    assert TokenDataset.__getstate__(ds)["_fds"] == {}  # pickles without its descriptors

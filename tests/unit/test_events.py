@@ -8,6 +8,8 @@ import resource
 import signal
 from pathlib import Path
 
+import pytest
+
 from recover.names import Event
 from recover.observe.events import EventLog, read_jsonl
 
@@ -82,3 +84,23 @@ def test_every_reader_of_a_run_skips_a_torn_last_line_even_one_cut_inside_a_char
     assert [r["step"] for r in load_metrics(tmp_path)] == [r["step"] for r in read_rows(tmp_path)] == [0, 1]
     assert [r["step"] for r in load_events(tmp_path)] == [0, 1] and list(records_before(tmp_path / "metrics.jsonl",
                                                                                          5)) == [0, 1]
+
+
+def test_a_file_removed_under_its_writer_is_created_again_and_records_are_synced(
+        tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    # issue 41: with the run directory removed, every writer went on appending to unlinked files
+    import os
+    import shutil
+
+    from recover.observe.events import JsonlWriter, read_jsonl
+
+    synced: list[int] = []
+    real_fsync = os.fsync
+    monkeypatch.setattr(os, "fsync", lambda fd: (synced.append(fd), real_fsync(fd)))
+    path = tmp_path / "run" / "events.jsonl"
+    writer = JsonlWriter(path, sync_s=0.0)
+    writer.write({"kind": "a"})
+    shutil.rmtree(tmp_path / "run")
+    writer.write({"kind": "b"})
+    writer.close()
+    assert [r["kind"] for r in read_jsonl(path)] == ["b"] and len(synced) >= 3  # every record, and the close

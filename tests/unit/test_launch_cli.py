@@ -201,3 +201,46 @@ def test_impossible_spares_are_refused(tmp_path: Path, flags: dict, says: str) -
     with pytest.raises(ConfigError, match=r"^" + r".*" + says.replace("(", r"\(").replace(")", r"\)")):
         check_launch(LaunchRequest(out=tmp_path / "run", config="debug", replicas=2, **flags))
     assert not (tmp_path / "run").exists()
+
+
+def _fake_checkpoint(out: Path, step: int, **model: object) -> Path:
+    """A complete checkpoint directory of the debug model (``model`` fields changed) as far as its
+    ``meta.json`` and marker go: what the launcher reads before it starts anything."""
+    import dataclasses
+    import json
+
+    from recover.config import load_config
+    from recover.train.integrity import MARKER, checkpoint_path
+
+    path = checkpoint_path(out / "checkpoints", step)
+    path.mkdir(parents=True)
+    shape = {**dataclasses.asdict(load_config("debug").model), "vocab_size": 320, **model}
+    (path / "meta.json").write_text(json.dumps({"step": step, "model": shape}))
+    (path / MARKER).write_text(json.dumps({"step": step}))
+    return path
+
+
+def test_resume_with_another_model_is_refused_once_before_anything_starts(
+        tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    # issue 41: the message came from every worker (8 lines, 9 s in), rc 1
+    out = tmp_path / "run"
+    path = _fake_checkpoint(out, 4, dim=48)
+    code, err = refusal(["launch", "--config", "debug", "--replicas", "2", "--out", str(out), "--resume",
+                         "--no-progress"], capsys)
+    assert code == 2 and len(err.splitlines()) == 1, err
+    assert err.startswith(f"recover: error: --resume: checkpoint {path} was written for another model "
+                          "(model.dim: checkpoint 48, this run 64)"), err
+    assert not (out / "logs").exists() and not (out / "config.json").exists()  # nothing started
+
+
+def test_resume_with_fewer_steps_than_the_checkpoint_holds_is_refused(
+        tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    # issue 41: --steps below the checkpoint's step ended with status 0 and nothing said
+    out = tmp_path / "run"
+    path = _fake_checkpoint(out, 6)
+    code, err = refusal(["launch", "--config", "debug", "--steps", "4", "--out", str(out), "--resume",
+                         "--no-progress"], capsys)
+    assert code == 2 and err.splitlines() == [
+        f"recover: error: --resume: the newest checkpoint, {path}, holds 6 committed steps, more than "
+        "training.steps = 4: give --steps 6 or more (or a new --out)"], err
+    check_launch(LaunchRequest(out=out, config="debug", steps=8, resume=True))  # the same model, steps left: fine

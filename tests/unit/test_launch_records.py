@@ -67,3 +67,18 @@ def test_metrics_rows_are_in_step_order_with_the_elapsed_time(tmp_path: Path) ->
     rows = [json.loads(line) for line in (tmp_path / "metrics.jsonl").read_text().splitlines()]
     assert [(r["step"], r["replica"], r["elapsed_s"]) for r in rows] == [(0, 0, 1.25), (1, 0, 2.5)]
     assert all("t" not in r for r in rows)
+
+
+def test_resume_completes_the_rows_a_torn_metrics_file_lost_from_the_replicas_records_and_names_the_rest() -> None:
+    from recover.launch.records import recover_rows
+
+    t0 = 1000.0
+    replica = [{"step": s, "loss": 5.0 - s, "t": t0 + 10 + s, "time_s": 1.0, "replica": r, "microbatches": 8}
+               for s in range(5) for r in (0, 1) if s != 3]
+    kept = {s: {"step": s, "loss": 5.0 - s, "elapsed_s": 10.0 + s, "microbatches": 8} for s in (0, 1)}  # 2.. torn
+    rows, lost = recover_rows(kept, replica, before=5)
+    assert sorted(rows) == [0, 1, 2, 4] and lost == [3]  # step 3: nobody holds it
+    assert rows[2]["loss"] == 3.0 and rows[2]["elapsed_s"] == 12.0 and rows[4]["replica"] == 1  # exact time
+    records = StepRecords(rows[s] | {"t": rows[s]["elapsed_s"]} for s in rows)
+    records.mark_lost(lost)
+    assert records.committed() == 5 and 3 in records and records.steps() == [0, 1, 2, 4]

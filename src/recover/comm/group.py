@@ -30,6 +30,7 @@ generation are independent groups.
 
 from __future__ import annotations
 
+import socket
 import threading
 import time
 from collections.abc import Sequence
@@ -420,6 +421,17 @@ def _try_shrink(old: FaultTolerantGroup, old_pg: Any, m: Membership) -> Any | No
     return pg
 
 
+def _check_descriptors(client: CoordinatorClient, g: int, timeout_s: float) -> None:
+    """A process that cannot open one more socket (out of file descriptors) cannot join generation ``g``: it
+    reports the failure at once (the store client would retry its connection for ``timeout_s``); its
+    reports then find nobody, and the coordinator fences it as the fault (:mod:`recover.coord.barren`)."""
+    try:
+        socket.socket().close()
+    except OSError as exc:
+        raise peer_failure(client, g, f"rendezvous of generation {g} impossible here: {exc.strerror or exc} "
+                                      f"(errno {exc.errno})", True, timeout_s) from None
+
+
 def _rendezvous(client: CoordinatorClient, m: Membership, backend: str, device: torch.device,
                 timeout_s: float, yard: Graveyard) -> tuple[Any, Any]:
     """Builds generation ``m``'s process group on a helper thread while watching for notices."""
@@ -428,10 +440,16 @@ def _rendezvous(client: CoordinatorClient, m: Membership, backend: str, device: 
     from recover.comm.store import SealedStore
 
     g = m.generation
+    _check_descriptors(client, g, timeout_s)
     # A fresh store client per generation: a construction abandoned mid-rendezvous keeps its own.
     prefix = m.prefix(getattr(client, "rank", 0), getattr(client, "ranks", 1))
-    store = SealedStore(TCPStore(m.store_host, m.store_port, None, False, timedelta(seconds=timeout_s)), prefix,
-                        m.secret)
+    try:
+        tcp = TCPStore(m.store_host, m.store_port, None, False, timedelta(seconds=timeout_s))
+    except (RuntimeError, OSError) as exc:  # DistNetworkError is a RuntimeError
+        first = str(exc).strip().splitlines()[0] if str(exc).strip() else repr(exc)
+        reason = f"rendezvous of generation {g} failed: {first}"
+        raise peer_failure(client, g, reason, True, timeout_s) from None
+    store = SealedStore(tcp, prefix, m.secret)
     rank = m.rank_of(client.replica_id)
     err: list[BaseException] = []
 

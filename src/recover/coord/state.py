@@ -72,6 +72,7 @@ from typing import Any
 
 from recover.coord import integrity
 from recover.coord.actions import Action, Fence, Log, Refused, Send
+from recover.coord.barren import BarrenReports
 from recover.coord.protocol import Ballot, Membership, Resume, speeds_to_wire
 from recover.workload.speeds import SpeedTracker
 
@@ -89,6 +90,8 @@ class _Round:
     acked: set[int] = field(default_factory=set)
     pending: set[int] = field(default_factory=set)
     """Members neither acked nor dead: kept up to date so each ack costs O(1), not O(members)."""
+    reporter: int | None = None
+    """The replica whose report naming nobody started the round (:mod:`recover.coord.barren`)."""
 
 
 class MembershipState:
@@ -132,6 +135,8 @@ class MembershipState:
         self.drained: dict[int, tuple[int, int]] = {}  # drained replica -> (step it left at, generation without it)
         self.faults: deque[dict[str, Any]] = deque(maxlen=FAULTS_KEPT)  # the last failures, for ``status``
         self._nonfinite: dict[tuple[int, int], set[int]] = {}  # (step, id) -> replicas it was not finite on
+        self.barren = BarrenReports()
+        """Failure rounds in a row started by reports that found nobody (:mod:`recover.coord.barren`)."""
         self._members: frozenset[int] = frozenset()  # the current generation's, for O(1) lookups
 
     @property
@@ -256,8 +261,14 @@ class MembershipState:
                                    "superseded": stale}),
             Send(replica, {"type": "ok", "re": req_id, "generation": self.generation}),
         ]
+        if not stale and self.barren.is_the_fault(replica, suspects):  # its own collectives fail: fence it
+            return acts + [Log("barren_reports", {"replica": replica, "generation": generation,
+                                                  "rounds": self.barren.counts[replica]}),
+                           Fence(replica, self.barren.cause(replica))]
         if not stale:
             acts += self._start_round(f"collective failure reported by replica {replica}", now)
+            if self.round is not None and not suspects:
+                self.round.reporter = replica
             acts += self._check_round(now)
         return acts
 
@@ -303,6 +314,7 @@ class MembershipState:
         assert self.current is not None
         generation, step, ids = ballot.generation, ballot.step, ballot.ids
         self.committed_step = step
+        self.barren.committed()
         self.fresh.clear()
         self._resync = self._restoring = False
         acts: list[Action] = [Log("commit", {"generation": generation, "step": step, "ids": len(ids)})]
@@ -337,24 +349,31 @@ class MembershipState:
                      now: float) -> list[Action]:
         """Microbatches ``ids`` of ``step`` were not finite on ``replica``. The first replica to report an
         id is fenced as faulty (the others recompute its microbatches in the step); a second replica
-        reporting the same id means the training itself diverged: the job ends (``nonfinite``)."""
+        reporting the same id, or every live member reporting some in the same step (a learning rate that
+        sends the model to infinity), means the training itself diverged: the job ends (``nonfinite``)."""
         cur = self.current
         if cur is None or replica not in cur.members:
             raise Refused("not_member", f"replica {replica} is not a member of the current generation")
         again = sorted(i for i in ids if self._nonfinite.get((step, i), set()) - {replica})
         for i in ids:
             self._nonfinite.setdefault((step, i), set()).add(replica)
-        if not again:
+        reported = {r for (s, _), rs in self._nonfinite.items() if s == step for r in rs}
+        everyone = not [m for m in cur.members if m in self.live and m not in reported]
+        if not again and not everyone:
             return [Log("nonfinite", {"replica": replica, "step": step, "ids": sorted(ids), "generation": generation}),
                     Send(replica, {"type": "ok", "re": req_id, "generation": self.generation}),
                     Fence(replica, f"microbatch(es) {sorted(ids)} of step {step} were not finite on it; "
                                    "the other replicas recompute them")]
         self.stopped = True
-        who = sorted(self._nonfinite[(step, again[0])])
-        msg = (f"microbatch {again[0]} of step {step} has a loss or gradient that is not finite on replicas {who}: "
-               "the training diverged (its data or its model), not a faulty device; the last committed state "
-               "is saved")
-        return [Log("nonfinite_divergence", {"step": step, "id": again[0], "replicas": who}),
+        if again:
+            who = sorted(self._nonfinite[(step, again[0])])
+            what = f"microbatch {again[0]} of step {step} has a loss or gradient that is not finite on replicas {who}"
+        else:  # each on its own microbatches, but every replica left: the model itself is not finite
+            who = sorted(reported)
+            what = f"microbatches of step {step} have losses or gradients that are not finite on every replica {who}"
+        msg = f"{what}: the training diverged (its data or its model), not a faulty device; the last committed " \
+              "state is saved"
+        return [Log("nonfinite_divergence", {"step": step, "id": again[0] if again else None, "replicas": who}),
                 Send(replica, {"type": "error", "re": req_id, "code": "nonfinite", "message": msg}),
                 *(Send(m, {"type": "error", "re": None, "code": "nonfinite", "message": msg})
                   for m in cur.members if m != replica and m in self.live)]
@@ -484,6 +503,7 @@ class MembershipState:
             acts.append(Fence(m, f"no ack of failure notice for generation {r.generation} "
                                  f"within {self.ack_timeout_s:g} s"))
         self.round = None
+        self.barren.closed(r.reporter, bool(r.dead))
         survivors = sorted(set(cur.members) - r.dead)
         acts += self._form(survivors, "failure", now, detail=r.reason, latency_s=now - r.started)
         if not survivors and self.pending_join:

@@ -16,7 +16,9 @@ Contract:
 returns a read-only ``np.memmap`` (no copy); :func:`write_shard` writes atomically (temporary file, then
 rename), so a crash never leaves a half-written shard under the final name. :class:`TokenDataset` opens
 a file, a directory (all ``*.bin``, sorted) or a glob lazily: headers at construction, a bounded LRU of
-memory maps after (so start-up, memory and file descriptors do not grow with the data).
+memory maps after (so start-up, memory and file descriptors do not grow with the data); training reads
+windows with ``pread`` (:meth:`TokenDataset.read`), so a shard cut short under a running job is a
+``DataError`` naming it, never a SIGBUS.
 Start-up checks of a run's splits without reading tokens are :func:`recover.data.verify.check_data`'s
 (splits found by :mod:`recover.data.layout`). Every bad input raises
 :class:`~recover.errors.DataError` naming the file, the problem and the fix.
@@ -419,6 +421,7 @@ class TokenDataset:
         self.meta = load_meta(self.paths[0].parent)
         self._shard_max: list[int] | None = None
         self._open: OrderedDict[int, np.ndarray] = OrderedDict()
+        self._fds: OrderedDict[int, int] = OrderedDict()
         self._lock = threading.Lock()
 
     def __len__(self) -> int:
@@ -426,7 +429,7 @@ class TokenDataset:
 
     def __getstate__(self) -> dict:
         state = dict(self.__dict__)
-        state["_open"], state["_lock"] = OrderedDict(), None
+        state["_open"], state["_fds"], state["_lock"] = OrderedDict(), OrderedDict(), None
         return state
 
     def __setstate__(self, state: dict) -> None:
@@ -462,6 +465,60 @@ class TokenDataset:
             while len(self._open) > self.max_open:
                 self._open.popitem(last=False)  # its map (and file descriptor) closes with its last reference
         return arr
+
+    def read(self, i: int, start: int, count: int) -> np.ndarray:
+        """Tokens ``start .. start + count`` of shard ``i``, read with ``pread`` (a copy), not through a memory
+        map: a shard cut short on disk under a running job is then a :class:`~recover.errors.DataError` naming
+        it (bad data: the job saves and stops with its line), where a map's read past the new end would
+        kill the process with SIGBUS. One descriptor per shard, bounded by ``max_open`` as the maps are.
+
+        Raises:
+            DataError: the file vanished or changed size since the dataset read its header.
+        """
+        header = self.headers[i]
+        size = np.dtype(header.dtype).itemsize
+        with self._lock:
+            fd = self._fd(i)
+            try:
+                data = os.pread(fd, count * size, header.offset + start * size)
+            except OSError as exc:
+                raise DataError(f"{header.path}: shard unreadable during the run ({exc.strerror or exc}); the "
+                                "data must stay in place during a run: restore it and continue with --resume") from exc
+            if len(data) < count * size:
+                now = os.fstat(fd).st_size
+                raise DataError(f"{header.path}: shard changed on disk during the run ({header.size} bytes when "
+                                f"opened, now {now}); the data must not change during a run: restore it and "
+                                "continue with --resume")
+        return np.frombuffer(data, dtype=header.dtype)
+
+    def _fd(self, i: int) -> int:
+        """Shard ``i``'s open descriptor (size checked against its header when opened); the lock is held."""
+        fd = self._fds.get(i)
+        if fd is not None:
+            self._fds.move_to_end(i)
+            return fd
+        header = self.headers[i]
+        try:
+            fd = os.open(header.path, os.O_RDONLY)
+        except OSError as exc:
+            raise DataError(f"{header.path}: shard vanished after it was opened ({exc.strerror or exc}); the data "
+                            "must stay in place during a run") from exc
+        if os.fstat(fd).st_size != header.size:
+            now = os.fstat(fd).st_size
+            os.close(fd)
+            raise DataError(f"{header.path}: shard changed on disk after it was opened ({header.size} bytes, now "
+                            f"{now}); the data must not change during a run: restart it")
+        self._fds[i] = fd
+        while len(self._fds) > self.max_open:
+            os.close(self._fds.popitem(last=False)[1])
+        return fd
+
+    def __del__(self) -> None:
+        for fd in getattr(self, "_fds", {}).values():
+            try:
+                os.close(fd)
+            except OSError:
+                pass
 
     @property
     def open_shards(self) -> int:

@@ -13,6 +13,7 @@ a bad request is refused in well under a second with one line and exit status 2.
 from __future__ import annotations
 
 import argparse
+import contextlib
 import json
 import os
 import signal
@@ -299,12 +300,7 @@ def check_launch(req: LaunchRequest) -> LaunchOptions:
     if req.metrics_port:  # taken now: refused here in one line, not by the coordinator once it all started
         MetricsServer("127.0.0.1", req.metrics_port).close()
     if req.resume:
-        from recover.train.integrity import list_checkpoints
-
-        if not list_checkpoints(Path(req.out) / "checkpoints"):
-            raise ConfigError(f"--resume: no complete checkpoint under {Path(req.out) / 'checkpoints'}; run without "
-                              "--resume to start afresh (a checkpoint is saved on SIGTERM, on quorum loss and every "
-                              "training.checkpoint_every steps)")
+        check_resume(cfg, Path(req.out))
         if req.baseline:
             raise ConfigError("--resume continues a recover run; the baselines restart by themselves")
     if cfg.training.init_from:  # a source that does not fit is refused here, not by every worker
@@ -328,6 +324,34 @@ def check_launch(req: LaunchRequest) -> LaunchOptions:
                          metrics_port=req.metrics_port,
                          placement=placement, script=req.script, max_replicas=req.max_replicas or p.replicas, tls=tls,
                          title=f"{cfg.name} x{p.replicas}" + (f" (x{P} ranks)" if P > 1 else ""))
+
+
+def check_resume(cfg: Config, out: Path) -> None:
+    """What ``--resume`` needs, from the newest complete checkpoint under ``out`` before any process starts:
+    one to resume from, written for this model (one of another model would be refused by every worker, once
+    each), and no more steps in it than the run has.
+
+    Raises:
+        ConfigError: one line naming the checkpoint and the fix.
+    """
+    from recover.errors import CheckpointError, IncompatibleCheckpoint
+    from recover.train.integrity import check_compatible, list_checkpoints, read_meta
+
+    found = list_checkpoints(out / "checkpoints")
+    if not found:
+        raise ConfigError(f"--resume: no complete checkpoint under {out / 'checkpoints'}; run without "
+                          "--resume to start afresh (a checkpoint is saved on SIGTERM, on quorum loss and every "
+                          "training.checkpoint_every steps)")
+    step, path = found[-1]
+    try:
+        check_compatible(read_meta(path), cfg.model, path)
+    except IncompatibleCheckpoint as exc:
+        raise ConfigError(f"--resume: {exc}") from None
+    except CheckpointError:
+        pass  # damaged: the workers name it and fall back to an older one
+    if step > cfg.training.steps:
+        raise ConfigError(f"--resume: the newest checkpoint, {path}, holds {step} committed steps, more than "
+                          f"training.steps = {cfg.training.steps}: give --steps {step} or more (or a new --out)")
 
 
 def warm_spares(req: LaunchRequest, placement: Placement, ranks: int) -> int:
@@ -387,14 +411,20 @@ def launch(req: LaunchRequest) -> int:
     resolve_data_dir(opts.config.data, quiet=not req.progress)
     launcher = Launcher(opts)
     code = launcher.run()
-    _report(launcher, opts, req.reference)
-    if code == EXIT_UNSAVED:
-        from recover.observe.events import read_jsonl
-
-        lost = [e for e in read_jsonl(opts.out / "events.jsonl") if e.get("kind") == Event.CHECKPOINT_UNSAVED][-1:]
+    unwritten = _report(launcher, opts, req.reference)
+    if unwritten:  # after the job's own line (a finished job's is this one)
+        unwritten = (f"recover: the storage refused the launcher's records with {launcher.written + 1} committed "
+                     f"steps recorded: {unwritten}; free some space and run `recover collect {opts.out}` to write them")
+    if unwritten and code == 0:
+        print(unwritten, file=sys.stderr)
+        code, unwritten = EXIT_UNSAVED, None
+    elif code == EXIT_UNSAVED:
+        lost = [e for e in _events(opts.out) if e.get("kind") == Event.CHECKPOINT_UNSAVED][-1:]
         why = lost[0]["message"] if lost else "the storage refused the final checkpoint"
         print(f"recover: the job ended after {launcher.written + 1} committed steps without its final checkpoint: "
               f"{why}", file=sys.stderr)
+    elif code == EXIT_QUORUM_LOST and launcher.all_lost:
+        print(f"recover: the job stopped: {_everyone_lost(opts.out)}", file=sys.stderr)
     elif code == EXIT_QUORUM_LOST:
         print("recover: the job stopped because too few replicas survived; a complete checkpoint was saved "
               f"under {opts.out / 'checkpoints'}", file=sys.stderr)
@@ -407,10 +437,8 @@ def launch(req: LaunchRequest) -> int:
         print(f"recover: the job stopped {why} after {launcher.written + 1} committed steps; a complete checkpoint is "
               f"under {opts.out / 'checkpoints'}; continue with the same command and --resume", file=sys.stderr)
     elif code in (EXIT_DIVERGED, EXIT_NONFINITE):
-        from recover.observe.events import read_jsonl
-
         kinds = {EXIT_DIVERGED: Event.DIVERGED, EXIT_NONFINITE: Event.NONFINITE_DIVERGENCE}
-        last = [e for e in read_jsonl(opts.out / "events.jsonl") if e.get("kind") == kinds[code]][-1:]
+        last = [e for e in _events(opts.out) if e.get("kind") == kinds[code]][-1:]
         if code == EXIT_DIVERGED:
             sides = "; ".join(f"replicas {rs} hold {fp}" for fp, rs in (last[0]["sides"] if last else {}).items())
             of = "gradients of the audited microbatch" if last and last[0].get("check") == "audit" else "parameters"
@@ -418,13 +446,13 @@ def launch(req: LaunchRequest) -> int:
                     f"to trust ({sides}); each side's state is under {opts.out / 'checkpoints' / 'diverged'}")
         else:
             e = last[0] if last else {"id": "?", "step": "?", "replicas": []}
-            what = (f"microbatch {e['id']} of step {e['step']} was not finite on replicas {e['replicas']}: the "
-                    f"training diverged; the last committed state is under {opts.out / 'checkpoints'}")
+            which = (f"microbatch {e['id']} of step {e['step']} was not finite on replicas {e['replicas']}"
+                     if e.get("id") is not None else
+                     f"the microbatches of step {e['step']} were not finite on every replica {e['replicas']}")
+            what = f"{which}: the training diverged; the last committed state is under {opts.out / 'checkpoints'}"
         print(f"recover: the job stopped: {what}", file=sys.stderr)
     elif code == EXIT_BAD_DATA:
-        from recover.observe.events import read_jsonl
-
-        bad = [e for e in read_jsonl(opts.out / "events.jsonl") if e.get("kind") == Event.BAD_DATA][:1]
+        bad = [e for e in _events(opts.out) if e.get("kind") == Event.BAD_DATA][:1]
         why = bad[0]["message"] if bad else "a microbatch held a token id beyond the vocabulary"
         print(f"recover: the job stopped on bad data: {why}. The last committed state is under "
               f"{opts.out / 'checkpoints'}; fix the data (`recover prepare --verify DIR` finds every bad id) and "
@@ -433,25 +461,66 @@ def launch(req: LaunchRequest) -> int:
         print(f"recover: stopped by signal {launcher.stop_signal} without reaching a step boundary within "
               f"fault_tolerance.stop_grace_s; the newest complete checkpoint under {opts.out / 'checkpoints'} "
               "(if any) is where --resume continues", file=sys.stderr)
+    if unwritten:
+        print(unwritten, file=sys.stderr)
     return code
 
 
-def _report(launcher: Launcher, opts: LaunchOptions, reference: Path | None) -> None:
-    """Summary, recovery events, plots and the one-line result of a finished run."""
+def _events(out: Path) -> list[dict[str, Any]]:
+    """The run's events, for the line it ends with (none when the run directory is gone)."""
+    from recover.observe.events import read_jsonl
+
+    try:
+        return list(read_jsonl(out / "events.jsonl"))
+    except OSError:
+        return []
+
+
+LOST_AS = {"connection_closed": "died", "heartbeat_timeout": "went silent", "hung": "hung"}
+"""How a replica was lost, by the cause of its ``failure_detected``, in the line of a job that lost them all."""
+
+
+def _everyone_lost(out: Path) -> str:
+    """The line of a job whose every replica was fenced or killed with none to come back: who went how, and
+    the newest complete checkpoint to resume from."""
+    from recover.train.integrity import list_checkpoints
+
+    causes = {e["replica"]: e.get("cause", "lost") for e in _events(out)
+              if e.get("kind") == Event.FAILURE_DETECTED and "replica" in e}
+    how = ", ".join(f"replica {r} {LOST_AS.get(c, c)}" for r, c in sorted(causes.items())) or "fenced or killed"
+    step, path = list_checkpoints(out / "checkpoints")[-1]
+    return (f"every replica was lost ({how}) and none was to come back (no --rejoin-after); the newest complete "
+            f"checkpoint is {path} (step {step}): continue with the same command and --resume, redoing the steps "
+            "after it")
+
+
+def _report(launcher: Launcher, opts: LaunchOptions, reference: Path | None) -> str | None:
+    """Summary, recovery events, plots and the one-line result of a finished run; returns the line naming
+    ``summary.json`` when the storage refused it (a full disk), else None."""
     from recover.launch.report import plot_run, summarize
     from recover.observe.events import EventLog
+    from recover.observe.rundir import refused
 
     out = opts.out
-    summary = summarize(out, opts.config.name, launcher.wall_s)
-    with EventLog(out / "events.jsonl") as events:  # kill -> all survivors computing again, per kill
-        for rec in summary["recoveries"]:
-            events.event(Event.RECOVERY, **rec)
+    summary = summarize(out, opts.config.name, launcher.wall_s, write=False)
+    unwritten = None
+    try:
+        (out / "summary.json").write_text(json.dumps(summary, indent=1))
+    except OSError as exc:
+        unwritten = refused(out / "summary.json", exc)
+        with contextlib.suppress(OSError):
+            (out / "summary.json").unlink(missing_ok=True)  # never a torn one
+    with contextlib.suppress(OSError):  # the run directory gone for good: the summary line says the rest
+        with EventLog(out / "events.jsonl") as events:  # kill -> all survivors computing again, per kill
+            for rec in summary["recoveries"]:
+                events.event(Event.RECOVERY, **rec)
     try:
         plot_run(out, reference)
     except Exception as exc:  # a plot never fails a run
         print(f"warning: plots not written: {exc}", file=sys.stderr)
-    for text in launcher.supervisor.failed_logs():
-        print(text, file=sys.stderr)
+    with contextlib.suppress(OSError):
+        for text in launcher.supervisor.failed_logs():
+            print(text, file=sys.stderr)
     lat = summary["recovery_latency_ms_median"]
     extra = "".join(f"; nobody held the state: restored step {r['step']} ({r['redo']} steps redone)"
                        for r in summary["restores"])
@@ -462,6 +531,7 @@ def _report(launcher: Launcher, opts: LaunchOptions, reference: Path | None) -> 
           f"{summary['rejoins']}{extra}; median recovery {lat if lat is not None else '-'} ms; "
           f"goodput {100 * summary['goodput']['ettr']:.1f}%; "
           f"final val loss {summary['final_val_loss']}; outputs in {out}", flush=True)
+    return unwritten
 
 
 def _ids(flag: str, text: str | None) -> frozenset[int] | None:

@@ -20,30 +20,39 @@ Contract:
   (SIGTERM to one worker alone is that replica's graceful leave, :mod:`recover.train.worker`), the next
   commit is a stop, the lowest live replica saves a complete checkpoint, and everything exits; after
   ``fault_tolerance.stop_grace_s`` whatever still runs is killed. A second signal kills at once.
-  Exit statuses: 0 every step committed, 3 quorum lost, 6 stopped with a checkpoint (continue with
-  ``--resume``), 7 the coordinator was lost for good (a checkpoint was saved), 8 the replicas'
-  parameters disagree with no majority (each side saved), 9 the training diverged (a microbatch not
-  finite on two replicas), 10 bad data, 11 every replica holding the state lost with no checkpoint to
-  fall back to (with one, the replicas that come back restore it and the job goes on), 12 the storage
-  refused the checkpoint the job ended with (before any other: the committed steps are recorded, the
-  older checkpoints kept), 1 otherwise.
+  Exit statuses: 0 every step committed, 3 quorum lost (also when every replica was fenced or killed
+  with none to come back and an older complete checkpoint exists; with none, 11), 6 stopped with a
+  checkpoint (continue with ``--resume``), 7 the coordinator was lost for good (a checkpoint was
+  saved), 8 the replicas' parameters disagree with no majority (each side saved), 9 the training
+  diverged (a microbatch not finite on two replicas, or some on every replica in one step), 10 bad
+  data, 11 every replica holding the state lost with no checkpoint to fall back to (with one, the
+  replicas that come back restore it and the job goes on), 12 the storage refused the checkpoint the
+  job ended with (before any other: the committed steps are recorded, the older checkpoints kept) or,
+  the job finished, the launcher's ``summary.json``, 1 otherwise.
 - Once every step is committed, a replica still running after ``fault_tolerance.stop_grace_s`` (stuck
   in its exit) is killed (``exit_grace_over``); the status stays 0.
 - ``resume``: the workers start from the newest complete checkpoint in ``out``; the records of
-  ``metrics.jsonl`` before it are kept (it holds each step once).
+  ``metrics.jsonl`` before it are kept (it holds each step once), completed from the replicas' own logs
+  where a torn or lost line took one; a step no record holds is named in one warning line and counted
+  committed (its training is in the checkpoint).
+- The run directory removed while the job runs: what the launcher owns and its processes read is created
+  again (:meth:`Launcher._keep_run_dir`) and the job goes on.
 """
 
 from __future__ import annotations
 
 import signal
+import sys
 import time
 from typing import Any
 
 from recover.config import write_run_config
 from recover.launch.faultclock import FaultClock
 from recover.launch.job import LaunchOptions
-from recover.launch.records import JsonlTail, StepRecords, metrics_row, write_metrics
+from recover.launch.processes import LOST
+from recover.launch.records import JsonlTail, StepRecords, metrics_row, recover_rows, write_metrics
 from recover.launch.supervisor import POLL_S, Supervisor
+from recover.names import Event
 from recover.observe.events import EventLog, JsonlWriter
 from recover.observe.progress import ProgressDisplay
 from recover.train.exits import (
@@ -63,6 +72,17 @@ EXIT_ORDER = (EXIT_UNSAVED, EXIT_DIVERGED, EXIT_NONFINITE, EXIT_BAD_DATA, EXIT_S
               EXIT_COORDINATOR_LOST, EXIT_STOPPED)
 """An unfinished job's exit status: the first of these that a replica exited with (else 1); a finished
 job's is 0, or :data:`EXIT_UNSAVED` when its final checkpoint could not be written."""
+
+
+def _ranges(steps: list[int]) -> str:
+    """``[3, 4, 5, 9]`` -> ``3-5, 9``."""
+    out: list[str] = []
+    for s in sorted(steps):
+        if out and out[-1].split("-")[-1] == str(s - 1):
+            out[-1] = f"{out[-1].split('-')[0]}-{s}"
+        else:
+            out.append(str(s))
+    return ", ".join(out)
 
 
 class Launcher:
@@ -96,11 +116,17 @@ class Launcher:
         self.stop_started: float | None = None
         self.goodput_at, self.goodput_line = 0.0, None
         self.wall_s = 0.0
+        self.all_lost = False
+        """Whether the job ended because every replica was fenced or killed with none to come back."""
+        self.token: str | None = None
+        """The coordinator's token, kept to be written again if the run directory is removed."""
+        self.run_dir_lost = False
+        """Whether the run directory was removed and could not be created again (the job then stops)."""
 
     def _prepare_out(self) -> float:
         """The run directory; with ``resume``, the step records before the newest checkpoint are kept.
         Returns when the run began."""
-        from recover.observe.events import records_before
+        from recover.observe.events import read_jsonl, records_before
         from recover.train.integrity import list_checkpoints, remove_leftovers
 
         for sub in ("logs", "replicas"):
@@ -108,9 +134,16 @@ class Launcher:
         remove_leftovers(self.out / "checkpoints")  # what interrupted saves left (no process runs yet)
         old_logs = sorted((self.out / "replicas").glob("*.jsonl"))
         kept: dict[int, dict[str, Any]] = {}
-        if self.o.resume:
+        lost: list[int] = []
+        if self.o.resume:  # the records before the checkpoint: metrics.jsonl's, completed from the replicas' logs
             found = list_checkpoints(self.out / "checkpoints")
-            kept = records_before(self.out / "metrics.jsonl", found[-1][0] if found else 0)
+            before = found[-1][0] if found else 0
+            kept, lost = recover_rows(records_before(self.out / "metrics.jsonl", before),
+                                      (rec for path in old_logs for rec in read_jsonl(path)), before)
+            if lost:
+                print(f"recover: warning: the records of committed steps {_ranges(lost)} are lost (metrics.jsonl "
+                      "torn and no replica log holds them); the steps are in the checkpoint, their records stay "
+                      "missing from metrics.jsonl", file=sys.stderr, flush=True)
         for stale in ["metrics.jsonl", "summary.json", *(p.relative_to(self.out) for p in old_logs)]:
             (self.out / stale).unlink(missing_ok=True)
         if not self.o.resume:
@@ -119,12 +152,14 @@ class Launcher:
         t0 = time.time() - max((rec["elapsed_s"] for rec in kept.values()), default=0.0)  # time goes on
         for rec in kept.values():
             self.records.add({**rec, "t": t0 + rec["elapsed_s"]})
+        self.records.mark_lost(lost)
         return t0
 
     def run(self) -> int:
         """Runs the job to its end; returns its exit status (see the module docstring)."""
         for step in range(self.written + 1):
-            self.metrics.write(metrics_row(self.records.record(step), self.t0))
+            if step not in self.records.lost:
+                self.metrics.write(metrics_row(self.records.record(step), self.t0))
         started = time.time()
         self.events.event("launch", replicas=self.cfg.parallel.replicas, steps=self.cfg.training.steps,
                           failures=[str(s) for s in self.o.failures], random_mtbf_s=self.o.random_mtbf_s,
@@ -134,6 +169,7 @@ class Launcher:
         signal.signal(signal.SIGINT, self._request_stop)
         try:
             self.supervisor.start()
+            self._read_token()
             self._watch()
             self._collect()
             self._flush_metrics(final=True)
@@ -152,6 +188,7 @@ class Launcher:
             now = time.time()
             if self.stop_signal is not None and self.stop_started is None:
                 self._begin_stop(now)
+            self._keep_run_dir()
             self.supervisor.watch_coordinator()
             for rec in self.tail.read(self.out / "events.jsonl"):
                 self.seen_events.append(rec)
@@ -181,6 +218,41 @@ class Launcher:
                 self._strike(now)  # faults strike a job that trains, not one that ends
             time.sleep(POLL_S)
 
+    def _keep_run_dir(self) -> None:
+        """The run directory removed under the running job: what the launcher owns and the processes it
+        starts read is created again (``logs/``, ``replicas/``, ``config.json``, the coordinator's token),
+        with one warning line and a ``run_dir_recreated`` event; the job goes on. The records that every
+        writer appends reopen at their paths by themselves (:class:`~recover.observe.events.JsonlWriter`),
+        and ``metrics.jsonl`` is written whole at the end from the records the launcher holds."""
+        from recover.observe.rundir import write_private
+
+        if self.run_dir_lost or (self.out / "config.json").is_file():
+            return
+        token = self.token
+        try:
+            for sub in ("logs", "replicas"):
+                (self.out / sub).mkdir(parents=True, exist_ok=True)
+            write_run_config(self.cfg, self.out)
+            if token is not None:
+                write_private(self.supervisor.addr.token_file, token)
+        except OSError as exc:  # stop as on SIGTERM: the replicas save where they can
+            self.run_dir_lost = True
+            self.stop_signal = self.stop_signal or signal.SIGTERM
+            print(f"recover: the run directory {self.out} was removed while the job ran and cannot be created again "
+                  f"({exc}); stopping at the next step boundary", file=sys.stderr, flush=True)
+            return
+        print(f"recover: warning: the run directory {self.out} was removed while the job ran; created again "
+              f"(logs/, replicas/, config.json, the token) at step {self.written + 1}: the job goes on, but the "
+              "checkpoints, logs and events written before are gone", file=sys.stderr, flush=True)
+        self.events.event(Event.RUN_DIR_RECREATED, step=self.written + 1)
+
+    def _read_token(self) -> None:
+        """Keeps the coordinator's token (written again should its file be removed)."""
+        try:
+            self.token = self.supervisor.addr.token_file.read_text(encoding="utf-8")
+        except OSError:
+            self.token = None
+
     # ---- records ---------------------------------------------------------------------------
     def _collect(self) -> None:
         """Merges the step records the replicas appended since the last call."""
@@ -193,6 +265,8 @@ class Launcher:
         """Writes committed steps in order; a step waits for the next one (so its val_loss can merge)."""
         while (self.written + 1) in self.records and (final or (self.written + 2) in self.records):
             self.written += 1
+            if self.written in self.records.lost:
+                continue
             row = metrics_row(self.records.record(self.written), self.t0)
             self.metrics.write(row)
             self.display.update(row, self._goodput(final))
@@ -204,7 +278,7 @@ class Launcher:
 
         now = time.time()
         if final or now >= self.goodput_at:
-            rows = [self.records.record(s) for s in range(self.written + 1)]
+            rows = [self.records.record(s) for s in range(self.written + 1) if s not in self.records.lost]
             self.goodput_line = describe(goodput(rows, self.seen_events, now=now))
             self.goodput_at = now + 20 * (time.time() - now)
         return self.goodput_line
@@ -234,6 +308,7 @@ class Launcher:
                           restart=self.supervisor.restarts)
         if len(survivors) >= self.cfg.fault_tolerance.min_replicas:
             self.supervisor.restart_job(survivors, resume=resume_step > 0)
+            self._read_token()
 
     def _request_stop(self, signum: int, frame: Any) -> None:
         """SIGTERM or SIGINT: a graceful stop (see the module docstring); the second one: at once."""
@@ -258,7 +333,14 @@ class Launcher:
         self.events.close()
         if self.written + 1 >= self.cfg.training.steps:
             return EXIT_UNSAVED if EXIT_UNSAVED in codes.values() else 0
-        return next((status for status in EXIT_ORDER if status in codes.values()), 1)
+        status = next((status for status in EXIT_ORDER if status in codes.values()), None)
+        if status is None and self.stop_signal is None and codes and all(c == LOST for c in codes.values()):
+            # every replica fenced or killed and none to come back (no --rejoin-after): nobody saved at the end
+            from recover.train.integrity import list_checkpoints
+
+            self.all_lost = True
+            status = EXIT_QUORUM_LOST if list_checkpoints(self.out / "checkpoints") else EXIT_STATE_LOST
+        return status or 1
 
 
 __all__ = ["LaunchOptions", "Launcher"]

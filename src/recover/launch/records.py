@@ -21,6 +21,7 @@ absent from the merge (:meth:`StepRecords.committed` counts the steps before the
 
 from __future__ import annotations
 
+import contextlib
 import json
 import os
 import sys
@@ -49,6 +50,8 @@ class StepRecords:
         """step -> the newest record of the step."""
         self._evaluated: dict[int, Record] = {}
         """step -> the newest record of the step that carries a ``val_loss``."""
+        self.lost: set[int] = set()
+        """Committed steps whose records are lost (:meth:`mark_lost`)."""
         for rec in records:
             self.add(rec)
 
@@ -64,6 +67,12 @@ class StepRecords:
             self._evaluated[step] = rec
         return True
 
+    def mark_lost(self, steps: Iterable[int]) -> None:
+        """Steps committed whose records are gone for good (a torn ``metrics.jsonl`` and no replica log
+        holding them): they count as recorded for :meth:`committed` (the steps after them are not held
+        back) but have no record."""
+        self.lost.update(s for s in steps if s not in self._newest)
+
     def forget_from(self, step: int) -> list[int]:
         """Drops the records of ``step`` and later (they will be redone); returns the steps dropped."""
         gone = sorted(s for s in self._newest if s >= step)
@@ -73,7 +82,8 @@ class StepRecords:
         return gone
 
     def __contains__(self, step: object) -> bool:
-        return step in self._newest
+        """Whether ``step`` is recorded, or known committed with its record lost."""
+        return step in self._newest or step in self.lost
 
     def __len__(self) -> int:
         return len(self._newest)
@@ -88,7 +98,7 @@ class StepRecords:
     def committed(self) -> int:
         """How many steps from 0 on are recorded without a gap."""
         n = 0
-        while n in self._newest:
+        while n in self:
             n += 1
         return n
 
@@ -105,6 +115,25 @@ class StepRecords:
     def merged(self) -> dict[int, Record]:
         """Every recorded step's merged record, by step."""
         return {step: self.record(step) for step in self.steps()}
+
+
+def recover_rows(kept: dict[int, Record], replica_records: Iterable[Any],
+                 before: int) -> tuple[dict[int, Record], list[int]]:
+    """The ``metrics.jsonl`` rows of steps ``0 .. before - 1`` (the steps a resumed run keeps): ``kept`` (read
+    from ``metrics.jsonl``), completed from the replicas' own records where it lacks a step (a torn last
+    line, a power loss before the file reached the disk). Returns the rows by step and the steps that no
+    record holds (lost for good). Pure."""
+    rows = dict(kept)
+    found = StepRecords(rec for rec in replica_records if is_step_record(rec) and rec["step"] < before)
+    # the old run's start: a step in both says it exactly (elapsed_s = t - t0), else the first step's start
+    both = [found.record(s)["t"] - rows[s]["elapsed_s"] for s in found.steps() if s in rows
+            and isinstance(rows[s].get("elapsed_s"), (int, float))]
+    firsts = [found.record(s)["t"] - found.record(s).get("time_s", 0.0) for s in found.steps()]
+    t0 = both[0] if both else min(firsts, default=0.0)
+    for step in found.steps():
+        if step not in rows:
+            rows[step] = metrics_row(found.record(step), t0)
+    return rows, [s for s in range(before) if s not in rows]
 
 
 def metrics_row(rec: Record, t0: float) -> Record:
@@ -124,7 +153,8 @@ def write_metrics(path: Path, records: StepRecords, t0: float) -> None:
                 f.write(json.dumps(metrics_row(records.record(step), t0), separators=(",", ":")) + "\n")
         os.replace(tmp, path)
     except OSError as exc:
-        tmp.unlink(missing_ok=True)
+        with contextlib.suppress(OSError):
+            tmp.unlink(missing_ok=True)
         print(f"recover: warning: could not rewrite {path} ({exc.strerror or exc}); it keeps the records "
               "written as the steps committed", file=sys.stderr, flush=True)
 
@@ -135,6 +165,8 @@ class JsonlTail:
     def __init__(self) -> None:
         self.offsets: dict[Path, int] = {}
         """path -> the byte offset read up to (the end of its last complete line)."""
+        self.inodes: dict[Path, int] = {}
+        """path -> the inode read: a file removed and created again (its run directory deleted) is read anew."""
 
     def read(self, path: Path) -> list[Record]:
         """The JSON objects on the complete lines appended to ``path`` since the last read; a torn last
@@ -143,9 +175,12 @@ class JsonlTail:
         start = self.offsets.get(path, 0)
         try:
             with open(path, "rb") as f:
+                ino = os.fstat(f.fileno()).st_ino
+                if self.inodes.setdefault(path, ino) != ino:  # removed and created again: a new file
+                    self.inodes[path], start = ino, 0
                 f.seek(start)
                 data = f.read()
-        except FileNotFoundError:
+        except OSError:  # not there (yet, or any more: its directory removed)
             return []
         end = data.rfind(b"\n") + 1
         self.offsets[path] = start + end

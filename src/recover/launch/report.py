@@ -169,7 +169,9 @@ def _stopped(events: list[dict[str, Any]]) -> bool:
     return stopped
 
 
-def summarize(run_dir: Path, name: str, wall_s: float) -> dict[str, Any]:
+def summarize(run_dir: Path, name: str, wall_s: float, write: bool = True) -> dict[str, Any]:
+    """The run's summary (committed steps, faults, recoveries, goodput), written to ``summary.json`` unless
+    ``write`` is false (the launcher writes it itself, to end in one line when the storage refuses it)."""
     rows = load_metrics(run_dir)
     events = load_events(run_dir)
     lat = recovery_latencies(events)
@@ -210,7 +212,8 @@ def summarize(run_dir: Path, name: str, wall_s: float) -> dict[str, Any]:
         "goodput": goodput(rows, events).to_dict(),
         "faults": incidents(events),
     }
-    (Path(run_dir) / "summary.json").write_text(json.dumps(summary, indent=1))
+    if write:
+        (Path(run_dir) / "summary.json").write_text(json.dumps(summary, indent=1))
     return summary
 
 

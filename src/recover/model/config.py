@@ -13,7 +13,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import ClassVar
 
-from recover.errors import require
+from recover.errors import check_numbers, require
 from recover.model import spec as model_spec
 
 
@@ -55,6 +55,7 @@ class ModelConfig:
 
     def __post_init__(self) -> None:
         spec = model_spec.get(self.arch)  # ConfigError naming the known architectures
+        check_numbers(self, self.SECTION)  # finite floats, 64-bit integers
         for name in ("vocab_size", "dim", "n_layers", "n_heads", "max_seq_len", "ffn_multiple_of"):
             value = getattr(self, name)
             require(isinstance(value, int) and value > 0, f"model.{name}", value, "a positive integer")

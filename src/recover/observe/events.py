@@ -8,7 +8,9 @@ Storage errors never reach the caller: a write the disk refuses (full, I/O error
 record in a bounded backlog (:data:`BACKLOG` records; beyond it the oldest not yet begun are dropped and
 counted) that every later write tries again, in order, after one warning line on stderr; a record cut
 short by a full disk is completed, never duplicated. A file that a killed writer left torn is closed
-with a newline before the first new record.
+with a newline before the first new record. A file removed under its writer (the run directory deleted
+while the job runs) is created again at its path with the next record. Records reach the storage
+(``fsync``) at most :data:`SYNC_S` after they are written, and at ``close``.
 """
 
 from __future__ import annotations
@@ -25,13 +27,19 @@ from typing import Any
 
 BACKLOG = 10_000
 """Records a writer keeps while its disk refuses them."""
+SYNC_S = 1.0
+"""A writer fsyncs its file with the first record written this long or more after its last fsync, and when
+it closes: a power loss takes the records since (about the last second's of a busy writer); ``recover launch
+--resume`` recovers the committed steps' records from the replicas' own logs, or names those lost."""
 
 
 class JsonlWriter:
     """Appends JSON objects to ``path``, one per line (see the module docstring)."""
 
-    def __init__(self, path: str | os.PathLike[str]) -> None:
+    def __init__(self, path: str | os.PathLike[str], sync_s: float = SYNC_S) -> None:
         self.path = Path(path)
+        self.sync_s = sync_s
+        self._synced = time.monotonic()
         self.path.parent.mkdir(parents=True, exist_ok=True)
         self._lock = threading.Lock()
         self._file = open(self.path, "ab", buffering=0)  # noqa: SIM115 - closed in close()
@@ -44,12 +52,26 @@ class JsonlWriter:
     def write(self, record: dict[str, Any]) -> dict[str, Any]:
         line = json.dumps({"t": round(time.time(), 6), **record}, separators=(",", ":")) + "\n"
         with self._lock:
+            self._reopen_if_removed()
             if len(self._backlog) >= BACKLOG:
                 del self._backlog[1 if self._sent else 0]  # the oldest not begun: a begun one is completed
                 self.dropped += 1
             self._backlog.append(line.encode())
             self._drain()
         return record
+
+    def _reopen_if_removed(self) -> None:
+        """A file removed under the writer (its run directory deleted) is created again at its path, so
+        the records go on where readers look, not into an unlinked file. One ``fstat`` per record."""
+        try:
+            if os.fstat(self._file.fileno()).st_nlink:
+                return
+            self.path.parent.mkdir(parents=True, exist_ok=True)
+            fresh = open(self.path, "ab", buffering=0)  # noqa: SIM115 - closed in close()
+        except OSError:
+            return  # the drain names what the storage refuses
+        self._file.close()
+        self._file, self._sent = fresh, 0  # a record begun in the removed file is written whole in the new one
 
     def _drain(self) -> None:
         while self._backlog:
@@ -71,10 +93,22 @@ class JsonlWriter:
             self._backlog.popleft()
             self._sent = 0
         self._failing = None
+        if time.monotonic() - self._synced >= self.sync_s:
+            self._sync()
+
+    def _sync(self) -> None:
+        """Flushes what was written to the storage (a power loss keeps it)."""
+        self._synced = time.monotonic()
+        try:
+            os.fsync(self._file.fileno())
+        except OSError:
+            pass  # a file system without fsync, or one failing: the next write says so
 
     def close(self) -> None:
         with self._lock:
             self._drain()
+            if not self._backlog:
+                self._sync()
             if self._backlog or self.dropped:
                 print(f"recover: warning: {len(self._backlog) + self.dropped} record(s) could not be written to "
                       f"{self.path} ({self._failing or 'backlog full'})", file=sys.stderr, flush=True)

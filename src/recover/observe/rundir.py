@@ -6,6 +6,7 @@ it (``--resume``) or replaces it (``--overwrite``), and one that cannot be writt
 path, a read-only file system, no permission), before anything starts. :func:`clear_run` deletes only
 what a run writes there (records, checkpoints, logs, plots, TensorBoard files, offline W&B runs), never
 anything else in the directory.
+:func:`refused` is the one line naming a write the storage refused (path, free space, cause).
 :func:`write_private` writes a secret (the coordinator's token) readable by its owner alone from the
 moment it exists.
 """
@@ -52,6 +53,22 @@ def check_writable(out: Path) -> None:
     if not os.access(existing, os.W_OK | os.X_OK):
         raise ConfigError(f"--out {out} is not writable ({existing}: read-only or no permission); choose a "
                           "directory you can write, or fix its permissions")
+
+
+def refused(path: Path, exc: OSError) -> str:
+    """``could not write PATH (N MiB free; OSError: [Errno 28] No space left on device)``: one line."""
+    try:
+        free = f"{shutil.disk_usage(_existing(path)).free / 2**20:,.1f} MiB free"
+    except OSError:
+        free = "free space unknown"
+    return f"could not write {path} ({free}; {type(exc).__name__}: {exc})"
+
+
+def _existing(path: Path) -> Path:
+    """``path`` or its nearest ancestor that exists."""
+    while not path.exists() and path != path.parent:
+        path = path.parent
+    return path
 
 
 def write_private(path: Path, text: str) -> None:

@@ -325,7 +325,9 @@ class ResilientStep:
         bad = sorted(self.replica.nonfinite)
         self.on_event(Event.NONFINITE, step=step, ids=bad)
         self.coordinator.report_nonfinite(self.group.generation, step, bad)
-        self.coordinator.wait_for_generation(self.group.generation, 60.0)
+        g, end = self.group.generation, time.monotonic() + 60.0
+        while time.monotonic() < end:  # a generation another replica's fence formed may come before ours
+            g = self.coordinator.wait_for_generation(g, max(end - time.monotonic(), 0.0)).generation
         raise RuntimeError(f"step {step}: microbatches {bad} were not finite here and the coordinator did not "
                            "fence this replica")
 

@@ -42,6 +42,7 @@ from __future__ import annotations
 
 import dataclasses
 import json
+import math
 import os
 import shutil
 import sys
@@ -57,10 +58,11 @@ import torch
 from torch import nn
 
 from recover.config import ModelConfig
-from recover.errors import CheckpointError, IncompatibleCheckpoint
+from recover.errors import CheckpointError
 from recover.train.describe import RunDescription, describe_run
 from recover.train.integrity import (  # noqa: F401 - the on-disk helpers are part of this module's API
     MARKER,
+    check_compatible,
     checkpoint_path,
     latest_checkpoint,
     list_checkpoints,
@@ -253,16 +255,6 @@ def _fsync_dir(path: Path) -> None:
         os.close(fd)
 
 
-def check_compatible(meta: dict[str, Any], model_cfg: ModelConfig, path: Path) -> None:
-    saved = {"arch": "llama", **meta.get("model", {})}  # written before model.arch existed: Llama, the only one
-    current = dataclasses.asdict(model_cfg)
-    diffs = [f"model.{k}: checkpoint {saved.get(k)!r}, this run {v!r}" for k, v in current.items()
-             if saved.get(k) != v]
-    if diffs:
-        raise IncompatibleCheckpoint(f"checkpoint {path} was written for another model ({'; '.join(diffs)}); "
-                                     "resume with the same model config, or use a new --out directory")
-
-
 def load_checkpoint(path: str | os.PathLike[str], model: nn.Module, optimizer: torch.optim.Optimizer,
                     model_cfg: ModelConfig, process_group: Any = None) -> dict[str, Any]:
     """Restores model, optimizer and RNG from a complete checkpoint; returns its ``meta.json``."""
@@ -328,21 +320,35 @@ def abandon(root: str | os.PathLike[str], step: int, exc: BaseException, then: s
     ``.replaced`` ones stay) and returns one line naming the path of ``step``'s, the free space and the
     cause, ending with ``then`` (:data:`GOES_ON` or :data:`UNSAVED`)."""
     final = Path(root) / f"step_{step:06d}"
+    full = _free_bytes(root) < FULL_BYTES  # before the partial files go: what the save met
     for partial in Path(root).glob("step_*.partial"):
         shutil.rmtree(partial, ignore_errors=True)
-    try:
-        free = f"{shutil.disk_usage(root).free / 2**20:,.1f} MiB free"
-    except OSError as err:
-        free = f"free space unknown ({err.strerror})"
+    free = _free_bytes(root)
+    free_text = f"{free / 2**20:,.1f} MiB free" if free != math.inf else "free space unknown"
     failures = getattr(exc, "failures", None)  # DCP's wrapper: rank -> (exception, traceback)
     if failures:
         first = next(iter(failures.values()))
         exc = first[0] if isinstance(first, tuple) else first
     cause = str(exc).strip().splitlines()[0][:160] if str(exc).strip() else ""
+    what = f"{type(exc).__name__}{': ' + cause if cause else ''}"
+    if full and not (isinstance(exc, OSError) and exc.errno):  # torch's zip writer loses the errno
+        what = f"ENOSPC: no space left on device (torch's writer said {what})"
     if then == UNSAVED and not list_checkpoints(root):
         then = UNSAVED_NONE
-    return (f"checkpoint of step {step} abandoned: could not write {final} ({free}; {type(exc).__name__}"
-            f"{': ' + cause if cause else ''}); {then}")
+    return f"checkpoint of step {step} abandoned: could not write {final} ({free_text}; {what}); {then}"
+
+
+FULL_BYTES = 1 << 20
+"""Below this much free space a save that failed without an errno (torch's zip writer: "unexpected pos",
+"file write failed") is named as what it is, ENOSPC."""
+
+
+def _free_bytes(root: str | os.PathLike[str]) -> float:
+    """Free bytes for this user on ``root``'s file system (inf when the system does not say)."""
+    try:
+        return float(shutil.disk_usage(root).free)
+    except OSError:
+        return math.inf
 
 
 class Checkpointer:

@@ -25,12 +25,13 @@ EXIT_DIVERGED = 8
 """the replicas' parameters disagree with no majority to trust (silent data corruption on as many
 replicas as are healthy); each side's state was saved under ``checkpoints/diverged/``."""
 EXIT_NONFINITE = 9
-"""a microbatch's loss or gradient was not finite on two replicas: the training itself diverged; the
-last committed state was saved."""
+"""a microbatch's loss or gradient was not finite on two replicas (or some of every live replica's in one
+step): the training itself diverged; the last committed state was saved."""
 
 EXIT_BAD_DATA = 10
-"""a microbatch held a token id beyond the model's vocabulary (named with its file and offset): the data
-is wrong, on every replica alike; the lowest member saved the last committed state."""
+"""a microbatch held a token id beyond the model's vocabulary (named with its file and offset), or a shard
+changed on disk under the run (named with its sizes): the data is wrong, on every replica alike; the
+lowest member saved the last committed state."""
 
 EXIT_STATE_LOST = 11
 """every replica that held the training state was lost and there was no intact checkpoint to fall back to
@@ -41,7 +42,8 @@ EXIT_UNSAVED = 12
 """the job ended (every step committed, stopped on request, too few replicas, the coordinator lost) but the
 storage refused its final checkpoint (a full disk, an I/O error: one line names the path, the free space
 and the cause): the committed steps stay recorded and the older checkpoints intact, so ``--resume``
-continues from the newest of those, redoing the steps after it."""
+continues from the newest of those, redoing the steps after it. ``recover launch`` ends with it too when
+the storage refused its own ``summary.json`` after every step committed."""
 
 EXIT_FILE_ENV = "RECOVER_EXIT_FILE"
 """A file the worker's local rank 0 writes its exit status to when it exits (when the variable is set):

@@ -16,11 +16,13 @@ Contract:
   passes with ``verified = False`` so old runs still resume.
 - :func:`load_newest` runs a loader on the newest intact checkpoint: a damaged one is named in one line
   and the next older one tried; one of another model stops the search at once.
+- :func:`check_compatible` tells a checkpoint of another model from its ``meta.json`` alone.
 - Neither reads the state into memory beyond one chunk per thread.
 """
 
 from __future__ import annotations
 
+import dataclasses
 import hashlib
 import json
 import os
@@ -33,6 +35,7 @@ from pathlib import Path
 from typing import Any
 
 from recover.errors import CheckpointError, IncompatibleCheckpoint
+from recover.model.config import ModelConfig
 
 MARKER = "COMMITTED"
 OWN_FORMAT = "own"
@@ -90,6 +93,19 @@ def load_newest(root: Path, load: Callable[[Path], dict[str, Any]], who: str,
         raise CheckpointError(f"{who}: every checkpoint under {root} is damaged ({', '.join(damaged)}); "
                               f"restore one from a copy or {fresh}")
     return None
+
+
+def check_compatible(meta: dict[str, Any], model_cfg: ModelConfig, path: Path) -> None:
+    """Raises :class:`~recover.errors.IncompatibleCheckpoint` unless the checkpoint whose ``meta.json`` is
+    ``meta`` (at ``path``) was written for ``model_cfg``'s model, naming every field that differs. Pure: the
+    launcher asks it of the newest checkpoint before any process starts, every loader before it reads."""
+    saved = {"arch": "llama", **meta.get("model", {})}  # written before model.arch existed: Llama, the only one
+    current = dataclasses.asdict(model_cfg)
+    diffs = [f"model.{k}: checkpoint {saved.get(k)!r}, this run {v!r}" for k, v in current.items()
+             if saved.get(k) != v]
+    if diffs:
+        raise IncompatibleCheckpoint(f"checkpoint {path} was written for another model ({'; '.join(diffs)}); "
+                                     "resume with the same model config, or use a new --out directory")
 
 
 def remove_leftovers(root: str | os.PathLike[str]) -> list[Path]:
