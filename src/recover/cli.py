@@ -7,14 +7,18 @@ command stays cheap to start (torch is imported by a sub-command only when it ru
 A write to stdout or stderr that the storage refuses (a log on a full disk) is lost, never the process.
 Bad input never ends in a traceback: a :class:`~recover.errors.RecoverError` (a config error
 among them) and a malformed command line are both one line on stderr, ``recover: error: ...``,
-with exit status 2.
+with exit status 2. Any other exception (a bug, a failure nobody foresaw) is one line too, naming its
+type, message and place, with exit status 1; ``recover --debug ...`` (or ``RECOVER_DEBUG=1``, which the
+processes a command starts inherit) lets its traceback through instead.
 """
 
 from __future__ import annotations
 
 import argparse
 import importlib
+import os
 import sys
+import traceback
 import typing
 
 from recover import __version__
@@ -50,6 +54,9 @@ def build_parser() -> argparse.ArgumentParser:
         description="Resilient LLM pre-training: keep the training trajectory through replica failures.",
     )
     parser.add_argument("--version", action="version", version=f"recover {__version__}")
+    parser.add_argument("--debug", action="store_true",
+                        help="let an unexpected error's traceback through (also RECOVER_DEBUG=1; inherited by the "
+                             "processes the command starts)")
     sub = parser.add_subparsers(dest="command", metavar="COMMAND")
     for name in COMMAND_MODULES:
         importlib.import_module(name).register(sub)
@@ -101,6 +108,8 @@ def _main(argv: list[str] | None) -> int:
     if "--" in argv:  # recover launch [flags] -- CMD ...: the replicas run CMD
         script, argv = argv[argv.index("--") + 1:], argv[:argv.index("--")]
     args, extra = parser.parse_known_args(argv)
+    if args.debug:
+        os.environ[DEBUG_ENV] = "1"  # the coordinator and workers a launch starts inherit it
     if script and args.command != "launch":
         parser.error("only `recover launch ... -- CMD` takes a command after --")
     args.script = script
@@ -122,6 +131,23 @@ def _main(argv: list[str] | None) -> int:
     except KeyboardInterrupt:
         print("recover: interrupted", file=sys.stderr)
         return 130
+    except Exception as exc:
+        if os.environ.get(DEBUG_ENV, "") not in ("", "0"):
+            raise
+        print(f"recover: internal error: {unexpected(exc)}; run `recover --debug {args.command} ...` for the "
+              "traceback", file=sys.stderr)
+        return 1
+
+
+DEBUG_ENV = "RECOVER_DEBUG"
+
+
+def unexpected(exc: BaseException) -> str:
+    """One line for an exception nobody foresaw: its type, message and the innermost frame of recover's own."""
+    frames = traceback.extract_tb(exc.__traceback__)
+    ours = [f for f in frames if f"{os.sep}recover{os.sep}" in f.filename] or frames
+    where = f" (at {os.path.basename(ours[-1].filename)}:{ours[-1].lineno} in {ours[-1].name})" if ours else ""
+    return f"{type(exc).__name__}: {one_line(str(exc)) or '(no message)'}{where}"
 
 
 if __name__ == "__main__":
