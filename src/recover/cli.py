@@ -9,7 +9,8 @@ Bad input never ends in a traceback: a :class:`~recover.errors.RecoverError` (a 
 among them) and a malformed command line are both one line on stderr, ``recover: error: ...``,
 with exit status 2. Any other exception (a bug, a failure nobody foresaw) is one line too, naming its
 type, message and place, with exit status 1; ``recover --debug ...`` (or ``RECOVER_DEBUG=1``, which the
-processes a command starts inherit) lets its traceback through instead.
+processes a command starts inherit) lets its traceback through instead. ``recover worker`` and ``recover
+coordinator``, whose stderr is a log file, keep the traceback in it above the line.
 """
 
 from __future__ import annotations
@@ -134,12 +135,17 @@ def _main(argv: list[str] | None) -> int:
     except Exception as exc:
         if os.environ.get(DEBUG_ENV, "") not in ("", "0"):
             raise
+        if args.command in LOGGED:  # its stderr is a log file: the traceback is kept there, above the line
+            traceback.print_exc()
         print(f"recover: internal error: {unexpected(exc)}; run `recover --debug {args.command} ...` for the "
               "traceback", file=sys.stderr)
         return 1
 
 
 DEBUG_ENV = "RECOVER_DEBUG"
+LOGGED = ("worker", "coordinator")
+"""Commands whose stderr is a log file (a launcher's, a cluster recipe's): an unexpected error's traceback is kept
+there, above its one line; the launcher shows the line and the log's path."""
 
 
 def unexpected(exc: BaseException) -> str:
