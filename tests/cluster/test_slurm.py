@@ -341,3 +341,19 @@ def test_a_replica_spanning_two_nodes_trains_bitwise(
     bitwise(reference, job.out)
     assert sorted(p.name for p in (job.out / "logs").glob("replica_1.exit.node*")) == [
         "replica_1.exit.node0", "replica_1.exit.node1"]
+
+
+def test_a_notice_after_every_step_was_committed_changes_nothing(
+        cluster: SlurmCluster, reference: Path, tmp_path: Path, corpus: Path) -> None:
+    """The notice reaches the script after the replicas finished (while `recover collect` writes the outputs):
+    the run's own end decides, so the job ends COMPLETED 0:0 and is not requeued to redo steps."""
+    job = submit(cluster, tmp_path, "late", 2, "--data.path", str(corpus), *FLAGS)
+    deadline = time.time() + 180
+    while not (job.out / "metrics.jsonl").is_file():  # written by the script's `recover collect`, at the end
+        assert time.time() < deadline and job.state().get("JobState") in ("RUNNING", "PENDING"), job.output()
+        time.sleep(0.05)
+    cluster.run(["scancel", "--batch", "--signal=TERM", job.id], check=False)
+    state = job.wait()
+    assert (state["JobState"], state["ExitCode"], state["Restarts"]) == ("COMPLETED", "0:0", "0"), job.output()
+    assert "signal: stopping" in job.output() and "requeueing" not in job.output(), job.output()
+    bitwise(reference, job.out)
