@@ -17,6 +17,7 @@ namespaces go.
 
 from __future__ import annotations
 
+import json
 import os
 import re
 import shutil
@@ -172,6 +173,9 @@ def test_a_killed_replica_pod_is_recovered_in_step_and_its_new_pod_joins(job: Jo
     assert [e for e in ev if e["kind"] == Event.FAILURE_DETECTED], "the kill was not detected"
     back = [e for e in ev if e["kind"] == Event.STARTED and e.get("replica") == 1 and e["joined"]]
     assert back and rows[-1]["live_replicas"] == 2, back
+    summary = json.loads((job.run_dir / "summary.json").read_text())  # what no launcher saw, counted
+    assert summary["failures_detected"] == {"connection_closed": 1}
+    assert [x["replica"] for x in summary["recoveries"]] == [1]
     print(f"replica 1's pod killed: its new pod trained again {back[0]['t'] - t0:.1f} s later (step "
           f"{back[0]['step']} of {STEPS}); load "
           f"{os.getloadavg()[0]:.1f}")
@@ -217,6 +221,7 @@ def test_the_coordinator_pods_loss_loses_no_step(job: Job, reference: Path) -> N
     assert len([e for e in ev if e["kind"] == Event.COORDINATOR_START]) == 2
     back = [e for e in ev if e["kind"] == Event.COORDINATOR_RECONNECTED]
     assert back, [e["kind"] for e in ev][-20:]
+    assert json.loads((job.run_dir / "summary.json").read_text())["coordinator_restarts"] == 1
     print(f"the coordinator's pod killed: a new one ready {ready:.1f} s later, the replicas back after "
           f"{max(e['outage_ms'] for e in back) / 1e3:.1f} s; load {os.getloadavg()[0]:.1f}")
 
