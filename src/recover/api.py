@@ -184,18 +184,23 @@ class Job(Steps):
             default: the launch's ``data.prefetch``, else ``DataConfig.prefetch``. ``job.reads.take()`` says
             how long your loop waited for samples since it was last asked.
         runtime: from :func:`init` (called here when not given).
+        check_samples: read the first microbatch of each step twice and compare (an impure ``samples``, one
+            with the global RNG or a running cursor, is refused at that step: :mod:`recover.train.contract`).
 
     Raises:
         IncompatibleCheckpoint: ``resume`` holds a checkpoint of another model or extra state (nothing loaded).
+        ContractError: the optimizer steps parameters that are not the model's; the ranks of a replica built
+            different initial weights (seed before building the model).
     """
 
     def __init__(self, model: nn.Module, optimizer: torch.optim.Optimizer, *, samples: Callable[[int, int], Any],
                  microbatches: int, lr: Callable[[int], float] | None = None, clip: float = 1.0, seed: int = 0,
                  deterministic: bool | None = None, tokens_per_microbatch: int = 0, extra: Any = None,
                  resume: str | os.PathLike[str] | None = None, runtime: Runtime | None = None,
-                 prefetch: int | None = None) -> None:
+                 prefetch: int | None = None, check_samples: bool = True) -> None:
         from recover.config import DataConfig
         from recover.data.prefetch import Prefetcher
+        from recover.train.contract import PureSamples
         from recover.train.own import OwnReplica
 
         if microbatches < 1:
@@ -212,11 +217,13 @@ class Job(Steps):
         rt = self.runtime
         if prefetch is None:
             prefetch = cfg.data.prefetch if cfg else DataConfig.prefetch
-        self.reads = Prefetcher(samples, prefetch, rt.device)
+        self.reads = Prefetcher(PureSamples(samples, check_samples), prefetch, rt.device)
         fsdp_index, tp_index = rt.coordinate
+        dp_group = rt.mesh["fsdp"].get_group() if rt.mesh is not None and rt.fsdp > 1 else None
         self.replica = OwnReplica(model, optimizer, lr=lr, clip=clip, deterministic=deterministic,
                                   device=rt.device, tokens_per_microbatch=tokens_per_microbatch, group=rt.group,
-                                  fsdp=rt.fsdp, fsdp_index=fsdp_index, tp_index=tp_index, extra=extra)
+                                  fsdp=rt.fsdp, fsdp_index=fsdp_index, tp_index=tp_index, extra=extra,
+                                  dp_group=dp_group)
         super().__init__()
         self._session: Any = None
         self._inside = False  # in a step's microbatch loop

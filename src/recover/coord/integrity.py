@@ -11,6 +11,9 @@ others fenced, or with no strict majority the job ends.
   * :func:`audit_sides`: the gradient of the step's audited microbatch, among the members that
     computed it (two at least): by fingerprint when all are ``exact``, else by norm, within the
     largest relative ``tol`` they name (:data:`AUDIT_TOLERANCE` by default).
+
+Parameters that differ at step 0 (before any update) are the replicas' initial weights, not a faulty
+device: the verdict's line says so and names the fix (:data:`INITIAL_WEIGHTS`).
 """
 
 from __future__ import annotations
@@ -21,6 +24,10 @@ from recover.coord.protocol import Ballot
 AUDIT_TOLERANCE = 1e-5
 """Relative difference of the audited gradient's norm tolerated outside deterministic mode, unless the
 audits name a larger one (``tol``: their compute dtype's, e.g. bfloat16's)."""
+
+INITIAL_WEIGHTS = ("at step 0, before any update: the replicas built different initial weights; seed the RNG the "
+                   "same way before building the model (e.g. torch.manual_seed(0) before constructing it) in every "
+                   "replica")
 
 
 def check(generation: int, step: int, votes: dict[int, tuple[int, Ballot]]) -> tuple[list[Action], bool] | None:
@@ -74,6 +81,7 @@ def split(generation: int, step: int, votes: dict[int, tuple[int, Ballot]], side
     the sides). Returns the actions and whether the job ends; None when all agree."""
     if len(sides) < 2:
         return None
+    initial = step == 0 and kind == "divergent"
     trusted, largest = max(sides.items(), key=lambda kv: len(kv[1]))
     if 2 * len(largest) > sum(len(rs) for rs in sides.values()):
         minority = sorted(r for v, rs in sides.items() if v != trusted for r in rs)
@@ -82,12 +90,13 @@ def split(generation: int, step: int, votes: dict[int, tuple[int, Ballot]], side
         acts += [Send(r, {"type": "aborted", "re": rid, "generation": generation,
                           "reason": f"{kind} replicas {minority} fenced"})
                  for r, (rid, _) in votes.items() if r not in minority]
+        why = f" ({INITIAL_WEIGHTS})" if initial else ""
         return acts + [Fence(r, f"{kind}: {what} ({v}) differs from that of replicas {largest} ({trusted}) at "
-                                f"step {step}") for v, rs in sides.items() if v != trusted for r in rs], False
+                                f"step {step}{why}") for v, rs in sides.items() if v != trusted for r in rs], False
     text = "; ".join(f"replicas {rs} hold {v}" for v, rs in sides.items())
-    msg = (f"the replicas disagree on {what.replace('its ', '')} at step {step} with no majority to trust "
-           f"({text}); each side's state is saved under checkpoints/diverged/; find the faulty device "
-           "before resuming")
+    fix = INITIAL_WEIGHTS if initial else ("each side's state is saved under checkpoints/diverged/; find the faulty "
+                                           "device before resuming")
+    msg = f"the replicas disagree on {what.replace('its ', '')} at step {step} with no majority to trust ({text}); {fix}"
     return [Log("diverged", {"generation": generation, "step": step, "sides": sides, "check": kind}),
             *(Send(r, {"type": "error", "re": rid, "code": "diverged", "message": msg, "sides": sides})
               for r, (rid, _) in votes.items())], True

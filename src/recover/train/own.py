@@ -14,7 +14,13 @@ holds this rank's shards: the buffers are the local shards of the gradients, whi
 summed over the shard ranks in each backward (its divide factor set to 1 here, so each shard holds a
 SUM). The ranks of an fsdp column compute different ids (:func:`column`, zero-weight padding passes so
 every rank runs as many backwards); :meth:`settle` shares every id's loss and finiteness over the
-replica's group, so every rank holds the replica's whole ledger and stats.
+replica's group, so every rank holds the replica's whole ledger and stats. A parameter that is not sharded
+over the fsdp axis (a plain tensor: the model of a plain ``torchrun`` of a one-process script, or what the
+user's plan left unwrapped) is data parallel inside the replica, as under DDP: :meth:`totals` sums its
+reduced gradient over the fsdp ranks (``dp_group``) before anything reads it, so every rank applies the
+same update and the ranks stay equal; they must start equal (:func:`~recover.train.contract.check_same_weights`
+at construction), and the optimizer must step the model's own parameters
+(:func:`~recover.train.contract.check_optimizer`).
 
 The rest is the built-in replica's, shared: the totals and the update (:mod:`recover.train.update`:
 divide by M, clip by the global norm, the user's optimizer), the exact parameter fingerprint, and the
@@ -35,10 +41,12 @@ from typing import Any
 import torch
 import torch.distributed as dist
 from torch import nn
+from torch.distributed.tensor import DTensor
 
 from recover.faults.perturb import NONE
 from recover.recovery.interfaces import Totals
 from recover.train.bits import bit_sum, flip_bit, to_host
+from recover.train.contract import check_optimizer, check_same_weights
 from recover.train.extra import (
     from_tensors,
     hyperparameters,
@@ -83,6 +91,12 @@ class OwnReplica:
         group: the replica's process group when it has several ranks (None: one process).
         fsdp, fsdp_index, tp_index: the replica's fsdp degree and this rank's coordinates.
         extra: state that travels with the model (``state_dict()``/``load_state_dict()``, or a dict of such).
+        dp_group: the process group of this rank's fsdp ranks (``mesh["fsdp"]``), when ``fsdp > 1``: the
+            gradients of parameters not sharded over it are summed over it.
+
+    Raises:
+        ContractError: the optimizer steps parameters that are not the model's; the ranks hold different
+            values of a parameter none of them shards.
     """
 
     reduce_order = None
@@ -93,7 +107,8 @@ class OwnReplica:
     def __init__(self, model: nn.Module, optimizer: torch.optim.Optimizer, *, lr: Callable[[int], float] | None,
                  clip: float, deterministic: bool, device: torch.device, tokens_per_microbatch: int = 0,
                  group: dist.ProcessGroup | None = None, fsdp: int = 1, fsdp_index: int = 0,
-                 tp_index: int = 0, extra: Any = None) -> None:
+                 tp_index: int = 0, extra: Any = None, dp_group: dist.ProcessGroup | None = None) -> None:
+        check_optimizer(model, optimizer)
         self.model, self.optimizer, self.lr, self.clip = model, optimizer, lr, clip
         self.extra = parts(extra)
         self.device, self.group = device, group
@@ -103,6 +118,11 @@ class OwnReplica:
         if not named:
             raise ValueError("the model has no trainable parameters")
         self.names, self.params = [n for n, _ in named], [p for _, p in named]
+        check_same_weights([(n, local(p)) for n, p in model.named_parameters() if shards(p) == 1], group, device)
+        self._dp = [k for k, p in enumerate(self.params) if fsdp > 1 and not over_fsdp(p)]
+        self.dp_group = dp_group if self._dp else None
+        if self._dp and dp_group is None:
+            raise ValueError("fsdp > 1 and parameters not sharded over it: give dp_group (the mesh's fsdp group)")
         state = [*model.named_parameters(), *persistent_buffers(model)]
         self._state_names, self._state_tensors = [n for n, _ in state], [t for _, t in state]
         self.dtype = torch.float64 if deterministic else torch.float32
@@ -185,6 +205,14 @@ class OwnReplica:
         self._folded = []
 
     def totals(self, reduced: list[torch.Tensor], fingerprint: bool = False) -> Totals:
+        """The reduced payload's totals (:func:`~recover.train.update.read_totals`), after the gradients of the
+        parameters not sharded over the fsdp axis were summed over it in place (data parallel inside the
+        replica: see the module docstring)."""
+        if self.dp_group is not None:
+            flat = torch.cat([reduced[k].reshape(-1) for k in self._dp])
+            dist.all_reduce(flat, group=self.dp_group)
+            for k, part in zip(self._dp, flat.split([reduced[k].numel() for k in self._dp]), strict=True):
+                reduced[k].copy_(part.view_as(reduced[k]))
         return read_totals(reduced, len(self.params), self._copies, self._fingerprint() if fingerprint else None,
                            self.group)
 
@@ -214,6 +242,16 @@ class OwnReplica:
     def corrupt(self) -> None:
         """Fault injection (``--corrupt``): one bit of this rank's shard of the first parameter flips in memory."""
         flip_bit(local(self.params[0].detach()))
+
+
+def over_fsdp(p: torch.Tensor) -> bool:
+    """Whether ``p`` is sharded over a mesh axis named ``fsdp`` (FSDP2's ``fully_shard(..., mesh=rt.mesh["fsdp"])``,
+    or FSDP over TP)."""
+    if not isinstance(p, DTensor):
+        return False
+    names = p.device_mesh.mesh_dim_names or ()
+    return any(name == "fsdp" and not placement.is_replicate()
+               for name, placement in zip(names, p.placements, strict=False))
 
 
 def persistent_buffers(model: nn.Module) -> list[tuple[str, torch.Tensor]]:
