@@ -96,7 +96,8 @@ def split(generation: int, step: int, votes: dict[int, tuple[int, Ballot]], side
     text = "; ".join(f"replicas {rs} hold {v}" for v, rs in sides.items())
     fix = INITIAL_WEIGHTS if initial else ("each side's state is saved under checkpoints/diverged/; find the faulty "
                                            "device before resuming")
-    msg = f"the replicas disagree on {what.replace('its ', '')} at step {step} with no majority to trust ({text}); {fix}"
+    msg = (f"the replicas disagree on {what.replace('its ', '')} at step {step} with no majority to trust "
+           f"({text}); {fix}")
     return [Log("diverged", {"generation": generation, "step": step, "sides": sides, "check": kind}),
             *(Send(r, {"type": "error", "re": rid, "code": "diverged", "message": msg, "sides": sides})
               for r, (rid, _) in votes.items())], True
