@@ -132,6 +132,8 @@ def _init() -> Runtime:
 
     die_with_launcher()
     job = json.loads(raw)
+    job["errors"] = script.ScriptErrors(Path(job["out"]), int(job["replica"]),
+                                        int(os.environ.get("RANK", "0"))).install()
     cfg = load_config(str(Path(job["out"]) / RUN_CONFIG))
     apply_env_defaults(collective_timeout_s=cfg.fault_tolerance.collective_timeout_s)  # before any NCCL use
     job["config"] = cfg
@@ -225,6 +227,8 @@ class Job(Steps):
                                   fsdp=rt.fsdp, fsdp_index=fsdp_index, tp_index=tp_index, extra=extra,
                                   dp_group=dp_group)
         super().__init__()
+        if self.runtime.launched and self.runtime.launched.get("errors") is not None:
+            self.runtime.launched["errors"].job = self  # an uncaught exception reports this job's step
         self._session: Any = None
         self._inside = False  # in a step's microbatch loop
         self.start = self._resume(resume)

@@ -161,6 +161,8 @@ class Event(str, Enum):
     REPLICA_EXIT = "replica_exit"
     RESTORED = "restored"
     RESYNCED = "resynced"
+    SCRIPT_ERROR = "script_error"
+    SCRIPT_ERROR_STOP = "script_error_stop"
     SLOWED = "slowed"
     SPARE_EXIT = "spare_exit"
     STARTED = "started"

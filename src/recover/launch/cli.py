@@ -371,6 +371,7 @@ def launch(req: LaunchRequest) -> int:
         EXIT_DIVERGED,
         EXIT_NONFINITE,
         EXIT_QUORUM_LOST,
+        EXIT_SCRIPT_ERROR,
         EXIT_STATE_LOST,
         EXIT_STOPPED,
         EXIT_UNSAVED,
@@ -429,6 +430,15 @@ def launch(req: LaunchRequest) -> int:
         print(f"recover: the job stopped on bad data: {why}. The last committed state is under "
               f"{opts.out / 'checkpoints'}; fix the data (`recover prepare --verify DIR` finds every bad id) and "
               "continue with --resume", file=sys.stderr)
+    elif code == EXIT_SCRIPT_ERROR:
+        from recover.observe.events import read_jsonl
+
+        raised = [e for e in read_jsonl(opts.out / "events.jsonl") if e.get("kind") == Event.SCRIPT_ERROR]
+        e = launcher.script_error or (raised[-1] if raised else {})
+        print(f"recover: the job stopped after {launcher.written + 1} committed steps: the script raised "
+              f"{e.get('type', 'an exception')} at {e.get('place', '?')}: {e.get('message', '')} (replica "
+              f"{e.get('replica', '?')}'s log is under {opts.out / 'logs'}); the newest complete checkpoint under "
+              f"{opts.out / 'checkpoints'} (if any) is where --resume continues once it is fixed", file=sys.stderr)
     elif launcher.stop_signal is not None:
         print(f"recover: stopped by signal {launcher.stop_signal} without reaching a step boundary within "
               f"fault_tolerance.stop_grace_s; the newest complete checkpoint under {opts.out / 'checkpoints'} "

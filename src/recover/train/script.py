@@ -7,22 +7,36 @@ launcher's random faults), step records, events, graceful stop on SIGTERM/SIGINT
 (:mod:`recover.train.exits`) as a built-in replica; :func:`end` is the end of its ``steps()``:
 :func:`fail` the end of a job the replica cannot go on in (its line, its saves and its status: the
 process exits; the user's own errors propagate).
+
+An exception the script does not catch (the user's own, or a :class:`~recover.errors.ContractError`)
+ends the process through :class:`ScriptErrors`, installed by :func:`recover.api.init` in a launched
+script: the traceback goes to the replica's log as Python prints it, a ``script_error`` event names the
+replica, rank, step, the exception's type, place (the innermost frame: file and line) and message, and its
+last lines (the launcher shows them with the log's path). The first time in a launch it is the loss of
+this replica (:data:`EXIT_RAISED`: the others recover in-step and ``--rejoin-after`` brings it back); the
+same type at the same place raised again, by this replica or another, at the same or a later step (an
+earlier ``script_error`` since the launch's ``launch`` event), or a broken contract, is a bug and not a
+fault: :data:`EXIT_SCRIPT_ERROR`, which ends the job (the launcher stops the other replicas, whose leader
+saves the committed state at the next commit; a replica that is the last member saves it itself).
 """
 
 from __future__ import annotations
 
 import os
 import sys
+import traceback
 from pathlib import Path
+from types import TracebackType
 from typing import Any
 
 from recover.coord.client import CoordinatorLost
 from recover.coord.tls import Tls
-from recover.errors import StateLost
+from recover.errors import ContractError, StateLost
 from recover.faults import hang_on_signal, parse_failure
-from recover.names import Phase
+from recover.names import Event, Phase
+from recover.observe.events import EventLog, read_jsonl
 from recover.recovery.protocol import ResilientStep, StepOutcome
-from recover.train.exits import EXIT_STOPPED
+from recover.train.exits import EXIT_RAISED, EXIT_SCRIPT_ERROR, EXIT_STOPPED
 from recover.train.loop import step_record
 from recover.train.session import Save, Session
 
@@ -102,3 +116,90 @@ def fail(session: Session, exc: BaseException, save: Save | None = None) -> None
         sys.stdout.flush()
         sys.stderr.flush()
         os._exit(code)
+
+
+LAST_LINES = 6
+"""How many of the traceback's last lines the ``script_error`` event carries (the log holds all of them)."""
+
+
+class ScriptErrors:
+    """The end of a launched script by an exception it did not catch (see the module docstring): installed as
+    ``sys.excepthook`` (the main thread's uncaught exceptions). ``job``: the script's Job once it has one."""
+
+    def __init__(self, out: Path, replica: int, rank: int = 0) -> None:
+        self.out, self.replica, self.rank = Path(out), replica, rank
+        self.job: Any = None
+        self.previous = sys.excepthook
+
+    def install(self) -> ScriptErrors:
+        self.previous, sys.excepthook = sys.excepthook, self.hook
+        return self
+
+    def hook(self, etype: type[BaseException], exc: BaseException, tb: TracebackType | None) -> None:
+        self.previous(etype, exc, tb)  # the whole traceback into the replica's log
+        if not isinstance(exc, Exception):  # KeyboardInterrupt and the like: Python's own end
+            return
+        try:
+            code = self.report(exc, tb)
+        except Exception as inner:  # reporting must not hide the user's error
+            print(f"recover: replica {self.replica}: the script's exception could not be reported: {inner}",
+                  file=sys.stderr)
+            code = EXIT_RAISED
+        sys.stdout.flush()
+        sys.stderr.flush()
+        os._exit(code)
+
+    def report(self, exc: Exception, tb: TracebackType | None) -> int:
+        """Logs the ``script_error`` event, saves when this is the job's end and this replica is its last
+        member; returns the exit status."""
+        frames = traceback.extract_tb(tb)
+        place = f"{frames[-1].filename}:{frames[-1].lineno}" if frames else "?"
+        lines = "".join(traceback.format_exception(type(exc), exc, tb)).rstrip().splitlines()[-LAST_LINES:]
+        kind = type(exc).__qualname__
+        events = self.out / "events.jsonl"
+        step = self._step()
+        recurring = isinstance(exc, ContractError) or (kind, place) in raised_since_launch(events, self.replica,
+                                                                                          self.rank, step)
+        with EventLog(events) as log:
+            log.event(Event.SCRIPT_ERROR, replica=self.replica, rank=self.rank, step=step, type=kind, place=place,
+                      message=str(exc)[:2000], lines=lines, recurring=recurring, pid=os.getpid())
+            if recurring:
+                saved = self._save_if_last()
+                if saved is not None:
+                    log.event(Event.SCRIPT_ERROR_STOP, replica=self.replica, step=step, checkpoint=str(saved))
+        return EXIT_SCRIPT_ERROR if recurring else EXIT_RAISED
+
+    def _step(self) -> int | None:
+        protocol = getattr(self.job, "protocol", None)
+        return protocol.progress.step if protocol is not None else None
+
+    def _save_if_last(self) -> Path | None:
+        """A checkpoint of the committed state when this replica (of one rank) is the job's last live member:
+        nobody else holds the state to save it at a stop. Its parameters are the committed ones (an exception
+        in the loop comes before the step's update)."""
+        job = self.job
+        session = getattr(job, "_session", None)
+        if session is None or session.step is None or job.runtime.ranks > 1:
+            return None
+        if list(session.step.group.members) != [session.step.me]:
+            return None
+        try:
+            return job._write(None)
+        except Exception as exc:
+            print(f"recover: replica {self.replica}: the committed state could not be saved: {exc}", file=sys.stderr)
+            return None
+
+
+def raised_since_launch(events: Path, replica: int, rank: int, step: int | None) -> set[tuple[str, str]]:
+    """The (type, place) of every ``script_error`` in ``events`` since its last ``launch`` event, except those of
+    another rank of ``replica`` at ``step`` (the same occurrence, met by each rank of the replica)."""
+    seen: set[tuple[str, str]] = set()
+    if not events.is_file():
+        return seen
+    for rec in read_jsonl(events):
+        if rec.get("kind") == Event.LAUNCH:
+            seen.clear()
+        elif rec.get("kind") == Event.SCRIPT_ERROR and not (
+                rec.get("replica") == replica and rec.get("rank") != rank and rec.get("step") == step):
+            seen.add((str(rec.get("type")), str(rec.get("place"))))
+    return seen
