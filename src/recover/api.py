@@ -65,7 +65,7 @@ from typing import TYPE_CHECKING, Any
 import torch
 from torch import nn
 
-from recover.names import WORKER_ENV, Phase
+from recover.names import WORKER_ENV, Event, Phase
 from recover.train import script
 from recover.train.steps import Step, Steps
 
@@ -316,6 +316,8 @@ class Job(Steps):
         leave (SIGTERM to it: status 0)."""
         if self.protocol is None:
             self._start()
+        if self._session is not None and self.runtime.rank == 0:  # the script's step count is the job's
+            self._session.event(Event.SCRIPT_STEPS, steps=int(total))
         try:
             yield from super().steps(total)
         except Exception as exc:

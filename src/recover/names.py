@@ -163,6 +163,7 @@ class Event(str, Enum):
     RESYNCED = "resynced"
     SCRIPT_ERROR = "script_error"
     SCRIPT_ERROR_STOP = "script_error_stop"
+    SCRIPT_STEPS = "script_steps"
     SLOWED = "slowed"
     SPARE_EXIT = "spare_exit"
     STARTED = "started"

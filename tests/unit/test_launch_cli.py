@@ -201,3 +201,25 @@ def test_impossible_spares_are_refused(tmp_path: Path, flags: dict, says: str) -
     with pytest.raises(ConfigError, match=r"^" + r".*" + says.replace("(", r"\(").replace(")", r"\)")):
         check_launch(LaunchRequest(out=tmp_path / "run", config="debug", replicas=2, **flags))
     assert not (tmp_path / "run").exists()
+
+
+def test_a_script_launch_is_not_checked_against_the_built_in_trainers_settings(tmp_path: Path) -> None:
+    """`--steps 3` with the tiny preset's `training.warmup_steps = 5`: refused for the built-in trainer, which
+    warms up over those steps; a script has its own schedule, so its launch is not refused for it."""
+    with pytest.raises(ConfigError, match="training.warmup_steps"):
+        check_launch(LaunchRequest(out=tmp_path / "a", config="tiny", replicas=2, steps=3))
+    opts = check_launch(LaunchRequest(out=tmp_path / "b", config="tiny", replicas=2, steps=3,
+                                      script=("python", "train.py")))
+    assert opts.config.training.steps == 3
+
+
+def test_init_from_is_refused_for_a_script_in_one_line(tmp_path: Path) -> None:
+    with pytest.raises(ConfigError, match=r"^--init-from .*a script builds its own model.*load_state_dict"):
+        check_launch(LaunchRequest(out=tmp_path / "run", config="debug", replicas=2, init_from=str(tmp_path),
+                                   script=("python", "train.py")))
+
+
+def test_launch_help_shows_how_to_run_a_script(capsys: pytest.CaptureFixture[str]) -> None:
+    with pytest.raises(SystemExit):
+        build_parser().parse_args(["launch", "--help"])
+    assert "recover launch [flags] -- CMD" in " ".join(capsys.readouterr().out.split())

@@ -44,6 +44,11 @@ def register(sub: argparse._SubParsersAction) -> None:
                     "Failures are real: --fail R@STEP:PHASE (SIGKILL; steps are 0-based), --hang (the training "
                     "thread stops for good), --freeze (SIGSTOP for good), or --random-failures MTBF_S. Config "
                     "overrides: --section.field VALUE. Everything is checked before anything starts.",
+        epilog="Your own model and loop: `recover launch [flags] -- CMD ...` (e.g. `-- python train.py`, a script "
+               "on recover.api) runs CMD as each replica instead of the built-in trainer; the fault flags, "
+               "--rejoin-after, --resume, --deterministic and the parallel degrees apply to it, the script's "
+               "job.steps(N) is the job's step count, and the built-in trainer's model, data and schedule "
+               "settings are neither used nor checked.",
     )
     p.add_argument("--config", default="tiny", help="preset name or .toml path")
     p.add_argument("--replicas", type=int, default=None, help="replicas (default: parallel.replicas of the config)")
@@ -213,7 +218,14 @@ def launch_config(req: LaunchRequest) -> Config:
              "training.device_time_s": req.device_time_s}
     overrides = [*req.overrides, *(f"--{key}={value}" for key, value in flags.items() if value is not None),
                  *init_from_override(req.init_from)]
+    if req.script:  # the built-in trainer's schedule is not the script's: nothing to check it against
+        return load_config(req.config, [*SCRIPT_NEUTRAL, *overrides])
     return _resolve_vocab(load_config(req.config, overrides), overrides)
+
+
+SCRIPT_NEUTRAL = ("--training.warmup_steps=0",)
+"""Settings of the built-in trainer a script does not use, set so that their checks against the flags a
+script does use (``--steps``) cannot refuse its launch (a preset's ``warmup_steps`` above ``--steps 3``)."""
 
 
 def _resolve_vocab(cfg: Config, overrides: list[str]) -> Config:
@@ -307,16 +319,20 @@ def check_launch(req: LaunchRequest) -> LaunchOptions:
                               "training.checkpoint_every steps)")
         if req.baseline:
             raise ConfigError("--resume continues a recover run; the baselines restart by themselves")
+    if req.script and cfg.training.init_from:
+        raise ConfigError(f"--init-from {cfg.training.init_from}: a script builds its own model, and recover loads "
+                          "weights into the built-in models only; load yours in the script before recover.Job(...) "
+                          "(e.g. model.load_state_dict(...)), or resume a script's run with --resume")
     if cfg.training.init_from:  # a source that does not fit is refused here, not by every worker
         from recover.train.weights import check_init_from
 
         check_init_from(cfg.training.init_from, cfg.model)
-    parts, vals, notes = cfg.data.parts(), [], []
+    parts, vals, notes = ([] if req.script else cfg.data.parts()), [], []  # a script reads its own data
     for part, _ in parts:  # every source: headers, recorded ids, windows (a built-in corpus: prepared later)
         data_dir = resolve_data_dir(part, prepare=False)  # a missing directory is refused here, not by the workers
         if data_dir.is_dir() and any(data_dir.iterdir()):
             vals.append(check_data(part, data_dir, cfg.model.vocab_size, hint=notes.append)[1])
-    if len(vals) == len(parts):  # validation reads every source's split together
+    if parts and len(vals) == len(parts):  # validation reads every source's split together
         check_windows(vals, cfg.data.seq_len, cfg.data.microbatch_size, "val")
     for line in notes:  # only once nothing is refused: a refusal is one line
         print(f"recover: note: {line}", file=sys.stderr)
@@ -385,7 +401,8 @@ def launch(req: LaunchRequest) -> int:
     if req.overwrite:
         clear_run(opts.out)
     opts.out.mkdir(parents=True, exist_ok=True)
-    resolve_data_dir(opts.config.data, quiet=not req.progress)
+    if not req.script:
+        resolve_data_dir(opts.config.data, quiet=not req.progress)
     launcher = Launcher(opts)
     code = launcher.run()
     _report(launcher, opts, req.reference)

@@ -104,6 +104,8 @@ class Launcher:
         self.stop_signal: int | None = None
         """The signal (SIGTERM, SIGINT) that asked for a graceful stop, once one did."""
         self.stop_started: float | None = None
+        self.script_steps: int | None = None
+        """The step count a script's ``job.steps(N)`` gave the job, once one did."""
         self.script_error: dict[str, Any] | None = None
         """The ``script_error`` event that stopped the job (the same exception raised again), if one did."""
         self.goodput_at, self.goodput_line = 0.0, None
@@ -159,9 +161,10 @@ class Launcher:
 
     def _watch(self) -> None:
         """Until the job ends: stops, processes, records and faults, every :data:`POLL_S`."""
-        steps, done_at = self.cfg.training.steps, None
+        done_at = None
         while True:
             now = time.time()
+            steps = self.cfg.training.steps  # a script's job.steps(N) may set it (_on_script_steps)
             if self.stop_signal is not None and self.stop_started is None:
                 self._begin_stop(now)
             self.supervisor.watch_coordinator()
@@ -170,6 +173,8 @@ class Launcher:
                 self.supervisor.on_event(rec, now)
                 if rec.get("kind") == Event.SCRIPT_ERROR:
                     self._on_script_error(rec, now)
+                elif rec.get("kind") == Event.SCRIPT_STEPS and self._on_script_steps(int(rec["steps"])):
+                    done_at = None
             self.supervisor.reap_fenced(now)
             if self.supervisor.poll(now, self.records.last_step() + 1, unfinished=self.written + 1 < steps):
                 self._restart()
@@ -265,6 +270,21 @@ class Launcher:
         self.display.message(f"[bold]stopping[/]: at the next step boundary, after a checkpoint (within "
                              f"{grace:g} s; signal again to stop at once)")
         self.supervisor.stop()
+
+    def _on_script_steps(self, steps: int) -> bool:
+        """A script's ``job.steps(N)``: N steps are the job's (the launch's ``--steps`` is the built-in
+        trainer's); a larger N than the one adopted wins. Returns whether the count changed."""
+        from dataclasses import replace
+
+        first, self.script_steps = self.script_steps is None, max(steps, self.script_steps or 0)
+        if (not first and steps <= self.cfg.training.steps) or steps == self.cfg.training.steps:
+            return False
+        if first:
+            print(f"recover: note: the script commits {steps} steps (its job.steps({steps})); the launch said "
+                  f"{self.cfg.training.steps}: the job is {steps} steps", file=sys.stderr, flush=True)
+        self.cfg = replace(self.cfg, training=replace(self.cfg.training, steps=steps))
+        self.display.total = steps
+        return True
 
     def _on_script_error(self, rec: dict[str, Any], now: float) -> None:
         """A replica's script raised: its lines now; a recurring exception stops the job (module docstring)."""
