@@ -55,7 +55,6 @@ from __future__ import annotations
 
 import json
 import os
-import time
 from collections.abc import Callable, Iterator
 from contextlib import nullcontext
 from dataclasses import dataclass, field
@@ -67,7 +66,7 @@ from torch import nn
 
 from recover.names import WORKER_ENV, Event, Phase
 from recover.train import script
-from recover.train.steps import Step, Steps
+from recover.train.steps import LoopContext, Step, Steps
 
 if TYPE_CHECKING:
     from torch.distributed.device_mesh import DeviceMesh
@@ -203,7 +202,7 @@ class Job(Steps):
         from recover.config import DataConfig
         from recover.data.prefetch import Prefetcher
         from recover.train.contract import PureSamples
-        from recover.train.own import OwnReplica
+        from recover.train.own import OwnReplica, column
 
         if microbatches < 1:
             raise ValueError(f"microbatches = {microbatches}: a step needs at least one")
@@ -226,11 +225,13 @@ class Job(Steps):
                                   device=rt.device, tokens_per_microbatch=tokens_per_microbatch, group=rt.group,
                                   fsdp=rt.fsdp, fsdp_index=fsdp_index, tp_index=tp_index, extra=extra,
                                   dp_group=dp_group)
-        super().__init__()
+        fsdp = rt.fsdp
+        super().__init__(context=LoopContext(
+            self.replica, self.reads, rt.device, seed, column=lambda ids: column(ids, fsdp, fsdp_index),
+            hook=self._hook, failed=self._failed))
         if self.runtime.launched and self.runtime.launched.get("errors") is not None:
             self.runtime.launched["errors"].job = self  # an uncaught exception reports this job's step
         self._session: Any = None
-        self._inside = False  # in a step's microbatch loop
         self.start = self._resume(resume)
         """The counters the step protocol starts from (a resumed checkpoint's) and then advances."""
 
@@ -264,7 +265,7 @@ class Job(Steps):
         """
         from recover.train import own_checkpoint
 
-        if self._inside:
+        if self.context is not None and self.context.inside:
             raise RuntimeError("job.save() inside a step's microbatch loop: call it after the loop, between steps")
         run_dir = run_dir if run_dir is not None else self.runtime.out
         if run_dir is None:
@@ -289,26 +290,9 @@ class Job(Steps):
         return own_checkpoint.save(root, self.replica, self.protocol.progress, seed=self.seed, microbatches=self.M,
                                    keep=keep)
 
-    def _hook(self, phase: Phase) -> None:
+    def _hook(self, step: int, phase: Phase) -> None:
         if self._session is not None:
-            self._session.hook(self._step, phase)
-
-    def _read_ahead(self, data_step: int, ids: list[int]) -> None:
-        """Schedules the background reads of ``ids`` of ``data_step`` (this rank's) and of this rank's expected
-        share of the next ``prefetch`` steps (the step protocol's plan with the current members and speeds)."""
-        from recover.train.own import column
-
-        self.reads.ahead(data_step, ids)
-        fsdp, (index, _) = self.runtime.fsdp, self.runtime.coordinate
-        for coming in range(data_step + 1, data_step + 1 + self.reads.steps):
-            share = column(self.protocol.share(coming), fsdp, index)
-            self.reads.ahead(coming, [mb for mb in share if mb is not None])
-
-    def _slow(self, dt: float) -> None:
-        """Under an injected time factor s (``--slow``), a microbatch that took ``dt`` takes s times as long."""
-        factor = self.replica.perturb.time_factor()
-        if factor > 1.0:
-            time.sleep((factor - 1.0) * dt)
+            self._session.hook(step, phase)
 
     def steps(self, total: int) -> Iterator[Step]:
         """Committed steps until ``total`` are committed (a joiner starts where the job is), or until a
@@ -341,6 +325,7 @@ class Job(Steps):
         if self.runtime.launched is None:
             self.protocol = ResilientStep(self.replica, StaticGroup(), CommitAll(), self.M, self.start,
                                           seed=self.seed, overlap=False)
-            return
-        self._session, self.protocol = script.connect(self)
+        else:
+            self._session, self.protocol = script.connect(self)
+        self.context.protocol = self.protocol
 

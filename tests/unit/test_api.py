@@ -165,3 +165,15 @@ def test_a_joiner_receives_the_parameters_and_persistent_buffers_not_what_state_
     for p, q in zip(live.parameters(), joiner.parameters(), strict=True):
         assert torch.equal(sender.optimizer.state[p]["exp_avg"], receiver.optimizer.state[q]["exp_avg"])
     assert torch.equal(joiner[0].cache, torch.arange(4.0))  # non-persistent: the joiner's own construction's
+
+
+def test_the_loss_of_a_step_not_yet_committed_is_a_clear_error() -> None:
+    """`step.loss` inside the microbatch loop used to be "'NoneType' object has no attribute 'loss'"."""
+    model, optimizer = model_and_optimizer()
+    job = recover.Job(model, optimizer, samples=sample, microbatches=M)
+    for step in job.steps(1):
+        for mb in step:
+            with pytest.raises(RuntimeError, match="step 0 is not committed yet: read step.loss.*after its"):
+                _ = step.loss
+            mb.backward(loss_of(model, mb.batch))
+        assert step.loss > 0
