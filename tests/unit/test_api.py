@@ -177,3 +177,14 @@ def test_the_loss_of_a_step_not_yet_committed_is_a_clear_error() -> None:
                 _ = step.loss
             mb.backward(loss_of(model, mb.batch))
         assert step.loss > 0
+
+
+def test_recover_data_is_reachable_after_import_recover_alone(monkeypatch: pytest.MonkeyPatch) -> None:
+    """`recover.data.tokens(...)` after `import recover` used to be an AttributeError until something (recover.init)
+    had imported the package: here the package is forgotten, as in a fresh interpreter, and reached again."""
+    import sys
+
+    for name in [k for k in sys.modules if k == "recover.data" or k.startswith("recover.data.")]:
+        monkeypatch.delitem(sys.modules, name)  # restored after the test, as is the attribute below
+    monkeypatch.delattr(recover, "data", raising=False)
+    assert callable(recover.data.tokens) and callable(recover.data.indexed)
