@@ -78,7 +78,9 @@ def test_token_shards_are_samples_for_a_job(corpus: Path, tmp_path: Path) -> Non
     from recover.data import DataError, tokens
 
     samples = tokens(corpus, seq_len=16, microbatch_size=2, microbatches=M, seed=3)
+    assert samples.vocab_size is not None and samples.tokens_per_microbatch == 32  # the data's, documented
     x, y = samples(5, 1)
+    assert int(x.max()) < samples.vocab_size
     assert x.shape == y.shape == (2, 16) and torch.equal(x[:, 1:], y[:, :-1])
     assert torch.equal(samples(5, 1)[0], x) and not torch.equal(samples(5, 2)[0], x)  # pure, per id
     with pytest.raises(DataError, match="vocab"):
@@ -188,3 +190,13 @@ def test_recover_data_is_reachable_after_import_recover_alone(monkeypatch: pytes
         monkeypatch.delitem(sys.modules, name)  # restored after the test, as is the attribute below
     monkeypatch.delattr(recover, "data", raising=False)
     assert callable(recover.data.tokens) and callable(recover.data.indexed)
+
+
+def test_a_second_backward_of_one_microbatch_is_refused_where_it_happens() -> None:
+    model, optimizer = model_and_optimizer()
+    job = recover.Job(model, optimizer, samples=sample, microbatches=M)
+    for step in job.steps(1):
+        for mb in step:
+            mb.backward(loss_of(model, mb.batch))
+            with pytest.raises(RuntimeError, match=rf"mb.backward\(\) called twice for microbatch {mb.id} of step 0"):
+                mb.backward(loss_of(model, mb.batch))

@@ -93,9 +93,18 @@ class Microbatch:
     def __init__(self, context: LoopContext, data_step: int, mb: int | None, batch: Any) -> None:
         self.context, self.step, self.id, self.batch = context, data_step, mb, batch
         self.weight = 0.0 if mb is None else 1.0
+        self.done = False
 
     def backward(self, loss: torch.Tensor) -> None:
-        """``loss.backward()``, then the gradient is folded into the replica's step sum."""
+        """``loss.backward()``, then the gradient is folded into the replica's step sum.
+
+        Raises:
+            RuntimeError: called a second time for this microbatch (its gradient is in the sum once).
+        """
+        if self.done:
+            raise RuntimeError(f"mb.backward() called twice for microbatch {self.id} of step {self.step}: call it "
+                               "once per microbatch, with the loss of that microbatch")
+        self.done = True
         self.context.phase(Phase.BACKWARD)
         (loss if self.id is not None else loss * 0.0).backward()
         self.context.replica.fold(self.step, self.id, loss)
