@@ -125,16 +125,14 @@ def _init() -> Runtime:
 
         world = int(os.environ.get("WORLD_SIZE", "1"))
         return _runtime(Config(parallel=ParallelConfig(fsdp=world)), None, 0, None)
-    from recover.comm.nccl import apply_env_defaults
     from recover.config import RUN_CONFIG, load_config
-    from recover.lifeline import die_with_launcher
+    from recover.train.process import prepare
 
-    die_with_launcher()
     job = json.loads(raw)
+    cfg = load_config(str(Path(job["out"]) / RUN_CONFIG))
+    prepare(cfg)  # the set-up of every replica process (recover.train.process)
     job["errors"] = script.ScriptErrors(Path(job["out"]), int(job["replica"]),
                                         int(os.environ.get("RANK", "0"))).install()
-    cfg = load_config(str(Path(job["out"]) / RUN_CONFIG))
-    apply_env_defaults(collective_timeout_s=cfg.fault_tolerance.collective_timeout_s)  # before any NCCL use
     job["config"] = cfg
     return _runtime(cfg, job, int(job["replica"]), Path(job["out"]))
 
@@ -319,12 +317,12 @@ class Job(Steps):
             script.fail(self._session, exc, self._write)
 
     def _start(self) -> None:
-        from recover.recovery.protocol import ResilientStep
         from recover.train.dist import CommitAll, StaticGroup
+        from recover.train.process import build_step
 
         if self.runtime.launched is None:
-            self.protocol = ResilientStep(self.replica, StaticGroup(), CommitAll(), self.M, self.start,
-                                          seed=self.seed, overlap=False)
+            self.protocol = build_step(self.replica, StaticGroup(), CommitAll(), self.M, self.start, None,
+                                       seed=self.seed, overlap=False)
         else:
             self._session, self.protocol = script.connect(self)
         self.context.protocol = self.protocol

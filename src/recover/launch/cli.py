@@ -542,14 +542,12 @@ def run_compare(args: argparse.Namespace) -> int:
 
 
 def run_worker(args: argparse.Namespace) -> int:
-    from recover.faults import hang_on_signal, parse_failure
-    from recover.lifeline import die_with_launcher
+    """``recover worker``: the built-in replica, started through :mod:`recover.train.process` like a script."""
     from recover.observe.sinks import check_extras
     from recover.train.exits import EXIT_STOPPED
+    from recover.train.process import Launched, exit_process, prepare
     from recover.train.worker import ReplicaWorker, build
 
-    die_with_launcher()
-    hang_on_signal()  # the launcher's random hangs: the training thread stops, heartbeats go on
     holder: list[ReplicaWorker] = []
 
     def stop(signum: int, frame: Any) -> None:  # SIGTERM: a leave, SIGINT: a stop (see train/worker.py)
@@ -561,11 +559,8 @@ def run_worker(args: argparse.Namespace) -> int:
     signal.signal(signal.SIGTERM, stop)
     signal.signal(signal.SIGINT, stop)
     cfg = worker_config(args.config, args.overrides)
+    prepare(cfg)
     check_extras(cfg.observe)
-    host, _, port = args.coordinator.rpartition(":")
-    if not host or not port.isdigit():
-        raise RecoverError(f"--coordinator {args.coordinator!r}: expected HOST:PORT")
-    token = Path(args.token_file).read_text().strip()
     replica, fails, join, built = args.replica, args.fail, args.join, None
     if args.spare:  # a hot spare: pay the start-up cost now, learn who to be when a replica dies
         built = build(cfg, args.procs)
@@ -576,18 +571,9 @@ def run_worker(args: argparse.Namespace) -> int:
         replica, fails, join = int(order["replica"]), list(order.get("fail", [])), True
     if replica is None:
         raise RecoverError("recover worker needs --replica R (or --spare)")
-    specs = []
-    for text in fails:  # R@STEP:PHASE, with #RANK when the launcher was given --fail-rank
-        spec, _, rank = text.partition("#")
-        specs.append(parse_failure(spec, int(rank) if rank else None))
-    tls = Tls.from_flags(args.tls_cert, args.tls_key, args.tls_ca)
-    worker = ReplicaWorker(cfg, args.out, replica, host, int(port), token, tls=tls,
-                           failures=specs, join=join, procs=args.procs, built=built,
-                           baseline=Baseline(args.baseline) if args.baseline else None, resume=args.resume)
+    launched = Launched.from_flags(args.out, replica, args.coordinator, args.token_file, fails, join=join,
+                                   resume=args.resume, tls=Tls.from_flags(args.tls_cert, args.tls_key, args.tls_ca))
+    worker = ReplicaWorker(cfg, launched, procs=args.procs, built=built,
+                           baseline=Baseline(args.baseline) if args.baseline else None)
     holder.append(worker)
-    code = worker.run()
-    # Skip interpreter teardown: a retired gloo group still held by the graveyard's daemon thread
-    # would be destroyed mid-shutdown (std::terminate, SIGABRT). Everything is written and flushed.
-    sys.stdout.flush()
-    sys.stderr.flush()
-    os._exit(code)
+    exit_process(worker.run())

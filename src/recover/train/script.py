@@ -30,14 +30,13 @@ from types import TracebackType
 from typing import Any
 
 from recover.coord.client import CoordinatorLost
-from recover.coord.tls import Tls
 from recover.errors import ContractError, StateLost
-from recover.faults import hang_on_signal, parse_failure
 from recover.names import Event, Phase
 from recover.observe.events import EventLog, read_jsonl
 from recover.recovery.protocol import ResilientStep, StepOutcome
 from recover.train.exits import EXIT_RAISED, EXIT_SCRIPT_ERROR, EXIT_STOPPED
 from recover.train.loop import step_record
+from recover.train.process import Launched, exit_process
 from recover.train.session import Save, Session
 
 SETTLE_S = 10.0
@@ -47,17 +46,9 @@ SETTLE_S = 10.0
 def connect(job: Any) -> tuple[Session, ResilientStep]:
     """The launched session of ``job`` (a Job whose runtime came from ``recover launch``) and its step protocol."""
     rt, info = job.runtime, job.runtime.launched
-    specs = []
-    for text in info.get("fail", []):  # R@STEP:PHASE, with #RANK when the launcher was given --fail-rank
-        spec, _, rank = text.partition("#")
-        specs.append(parse_failure(spec, int(rank) if rank else None))
-    hang_on_signal()  # the launcher's random hangs: the training thread stops, heartbeats go on
-    host, _, port = info["coordinator"].rpartition(":")
-    token = Path(info["token_file"]).read_text().strip()
-    tls = Tls(**info["tls"]) if info.get("tls") else None
-    session = Session(info["config"], info["out"], rt.replica, host, int(port), token, specs,
-                      join=bool(info.get("join")), rank=rt.rank, ranks=rt.ranks, start=job.start,
-                      restore=lambda: restore(job, Path(info["out"])), tls=tls)
+    launched = Launched.from_env(info)
+    session = Session.of(launched, info["config"], rank=rt.rank, ranks=rt.ranks, start=job.start,
+                         restore=lambda: restore(job, launched.out))
     session.stop_on_signals()
     try:
         return session, session.connect(job.replica, job.M, seed=job.seed, overlap=False)
@@ -65,8 +56,7 @@ def connect(job: Any) -> tuple[Session, ResilientStep]:
         if session.client is None or not session.client.stopping:
             raise
         print(f"recover: replica {rt.replica}: {exc}", file=sys.stderr, flush=True)  # e.g. nothing left to join
-        sys.stdout.flush()
-        os._exit(0 if session.client.finished else EXIT_STOPPED)
+        exit_process(0 if session.client.finished else EXIT_STOPPED)
     except StateLost as exc:  # admitted where nobody holds the state, and no checkpoint to restore
         fail(session, exc)
         raise
@@ -113,9 +103,7 @@ def fail(session: Session, exc: BaseException, save: Save | None = None) -> None
     destroyed mid-shutdown); any other exception (the user's own error) returns, to propagate."""
     code = session.status(exc, save)
     if code is not None:
-        sys.stdout.flush()
-        sys.stderr.flush()
-        os._exit(code)
+        exit_process(code)
 
 
 LAST_LINES = 6
@@ -145,9 +133,7 @@ class ScriptErrors:
             print(f"recover: replica {self.replica}: the script's exception could not be reported: {inner}",
                   file=sys.stderr)
             code = EXIT_RAISED
-        sys.stdout.flush()
-        sys.stderr.flush()
-        os._exit(code)
+        exit_process(code)
 
     def report(self, exc: Exception, tb: TracebackType | None) -> int:
         """Logs the ``script_error`` event, saves when this is the job's end and this replica is its last
