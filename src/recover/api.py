@@ -199,7 +199,7 @@ class Job(Steps):
                  prefetch: int | None = None, check_samples: bool = True) -> None:
         from recover.config import DataConfig
         from recover.data.prefetch import Prefetcher
-        from recover.train.contract import PureSamples
+        from recover.train.contract import PureSamples, probe_id
         from recover.train.own import OwnReplica, column
 
         if microbatches < 1:
@@ -216,7 +216,10 @@ class Job(Steps):
         rt = self.runtime
         if prefetch is None:
             prefetch = cfg.data.prefetch if cfg else DataConfig.prefetch
-        self.reads = Prefetcher(PureSamples(samples, check_samples), prefetch, rt.device)
+        # launched replicas of one rank digest each step's probe batch for the vote (recover.train.contract)
+        probe = (lambda step: probe_id(step, microbatches)) if cfg is not None and rt.ranks == 1 else None
+        self.pure = PureSamples(samples, check_samples, probe)
+        self.reads = Prefetcher(self.pure, prefetch, rt.device)
         fsdp_index, tp_index = rt.coordinate
         dp_group = rt.mesh["fsdp"].get_group() if rt.mesh is not None and rt.fsdp > 1 else None
         self.replica = OwnReplica(model, optimizer, lr=lr, clip=clip, deterministic=deterministic,
@@ -226,7 +229,7 @@ class Job(Steps):
         fsdp = rt.fsdp
         super().__init__(context=LoopContext(
             self.replica, self.reads, rt.device, seed, column=lambda ids: column(ids, fsdp, fsdp_index),
-            hook=self._hook, failed=self._failed))
+            hook=self._hook, failed=self._failed, probe=probe, probed=self._probed if probe else lambda s: None))
         if self.runtime.launched and self.runtime.launched.get("errors") is not None:
             self.runtime.launched["errors"].job = self  # an uncaught exception reports this job's step
         self._session: Any = None
@@ -291,6 +294,16 @@ class Job(Steps):
     def _hook(self, step: int, phase: Phase) -> None:
         if self._session is not None:
             self._session.hook(step, phase)
+
+    def _probed(self, data_step: int) -> None:
+        """The digest of ``data_step``'s probe batch into this replica's vote (read now if it was not yet)."""
+        from recover.train.contract import probe_id
+
+        mb = probe_id(data_step, self.M)
+        if data_step not in self.pure.digests:
+            self.reads.get(data_step, mb)
+        self.replica.audit_id = mb
+        self.replica.audit_value = {"fp": self.pure.digests[data_step], "norm": 0.0, "exact": True, "samples": True}
 
     def steps(self, total: int) -> Iterator[Step]:
         """Committed steps until ``total`` are committed (a joiner starts where the job is), or until a

@@ -434,6 +434,8 @@ def launch(req: LaunchRequest) -> int:
             of = "gradients of the audited microbatch" if last and last[0].get("check") == "audit" else "parameters"
             what = (f"the replicas' {of} disagree at step {last[0]['step'] if last else '?'} with no majority "
                     f"to trust ({sides}); each side's state is under {opts.out / 'checkpoints' / 'diverged'}")
+            if last and last[0].get("message") and (last[0].get("check") == "samples" or last[0]["step"] == 0):
+                what = f"{last[0]['message']}; each side's state is under {opts.out / 'checkpoints' / 'diverged'}"
         else:
             e = last[0] if last else {"id": "?", "step": "?", "replicas": []}
             what = (f"microbatch {e['id']} of step {e['step']} was not finite on replicas {e['replicas']}: the "

@@ -14,10 +14,17 @@ Contract:
   other values by ``==``). A ``samples`` that draws from the global RNG or keeps a running cursor returns
   something else the second time and is refused at that step. One extra read per step and replica: a
   cost where reads are cheap (``check=False`` turns it off).
+- Across replicas (a launched job of one-rank replicas): every replica reads the step's probe microbatch
+  (:func:`probe_id`, one more read per step where it is not its own) and its :func:`digest` goes with the
+  commit vote, as an audit of the batch (``samples``: True); the coordinator compares them
+  (:mod:`recover.coord.integrity`) and names the replicas that disagree on the same id: a ``samples``
+  that reads the replica, the rank or the environment is pure in each process, but not the same function
+  everywhere.
 """
 
 from __future__ import annotations
 
+import hashlib
 from collections.abc import Callable
 from typing import Any
 
@@ -83,16 +90,55 @@ def same(a: Any, b: Any) -> bool:
         return repr(a) == repr(b)
 
 
-class PureSamples:
-    """``samples(step, id)``, with the first read of each step done twice and compared (see the module
-    docstring). Called by one thread at a time, as the prefetcher does."""
+def probe_id(step: int, M: int) -> int:
+    """The microbatch of ``step`` whose batch every replica digests for the vote (a pure function of the two)."""
+    return step % M
 
-    def __init__(self, samples: Callable[[int, int], Any], check: bool = True) -> None:
-        self.samples, self.check = samples, check
+
+def digest(batch: Any) -> str:
+    """A hex digest of a batch: every tensor's dtype, shape and bytes (containers walked in order, dict keys
+    included), other values by ``repr``."""
+    h = hashlib.blake2b(digest_size=16)
+
+    def walk(b: Any) -> None:
+        if torch.is_tensor(b):
+            t = b.detach().cpu().contiguous()
+            h.update(f"T{t.dtype}{tuple(t.shape)}".encode())
+            h.update(t.view(-1).view(torch.uint8).numpy().tobytes() if t.numel() else b"")
+        elif isinstance(b, (tuple, list)):
+            h.update(f"{type(b).__name__}{len(b)}".encode())
+            for x in b:
+                walk(x)
+        elif isinstance(b, dict):
+            h.update(f"dict{len(b)}".encode())
+            for k in b:
+                h.update(repr(k).encode())
+                walk(b[k])
+        else:
+            h.update(repr(b).encode())
+
+    walk(batch)
+    return h.hexdigest()
+
+
+class PureSamples:
+    """``samples(step, id)``, with the first read of each step done twice and compared, and the digest of each
+    step's ``probe`` microbatch kept (see the module docstring). Called by one thread at a time, as the
+    prefetcher does."""
+
+    def __init__(self, samples: Callable[[int, int], Any], check: bool = True,
+                 probe: Callable[[int], int] | None = None) -> None:
+        self.samples, self.check, self.probe = samples, check, probe
         self.checked: set[int] = set()
+        self.digests: dict[int, str] = {}
+        """step -> the digest of its probe microbatch's batch (:func:`probe_id`), once read (``probe`` given)."""
 
     def __call__(self, step: int, mb: int) -> Any:
         batch = self.samples(step, mb)
+        if self.probe is not None and mb == self.probe(step):
+            self.digests[step] = digest(batch)
+            for old in [s for s in self.digests if s < step - 64]:
+                del self.digests[old]
         if self.check and step not in self.checked:
             self.checked.add(step)
             if len(self.checked) > 64:  # the recent steps are enough to tell a step already checked

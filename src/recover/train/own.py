@@ -143,6 +143,7 @@ class OwnReplica:
             buf.zero_()
         self.stats.zero_()
         self.ledger, self.nonfinite, self.loss_sum, self._folded = [], [], 0.0, []
+        self.audit_id, self.audit_value = None, None  # a launched Job's probe digest, set again after the step
 
     def payload(self) -> list[torch.Tensor]:
         return [*self.buffers, self.stats]

@@ -55,6 +55,10 @@ class LoopContext:
     column: Callable[[list[int]], list[int | None]]
     hook: Callable[[int, Phase], None]
     failed: Callable[[Exception], None]
+    probe: Callable[[int], int] | None = None
+    """The step's probe microbatch (read by every replica; see :mod:`recover.train.contract`); None: none."""
+    probed: Callable[[int], None] = lambda data_step: None
+    """After each batch of a step's work: the probe's digest into the vote (a launched Job's)."""
     protocol: ResilientStep | None = None
     step: int = 0
     """The step being computed (for the phase hook)."""
@@ -69,6 +73,9 @@ class LoopContext:
         share of the next ``prefetch`` steps (the step protocol's plan with the current members and speeds)."""
         assert self.protocol is not None
         self.reads.ahead(data_step, ids)
+        if self.probe is not None:  # read by every replica: ahead, after its own
+            for step in range(data_step, data_step + 1 + self.reads.steps):
+                self.reads.ahead(step, [self.probe(step)])
         for coming in range(data_step + 1, data_step + 1 + self.reads.steps):
             self.reads.ahead(coming, [mb for mb in self.column(self.protocol.share(coming)) if mb is not None])
 
@@ -154,6 +161,7 @@ class Step:
                         yield Microbatch(ctx, work.data_step, mb, _to(batch, ctx.device))
                         ctx.slow(time.perf_counter() - t0)
                     ctx.replica.settle(work.ids, [mb for mb in mine if mb is not None])
+                    ctx.probed(work.data_step)
                     work = work_items.send(None)
             except StopIteration as done:
                 self.outcome = done.value
