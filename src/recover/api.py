@@ -55,6 +55,7 @@ from __future__ import annotations
 
 import json
 import os
+import time
 from collections.abc import Callable, Iterator
 from contextlib import nullcontext
 from dataclasses import dataclass, field
@@ -70,6 +71,7 @@ from recover.train.steps import LoopContext, Step, Steps
 
 if TYPE_CHECKING:
     from torch.distributed.device_mesh import DeviceMesh
+    from torch.optim.lr_scheduler import LRScheduler
 
     from recover.recovery.protocol import Progress
 
@@ -168,7 +170,9 @@ class Job(Steps):
         samples: ``samples(step, id) -> batch``, a pure function (tensors in the batch are moved to the
             device; tuples, lists and dicts of them too).
         microbatches: M, the microbatches of every step.
-        lr: the learning rate of a committed step (None: the optimizer's, untouched).
+        lr: the learning rate of a committed step, ``lr(step)``; or a torch ``LRScheduler`` over ``optimizer``,
+            stepped once after each committed update (and carried to joiners and checkpoints); None: the
+            optimizer's, untouched.
         clip: the bound on the global gradient norm (0: none).
         seed: seeds each microbatch's RNG (with the step and the id).
         deterministic: float64 gradient sums (bitwise equal to the failure-free run); default: the
@@ -183,6 +187,10 @@ class Job(Steps):
             default: the launch's ``data.prefetch``, else ``DataConfig.prefetch``. ``job.reads.take()`` says
             how long your loop waited for samples since it was last asked.
         runtime: from :func:`init` (called here when not given).
+        evaluate, eval_every: ``evaluate() -> float`` (e.g. a validation loss) after every ``eval_every``-th
+            committed step and the last, by the lowest live replica (all its ranks): its value is the step
+            record's ``val_loss`` (``metrics.jsonl``, the dashboards, the reports) and ``step.val_loss``
+            (None on the other replicas and steps).
         check_samples: read the first microbatch of each step twice and compare (an impure ``samples``, one
             with the global RNG or a running cursor, is refused at that step: :mod:`recover.train.contract`).
 
@@ -193,10 +201,12 @@ class Job(Steps):
     """
 
     def __init__(self, model: nn.Module, optimizer: torch.optim.Optimizer, *, samples: Callable[[int, int], Any],
-                 microbatches: int, lr: Callable[[int], float] | None = None, clip: float = 1.0, seed: int = 0,
+                 microbatches: int, lr: Callable[[int], float] | LRScheduler | None = None, clip: float = 1.0,
+                 seed: int = 0,
                  deterministic: bool | None = None, tokens_per_microbatch: int = 0, extra: Any = None,
                  resume: str | os.PathLike[str] | None = None, runtime: Runtime | None = None,
-                 prefetch: int | None = None, check_samples: bool = True) -> None:
+                 prefetch: int | None = None, check_samples: bool = True,
+                 evaluate: Callable[[], float] | None = None, eval_every: int = 0) -> None:
         from recover.config import DataConfig
         from recover.data.prefetch import Prefetcher
         from recover.train.contract import PureSamples, probe_id
@@ -204,6 +214,8 @@ class Job(Steps):
 
         if microbatches < 1:
             raise ValueError(f"microbatches = {microbatches}: a step needs at least one")
+        if eval_every < 0 or (eval_every and evaluate is None):
+            raise ValueError(f"eval_every = {eval_every}: a count >= 0, with evaluate given")
         self.runtime = runtime or init()
         cfg = self.runtime.launched["config"] if self.runtime.launched else None
         if deterministic is None:
@@ -229,7 +241,11 @@ class Job(Steps):
         fsdp = rt.fsdp
         super().__init__(context=LoopContext(
             self.replica, self.reads, rt.device, seed, column=lambda ids: column(ids, fsdp, fsdp_index),
-            hook=self._hook, failed=self._failed, probe=probe, probed=self._probed if probe else lambda s: None))
+            hook=self._hook, failed=self._failed, probe=probe, probed=self._probed if probe else lambda s: None,
+            evaluated=self._evaluated))
+        self.evaluate, self.eval_every = evaluate, eval_every
+        self._total = 0
+        self._fields: dict[str, Any] = {}  # what the next step record carries besides recover's own
         if self.runtime.launched and self.runtime.launched.get("errors") is not None:
             self.runtime.launched["errors"].job = self  # an uncaught exception reports this job's step
         self._session: Any = None
@@ -295,6 +311,41 @@ class Job(Steps):
         if self._session is not None:
             self._session.hook(step, phase)
 
+    def log(self, **metrics: float | torch.Tensor) -> None:
+        """Your own metrics (numbers, or tensors of one element) into the record of the step in progress, the
+        last one committed once its microbatch loop is over: ``metrics.jsonl``'s ``user`` and the dashboards'
+        ``user/NAME`` (TensorBoard, W&B) in a launched job; run alone, there is no record (nothing is written).
+
+        Raises:
+            TypeError: a value that is not a number.
+        """
+        user = self._fields.setdefault("user", {})
+        for name, value in metrics.items():
+            if torch.is_tensor(value) and value.numel() == 1:
+                value = value.detach().item()
+            if isinstance(value, bool) or not isinstance(value, (int, float)):
+                raise TypeError(f"job.log({name}=...): {type(value).__name__} is not a number")
+            user[name] = float(value)
+
+    def _evaluated(self, outcome: Any) -> float | None:
+        """After a step's commit: ``evaluate()`` when due and this replica is the lowest live one."""
+        s = outcome.step
+        if self.evaluate is None or not ((s + 1) % self.eval_every == 0 or s + 1 == self._total):
+            return None
+        if min(outcome.live) != self.runtime.replica:
+            return None
+        t0 = time.perf_counter()
+        with self._session.client.activity("io") if self._session is not None else nullcontext():
+            value = float(self.evaluate())
+        self._fields.update(val_loss=value, eval_s=round(time.perf_counter() - t0, 6))
+        return value
+
+    def record_fields(self) -> dict[str, Any]:
+        """What the step record of the last committed step carries besides recover's own (``job.log``'s ``user``,
+        an evaluation's ``val_loss``), handed over once."""
+        fields, self._fields = self._fields, {}
+        return fields
+
     def _probed(self, data_step: int) -> None:
         """The digest of ``data_step``'s probe batch into this replica's vote (read now if it was not yet)."""
         from recover.train.contract import probe_id
@@ -311,6 +362,7 @@ class Job(Steps):
         leave (SIGTERM to it: status 0)."""
         if self.protocol is None:
             self._start()
+        self._total = total
         if self._session is not None and self.runtime.rank == 0:  # the script's step count is the job's
             self._session.event(Event.SCRIPT_STEPS, steps=int(total))
         try:
@@ -324,6 +376,8 @@ class Job(Steps):
     def _committed(self, outcome: Any, dt: float) -> None:
         if self._session is not None:
             script.record(self._session, self, outcome, dt)
+        else:  # no record to carry them
+            self.record_fields()
 
     def _failed(self, exc: Exception) -> None:
         if self._session is not None:

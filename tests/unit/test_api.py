@@ -200,3 +200,54 @@ def test_a_second_backward_of_one_microbatch_is_refused_where_it_happens() -> No
             mb.backward(loss_of(model, mb.batch))
             with pytest.raises(RuntimeError, match=rf"mb.backward\(\) called twice for microbatch {mb.id} of step 0"):
                 mb.backward(loss_of(model, mb.batch))
+
+
+def test_a_torch_lr_scheduler_is_the_schedule_stepped_once_per_committed_step() -> None:
+    model, optimizer = model_and_optimizer()
+    sched = torch.optim.lr_scheduler.LambdaLR(optimizer, lambda s: 1.0 / (s + 1))
+    job = recover.Job(model, optimizer, samples=sample, microbatches=M, lr=sched, clip=CLIP, seed=7)
+    for step in job.steps(3):
+        for mb in step:
+            mb.backward(loss_of(model, mb.batch))
+    assert sched.last_epoch == 3 and job.replica.applied_lr == pytest.approx(1e-2 / 3)
+
+    plain, opt = model_and_optimizer()
+    plain_sched = torch.optim.lr_scheduler.LambdaLR(opt, lambda s: 1.0 / (s + 1))
+    for s in range(3):
+        for i in range(M):
+            torch.manual_seed(microbatch_seed(7, s, i))
+            (loss_of(plain, sample(s, i)) / M).backward()
+        torch.nn.utils.clip_grad_norm_(plain.parameters(), CLIP)
+        opt.step()
+        opt.zero_grad()
+        plain_sched.step()
+    for a, b in zip(model.parameters(), plain.parameters(), strict=True):
+        torch.testing.assert_close(a, b, rtol=1e-5, atol=1e-6)
+    assert "lr_scheduler" in job.replica.extra  # carried to joiners and checkpoints
+
+
+def test_an_evaluation_hook_runs_after_every_kth_and_the_last_step_and_job_log_takes_numbers() -> None:
+    model, optimizer = model_and_optimizer()
+    calls = []
+
+    def evaluate() -> float:
+        calls.append(1)
+        return 0.5 * len(calls)
+
+    job = recover.Job(model, optimizer, samples=sample, microbatches=M, evaluate=evaluate, eval_every=2)
+    seen = []
+    for step in job.steps(5):
+        for mb in step:
+            mb.backward(loss_of(model, mb.batch))
+        seen.append(step.val_loss)
+        job.log(acc=torch.tensor(0.25), tokens=3)
+        assert job.record_fields()["user"] == {"acc": 0.25, "tokens": 3.0}
+    assert seen == [None, 0.5, None, 1.0, 1.5]  # after steps 1, 3 and the last (4)
+    with pytest.raises(TypeError, match="job.log\\(name=...\\): str is not a number"):
+        job.log(name="x")
+
+
+def test_user_metrics_go_to_the_dashboards_as_user_scalars() -> None:
+    from recover.observe.sinks import scalars
+
+    assert scalars({"step": 3, "loss": 2.0, "user": {"acc": 0.5}}) == {"train/loss": 2.0, "user/acc": 0.5}

@@ -42,7 +42,9 @@ import torch
 import torch.distributed as dist
 from torch import nn
 from torch.distributed.tensor import DTensor
+from torch.optim.lr_scheduler import LRScheduler
 
+from recover.errors import ContractError
 from recover.faults.perturb import NONE
 from recover.recovery.interfaces import Totals
 from recover.train.bits import bit_sum, flip_bit, to_host
@@ -60,6 +62,9 @@ from recover.train.optim import set_lr
 from recover.train.replica import like, load_transferred, local, shards, transfer_tensors
 from recover.train.update import apply_sum, read_totals
 from recover.workload.policy import split_within_replica
+
+SCHEDULER = "lr_scheduler"
+"""The name of an LR scheduler given as ``lr`` among the extra state (joiners and checkpoints carry it)."""
 
 
 def column(ids: list[int], fsdp: int, index: int) -> list[int | None]:
@@ -83,7 +88,8 @@ class OwnReplica:
     Args:
         model: any ``nn.Module``; its trainable parameters are the gradient.
         optimizer: any optimizer over those parameters.
-        lr: the learning rate of a committed step (None: the optimizer's own, untouched).
+        lr: the learning rate of a committed step, or a torch LR scheduler over ``optimizer`` stepped after each
+            committed update (None: the optimizer's own, untouched).
         clip: the global gradient-norm bound (0: none).
         deterministic: float64 gradient buffers (a step's sum does not depend on who computed what).
         device: where the buffers live (the parameters' device).
@@ -104,13 +110,22 @@ class OwnReplica:
     audit_id: int | None = None
     audit_value: dict[str, Any] | None = None
 
-    def __init__(self, model: nn.Module, optimizer: torch.optim.Optimizer, *, lr: Callable[[int], float] | None,
-                 clip: float, deterministic: bool, device: torch.device, tokens_per_microbatch: int = 0,
+    def __init__(self, model: nn.Module, optimizer: torch.optim.Optimizer, *,
+                 lr: Callable[[int], float] | LRScheduler | None, clip: float, deterministic: bool,
+                 device: torch.device, tokens_per_microbatch: int = 0,
                  group: dist.ProcessGroup | None = None, fsdp: int = 1, fsdp_index: int = 0,
                  tp_index: int = 0, extra: Any = None, dp_group: dist.ProcessGroup | None = None) -> None:
         check_optimizer(model, optimizer)
-        self.model, self.optimizer, self.lr, self.clip = model, optimizer, lr, clip
+        self.model, self.optimizer, self.clip = model, optimizer, clip
+        self.scheduler = lr if isinstance(lr, LRScheduler) else None
+        self.lr = None if self.scheduler is not None else lr
         self.extra = parts(extra)
+        if self.scheduler is not None:
+            if self.scheduler.optimizer is not optimizer:
+                raise ContractError("the LR scheduler given as lr steps another optimizer: build it over the Job's")
+            self.extra = {**self.extra, SCHEDULER: self.scheduler}  # to joiners and checkpoints with the rest
+        self.applied_lr = float(optimizer.param_groups[0]["lr"])
+        """The learning rate of the last update (a scheduler has moved the optimizer's on since)."""
         self.device, self.group = device, group
         self.fsdp, self.fsdp_index, self.tp_index = fsdp, fsdp_index, tp_index
         sum_gradients(model)
@@ -218,9 +233,15 @@ class OwnReplica:
                            self.group)
 
     def apply(self, reduced: list[torch.Tensor], divisor: int, step: int, sum_norm: float) -> float:
+        """The update of committed step ``step``: with ``lr(step)`` set first, or an LR scheduler stepped after
+        it (once per committed step, as a plain loop steps it after ``optimizer.step()``)."""
         if self.lr is not None:
             set_lr(self.optimizer, float(self.lr(step)))
-        return apply_sum(self.optimizer, self.params, reduced, divisor, sum_norm, self.clip, like)
+        self.applied_lr = float(self.optimizer.param_groups[0]["lr"])
+        norm = apply_sum(self.optimizer, self.params, reduced, divisor, sum_norm, self.clip, like)
+        if self.scheduler is not None:
+            self.scheduler.step()
+        return norm
 
     def _fingerprint(self) -> torch.Tensor:
         return bit_sum([local(p.detach()) for p in self.params], self.device)

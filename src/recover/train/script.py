@@ -77,10 +77,12 @@ def restore(job: Any, out: Path) -> Any:
 
 
 def record(session: Session, job: Any, outcome: StepOutcome, dt: float) -> None:
-    """The committed step's record (``metrics.jsonl`` once merged), then the ``idle`` phase point."""
-    rec = step_record(outcome, dt, float(job.replica.optimizer.param_groups[0]["lr"]))
+    """The committed step's record (``metrics.jsonl`` once merged, with the script's own metrics under ``user`` and
+    its evaluation's ``val_loss``), then the ``idle`` phase point."""
+    rec = step_record(outcome, dt, job.replica.applied_lr)
     rec["total_tokens"] = session.step.progress.tokens
     rec["data_wait_ms"] = round(job.reads.take().wait_s * 1000, 3)
+    rec.update(job.record_fields())  # job.log's metrics, an evaluation's val_loss
     session.write(rec)
     session.hook(outcome.step, Phase.IDLE)
 

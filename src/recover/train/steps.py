@@ -59,6 +59,8 @@ class LoopContext:
     """The step's probe microbatch (read by every replica; see :mod:`recover.train.contract`); None: none."""
     probed: Callable[[int], None] = lambda data_step: None
     """After each batch of a step's work: the probe's digest into the vote (a launched Job's)."""
+    evaluated: Callable[[StepOutcome], float | None] = lambda outcome: None
+    """After a step's commit, before the loop sees it: an evaluation when due (its value, else None)."""
     protocol: ResilientStep | None = None
     step: int = 0
     """The step being computed (for the phase hook)."""
@@ -125,6 +127,8 @@ class Step:
     def __init__(self, steps: Steps, index: int) -> None:
         self.steps, self.index = steps, index
         self.outcome: StepOutcome | None = None
+        self.val_loss: float | None = None
+        """The evaluation after this step's commit, where one ran (``Job(evaluate=..., eval_every=...)``)."""
 
     def run(self) -> StepOutcome:
         """The whole step by the replica's own ``compute`` (pipeline schedules, audits, the overlapped
@@ -166,6 +170,7 @@ class Step:
             except StopIteration as done:
                 self.outcome = done.value
                 ctx.inside = False
+                self.val_loss = ctx.evaluated(self.outcome)
             except Resynced:  # the job's state moved after a coordinator restart: the step starts over
                 self.index = ctx.step = protocol.progress.step
             except Exception as exc:  # the job cannot go on here: fenced, quorum lost, diverged (exits with one line)
