@@ -198,6 +198,18 @@ def run_drain(args: argparse.Namespace) -> int:
     return 0
 
 
+def launch_time(events: str | None) -> float | None:
+    """The time of the last ``launch`` event in ``events`` (the launcher's, written before it starts this
+    coordinator): where the job's wall time starts for goodput, as ``recover status`` counts it. None: none."""
+    from recover.names import Event
+    from recover.observe.events import read_jsonl
+
+    if not events or not Path(events).is_file():
+        return None
+    launches = [e["t"] for e in read_jsonl(events) if e.get("kind") == Event.LAUNCH and isinstance(e.get("t"), float)]
+    return launches[-1] if launches else None
+
+
 def job_metrics(args: argparse.Namespace) -> tuple[Any, Any]:
     """The job's tallies (with its TensorBoard run under ``--tensorboard``) and, with ``--metrics-port``,
     its endpoint, bound (ConfigError: the port is taken) but not yet serving."""
@@ -205,7 +217,8 @@ def job_metrics(args: argparse.Namespace) -> tuple[Any, Any]:
     from recover.observe.prometheus import MetricsServer
     from recover.observe.tensorboard import EventFileWriter
 
-    metrics = JobMetrics(EventFileWriter(args.tensorboard) if args.tensorboard else None)
+    metrics = JobMetrics(EventFileWriter(args.tensorboard) if args.tensorboard else None,
+                         started=launch_time(args.events))
     if metrics.board is not None:
         sample_every(metrics, 10.0)
     endpoint = MetricsServer(args.host, args.metrics_port) if args.metrics_port else None
