@@ -211,6 +211,10 @@ def test_a_script_launch_is_not_checked_against_the_built_in_trainers_settings(t
     opts = check_launch(LaunchRequest(out=tmp_path / "b", config="tiny", replicas=2, steps=3,
                                       script=("python", "train.py")))
     assert opts.config.training.steps == 3
+    with pytest.raises(ConfigError, match="training.global_microbatches"):  # the built-in M of 8, for 16 replicas
+        check_launch(LaunchRequest(out=tmp_path / "c", config="debug", replicas=16))
+    opts = check_launch(LaunchRequest(out=tmp_path / "d", config="debug", replicas=16, script=("python", "t.py")))
+    assert opts.config.parallel.replicas == 16
 
 
 def test_init_from_is_refused_for_a_script_in_one_line(tmp_path: Path) -> None:

@@ -219,13 +219,19 @@ def launch_config(req: LaunchRequest) -> Config:
     overrides = [*req.overrides, *(f"--{key}={value}" for key, value in flags.items() if value is not None),
                  *init_from_override(req.init_from)]
     if req.script:  # the built-in trainer's schedule is not the script's: nothing to check it against
-        return load_config(req.config, [*SCRIPT_NEUTRAL, *overrides])
+        neutral = [*SCRIPT_NEUTRAL, *overrides]
+        if not any(o.split("=")[0] == "--training.global_microbatches" for o in overrides):
+            p = load_config(req.config, [*neutral, f"--training.global_microbatches={2**30}"]).parallel
+            m = max(load_config(req.config).training.global_microbatches, p.replicas * p.fsdp)
+            neutral.append(f"--training.global_microbatches={m}")  # the script's own M is its Job's
+        return load_config(req.config, neutral)
     return _resolve_vocab(load_config(req.config, overrides), overrides)
 
 
 SCRIPT_NEUTRAL = ("--training.warmup_steps=0",)
 """Settings of the built-in trainer a script does not use, set so that their checks against the flags a
-script does use (``--steps``) cannot refuse its launch (a preset's ``warmup_steps`` above ``--steps 3``)."""
+script does use cannot refuse its launch (a preset's ``warmup_steps`` above ``--steps 3``); so is
+``training.global_microbatches`` (at least ``--replicas`` x fsdp: the built-in M, not the script's)."""
 
 
 def _resolve_vocab(cfg: Config, overrides: list[str]) -> Config:
