@@ -191,6 +191,9 @@ class Job(Steps):
             committed step and the last, by the lowest live replica (all its ranks): its value is the step
             record's ``val_loss`` (``metrics.jsonl``, the dashboards, the reports) and ``step.val_loss``
             (None on the other replicas and steps).
+        scaler: a ``torch.amp.GradScaler`` for float16: each microbatch's loss is scaled by its scale before the
+            backward, an overflowed step's update is skipped and the scale backs off, decided by the committed
+            step on every replica alike (bitwise as without failures; :mod:`recover.train.scaling`).
         check_samples: read the first microbatch of each step twice and compare (an impure ``samples``, one
             with the global RNG or a running cursor, is refused at that step: :mod:`recover.train.contract`).
 
@@ -206,7 +209,7 @@ class Job(Steps):
                  deterministic: bool | None = None, tokens_per_microbatch: int = 0, extra: Any = None,
                  resume: str | os.PathLike[str] | None = None, runtime: Runtime | None = None,
                  prefetch: int | None = None, check_samples: bool = True,
-                 evaluate: Callable[[], float] | None = None, eval_every: int = 0) -> None:
+                 evaluate: Callable[[], float] | None = None, eval_every: int = 0, scaler: Any = None) -> None:
         from recover.config import DataConfig
         from recover.data.prefetch import Prefetcher
         from recover.train.contract import PureSamples, probe_id
@@ -237,7 +240,7 @@ class Job(Steps):
         self.replica = OwnReplica(model, optimizer, lr=lr, clip=clip, deterministic=deterministic,
                                   device=rt.device, tokens_per_microbatch=tokens_per_microbatch, group=rt.group,
                                   fsdp=rt.fsdp, fsdp_index=fsdp_index, tp_index=tp_index, extra=extra,
-                                  dp_group=dp_group)
+                                  dp_group=dp_group, scaler=scaler)
         fsdp = rt.fsdp
         super().__init__(context=LoopContext(
             self.replica, self.reads, rt.device, seed, column=lambda ids: column(ids, fsdp, fsdp_index),

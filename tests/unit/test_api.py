@@ -3,6 +3,7 @@ microbatch's RNG follows (seed, step, id), and a loop that skips a microbatch is
 
 from __future__ import annotations
 
+import math
 from pathlib import Path
 
 import pytest
@@ -251,3 +252,32 @@ def test_user_metrics_go_to_the_dashboards_as_user_scalars() -> None:
     from recover.observe.sinks import scalars
 
     assert scalars({"step": 3, "loss": 2.0, "user": {"acc": 0.5}}) == {"train/loss": 2.0, "user/acc": 0.5}
+
+
+def scaled_run(scaler: object | None, steps: int = 4) -> tuple[nn.Module, list[float]]:
+    model, optimizer = model_and_optimizer()
+    job = recover.Job(model, optimizer, samples=sample, microbatches=M, clip=CLIP, seed=7, scaler=scaler)
+    norms = []
+    for step in job.steps(steps):
+        for mb in step:
+            mb.backward(loss_of(model, mb.batch))
+        norms.append(step.grad_norm)
+    return model, norms
+
+
+def test_a_power_of_two_loss_scale_trains_bitwise_as_without_it() -> None:
+    plain, _ = scaled_run(None)
+    scaled, _ = scaled_run(torch.amp.GradScaler("cpu", init_scale=2.0**12, growth_interval=2))
+    assert all(torch.equal(a, b) for a, b in zip(plain.parameters(), scaled.parameters(), strict=True))
+
+
+def test_an_overflowed_step_skips_its_update_and_the_scale_backs_off_then_grows() -> None:
+    scaler = torch.amp.GradScaler("cpu", init_scale=2.0**200, backoff_factor=2.0**-40, growth_interval=2)
+    model, norms = scaled_run(scaler, steps=5)
+    fresh, _ = model_and_optimizer()
+    assert not math.isfinite(norms[0]) and all(n < 1e6 for n in norms[2:])  # 2**200, then 2**160: overflow
+    skipped = sum(1 for n in norms if not math.isfinite(n))
+    assert scaler.get_scale() == 2.0 ** (200 - 40 * skipped) * 2.0 ** ((5 - skipped) // 2)  # grown every 2 steps
+    assert not all(torch.equal(a, b) for a, b in zip(model.parameters(), fresh.parameters(), strict=True))
+    model, _ = scaled_run(torch.amp.GradScaler("cpu", init_scale=2.0**200, backoff_factor=2.0**-40), steps=skipped)
+    assert all(torch.equal(a, b) for a, b in zip(model.parameters(), fresh.parameters(), strict=True))  # no update

@@ -60,9 +60,12 @@ from recover.train.extra import (
 )
 from recover.train.optim import set_lr
 from recover.train.replica import like, load_transferred, local, shards, transfer_tensors
+from recover.train.scaling import LossScale
 from recover.train.update import apply_sum, read_totals
 from recover.workload.policy import split_within_replica
 
+LOSS_SCALE = "loss_scale"
+"""The name of the loss scale (``scaler``, :mod:`recover.train.scaling`) among the extra state."""
 SCHEDULER = "lr_scheduler"
 """The name of an LR scheduler given as ``lr`` among the extra state (joiners and checkpoints carry it)."""
 
@@ -97,6 +100,8 @@ class OwnReplica:
         group: the replica's process group when it has several ranks (None: one process).
         fsdp, fsdp_index, tp_index: the replica's fsdp degree and this rank's coordinates.
         extra: state that travels with the model (``state_dict()``/``load_state_dict()``, or a dict of such).
+        scaler: a torch ``GradScaler`` whose dynamic loss scale this replica applies (float16:
+            :mod:`recover.train.scaling`); None: no loss scaling.
         dp_group: the process group of this rank's fsdp ranks (``mesh["fsdp"]``), when ``fsdp > 1``: the
             gradients of parameters not sharded over it are summed over it.
 
@@ -114,7 +119,8 @@ class OwnReplica:
                  lr: Callable[[int], float] | LRScheduler | None, clip: float, deterministic: bool,
                  device: torch.device, tokens_per_microbatch: int = 0,
                  group: dist.ProcessGroup | None = None, fsdp: int = 1, fsdp_index: int = 0,
-                 tp_index: int = 0, extra: Any = None, dp_group: dist.ProcessGroup | None = None) -> None:
+                 tp_index: int = 0, extra: Any = None, dp_group: dist.ProcessGroup | None = None,
+                 scaler: Any = None) -> None:
         check_optimizer(model, optimizer)
         self.model, self.optimizer, self.clip = model, optimizer, clip
         self.scheduler = lr if isinstance(lr, LRScheduler) else None
@@ -124,6 +130,9 @@ class OwnReplica:
             if self.scheduler.optimizer is not optimizer:
                 raise ContractError("the LR scheduler given as lr steps another optimizer: build it over the Job's")
             self.extra = {**self.extra, SCHEDULER: self.scheduler}  # to joiners and checkpoints with the rest
+        self.loss_scale = LossScale(scaler) if scaler is not None else None
+        if self.loss_scale is not None:
+            self.extra = {**self.extra, LOSS_SCALE: self.loss_scale}
         self.applied_lr = float(optimizer.param_groups[0]["lr"])
         """The learning rate of the last update (a scheduler has moved the optimizer's on since)."""
         self.device, self.group = device, group
@@ -178,7 +187,8 @@ class OwnReplica:
         if perturb is not None:
             for grad in grads:
                 perturb(grad)
-        finite = torch.stack(torch._foreach_norm(grads)).sum().isfinite()
+        finite = (torch.stack(torch._foreach_norm(grads)).sum().isfinite() if self.loss_scale is None
+                  else torch.ones((), dtype=torch.bool, device=grads[0].device))  # an overflow: the update decides
         for buf, p in zip(self.buffers, self.params, strict=True):
             if p.grad is not None:
                 buf.add_(local(p.grad).to(self.dtype))
@@ -238,10 +248,23 @@ class OwnReplica:
         if self.lr is not None:
             set_lr(self.optimizer, float(self.lr(step)))
         self.applied_lr = float(self.optimizer.param_groups[0]["lr"])
-        norm = apply_sum(self.optimizer, self.params, reduced, divisor, sum_norm, self.clip, like)
+        scale = self.loss_scale
+        if scale is not None and not math.isfinite(sum_norm):  # the scaled gradient overflowed: no update
+            scale.update(overflow=True)
+            norm = sum_norm
+        else:
+            norm = apply_sum(self.optimizer, self.params, reduced, divisor * (scale.scale if scale else 1), sum_norm,
+                             self.clip, like)
+            if scale is not None:
+                scale.update(overflow=False)
         if self.scheduler is not None:
             self.scheduler.step()
         return norm
+
+    @property
+    def grad_scale(self) -> float:
+        """What each microbatch's loss is multiplied by before its backward (1: no loss scaling)."""
+        return self.loss_scale.scale if self.loss_scale is not None else 1.0
 
     def _fingerprint(self) -> torch.Tensor:
         return bit_sum([local(p.detach()) for p in self.params], self.device)

@@ -33,6 +33,7 @@ class LoopReplica(Protocol):
     """The replica a loop's microbatches fold into (:class:`~recover.train.own.OwnReplica`)."""
 
     perturb: Any
+    grad_scale: float
 
     def fold(self, step: int, mb: int | None, loss: torch.Tensor) -> None: ...
 
@@ -115,7 +116,8 @@ class Microbatch:
                                "once per microbatch, with the loss of that microbatch")
         self.done = True
         self.context.phase(Phase.BACKWARD)
-        (loss if self.id is not None else loss * 0.0).backward()
+        scale = self.context.replica.grad_scale if self.id is not None else 0.0  # float16's loss scale; padding: 0
+        (loss if scale == 1.0 else loss * scale).backward()
         self.context.replica.fold(self.step, self.id, loss)
 
 

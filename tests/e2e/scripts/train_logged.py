@@ -1,5 +1,8 @@
 """The README's example with what framework users bring along: a torch LR scheduler as the schedule, an
-evaluation every 4 steps (`Job(evaluate=..., eval_every=4)`) and its own metrics (`job.log`)."""
+evaluation every 4 steps (`Job(evaluate=..., eval_every=4)`), its own metrics (`job.log`) and, with `SCALER=1`, a
+GradScaler whose first scale overflows (its update skipped, the scale backing off)."""
+import os
+
 import torch
 from torch import nn
 
@@ -26,7 +29,10 @@ def evaluate() -> float:
     return float(nn.functional.cross_entropy(model(x).flatten(0, 1), y.flatten()))
 
 
-job = recover.Job(model, optimizer, samples=sample, microbatches=M, lr=scheduler, evaluate=evaluate, eval_every=4)
+scaler = (torch.amp.GradScaler("cpu", init_scale=2.0**200, backoff_factor=2.0**-40, growth_interval=3)
+          if os.environ.get("SCALER") == "1" else None)
+job = recover.Job(model, optimizer, samples=sample, microbatches=M, lr=scheduler, evaluate=evaluate, eval_every=4,
+                  scaler=scaler)
 for step in job.steps(STEPS):
     for mb in step:
         x, y = mb.batch
