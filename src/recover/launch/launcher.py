@@ -68,11 +68,11 @@ from recover.train.exits import (
 
 JOINER_GRACE_S = 3.0
 """How long joiners left alone after the last committed step get to exit on their own before being stopped."""
-EXIT_ORDER = (EXIT_SCRIPT_ERROR, EXIT_UNSAVED, EXIT_DIVERGED, EXIT_NONFINITE, EXIT_BAD_DATA, EXIT_STATE_LOST,
+EXIT_ORDER = (EXIT_UNSAVED, EXIT_SCRIPT_ERROR, EXIT_DIVERGED, EXIT_NONFINITE, EXIT_BAD_DATA, EXIT_STATE_LOST,
               EXIT_QUORUM_LOST, EXIT_COORDINATOR_LOST, EXIT_STOPPED)
 """An unfinished job's exit status: the first of these that a replica exited with (else 1); a finished
 job's is 0, or :data:`EXIT_UNSAVED` when its final checkpoint could not be written; a script's recurring
-exception (:data:`EXIT_SCRIPT_ERROR`) is the status of either."""
+exception (:data:`EXIT_SCRIPT_ERROR`) is the status of either, unless the final checkpoint was not written."""
 
 
 class Launcher:
@@ -321,8 +321,8 @@ class Launcher:
         codes = self.supervisor.exit_codes()
         self.events.event("end", wall_s=round(self.wall_s, 3), exit_codes=codes)
         self.events.close()
-        if self.script_error is not None:
-            return EXIT_SCRIPT_ERROR
+        if self.script_error is not None:  # stopped by it, whether or not every step committed
+            return EXIT_UNSAVED if EXIT_UNSAVED in codes.values() else EXIT_SCRIPT_ERROR
         if self.written + 1 >= self.cfg.training.steps:
             return EXIT_UNSAVED if EXIT_UNSAVED in codes.values() else 0
         if EXIT_RAISED in codes.values() and not any(status in codes.values() for status in EXIT_ORDER):
