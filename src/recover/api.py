@@ -131,10 +131,12 @@ def _init() -> Runtime:
     from recover.train.process import prepare
 
     job = json.loads(raw)
-    cfg = load_config(str(Path(job["out"]) / RUN_CONFIG))
+    # recover launch wrote the run's config.json; a cluster recipe names the preset and its overrides
+    cfg = load_config(job.get("config") or str(Path(job["out"]) / RUN_CONFIG), list(job.get("overrides", [])))
     prepare(cfg)  # the set-up of every replica process (recover.train.process)
     job["errors"] = script.ScriptErrors(Path(job["out"]), int(job["replica"]),
                                         int(os.environ.get("RANK", "0"))).install()
+    script.skip_teardown()
     job["config"] = cfg
     return _runtime(cfg, job, int(job["replica"]), Path(job["out"]))
 

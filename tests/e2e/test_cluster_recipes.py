@@ -50,11 +50,11 @@ export SLURM_PROCID=0 SLURM_LOCALID=0 SLURM_NODEID=0 SLURM_NTASKS=1 SLURM_STEP_I
 if [ -n "$out" ]; then exec "$@" >> "$out" 2>&1; else exec "$@"; fi
 """
 TORCHRUN = """#!/bin/bash
-# torchrun stand-in for replicas of one process: runs the module itself (saves two torch imports per
-# replica; the Kubernetes test runs the real torchrun)
-while [ $# -gt 0 ] && [ "$1" != "-m" ]; do shift; done
-shift
-exec "$PYTHON" -m "$@"
+# torchrun stand-in for replicas of one process: runs the module (or the script) itself (saves two torch
+# imports per replica; the Kubernetes test runs the real torchrun)
+while [ $# -gt 0 ] && [[ "$1" == --* ]]; do shift; done
+if [ "$1" = "-m" ]; then shift; exec "$PYTHON" -m "$@"; fi
+exec "$PYTHON" "$@"
 """
 SCONTROL = """#!/bin/bash
 # scontrol stand-in: `show hostnames LIST` (a plain comma-separated list) and `requeue JOBID`
@@ -241,6 +241,54 @@ def test_slurm_script_runs_is_preempted_requeues_resumes_and_replaces_a_replica_
     assert [("--resume" in s, "--join" in s) for s in starts] == [(False, False)] * 2 + [(True, False)] * 2 + [
         (False, True)]  # no replacement after the stop: only after the notice
     assert step_pid(slurm_log, 1) != first and "replica-1" in starts[-1]
+
+
+SLOW_SCRIPT = ROOT / "tests" / "e2e" / "scripts" / "train_slow.py"
+
+
+def test_slurm_script_runs_a_users_script_as_the_replicas_and_replaces_one_that_got_a_notice(
+        tmp_path: Path, procs: Procs) -> None:
+    """SCRIPT=train.py: the sbatch script runs the user's script (recover.api) as each replica, in place of
+    `recover worker`. Replica 1's step gets SIGTERM in every process (a node's notice): it leaves at its next
+    commit, its step ends with 143 and the replacement step joins (`"join": true` in its RECOVER_WORKER). The job
+    ends with exit 0, every step bitwise the script's one-replica failure-free run."""
+    ref = tmp_path / "ref"
+    run_recover(["launch", "--config", "debug", "--replicas", "1", "--out", str(ref), "--no-progress",
+                 "--deterministic", "--", sys.executable, str(SLOW_SCRIPT)], timeout=300)
+    bin_dir = tmp_path / "bin"
+    bin_dir.mkdir()
+    for name, text in (("srun", SRUN), ("scontrol", SCONTROL), ("torchrun", TORCHRUN)):
+        (bin_dir / name).write_text(text)
+        (bin_dir / name).chmod(0o755)
+    run, slurm_log = tmp_path / "run", tmp_path / "slurm.log"
+    env = {**subprocess_env(), "PATH": f"{bin_dir}{os.pathsep}{os.environ['PATH']}", "FAKE_SLURM_LOG": str(slurm_log),
+           "SLURM_JOB_ID": "4243", "SLURM_JOB_NODELIST": "localhost", "SLURM_JOB_NUM_NODES": "1",
+           "SLURM_SUBMIT_DIR": str(tmp_path), "OUT": str(run), "CONFIG": "debug", "GPUS_PER_NODE": "0",
+           "RANKS_PER_NODE": "2", "PORT": str(free_port()), "STORE_PORT": str(free_port()),
+           "RECOVER": f"{sys.executable} -m recover", "TORCHRUN": str(bin_dir / "torchrun"), "PYTHON": sys.executable,
+           "SCRIPT": str(SLOW_SCRIPT)}
+    log = tmp_path / "job.out"
+    job = procs.start(["bash", str(ROOT / "examples" / "slurm" / "recover.sbatch"), "--training.deterministic",
+                       "true"], env, log)
+    deadline = time.time() + 120
+    while last_step(run) < 2:
+        assert job.poll() is None and time.time() < deadline, log.read_text()[-3000:]
+        procs.track()
+        time.sleep(0.1)
+    first = step_pid(slurm_log, 1)
+    t0 = time.time()
+    for pid in [first, *descendants(first)]:  # scancel --signal=TERM 4243.STEP: every process of the step
+        os.kill(pid, signal.SIGTERM)
+    assert wait_for(job, procs, 180, log) == 0, log.read_text()[-3000:]
+    rows = committed(run)
+    assert [r["step"] for r in rows] == list(range(20)) and {r["microbatches"] for r in rows} == {4}
+    assert [r["loss"] for r in rows] == [r["loss"] for r in committed(ref)]  # bitwise
+    ev = events(run)
+    leave, _ = notice_costs(ev, 1, t0)
+    assert not [e for e in ev if e["kind"] == "failure_detected"] and rows[leave["step"] + 1]["live_replicas"] == 1
+    assert "replica 1 left the job on a notice" in log.read_text()
+    starts = [line for line in slurm_log.read_text().splitlines() if line.startswith("srun ")]
+    assert len(starts) == 3 and "replica-1" in starts[-1] and "join\\\":\\ true" in starts[-1]
 
 
 def load_render() -> object:

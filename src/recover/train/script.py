@@ -90,13 +90,42 @@ def record(session: Session, job: Any, outcome: StepOutcome, dt: float) -> None:
 def end(session: Session, stopped: bool, save: Save | None = None) -> None:
     """Every step committed, a committed stop (the leader saves first, when it can; then the process exits
     with its status, through ``SystemExit`` so the script's own cleanup runs), or this replica's leave
-    (nothing saved, status 0)."""
+    (nothing saved, status 0). The script's remaining code and its exit handlers run; the interpreter's
+    teardown does not (:func:`skip_teardown`)."""
     stopped = stopped and not session.client.left
     saved = save(None) if stopped and save is not None and session.leader else None
     code = session.close(stopped, saved)
     session.step.group.graveyard.settle(SETTLE_S)  # retired groups released before the interpreter tears down
+    _ENDED[0] = code  # the process ends with it once the script's own code has run (no teardown)
     if code:
         raise SystemExit(code)
+
+
+_ENDED: list[int | None] = [None]
+"""The status :func:`end` chose, once it ran; a later ``sys.exit(n)`` of the script replaces it."""
+
+
+def skip_teardown() -> None:
+    """Registered first at :func:`recover.api.init` of a launched script, so that it runs last of the exit
+    handlers: once :func:`end` has run, the process ends with its status (or the script's later ``sys.exit``'s)
+    without the interpreter's teardown, which can destroy a gloo group or a thread still held by a daemon
+    thread mid-shutdown (``std::terminate``: SIGABRT, status 134, after a run that trained to its end; seen
+    after a replica joined). A ``raise SystemExit(n)`` of the script's own is not seen: use ``sys.exit(n)``."""
+    import atexit
+
+    real_exit = sys.exit
+
+    def recorded_exit(status: object = None) -> None:
+        if _ENDED[0] is not None:
+            _ENDED[0] = status if isinstance(status, int) else (0 if status is None else 1)
+        real_exit(status)
+
+    def at_exit() -> None:
+        if _ENDED[0] is not None:
+            exit_process(_ENDED[0])
+
+    sys.exit = recorded_exit
+    atexit.register(at_exit)
 
 
 def fail(session: Session, exc: BaseException, save: Save | None = None) -> None:
