@@ -411,3 +411,59 @@ def test_kubernetes_manifests_render_parse_and_their_pods_commands_train_and_a_d
     assert rows[leave["step"] + 1]["live_replicas"] == 1
     coordinator.send_signal(signal.SIGTERM)  # kubectl delete: with no job running it exits at once
     assert coordinator.wait(20) == 0
+
+
+def test_kubernetes_replica_pods_run_a_users_script_when_script_is_set(tmp_path: Path, procs: Procs) -> None:
+    """SCRIPT=train.py: each replica pod's torchrun runs the user's script (recover.api) with RECOVER_WORKER
+    written by the pod's command, in place of `recover worker`. Replica 1's pod is deleted (SIGTERM): it leaves at
+    its next commit and ends with 143; the Job's new pod for index 1 runs the same command and ends with 0 (joined,
+    or told that the job is over); every step holds its 4 microbatches, bitwise the one-replica failure-free run."""
+    ref = tmp_path / "ref"
+    run_recover(["launch", "--config", "debug", "--replicas", "1", "--out", str(ref), "--no-progress",
+                 "--deterministic", "--", sys.executable, str(SLOW_SCRIPT)], timeout=300)
+    render = [sys.executable, str(ROOT / "examples" / "k8s" / "render.py")]
+    sets = {"NAME": "rs", "CONFIG": "debug", "REPLICAS": "2", "GPUS_PER_REPLICA": "0", "SCRIPT": str(SLOW_SCRIPT),
+            "OVERRIDES": "--training.deterministic true", "PORT": str(free_port()), "STORE_PORT": str(free_port())}
+    out = subprocess.run([*render, *(a for k, v in sets.items() for a in ("--set", f"{k}={v}"))],
+                         capture_output=True, text=True, timeout=30, check=True).stdout
+    mod = load_render()
+    docs = mod.load_all(out)  # type: ignore[attr-defined]
+    assert docs == mod.load_subset(out)  # type: ignore[attr-defined]
+    coord_pod = next(d for d in docs if d["kind"] == "Deployment")["spec"]["template"]
+    job = next(d for d in docs if d["kind"] == "Job")
+    bin_dir = tmp_path / "bin"  # the image's entry points
+    bin_dir.mkdir()
+    for name, module in (("recover", "recover"), ("torchrun", "torch.distributed.run")):
+        (bin_dir / name).write_text(f"#!/bin/sh\nexec {sys.executable} -m {module} \"$@\"\n")
+        (bin_dir / name).chmod(0o755)
+    services = [d["metadata"]["name"] for d in docs if d["kind"] == "Service"]
+    env = {**subprocess_env(), "PATH": f"{bin_dir}{os.pathsep}{os.environ['PATH']}", "PYTHONUNBUFFERED": "1"}
+    replica_cmd = pod_command(job["spec"]["template"], tmp_path, services, docs)
+    assert "RECOVER_WORKER=" in replica_cmd[-1] and "recover worker" in replica_cmd[-1]  # both branches there
+    run = tmp_path / "runs" / "rs"
+    coordinator = procs.start(pod_command(coord_pod, tmp_path, services, docs), env, tmp_path / "coordinator.log")
+    deadline = time.time() + 120
+    while '"ready": true' not in (tmp_path / "coordinator.log").read_text():
+        assert coordinator.poll() is None and time.time() < deadline, (tmp_path / "coordinator.log").read_text()
+        time.sleep(0.1)
+    pods = {i: procs.start(replica_cmd, {**env, "JOB_COMPLETION_INDEX": str(i)}, tmp_path / f"replica_{i}.log")
+            for i in (0, 1)}
+    deadline = time.time() + 120
+    while last_step(run) < 1:
+        assert all(p.poll() is None for p in pods.values()) and time.time() < deadline, \
+            (tmp_path / "replica_0.log").read_text()[-3000:]
+        procs.track()
+        time.sleep(0.1)
+    pods[1].send_signal(signal.SIGTERM)  # kubectl delete pod: its first process
+    assert wait_for(pods[1], procs, 60, tmp_path / "replica_1.log") == 143
+    pods[1] = procs.start(replica_cmd, {**env, "JOB_COMPLETION_INDEX": "1"}, tmp_path / "replica_1.log")
+    for i, pod in pods.items():
+        log = tmp_path / f"replica_{i}.log"
+        assert wait_for(pod, procs, 180, log) == 0, log.read_text()[-3000:]
+    merged = StepRecords(json.loads(line) for path in sorted((run / "replicas").glob("*.jsonl"))
+                         for line in path.read_text().splitlines()).merged()
+    rows = [merged[s] for s in sorted(merged)]
+    assert [r["step"] for r in rows] == list(range(20)) and {r["microbatches"] for r in rows} == {4}
+    assert [r["loss"] for r in rows] == [r["loss"] for r in committed(ref)]  # bitwise
+    assert [e["replicas"] for e in events(run) if e["kind"] == "leave"] == [[1]]
+    coordinator.send_signal(signal.SIGTERM)
