@@ -32,6 +32,8 @@ SETTINGS = {  # name: (default, what it is)
     "IMAGE": ("recover:latest", "an image with recover (and torch) installed"),
     "CONFIG": ("tiny", "preset name, or a .toml path in the image or on the volume"),
     "OVERRIDES": ("", "config overrides for every replica, e.g. --data.path /runs/data/mine"),
+    "SCRIPT": ("", "your script and its arguments (recover.api), run by torchrun as each replica in place of "
+                   "recover worker, e.g. /runs/code/train.py"),
     "RUN": ("", "the run directory under /runs on the volume (default NAME)"),
     "REPLICAS": ("2", "replicas, one pod each"),
     "PROCS_PER_REPLICA": ("1", "ranks per replica, = parallel.pp x tp x fsdp (one pod, one torchrun)"),

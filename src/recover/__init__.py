@@ -9,13 +9,16 @@ normalises the gradient by M. See README.md and the module docstrings of each la
 __version__ = "0.1.0"
 
 _API = {"init": "recover.api", "Job": "recover.api", "Runtime": "recover.api"}
+_PACKAGES = {"data": "recover.data"}  # what a script reaches as recover.data.tokens(...) after `import recover`
 
 
 def __getattr__(name: str) -> object:
-    """``recover.init`` and ``recover.Job`` (:mod:`recover.api`), imported on first use: ``recover --help``
-    and the launcher stay free of torch."""
-    if name in _API:
-        import importlib
+    """``recover.init`` and ``recover.Job`` (:mod:`recover.api`), and ``recover.data``, imported on first use:
+    ``recover --help`` and the launcher stay free of torch."""
+    import importlib
 
+    if name in _API:
         return getattr(importlib.import_module(_API[name]), name)
+    if name in _PACKAGES:
+        return importlib.import_module(_PACKAGES[name])
     raise AttributeError(f"module 'recover' has no attribute {name!r}")

@@ -65,12 +65,13 @@ from typing import TYPE_CHECKING, Any
 import torch
 from torch import nn
 
-from recover.names import WORKER_ENV, Phase
+from recover.names import WORKER_ENV, Event, Phase
 from recover.train import script
-from recover.train.steps import Step, Steps
+from recover.train.steps import LoopContext, Step, Steps
 
 if TYPE_CHECKING:
     from torch.distributed.device_mesh import DeviceMesh
+    from torch.optim.lr_scheduler import LRScheduler
 
     from recover.recovery.protocol import Progress
 
@@ -126,14 +127,16 @@ def _init() -> Runtime:
 
         world = int(os.environ.get("WORLD_SIZE", "1"))
         return _runtime(Config(parallel=ParallelConfig(fsdp=world)), None, 0, None)
-    from recover.comm.nccl import apply_env_defaults
     from recover.config import RUN_CONFIG, load_config
-    from recover.lifeline import die_with_launcher
+    from recover.train.process import prepare
 
-    die_with_launcher()
     job = json.loads(raw)
-    cfg = load_config(str(Path(job["out"]) / RUN_CONFIG))
-    apply_env_defaults(collective_timeout_s=cfg.fault_tolerance.collective_timeout_s)  # before any NCCL use
+    # recover launch wrote the run's config.json; a cluster recipe names the preset and its overrides
+    cfg = load_config(job.get("config") or str(Path(job["out"]) / RUN_CONFIG), list(job.get("overrides", [])))
+    prepare(cfg)  # the set-up of every replica process (recover.train.process)
+    job["errors"] = script.ScriptErrors(Path(job["out"]), int(job["replica"]),
+                                        int(os.environ.get("RANK", "0"))).install()
+    script.skip_teardown()
     job["config"] = cfg
     return _runtime(cfg, job, int(job["replica"]), Path(job["out"]))
 
@@ -169,7 +172,9 @@ class Job(Steps):
         samples: ``samples(step, id) -> batch``, a pure function (tensors in the batch are moved to the
             device; tuples, lists and dicts of them too).
         microbatches: M, the microbatches of every step.
-        lr: the learning rate of a committed step (None: the optimizer's, untouched).
+        lr: the learning rate of a committed step, ``lr(step)``; or a torch ``LRScheduler`` over ``optimizer``,
+            stepped once after each committed update (and carried to joiners and checkpoints); None: the
+            optimizer's, untouched.
         clip: the bound on the global gradient norm (0: none).
         seed: seeds each microbatch's RNG (with the step and the id).
         deterministic: float64 gradient sums (bitwise equal to the failure-free run); default: the
@@ -184,22 +189,38 @@ class Job(Steps):
             default: the launch's ``data.prefetch``, else ``DataConfig.prefetch``. ``job.reads.take()`` says
             how long your loop waited for samples since it was last asked.
         runtime: from :func:`init` (called here when not given).
+        evaluate, eval_every: ``evaluate() -> float`` (e.g. a validation loss) after every ``eval_every``-th
+            committed step and the last, by the lowest live replica (all its ranks): its value is the step
+            record's ``val_loss`` (``metrics.jsonl``, the dashboards, the reports) and ``step.val_loss``
+            (None on the other replicas and steps).
+        scaler: a ``torch.amp.GradScaler`` for float16: each microbatch's loss is scaled by its scale before the
+            backward, an overflowed step's update is skipped and the scale backs off, decided by the committed
+            step on every replica alike (bitwise as without failures; :mod:`recover.train.scaling`).
+        check_samples: read the first microbatch of each step twice and compare (an impure ``samples``, one
+            with the global RNG or a running cursor, is refused at that step: :mod:`recover.train.contract`).
 
     Raises:
         IncompatibleCheckpoint: ``resume`` holds a checkpoint of another model or extra state (nothing loaded).
+        ContractError: the optimizer steps parameters that are not the model's; the ranks of a replica built
+            different initial weights (seed before building the model).
     """
 
     def __init__(self, model: nn.Module, optimizer: torch.optim.Optimizer, *, samples: Callable[[int, int], Any],
-                 microbatches: int, lr: Callable[[int], float] | None = None, clip: float = 1.0, seed: int = 0,
+                 microbatches: int, lr: Callable[[int], float] | LRScheduler | None = None, clip: float = 1.0,
+                 seed: int = 0,
                  deterministic: bool | None = None, tokens_per_microbatch: int = 0, extra: Any = None,
                  resume: str | os.PathLike[str] | None = None, runtime: Runtime | None = None,
-                 prefetch: int | None = None) -> None:
+                 prefetch: int | None = None, check_samples: bool = True,
+                 evaluate: Callable[[], float] | None = None, eval_every: int = 0, scaler: Any = None) -> None:
         from recover.config import DataConfig
         from recover.data.prefetch import Prefetcher
-        from recover.train.own import OwnReplica
+        from recover.train.contract import PureSamples, probe_id
+        from recover.train.own import OwnReplica, column
 
         if microbatches < 1:
             raise ValueError(f"microbatches = {microbatches}: a step needs at least one")
+        if eval_every < 0 or (eval_every and evaluate is None):
+            raise ValueError(f"eval_every = {eval_every}: a count >= 0, with evaluate given")
         self.runtime = runtime or init()
         cfg = self.runtime.launched["config"] if self.runtime.launched else None
         if deterministic is None:
@@ -212,14 +233,27 @@ class Job(Steps):
         rt = self.runtime
         if prefetch is None:
             prefetch = cfg.data.prefetch if cfg else DataConfig.prefetch
-        self.reads = Prefetcher(samples, prefetch, rt.device)
+        # launched replicas of one rank digest each step's probe batch for the vote (recover.train.contract)
+        probe = (lambda step: probe_id(step, microbatches)) if cfg is not None and rt.ranks == 1 else None
+        self.pure = PureSamples(samples, check_samples, probe)
+        self.reads = Prefetcher(self.pure, prefetch, rt.device)
         fsdp_index, tp_index = rt.coordinate
+        dp_group = rt.mesh["fsdp"].get_group() if rt.mesh is not None and rt.fsdp > 1 else None
         self.replica = OwnReplica(model, optimizer, lr=lr, clip=clip, deterministic=deterministic,
                                   device=rt.device, tokens_per_microbatch=tokens_per_microbatch, group=rt.group,
-                                  fsdp=rt.fsdp, fsdp_index=fsdp_index, tp_index=tp_index, extra=extra)
-        super().__init__()
+                                  fsdp=rt.fsdp, fsdp_index=fsdp_index, tp_index=tp_index, extra=extra,
+                                  dp_group=dp_group, scaler=scaler)
+        fsdp = rt.fsdp
+        super().__init__(context=LoopContext(
+            self.replica, self.reads, rt.device, seed, column=lambda ids: column(ids, fsdp, fsdp_index),
+            hook=self._hook, failed=self._failed, probe=probe, probed=self._probed if probe else lambda s: None,
+            evaluated=self._evaluated))
+        self.evaluate, self.eval_every = evaluate, eval_every
+        self._total = 0
+        self._fields: dict[str, Any] = {}  # what the next step record carries besides recover's own
+        if self.runtime.launched and self.runtime.launched.get("errors") is not None:
+            self.runtime.launched["errors"].job = self  # an uncaught exception reports this job's step
         self._session: Any = None
-        self._inside = False  # in a step's microbatch loop
         self.start = self._resume(resume)
         """The counters the step protocol starts from (a resumed checkpoint's) and then advances."""
 
@@ -253,7 +287,7 @@ class Job(Steps):
         """
         from recover.train import own_checkpoint
 
-        if self._inside:
+        if self.context is not None and self.context.inside:
             raise RuntimeError("job.save() inside a step's microbatch loop: call it after the loop, between steps")
         run_dir = run_dir if run_dir is not None else self.runtime.out
         if run_dir is None:
@@ -278,26 +312,54 @@ class Job(Steps):
         return own_checkpoint.save(root, self.replica, self.protocol.progress, seed=self.seed, microbatches=self.M,
                                    keep=keep)
 
-    def _hook(self, phase: Phase) -> None:
+    def _hook(self, step: int, phase: Phase) -> None:
         if self._session is not None:
-            self._session.hook(self._step, phase)
+            self._session.hook(step, phase)
 
-    def _read_ahead(self, data_step: int, ids: list[int]) -> None:
-        """Schedules the background reads of ``ids`` of ``data_step`` (this rank's) and of this rank's expected
-        share of the next ``prefetch`` steps (the step protocol's plan with the current members and speeds)."""
-        from recover.train.own import column
+    def log(self, **metrics: float | torch.Tensor) -> None:
+        """Your own metrics (numbers, or tensors of one element) into the record of the step in progress, the
+        last one committed once its microbatch loop is over: ``metrics.jsonl``'s ``user`` and the dashboards'
+        ``user/NAME`` (TensorBoard, W&B) in a launched job; run alone, there is no record (nothing is written).
 
-        self.reads.ahead(data_step, ids)
-        fsdp, (index, _) = self.runtime.fsdp, self.runtime.coordinate
-        for coming in range(data_step + 1, data_step + 1 + self.reads.steps):
-            share = column(self.protocol.share(coming), fsdp, index)
-            self.reads.ahead(coming, [mb for mb in share if mb is not None])
+        Raises:
+            TypeError: a value that is not a number.
+        """
+        user = self._fields.setdefault("user", {})
+        for name, value in metrics.items():
+            if torch.is_tensor(value) and value.numel() == 1:
+                value = value.detach().item()
+            if isinstance(value, bool) or not isinstance(value, (int, float)):
+                raise TypeError(f"job.log({name}=...): {type(value).__name__} is not a number")
+            user[name] = float(value)
 
-    def _slow(self, dt: float) -> None:
-        """Under an injected time factor s (``--slow``), a microbatch that took ``dt`` takes s times as long."""
-        factor = self.replica.perturb.time_factor()
-        if factor > 1.0:
-            time.sleep((factor - 1.0) * dt)
+    def _evaluated(self, outcome: Any) -> float | None:
+        """After a step's commit: ``evaluate()`` when due and this replica is the lowest live one."""
+        s = outcome.step
+        if self.evaluate is None or not ((s + 1) % self.eval_every == 0 or s + 1 == self._total):
+            return None
+        if min(outcome.live) != self.runtime.replica:
+            return None
+        t0 = time.perf_counter()
+        with self._session.client.activity("io") if self._session is not None else nullcontext():
+            value = float(self.evaluate())
+        self._fields.update(val_loss=value, eval_s=round(time.perf_counter() - t0, 6))
+        return value
+
+    def record_fields(self) -> dict[str, Any]:
+        """What the step record of the last committed step carries besides recover's own (``job.log``'s ``user``,
+        an evaluation's ``val_loss``), handed over once."""
+        fields, self._fields = self._fields, {}
+        return fields
+
+    def _probed(self, data_step: int) -> None:
+        """The digest of ``data_step``'s probe batch into this replica's vote (read now if it was not yet)."""
+        from recover.train.contract import probe_id
+
+        mb = probe_id(data_step, self.M)
+        if data_step not in self.pure.digests:
+            self.reads.get(data_step, mb)
+        self.replica.audit_id = mb
+        self.replica.audit_value = {"fp": self.pure.digests[data_step], "norm": 0.0, "exact": True, "samples": True}
 
     def steps(self, total: int) -> Iterator[Step]:
         """Committed steps until ``total`` are committed (a joiner starts where the job is), or until a
@@ -305,6 +367,9 @@ class Job(Steps):
         leave (SIGTERM to it: status 0)."""
         if self.protocol is None:
             self._start()
+        self._total = total
+        if self._session is not None and self.runtime.rank == 0:  # the script's step count is the job's
+            self._session.event(Event.SCRIPT_STEPS, steps=int(total))
         try:
             yield from super().steps(total)
         except Exception as exc:
@@ -316,18 +381,21 @@ class Job(Steps):
     def _committed(self, outcome: Any, dt: float) -> None:
         if self._session is not None:
             script.record(self._session, self, outcome, dt)
+        else:  # no record to carry them
+            self.record_fields()
 
     def _failed(self, exc: Exception) -> None:
         if self._session is not None:
             script.fail(self._session, exc, self._write)
 
     def _start(self) -> None:
-        from recover.recovery.protocol import ResilientStep
         from recover.train.dist import CommitAll, StaticGroup
+        from recover.train.process import build_step
 
         if self.runtime.launched is None:
-            self.protocol = ResilientStep(self.replica, StaticGroup(), CommitAll(), self.M, self.start,
-                                          seed=self.seed, overlap=False)
-            return
-        self._session, self.protocol = script.connect(self)
+            self.protocol = build_step(self.replica, StaticGroup(), CommitAll(), self.M, self.start, None,
+                                       seed=self.seed, overlap=False)
+        else:
+            self._session, self.protocol = script.connect(self)
+        self.context.protocol = self.protocol
 

@@ -29,6 +29,11 @@ class CheckpointError(RecoverError):
     """A missing, incomplete or incompatible checkpoint."""
 
 
+class ContractError(RecoverError, ValueError):
+    """A user's script breaks a contract of :mod:`recover.api` (its optimizer, its initial weights, an impure
+    ``samples``): training on would give a wrong result without a word; the message names the fix."""
+
+
 class IncompatibleCheckpoint(CheckpointError):
     """A complete checkpoint of another model: an older one would not fit either, so none is tried."""
 

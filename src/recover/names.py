@@ -163,6 +163,9 @@ class Event(str, Enum):
     RESTORED = "restored"
     RESYNCED = "resynced"
     RUN_DIR_RECREATED = "run_dir_recreated"
+    SCRIPT_ERROR = "script_error"
+    SCRIPT_ERROR_STOP = "script_error_stop"
+    SCRIPT_STEPS = "script_steps"
     SLOWED = "slowed"
     SPARE_EXIT = "spare_exit"
     STARTED = "started"
@@ -187,4 +190,6 @@ WORKER_ENV = "RECOVER_WORKER"
 """Set by ``recover launch ... -- CMD`` in each replica's process, as JSON: ``coordinator`` (HOST:PORT),
 ``token_file``, ``out`` (the run directory), ``replica``, ``fail`` (its fault specs ``R@STEP:PHASE[=FAULT]``)
 and ``join`` (it joins a running job); ``tls`` (``cert``, ``key``, ``ca``) when the coordinator wire is TLS
-(:mod:`recover.coord.tls`). :func:`recover.api.init` reads it."""
+(:mod:`recover.coord.tls`). A cluster recipe (``SCRIPT=...``) sets it too, with ``config`` (a preset or
+``.toml``) and ``overrides`` in place of the run's ``config.json``, and ``resume``. :func:`recover.api.init`
+reads it."""

@@ -3,6 +3,7 @@ microbatch's RNG follows (seed, step, id), and a loop that skips a microbatch is
 
 from __future__ import annotations
 
+import math
 from pathlib import Path
 
 import pytest
@@ -78,7 +79,9 @@ def test_token_shards_are_samples_for_a_job(corpus: Path, tmp_path: Path) -> Non
     from recover.data import DataError, tokens
 
     samples = tokens(corpus, seq_len=16, microbatch_size=2, microbatches=M, seed=3)
+    assert samples.vocab_size is not None and samples.tokens_per_microbatch == 32  # the data's, documented
     x, y = samples(5, 1)
+    assert int(x.max()) < samples.vocab_size
     assert x.shape == y.shape == (2, 16) and torch.equal(x[:, 1:], y[:, :-1])
     assert torch.equal(samples(5, 1)[0], x) and not torch.equal(samples(5, 2)[0], x)  # pure, per id
     with pytest.raises(DataError, match="vocab"):
@@ -165,3 +168,116 @@ def test_a_joiner_receives_the_parameters_and_persistent_buffers_not_what_state_
     for p, q in zip(live.parameters(), joiner.parameters(), strict=True):
         assert torch.equal(sender.optimizer.state[p]["exp_avg"], receiver.optimizer.state[q]["exp_avg"])
     assert torch.equal(joiner[0].cache, torch.arange(4.0))  # non-persistent: the joiner's own construction's
+
+
+def test_the_loss_of_a_step_not_yet_committed_is_a_clear_error() -> None:
+    """`step.loss` inside the microbatch loop used to be "'NoneType' object has no attribute 'loss'"."""
+    model, optimizer = model_and_optimizer()
+    job = recover.Job(model, optimizer, samples=sample, microbatches=M)
+    for step in job.steps(1):
+        for mb in step:
+            with pytest.raises(RuntimeError, match="step 0 is not committed yet: read step.loss.*after its"):
+                _ = step.loss
+            mb.backward(loss_of(model, mb.batch))
+        assert step.loss > 0
+
+
+def test_recover_data_is_reachable_after_import_recover_alone(monkeypatch: pytest.MonkeyPatch) -> None:
+    """`recover.data.tokens(...)` after `import recover` used to be an AttributeError until something (recover.init)
+    had imported the package: here the package is forgotten, as in a fresh interpreter, and reached again."""
+    import sys
+
+    for name in [k for k in sys.modules if k == "recover.data" or k.startswith("recover.data.")]:
+        monkeypatch.delitem(sys.modules, name)  # restored after the test, as is the attribute below
+    monkeypatch.delattr(recover, "data", raising=False)
+    assert callable(recover.data.tokens) and callable(recover.data.indexed)
+
+
+def test_a_second_backward_of_one_microbatch_is_refused_where_it_happens() -> None:
+    model, optimizer = model_and_optimizer()
+    job = recover.Job(model, optimizer, samples=sample, microbatches=M)
+    for step in job.steps(1):
+        for mb in step:
+            mb.backward(loss_of(model, mb.batch))
+            with pytest.raises(RuntimeError, match=rf"mb.backward\(\) called twice for microbatch {mb.id} of step 0"):
+                mb.backward(loss_of(model, mb.batch))
+
+
+def test_a_torch_lr_scheduler_is_the_schedule_stepped_once_per_committed_step() -> None:
+    model, optimizer = model_and_optimizer()
+    sched = torch.optim.lr_scheduler.LambdaLR(optimizer, lambda s: 1.0 / (s + 1))
+    job = recover.Job(model, optimizer, samples=sample, microbatches=M, lr=sched, clip=CLIP, seed=7)
+    for step in job.steps(3):
+        for mb in step:
+            mb.backward(loss_of(model, mb.batch))
+    assert sched.last_epoch == 3 and job.replica.applied_lr == pytest.approx(1e-2 / 3)
+
+    plain, opt = model_and_optimizer()
+    plain_sched = torch.optim.lr_scheduler.LambdaLR(opt, lambda s: 1.0 / (s + 1))
+    for s in range(3):
+        for i in range(M):
+            torch.manual_seed(microbatch_seed(7, s, i))
+            (loss_of(plain, sample(s, i)) / M).backward()
+        torch.nn.utils.clip_grad_norm_(plain.parameters(), CLIP)
+        opt.step()
+        opt.zero_grad()
+        plain_sched.step()
+    for a, b in zip(model.parameters(), plain.parameters(), strict=True):
+        torch.testing.assert_close(a, b, rtol=1e-5, atol=1e-6)
+    assert "lr_scheduler" in job.replica.extra  # carried to joiners and checkpoints
+
+
+def test_an_evaluation_hook_runs_after_every_kth_and_the_last_step_and_job_log_takes_numbers() -> None:
+    model, optimizer = model_and_optimizer()
+    calls = []
+
+    def evaluate() -> float:
+        calls.append(1)
+        return 0.5 * len(calls)
+
+    job = recover.Job(model, optimizer, samples=sample, microbatches=M, evaluate=evaluate, eval_every=2)
+    seen = []
+    for step in job.steps(5):
+        for mb in step:
+            mb.backward(loss_of(model, mb.batch))
+        seen.append(step.val_loss)
+        job.log(acc=torch.tensor(0.25), tokens=3)
+        assert job.record_fields()["user"] == {"acc": 0.25, "tokens": 3.0}
+    assert seen == [None, 0.5, None, 1.0, 1.5]  # after steps 1, 3 and the last (4)
+    with pytest.raises(TypeError, match="job.log\\(name=...\\): str is not a number"):
+        job.log(name="x")
+
+
+def test_user_metrics_go_to_the_dashboards_as_user_scalars() -> None:
+    from recover.observe.sinks import scalars
+
+    assert scalars({"step": 3, "loss": 2.0, "user": {"acc": 0.5}}) == {"train/loss": 2.0, "user/acc": 0.5}
+
+
+def scaled_run(scaler: object | None, steps: int = 4) -> tuple[nn.Module, list[float]]:
+    model, optimizer = model_and_optimizer()
+    job = recover.Job(model, optimizer, samples=sample, microbatches=M, clip=CLIP, seed=7, scaler=scaler)
+    norms = []
+    for step in job.steps(steps):
+        for mb in step:
+            mb.backward(loss_of(model, mb.batch))
+        norms.append(step.grad_norm)
+    return model, norms
+
+
+def test_a_power_of_two_loss_scale_trains_bitwise_as_without_it() -> None:
+    plain, _ = scaled_run(None)
+    scaled, _ = scaled_run(torch.amp.GradScaler("cpu", init_scale=2.0**12, growth_interval=2))
+    assert all(torch.equal(a, b) for a, b in zip(plain.parameters(), scaled.parameters(), strict=True))
+
+
+def test_an_overflowed_step_skips_its_update_and_the_scale_backs_off_then_grows() -> None:
+    scaler = torch.amp.GradScaler("cpu", init_scale=2.0**200, backoff_factor=2.0**-40, growth_interval=2)
+    model, norms = scaled_run(scaler, steps=5)
+    fresh, _ = model_and_optimizer()
+    assert not math.isfinite(norms[0]) and all(n < 1e6 for n in norms[2:])  # 2**200, then 2**160: overflow
+    skipped = sum(1 for n in norms if not math.isfinite(n))
+    assert scaler.get_scale() == 2.0 ** (200 - 40 * skipped) * 2.0 ** ((5 - skipped) // 2)  # grown every 2 steps
+    assert not all(torch.equal(a, b) for a, b in zip(model.parameters(), fresh.parameters(), strict=True))
+    model, _ = scaled_run(torch.amp.GradScaler("cpu", init_scale=2.0**200, backoff_factor=2.0**-40), steps=skipped)
+    assert all(torch.equal(a, b) for a, b in zip(model.parameters(), fresh.parameters(), strict=True))  # no update

@@ -576,3 +576,17 @@ def test_every_live_replica_not_finite_in_the_same_step_is_a_divergence_not_a_fe
     assert logs(acts, "nonfinite_divergence") == [{"step": 1, "id": None, "replicas": [0, 1, 2]}]
     assert sent(acts, "error")[0]["code"] == "nonfinite" and "not finite on every replica [0, 1, 2]" in \
         sent(acts, "error")[0]["message"]
+
+def test_parameters_that_differ_at_step_0_are_named_as_initial_weights_with_the_fix() -> None:
+    """A script that builds its model unseeded: every replica's fingerprint differs before any update; the end
+    of the job says so and names the fix (it used to say "find the faulty device")."""
+    st = make(2)
+    vote(st, 0, 10, 1, 0, [0], 0.1, fp="aa")
+    acts = vote(st, 1, 11, 1, 0, [0], 0.1, fp="bb")
+    assert all("different initial weights" in e["message"] and "torch.manual_seed(0)" in e["message"]
+               and "faulty device" not in e["message"] for e in sent(acts, "error").values())
+    st = make(3)
+    vote(st, 0, 10, 1, 0, [0, 1], 0.1, fp="aa")
+    vote(st, 1, 11, 1, 0, [0, 1], 0.1, fp="bb")
+    acts = vote(st, 2, 12, 1, 0, [0, 1], 0.1, fp="aa")
+    assert ["different initial weights" in a.reason for a in acts if isinstance(a, Fence)] == [True]

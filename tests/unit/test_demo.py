@@ -4,6 +4,9 @@ from __future__ import annotations
 
 from pathlib import Path
 
+import pytest
+
+from conftest import ROOT
 from recover.faults import parse_failure
 from recover.launch.cli import check_launch
 from recover.launch.demo import DEMO_FAULTS, STEPS, demo_failures, demo_requests
@@ -50,3 +53,18 @@ def test_the_closing_lines_name_commands_that_parse(tmp_path: Path) -> None:
     lines = [line.split("#")[0].strip() for line in next_commands(tmp_path / "failures").splitlines()[1:]]
     parsed = [build_parser().parse_args(shlex.split(line)[1:]) for line in lines]
     assert [a.command for a in parsed] == ["sample", "export", "report", "status"]
+
+
+def test_the_readmes_demo_tables_are_a_block_the_demo_writes() -> None:
+    """The README's tables used to be pasted (and went stale: val loss 2.6033 shown, 2.6797 measured); `recover demo
+    --readme README.md` writes them into the block after the marker."""
+    from recover.launch.demo import README_MARKER, with_tables
+
+    readme = (ROOT / "README.md").read_text()
+    assert readme.count(README_MARKER) == 1
+    replaced = with_tables(readme, "T1\nT2\n")
+    assert f"{README_MARKER}\n```\nT1\nT2\n```\n" in replaced
+    assert replaced.split(README_MARKER)[0] == readme.split(README_MARKER)[0]
+    assert replaced.split("T2\n```\n")[1] == readme.split(README_MARKER + "\n```\n")[1].split("\n```\n", 1)[1]
+    with pytest.raises(ValueError, match="no .* block"):
+        with_tables("no marker here", "T")

@@ -129,3 +129,40 @@ def test_observe_config_and_the_missing_wandb_line(monkeypatch: pytest.MonkeyPat
                                           r"pip install 'recover-llm\[wandb\]'"):
         sinks.check_extras(load_config("debug", ["--observe.wandb", "offline"]).observe)
 
+
+
+def test_the_coordinators_goodput_counts_from_the_launch_as_recover_status_does(
+        tmp_path: pytest.TempPathFactory, monkeypatch: pytest.MonkeyPatch) -> None:
+    """Prometheus' recover_goodput and `recover status` disagreed mid-run: the coordinator counted its wall time
+    from its own start, the status from the launch. The coordinator now starts from the run's last launch event."""
+    import json
+    import time
+    from pathlib import Path
+
+    from recover.coord.cli import launch_time
+    from recover.launch.records import StepRecords
+    from recover.launch.status import job_status
+
+    t0 = time.time() - 30.0
+    events = [{"t": t0 - 100.0, "kind": "launch", "replicas": 2, "steps": 9},  # an earlier launch of the run
+              {"t": t0, "kind": "launch", "replicas": 2, "steps": 20}]
+    path = Path(tmp_path) / "events.jsonl"
+    path.write_text("".join(json.dumps(e) + "\n" for e in events))
+    assert launch_time(str(path)) == t0 and launch_time(None) is None
+    clock = [t0 + 10.0]
+    monkeypatch.setattr(time, "time", lambda: clock[0])
+    metrics = JobMetrics(started=launch_time(str(path)), min_age_s=0.0)
+    own = JobMetrics(min_age_s=0.0)  # counted from the coordinator's own start (10 s after the launch)
+    for m in (metrics, own):
+        m.on_event("generation", {"generation": 1, "members": [0, 1], "joined": [], "dead": []})
+    seen = [events[1], {"t": clock[0], "kind": "generation", "generation": 1, "members": [0, 1]}]
+    for step in range(10):
+        clock[0] += 1.0
+        for m in (metrics, own):
+            m.on_event("commit", {"generation": 1, "step": step, "ids": 8})
+        seen.append({"t": clock[0], "kind": "commit", "generation": 1, "step": step})
+    records = StepRecords({"step": s, "loss": 1.0, "t": t0 + 11.0 + s, "tokens": 8, "time_s": 1.0,
+                           "live_replicas": 2} for s in range(10))
+    status = job_status(seen, records, {0: 9, 1: 9}, now=clock[0])["goodput"]["ettr"]
+    assert metrics.goodput() == pytest.approx(status, abs=1e-3) == 0.5  # 10 useful s of 20
+    assert own.goodput() > 0.85  # what it said before

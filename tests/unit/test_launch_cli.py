@@ -244,3 +244,28 @@ def test_resume_with_fewer_steps_than_the_checkpoint_holds_is_refused(
         f"recover: error: --resume: the newest checkpoint, {path}, holds 6 committed steps, more than "
         "training.steps = 4: give --steps 6 or more (or a new --out)"], err
     check_launch(LaunchRequest(out=out, config="debug", steps=8, resume=True))  # the same model, steps left: fine
+
+def test_a_script_launch_is_not_checked_against_the_built_in_trainers_settings(tmp_path: Path) -> None:
+    """`--steps 3` with the tiny preset's `training.warmup_steps = 5`: refused for the built-in trainer, which
+    warms up over those steps; a script has its own schedule, so its launch is not refused for it."""
+    with pytest.raises(ConfigError, match="training.warmup_steps"):
+        check_launch(LaunchRequest(out=tmp_path / "a", config="tiny", replicas=2, steps=3))
+    opts = check_launch(LaunchRequest(out=tmp_path / "b", config="tiny", replicas=2, steps=3,
+                                      script=("python", "train.py")))
+    assert opts.config.training.steps == 3
+    with pytest.raises(ConfigError, match="training.global_microbatches"):  # the built-in M of 8, for 16 replicas
+        check_launch(LaunchRequest(out=tmp_path / "c", config="debug", replicas=16))
+    opts = check_launch(LaunchRequest(out=tmp_path / "d", config="debug", replicas=16, script=("python", "t.py")))
+    assert opts.config.parallel.replicas == 16
+
+
+def test_init_from_is_refused_for_a_script_in_one_line(tmp_path: Path) -> None:
+    with pytest.raises(ConfigError, match=r"^--init-from .*a script builds its own model.*load_state_dict"):
+        check_launch(LaunchRequest(out=tmp_path / "run", config="debug", replicas=2, init_from=str(tmp_path),
+                                   script=("python", "train.py")))
+
+
+def test_launch_help_shows_how_to_run_a_script(capsys: pytest.CaptureFixture[str]) -> None:
+    with pytest.raises(SystemExit):
+        build_parser().parse_args(["launch", "--help"])
+    assert "recover launch [flags] -- CMD" in " ".join(capsys.readouterr().out.split())

@@ -98,3 +98,26 @@ def test_the_coordinator_serves_metrics_and_writes_the_job_board_when_asked(tmp_
     cmd = Commands(LaunchOptions(config=cfg, out=tmp_path, metrics_port=9400)).coordinator(addr, 2, first=False)
     assert cmd[cmd.index("--metrics-port") + 1] == "9400"
     assert cmd[cmd.index("--tensorboard") + 1] == str(tmp_path / "tensorboard" / "job")
+
+
+def test_the_coordinator_reads_the_runs_config_and_its_flags_override_it(tmp_path: Path) -> None:
+    """The coordinator's settings come from the run's config.json, as the workers' do (hang_timeout_s was spelled
+    on the launcher's command line and checked separately); a flag given still overrides its field."""
+    from recover.cli import build_parser
+    from recover.coord.cli import Settings
+
+    cfg = load_config("debug", ["--parallel.replicas=3", "--fault_tolerance.hang_timeout_s=7",
+                                "--fault_tolerance.min_replicas=2", "--fault_tolerance.heartbeat_interval_s=0.2"])
+    write_run_config(cfg, tmp_path)
+    addr = Address("127.0.0.1", 5000, 5001, tmp_path / "token")
+    cmd = Commands(LaunchOptions(config=cfg, out=tmp_path)).coordinator(addr, 3, first=True)
+    assert "--hang-timeout" not in cmd and cmd[cmd.index("--config") + 1] == str(tmp_path / "config.json")
+    args = build_parser().parse_args(cmd[cmd.index("coordinator"):])
+    st = Settings.of(args)
+    assert (st.replicas, st.min_replicas, st.hang_timeout_s, st.heartbeat_interval_s) == (3, 2, 7.0, 0.2)
+    args = build_parser().parse_args([*cmd[cmd.index("coordinator"):], "--hang-timeout", "9"])
+    assert Settings.of(args).hang_timeout_s == 9.0
+    hand = build_parser().parse_args(["coordinator", "--token-file", "t"])  # started by hand: no config
+    assert Settings.of(hand) == Settings()
+    with pytest.raises(ConfigError, match="--heartbeat-timeout"):
+        Settings.of(build_parser().parse_args([*cmd[cmd.index("coordinator"):], "--heartbeat-timeout", "0.1"]))

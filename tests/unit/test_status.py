@@ -33,7 +33,7 @@ def test_each_replica_has_the_state_the_last_event_about_it_says() -> None:
                            "live_replicas": 3} for s in (*range(8), 9))  # step 8 missing: 8 committed
     s = job_status(job_events(), records, {0: 7, 1: 7, 2: 7, 3: 4}, now=T + 5, faults=2)
     assert (s["generation"], s["members"], s["committed_steps"], s["planned_steps"]) == (2, [0, 1, 2], 8, 20)
-    assert [(r["replica"], r["state"], r["last_step"], r["mb_s"]) for r in s["replicas"]] == [
+    assert [(r["replica"], r["state"], r["last_step"], r["planned"]) for r in s["replicas"]] == [
         (0, "training", 7, 0.01), (1, "left", 7, 0.01), (2, "training", 7, 0.01), (3, "joining", 4, 0.03)]
     assert [e["kind"] for e in s["faults"]] == ["kill", "failure_detected"] and 0 < s["goodput"]["ettr"] <= 1
 

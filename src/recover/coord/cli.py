@@ -19,6 +19,11 @@ is gone. A second signal stops it at once; one within :data:`SAME_REQUEST_S` of 
 request (a Slurm time limit or preemption signals every process of the job at once, this one and the
 batch script that passes its own on).
 
+Settings: ``--config RUN/config.json`` (what ``recover launch`` passes) reads the quorum, heartbeat, hang and
+connection settings and the replica layout from the run's config, as the workers do; each of those flags
+given overrides its field (a coordinator started by hand needs no config: the flags' defaults apply). They
+are resolved once, into one :class:`Settings`.
+
 Restart: if the coordinator dies while a job runs, start it again with the same flags (same
 ``--port`` and ``--store-port``): the replicas, which keep their state and retry for
 ``fault_tolerance.coordinator_reconnect_s``, register again with what they hold and it rebuilds
@@ -37,6 +42,7 @@ import argparse
 import json
 import signal
 import time
+from dataclasses import dataclass, replace
 from pathlib import Path
 from typing import Any
 
@@ -58,19 +64,28 @@ def register(subparsers: argparse._SubParsersAction) -> None:
     p.add_argument("--store-port", type=int, default=0, help="c10d TCPStore port (0 picks a free one)")
     p.add_argument("--token-file", required=True, help="file holding the shared registration token")
     p.add_argument("--events", default=None, help="events.jsonl to append membership changes to")
-    p.add_argument("--replicas", type=int, default=1, help="replicas that form the first generation")
+    p.add_argument("--config", default=None, metavar="RUN/config.json",
+                   help="the run's config: the settings below default to its fields (the flags override them)")
+    p.add_argument("--replicas", type=int, default=None,
+                   help="replicas that form the first generation (default: parallel.replicas, else 1)")
     p.add_argument("--max-replicas", type=int, default=None, metavar="N",
                    help="replica ids admitted: 0..N-1 (default: --replicas); a register beyond is refused")
-    p.add_argument("--min-replicas", type=int, default=1, help="quorum; fewer live replicas is logged")
-    p.add_argument("--heartbeat-interval", type=float, default=0.1,
-                   help="seconds between heartbeats, at least: raised for large jobs (recover.coord.scale)")
-    p.add_argument("--heartbeat-timeout", type=float, default=1.0,
-                   help="silence (s) that marks a replica dead, at least (follows the heartbeat interval)")
-    p.add_argument("--ranks-per-replica", type=int, default=1, help="processes per replica (default 1)")
-    p.add_argument("--connections", choices=("rank", "replica"), default="rank",
-                   help="one coordinator connection per rank, or per replica through its relay (default rank)")
-    p.add_argument("--hang-timeout", type=float, default=0.0,
-                   help="no progress (s) while others wait that marks a replica hung; 0: from the step time")
+    p.add_argument("--min-replicas", type=int, default=None,
+                   help="quorum; fewer live replicas is logged (default: fault_tolerance.min_replicas, else 1)")
+    p.add_argument("--heartbeat-interval", type=float, default=None,
+                   help="seconds between heartbeats, at least: raised for large jobs (recover.coord.scale) "
+                        "(default: fault_tolerance.heartbeat_interval_s, else 0.1)")
+    p.add_argument("--heartbeat-timeout", type=float, default=None,
+                   help="silence (s) that marks a replica dead, at least (follows the heartbeat interval) "
+                        "(default: fault_tolerance.heartbeat_timeout_s, else 1.0)")
+    p.add_argument("--ranks-per-replica", type=int, default=None,
+                   help="processes per replica (default: parallel's pp x fsdp x tp, else 1)")
+    p.add_argument("--connections", choices=("rank", "replica"), default=None,
+                   help="one coordinator connection per rank, or per replica through its relay (default: "
+                        "fault_tolerance.connections, else rank)")
+    p.add_argument("--hang-timeout", type=float, default=None,
+                   help="no progress (s) while others wait that marks a replica hung; 0: from the step time "
+                        "(default: fault_tolerance.hang_timeout_s, else 0)")
     p.add_argument("--metrics-port", type=int, default=0, metavar="P",
                    help="serve Prometheus metrics at http://HOST:P/metrics (HOST: --host); 0: off (default)")
     p.add_argument("--tensorboard", default=None, metavar="DIR",
@@ -92,6 +107,53 @@ def register(subparsers: argparse._SubParsersAction) -> None:
                    help="how long to wait for the step boundary it leaves at (default 600 s)")
     add_tls_flags(d)
     d.set_defaults(func=run_drain)
+
+
+@dataclass(frozen=True)
+class Settings:
+    """The coordinator's settings (see the module docstring): the defaults of a coordinator started by hand."""
+
+    replicas: int = 1
+    max_replicas: int | None = None
+    min_replicas: int = 1
+    heartbeat_interval_s: float = 0.1
+    heartbeat_timeout_s: float = 1.0
+    hang_timeout_s: float = 0.0
+    ranks_per_replica: int = 1
+    connections: str = "rank"
+
+    @classmethod
+    def of(cls, args: argparse.Namespace) -> Settings:
+        """``--config``'s fields, then every flag given. Raises ConfigError (one line) for an unreadable config
+        or a setting that is not allowed."""
+        base = cls()
+        if getattr(args, "config", None):
+            from recover.config import load_config
+
+            cfg = load_config(args.config)
+            ft, p = cfg.fault_tolerance, cfg.parallel
+            base = cls(p.replicas, None, ft.min_replicas, ft.heartbeat_interval_s, ft.heartbeat_timeout_s,
+                       ft.hang_timeout_s, p.procs_per_replica, ft.connections)
+        flags = {"replicas": args.replicas, "max_replicas": args.max_replicas, "min_replicas": args.min_replicas,
+                 "heartbeat_interval_s": args.heartbeat_interval, "heartbeat_timeout_s": args.heartbeat_timeout,
+                 "hang_timeout_s": args.hang_timeout, "ranks_per_replica": args.ranks_per_replica,
+                 "connections": args.connections}
+        settings = replace(base, **{k: v for k, v in flags.items() if v is not None})
+        settings.check()
+        return settings
+
+    def check(self) -> None:
+        if self.replicas < 1:
+            raise ConfigError(f"--replicas must be >= 1, got {self.replicas}")
+        if self.max_replicas is not None and self.max_replicas < self.replicas:
+            raise ConfigError(f"--max-replicas ({self.max_replicas}) must be >= --replicas ({self.replicas})")
+        if self.ranks_per_replica < 1:
+            raise ConfigError(f"--ranks-per-replica must be >= 1, got {self.ranks_per_replica}")
+        if self.hang_timeout_s < 0:
+            raise ConfigError(f"--hang-timeout must be >= 0 seconds (0: from the step time), got {self.hang_timeout_s}")
+        if self.heartbeat_timeout_s <= self.heartbeat_interval_s:
+            raise ConfigError(f"--heartbeat-timeout ({self.heartbeat_timeout_s}) must exceed "
+                              f"--heartbeat-interval ({self.heartbeat_interval_s})")
 
 
 def read_token(path: str) -> str:
@@ -136,6 +198,18 @@ def run_drain(args: argparse.Namespace) -> int:
     return 0
 
 
+def launch_time(events: str | None) -> float | None:
+    """The time of the last ``launch`` event in ``events`` (the launcher's, written before it starts this
+    coordinator): where the job's wall time starts for goodput, as ``recover status`` counts it. None: none."""
+    from recover.names import Event
+    from recover.observe.events import read_jsonl
+
+    if not events or not Path(events).is_file():
+        return None
+    launches = [e["t"] for e in read_jsonl(events) if e.get("kind") == Event.LAUNCH and isinstance(e.get("t"), float)]
+    return launches[-1] if launches else None
+
+
 def job_metrics(args: argparse.Namespace) -> tuple[Any, Any]:
     """The job's tallies (with its TensorBoard run under ``--tensorboard``) and, with ``--metrics-port``,
     its endpoint, bound (ConfigError: the port is taken) but not yet serving."""
@@ -143,7 +217,8 @@ def job_metrics(args: argparse.Namespace) -> tuple[Any, Any]:
     from recover.observe.prometheus import MetricsServer
     from recover.observe.tensorboard import EventFileWriter
 
-    metrics = JobMetrics(EventFileWriter(args.tensorboard) if args.tensorboard else None)
+    metrics = JobMetrics(EventFileWriter(args.tensorboard) if args.tensorboard else None,
+                         started=launch_time(args.events))
     if metrics.board is not None:
         sample_every(metrics, 10.0)
     endpoint = MetricsServer(args.host, args.metrics_port) if args.metrics_port else None
@@ -157,26 +232,16 @@ def run(args: argparse.Namespace) -> int:
 
     die_with_launcher()  # started by `recover launch`: never outlive it
 
-    if args.replicas < 1:
-        raise ConfigError(f"--replicas must be >= 1, got {args.replicas}")
-    if args.max_replicas is not None and args.max_replicas < args.replicas:
-        raise ConfigError(f"--max-replicas ({args.max_replicas}) must be >= --replicas ({args.replicas})")
-    if args.ranks_per_replica < 1:
-        raise ConfigError(f"--ranks-per-replica must be >= 1, got {args.ranks_per_replica}")
-    if args.hang_timeout < 0:
-        raise ConfigError(f"--hang-timeout must be >= 0 seconds (0: from the step time), got {args.hang_timeout}")
-    if args.heartbeat_timeout <= args.heartbeat_interval:
-        raise ConfigError(f"--heartbeat-timeout ({args.heartbeat_timeout}) must exceed "
-                          f"--heartbeat-interval ({args.heartbeat_interval})")
+    st = Settings.of(args)
     metrics, endpoint = job_metrics(args)
     coord = Coordinator(args.host, args.port, token=read_token(args.token_file), events_path=args.events,
-                        heartbeat_interval_s=args.heartbeat_interval, heartbeat_timeout_s=args.heartbeat_timeout,
-                        store_port=args.store_port, min_members=args.min_replicas,
-                        expected_replicas=args.replicas, hang_timeout_s=args.hang_timeout,
+                        heartbeat_interval_s=st.heartbeat_interval_s, heartbeat_timeout_s=st.heartbeat_timeout_s,
+                        store_port=args.store_port, min_members=st.min_replicas,
+                        expected_replicas=st.replicas, hang_timeout_s=st.hang_timeout_s,
                         die_at_commit=parse_die_at_commit(args.die_at_commit),
-                        ranks_per_replica=args.ranks_per_replica,
-                        per_replica_connections=args.connections == "replica",
-                        advertise_host=args.advertise_host, max_replicas=args.max_replicas,
+                        ranks_per_replica=st.ranks_per_replica,
+                        per_replica_connections=st.connections == "replica",
+                        advertise_host=args.advertise_host, max_replicas=st.max_replicas,
                         tls=Tls.from_flags(args.tls_cert, args.tls_key, args.tls_ca), on_event=metrics.on_event)
     try:
         coord.start()

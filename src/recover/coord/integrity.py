@@ -11,6 +11,12 @@ others fenced, or with no strict majority the job ends.
   * :func:`audit_sides`: the gradient of the step's audited microbatch, among the members that
     computed it (two at least): by fingerprint when all are ``exact``, else by norm, within the
     largest relative ``tol`` they name (:data:`AUDIT_TOLERANCE` by default).
+
+Parameters that differ at step 0 (before any update) are the replicas' initial weights, not a faulty
+device: the verdict's line says so and names the fix (:data:`INITIAL_WEIGHTS`). Audits marked ``samples``
+(a script's replicas each digest the step's probe batch, :mod:`recover.train.contract`) that differ end the
+job whatever the majority (the check ``samples``, :data:`SAMPLES_FIX`): the user's ``samples`` is not one
+function everywhere, which no majority repairs.
 """
 
 from __future__ import annotations
@@ -22,6 +28,14 @@ AUDIT_TOLERANCE = 1e-5
 """Relative difference of the audited gradient's norm tolerated outside deterministic mode, unless the
 audits name a larger one (``tol``: their compute dtype's, e.g. bfloat16's)."""
 
+INITIAL_WEIGHTS = ("at step 0, before any update: the replicas built different initial weights; seed the RNG the "
+                   "same way before building the model (e.g. torch.manual_seed(0) before constructing it) in every "
+                   "replica")
+
+
+SAMPLES_FIX = ("samples is not one pure function of (step, id) on every replica (does it read the replica id, the "
+               "rank, the environment or a per-process RNG?): derive the batch from step and id alone")
+
 
 def check(generation: int, step: int, votes: dict[int, tuple[int, Ballot]]) -> tuple[list[Action], bool] | None:
     """The verdict of the fingerprints, else of the audits (see :func:`split`); None when all agree."""
@@ -31,7 +45,11 @@ def check(generation: int, step: int, votes: dict[int, tuple[int, Ballot]]) -> t
                                                "its parameters")) is not None:
         return verdict
     audited = audit_sides(ballots)
-    return None if audited is None else split(generation, step, votes, audited[0], "audit", audited[1])
+    if audited is None:
+        return None
+    if all(b.audit.get("samples") for b in ballots.values() if b.audit is not None):  # a script's batches
+        return split(generation, step, votes, audited[0], "samples", audited[1], end=True, fix=SAMPLES_FIX)
+    return split(generation, step, votes, audited[0], "audit", audited[1])
 
 
 def fingerprint_sides(ballots: dict[int, Ballot]) -> dict[str, list[int]] | None:
@@ -62,32 +80,39 @@ def audit_sides(ballots: dict[int, Ballot]) -> tuple[dict[str, list[int]], str] 
                 first = n
                 sides[f"norm {n:.9g}"] = []
             sides[f"norm {first:.9g}"].append(r)
-    return sides, f"its gradient of the audited microbatch {next(iter(audits.values()))['id']}"
+    first = next(iter(audits.values()))
+    if first.get("samples"):
+        return sides, f"its batch of microbatch {first['id']} (samples(step, {first['id']}))"
+    return sides, f"its gradient of the audited microbatch {first['id']}"
 
 
 def split(generation: int, step: int, votes: dict[int, tuple[int, Ballot]], sides: dict[str, list[int]],
-      kind: str, what: str) -> tuple[list[Action], bool] | None:
+          kind: str, what: str, *, end: bool = False, fix: str | None = None) -> tuple[list[Action], bool] | None:
     """Replicas that should hold the same value (``sides``: value -> replicas) and do not. A strict
     majority of them holding one value is trusted: the others are fenced (``kind``) before the step
     commits, every other vote is aborted, and the members left recompute the fenced ones'
-    microbatches in the step. No strict majority: the job ends (``diverged`` to every voter, with
-    the sides). Returns the actions and whether the job ends; None when all agree."""
+    microbatches in the step. No strict majority (or ``end``: a majority proves nothing, as for a script's
+    batches): the job ends (``diverged`` to every voter, with the sides; ``fix`` ends the line). Returns the
+    actions and whether the job ends; None when all agree."""
     if len(sides) < 2:
         return None
+    initial = step == 0 and kind == "divergent"
     trusted, largest = max(sides.items(), key=lambda kv: len(kv[1]))
-    if 2 * len(largest) > sum(len(rs) for rs in sides.values()):
+    if not end and 2 * len(largest) > sum(len(rs) for rs in sides.values()):
         minority = sorted(r for v, rs in sides.items() if v != trusted for r in rs)
         acts: list[Action] = [Log(kind, {"generation": generation, "step": step, "replicas": minority,
                                          "majority": largest, "values": sides})]
         acts += [Send(r, {"type": "aborted", "re": rid, "generation": generation,
                           "reason": f"{kind} replicas {minority} fenced"})
                  for r, (rid, _) in votes.items() if r not in minority]
+        why = f" ({INITIAL_WEIGHTS})" if initial else ""
         return acts + [Fence(r, f"{kind}: {what} ({v}) differs from that of replicas {largest} ({trusted}) at "
-                                f"step {step}") for v, rs in sides.items() if v != trusted for r in rs], False
+                                f"step {step}{why}") for v, rs in sides.items() if v != trusted for r in rs], False
     text = "; ".join(f"replicas {rs} hold {v}" for v, rs in sides.items())
-    msg = (f"the replicas disagree on {what.replace('its ', '')} at step {step} with no majority to trust "
-           f"({text}); each side's state is saved under checkpoints/diverged/; find the faulty device "
-           "before resuming")
-    return [Log("diverged", {"generation": generation, "step": step, "sides": sides, "check": kind}),
+    fix = fix or (INITIAL_WEIGHTS if initial else ("each side's state is saved under checkpoints/diverged/; find the "
+                                                  "faulty device before resuming"))
+    trust = "" if end else " with no majority to trust"
+    msg = f"the replicas disagree on {what.replace('its ', '')} at step {step}{trust} ({text}); {fix}"
+    return [Log("diverged", {"generation": generation, "step": step, "sides": sides, "check": kind, "message": msg}),
             *(Send(r, {"type": "error", "re": rid, "code": "diverged", "message": msg, "sides": sides})
               for r, (rid, _) in votes.items())], True

@@ -25,7 +25,7 @@ whichever replica computes them, in a failure-free run or after any number of re
 from __future__ import annotations
 
 import math
-from collections.abc import Callable, Sequence
+from collections.abc import Sequence
 from pathlib import Path
 
 import numpy as np
@@ -273,10 +273,29 @@ def check_same_vocab(parts: Sequence[tuple[DataConfig, Path, float]]) -> None:
                         "with the same tokenizer")
 
 
+class TokenSamples:
+    """``samples(step, id) -> (inputs, targets)`` of :func:`tokens`, both ``(microbatch_size, seq_len)`` int64;
+    the targets are the inputs shifted by one (``targets[:, t] == inputs[:, t + 1]``): a loss on the logits
+    takes them as they are (Hugging Face's ``labels=`` shifts again: give it the inputs).
+
+    ``vocab_size``: the vocabulary the ids are checked against (the data's recorded one by default; None when
+    the data records none): the model's embedding needs at least that many rows. ``tokens_per_microbatch``:
+    for :class:`recover.api.Job`'s token counts."""
+
+    def __init__(self, sampler: Sampler) -> None:
+        self.sampler = sampler
+        self.vocab_size: int | None = sampler.sources[0].vocab_size
+        self.tokens_per_microbatch = sampler.tokens_per_microbatch
+
+    def __call__(self, step: int, mb: int) -> tuple[torch.Tensor, torch.Tensor]:
+        return self.sampler.microbatch(step, mb)
+
+
 def tokens(path: str | Path | Sequence[str | Path], *, seq_len: int, microbatch_size: int, microbatches: int,
            seed: int = 0, vocab_size: int | None = None, weights: Sequence[float] | None = None,
-           ) -> Callable[[int, int], tuple[torch.Tensor, torch.Tensor]]:
-    """Token shards as ``samples(step, id) -> (inputs, targets)`` for :class:`recover.api.Job`: the training
+           ) -> TokenSamples:
+    """Token shards as ``samples(step, id) -> (inputs, targets)`` for :class:`recover.api.Job`
+    (:class:`TokenSamples`: with the data's ``vocab_size``): the training
     split of a directory of recover's, nanoGPT's or llm.c's shards (or ``builtin:stdlib``, prepared on
     first use), or a mixture of several directories with ``weights``; windows of ``seq_len`` + 1 tokens
     drawn by (seed, step, id) as for the built-in trainer. Headers and sizes are checked first, and every
@@ -307,5 +326,5 @@ def tokens(path: str | Path | Sequence[str | Path], *, seq_len: int, microbatch_
         check_vocab_fits(vocab, recorded)
     train = [TokenDataset(str(directory / split_pattern(part, directory, "train")),
                           fmt=split_format(part, directory, "train")) for part, directory, _ in parts]
-    return Sampler(train, seq_len, microbatch_size, microbatches, seed, weights=weights, vocab_size=vocab,
-                   names=[str(p) for p in paths]).microbatch
+    return TokenSamples(Sampler(train, seq_len, microbatch_size, microbatches, seed, weights=weights,
+                                vocab_size=vocab, names=[str(p) for p in paths]))

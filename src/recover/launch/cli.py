@@ -22,7 +22,7 @@ from dataclasses import dataclass, replace
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
-from recover.config import Config, load_config
+from recover.config import Config, load_config, parse_overrides
 from recover.coord.tls import Tls, add_tls_flags
 from recover.errors import ConfigError, RecoverError
 from recover.faults.registry import random_kinds, registered
@@ -45,6 +45,11 @@ def register(sub: argparse._SubParsersAction) -> None:
                     "Failures are real: --fail R@STEP:PHASE (SIGKILL; steps are 0-based), --hang (the training "
                     "thread stops for good), --freeze (SIGSTOP for good), or --random-failures MTBF_S. Config "
                     "overrides: --section.field VALUE. Everything is checked before anything starts.",
+        epilog="Your own model and loop: `recover launch [flags] -- CMD ...` (e.g. `-- python train.py`, a script "
+               "on recover.api) runs CMD as each replica instead of the built-in trainer; the fault flags, "
+               "--rejoin-after, --resume, --deterministic and the parallel degrees apply to it, the script's "
+               "job.steps(N) is the job's step count, and the built-in trainer's model, data and schedule "
+               "settings are neither used nor checked.",
     )
     p.add_argument("--config", default="tiny", help="preset name or .toml path")
     p.add_argument("--replicas", type=int, default=None, help="replicas (default: parallel.replicas of the config)")
@@ -214,7 +219,22 @@ def launch_config(req: LaunchRequest) -> Config:
              "training.device_time_s": req.device_time_s}
     overrides = [*req.overrides, *(f"--{key}={value}" for key, value in flags.items() if value is not None),
                  *init_from_override(req.init_from)]
+    if req.script:  # the built-in trainer's schedule is not the script's: nothing to check it against
+        neutral = [*SCRIPT_NEUTRAL, *overrides]
+        if not any(o.split("=")[0] == "--training.global_microbatches" for o in overrides):
+            flat, base = parse_overrides(neutral), load_config(req.config)
+            ranks = int(flat.get("parallel.replicas", base.parallel.replicas)) * int(
+                flat.get("parallel.fsdp", base.parallel.fsdp))
+            m = max(base.training.global_microbatches, ranks)
+            neutral.append(f"--training.global_microbatches={m}")  # the script's own M is its Job's
+        return load_config(req.config, neutral)
     return _resolve_vocab(load_config(req.config, overrides), overrides)
+
+
+SCRIPT_NEUTRAL = ("--training.warmup_steps=0",)
+"""Settings of the built-in trainer a script does not use, set so that their checks against the flags a
+script does use cannot refuse its launch (a preset's ``warmup_steps`` above ``--steps 3``); so is
+``training.global_microbatches`` (at least ``--replicas`` x fsdp: the built-in M, not the script's)."""
 
 
 def _resolve_vocab(cfg: Config, overrides: list[str]) -> Config:
@@ -303,16 +323,20 @@ def check_launch(req: LaunchRequest) -> LaunchOptions:
         check_resume(cfg, Path(req.out))
         if req.baseline:
             raise ConfigError("--resume continues a recover run; the baselines restart by themselves")
+    if req.script and cfg.training.init_from:
+        raise ConfigError(f"--init-from {cfg.training.init_from}: a script builds its own model, and recover loads "
+                          "weights into the built-in models only; load yours in the script before recover.Job(...) "
+                          "(e.g. model.load_state_dict(...)), or resume a script's run with --resume")
     if cfg.training.init_from:  # a source that does not fit is refused here, not by every worker
         from recover.train.weights import check_init_from
 
         check_init_from(cfg.training.init_from, cfg.model)
-    parts, vals, notes = cfg.data.parts(), [], []
+    parts, vals, notes = ([] if req.script else cfg.data.parts()), [], []  # a script reads its own data
     for part, _ in parts:  # every source: headers, recorded ids, windows (a built-in corpus: prepared later)
         data_dir = resolve_data_dir(part, prepare=False)  # a missing directory is refused here, not by the workers
         if data_dir.is_dir() and any(data_dir.iterdir()):
             vals.append(check_data(part, data_dir, cfg.model.vocab_size, hint=notes.append)[1])
-    if len(vals) == len(parts):  # validation reads every source's split together
+    if parts and len(vals) == len(parts):  # validation reads every source's split together
         check_windows(vals, cfg.data.seq_len, cfg.data.microbatch_size, "val")
     for line in notes:  # only once nothing is refused: a refusal is one line
         print(f"recover: note: {line}", file=sys.stderr)
@@ -395,6 +419,7 @@ def launch(req: LaunchRequest) -> int:
         EXIT_DIVERGED,
         EXIT_NONFINITE,
         EXIT_QUORUM_LOST,
+        EXIT_SCRIPT_ERROR,
         EXIT_STATE_LOST,
         EXIT_STOPPED,
         EXIT_UNSAVED,
@@ -408,7 +433,8 @@ def launch(req: LaunchRequest) -> int:
     if req.overwrite:
         clear_run(opts.out)
     opts.out.mkdir(parents=True, exist_ok=True)
-    resolve_data_dir(opts.config.data, quiet=not req.progress)
+    if not req.script:
+        resolve_data_dir(opts.config.data, quiet=not req.progress)
     launcher = Launcher(opts)
     code = launcher.run()
     unwritten = _report(launcher, opts, req.reference)
@@ -444,6 +470,8 @@ def launch(req: LaunchRequest) -> int:
             of = "gradients of the audited microbatch" if last and last[0].get("check") == "audit" else "parameters"
             what = (f"the replicas' {of} disagree at step {last[0]['step'] if last else '?'} with no majority "
                     f"to trust ({sides}); each side's state is under {opts.out / 'checkpoints' / 'diverged'}")
+            if last and last[0].get("message") and (last[0].get("check") == "samples" or last[0]["step"] == 0):
+                what = f"{last[0]['message']}; each side's state is under {opts.out / 'checkpoints' / 'diverged'}"
         else:
             e = last[0] if last else {"id": "?", "step": "?", "replicas": []}
             which = (f"microbatch {e['id']} of step {e['step']} was not finite on replicas {e['replicas']}"
@@ -457,6 +485,15 @@ def launch(req: LaunchRequest) -> int:
         print(f"recover: the job stopped on bad data: {why}. The last committed state is under "
               f"{opts.out / 'checkpoints'}; fix the data (`recover prepare --verify DIR` finds every bad id) and "
               "continue with --resume", file=sys.stderr)
+    elif code == EXIT_SCRIPT_ERROR:
+        from recover.observe.events import read_jsonl
+
+        raised = [e for e in read_jsonl(opts.out / "events.jsonl") if e.get("kind") == Event.SCRIPT_ERROR]
+        e = launcher.script_error or (raised[-1] if raised else {})
+        print(f"recover: the job stopped after {launcher.written + 1} committed steps: the script raised "
+              f"{e.get('type', 'an exception')} at {e.get('place', '?')}: {e.get('message', '')} (replica "
+              f"{e.get('replica', '?')}'s log is under {opts.out / 'logs'}); the newest complete checkpoint under "
+              f"{opts.out / 'checkpoints'} (if any) is where --resume continues once it is fixed", file=sys.stderr)
     elif launcher.stop_signal is not None:
         print(f"recover: stopped by signal {launcher.stop_signal} without reaching a step boundary within "
               f"fault_tolerance.stop_grace_s; the newest complete checkpoint under {opts.out / 'checkpoints'} "
@@ -585,14 +622,12 @@ def run_compare(args: argparse.Namespace) -> int:
 
 
 def run_worker(args: argparse.Namespace) -> int:
-    from recover.faults import hang_on_signal, parse_failure
-    from recover.lifeline import die_with_launcher
+    """``recover worker``: the built-in replica, started through :mod:`recover.train.process` like a script."""
     from recover.observe.sinks import check_extras
-    from recover.train.exits import EXIT_STOPPED, record_exit
+    from recover.train.exits import EXIT_STOPPED
+    from recover.train.process import Launched, exit_process, prepare
     from recover.train.worker import ReplicaWorker, build
 
-    die_with_launcher()
-    hang_on_signal()  # the launcher's random hangs: the training thread stops, heartbeats go on
     holder: list[ReplicaWorker] = []
 
     def stop(signum: int, frame: Any) -> None:  # SIGTERM: a leave, SIGINT: a stop (see train/worker.py)
@@ -604,11 +639,8 @@ def run_worker(args: argparse.Namespace) -> int:
     signal.signal(signal.SIGTERM, stop)
     signal.signal(signal.SIGINT, stop)
     cfg = worker_config(args.config, args.overrides)
+    prepare(cfg)
     check_extras(cfg.observe)
-    host, _, port = args.coordinator.rpartition(":")
-    if not host or not port.isdigit():
-        raise RecoverError(f"--coordinator {args.coordinator!r}: expected HOST:PORT")
-    token = Path(args.token_file).read_text().strip()
     replica, fails, join, built = args.replica, args.fail, args.join, None
     if args.spare:  # a hot spare: pay the start-up cost now, learn who to be when a replica dies
         built = build(cfg, args.procs)
@@ -619,19 +651,9 @@ def run_worker(args: argparse.Namespace) -> int:
         replica, fails, join = int(order["replica"]), list(order.get("fail", [])), True
     if replica is None:
         raise RecoverError("recover worker needs --replica R (or --spare)")
-    specs = []
-    for text in fails:  # R@STEP:PHASE, with #RANK when the launcher was given --fail-rank
-        spec, _, rank = text.partition("#")
-        specs.append(parse_failure(spec, int(rank) if rank else None))
-    tls = Tls.from_flags(args.tls_cert, args.tls_key, args.tls_ca)
-    worker = ReplicaWorker(cfg, args.out, replica, host, int(port), token, tls=tls,
-                           failures=specs, join=join, procs=args.procs, built=built,
-                           baseline=Baseline(args.baseline) if args.baseline else None, resume=args.resume)
+    launched = Launched.from_flags(args.out, replica, args.coordinator, args.token_file, fails, join=join,
+                                   resume=args.resume, tls=Tls.from_flags(args.tls_cert, args.tls_key, args.tls_ca))
+    worker = ReplicaWorker(cfg, launched, procs=args.procs, built=built,
+                           baseline=Baseline(args.baseline) if args.baseline else None)
     holder.append(worker)
-    code = worker.run()
-    # Skip interpreter teardown: a retired gloo group still held by the graveyard's daemon thread
-    # would be destroyed mid-shutdown (std::terminate, SIGABRT). Everything is written and flushed.
-    record_exit(code)
-    sys.stdout.flush()
-    sys.stderr.flush()
-    os._exit(code)
+    exit_process(worker.run())

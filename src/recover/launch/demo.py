@@ -11,11 +11,14 @@ starts; the plots (loss over the reference, throughput, goodput) stay in the run
 a complete checkpoint of the last step (``training.checkpoint_every = "auto"``: Young/Daly's interval,
 which for a run this short is a save after the first step and one at the end), so the closing lines can
 name what to try next on the trained model: ``recover sample``, ``recover export``, ``recover report``.
+The two tables are also written as plain text to ``OUT/tables.txt`` and, with ``--readme PATH``, into PATH's
+block after :data:`README_MARKER` (the README's tables are a run's, not a paste).
 """
 
 from __future__ import annotations
 
 import argparse
+import io
 import json
 from dataclasses import dataclass
 from pathlib import Path
@@ -76,6 +79,9 @@ def register(sub: argparse._SubParsersAction) -> None:
     d.add_argument("--steps", type=int, default=STEPS,
                    help=f"training.steps (default {STEPS}; the faults scale with it)")
     d.add_argument("--no-progress", action="store_true")
+    d.add_argument("--readme", default=None, metavar="PATH",
+                   help="write the two tables into PATH's block after its marker line (README.md: its demo "
+                        "tables come from a run, not from a paste)")
     d.set_defaults(func=run_demo)
 
 
@@ -120,11 +126,36 @@ def run_demo(args: argparse.Namespace) -> int:
         return code
     s_ref = json.loads((reference.out / "summary.json").read_text())
     s_run = json.loads((faults.out / "summary.json").read_text())
-    console.print(faults_table(s_run["faults"], title="recover demo: each fault, found and recovered from in-step"))
-    console.print(comparison_table(s_ref, s_run, compare(reference.out, faults.out)))
+    tables = [faults_table(s_run["faults"], title="recover demo: each fault, found and recovered from in-step"),
+              comparison_table(s_ref, s_run, compare(reference.out, faults.out))]
+    for table in tables:
+        console.print(table)
+    plain = Console(record=True, width=100, file=io.StringIO(), color_system=None)
+    for table in tables:
+        plain.print(table)
+    text = "\n".join(line.rstrip() for line in plain.export_text().splitlines()) + "\n"
+    (out / "tables.txt").write_text(text)
+    if args.readme:
+        readme = Path(args.readme)
+        readme.write_text(with_tables(readme.read_text(), text))
+        console.print(f"the tables are in {readme}")
     console.print(f"plots in {faults.out}: loss.png (over the reference), throughput.png, goodput.png")
     console.print(next_commands(faults.out), soft_wrap=True, highlight=False)
     return 0
+
+
+README_MARKER = "<!-- recover demo --readme README.md writes the block below -->"
+"""The line after which ``recover demo --readme`` writes its tables (the fenced block that follows)."""
+
+
+def with_tables(text: str, tables: str) -> str:
+    """``text`` with the fenced block after :data:`README_MARKER` replaced by ``tables``. Raises ValueError
+    when the marker or its block is missing."""
+    head, marker, tail = text.partition(README_MARKER + "\n")
+    if not marker or not tail.startswith("```\n") or "\n```\n" not in tail[3:]:
+        raise ValueError(f"no {README_MARKER!r} line followed by a ``` block")
+    rest = tail[4:].split("\n```\n", 1)[1]
+    return f"{head}{marker}```\n{tables.rstrip()}\n```\n{rest}"
 
 
 def next_commands(run: Path) -> str:

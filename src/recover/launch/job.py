@@ -92,13 +92,10 @@ class Commands:
 
     def coordinator(self, addr: Address, expected: int, first: bool) -> list[str]:
         """The coordinator of ``expected`` replicas; the ``first`` one gets ``--kill-coordinator``'s fault."""
-        ft = self.o.config.fault_tolerance
         cmd = python("coordinator", "--host", addr.host, "--port", str(addr.port), "--store-port",
                      str(addr.store_port), "--token-file", str(addr.token_file), "--events",
-                     str(self.o.out / "events.jsonl"), "--replicas", str(expected), "--min-replicas",
-                     str(ft.min_replicas), "--heartbeat-interval", str(ft.heartbeat_interval_s),
-                     "--heartbeat-timeout", str(ft.heartbeat_timeout_s), "--hang-timeout", str(ft.hang_timeout_s),
-                     "--ranks-per-replica", str(self.ranks), "--connections", ft.connections,
+                     str(self.o.out / "events.jsonl"), "--config", str(self.o.out / RUN_CONFIG),  # as the workers
+                     "--replicas", str(expected),
                      "--max-replicas", str(self.o.max_replicas or self.o.config.parallel.replicas), *self.tls_flags)
         if self.o.metrics_port:
             cmd += ["--metrics-port", str(self.o.metrics_port)]

@@ -28,7 +28,13 @@ Contract:
   data, 11 every replica holding the state lost with no checkpoint to fall back to (with one, the
   replicas that come back restore it and the job goes on), 12 the storage refused the checkpoint the
   job ended with (before any other: the committed steps are recorded, the older checkpoints kept) or,
-  the job finished, the launcher's ``summary.json``, 1 otherwise.
+  the job finished, the launcher's ``summary.json``, 13 a user's script raised the same exception again (see
+  below), 1 otherwise.
+- A user's script that raises (a ``script_error`` event, :mod:`recover.train.script`): the launcher prints
+  at once the replica, the exception's last lines and its log's path, and whether the job goes on (the
+  first time: the replica is lost and rejoins like a killed one) or stops (the same exception again, or a
+  broken contract): then it stops the others as a graceful stop does (their leader saves the committed
+  state) and exits with 13, whatever else the replicas exited with.
 - Once every step is committed, a replica still running after ``fault_tolerance.stop_grace_s`` (stuck
   in its exit) is killed (``exit_grace_over``); the status stays 0.
 - ``resume``: the workers start from the newest complete checkpoint in ``out``; the records of
@@ -61,6 +67,8 @@ from recover.train.exits import (
     EXIT_DIVERGED,
     EXIT_NONFINITE,
     EXIT_QUORUM_LOST,
+    EXIT_RAISED,
+    EXIT_SCRIPT_ERROR,
     EXIT_STATE_LOST,
     EXIT_STOPPED,
     EXIT_UNSAVED,
@@ -68,10 +76,11 @@ from recover.train.exits import (
 
 JOINER_GRACE_S = 3.0
 """How long joiners left alone after the last committed step get to exit on their own before being stopped."""
-EXIT_ORDER = (EXIT_UNSAVED, EXIT_DIVERGED, EXIT_NONFINITE, EXIT_BAD_DATA, EXIT_STATE_LOST, EXIT_QUORUM_LOST,
-              EXIT_COORDINATOR_LOST, EXIT_STOPPED)
+EXIT_ORDER = (EXIT_UNSAVED, EXIT_SCRIPT_ERROR, EXIT_DIVERGED, EXIT_NONFINITE, EXIT_BAD_DATA, EXIT_STATE_LOST,
+              EXIT_QUORUM_LOST, EXIT_COORDINATOR_LOST, EXIT_STOPPED)
 """An unfinished job's exit status: the first of these that a replica exited with (else 1); a finished
-job's is 0, or :data:`EXIT_UNSAVED` when its final checkpoint could not be written."""
+job's is 0, or :data:`EXIT_UNSAVED` when its final checkpoint could not be written; a script's recurring
+exception (:data:`EXIT_SCRIPT_ERROR`) is the status of either, unless the final checkpoint was not written."""
 
 
 def _ranges(steps: list[int]) -> str:
@@ -114,6 +123,10 @@ class Launcher:
         self.stop_signal: int | None = None
         """The signal (SIGTERM, SIGINT) that asked for a graceful stop, once one did."""
         self.stop_started: float | None = None
+        self.script_steps: int | None = None
+        """The step count a script's ``job.steps(N)`` gave the job, once one did."""
+        self.script_error: dict[str, Any] | None = None
+        """The ``script_error`` event that stopped the job (the same exception raised again), if one did."""
         self.goodput_at, self.goodput_line = 0.0, None
         self.wall_s = 0.0
         self.all_lost = False
@@ -183,9 +196,10 @@ class Launcher:
 
     def _watch(self) -> None:
         """Until the job ends: stops, processes, records and faults, every :data:`POLL_S`."""
-        steps, done_at = self.cfg.training.steps, None
+        done_at = None
         while True:
             now = time.time()
+            steps = self.cfg.training.steps  # a script's job.steps(N) may set it (_on_script_steps)
             if self.stop_signal is not None and self.stop_started is None:
                 self._begin_stop(now)
             self._keep_run_dir()
@@ -193,6 +207,10 @@ class Launcher:
             for rec in self.tail.read(self.out / "events.jsonl"):
                 self.seen_events.append(rec)
                 self.supervisor.on_event(rec, now)
+                if rec.get("kind") == Event.SCRIPT_ERROR:
+                    self._on_script_error(rec, now)
+                elif rec.get("kind") == Event.SCRIPT_STEPS and self._on_script_steps(int(rec["steps"])):
+                    done_at = None
             self.supervisor.reap_fenced(now)
             if self.supervisor.poll(now, self.records.last_step() + 1, unfinished=self.written + 1 < steps):
                 self._restart()
@@ -327,12 +345,62 @@ class Launcher:
                              f"{grace:g} s; signal again to stop at once)")
         self.supervisor.stop()
 
+    def _on_script_steps(self, steps: int) -> bool:
+        """A script's ``job.steps(N)``: N steps are the job's (the launch's ``--steps`` is the built-in
+        trainer's); a larger N than the one adopted wins. Returns whether the count changed."""
+        from dataclasses import replace
+
+        first, self.script_steps = self.script_steps is None, max(steps, self.script_steps or 0)
+        if (not first and steps <= self.cfg.training.steps) or steps == self.cfg.training.steps:
+            return False
+        if first:
+            print(f"recover: note: the script commits {steps} steps (its job.steps({steps})); the launch said "
+                  f"{self.cfg.training.steps}: the job is {steps} steps", file=sys.stderr, flush=True)
+        self.cfg = replace(self.cfg, training=replace(self.cfg.training, steps=steps))
+        self.display.total = steps
+        return True
+
+    def _on_script_error(self, rec: dict[str, Any], now: float) -> None:
+        """A replica's script raised: its lines now; a recurring exception stops the job (module docstring)."""
+        rid, rank = rec.get("replica"), rec.get("rank", 0)
+        rep = self.supervisor.replicas.get(rid)
+        log = rep.ranks[rank].path if rep is not None and rank < len(rep.ranks) else self.out / "logs"
+        who = f"replica {rid}" + (f" rank {rank}" if self.cfg.parallel.procs_per_replica > 1 else "")
+        at = f" in step {rec['step']}" if rec.get("step") is not None else " before training"
+        if rec.get("recurring"):
+            self.script_error = self.script_error or rec
+            what = ("a bug in the script, not a fault: the job stops after saving the last committed state; fix it "
+                    "and continue with --resume")
+        elif self.o.rejoin_after_s is not None:
+            what = (f"the others go on without it and it rejoins in {self.o.rejoin_after_s:g} s; the same exception "
+                    "again stops the job")
+        else:
+            what = "the others go on without it; the same exception again stops the job"
+        lines = "\n".join(f"    {line}" for line in rec.get("lines", []))
+        text = (f"recover: {who} raised {rec.get('type')}{' again' if rec.get('recurring') else ''}{at} at "
+                f"{rec.get('place')}: {what}; log: {log}\n{lines}")
+        if self.display.live:
+            from rich.text import Text
+
+            self.display.console.print(Text(text))
+        else:
+            print(text, file=sys.stderr, flush=True)
+        if rec.get("recurring") and self.stop_started is None:
+            self.stop_started = now
+            self.events.event(Event.STOP_REQUESTED, source="script_error", replica=rid,
+                              grace_s=self.cfg.fault_tolerance.stop_grace_s)
+            self.supervisor.stop()
+
     def _exit_status(self) -> int:
         codes = self.supervisor.exit_codes()
         self.events.event("end", wall_s=round(self.wall_s, 3), exit_codes=codes)
         self.events.close()
+        if self.script_error is not None:  # stopped by it, whether or not every step committed
+            return EXIT_UNSAVED if EXIT_UNSAVED in codes.values() else EXIT_SCRIPT_ERROR
         if self.written + 1 >= self.cfg.training.steps:
             return EXIT_UNSAVED if EXIT_UNSAVED in codes.values() else 0
+        if EXIT_RAISED in codes.values() and not any(status in codes.values() for status in EXIT_ORDER):
+            return EXIT_SCRIPT_ERROR  # unfinished, its replicas lost to their scripts' exceptions (shown)
         status = next((status for status in EXIT_ORDER if status in codes.values()), None)
         if status is None and self.stop_signal is None and codes and all(c == LOST for c in codes.values()):
             # every replica fenced or killed and none to come back (no --rejoin-after): nobody saved at the end

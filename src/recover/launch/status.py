@@ -12,8 +12,9 @@ last word the events say about it:
   ``lost``      declared dead (fenced, hung, silent, crashed) and not back;
   ``left``      said goodbye (trained to the end, or stopped).
 
-Per replica: its state, the last step it recorded and its planned seconds per microbatch (the newest
-speeds the coordinator agreed, ``rebalanced``). For the job: the generation and its members, the
+Per replica: its state, the last step it recorded and its planned (relative) time per microbatch (the
+newest the coordinator agreed, ``rebalanced``: the median replica's is 1.0; the run directory holds no
+measured seconds). For the job: the generation and its members, the
 committed steps of the planned ones, goodput so far (:mod:`recover.observe.goodput`) and the last
 faults. ``--json`` prints the same as one JSON object; ``--watch S`` refreshes it every S seconds.
 
@@ -68,7 +69,7 @@ def job_status(events: list[dict[str, Any]], records: StepRecords, last_steps: d
     generation, planned, speeds = 0, None, {}
 
     def at(r: int) -> dict[str, Any]:
-        return replicas.setdefault(r, {"replica": r, "state": "joining", "last_step": None, "mb_s": None})
+        return replicas.setdefault(r, {"replica": r, "state": "joining", "last_step": None, "planned": None})
 
     for e in events:
         kind, r = e.get("kind"), e.get("replica")
@@ -93,7 +94,7 @@ def job_status(events: list[dict[str, Any]], records: StepRecords, last_steps: d
     for r, step in last_steps.items():
         at(r)["last_step"] = step
     for r, rep in replicas.items():
-        rep["mb_s"] = speeds.get(r)
+        rep["planned"] = speeds.get(r)  # relative planned times (the median replica's 1.0), not seconds
     merged = records.merged()
     rows = [merged[s] for s in sorted(merged)]
     g = goodput(rows, events, now=now) if rows else None

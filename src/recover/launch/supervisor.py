@@ -8,7 +8,8 @@ Contract:
 - Every replica is P processes (:class:`~recover.launch.processes.ReplicaProcesses`, torchrun's
   agent for them; commands from :class:`~recover.launch.job.Commands`). Its end is logged
   (``replica_exit``); one lost to a SIGKILL rejoins ``rejoin_after_s`` later while the job is
-  unfinished (``rejoin_started``): as a warm spare when one runs (:mod:`recover.launch.spares`: the
+  unfinished (``rejoin_started``; so does a script's replica that raised for the first time,
+  :data:`~recover.train.exits.EXIT_RAISED`): as a warm spare when one runs (:mod:`recover.launch.spares`: the
   ``warm_spares`` spares are started with the replicas, and a new one behind each spare taken; a
   replica keeps its spare's devices; the event says how long the spare waited, ``spare_waited_s``),
   else afresh on its own devices. Rejoins
@@ -54,6 +55,8 @@ from recover.train.exits import (
     EXIT_JOB_FAILED,
     EXIT_NONFINITE,
     EXIT_QUORUM_LOST,
+    EXIT_RAISED,
+    EXIT_SCRIPT_ERROR,
     EXIT_STATE_LOST,
     EXIT_STOPPED,
     EXIT_UNSAVED,
@@ -62,9 +65,9 @@ from recover.train.exits import (
 POLL_S = 0.05
 MAX_COORDINATOR_RESTARTS = 10
 ENDS_JOB = (EXIT_QUORUM_LOST, EXIT_STOPPED, EXIT_COORDINATOR_LOST, EXIT_DIVERGED, EXIT_NONFINITE, EXIT_BAD_DATA,
-            EXIT_STATE_LOST, EXIT_UNSAVED)
+            EXIT_STATE_LOST, EXIT_UNSAVED, EXIT_SCRIPT_ERROR)
 """A replica's exit statuses that end the job on purpose (each after its line and saves)."""
-EXPECTED_EXITS = (0, LOST, EXIT_JOB_FAILED, *ENDS_JOB, None)
+EXPECTED_EXITS = (0, LOST, EXIT_JOB_FAILED, EXIT_RAISED, *ENDS_JOB, None)
 """A replica's exit codes that tell what happened without its log."""
 
 
@@ -260,7 +263,8 @@ class Supervisor:
                 return True
             self.ended = self.ended or code in ENDS_JOB
             wanted = self.o.rejoin_replicas is None or rep.rid in self.o.rejoin_replicas
-            if code == -signal.SIGKILL and self.o.rejoin_after_s is not None and unfinished and wanted:
+            lost = code in (-signal.SIGKILL, EXIT_RAISED)  # killed, or its script raised for the first time
+            if lost and self.o.rejoin_after_s is not None and unfinished and wanted:
                 self.rejoin_at[rep.rid] = now + self.o.rejoin_after_s
         for spare in self.pool.reap():
             self.events.event("spare_exit", codes=[r.proc.returncode for r in spare.ranks],

@@ -7,7 +7,8 @@ new generation, ``job/step_s`` (commit to commit) at each commit, and each failu
 text entry under ``faults`` (TensorBoard's Text tab), at the step in progress.
 
 Goodput (:mod:`recover.observe.goodput`) is computed from the coordinator's own records only: its commits
-(with the members of their generation) and events, from this coordinator's start; checkpoint and
+(with the members of their generation) and events, from the launch's start (``started``: the run's last
+``launch`` event, the wall time ``recover status`` counts from too), else this coordinator's; checkpoint and
 evaluation time, which only replicas log, count as ``other``. It costs O(steps) (2-4 s for 100,000
 steps), so :meth:`goodput` keeps its value for 20 x its own cost (``min_age_s`` more while no step
 commits) and is never computed in the loop thread: a reader (a scrape, :meth:`sample`) pays for it, at
@@ -34,10 +35,12 @@ _FAULTS = {Event.FAILURE_DETECTED: "failure", Event.LEAVE: "leave", Event.DIVERG
 class JobMetrics:
     """Tallies of one coordinator's events (see the module docstring)."""
 
-    def __init__(self, board: EventFileWriter | None = None, min_age_s: float = 1.0) -> None:
+    def __init__(self, board: EventFileWriter | None = None, min_age_s: float = 1.0,
+                 started: float | None = None) -> None:
         self.board = board
         self.min_age_s = min_age_s
-        self.started = time.time()
+        self.started = time.time() if started is None else started
+        """When the job's wall time starts: the launch's (its ``launch`` event), else this coordinator's start."""
         self.failures: Counter[str] = Counter()
         self.step_s: float | None = None
         """Seconds from the previous commit to the last (None before two commits)."""

@@ -46,9 +46,10 @@ def check_extras(observe: ObserveConfig) -> None:
 
 
 def scalars(record: dict[str, Any]) -> dict[str, float]:
-    """The dashboard scalars of a step record."""
-    return {name: float(record[key]) for key, name in SCALARS.items()
-            if isinstance(record.get(key), (int, float)) and not isinstance(record.get(key), bool)}
+    """The dashboard scalars of a step record (a script's own ``job.log`` metrics as ``user/NAME``)."""
+    values = {name: float(record[key]) for key, name in SCALARS.items()
+              if isinstance(record.get(key), (int, float)) and not isinstance(record.get(key), bool)}
+    return values | {f"user/{name}": float(v) for name, v in (record.get("user") or {}).items()}  # job.log(...)
 
 
 class StepSinks:

@@ -103,8 +103,10 @@ def resolve_checkpoint(path: str | Path) -> Path:
         if path.name.startswith("step_") and path.is_dir():
             raise CheckpointError(f"{path} is not a complete checkpoint (no {MARKER} marker): its save was "
                                   "interrupted; use an older checkpoint or the run directory")
-        raise CheckpointError(f"{path}: no complete checkpoint there; give a run directory with checkpoints/ "
-                              "(train with --training.checkpoint_every K) or a checkpoint directory step_NNNNNN")
+        raise CheckpointError(f"{path}: no complete checkpoint there; give a run directory with checkpoints/ of the "
+                              "built-in trainer (train with --training.checkpoint_every K) or a checkpoint directory "
+                              "step_NNNNNN (a script's own model, saved by job.save(), is not taken: load it with "
+                              "torch.distributed.checkpoint)")
     damaged = []
     for _, ckpt in reversed(found):
         try:

@@ -64,6 +64,18 @@ def record_exit(code: int) -> None:
         pass  # the status is a courtesy to the wrapper; the exit itself must happen
 
 
+EXIT_SCRIPT_ERROR = 13
+"""a user's script raised the same exception (type and place) a second time, on the same replica or
+another, at the same step or a later one: a bug in the script, not a hardware fault; the job stopped with
+its line (the replica, the exception, its last lines, the log) after saving the last committed state; fix
+the script and continue with ``--resume``. A broken contract of ``recover.api`` (``ContractError``) stops
+the job the first time."""
+
+EXIT_RAISED = 14
+"""(a replica's own status, never the job's) the replica's script raised an exception for the first time in
+this launch: the launcher shows it, and treats it as the loss of that replica (the others recover in-step;
+``--rejoin-after`` brings it back)."""
+
 PLACEMENT_ENV = "RECOVER_PLACEMENT"
 """Set for a process ``recover launch`` gave no GPU: ``none`` (it found none), ``shared`` (``--share-gpus``)."""
 

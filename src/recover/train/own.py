@@ -14,7 +14,13 @@ holds this rank's shards: the buffers are the local shards of the gradients, whi
 summed over the shard ranks in each backward (its divide factor set to 1 here, so each shard holds a
 SUM). The ranks of an fsdp column compute different ids (:func:`column`, zero-weight padding passes so
 every rank runs as many backwards); :meth:`settle` shares every id's loss and finiteness over the
-replica's group, so every rank holds the replica's whole ledger and stats.
+replica's group, so every rank holds the replica's whole ledger and stats. A parameter that is not sharded
+over the fsdp axis (a plain tensor: the model of a plain ``torchrun`` of a one-process script, or what the
+user's plan left unwrapped) is data parallel inside the replica, as under DDP: :meth:`totals` sums its
+reduced gradient over the fsdp ranks (``dp_group``) before anything reads it, so every rank applies the
+same update and the ranks stay equal; they must start equal (:func:`~recover.train.contract.check_same_weights`
+at construction), and the optimizer must step the model's own parameters
+(:func:`~recover.train.contract.check_optimizer`).
 
 The rest is the built-in replica's, shared: the totals and the update (:mod:`recover.train.update`:
 divide by M, clip by the global norm, the user's optimizer), the exact parameter fingerprint, and the
@@ -35,10 +41,14 @@ from typing import Any
 import torch
 import torch.distributed as dist
 from torch import nn
+from torch.distributed.tensor import DTensor
+from torch.optim.lr_scheduler import LRScheduler
 
+from recover.errors import ContractError
 from recover.faults.perturb import NONE
 from recover.recovery.interfaces import Totals
 from recover.train.bits import bit_sum, flip_bit, to_host
+from recover.train.contract import check_optimizer, check_same_weights
 from recover.train.extra import (
     from_tensors,
     hyperparameters,
@@ -50,8 +60,14 @@ from recover.train.extra import (
 )
 from recover.train.optim import set_lr
 from recover.train.replica import like, load_transferred, local, shards, transfer_tensors
+from recover.train.scaling import LossScale
 from recover.train.update import apply_sum, read_totals
 from recover.workload.policy import split_within_replica
+
+LOSS_SCALE = "loss_scale"
+"""The name of the loss scale (``scaler``, :mod:`recover.train.scaling`) among the extra state."""
+SCHEDULER = "lr_scheduler"
+"""The name of an LR scheduler given as ``lr`` among the extra state (joiners and checkpoints carry it)."""
 
 
 def column(ids: list[int], fsdp: int, index: int) -> list[int | None]:
@@ -75,7 +91,8 @@ class OwnReplica:
     Args:
         model: any ``nn.Module``; its trainable parameters are the gradient.
         optimizer: any optimizer over those parameters.
-        lr: the learning rate of a committed step (None: the optimizer's own, untouched).
+        lr: the learning rate of a committed step, or a torch LR scheduler over ``optimizer`` stepped after each
+            committed update (None: the optimizer's own, untouched).
         clip: the global gradient-norm bound (0: none).
         deterministic: float64 gradient buffers (a step's sum does not depend on who computed what).
         device: where the buffers live (the parameters' device).
@@ -83,6 +100,14 @@ class OwnReplica:
         group: the replica's process group when it has several ranks (None: one process).
         fsdp, fsdp_index, tp_index: the replica's fsdp degree and this rank's coordinates.
         extra: state that travels with the model (``state_dict()``/``load_state_dict()``, or a dict of such).
+        scaler: a torch ``GradScaler`` whose dynamic loss scale this replica applies (float16:
+            :mod:`recover.train.scaling`); None: no loss scaling.
+        dp_group: the process group of this rank's fsdp ranks (``mesh["fsdp"]``), when ``fsdp > 1``: the
+            gradients of parameters not sharded over it are summed over it.
+
+    Raises:
+        ContractError: the optimizer steps parameters that are not the model's; the ranks hold different
+            values of a parameter none of them shards.
     """
 
     reduce_order = None
@@ -90,12 +115,26 @@ class OwnReplica:
     audit_id: int | None = None
     audit_value: dict[str, Any] | None = None
 
-    def __init__(self, model: nn.Module, optimizer: torch.optim.Optimizer, *, lr: Callable[[int], float] | None,
-                 clip: float, deterministic: bool, device: torch.device, tokens_per_microbatch: int = 0,
+    def __init__(self, model: nn.Module, optimizer: torch.optim.Optimizer, *,
+                 lr: Callable[[int], float] | LRScheduler | None, clip: float, deterministic: bool,
+                 device: torch.device, tokens_per_microbatch: int = 0,
                  group: dist.ProcessGroup | None = None, fsdp: int = 1, fsdp_index: int = 0,
-                 tp_index: int = 0, extra: Any = None) -> None:
-        self.model, self.optimizer, self.lr, self.clip = model, optimizer, lr, clip
+                 tp_index: int = 0, extra: Any = None, dp_group: dist.ProcessGroup | None = None,
+                 scaler: Any = None) -> None:
+        check_optimizer(model, optimizer)
+        self.model, self.optimizer, self.clip = model, optimizer, clip
+        self.scheduler = lr if isinstance(lr, LRScheduler) else None
+        self.lr = None if self.scheduler is not None else lr
         self.extra = parts(extra)
+        if self.scheduler is not None:
+            if self.scheduler.optimizer is not optimizer:
+                raise ContractError("the LR scheduler given as lr steps another optimizer: build it over the Job's")
+            self.extra = {**self.extra, SCHEDULER: self.scheduler}  # to joiners and checkpoints with the rest
+        self.loss_scale = LossScale(scaler) if scaler is not None else None
+        if self.loss_scale is not None:
+            self.extra = {**self.extra, LOSS_SCALE: self.loss_scale}
+        self.applied_lr = float(optimizer.param_groups[0]["lr"])
+        """The learning rate of the last update (a scheduler has moved the optimizer's on since)."""
         self.device, self.group = device, group
         self.fsdp, self.fsdp_index, self.tp_index = fsdp, fsdp_index, tp_index
         sum_gradients(model)
@@ -103,6 +142,11 @@ class OwnReplica:
         if not named:
             raise ValueError("the model has no trainable parameters")
         self.names, self.params = [n for n, _ in named], [p for _, p in named]
+        check_same_weights([(n, local(p)) for n, p in model.named_parameters() if shards(p) == 1], group, device)
+        self._dp = [k for k, p in enumerate(self.params) if fsdp > 1 and not over_fsdp(p)]
+        self.dp_group = dp_group if self._dp else None
+        if self._dp and dp_group is None:
+            raise ValueError("fsdp > 1 and parameters not sharded over it: give dp_group (the mesh's fsdp group)")
         state = [*model.named_parameters(), *persistent_buffers(model)]
         self._state_names, self._state_tensors = [n for n, _ in state], [t for _, t in state]
         self.dtype = torch.float64 if deterministic else torch.float32
@@ -123,6 +167,7 @@ class OwnReplica:
             buf.zero_()
         self.stats.zero_()
         self.ledger, self.nonfinite, self.loss_sum, self._folded = [], [], 0.0, []
+        self.audit_id, self.audit_value = None, None  # a launched Job's probe digest, set again after the step
 
     def payload(self) -> list[torch.Tensor]:
         return [*self.buffers, self.stats]
@@ -142,7 +187,8 @@ class OwnReplica:
         if perturb is not None:
             for grad in grads:
                 perturb(grad)
-        finite = torch.stack(torch._foreach_norm(grads)).sum().isfinite()
+        finite = (torch.stack(torch._foreach_norm(grads)).sum().isfinite() if self.loss_scale is None
+                  else torch.ones((), dtype=torch.bool, device=grads[0].device))  # an overflow: the update decides
         for buf, p in zip(self.buffers, self.params, strict=True):
             if p.grad is not None:
                 buf.add_(local(p.grad).to(self.dtype))
@@ -185,13 +231,40 @@ class OwnReplica:
         self._folded = []
 
     def totals(self, reduced: list[torch.Tensor], fingerprint: bool = False) -> Totals:
+        """The reduced payload's totals (:func:`~recover.train.update.read_totals`), after the gradients of the
+        parameters not sharded over the fsdp axis were summed over it in place (data parallel inside the
+        replica: see the module docstring)."""
+        if self.dp_group is not None:
+            flat = torch.cat([reduced[k].reshape(-1) for k in self._dp])
+            dist.all_reduce(flat, group=self.dp_group)
+            for k, part in zip(self._dp, flat.split([reduced[k].numel() for k in self._dp]), strict=True):
+                reduced[k].copy_(part.view_as(reduced[k]))
         return read_totals(reduced, len(self.params), self._copies, self._fingerprint() if fingerprint else None,
                            self.group)
 
     def apply(self, reduced: list[torch.Tensor], divisor: int, step: int, sum_norm: float) -> float:
+        """The update of committed step ``step``: with ``lr(step)`` set first, or an LR scheduler stepped after
+        it (once per committed step, as a plain loop steps it after ``optimizer.step()``)."""
         if self.lr is not None:
             set_lr(self.optimizer, float(self.lr(step)))
-        return apply_sum(self.optimizer, self.params, reduced, divisor, sum_norm, self.clip, like)
+        self.applied_lr = float(self.optimizer.param_groups[0]["lr"])
+        scale = self.loss_scale
+        if scale is not None and not math.isfinite(sum_norm):  # the scaled gradient overflowed: no update
+            scale.update(overflow=True)
+            norm = sum_norm
+        else:
+            norm = apply_sum(self.optimizer, self.params, reduced, divisor * (scale.scale if scale else 1), sum_norm,
+                             self.clip, like)
+            if scale is not None:
+                scale.update(overflow=False)
+        if self.scheduler is not None:
+            self.scheduler.step()
+        return norm
+
+    @property
+    def grad_scale(self) -> float:
+        """What each microbatch's loss is multiplied by before its backward (1: no loss scaling)."""
+        return self.loss_scale.scale if self.loss_scale is not None else 1.0
 
     def _fingerprint(self) -> torch.Tensor:
         return bit_sum([local(p.detach()) for p in self.params], self.device)
@@ -214,6 +287,16 @@ class OwnReplica:
     def corrupt(self) -> None:
         """Fault injection (``--corrupt``): one bit of this rank's shard of the first parameter flips in memory."""
         flip_bit(local(self.params[0].detach()))
+
+
+def over_fsdp(p: torch.Tensor) -> bool:
+    """Whether ``p`` is sharded over a mesh axis named ``fsdp`` (FSDP2's ``fully_shard(..., mesh=rt.mesh["fsdp"])``,
+    or FSDP over TP)."""
+    if not isinstance(p, DTensor):
+        return False
+    names = p.device_mesh.mesh_dim_names or ()
+    return any(name == "fsdp" and not placement.is_replicate()
+               for name, placement in zip(names, p.placements, strict=False))
 
 
 def persistent_buffers(model: nn.Module) -> list[tuple[str, torch.Tensor]]:

@@ -55,7 +55,7 @@ from typing import Any
 
 from torch.distributed import DistNetworkError, DistStoreError
 
-from recover.baselines import JobFailed, ShrinkStep, step_class
+from recover.baselines import JobFailed
 from recover.config import Config
 from recover.coord.client import CoordinatorLost, Diverged
 from recover.errors import DataError, QuorumLost, StateLost
@@ -76,6 +76,7 @@ from recover.train.exits import (
     EXIT_STOPPED,
     replica_log_path,
 )
+from recover.train.process import Launched, build_step
 
 NETWORK_ERRORS = (DistNetworkError, DistStoreError)
 """torch.distributed's errors of a path that broke (a store or peer that cannot be reached): the end
@@ -113,6 +114,14 @@ class Session:
         self.perturbation: Perturbation | None = None
         self.step: ResilientStep | None = None
 
+    @classmethod
+    def of(cls, launched: Launched, cfg: Config, *, rank: int = 0, ranks: int = 1, start: Progress | None = None,
+           restore: Restore | None = None, baseline: Baseline | str | None = None) -> Session:
+        """The session of a replica process the launcher started (:mod:`recover.train.process`)."""
+        return cls(cfg, launched.out, launched.replica, launched.host, launched.port, launched.token,
+                   list(launched.failures), join=launched.join, rank=rank, ranks=ranks, start=start,
+                   baseline=baseline, restore=restore, tls=launched.tls)
+
     # ---- start ----------------------------------------------------------------------------------
     def connect(self, replica: Any, M: int, **step_kwargs: Any) -> ResilientStep:
         """Registers with the coordinator, forms the group and builds the step protocol over ``replica``
@@ -121,7 +130,7 @@ class Session:
         from recover.comm.netaddr import bind_gloo_towards
         from recover.coord.client import CoordinatorClient
 
-        ft, tc = self.cfg.fault_tolerance, self.cfg.training
+        ft = self.cfg.fault_tolerance
         self.perturbation = replica.perturb = Perturbation(
             self.failures, self.replica_id, self.rank, self.ranks, target=replica,
             record=lambda spec, kind, fields: self.event(kind, **fields, spec=spec.label))
@@ -138,14 +147,9 @@ class Session:
         membership = client.register(join=self.join)
         group = FaultTolerantGroup.create(client, membership, backend=self.cfg.parallel.backend,
                                           timeout_s=ft.collective_timeout_s, bucket_bytes=int(ft.bucket_mb * 2**20))
-        kind = step_class(self.baseline)
-        if kind is ShrinkStep:
-            step_kwargs["initial_replicas"] = self.cfg.parallel.replicas
-        step_kwargs.setdefault("seed", tc.seed)
         step_kwargs.setdefault("restore", self.restore)
-        self.step = step = kind(replica, group, client, M, self.start, ft.min_replicas, hook=self.hook,
-                                on_event=self.event, policy=self.cfg.workload.policy,
-                                fingerprint_every=ft.fingerprint_every, **step_kwargs)
+        self.step = step = build_step(replica, group, client, M, self.start, self.cfg, baseline=self.baseline,
+                                      hook=self.hook, on_event=self.event, **step_kwargs)
         # admitted as a joiner: --join, or started after the job began (a restarted pod or srun step)
         self.join = self.join or self.replica_id in membership.joined
         if self.join:

@@ -38,11 +38,12 @@ from recover.model import model_stats
 from recover.observe.events import JsonlWriter, keep_records_before
 from recover.observe.progress import ProgressDisplay
 from recover.observe.sinks import StepSinks
-from recover.recovery.protocol import Progress, ResilientStep
+from recover.recovery.protocol import Progress
 from recover.train.checkpoint import Checkpointer
 from recover.train.dist import CommitAll, DistContext, StaticGroup
 from recover.train.integrity import remove_leftovers
 from recover.train.loop import Loop, configure_torch
+from recover.train.process import build_step
 from recover.train.replica import Replica
 
 
@@ -97,8 +98,7 @@ def train(cfg: Config, out: str | os.PathLike[str], ctx: DistContext | None = No
     first = start.step
     group = data_parallel_group(cfg, ctx)
     commit = CommitAll()
-    step = ResilientStep(replica, group, commit, tc.global_microbatches, start,
-                         assignment=tc.assignment, seed=tc.seed)
+    step = build_step(replica, group, commit, tc.global_microbatches, start, cfg, launched=False)
     end = min(tc.steps, stop_at_step) if stop_at_step else tc.steps
     stats = model_stats(cfg.model, cfg.data.seq_len)
     writer = ctx.is_main and replica.is_writer

@@ -60,7 +60,6 @@ from __future__ import annotations
 
 import os
 import sys
-from pathlib import Path
 from typing import Any
 
 from recover.baselines import JobFailed
@@ -68,13 +67,13 @@ from recover.config import Config
 from recover.coord.client import CoordinatorLost, Diverged
 from recover.data.sampler import EvalSampler
 from recover.errors import ConfigError, DataError, QuorumLost, RecoverError, StateLost
-from recover.faults import FailureSpec
 from recover.names import Baseline, Phase
 from recover.recovery.protocol import Progress
 from recover.train.checkpoint import Checkpointer
 from recover.train.dist import DistContext, init_from_env
 from recover.train.exits import EXIT_STOPPED, EXIT_UNSAVED, PLACEMENT_ENV
 from recover.train.loop import Loop, use_deterministic_kernels
+from recover.train.process import Launched
 from recover.train.replica import Replica
 from recover.train.session import NETWORK_ERRORS, Session
 from recover.train.trainer import build_replica
@@ -134,20 +133,18 @@ def own_device(cfg: Config) -> Any:
 
 
 class ReplicaWorker:
-    """Trains ``cfg`` as replica ``replica`` of a job whose coordinator listens at ``host:port``: the built-in
+    """Trains ``cfg`` as the replica ``launched`` names (:class:`~recover.train.process.Launched`): the built-in
     replica through the launched :class:`~recover.train.session.Session` every kind of replica shares."""
 
-    def __init__(self, cfg: Config, out: str | os.PathLike[str], replica: int, host: str, port: int, token: str,
-                 failures: list[FailureSpec] = (), join: bool = False, procs: int = 1,
-                 built: Built | None = None, baseline: Baseline | str | None = None, resume: bool = False,
-                 tls: Any = None) -> None:
-        self.cfg, self.out, self.replica_id = cfg, Path(out), replica
+    def __init__(self, cfg: Config, launched: Launched, procs: int = 1, built: Built | None = None,
+                 baseline: Baseline | str | None = None) -> None:
+        self.cfg, self.out, self.replica_id = cfg, launched.out, launched.replica
         self.replica, self.eval_data, ctx = built or build(cfg, procs)
         rank, ranks = (ctx.rank, ctx.world_size) if cfg.parallel.procs_per_replica > 1 else (0, 1)
         self.checkpointer = Checkpointer(self.out / "checkpoints", self.replica, cfg, self.replica.data.epoch_of)
-        start = Progress.of(self.checkpointer.resume()[1]) if resume else Progress()
-        self.session = Session(cfg, out, replica, host, port, token, failures, join=join, rank=rank, ranks=ranks,
-                               start=start, baseline=baseline, restore=self.restore, tls=tls)
+        start = Progress.of(self.checkpointer.resume()[1]) if launched.resume else Progress()
+        self.session = Session.of(launched, cfg, rank=rank, ranks=ranks, start=start, baseline=baseline,
+                                  restore=self.restore)
 
     def restore(self) -> Progress | None:
         """Every replica holding the state was lost: the newest intact checkpoint, loaded (None: none, or every
