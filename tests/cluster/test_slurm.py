@@ -37,6 +37,7 @@ STEPS = 40
 FLAGS = ["--training.steps", str(STEPS), "--training.eval_every", "20", "--training.deterministic", "true",
          "--training.threads", "1"]
 SCRIPT = ROOT / "examples" / "slurm" / "recover.sbatch"
+SLOW_SCRIPT = ROOT / "tests" / "e2e" / "scripts" / "train_slow.py"
 ENDED = ("COMPLETED", "FAILED", "CANCELLED", "TIMEOUT", "NODE_FAIL", "PREEMPTED", "OUT_OF_MEMORY", "BOOT_FAIL",
          "DEADLINE")
 METRICS_PORT = 29499
@@ -357,3 +358,30 @@ def test_a_notice_after_every_step_was_committed_changes_nothing(
     assert (state["JobState"], state["ExitCode"], state["Restarts"]) == ("COMPLETED", "0:0", "0"), job.output()
     assert "signal: stopping" in job.output() and "requeueing" not in job.output(), job.output()
     bitwise(reference, job.out)
+
+
+def test_a_users_script_runs_as_the_replicas_and_a_notice_replaces_one(
+        cluster: SlurmCluster, tmp_path: Path) -> None:
+    """SCRIPT=train.py (recover.api, the README's example at 0.3 s a microbatch, time for a replacement's torchrun
+    and script to start on 2 busy cores and join): the recipe runs the user's
+    script as each replica in place of `recover worker`. Replica 1's step gets `scancel --signal=TERM`: it leaves
+    at its next commit and a replacement step joins; COMPLETED 0:0, every step bitwise the script's one-replica
+    failure-free `recover launch`."""
+    ref = tmp_path / "script-ref"
+    got = run_recover(["launch", "--config", "debug", "--replicas", "1", "--out", str(ref), "--no-progress",
+                       "--deterministic", "--", sys.executable, str(SLOW_SCRIPT)], timeout=300)
+    assert got.returncode == 0, got.stdout + got.stderr
+    job = submit(cluster, tmp_path, "script", 2, "--training.deterministic", "true",
+                 env={"SCRIPT": str(SLOW_SCRIPT), "PYTHON": sys.executable, "SLOW_S": "0.3"})
+    job.wait_step(1)
+    cluster.run(["scancel", "--signal=TERM", job.steps()["replica-1"]], check=False)  # see the notice test
+    state = job.wait()
+    assert (state["JobState"], state["ExitCode"]) == ("COMPLETED", "0:0"), job.output()
+    rows = [json.loads(line) for line in (job.out / "metrics.jsonl").read_text().splitlines()]
+    want = [json.loads(line) for line in (ref / "metrics.jsonl").read_text().splitlines()]
+    assert [r["step"] for r in rows] == list(range(20)) and {r["microbatches"] for r in rows} == {4}
+    assert [r["loss"] for r in rows] == [r["loss"] for r in want]  # bitwise
+    ev = job.events()
+    assert [e["replicas"] for e in ev if e["kind"] == "leave"] == [[1]]
+    assert [e for e in ev if e["kind"] == "started" and e.get("replica") == 1 and e.get("joined")]
+    assert "replica 1 left the job on a notice" in job.output()

@@ -1,5 +1,7 @@
-"""The README's example, 20 steps of 4 microbatches, each microbatch taking at least 0.15 s (emulated devices):
-time enough for a notice to one replica and its replacement to join (tests/e2e/test_cluster_recipes.py)."""
+"""The README's example, 20 steps of 4 microbatches, each microbatch taking at least 0.15 s (emulated devices;
+SLOW_S=seconds for another floor, which changes no number):
+time enough for a notice to one replica and its replacement to join (the cluster tier: tests/cluster/)."""
+import os
 import time
 
 import torch
@@ -8,6 +10,7 @@ from torch import nn
 import recover
 
 V, T, B, M, STEPS = 96, 16, 2, 4, 20
+FLOOR_S = float(os.environ.get("SLOW_S", "0.15"))
 
 
 def sample(step: int, i: int) -> tuple[torch.Tensor, torch.Tensor]:
@@ -25,4 +28,4 @@ for step in job.steps(STEPS):
         t0 = time.perf_counter()
         x, y = mb.batch
         mb.backward(nn.functional.cross_entropy(model(x).flatten(0, 1), y.flatten()))
-        time.sleep(max(0.0, 0.15 - (time.perf_counter() - t0)))
+        time.sleep(max(0.0, FLOOR_S - (time.perf_counter() - t0)))
