@@ -76,7 +76,7 @@ def run_seed(plan: Plan, seed: int, out: Path, log: Log) -> SeedResult:
         "replicas": plan.replicas, "microbatches": res["microbatches"],
         "tokens_per_microbatch": int(first.get("tokens", 0) // max(1, res["microbatches"])),
         "step_time_s": calibrate(rows["reference"]["run_dir"]).step_time_s, "device_time_s": plan.device_time_s,
-        "recovery_latency_s": _latency(rows.get("recover")), "reconfig_s": _latency(rows.get(Baseline.SHRINK.value)),
+        "recovery_latency_s": _latency(rows.get("recover")), "reconfig_s": _reconfig_s(rows.get(Baseline.SHRINK.value)),
         "restart_s": _relaunch_s(rows.get(Baseline.RESTART.value)), "save_s": yd.get("save_cost_s"),
         "checkpoint_every": yd.get("checkpoint_every"), "compute_s": res["device"]["compute_s"],
         "device_dominates": res["device"]["dominates"],
@@ -131,8 +131,7 @@ def _relaunch_s(row: dict[str, Any] | None) -> float | None:
     run_dir = Path(row["run_dir"])
     win = windows(run_dir)
     events = load_events(run_dir)
-    times = sorted(win["launch_t"] + r["elapsed_s"] for r in read_jsonl(run_dir / "metrics.jsonl")
-                   if "elapsed_s" in r and "step" in r)
+    times = _commit_times(run_dir, win)
     costs = []
     for e in (e for e in events if e.get("kind") == Event.JOB_RESTART):
         kill = max((k["t"] for k in events if k.get("kind") == Event.KILL and k["t"] <= e["t"]), default=None)
@@ -142,6 +141,31 @@ def _relaunch_s(row: dict[str, Any] | None) -> float | None:
         step = statistics.median(b - a for a, b in zip(after, after[1:], strict=False))
         costs.append(after[0] - kill - step)
     return statistics.median(costs) if costs else None
+
+
+def _commit_times(run_dir: Path, win: dict[str, float]) -> list[float]:
+    return sorted(win["launch_t"] + r["elapsed_s"] for r in read_jsonl(run_dir / "metrics.jsonl")
+                  if "elapsed_s" in r and "step" in r)
+
+
+def _reconfig_s(row: dict[str, Any] | None) -> float | None:
+    """Shrink-and-drop's reconfiguration: median over kills of the gap between the commits around the kill
+    minus two steps (the dropped one and the next), a step being the median interval between commits."""
+    if not row or "run_dir" not in row:
+        return None
+    run_dir = Path(row["run_dir"])
+    win = windows(run_dir)
+    times = _commit_times(run_dir, win)
+    kills = [e["t"] for e in load_events(run_dir) if e.get("kind") == Event.KILL]
+    if len(times) < 3 or not kills:
+        return None
+    step = statistics.median(b - a for a, b in zip(times, times[1:], strict=False))
+    gaps = []
+    for k in kills:
+        before, after = [t for t in times if t <= k], [t for t in times if t > k]
+        if before and after:
+            gaps.append(max(0.0, after[0] - before[-1] - 2 * step))
+    return statistics.median(gaps) if gaps else None
 
 
 def run_bitwise(plan: Plan, out: Path, log: Log) -> dict[str, Any]:
