@@ -148,7 +148,9 @@ def test_evaluate_with_an_injected_runner_writes_the_report(tmp_path: Path) -> N
 
 
 def test_plan_flags() -> None:
-    args = argparse.Namespace(quick=True, seeds=None, steps=None)
-    assert plan_from_args(args) == QUICK
+    assert plan_from_args(argparse.Namespace(quick=True, seeds=None, steps=None, replicas=None)) == QUICK
+    assert plan_from_args(argparse.Namespace(quick=True, seeds=5, steps=None, replicas=8)).seeds == (0, 1, 2, 3, 4)
     with pytest.raises(ConfigError, match="--seeds 1"):
-        plan_from_args(argparse.Namespace(quick=False, seeds=1, steps=None))
+        plan_from_args(argparse.Namespace(quick=False, seeds=1, steps=None, replicas=None))
+    with pytest.raises(ConfigError, match="--replicas 1"):
+        plan_from_args(argparse.Namespace(quick=False, seeds=None, steps=None, replicas=1))

@@ -89,7 +89,7 @@ def assemble(plan: Plan, seeds: Sequence[SeedResult], bitwise: dict[str, Any] | 
     """
 
     from recover.bench import paperstats as st
-    from recover.bench.papersim import PROJECTIONS, projections, validate
+    from recover.bench.papersim import ASSUMED, PROJECTIONS, SCALED_COSTS, projections, validate
 
     budgets = [_budget(s) for s in seeds]
     simulator = []
@@ -107,6 +107,7 @@ def assemble(plan: Plan, seeds: Sequence[SeedResult], bitwise: dict[str, Any] | 
         "simulator": simulator,
         "projections": projections(inputs, PROJECTIONS if scenarios is None else scenarios) if inputs else [],
         "inputs": inputs, "bitwise": bitwise,
+        "projection_basis": {"measured": [f"{k} / step_time_s" for k in SCALED_COSTS], "assumed": list(ASSUMED)},
         "seeds": [{k: v for k, v in s.items() if k != "systems"} for s in seeds],
         "curves": {name: st.band([s["systems"][name]["losses"] for s in seeds if name in s["systems"]])
                    for name in _systems(seeds)},
@@ -243,6 +244,9 @@ def add_parser(bench_subparsers: argparse._SubParsersAction) -> argparse.Argumen
                         f"{len(FULL.seeds)} seeds, {FULL.steps} steps; under 2 hours on 2 idle cores)")
     p.add_argument("--seeds", type=int, default=None, help="number of seeds (default: 5 full, 3 quick; >= 2)")
     p.add_argument("--steps", type=int, default=None, help="committed steps per run (default: 200 full, 30 quick)")
+    p.add_argument("--replicas", type=int, default=None,
+                   help="emulated replicas (devices) per run, half of them lost (default 4; the simulator's check "
+                        "is meant for 4 to 16)")
     p.add_argument("--out", default="runs/bench-paper", help="directory of the runs, plots and PAPER.md")
     p.add_argument("--json", default=None, help="also write the results to this JSON file")
     p.set_defaults(func=run_from_args)
@@ -250,7 +254,7 @@ def add_parser(bench_subparsers: argparse._SubParsersAction) -> argparse.Argumen
 
 
 def plan_from_args(args: argparse.Namespace) -> Plan:
-    """The plan ``--quick``, ``--seeds`` and ``--steps`` ask for.
+    """The plan ``--quick``, ``--seeds``, ``--steps`` and ``--replicas`` ask for.
 
     Raises:
         ConfigError: fewer than 2 seeds (no spread) or fewer than 8 steps.
@@ -266,6 +270,10 @@ def plan_from_args(args: argparse.Namespace) -> Plan:
         if args.steps < 8:
             raise ConfigError(f"--steps {args.steps}: at least 8, so that half the replicas can fail in between")
         plan = dataclasses.replace(plan, steps=args.steps)
+    if getattr(args, "replicas", None) is not None:
+        if args.replicas < 2:
+            raise ConfigError(f"--replicas {args.replicas}: at least 2, so that half of them can fail")
+        plan = dataclasses.replace(plan, replicas=args.replicas)
     return plan
 
 

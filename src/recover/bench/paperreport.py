@@ -120,6 +120,9 @@ def _simulator_md(res: dict[str, Any], inputs: dict[str, Any], plot: bool) -> li
               "assumed, see docs/BENCHMARKS.md), with their assumed costs and with the measured costs (recovery "
               "latency, shrink reconfiguration, relaunch, save) carried over as multiples of the measured step "
               "time.", ""]
+    basis = res.get("projection_basis") or {}
+    if basis:
+        lines += [f"Measured: {', '.join(basis['measured'])}. Assumed: {', '.join(basis['assumed'])}.", ""]
     proj = [r for r in res.get("projections", []) if r["system"] == "recover"]
     lines += _table(("scenario", "GPUs", "costs", "failures", "recover / ckpt-restart, throughput after failures",
                      "recover / ckpt-restart, tokens at budget"),

@@ -40,6 +40,9 @@ SCALED_COSTS = {"recovery_latency_s": "recovery_latency_s", "reconfig_s": "recon
                 "restart_s": "restart_s", "save_s": "save_s"}
 """Measured cost -> JobSpec field carried to a projection as (cost / measured step time) x the preset's step."""
 PROJECTIONS = tuple(PRESETS)
+ASSUMED = ("GPUs and the replica shape", "M and tokens per microbatch", "step time", "failure model or trace",
+           "repair and rejoin costs", "restart mode", "the costs a preset keeps when one was not measured")
+"""What a projection takes from the preset (docs/BENCHMARKS.md), not from the emulated runs."""
 
 
 def job_spec(system: str, inputs: dict[str, Any], kills: Sequence[tuple[float, int]], duration_s: float,
@@ -97,8 +100,10 @@ def projections(inputs: dict[str, Any], names: Sequence[str] = PROJECTIONS) -> l
     rows = []
     for name in names:
         base = preset(name)
-        scaled = {field: inputs[key] / inputs["step_time_s"] * base.step_time_s
-                  for key, field in SCALED_COSTS.items() if inputs.get(key) is not None}
+        scaled: dict[str, Any] = {field: inputs[key] / inputs["step_time_s"] * base.step_time_s
+                                  for key, field in SCALED_COSTS.items() if inputs.get(key) is not None}
+        if "restart_s" in scaled:
+            scaled["load_s"] = 0.0  # the measured relaunch includes the checkpoint load
         for costs, spec in (("assumed", base), ("measured, scaled to the step time", base.replace(**scaled))):
             res = simulate(spec)
             ratios = res.ratios().get("recover/checkpoint-restart", {})
@@ -109,7 +114,7 @@ def projections(inputs: dict[str, Any], names: Sequence[str] = PROJECTIONS) -> l
                              "tokens_at_budget": r.tokens_at_budget, "failures": int(len(res.failure_times)),
                              "recover_vs_restart_throughput": ratios.get("throughput_after_failures"),
                              "recover_vs_restart_tokens": ratios.get("tokens_at_budget"),
-                             "inputs": {f: getattr(spec, f) for f in SCALED_COSTS.values()}})
+                             "inputs": {f: getattr(spec, f) for f in (*SCALED_COSTS.values(), "load_s")}})
     return rows
 
 
