@@ -119,6 +119,7 @@ def test_trajectory_test_places_each_system(result: dict[str, Any]) -> None:
     assert not by["shrink-and-drop"]["test"]["all_inside"]
     assert by["shrink-and-drop"]["test"]["p_permutation"] < 0.05
     assert len(by["recover"]["final_val_loss"]) == 5
+    assert "test" not in by["failure-free"]  # the reference is not tested against itself
 
 
 def test_recover_beats_restart_at_the_budget_and_after_failures(result: dict[str, Any]) -> None:

@@ -135,7 +135,7 @@ def _trajectory(seeds: Sequence[SeedResult]) -> list[dict[str, Any]]:
                                "max_rel_loss_dev": max((r.get("max_rel_loss_dev") or 0 for _, r in runs), default=0),
                                "first_loss": _mean([r["losses"][0] for _, r in runs if r.get("losses")]),
                                "last_loss": _mean([r["losses"][-1] for _, r in runs if r.get("losses")])}
-        if len(ref) >= 2 and vals:
+        if name != "failure-free" and len(ref) >= 2 and vals:
             row["test"] = st.seed_test(ref, vals)
         rows.append(row)
     return rows

@@ -17,6 +17,9 @@ from typing import Any
 from recover.bench.common import fmt, print_rich_table
 
 COLORS = {"failure-free": "0.45", "recover": "C0", "checkpoint-and-restart": "C3", "shrink-and-drop": "C1"}
+STYLES = {"failure-free": {"lw": 4.0, "alpha": 0.45}, "checkpoint-and-restart": {"ls": "--"}}
+"""Line styles of the loss curves: recover and checkpoint-and-restart keep the failure-free trajectory, so
+their curves lie on it; the reference is drawn wide and faint, checkpoint-and-restart dashed."""
 PAPER_CLAIMS = ("trajectory preserved with 256 of 512 GPUs lost", "2.23x the effective throughput of "
                 "checkpoint-and-restart after successive failures", "+74.9% tokens at 234 GPU-hours")
 
@@ -67,7 +70,7 @@ def markdown(res: dict[str, Any], plots: Sequence[str], missing: Sequence[str] =
             continue
         t = r.get("test") or {}
         rows.append([r["system"], ", ".join(f"{v:.4f}" for v in r["final_val_loss"]),
-                     f"[{fmt(t.get('low'), '.4f')}, {fmt(t.get('high'), '.4f')}]" if t else "-",
+                     f"[{fmt(t.get('low'), '.4f')}, {fmt(t.get('high'), '.4f')}]" if t else "(the reference)",
                      ", ".join(f"{z:+.2f}" for z in t.get("z", [])) or "-",
                      ("yes" if t.get("all_inside") else "no") if t else "-", fmt(t.get("p_permutation"), ".3f"),
                      str(r["min_microbatches"]),
@@ -113,7 +116,8 @@ def _simulator_md(res: dict[str, Any], inputs: dict[str, Any], plot: bool) -> li
     lines += _table(("system", "seed", "measure", "measured", "simulated", "error", "within 10%"), rows)
     misses = [r for r in res["simulator"] if r["within"] is False]
     lines += [f"{len(res['simulator']) - len(misses)} of {len(res['simulator'])} within 10%."
-              + (" Each miss is a finding to explain (see the README), not a parameter to tune." if misses else ""), ""]
+              + (" Each miss is a finding to explain (docs/PAPER.md explains those of the runs recorded there), not "
+                 "a parameter to tune." if misses else ""), ""]
     if plot:
         lines += ["![simulated over measured](simulator.png)", ""]
     lines += ["## Projections", "", "The presets of `recover simulate` (job shape, step time, failures, repair: "
@@ -143,7 +147,8 @@ def _plot_trajectory(res: dict[str, Any], path: Path) -> None:
     fig, ax = plt.subplots(figsize=(9, 5), dpi=110)
     for name, b in res["curves"].items():
         x = list(range(1, len(b["mean"]) + 1))
-        ax.plot(x, b["mean"], color=COLORS.get(name), lw=1.4, label=f"{name} (mean of seeds)")
+        style = {"lw": 1.4, **STYLES.get(name, {})}
+        ax.plot(x, b["mean"], color=COLORS.get(name), label=f"{name} (mean of seeds)", **style)
         ax.fill_between(x, b["low"], b["high"], color=COLORS.get(name), alpha=0.18)
     ax.set_xlabel("step")
     ax.set_ylabel("training loss (nats/token)")
@@ -182,8 +187,8 @@ def _plot_simulator(res: dict[str, Any], path: Path) -> None:
     rows = [r for r in res["simulator"] if r["measured"] and r["simulated"] is not None]
     for i, r in enumerate(rows):
         marker = "o" if r["measure"] == "effective_tokens_per_s" else "s"
-        ax.scatter(i, r["simulated"] / r["measured"], color=COLORS.get(r["system"]), marker=marker)
-    ax.axhspan(0.9, 1.1, color="0.85", alpha=0.6, label="within 10%")
+        ax.scatter(i, r["simulated"] / r["measured"], color=COLORS.get(r["system"]), marker=marker, zorder=3)
+    ax.axhspan(0.9, 1.1, color="0.85", alpha=0.6, label="within 10%", zorder=1)
     ax.axhline(1.0, color="0.4", lw=0.8)
     ax.set_xticks(range(len(rows)), [f"{r['system'][:7]} s{r['seed']}" for r in rows], rotation=60, fontsize=7)
     ax.set_ylabel("simulated / measured")
