@@ -73,10 +73,10 @@ def markdown(res: dict[str, Any], plots: Sequence[str], missing: Sequence[str] =
                      f"[{fmt(t.get('low'), '.4f')}, {fmt(t.get('high'), '.4f')}]" if t else "(the reference)",
                      ", ".join(f"{z:+.2f}" for z in t.get("z", [])) or "-",
                      ("yes" if t.get("all_inside") else "no") if t else "-", fmt(t.get("p_permutation"), ".3f"),
-                     str(r["min_microbatches"]),
+                     str(r["min_microbatches"]), fmt(r.get("max_rel_loss_dev"), ".1e"),
                      fmt(r.get("first_loss"), ".3f") + " -> " + fmt(r.get("last_loss"), ".3f")])
     lines += _table(("system", "final val loss per seed", "failure-free 95% PI", "z", "all inside",
-                     "p (permutation)", "min mb/step", "train loss first -> last"), rows)
+                     "p (permutation)", "min mb/step", "max rel. loss dev. per step", "train loss first -> last"), rows)
     bw = res.get("bitwise")
     if bw:
         lines += [f"Deterministic mode (seed {bw['seed']}, same trace): recover's loss is "
