@@ -148,6 +148,16 @@ def test_evaluate_with_an_injected_runner_writes_the_report(tmp_path: Path) -> N
     assert res["wall_s"] >= 0
 
 
+def test_problems_fail_the_command(result: dict[str, Any]) -> None:
+    from recover.bench.paper import problems_of
+
+    assert problems_of(result) == []
+    bad = {**result, "bitwise": {**result["bitwise"], "bitwise_equal": False},
+           "trajectory": [{**result["trajectory"][1], "completed": False}]}
+    assert problems_of(bad) == ["recover did not complete every run",
+                                "deterministic mode: recover's losses are not bitwise equal to its failure-free run's"]
+
+
 def test_plan_flags() -> None:
     assert plan_from_args(argparse.Namespace(quick=True, seeds=None, steps=None, replicas=None)) == QUICK
     assert plan_from_args(argparse.Namespace(quick=True, seeds=5, steps=None, replicas=8)).seeds == (0, 1, 2, 3, 4)

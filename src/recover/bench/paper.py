@@ -27,6 +27,7 @@ Contract:
 from __future__ import annotations
 
 import argparse
+import sys
 import time
 from collections.abc import Callable, Sequence
 from pathlib import Path
@@ -288,4 +289,16 @@ def run_from_args(args: argparse.Namespace) -> int:
     if args.json:
         write_json(args.json, res)
     print_summary(res)
-    return 0 if all(r.get("completed", True) for r in res["trajectory"]) else 1
+    problems = problems_of(res)
+    if problems:
+        print(f"recover bench paper: {'; '.join(problems)}; see {out / 'PAPER.md'} and the runs' logs under {out}",
+              file=sys.stderr)
+    return 1 if problems else 0
+
+
+def problems_of(res: dict[str, Any]) -> list[str]:
+    """What makes the evaluation fail (exit 1): a run that did not complete, deterministic mode not bitwise."""
+    out = [f"{r['system']} did not complete every run" for r in res["trajectory"] if r.get("completed") is False]
+    if res.get("bitwise") and not res["bitwise"]["bitwise_equal"]:
+        out.append("deterministic mode: recover's losses are not bitwise equal to its failure-free run's")
+    return out
