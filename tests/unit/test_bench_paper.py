@@ -165,3 +165,32 @@ def test_plan_flags() -> None:
         plan_from_args(argparse.Namespace(quick=False, seeds=1, steps=None, replicas=None))
     with pytest.raises(ConfigError, match="--replicas 1"):
         plan_from_args(argparse.Namespace(quick=False, seeds=None, steps=None, replicas=1))
+
+
+def write_run(run_dir: Path) -> None:
+    """A checkpoint-and-restart run: steps 0-2, replica 1 killed, relaunched from step 1 on 3 replicas."""
+    run_dir.mkdir()
+    events = [{"t": 1000.0, "kind": "launch"}, {"t": 1002.0, "kind": "generation", "generation": 1},
+              {"t": 1005.5, "kind": "kill", "replica": 1, "step": 3},
+              {"t": 1005.6, "kind": "job_restart", "resume_step": 1, "lost_steps": 2}]
+    rows = [(0, 3.0, 4), (1, 4.0, 4), (2, 5.0, 4), (1, 12.0, 3), (2, 13.0, 3), (3, 14.0, 3), (4, 15.0, 3)]
+    (run_dir / "events.jsonl").write_text("".join(json.dumps(e) + "\n" for e in events))
+    (run_dir / "metrics.jsonl").write_text("".join(
+        json.dumps({"step": s, "loss": 1.0, "elapsed_s": e, "live_replicas": n, "tokens": 1024, "time_s": 1.0}) + "\n"
+        for s, e, n in rows))
+
+
+def test_a_run_directory_is_read_back_with_its_rollback_and_relaunch(tmp_path: Path) -> None:
+    from recover.bench.paperruns import _reconfig_s, _relaunch_s, read_run
+
+    run = tmp_path / "restart"
+    write_run(run)
+    row = {"run_dir": str(run), "train_s": 13.0, "completed": True, "committed_tokens": 5 * 1024,
+           "final_val_loss": 1.0}
+    got = read_run(row)
+    assert got["kills"] == [[3.5, 1]]
+    assert [s[2] for s in got["series"]] == [1024, 2048, 3072, 2048, 3072, 4096, 5120]  # the rollback undone
+    assert [s[1] for s in got["series"]] == [4, 4, 4, 3, 3, 3, 3]
+    assert got["losses"] == [1.0] * 5
+    assert _relaunch_s(row) == pytest.approx(1012.0 - 1005.5 - 1.0)  # kill -> first commit after, minus a step
+    assert _reconfig_s(row) == pytest.approx(1012.0 - 1005.0 - 2.0)
