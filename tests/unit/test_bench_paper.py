@@ -11,7 +11,8 @@ from typing import Any
 import pytest
 
 from recover.bench import paperstats as st
-from recover.bench.paper import QUICK, assemble, evaluate, plan_from_args
+from recover.bench.paper import QUICK, plan_from_args
+from recover.bench.papereval import assemble, evaluate
 from recover.bench.paperreport import write_report
 from recover.bench.paperruns import Plan
 from recover.errors import ConfigError
