@@ -164,6 +164,8 @@ def test_plan_flags() -> None:
     assert plan_from_args(argparse.Namespace(quick=True, seeds=5, steps=None, replicas=8)).seeds == (0, 1, 2, 3, 4)
     with pytest.raises(ConfigError, match="--seeds 1"):
         plan_from_args(argparse.Namespace(quick=False, seeds=1, steps=None, replicas=None))
+    with pytest.raises(ConfigError, match="--steps 8 is too short to lose 8 of 16"):
+        plan_from_args(argparse.Namespace(quick=True, seeds=None, steps=8, replicas=16))
     with pytest.raises(ConfigError, match="--replicas 1"):
         plan_from_args(argparse.Namespace(quick=False, seeds=None, steps=None, replicas=1))
 

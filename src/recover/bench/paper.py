@@ -75,6 +75,9 @@ def plan_from_args(args: argparse.Namespace) -> Plan:
         if args.replicas < 2:
             raise ConfigError(f"--replicas {args.replicas}: at least 2, so that half of them can fail")
         plan = dataclasses.replace(plan, replicas=args.replicas)
+    if plan.steps < plan.replicas // 2 + 2:
+        raise ConfigError(f"--steps {plan.steps} is too short to lose {plan.replicas // 2} of {plan.replicas} replicas "
+                          f"at evenly spaced steps; use at least {plan.replicas // 2 + 2}")
     return plan
 
 
