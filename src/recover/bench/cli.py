@@ -17,7 +17,7 @@ from recover.errors import ConfigError
 # Modules that add `recover bench NAME` sub-commands.
 BENCH_MODULES: tuple[str, ...] = ("recover.bench.coordinator", "recover.bench.data", "recover.bench.failures",
                                   "recover.bench.gpu",
-                                  "recover.bench.overhead", "recover.bench.stragglers")
+                                  "recover.bench.overhead", "recover.bench.paper", "recover.bench.stragglers")
 
 
 def register(subparsers: argparse._SubParsersAction) -> None:
