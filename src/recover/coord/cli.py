@@ -41,6 +41,7 @@ from __future__ import annotations
 import argparse
 import json
 import signal
+import sys
 import time
 from dataclasses import dataclass, replace
 from pathlib import Path
@@ -165,6 +166,11 @@ def read_token(path: str) -> str:
                           "write a secret into it, e.g. `openssl rand -hex 16 > token`") from None
     if not token:
         raise ConfigError(f"--token-file {path!r} is empty; write a secret into it")
+    mode = Path(path).stat().st_mode & 0o777
+    # (a mounted Kubernetes Secret is a symlink into the pod's own volume: its mode is the volume's)
+    if mode & 0o077 and not Path(path).is_symlink():
+        print(f"recover: warning: --token-file {path} is readable by other users (mode {mode:o}): anyone who can "
+              f"read it can register a replica; chmod 600 {path}", file=sys.stderr)
     return token
 
 
