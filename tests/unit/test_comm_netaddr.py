@@ -8,8 +8,14 @@ import pytest
 from recover.comm import netaddr
 
 
+@pytest.fixture(autouse=True)
+def no_gloo_interface(monkeypatch: pytest.MonkeyPatch) -> None:
+    """GLOO_SOCKET_IFNAME absent in each test and as it was after it (what bind_gloo_towards sets is undone)."""
+    monkeypatch.setenv(netaddr.ENV, "")  # records the variable's state before the test, to restore it
+    monkeypatch.delenv(netaddr.ENV)
+
+
 def test_a_peer_on_this_host_changes_nothing(monkeypatch: pytest.MonkeyPatch) -> None:
-    monkeypatch.delenv(netaddr.ENV, raising=False)
     assert netaddr.route_address("127.0.0.1") == "127.0.0.1" and netaddr.interface_of("127.0.0.1") == "lo"
     assert netaddr.bind_gloo_towards("127.0.0.1") is None and netaddr.ENV not in __import__("os").environ
 
@@ -17,7 +23,6 @@ def test_a_peer_on_this_host_changes_nothing(monkeypatch: pytest.MonkeyPatch) ->
 def test_the_interface_holding_the_route_is_bound_unless_the_user_chose_one(monkeypatch: pytest.MonkeyPatch) -> None:
     import os
 
-    monkeypatch.delenv(netaddr.ENV, raising=False)
     monkeypatch.setattr(netaddr, "route_address", lambda host: "10.1.2.3")
     monkeypatch.setattr(netaddr, "interface_of", lambda addr: "ib0" if addr == "10.1.2.3" else None)
     monkeypatch.setattr(netaddr, "_ours", [])
@@ -30,6 +35,5 @@ def test_the_interface_holding_the_route_is_bound_unless_the_user_chose_one(monk
 def test_an_unroutable_or_unknown_peer_changes_nothing(monkeypatch: pytest.MonkeyPatch) -> None:
     import os
 
-    monkeypatch.delenv(netaddr.ENV, raising=False)
     monkeypatch.setattr(netaddr, "route_address", lambda host: None)
     assert netaddr.bind_gloo_towards("nowhere.invalid") is None and netaddr.ENV not in os.environ

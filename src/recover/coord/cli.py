@@ -157,8 +157,9 @@ class Settings:
                               f"--heartbeat-interval ({self.heartbeat_interval_s})")
 
 
-def read_token(path: str) -> str:
-    """The token in ``path`` (surrounding whitespace stripped). Raises ConfigError if unusable."""
+def read_token(path: str, warn: bool = False) -> str:
+    """The token in ``path`` (surrounding whitespace stripped); ``warn``: a file other users can read is named in
+    one warning line (the coordinator's: it admits whoever presents the token). Raises ConfigError if unusable."""
     try:
         token = Path(path).read_text(encoding="utf-8").strip()
     except OSError as exc:
@@ -168,7 +169,7 @@ def read_token(path: str) -> str:
         raise ConfigError(f"--token-file {path!r} is empty; write a secret into it")
     mode = Path(path).stat().st_mode & 0o777
     # (a mounted Kubernetes Secret is a symlink into the pod's own volume: its mode is the volume's)
-    if mode & 0o077 and not Path(path).is_symlink():
+    if warn and mode & 0o077 and not Path(path).is_symlink():
         print(f"recover: warning: --token-file {path} is readable by other users (mode {mode:o}): anyone who can "
               f"read it can register a replica; chmod 600 {path}", file=sys.stderr)
     return token
@@ -240,7 +241,7 @@ def run(args: argparse.Namespace) -> int:
 
     st = Settings.of(args)
     metrics, endpoint = job_metrics(args)
-    coord = Coordinator(args.host, args.port, token=read_token(args.token_file), events_path=args.events,
+    coord = Coordinator(args.host, args.port, token=read_token(args.token_file, warn=True), events_path=args.events,
                         heartbeat_interval_s=st.heartbeat_interval_s, heartbeat_timeout_s=st.heartbeat_timeout_s,
                         store_port=args.store_port, min_members=st.min_replicas,
                         expected_replicas=st.replicas, hang_timeout_s=st.hang_timeout_s,
