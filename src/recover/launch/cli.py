@@ -28,6 +28,7 @@ from recover.faults.registry import random_kinds, registered
 from recover.faults.schedule import KILL
 from recover.launch.placement import Placement, parse_gpus, place, visible_gpus
 from recover.names import BASELINES, Baseline, Event, Phase
+from recover.observe.lease import acquire, check_free
 from recover.observe.rundir import check_out, clear_run
 from recover.train.cli import INIT_FROM_HELP, init_from_override
 
@@ -294,6 +295,7 @@ def check_launch(req: LaunchRequest) -> LaunchOptions:
         if kill_step >= cfg.training.steps:
             raise ConfigError(f"--kill-coordinator {req.kill_coordinator}: step {kill_step} is beyond the run's "
                               f"{cfg.training.steps} steps (0-based)")
+    check_free(Path(req.out))  # a live job's directory: refused whatever the flags, naming its holder
     check_out(Path(req.out), req.resume, req.overwrite)
     check_extras(cfg.observe)
     if req.metrics_port:  # taken now: refused here in one line, not by the coordinator once it all started
@@ -381,13 +383,16 @@ def launch(req: LaunchRequest) -> int:
         for line in Commands(opts).plan():
             print(line)
         return 0
-    if req.overwrite:
-        clear_run(opts.out)
-    opts.out.mkdir(parents=True, exist_ok=True)
-    resolve_data_dir(opts.config.data, quiet=not req.progress)
-    launcher = Launcher(opts)
-    code = launcher.run()
-    _report(launcher, opts, req.reference)
+    with acquire(opts.out, "recover launch") as lease:  # before anything is written; released at the end
+        lease.start_renewing()
+        if lease.took_over:
+            print(f"recover: note: took over --out's lease from {lease.took_over}", file=sys.stderr)
+        if req.overwrite:
+            clear_run(opts.out)
+        resolve_data_dir(opts.config.data, quiet=not req.progress)
+        launcher = Launcher(opts)
+        code = launcher.run()
+        _report(launcher, opts, req.reference)
     if code == EXIT_UNSAVED:
         from recover.observe.events import read_jsonl
 

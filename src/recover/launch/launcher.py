@@ -16,7 +16,8 @@ Contract:
 - The launcher is the single writer of ``metrics.jsonl``: one record per committed step, merged from
   the replicas' own logs (``replicas/replica_R.jsonl``) by the rule of :mod:`recover.launch.records`
   (``recover collect`` merges by the same), written as steps commit and again, final, at the end.
-- SIGTERM or SIGINT is a graceful stop: the coordinator is sent SIGTERM and every worker SIGINT
+- SIGTERM, SIGINT or SIGHUP (the terminal hung up: what would be printed goes to ``logs/launcher.log``)
+  is a graceful stop: the coordinator is sent SIGTERM and every worker SIGINT
   (SIGTERM to one worker alone is that replica's graceful leave, :mod:`recover.train.worker`), the next
   commit is a stop, the lowest live replica saves a complete checkpoint, and everything exits; after
   ``fault_tolerance.stop_grace_s`` whatever still runs is killed. A second signal kills at once.
@@ -35,6 +36,7 @@ Contract:
 
 from __future__ import annotations
 
+import os
 import signal
 import time
 from typing import Any
@@ -57,6 +59,8 @@ from recover.train.exits import (
     EXIT_UNSAVED,
 )
 
+STOP_SIGNALS = (signal.SIGTERM, signal.SIGINT, signal.SIGHUP)
+"""The signals that stop the job gracefully (SIGHUP: the terminal the launcher ran in hung up)."""
 JOINER_GRACE_S = 3.0
 """How long joiners left alone after the last committed step get to exit on their own before being stopped."""
 EXIT_ORDER = (EXIT_UNSAVED, EXIT_DIVERGED, EXIT_NONFINITE, EXIT_BAD_DATA, EXIT_STATE_LOST, EXIT_QUORUM_LOST,
@@ -92,7 +96,7 @@ class Launcher:
         self.seen_events: list[dict[str, Any]] = []
         """Every record of ``events.jsonl`` read so far (the live goodput reads them)."""
         self.stop_signal: int | None = None
-        """The signal (SIGTERM, SIGINT) that asked for a graceful stop, once one did."""
+        """The signal (SIGTERM, SIGINT, SIGHUP) that asked for a graceful stop, once one did."""
         self.stop_started: float | None = None
         self.goodput_at, self.goodput_line = 0.0, None
         self.wall_s = 0.0
@@ -130,8 +134,8 @@ class Launcher:
                           failures=[str(s) for s in self.o.failures], random_mtbf_s=self.o.random_mtbf_s,
                           rejoin_after_s=self.o.rejoin_after_s,
                           resume_step=self.written + 1 if self.o.resume else None)
-        signal.signal(signal.SIGTERM, self._request_stop)
-        signal.signal(signal.SIGINT, self._request_stop)
+        for sig in STOP_SIGNALS:
+            signal.signal(sig, self._request_stop)
         try:
             self.supervisor.start()
             self._watch()
@@ -236,10 +240,23 @@ class Launcher:
             self.supervisor.restart_job(survivors, resume=resume_step > 0)
 
     def _request_stop(self, signum: int, frame: Any) -> None:
-        """SIGTERM or SIGINT: a graceful stop (see the module docstring); the second one: at once."""
+        """SIGTERM, SIGINT or SIGHUP: a graceful stop (see the module docstring); the second one: at once."""
         if self.stop_signal is not None:
             raise KeyboardInterrupt(f"signal {signum}")
         self.stop_signal = signum
+        if signum == signal.SIGHUP:
+            self._off_the_terminal()
+
+    def _off_the_terminal(self) -> None:
+        """After a hang-up, what the launcher would print to its terminal (gone with the session) goes to
+        ``logs/launcher.log`` instead: the stop's line is still written somewhere."""
+        if not any(os.isatty(fd) for fd in (1, 2)):
+            return  # redirected: the output still has its reader
+        fd = os.open(self.out / "logs" / "launcher.log", os.O_WRONLY | os.O_CREAT | os.O_APPEND, 0o644)
+        for std in (1, 2):
+            if os.isatty(std):
+                os.dup2(fd, std)
+        os.close(fd)
 
     def _begin_stop(self, now: float) -> None:
         """Passes the stop on: SIGTERM to the coordinator, SIGINT to every worker; no more rejoins or faults."""
