@@ -350,6 +350,9 @@ class FaultToleranceConfig:
     before failures are seen (then it counts as one failure's worth of evidence beside the observed ones).
     0: 50,000 GPU-hours shared by the job's processes (Llama 3 405B's published interruption rate; about 3 h
     for 16,384 GPUs: :func:`recover.train.cadence.default_mtbf_s`)."""
+    start_timeout_s: float = 60.0
+    """How long the first generation waits for every replica after the first registered: then it forms of
+    those registered (at least ``min_replicas``), and the others join at a step boundary when they come."""
     stop_grace_s: float = 20.0
     """After SIGTERM or SIGINT, how long ``recover launch`` waits for the job to reach a step boundary,
     save a complete checkpoint and exit (exit status 6) before it kills every process."""
@@ -359,7 +362,8 @@ class FaultToleranceConfig:
         require(isinstance(self.min_replicas, int) and self.min_replicas >= 1,
                  "fault_tolerance.min_replicas", self.min_replicas, "an integer >= 1")
         for name in ("heartbeat_interval_s", "heartbeat_timeout_s", "collective_timeout_s",
-                     "intra_replica_timeout_s", "fence_exit_s", "coordinator_reconnect_s", "stop_grace_s"):
+                     "intra_replica_timeout_s", "fence_exit_s", "coordinator_reconnect_s", "stop_grace_s",
+                     "start_timeout_s"):
             value = getattr(self, name)
             require(value > 0, f"fault_tolerance.{name}", value, "a positive number of seconds")
         for name in ("fingerprint_every", "audit_every"):

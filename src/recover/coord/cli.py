@@ -71,6 +71,9 @@ def register(subparsers: argparse._SubParsersAction) -> None:
                    help="one coordinator connection per rank, or per replica through its relay (default rank)")
     p.add_argument("--hang-timeout", type=float, default=0.0,
                    help="no progress (s) while others wait that marks a replica hung; 0: from the step time")
+    p.add_argument("--start-timeout", type=float, default=60.0, metavar="S",
+                   help="the first generation waits at most S seconds after the first registration for the other "
+                        "--replicas, then forms of those registered (at least --min-replicas; default 60)")
     p.add_argument("--metrics-port", type=int, default=0, metavar="P",
                    help="serve Prometheus metrics at http://HOST:P/metrics (HOST: --host); 0: off (default)")
     p.add_argument("--tensorboard", default=None, metavar="DIR",
@@ -177,7 +180,8 @@ def run(args: argparse.Namespace) -> int:
                         ranks_per_replica=args.ranks_per_replica,
                         per_replica_connections=args.connections == "replica",
                         advertise_host=args.advertise_host, max_replicas=args.max_replicas,
-                        tls=Tls.from_flags(args.tls_cert, args.tls_key, args.tls_ca), on_event=metrics.on_event)
+                        tls=Tls.from_flags(args.tls_cert, args.tls_key, args.tls_ca), on_event=metrics.on_event,
+                        start_timeout_s=args.start_timeout)
     try:
         coord.start()
     except ConfigError:

@@ -434,6 +434,8 @@ def launch(req: LaunchRequest) -> int:
         print(f"recover: the job stopped on bad data: {why}. The last committed state is under "
               f"{opts.out / 'checkpoints'}; fix the data (`recover prepare --verify DIR` finds every bad id) and "
               "continue with --resume", file=sys.stderr)
+    elif launcher.start_failed is not None:
+        print(f"recover: the job could not start: {launcher.start_failed}", file=sys.stderr)
     elif launcher.stop_signal is not None:
         print(f"recover: stopped by signal {launcher.stop_signal} without reaching a step boundary within "
               f"fault_tolerance.stop_grace_s; the newest complete checkpoint under {opts.out / 'checkpoints'} "

@@ -98,6 +98,7 @@ class Commands:
                      str(self.o.out / "events.jsonl"), "--replicas", str(expected), "--min-replicas",
                      str(ft.min_replicas), "--heartbeat-interval", str(ft.heartbeat_interval_s),
                      "--heartbeat-timeout", str(ft.heartbeat_timeout_s), "--hang-timeout", str(ft.hang_timeout_s),
+                     "--start-timeout", str(ft.start_timeout_s),
                      "--ranks-per-replica", str(self.ranks), "--connections", ft.connections,
                      "--max-replicas", str(self.o.max_replicas or self.o.config.parallel.replicas), *self.tls_flags)
         if self.o.metrics_port:

@@ -46,6 +46,7 @@ from recover.launch.faultclock import FaultClock
 from recover.launch.job import LaunchOptions
 from recover.launch.records import JsonlTail, StepRecords, metrics_row, write_metrics
 from recover.launch.supervisor import POLL_S, Supervisor
+from recover.names import Event
 from recover.observe.events import EventLog, JsonlWriter
 from recover.observe.progress import ProgressDisplay
 from recover.train.exits import (
@@ -98,6 +99,8 @@ class Launcher:
         self.stop_signal: int | None = None
         """The signal (SIGTERM, SIGINT, SIGHUP) that asked for a graceful stop, once one did."""
         self.stop_started: float | None = None
+        self.start_failed: str | None = None
+        """Why the job could not start (too few replicas left before the first generation), once so."""
         self.goodput_at, self.goodput_line = 0.0, None
         self.wall_s = 0.0
 
@@ -163,6 +166,10 @@ class Launcher:
             self.supervisor.reap_fenced(now)
             if self.supervisor.poll(now, self.records.last_step() + 1, unfinished=self.written + 1 < steps):
                 self._restart()
+            if (why := self.supervisor.cannot_start()) is not None:
+                self.start_failed = why
+                self.events.event(Event.START_FAILED, message=why)
+                return
             self._collect()
             self._flush_metrics(final=False)
             if not self.supervisor.busy():
