@@ -112,3 +112,22 @@ def test_too_few_replicas_left_to_start_end_the_job_with_one_line_naming_the_rep
     assert "replica 1: ending itself" in done.stderr  # the last lines of its log
     assert not (out / "metrics.jsonl").read_text()
     assert [e["kind"] for e in events(out)].count("start_failed") == 1
+
+
+@pytest.mark.parametrize("how", ["release", "wire"])
+def test_a_replica_of_another_release_is_refused_naming_both_versions_and_the_job_goes_on(
+        reference: Path, tmp_path: Path, how: str) -> None:
+    out = tmp_path / "run"
+    done = launch(out, env=plan(1, "start", how))
+    rows = finished_bitwise(done, out, reference)
+    assert all(r["live_replicas"] == 2 for r in rows)
+    if how == "release":
+        line = ("coordinator refused the request: bad_release: replica 1 runs recover 0.0.0-other (wire protocol 1), "
+                "the coordinator recover 0.1.0 (wire protocol 1): run one recover release on every host")
+    else:
+        line = ("coordinator refused the request: bad_version: the coordinator speaks wire protocol 1 (recover 0.1.0), "
+                "replica 1 wire protocol 2 (recover 0.1.0): run one recover release on every host")
+    assert line in done.stderr  # the launcher shows the replica's log's last lines
+    assert "lost the coordinator" not in done.stderr
+    (refused,) = [e for e in events(out) if e["kind"] == "refused"]
+    assert refused["code"] == ("bad_release" if how == "release" else "bad_version")

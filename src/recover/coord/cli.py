@@ -34,6 +34,7 @@ and exits 0), the others train on in a generation formed without it, and the com
 from __future__ import annotations
 
 import argparse
+import errno
 import json
 import signal
 import time
@@ -107,6 +108,20 @@ def read_token(path: str) -> str:
     if not token:
         raise ConfigError(f"--token-file {path!r} is empty; write a secret into it")
     return token
+
+
+def bind_failure(host: str, port: int, flag: str, exc: BaseException) -> str:
+    """The one line of a port the coordinator could not bind: which, why, and the fix."""
+    text = str(exc)
+    if isinstance(exc, OSError) and exc.errno == errno.EADDRNOTAVAIL or "assign requested address" in text:
+        return (f"cannot bind {host}:{port} ({flag}): {host} is no address of this machine; give --host an address "
+                "it has (0.0.0.0: all of them)")
+    if isinstance(exc, OSError) and exc.errno == errno.EACCES or "ermission denied" in text:
+        return f"cannot bind {host}:{port} ({flag}): ports below 1024 need privileges; give {flag} 1024 or above"
+    why = "another process holds it" if "in use" in text or (isinstance(exc, OSError) and
+                                                              exc.errno == errno.EADDRINUSE) else text
+    return (f"cannot bind {host}:{port} ({flag}): {why}; give another {flag} (0 picks a free one), or end the "
+            f"process holding it (`ss -ltnp 'sport = :{port}'` names it)")
 
 
 def parse_die_at_commit(text: str | None) -> tuple[int, int] | None:
@@ -187,7 +202,9 @@ def run(args: argparse.Namespace) -> int:
     except ConfigError:
         raise
     except (OSError, RuntimeError) as exc:
-        raise ConfigError(f"cannot bind {args.host}:{args.port} or store port {args.store_port}: {exc}") from None
+        store_failed = not coord.store_port  # the store binds first: with its port known, the service failed
+        raise ConfigError(bind_failure(args.host, args.store_port if store_failed else args.port,
+                                       "--store-port" if store_failed else "--port", exc)) from None
     if endpoint is not None:
         endpoint.start(lambda: render(metrics.families(coord.snapshot())))
     print(json.dumps({"ready": True, "host": args.host, "advertise_host": coord.advertise_host, "port": coord.port,

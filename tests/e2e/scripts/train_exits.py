@@ -1,7 +1,8 @@
 """The README's example loop, whose replica EXIT_REPLICA ends itself: EXIT_WHEN `start` (before it registers:
 before the first generation) or a step number (as that step begins), EXIT_HOW `2`, `1` or `segv`; only
-EXIT_TIMES times (counted in the file EXIT_COUNT; default: every time). Run by tests/e2e/test_replica_exits.py
-under `recover launch -- python THIS`."""
+EXIT_TIMES times (counted in the file EXIT_COUNT; default: every time). EXIT_HOW `release` or
+`wire` instead makes it register as another recover release, or speak another wire protocol. Run by
+tests/e2e/test_replica_exits.py under `recover launch -- python THIS`."""
 import json
 import os
 import signal
@@ -28,6 +29,15 @@ def maybe_exit(now: str) -> None:
     count.write_text(str(times + 1))
     print(f"replica {me}: ending itself ({os.environ['EXIT_HOW']}) at {now}, time {times + 1}", flush=True)
     how = os.environ["EXIT_HOW"]
+    if how in ("release", "wire"):  # not an exit: another release's replica
+        import recover.coord.client
+        import recover.coord.protocol
+
+        if how == "release":
+            recover.coord.client.RELEASE = "0.0.0-other"
+        else:
+            recover.coord.protocol.PROTOCOL_VERSION += 1
+        return
     if how == "segv":
         os.kill(os.getpid(), signal.SIGSEGV)
     sys.stdout.flush()
