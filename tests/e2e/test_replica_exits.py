@@ -13,6 +13,7 @@ from __future__ import annotations
 import json
 import subprocess
 import sys
+import time
 from pathlib import Path
 
 import pytest
@@ -131,3 +132,16 @@ def test_a_replica_of_another_release_is_refused_naming_both_versions_and_the_jo
     assert "lost the coordinator" not in done.stderr
     (refused,) = [e for e in events(out) if e["kind"] == "refused"]
     assert refused["code"] == ("bad_release" if how == "release" else "bad_version")
+
+
+def test_a_replica_whose_wall_clock_steps_an_hour_forward_moves_no_record(reference: Path, tmp_path: Path) -> None:
+    """Replica 2's clock jumps +3600 s as step 4 begins: the step records stay the job's (ordered by its commits,
+    timed by the launcher's monotonic clock), so ``elapsed_s`` grows by the run's own seconds, not by an hour."""
+    out = tmp_path / "run"
+    t0 = time.monotonic()
+    done = launch(out, env=plan(2, "4", "clock"))
+    wall = time.monotonic() - t0
+    rows = finished_bitwise(done, out, reference)
+    elapsed = [r["elapsed_s"] for r in rows]
+    assert elapsed == sorted(elapsed) and 0 < elapsed[-1] < wall
+    assert all(r["replica"] == 2 for r in rows)  # one commit, several records: the higher replica's, as before

@@ -44,7 +44,7 @@ from typing import Any
 from recover.config import write_run_config
 from recover.launch.faultclock import FaultClock
 from recover.launch.job import LaunchOptions
-from recover.launch.records import JsonlTail, StepRecords, metrics_row, write_metrics
+from recover.launch.records import JsonlTail, LogEpochs, StepRecords, metrics_row, write_metrics
 from recover.launch.supervisor import POLL_S, Supervisor
 from recover.names import Event
 from recover.observe.events import EventLog, JsonlWriter
@@ -84,6 +84,8 @@ class Launcher:
         self.written = self.records.committed() - 1
         """The last step written to ``metrics.jsonl`` as the job runs."""
         self.tail = JsonlTail()
+        self.epochs = LogEpochs()
+        self._clock0 = (time.time(), time.monotonic())
         self.events = EventLog(self.out / "events.jsonl")
         self.metrics = JsonlWriter(self.out / "metrics.jsonl")
         self.display = ProgressDisplay(self.cfg.training.steps, self.written + 1, title=opts.title,
@@ -194,9 +196,12 @@ class Launcher:
 
     # ---- records ---------------------------------------------------------------------------
     def _collect(self) -> None:
-        """Merges the step records the replicas appended since the last call."""
+        """Merges the step records the replicas appended since the last call, each stamped ``t`` with the
+        launcher's monotonic clock as it is read (never a replica's wall clock)."""
         for path in sorted((self.out / "replicas").glob("replica_*.jsonl")):
-            for rec in self.tail.read(path):
+            for rec in self.epochs.mark(path, self.tail.read(path)):
+                if isinstance(rec.get("t"), (int, float)):
+                    rec["t"] = self._clock0[0] + time.monotonic() - self._clock0[1]
                 if self.records.add(rec) and "replica" in rec:
                     self.last_step_at[rec["replica"]] = time.time()
 

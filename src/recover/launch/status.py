@@ -35,7 +35,7 @@ from typing import Any
 
 from recover.coord.tls import Tls, add_tls_flags
 from recover.errors import RecoverError
-from recover.launch.records import StepRecords
+from recover.launch.records import LogEpochs, StepRecords
 from recover.names import Event
 
 FAULT_KINDS = (Event.KILL, Event.FAILURE_DETECTED, Event.FENCED, Event.RESTORED, Event.DIVERGENT,
@@ -112,9 +112,9 @@ def read_status(run_dir: Path, faults: int = 5) -> dict[str, Any]:
     if not path.is_file():
         raise RecoverError(f"{run_dir}: no events.jsonl; give the --out of a job (recover launch, or the "
                            "recipes' coordinator and workers)")
-    records, last_steps = StepRecords(), {}
+    records, last_steps, epochs = StepRecords(), {}, LogEpochs()
     for log in sorted((run_dir / "replicas").glob("replica_*.jsonl")):
-        steps = [rec["step"] for rec in read_jsonl(log) if records.add(rec)]
+        steps = [rec["step"] for rec in epochs.mark(log, read_jsonl(log)) if records.add(rec)]
         if steps:
             last_steps[int(log.stem.removeprefix("replica_"))] = max(steps)
     return {**job_status(list(read_jsonl(path)), records, last_steps, time.time(), faults),

@@ -1,7 +1,8 @@
 """The README's example loop, whose replica EXIT_REPLICA ends itself: EXIT_WHEN `start` (before it registers:
 before the first generation) or a step number (as that step begins), EXIT_HOW `2`, `1` or `segv`; only
 EXIT_TIMES times (counted in the file EXIT_COUNT; default: every time). EXIT_HOW `release` or
-`wire` instead makes it register as another recover release, or speak another wire protocol. Run by
+`wire` instead makes it register as another recover release, or speak another wire protocol; `clock` steps its
+wall clock an hour forward (as NTP may). Run by
 tests/e2e/test_replica_exits.py under `recover launch -- python THIS`."""
 import json
 import os
@@ -29,6 +30,12 @@ def maybe_exit(now: str) -> None:
     count.write_text(str(times + 1))
     print(f"replica {me}: ending itself ({os.environ['EXIT_HOW']}) at {now}, time {times + 1}", flush=True)
     how = os.environ["EXIT_HOW"]
+    if how == "clock":  # not an exit: its wall clock jumps
+        import time
+
+        real = time.time
+        time.time = lambda: real() + 3600.0
+        return
     if how in ("release", "wire"):  # not an exit: another release's replica
         import recover.coord.client
         import recover.coord.protocol
