@@ -11,9 +11,11 @@ deterministic steps do not depend on how many replicas share them).
 from __future__ import annotations
 
 import json
+import os
 import subprocess
 import sys
 import time
+from collections.abc import Iterator
 from pathlib import Path
 
 import pytest
@@ -145,3 +147,48 @@ def test_a_replica_whose_wall_clock_steps_an_hour_forward_moves_no_record(refere
     elapsed = [r["elapsed_s"] for r in rows]
     assert elapsed == sorted(elapsed) and 0 < elapsed[-1] < wall
     assert all(r["replica"] == 2 for r in rows)  # one commit, several records: the higher replica's, as before
+
+
+@pytest.fixture
+def memory_cgroup() -> Iterator[Path]:
+    """A fresh memory cgroup limited to 400 MiB (v1 or v2), removed afterwards; skipped with the reason where
+    the machine has none usable (no controller mounted, not root, a v2 tree without the memory controller)."""
+    from recover.launch.oom import _mounts
+
+    mounts = _mounts()
+    root, limit_file = ((mounts["v1"], "memory.limit_in_bytes") if "v1" in mounts else
+                        (mounts.get("v2"), "memory.max"))
+    if root is None:
+        pytest.skip("no memory cgroup controller is mounted (neither v1 nor v2)")
+    if limit_file == "memory.max" and "memory" not in (root / "cgroup.subtree_control").read_text().split():
+        pytest.skip(f"the cgroup v2 tree at {root} does not delegate the memory controller")
+    cg = root / f"recover-oom-test-{os.getpid()}"
+    try:
+        cg.mkdir()
+        (cg / limit_file).write_text(str(400 << 20))
+    except OSError as exc:
+        pytest.skip(f"cannot create a memory cgroup under {root}: {exc.strerror} (needs root)")
+    try:
+        yield cg
+    finally:
+        for _ in range(50):
+            try:
+                cg.rmdir()
+                break
+            except OSError:
+                time.sleep(0.1)
+
+
+def test_a_replica_killed_by_the_oom_killer_is_named_out_of_memory_and_recovered_bitwise(
+        reference: Path, tmp_path: Path, memory_cgroup: Path) -> None:
+    out = tmp_path / "run"
+    done = launch(out, "--device-time-s", "0.2", env={**plan(1, "5", "oom"), "OOM_CGROUP": str(memory_cgroup)})
+    rows = finished_bitwise(done, out, reference)
+    assert rows[4]["live_replicas"] == 3 and rows[-1]["live_replicas"] == 2
+    (kill,) = [e for e in events(out) if e["kind"] == "kill"]
+    assert kill["replica"] == 1 and kill["cause"] == "out of memory" and kill["peak_bytes"] > 50 << 20
+    assert kill["cgroup"] == f"/{memory_cgroup.name}"
+    line = [x for x in done.stderr.splitlines() if x.startswith("recover: replica 1 (PID ")]
+    assert len(line) == 1 and "out of memory (the kernel's OOM killer, memory cgroup" in line[0], done.stderr
+    summary = json.loads((out / "summary.json").read_text())
+    assert [(k["replica"], k["cgroup"]) for k in summary["out_of_memory"]] == [(1, f"/{memory_cgroup.name}")]

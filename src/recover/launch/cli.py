@@ -393,6 +393,8 @@ def launch(req: LaunchRequest) -> int:
         launcher = Launcher(opts)
         code = launcher.run()
         _report(launcher, opts, req.reference)
+    for line in launcher.supervisor.oom_lines:
+        print(line, file=sys.stderr)
     if code == EXIT_UNSAVED:
         from recover.observe.events import read_jsonl
 

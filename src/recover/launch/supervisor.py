@@ -20,7 +20,9 @@ Contract:
   ``fault_tolerance.fence_exit_s`` after the fence, and one still running a second later (frozen,
   or stuck below Python) is SIGKILLed (``reaped``); it then rejoins like a killed replica.
 - A rank SIGKILLed by neither a logged fault (a ``kill`` event naming its PID) nor the supervisor was
-  killed from outside (an operator, the OOM killer): logged as a ``kill`` from ``external``.
+  killed from outside (an operator, the OOM killer): logged as a ``kill`` from ``external``; when its
+  memory cgroup counted an OOM kill meanwhile (:mod:`recover.launch.oom`), with ``cause`` ``out of
+  memory``, its cgroup and its peak memory, and one line (:attr:`Supervisor.oom_lines`).
 - A spare that exits by itself is logged (``spare_exit``) and replaced (:data:`~recover.launch.spares.MAX_EXITS`).
 - :meth:`Supervisor.kill_all` SIGKILLs and reaps every process the supervisor started that still runs
   (spares included; a stop ends the spares at once);
@@ -42,6 +44,7 @@ from collections.abc import Callable
 from typing import Any
 
 from recover.launch.job import Address, Commands, LaunchOptions
+from recover.launch.oom import SEE_EVERY_S, MemoryWatch
 from recover.launch.processes import LOST, ReplicaProcesses, Spawned, free_port, kill_processes, signal_processes, spawn
 from recover.launch.spares import Devices, SparePool
 from recover.names import Baseline, Event
@@ -115,6 +118,10 @@ class Supervisor:
         """The first generation formed (training began): a replica started later joins, taking the state."""
         self.same_exits: dict[tuple[int, int], int] = {}
         """(replica, exit code) -> how often it ended so (a failure other than a SIGKILL or a fence)."""
+        self.memory = MemoryWatch()
+        self._memory_at = 0.0
+        self.oom_lines: list[str] = []
+        """One line per replica the kernel's OOM killer ended (the launcher prints them at the end)."""
         self.given_up: dict[int, int] = {}
         """replica -> the exit code it failed with :data:`MAX_SAME_EXITS` times: not restarted again."""
 
@@ -194,6 +201,8 @@ class Supervisor:
             ranks = self._spawn(self.cmds.replica(self.addr, self.resume, rid, join), f"replica_{rid}",
                                 self.devices_of(rid))
         self.replicas[rid] = ReplicaProcesses(rid, ranks, time.time(), join)
+        for rank in ranks:
+            self.memory.see(rank.proc.pid)
         if join or (again and not self.formed):
             self.events.event("rejoin_started", replica=rid, pid=ranks[0].proc.pid, log=ranks[0].path.name,
                               join=join, **waited)
@@ -275,6 +284,10 @@ class Supervisor:
             if self._failed(rep.rid, code, unfinished) and self.o.rejoin_after_s is not None and (
                     self.o.rejoin_replicas is None or rep.rid in self.o.rejoin_replicas):
                 self.rejoin_at[rep.rid] = now + self.o.rejoin_after_s
+        if now >= self._memory_at:  # the running ranks' memory cgroups and peaks, to name an OOM kill
+            self._memory_at = now + SEE_EVERY_S
+            for pid in (p.pid for r in self.live() for p in r.procs):
+                self.memory.see(pid)
         for spare in self.pool.reap():
             self.events.event("spare_exit", codes=[r.proc.returncode for r in spare.ranks],
                               log=spare.ranks[0].path.name, replaced=not self.pool.gave_up)
@@ -320,9 +333,18 @@ class Supervisor:
         killed = [rep.procs[k].pid for k, c in rep.codes.items() if c == -signal.SIGKILL]
         if killed and not self.known_kills & {p.pid for p in rep.procs}:
             at = self.lost_at.get(rep.rid)
-            self.events.event("kill", replica=rep.rid, step=step, phase="external", pid=killed[0], source="external",
-                              at=at if at is not None and at >= rep.started else now)
+            oom = next((o for o in map(self.memory.oom, killed) if o is not None), None)
+            cause = {} if oom is None else {"cause": "out of memory", "cgroup": oom.cgroup,
+                                            "peak_bytes": oom.peak_bytes}
+            self.events.event(Event.KILL, replica=rep.rid, step=step, phase="external", pid=killed[0],
+                              source="external", at=at if at is not None and at >= rep.started else now, **cause)
             self.known_kills.update(killed)
+            if oom is not None:
+                line = f"recover: replica {rep.rid} (PID {killed[0]}) was killed at step {step}: {oom.describe()}"
+                self.oom_lines.append(line)
+                self.say(line)
+        for proc in rep.procs:
+            self.memory.forget(proc.pid)
 
     # ---- acting ----------------------------------------------------------------------------
     def pid(self, rid: int, rank: int) -> int:

@@ -2,7 +2,8 @@
 before the first generation) or a step number (as that step begins), EXIT_HOW `2`, `1` or `segv`; only
 EXIT_TIMES times (counted in the file EXIT_COUNT; default: every time). EXIT_HOW `release` or
 `wire` instead makes it register as another recover release, or speak another wire protocol; `clock` steps its
-wall clock an hour forward (as NTP may). Run by
+wall clock an hour forward (as NTP may); `oom` moves it into the memory cgroup OOM_CGROUP at the start and
+allocates far beyond that cgroup's limit at EXIT_WHEN (the kernel's OOM killer ends it). Run by
 tests/e2e/test_replica_exits.py under `recover launch -- python THIS`."""
 import json
 import os
@@ -30,6 +31,11 @@ def maybe_exit(now: str) -> None:
     count.write_text(str(times + 1))
     print(f"replica {me}: ending itself ({os.environ['EXIT_HOW']}) at {now}, time {times + 1}", flush=True)
     how = os.environ["EXIT_HOW"]
+    if how == "oom":  # the kernel ends it
+        print(f"replica {me}: allocating beyond its cgroup's limit", flush=True)
+        hog = bytearray(8 << 30)  # zero-filled: every page touched
+        print(f"replica {me}: still alive with {len(hog)} bytes", flush=True)
+        return
     if how == "clock":  # not an exit: its wall clock jumps
         import time
 
@@ -66,6 +72,8 @@ def sample(step: int, i: int) -> tuple[torch.Tensor, torch.Tensor]:
     return tokens[:, :-1], tokens[:, 1:]
 
 
+if doomed and os.environ["EXIT_HOW"] == "oom":
+    Path(os.environ["OOM_CGROUP"], "cgroup.procs").write_text(str(os.getpid()))
 maybe_exit("start")
 rt = recover.init()
 torch.manual_seed(0)
