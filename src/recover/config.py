@@ -183,6 +183,10 @@ class TrainingConfig:
     the state is copied to CPU memory; a background thread writes it, and it becomes visible (loadable)
     only once complete. The next save, the final one and the end of the run wait for it. A replica of
     several ranks (pp x fsdp x tp > 1) always saves synchronously."""
+    checkpoint_timeout_s: float = 600.0
+    """How long ``recover launch`` waits for the checkpoint a job ends with (the last step's, a stop's) once
+    its write began, before it kills the replica writing it: the job then ends with status 12, naming the
+    newest complete checkpoint (the exit grace, ``fault_tolerance.stop_grace_s``, never cuts a save short)."""
     keep_checkpoints: int = 3
     """Complete checkpoints kept: after each save the older ones beyond this many are deleted (a resume
     falls back to an older one when the newest is damaged). 0 keeps them all."""
@@ -244,6 +248,8 @@ class TrainingConfig:
         require(self.grad_clip >= 0, "training.grad_clip", self.grad_clip, "a number >= 0 (0 disables)")
         require(self.device_time_s >= 0, "training.device_time_s", self.device_time_s,
                  "a number of seconds >= 0 (0: off)")
+        require(self.checkpoint_timeout_s > 0, "training.checkpoint_timeout_s", self.checkpoint_timeout_s,
+                 "a positive number of seconds")
         require(self.warmup_steps <= self.steps, "training.warmup_steps", self.warmup_steps,
                  f"at most training.steps = {self.steps}")
 

@@ -395,6 +395,9 @@ def launch(req: LaunchRequest) -> int:
         _report(launcher, opts, req.reference)
     for line in launcher.supervisor.oom_lines:
         print(line, file=sys.stderr)
+    if launcher.skipped_saves:
+        print(f"recover: warning: {len(launcher.skipped_saves)} checkpoint(s) skipped, the first: "
+              f"{launcher.skipped_saves[0]}", file=sys.stderr)
     if code == EXIT_UNSAVED:
         from recover.observe.events import read_jsonl
 

@@ -29,7 +29,10 @@ Contract:
   refused the checkpoint the job ended with (before any other: the committed steps are recorded, the
   older checkpoints kept), 1 otherwise.
 - Once every step is committed, a replica still running after ``fault_tolerance.stop_grace_s`` (stuck
-  in its exit) is killed (``exit_grace_over``); the status stays 0.
+  in its exit) is killed (``exit_grace_over``); the status stays 0. A replica writing the checkpoint the
+  job ends with (``checkpoint_final``: the last step's, a stop's) is waited for, at most
+  ``training.checkpoint_timeout_s`` from its start; one cut short then makes the status 12, with a
+  line naming the newest complete checkpoint (``checkpoint_timeout``).
 - ``resume``: the workers start from the newest complete checkpoint in ``out``; the records of
   ``metrics.jsonl`` before it are kept (it holds each step once).
 """
@@ -39,6 +42,7 @@ from __future__ import annotations
 import os
 import signal
 import time
+from pathlib import Path
 from typing import Any
 
 from recover.config import write_run_config
@@ -68,6 +72,16 @@ EXIT_ORDER = (EXIT_UNSAVED, EXIT_DIVERGED, EXIT_NONFINITE, EXIT_BAD_DATA, EXIT_S
               EXIT_COORDINATOR_LOST, EXIT_STOPPED)
 """An unfinished job's exit status: the first of these that a replica exited with (else 1); a finished
 job's is 0, or :data:`EXIT_UNSAVED` when its final checkpoint could not be written."""
+
+
+def newest_complete(root: Path) -> str:
+    """Where ``--resume`` would continue from: the newest complete checkpoint under ``root``, named."""
+    from recover.train.integrity import list_checkpoints
+
+    found = list_checkpoints(root)
+    if not found:
+        return f"there is no complete checkpoint under {root}"
+    return f"the newest complete checkpoint is {found[-1][1]} (step {found[-1][0]}), where --resume continues"
 
 
 class Launcher:
@@ -101,6 +115,14 @@ class Launcher:
         self.stop_signal: int | None = None
         """The signal (SIGTERM, SIGINT, SIGHUP) that asked for a graceful stop, once one did."""
         self.stop_started: float | None = None
+        self.final_saves: dict[int, tuple[float, int]] = {}
+        """replica -> (when, step): the checkpoint the job ends with that it is writing (``checkpoint_final``)."""
+        self.save_ended = 0.0
+        """When a final checkpoint was last written: the exit grace counts from then too."""
+        self.skipped_saves: list[str] = []
+        """The lines of periodic checkpoints skipped because the previous one was still being written."""
+        self.save_cut: str | None = None
+        """The line of a final checkpoint killed mid-write after ``training.checkpoint_timeout_s``, once one was."""
         self.start_failed: str | None = None
         """Why the job could not start (too few replicas left before the first generation), once so."""
         self.goodput_at, self.goodput_line = 0.0, None
@@ -165,6 +187,7 @@ class Launcher:
             for rec in self.tail.read(self.out / "events.jsonl"):
                 self.seen_events.append(rec)
                 self.supervisor.on_event(rec, now)
+                self._track_final_save(rec, now)
             self.supervisor.reap_fenced(now)
             if self.supervisor.poll(now, self.records.last_step() + 1, unfinished=self.written + 1 < steps):
                 self._restart()
@@ -176,7 +199,8 @@ class Launcher:
             self._flush_metrics(final=False)
             if not self.supervisor.busy():
                 return
-            if self.stop_started is not None and now - self.stop_started > self.cfg.fault_tolerance.stop_grace_s:
+            if self.stop_started is not None and not self._saving(now) and \
+                    now - max(self.stop_started, self.save_ended) > self.cfg.fault_tolerance.stop_grace_s:
                 self.events.event("stop_grace_over", running=[r.rid for r in self.supervisor.live()])
                 return
             if self.records.committed() >= steps:
@@ -186,13 +210,47 @@ class Launcher:
                 done_at = done_at or now
                 live = self.supervisor.live()
                 joiners = all(r.joined for r in live)
-                if now >= done_at + (JOINER_GRACE_S if joiners else self.cfg.fault_tolerance.stop_grace_s):
+                grace = JOINER_GRACE_S if joiners else self.cfg.fault_tolerance.stop_grace_s
+                if not self._saving(now) and now >= max(done_at, self.save_ended) + grace:
                     if not joiners:
                         self.events.event("exit_grace_over", running=[r.rid for r in live])
                     return
             elif self.stop_started is None:
                 self._strike(now)  # faults strike a job that trains, not one that ends
             time.sleep(POLL_S)
+
+    # ---- the checkpoint a job ends with ------------------------------------------------------
+    def _track_final_save(self, rec: dict[str, Any], now: float) -> None:
+        """Follows the final checkpoints being written: begun (``checkpoint_final``), then done or refused."""
+        r = rec.get("replica")
+        if rec.get("kind") == Event.CHECKPOINT_FINAL and r is not None:
+            self.final_saves[r] = (now, rec["step"])
+        elif rec.get("kind") in (Event.CHECKPOINT, Event.CHECKPOINT_UNSAVED) and r is not None:
+            if self.final_saves.pop(r, None) is not None:
+                self.save_ended = now
+        elif rec.get("kind") == Event.CHECKPOINT_SKIPPED:
+            self.skipped_saves.append(rec.get("message", ""))
+            if len(self.skipped_saves) == 1:
+                self.display.message(f"[yellow]{rec.get('message', '')}[/]")
+
+    def _saving(self, now: float) -> bool:
+        """Whether a live replica is writing the checkpoint the job ends with, within
+        ``training.checkpoint_timeout_s`` of its start (the exit grace never cuts it short). One past
+        it is given up: logged, its line kept in :attr:`save_cut` (the job's status is then 12)."""
+        live = {r.rid for r in self.supervisor.live()}
+        timeout = self.cfg.training.checkpoint_timeout_s
+        for r, (since, step) in list(self.final_saves.items()):
+            if r not in live:
+                del self.final_saves[r]
+            elif now - since > timeout:
+                del self.final_saves[r]
+                self.save_cut = (f"the checkpoint of step {step} was still being written by replica {r} after "
+                                 f"training.checkpoint_timeout_s = {timeout:g} s and was cut short; "
+                                 f"{newest_complete(self.out / 'checkpoints')}")
+                self.events.event(Event.CHECKPOINT_TIMEOUT, replica=r, step=step, timeout_s=timeout)
+                self.events.event(Event.CHECKPOINT_UNSAVED, replica=r, step=step, message=self.save_cut,
+                                  source="launcher")
+        return bool(self.final_saves)
 
     # ---- records ---------------------------------------------------------------------------
     def _collect(self) -> None:
@@ -285,6 +343,8 @@ class Launcher:
         codes = self.supervisor.exit_codes()
         self.events.event("end", wall_s=round(self.wall_s, 3), exit_codes=codes)
         self.events.close()
+        if self.save_cut is not None:
+            return EXIT_UNSAVED
         if self.written + 1 >= self.cfg.training.steps:
             return EXIT_UNSAVED if EXIT_UNSAVED in codes.values() else 0
         return next((status for status in EXIT_ORDER if status in codes.values()), 1)
