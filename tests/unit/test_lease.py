@@ -67,3 +67,12 @@ def test_a_holder_that_lost_its_lease_does_not_delete_the_new_one(tmp_path: Path
     assert not first.renew()
     first.release()
     assert holder(tmp_path) is not None and holder(tmp_path).nonce == "someone-else"
+
+
+def test_a_requeued_job_waits_for_another_hosts_lease_to_go_stale(tmp_path: Path) -> None:
+    other = replace(lease.me("recover coordinator"), host="node-b", boot_id="b", pid=1, nonce="b")
+    _plant(tmp_path, other, age_s=0.5)
+    t0 = time.monotonic()
+    taken = acquire(tmp_path, "recover coordinator", ttl_s=1.5, wait_s=5.0)
+    assert 0.5 < time.monotonic() - t0 < 4.5 and taken.took_over is not None
+    taken.release()

@@ -19,6 +19,11 @@ is gone. A second signal stops it at once; one within :data:`SAME_REQUEST_S` of 
 request (a Slurm time limit or preemption signals every process of the job at once, this one and the
 batch script that passes its own on).
 
+Run directory: with ``--lease DIR`` the coordinator holds DIR's lease while it runs
+(:mod:`recover.observe.lease`; the recipes' run directory): a second job on DIR is refused in one line
+naming the holder; a coordinator of this host that died is taken over at once (its restart), one of
+another host once it stopped renewing (a job requeued elsewhere waits for that, at most 40 s).
+
 Restart: if the coordinator dies while a job runs, start it again with the same flags (same
 ``--port`` and ``--store-port``): the replicas, which keep their state and retry for
 ``fault_tolerance.coordinator_reconnect_s``, register again with what they hold and it rebuilds
@@ -37,6 +42,7 @@ import argparse
 import errno
 import json
 import signal
+import sys
 import time
 from pathlib import Path
 from typing import Any
@@ -72,6 +78,10 @@ def register(subparsers: argparse._SubParsersAction) -> None:
                    help="one coordinator connection per rank, or per replica through its relay (default rank)")
     p.add_argument("--hang-timeout", type=float, default=0.0,
                    help="no progress (s) while others wait that marks a replica hung; 0: from the step time")
+    p.add_argument("--lease", default=None, metavar="DIR",
+                   help="hold the run directory DIR's lease while the coordinator runs (renewed every 5 s): a second "
+                        "job on DIR is refused; one of another host that stopped renewing it 30 s ago is taken over "
+                        "(waited for up to 40 s)")
     p.add_argument("--start-timeout", type=float, default=60.0, metavar="S",
                    help="the first generation waits at most S seconds after the first registration for the other "
                         "--replicas, then forms of those registered (at least --min-replicas; default 60)")
@@ -186,6 +196,15 @@ def run(args: argparse.Namespace) -> int:
     if args.heartbeat_timeout <= args.heartbeat_interval:
         raise ConfigError(f"--heartbeat-timeout ({args.heartbeat_timeout}) must exceed "
                           f"--heartbeat-interval ({args.heartbeat_interval})")
+    lease = None
+    if args.lease:  # before anything is written to the run directory (the events go there)
+        from recover.observe.lease import RENEW_S, TTL_S, acquire
+
+        lease = acquire(Path(args.lease), "recover coordinator", wait_s=TTL_S + 2 * RENEW_S)
+        lease.start_renewing()
+        if lease.took_over:
+            print(f"recover: note: took over {args.lease}'s lease from {lease.took_over}", file=sys.stderr,
+                  flush=True)
     metrics, endpoint = job_metrics(args)
     coord = Coordinator(args.host, args.port, token=read_token(args.token_file), events_path=args.events,
                         heartbeat_interval_s=args.heartbeat_interval, heartbeat_timeout_s=args.heartbeat_timeout,
@@ -200,8 +219,12 @@ def run(args: argparse.Namespace) -> int:
     try:
         coord.start()
     except ConfigError:
+        if lease is not None:
+            lease.release()
         raise
     except (OSError, RuntimeError) as exc:
+        if lease is not None:
+            lease.release()
         store_failed = not coord.store_port  # the store binds first: with its port known, the service failed
         raise ConfigError(bind_failure(args.host, args.store_port if store_failed else args.port,
                                        "--store-port" if store_failed else "--port", exc)) from None
@@ -230,4 +253,7 @@ def run(args: argparse.Namespace) -> int:
         coord.serve_forever()
     except KeyboardInterrupt:
         pass
+    finally:
+        if lease is not None:
+            lease.release()
     return 0

@@ -218,13 +218,26 @@ def check_free(out: Path, ttl_s: float = TTL_S) -> None:
         raise LeaseHeld(refusal(out, h, ttl_s))
 
 
-def acquire(out: Path, command: str, ttl_s: float = TTL_S) -> Lease:
-    """Takes ``out``'s lease (creating ``out``), taking over one whose holder is gone.
+def acquire(out: Path, command: str, ttl_s: float = TTL_S, wait_s: float = 0.0) -> Lease:
+    """Takes ``out``'s lease (creating ``out``), taking over one whose holder is gone. ``wait_s``: while
+    another host's holder may still be alive, how long to wait for its lease to go stale (a job requeued on
+    another node right after its old node died) before giving up.
 
     Raises:
         LeaseHeld: one line naming the holder; nothing was written.
     """
-    out = Path(out)
+    deadline = time.monotonic() + wait_s
+    while True:
+        try:
+            return _acquire(Path(out), command, ttl_s)
+        except LeaseHeld:
+            h = holder(out)
+            if h is None or h.host == socket.gethostname() or time.monotonic() >= deadline:
+                raise
+            time.sleep(min(1.0, RENEW_S))
+
+
+def _acquire(out: Path, command: str, ttl_s: float) -> Lease:
     path, mine = out / NAME, me(command)
     for _ in range(3):
         out.mkdir(parents=True, exist_ok=True)
