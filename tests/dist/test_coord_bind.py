@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import re
 import socket
 import subprocess
 import sys
@@ -27,3 +28,22 @@ def test_a_taken_port_is_refused_naming_it_and_the_fix(tmp_path: Path, flag: str
     assert lines[0] == (f"recover: error: cannot bind 127.0.0.1:{port} ({flag}): another process holds it; give "
                         f"another {flag} (0 picks a free one), or end the process holding it (`ss -ltnp "
                         f"'sport = :{port}'` names it)")
+
+
+def test_the_launcher_names_why_its_coordinator_exited_at_start(tmp_path: Path) -> None:
+    from recover.config import load_config
+    from recover.errors import RecoverError
+    from recover.launch.job import LaunchOptions
+    from recover.launch.placement import parse_gpus, place
+    from recover.launch.processes import spawn
+    from recover.launch.supervisor import Supervisor
+    from recover.observe.events import EventLog
+
+    (tmp_path / "logs").mkdir()
+    opts = LaunchOptions(config=load_config("debug", []), out=tmp_path, placement=place(1, 1, parse_gpus("0")))
+    sup = Supervisor(opts, EventLog(tmp_path / "events.jsonl"), say=print)
+    line = "recover: error: cannot bind 127.0.0.1:29400 (--port): another process holds it"
+    sup.coordinator = spawn(["sh", "-c", f"echo '{line}'; exit 2"], tmp_path / "logs" / "coordinator.log", {})
+    sup.coordinator.proc.wait(10)
+    with pytest.raises(RecoverError, match=re.escape(f"the coordinator exited with 2 ({line}); see ")):
+        sup._await_coordinator()

@@ -43,6 +43,7 @@ import time
 from collections.abc import Callable
 from typing import Any
 
+from recover.errors import RecoverError
 from recover.launch.job import Address, Commands, LaunchOptions
 from recover.launch.oom import SEE_EVERY_S, MemoryWatch
 from recover.launch.processes import LOST, ReplicaProcesses, Spawned, free_port, kill_processes, signal_processes, spawn
@@ -154,9 +155,11 @@ class Supervisor:
         assert self.coordinator is not None
         deadline = time.time() + 30
         while time.time() < deadline:
-            if self.coordinator.proc.poll() is not None:
-                raise RuntimeError(f"the coordinator exited with {self.coordinator.proc.returncode}; "
-                                   f"see {self.coordinator.path}")
+            if self.coordinator.proc.poll() is not None:  # its last line says why (a taken port: which, the fix)
+                self.coordinator.log.flush()
+                said = [line for line in self.coordinator.path.read_text(errors="replace").splitlines() if line]
+                raise RecoverError(f"the coordinator exited with {self.coordinator.proc.returncode} "
+                                   f"({said[-1] if said else 'no output'}); see {self.coordinator.path}")
             try:
                 socket.create_connection((self.o.host, self.addr.port), timeout=0.2).close()  # type: ignore[arg-type]
                 return
