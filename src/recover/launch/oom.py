@@ -34,14 +34,15 @@ class OomKill:
         return f"out of memory (the kernel's OOM killer, memory cgroup {self.cgroup}{peak})"
 
 
-def _mounts() -> dict[str, Path]:
-    """``v2`` and ``v1``: where the unified hierarchy and the v1 memory controller are mounted."""
+def _mounts(mountinfo: str | None = None) -> dict[str, Path]:
+    """``v2`` and ``v1``: where the unified hierarchy and the v1 memory controller are mounted (from
+    ``mountinfo``, default this process's ``/proc/self/mountinfo``)."""
     found: dict[str, Path] = {}
     try:
-        lines = Path("/proc/self/mountinfo").read_text().splitlines()
+        text = Path("/proc/self/mountinfo").read_text() if mountinfo is None else mountinfo
     except OSError:
         return found
-    for line in lines:
+    for line in text.splitlines():
         left, _, right = line.partition(" - ")
         fields, tail = left.split(), right.split()
         if len(fields) < 5 or len(tail) < 3:
