@@ -11,9 +11,9 @@ Contract:
   and boot id) its PID runs no more, or runs with another start time (reused); on the same name with
   another boot id the host rebooted; on another host it was not renewed for ``ttl_s`` (:data:`TTL_S`),
   its age read on the file system's own clock (the mtime of a probe file just created beside it), so
-  no two hosts' clocks are ever compared. Taking over renames the stale file away first (``rename``
-  is atomic: of two launches that both judged it stale only one moves it; the other finds the new
-  lease and is refused).
+  no two hosts' clocks are compared (where no probe can be written, this host's clock is used).
+  Taking over renames the stale file away first (``rename`` is atomic: of two launches that both
+  judged it stale only one moves it; the other finds the new lease and is refused).
 - Otherwise :class:`LeaseHeld` (a :class:`~recover.errors.ConfigError`: one line naming the holder) and
   nothing is written. :func:`holder` reads the lease (``recover status`` shows it) without judging it.
 
@@ -109,6 +109,9 @@ def _fs_age(path: Path) -> float | None:
         probe.touch()
         now = probe.stat().st_mtime
         probe.unlink()
+    except OSError:  # a directory this process cannot write: this host's clock, then
+        now = time.time()
+    try:
         return now - path.stat().st_mtime
     except FileNotFoundError:
         return None
