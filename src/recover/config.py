@@ -178,11 +178,13 @@ class TrainingConfig:
     for it), the median step time and the failures seen (prior: ``fault_tolerance.mtbf_s``), logged as
     ``checkpoint_interval`` when it changes (:mod:`recover.train.cadence`); the first save comes after the
     first step, to measure its cost, and the last step is saved too."""
-    checkpoint_async: bool = False
-    """Periodic checkpoints with ``torch.distributed.checkpoint.async_save``: the step blocks only while
-    the state is copied to CPU memory; a background thread writes it, and it becomes visible (loadable)
-    only once complete. The next save, the final one and the end of the run wait for it. A replica of
-    several ranks (pp x fsdp x tp > 1) always saves synchronously."""
+    checkpoint_async: bool = True
+    """Periodic checkpoints with ``torch.distributed.checkpoint.async_save`` (the default): the step blocks
+    only while the state is copied to CPU memory; a background thread writes it, and it becomes visible
+    (loadable) only once complete. At most one is in flight: one due while the previous is still being
+    written is skipped and reported (``checkpoint_skipped``), never queued. The final save and the end of
+    the run wait for it. False: every save blocks the step until written. A replica of several ranks
+    (pp x fsdp x tp > 1) always saves synchronously."""
     checkpoint_timeout_s: float = 600.0
     """How long ``recover launch`` waits for the checkpoint a job ends with (the last step's, a stop's) once
     its write began, before it kills the replica writing it: the job then ends with status 12, naming the

@@ -189,7 +189,7 @@ class Launcher:
                 self.supervisor.on_event(rec, now)
                 self._track_final_save(rec, now)
             self.supervisor.reap_fenced(now)
-            if self.supervisor.poll(now, self.records.last_step() + 1, unfinished=self.written + 1 < steps):
+            if self.supervisor.poll(now, self.records.last_step() + 1, unfinished=self.records.committed() < steps):
                 self._restart()
             if (why := self.supervisor.cannot_start()) is not None:
                 self.start_failed = why
