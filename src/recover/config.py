@@ -185,11 +185,17 @@ class TrainingConfig:
     for it), the median step time and the failures seen (prior: ``fault_tolerance.mtbf_s``), logged as
     ``checkpoint_interval`` when it changes (:mod:`recover.train.cadence`); the first save comes after the
     first step, to measure its cost, and the last step is saved too."""
-    checkpoint_async: bool = False
-    """Periodic checkpoints with ``torch.distributed.checkpoint.async_save``: the step blocks only while
-    the state is copied to CPU memory; a background thread writes it, and it becomes visible (loadable)
-    only once complete. The next save, the final one and the end of the run wait for it. A replica of
-    several ranks (pp x fsdp x tp > 1) always saves synchronously."""
+    checkpoint_async: bool = True
+    """Periodic checkpoints with ``torch.distributed.checkpoint.async_save`` (the default): the step blocks
+    only while the state is copied to CPU memory; a background thread writes it, and it becomes visible
+    (loadable) only once complete. At most one is in flight: one due while the previous is still being
+    written is skipped and reported (``checkpoint_skipped``), never queued. The final save and the end of
+    the run wait for it. False: every save blocks the step until written. A replica of several ranks
+    (pp x fsdp x tp > 1) always saves synchronously."""
+    checkpoint_timeout_s: float = 600.0
+    """How long ``recover launch`` waits for the checkpoint a job ends with (the last step's, a stop's) once
+    its write began, before it kills the replica writing it: the job then ends with status 12, naming the
+    newest complete checkpoint (the exit grace, ``fault_tolerance.stop_grace_s``, never cuts a save short)."""
     keep_checkpoints: int = 3
     """Complete checkpoints kept: after each save the older ones beyond this many are deleted (a resume
     falls back to an older one when the newest is damaged). 0 keeps them all."""
@@ -251,6 +257,8 @@ class TrainingConfig:
         require(self.grad_clip >= 0, "training.grad_clip", self.grad_clip, "a number >= 0 (0 disables)")
         require(self.device_time_s >= 0, "training.device_time_s", self.device_time_s,
                  "a number of seconds >= 0 (0: off)")
+        require(self.checkpoint_timeout_s > 0, "training.checkpoint_timeout_s", self.checkpoint_timeout_s,
+                 "a positive number of seconds")
         require(self.warmup_steps <= self.steps, "training.warmup_steps", self.warmup_steps,
                  f"at most training.steps = {self.steps}")
 
@@ -357,6 +365,9 @@ class FaultToleranceConfig:
     before failures are seen (then it counts as one failure's worth of evidence beside the observed ones).
     0: 50,000 GPU-hours shared by the job's processes (Llama 3 405B's published interruption rate; about 3 h
     for 16,384 GPUs: :func:`recover.train.cadence.default_mtbf_s`)."""
+    start_timeout_s: float = 60.0
+    """How long the first generation waits for every replica after the first registered: then it forms of
+    those registered (at least ``min_replicas``), and the others join at a step boundary when they come."""
     stop_grace_s: float = 20.0
     """After SIGTERM or SIGINT, how long ``recover launch`` waits for the job to reach a step boundary,
     save a complete checkpoint and exit (exit status 6) before it kills every process."""
@@ -366,7 +377,8 @@ class FaultToleranceConfig:
         require(isinstance(self.min_replicas, int) and self.min_replicas >= 1,
                  "fault_tolerance.min_replicas", self.min_replicas, "an integer >= 1")
         for name in ("heartbeat_interval_s", "heartbeat_timeout_s", "collective_timeout_s",
-                     "intra_replica_timeout_s", "fence_exit_s", "coordinator_reconnect_s", "stop_grace_s"):
+                     "intra_replica_timeout_s", "fence_exit_s", "coordinator_reconnect_s", "stop_grace_s",
+                     "start_timeout_s"):
             value = getattr(self, name)
             require(value > 0, f"fault_tolerance.{name}", value, "a positive number of seconds")
         for name in ("fingerprint_every", "audit_every"):

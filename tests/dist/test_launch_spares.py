@@ -92,6 +92,7 @@ def test_a_rejoin_takes_the_spare_and_its_gpu_a_spare_lost_is_replaced_and_nothi
     opts = LaunchOptions(config=cfg, out=tmp_path, rejoin_after_s=0.0, warm_spares=1,
                          placement=place(2, 1, parse_gpus("0,1,2")))
     sup = Supervisor(opts, events, say=print)
+    sup.formed = True  # training began: a replica restarted now joins (before it, one starts as a member)
     start = sup.pool.start = Starter(tmp_path)
     (tmp_path / "logs").mkdir()
     sup.replicas = {rid: ReplicaProcesses(rid, [spawn(["sleep", "60"], tmp_path / "logs" / f"r{rid}.log", {})],

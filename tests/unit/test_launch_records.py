@@ -6,33 +6,50 @@ import itertools
 import json
 from pathlib import Path
 
-from recover.launch.records import JsonlTail, StepRecords, write_metrics
+from recover.launch.records import JsonlTail, LogEpochs, StepRecords, read_step_logs, write_metrics
 
 
 def rec(step: int, t: float, replica: int, loss: float = 5.0, **extra: object) -> dict[str, object]:
     return {"t": t, "step": step, "loss": loss, "microbatches": 8, "time_s": 0.5, "replica": replica, **extra}
 
 
-def test_duplicates_from_several_replicas_merge_into_the_newest_with_the_val_loss_of_any() -> None:
+def test_duplicates_from_several_replicas_merge_into_the_highest_replicas_with_the_val_loss_of_any() -> None:
     merged = StepRecords([
-        rec(0, 10.0, 0), rec(0, 10.1, 1), rec(0, 10.1, 2),  # a tie in time: the higher replica
+        rec(0, 10.0, 0), rec(0, 10.1, 1), rec(0, 10.1, 2),  # one commit: the higher replica
         rec(1, 11.2, 0, val_loss=4.5, eval_s=0.2), rec(1, 11.1, 1),  # only replica 0 evaluated
     ]).merged()
     assert sorted(merged) == [0, 1]
     assert merged[0]["replica"] == 2
-    assert merged[1]["replica"] == 0 and merged[1]["val_loss"] == 4.5 and merged[1]["eval_s"] == 0.2
-    late = StepRecords([rec(1, 11.2, 0, val_loss=4.5, eval_s=0.2), rec(1, 11.3, 1)]).record(1)
-    assert late["replica"] == 1 and (late["val_loss"], late["eval_s"]) == (4.5, 0.2)
+    assert merged[1]["replica"] == 1 and merged[1]["val_loss"] == 4.5 and merged[1]["eval_s"] == 0.2
 
 
-def test_a_redone_step_is_its_newest_record_whatever_the_order_records_arrive_in() -> None:
-    records = [rec(2, 12.0, 0, loss=3.9), rec(2, 12.1, 1, loss=3.9, val_loss=4.0),
-               rec(3, 13.0, 0, loss=3.7),  # then a restart from the checkpoint of step 2 redid 2 and 3
-               rec(2, 99.0, 1, loss=3.8), rec(3, 100.0, 1, loss=3.6, val_loss=3.5)]
+def test_a_redone_step_is_its_latest_commit_whatever_the_order_records_arrive_in() -> None:
+    records = [rec(2, 12.0, 0, loss=3.9, generation=1), rec(2, 12.1, 1, loss=3.9, val_loss=4.0, generation=1),
+               rec(3, 13.0, 0, loss=3.7, generation=1),  # then a restore of the checkpoint of step 2 redid 2 and 3
+               rec(2, 9.0, 1, loss=3.8, generation=3), rec(3, 10.0, 1, loss=3.6, val_loss=3.5, generation=3)]
     for order in itertools.permutations(records):
         merged = StepRecords(order).merged()
         assert (merged[2]["loss"], merged[3]["loss"]) == (3.8, 3.6)
         assert (merged[2]["val_loss"], merged[3]["val_loss"]) == (4.0, 3.5)  # step 2's redo did not evaluate
+
+
+def test_a_replica_whose_clock_jumps_an_hour_ahead_wins_nothing() -> None:
+    merged = StepRecords([rec(5, 3600.0 + 15.0, 0, loss=3.0, generation=2, live_replicas=3),
+                          rec(5, 15.1, 1, loss=3.0, generation=2, live_replicas=3),
+                          rec(5, 14.0, 2, loss=3.1, generation=1)]).merged()  # the commit before a failure round
+    assert merged[5]["replica"] == 1
+
+
+def test_a_new_coordinators_generations_start_a_new_epoch_of_each_log(tmp_path: Path) -> None:
+    log = tmp_path / "replica_0.jsonl"
+    lines = [rec(0, 1.0, 0, generation=4), rec(1, 2.0, 0, generation=4, loss=4.0),
+             rec(1, 3.0, 0, generation=1, loss=3.0)]  # the job restarted from step 1's checkpoint
+    log.write_text("".join(json.dumps(r) + "\n" for r in lines))
+    marked = read_step_logs([log])
+    assert [r["epoch"] for r in marked] == [0, 0, 1]
+    assert StepRecords(marked).record(1)["loss"] == 3.0
+    epochs = LogEpochs()  # the launcher's: the same, read piece by piece
+    assert [r["epoch"] for p in ([lines[0]], lines[1:]) for r in epochs.mark(log, p)] == [0, 0, 1]
 
 
 def test_gaps_and_what_is_not_a_step_record() -> None:
@@ -65,7 +82,7 @@ def test_metrics_rows_are_in_step_order_with_the_elapsed_time(tmp_path: Path) ->
     records = StepRecords([rec(1, 12.5, 0), rec(0, 11.0, 1), rec(0, 11.25, 0)])
     write_metrics(tmp_path / "metrics.jsonl", records, t0=10.0)
     rows = [json.loads(line) for line in (tmp_path / "metrics.jsonl").read_text().splitlines()]
-    assert [(r["step"], r["replica"], r["elapsed_s"]) for r in rows] == [(0, 0, 1.25), (1, 0, 2.5)]
+    assert [(r["step"], r["replica"], r["elapsed_s"]) for r in rows] == [(0, 1, 1.0), (1, 0, 2.5)]
     assert all("t" not in r for r in rows)
 
 

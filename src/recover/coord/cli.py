@@ -23,6 +23,10 @@ Settings: ``--config RUN/config.json`` (what ``recover launch`` passes) reads th
 connection settings and the replica layout from the run's config, as the workers do; each of those flags
 given overrides its field (a coordinator started by hand needs no config: the flags' defaults apply). They
 are resolved once, into one :class:`Settings`.
+Run directory: with ``--lease DIR`` the coordinator holds DIR's lease while it runs
+(:mod:`recover.observe.lease`; the recipes' run directory): a second job on DIR is refused in one line
+naming the holder; a coordinator of this host that died is taken over at once (its restart), one of
+another host once it stopped renewing (a job requeued elsewhere waits for that, at most 40 s).
 
 Restart: if the coordinator dies while a job runs, start it again with the same flags (same
 ``--port`` and ``--store-port``): the replicas, which keep their state and retry for
@@ -39,6 +43,7 @@ and exits 0), the others train on in a generation formed without it, and the com
 from __future__ import annotations
 
 import argparse
+import errno
 import json
 import signal
 import sys
@@ -87,6 +92,14 @@ def register(subparsers: argparse._SubParsersAction) -> None:
     p.add_argument("--hang-timeout", type=float, default=None,
                    help="no progress (s) while others wait that marks a replica hung; 0: from the step time "
                         "(default: fault_tolerance.hang_timeout_s, else 0)")
+    p.add_argument("--lease", default=None, metavar="DIR",
+                   help="hold the run directory DIR's lease while the coordinator runs (renewed every 5 s): a second "
+                        "job on DIR is refused; one of another host that stopped renewing it 30 s ago is taken over "
+                        "(waited for up to 40 s)")
+    p.add_argument("--start-timeout", type=float, default=None, metavar="S",
+                   help="the first generation waits at most S seconds after the first registration for the other "
+                        "--replicas, then forms of those registered (at least --min-replicas; default: "
+                        "fault_tolerance.start_timeout_s, else 60)")
     p.add_argument("--metrics-port", type=int, default=0, metavar="P",
                    help="serve Prometheus metrics at http://HOST:P/metrics (HOST: --host); 0: off (default)")
     p.add_argument("--tensorboard", default=None, metavar="DIR",
@@ -122,6 +135,7 @@ class Settings:
     hang_timeout_s: float = 0.0
     ranks_per_replica: int = 1
     connections: str = "rank"
+    start_timeout_s: float = 60.0
 
     @classmethod
     def of(cls, args: argparse.Namespace) -> Settings:
@@ -134,11 +148,11 @@ class Settings:
             cfg = load_config(args.config)
             ft, p = cfg.fault_tolerance, cfg.parallel
             base = cls(p.replicas, None, ft.min_replicas, ft.heartbeat_interval_s, ft.heartbeat_timeout_s,
-                       ft.hang_timeout_s, p.procs_per_replica, ft.connections)
+                       ft.hang_timeout_s, p.procs_per_replica, ft.connections, ft.start_timeout_s)
         flags = {"replicas": args.replicas, "max_replicas": args.max_replicas, "min_replicas": args.min_replicas,
                  "heartbeat_interval_s": args.heartbeat_interval, "heartbeat_timeout_s": args.heartbeat_timeout,
                  "hang_timeout_s": args.hang_timeout, "ranks_per_replica": args.ranks_per_replica,
-                 "connections": args.connections}
+                 "connections": args.connections, "start_timeout_s": args.start_timeout}
         settings = replace(base, **{k: v for k, v in flags.items() if v is not None})
         settings.check()
         return settings
@@ -152,6 +166,8 @@ class Settings:
             raise ConfigError(f"--ranks-per-replica must be >= 1, got {self.ranks_per_replica}")
         if self.hang_timeout_s < 0:
             raise ConfigError(f"--hang-timeout must be >= 0 seconds (0: from the step time), got {self.hang_timeout_s}")
+        if self.start_timeout_s <= 0:
+            raise ConfigError(f"--start-timeout must be > 0 seconds, got {self.start_timeout_s}")
         if self.heartbeat_timeout_s <= self.heartbeat_interval_s:
             raise ConfigError(f"--heartbeat-timeout ({self.heartbeat_timeout_s}) must exceed "
                               f"--heartbeat-interval ({self.heartbeat_interval_s})")
@@ -173,6 +189,20 @@ def read_token(path: str, warn: bool = False) -> str:
         print(f"recover: warning: --token-file {path} is readable by other users (mode {mode:o}): anyone who can "
               f"read it can register a replica; chmod 600 {path}", file=sys.stderr)
     return token
+
+
+def bind_failure(host: str, port: int, flag: str, exc: BaseException) -> str:
+    """The one line of a port the coordinator could not bind: which, why, and the fix."""
+    text = str(exc)
+    if isinstance(exc, OSError) and exc.errno == errno.EADDRNOTAVAIL or "assign requested address" in text:
+        return (f"cannot bind {host}:{port} ({flag}): {host} is no address of this machine; give --host an address "
+                "it has (0.0.0.0: all of them)")
+    if isinstance(exc, OSError) and exc.errno == errno.EACCES or "ermission denied" in text:
+        return f"cannot bind {host}:{port} ({flag}): ports below 1024 need privileges; give {flag} 1024 or above"
+    why = "another process holds it" if "in use" in text or (isinstance(exc, OSError) and
+                                                              exc.errno == errno.EADDRINUSE) else text
+    return (f"cannot bind {host}:{port} ({flag}): {why}; give another {flag} (0 picks a free one), or end the "
+            f"process holding it (`ss -ltnp 'sport = :{port}'` names it)")
 
 
 def parse_die_at_commit(text: str | None) -> tuple[int, int] | None:
@@ -240,6 +270,15 @@ def run(args: argparse.Namespace) -> int:
     die_with_launcher()  # started by `recover launch`: never outlive it
 
     st = Settings.of(args)
+    lease = None
+    if args.lease:  # before anything is written to the run directory (the events go there)
+        from recover.observe.lease import RENEW_S, TTL_S, acquire
+
+        lease = acquire(Path(args.lease), "recover coordinator", wait_s=TTL_S + 2 * RENEW_S)
+        lease.start_renewing()
+        if lease.took_over:
+            print(f"recover: note: took over {args.lease}'s lease from {lease.took_over}", file=sys.stderr,
+                  flush=True)
     metrics, endpoint = job_metrics(args)
     coord = Coordinator(args.host, args.port, token=read_token(args.token_file, warn=True), events_path=args.events,
                         heartbeat_interval_s=st.heartbeat_interval_s, heartbeat_timeout_s=st.heartbeat_timeout_s,
@@ -249,13 +288,20 @@ def run(args: argparse.Namespace) -> int:
                         ranks_per_replica=st.ranks_per_replica,
                         per_replica_connections=st.connections == "replica",
                         advertise_host=args.advertise_host, max_replicas=st.max_replicas,
-                        tls=Tls.from_flags(args.tls_cert, args.tls_key, args.tls_ca), on_event=metrics.on_event)
+                        tls=Tls.from_flags(args.tls_cert, args.tls_key, args.tls_ca), on_event=metrics.on_event,
+                        start_timeout_s=st.start_timeout_s)
     try:
         coord.start()
     except ConfigError:
+        if lease is not None:
+            lease.release()
         raise
     except (OSError, RuntimeError) as exc:
-        raise ConfigError(f"cannot bind {args.host}:{args.port} or store port {args.store_port}: {exc}") from None
+        if lease is not None:
+            lease.release()
+        store_failed = not coord.store_port  # the store binds first: with its port known, the service failed
+        raise ConfigError(bind_failure(args.host, args.store_port if store_failed else args.port,
+                                       "--store-port" if store_failed else "--port", exc)) from None
     if endpoint is not None:
         endpoint.start(lambda: render(metrics.families(coord.snapshot())))
     print(json.dumps({"ready": True, "host": args.host, "advertise_host": coord.advertise_host, "port": coord.port,
@@ -281,4 +327,7 @@ def run(args: argparse.Namespace) -> int:
         coord.serve_forever()
     except KeyboardInterrupt:
         pass
+    finally:
+        if lease is not None:
+            lease.release()
     return 0

@@ -84,6 +84,7 @@ from recover.coord.deadline import DEADLINE_BEATS, AckClock, Verdict, host_answe
 from recover.coord.generations import Generations
 from recover.coord.probe import PROBE_TIMEOUT_S, LinkProbe
 from recover.coord.protocol import (
+    RELEASE,
     SERVER_TYPES,
     Ballot,
     FrameDecoder,
@@ -146,6 +147,8 @@ class CoordinatorClient:
         self._attempt_failed = False
         self.gone = False
         """The coordinator did not come back within ``reconnect_s``."""
+        self.refused: CoordinatorRefused | None = None
+        """The coordinator speaks another wire protocol (another release): refused, not lost."""
         self.cut_off: str | None = None
         """Why this replica is cut off from the coordinator (its host answers nothing): it leaves."""
         self._heard = time.monotonic()  # when the coordinator last sent a byte
@@ -223,7 +226,7 @@ class CoordinatorClient:
 
     def _register_msg(self) -> dict[str, Any]:
         msg = {"type": "register", "token": self._token, "replica": self.replica_id, "join": self._join,
-               "rank": self.rank, "ranks": self.ranks, "pid": os.getpid()}
+               "rank": self.rank, "ranks": self.ranks, "pid": os.getpid(), "release": RELEASE}
         m = self.membership
         if m is not None:  # a registration again, after the coordinator was lost: what this replica holds
             speeds = self.speeds if self.speeds is not None else m.speeds
@@ -453,6 +456,8 @@ class CoordinatorClient:
                 value = ready()
                 if value is not None:
                     return value
+                if self.refused is not None:
+                    raise self.refused
                 if self._lost is not None:
                     raise CoordinatorLost(f"{self._who} lost the coordinator at "
                                           f"{self.host}:{self.port} while waiting for {what}: {self._lost}")
@@ -497,6 +502,11 @@ class CoordinatorClient:
         except (OSError, ProtocolError) as exc:
             why = f"{type(exc).__name__}: {exc}"
             answered = not isinstance(exc, OSError) or host_answered(exc)
+            if isinstance(exc, ProtocolError) and exc.code == "bad_version":  # another release's coordinator
+                self.refused = CoordinatorRefused("bad_version", exc.message.replace("the peer", "the coordinator")
+                                                  .replace("this side", f"{self._who}"))
+                self._mark_lost(str(self.refused))
+                return
         if sock is not self._sock:
             return  # a connection already given up (a reconnect replaced it)
         if self._closing:

@@ -58,7 +58,11 @@ from collections.abc import Mapping
 from dataclasses import dataclass, field
 from typing import Any, NamedTuple
 
+from recover import __version__
+
 PROTOCOL_VERSION = 1
+RELEASE = __version__
+"""This recover release: every ``register`` carries it (``release``), and the coordinator admits only its own."""
 MAGIC = b"RCVR"
 HEADER = struct.Struct(">4sI")
 MAX_FRAME_BYTES = 1 << 20
@@ -74,7 +78,7 @@ _ABSENT_DICT = "dict|absent?"
 MAX_RANKS = 1 << 16
 SCHEMAS: dict[str, dict[str, str]] = {
     "register": {"id": _INT, "token": _STR, "replica": _INT, "join": _BOOL, "rank": _ABSENT_INT,
-                 "ranks": _ABSENT_INT, "relay": _ABSENT_BOOL, "resume": _ABSENT_DICT},
+                 "ranks": _ABSENT_INT, "relay": _ABSENT_BOOL, "resume": _ABSENT_DICT, "release": _ABSENT_STR},
     "hb": {"progress": _ABSENT_INT, "activity": _ABSENT_STR, "generation": _ABSENT_INT},
     "hbs": {"ranks": _INTS, "progress": _INTS, "activity": _STR, "generation": _INTS},
     "ack": {"generation": _INT, "rank": _ABSENT_INT},
@@ -88,7 +92,8 @@ SCHEMAS: dict[str, dict[str, str]] = {
     "drain": {"id": _INT, "token": _STR, "replica": _INT},
     "drained": {"re": _INT, "replica": _INT, "step": _INT, "generation": _INT},
     "ok": {"re": _INT, "heartbeat_s": _ABSENT_NUM, "beat_s": _ABSENT_NUM},
-    "error": {"re": _OPT_INT, "code": _STR, "message": _STR, "sides": _ABSENT_DICT},
+    "error": {"re": _OPT_INT, "code": _STR, "message": _STR, "sides": _ABSENT_DICT,
+              "release": _ABSENT_STR},
     "committed": {"re": _INT, "generation": _INT, "step": _INT, "new_generation": _OPT_INT, "speeds": _OPT_DICT,
                   "stop": _ABSENT_BOOL, "left": _ABSENT_BOOL},
     "aborted": {"re": _INT, "generation": _INT, "reason": _STR},
@@ -354,12 +359,31 @@ def _check_fields(msg: dict[str, Any], spec: dict[str, str], what: str) -> None:
             raise ProtocolError("malformed", f"{what} field {name!r} must be {kind}, got {type(val).__name__}")
 
 
+def _release(release: Any) -> str:
+    return f"recover {release}" if isinstance(release, str) else "a recover release that names none"
+
+
+def version_mismatch(wire: Any, release: Any) -> str:
+    """The line refusing a peer of wire protocol ``wire`` and recover ``release`` (None: not sent)."""
+    return (f"the peer speaks wire protocol {wire!r} ({_release(release)}), this side wire protocol "
+            f"{PROTOCOL_VERSION} (recover {RELEASE}): run one recover release on every host")
+
+
+def check_release(msg: dict[str, Any]) -> None:
+    """Raises ProtocolError ``bad_release`` when a validated ``register`` names another release (one that names
+    none predates the field: its wire protocol, checked on every frame, is all there is to check)."""
+    if msg.get("release", RELEASE) != RELEASE:
+        raise ProtocolError("bad_release", f"replica {msg['replica']} runs {_release(msg.get('release'))} (wire "
+                            f"protocol {PROTOCOL_VERSION}), the coordinator recover {RELEASE} (wire protocol "
+                            f"{PROTOCOL_VERSION}): run one recover release on every host")
+
+
 def validate(msg: Any, allowed: frozenset[str] | None = None) -> dict[str, Any]:
     """Checks a decoded body: a JSON object of a known version and type with well-typed fields."""
     if not isinstance(msg, dict):
         raise ProtocolError("malformed", "message body must be a JSON object")
     if msg.get("v") != PROTOCOL_VERSION:
-        raise ProtocolError("bad_version", f"protocol version {msg.get('v')!r} is not {PROTOCOL_VERSION}")
+        raise ProtocolError("bad_version", version_mismatch(msg.get("v"), msg.get("release")))
     kind = msg.get("type")
     if not isinstance(kind, str) or kind not in SCHEMAS or (allowed is not None and kind not in allowed):
         raise ProtocolError("unknown_type", f"unknown message type {kind!r}")

@@ -53,7 +53,15 @@ from recover.coord.links import LinkJudge
 from recover.coord.liveness import Liveness
 from recover.coord.member import Agreed, Disagreed
 from recover.coord.operator import job_status
-from recover.coord.protocol import OPERATOR_TYPES, Ballot, ProtocolError, Resume, batch_beats
+from recover.coord.protocol import (
+    OPERATOR_TYPES,
+    RELEASE,
+    Ballot,
+    ProtocolError,
+    Resume,
+    batch_beats,
+    check_release,
+)
 from recover.coord.slots import Close, Link, Out, SendTo, Slot, check_register, replica_resume
 from recover.coord.state import MembershipState
 
@@ -224,6 +232,11 @@ class RankAggregator:
             self._refuse(link, "unauthenticated", "the first message must be register", req, True, now)
         elif not hmac.compare_digest(msg["token"].encode(), self._token):
             self._refuse(link, "unauthorized", "wrong token", req, True, now)
+        elif msg["type"] == "register" and msg.get("release", RELEASE) != RELEASE:
+            try:
+                check_release(msg)
+            except ProtocolError as exc:
+                self._refuse(link, exc.code, exc.message, req, True, now)
         elif msg["type"] == "register":
             self._register(link, msg, now)
         else:
@@ -521,7 +534,7 @@ class RankAggregator:
     def _refuse(self, link: Link, code: str, message: str, re: Any, fatal: bool, now: float) -> None:
         self._log("refused", peer=link.peer, replica=link.replica, code=code, message=message, closed=fatal)
         self._send(link, {"type": "error", "re": re if isinstance(re, int) else None, "code": code,
-                          "message": message})
+                          "message": message, **({"release": RELEASE} if code.startswith("bad_") else {})})
         if fatal:
             self._drop(link, "refused", now)
 

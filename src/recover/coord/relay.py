@@ -67,6 +67,7 @@ from recover.coord.member import Agreed, Ballot, Disagreed, Member
 from recover.coord.protocol import (
     ACTIVITY_LETTERS,
     CLIENT_TYPES,
+    RELEASE,
     SERVER_TYPES,
     ProtocolError,
     encode,
@@ -309,7 +310,8 @@ class Relay:
         self._member, loc.rank = member, rank
         if asked is not None:
             self._reg_uid = self._forward({"type": "register", "token": self._token, "replica": self.replica_id,
-                                           "join": join, "ranks": self.ranks, "relay": True}, asked)
+                                           "join": join, "ranks": self.ranks, "relay": True, "release": RELEASE},
+                                          asked)
 
     def _check_local(self, msg: dict[str, Any]) -> tuple[int, bool]:
         """``(rank, join)`` of a local rank's first message, which must register it. Raises Refused."""
@@ -484,7 +486,7 @@ class Relay:
         self._acks = AckClock(up)
         join = self._member.join if self._member is not None else False
         msg = {"type": "register", "token": self._token, "replica": self.replica_id, "join": join,
-               "ranks": self.ranks, "relay": True}
+               "ranks": self.ranks, "relay": True, "release": RELEASE}
         if self._held["generation"] > 0:
             msg["resume"] = dict(self._held)
         self._reg_uid = self._forward(msg, [])  # the ranks asked nothing: the reply stays here

@@ -129,7 +129,7 @@ class Coordinator:
                  hang_timeout_s: float = 0.0, die_at_commit: tuple[int, int] | None = None,
                  ranks_per_replica: int = 1, per_replica_connections: bool = False,
                  advertise_host: str | None = None, max_replicas: int | None = None,
-                 join_ready_s: float = JOIN_READY_S, tls: Tls | None = None,
+                 join_ready_s: float = JOIN_READY_S, tls: Tls | None = None, start_timeout_s: float = 60.0,
                  on_event: Callable[[str, dict[str, Any]], None] | None = None) -> None:
         if not token:
             raise ValueError("token must be a non-empty string")
@@ -154,6 +154,7 @@ class Coordinator:
         self.tls = tls
         self._tls_ctx = tls.server() if tls is not None else None
         self.register_timeout_s = register_timeout_s
+        self.start_timeout_s = start_timeout_s
         self.hang_timeout_s = hang_timeout_s
         self.die_at_commit = die_at_commit
         self._replies_sent = 0  # committed replies of the die_at_commit step sent so far
@@ -200,7 +201,8 @@ class Coordinator:
         self._sel.register(self._wake_r, selectors.EVENT_READ, "wake")
         self.state = MembershipState(expected=self.expected_replicas, min_members=self.min_members,
                                      store_host=self.advertise_host, store_port=self.store_port,
-                                     ack_timeout_s=self.heartbeat_timeout_s, max_replicas=self.max_replicas)
+                                     ack_timeout_s=self.heartbeat_timeout_s, max_replicas=self.max_replicas,
+                                     start_timeout_s=self.start_timeout_s)
         self.aggregator = RankAggregator(
             self.state, token=self._token, heartbeat_timeout_s=self.heartbeat_timeout_s,
             register_timeout_s=self.register_timeout_s, liveness=Liveness(self.hang_timeout_s),

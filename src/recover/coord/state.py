@@ -22,6 +22,9 @@ Invariants:
   * Admission: replica ids in ``[0, max_replicas)`` only (default ``expected``); any other is refused
     (``bad_replica``) and the job goes on. Every generation gets a fresh random ``secret``, sent only
     in its ``membership`` pushes (never logged): its group's store prefix (:mod:`recover.coord.protocol`).
+  * Start: the first generation forms once every expected replica registered, or ``start_timeout_s`` after
+    the first did, of those registered when at least ``min_members`` are (``start_timeout``); the others
+    join at a step boundary when they come. A replica that never starts never holds the job up for good.
   * Joiners are admitted only at a commit (a step boundary), or at once when no member is left.
     ``Membership.joined`` lists the members admitted since the last commit: a generation formed
     by a failure before that commit carries them on, so the state transfer is done again on it.
@@ -74,8 +77,11 @@ from recover.coord import integrity
 from recover.coord.actions import Action, Fence, Log, Refused, Send
 from recover.coord.barren import BarrenReports
 from recover.coord.protocol import Ballot, Membership, Resume, speeds_to_wire
+from recover.names import Event
 from recover.workload.speeds import SpeedTracker
 
+START_TIMEOUT_S = 60.0
+"""How long after the first registration the first generation waits for the other expected replicas."""
 FAULTS_KEPT = 5
 """How many of the last failures :attr:`MembershipState.faults` keeps (what ``recover status`` shows)."""
 
@@ -99,7 +105,7 @@ class MembershipState:
 
     def __init__(self, *, expected: int, min_members: int, store_host: str, store_port: int,
                  ack_timeout_s: float, speeds: SpeedTracker | None = None, rebuild_window_s: float = 3.0,
-                 max_replicas: int | None = None) -> None:
+                 max_replicas: int | None = None, start_timeout_s: float = START_TIMEOUT_S) -> None:
         if expected < 1:
             raise ValueError(f"expected replicas must be >= 1, got {expected}")
         if max_replicas is not None and max_replicas < expected:
@@ -123,6 +129,8 @@ class MembershipState:
         self.stop_requested = False
         self.stopped = False  # a stop was committed: the job is ending
         self.rebuild_window_s = rebuild_window_s
+        self.start_timeout_s = start_timeout_s
+        self._start_deadline: float | None = None  # the first generation forms by then without the missing
         self.rebuild: dict[int, Resume] = {}  # restart: what the replicas that came back hold
         self._rebuild_deadline: float | None = None
         self._base_generation = 0  # restart: the newest generation the replicas reported
@@ -201,6 +209,8 @@ class MembershipState:
             return acts
         if self.current is None:
             self.initial.add(replica)
+            if self._start_deadline is None:
+                self._start_deadline = now + self.start_timeout_s
             if len(self.initial) >= self.expected:
                 acts += self._form(sorted(self.initial), "initial", now)
         elif not self.current.members and self.round is None and self.left:  # everyone finished (or stopped)
@@ -426,7 +436,20 @@ class MembershipState:
     def on_tick(self, now: float) -> list[Action]:
         if self.rebuild:
             return self._check_rebuild(now)
+        if self.current is None and self._start_deadline is not None and now >= self._start_deadline:
+            return self._start_without_missing(now)
         return self._check_round(now) if self.round is not None else []
+
+    def _start_without_missing(self, now: float) -> list[Action]:
+        """The start timeout passed: the first generation forms of the replicas registered, when at least
+        ``min_members`` are (the missing ones join at a step boundary if they come); else it waits on."""
+        if len(self.initial) < self.min_members or self.stopped:
+            return []
+        missing = sorted(set(range(self.expected)) - self.initial)
+        acts: list[Action] = [Log(Event.START_TIMEOUT, {"registered": sorted(self.initial), "missing": missing,
+                                                    "timeout_s": self.start_timeout_s})]
+        return acts + self._form(sorted(self.initial), "initial", now, detail=f"without {missing}: not registered "
+                                 f"within {self.start_timeout_s:g} s")
 
     def _check_rebuild(self, now: float) -> list[Action]:
         """Restart: forms the rebuilt generation once every member of the newest reported generation

@@ -29,6 +29,7 @@ from recover.faults.registry import random_kinds, registered
 from recover.faults.schedule import KILL
 from recover.launch.placement import Placement, parse_gpus, place, visible_gpus
 from recover.names import BASELINES, Baseline, Event, Phase
+from recover.observe.lease import acquire, check_free
 from recover.observe.rundir import check_out, clear_run
 from recover.train.cli import INIT_FROM_HELP, init_from_override
 
@@ -315,6 +316,7 @@ def check_launch(req: LaunchRequest) -> LaunchOptions:
         if kill_step >= cfg.training.steps:
             raise ConfigError(f"--kill-coordinator {req.kill_coordinator}: step {kill_step} is beyond the run's "
                               f"{cfg.training.steps} steps (0-based)")
+    check_free(Path(req.out))  # a live job's directory: refused whatever the flags, naming its holder
     check_out(Path(req.out), req.resume, req.overwrite)
     check_extras(cfg.observe)
     if req.metrics_port:  # taken now: refused here in one line, not by the coordinator once it all started
@@ -430,14 +432,23 @@ def launch(req: LaunchRequest) -> int:
         for line in Commands(opts).plan():
             print(line)
         return 0
-    if req.overwrite:
-        clear_run(opts.out)
-    opts.out.mkdir(parents=True, exist_ok=True)
-    if not req.script:
-        resolve_data_dir(opts.config.data, quiet=not req.progress)
-    launcher = Launcher(opts)
-    code = launcher.run()
-    unwritten = _report(launcher, opts, req.reference)
+    with acquire(opts.out, "recover launch") as lease:  # before anything is written; released at the end
+        lease.start_renewing()
+        if lease.took_over:
+            print(f"recover: note: took over --out's lease from {lease.took_over}", file=sys.stderr)
+        if req.overwrite:
+            clear_run(opts.out)
+        opts.out.mkdir(parents=True, exist_ok=True)
+        if not req.script:
+            resolve_data_dir(opts.config.data, quiet=not req.progress)
+        launcher = Launcher(opts)
+        code = launcher.run()
+        unwritten = _report(launcher, opts, req.reference)
+    for line in launcher.supervisor.oom_lines:
+        print(line, file=sys.stderr)
+    if launcher.skipped_saves:
+        print(f"recover: warning: {len(launcher.skipped_saves)} checkpoint(s) skipped, the first: "
+              f"{launcher.skipped_saves[0]}", file=sys.stderr)
     if unwritten:  # after the job's own line (a finished job's is this one)
         unwritten = (f"recover: the storage refused the launcher's records with {launcher.written + 1} committed "
                      f"steps recorded: {unwritten}; free some space and run `recover collect {opts.out}` to write them")
@@ -494,6 +505,8 @@ def launch(req: LaunchRequest) -> int:
               f"{e.get('type', 'an exception')} at {e.get('place', '?')}: {e.get('message', '')} (replica "
               f"{e.get('replica', '?')}'s log is under {opts.out / 'logs'}); the newest complete checkpoint under "
               f"{opts.out / 'checkpoints'} (if any) is where --resume continues once it is fixed", file=sys.stderr)
+    elif launcher.start_failed is not None:
+        print(f"recover: the job could not start: {launcher.start_failed}", file=sys.stderr)
     elif launcher.stop_signal is not None:
         print(f"recover: stopped by signal {launcher.stop_signal} without reaching a step boundary within "
               f"fault_tolerance.stop_grace_s; the newest complete checkpoint under {opts.out / 'checkpoints'} "

@@ -38,13 +38,13 @@ def collect(run_dir: Path) -> dict[str, Any]:
     Raises:
         RecoverError: no replica has recorded a step under ``run_dir/replicas``.
     """
-    from recover.launch.records import StepRecords, write_metrics
+    from recover.launch.records import StepRecords, read_step_logs, write_metrics
     from recover.launch.report import plot_run, summarize
     from recover.observe.events import read_jsonl
 
     run_dir = Path(run_dir)
     logs = sorted((run_dir / "replicas").glob("replica_*.jsonl"))
-    records = StepRecords(rec for path in logs for rec in read_jsonl(path))
+    records = StepRecords(read_step_logs(logs))
     merged = records.merged()
     if not merged:
         raise RecoverError(f"{run_dir}: no step records under {run_dir / 'replicas'}; give the --out of the "

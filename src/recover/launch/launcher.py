@@ -16,7 +16,8 @@ Contract:
 - The launcher is the single writer of ``metrics.jsonl``: one record per committed step, merged from
   the replicas' own logs (``replicas/replica_R.jsonl``) by the rule of :mod:`recover.launch.records`
   (``recover collect`` merges by the same), written as steps commit and again, final, at the end.
-- SIGTERM or SIGINT is a graceful stop: the coordinator is sent SIGTERM and every worker SIGINT
+- SIGTERM, SIGINT or SIGHUP (the terminal hung up: what would be printed goes to ``logs/launcher.log``)
+  is a graceful stop: the coordinator is sent SIGTERM and every worker SIGINT
   (SIGTERM to one worker alone is that replica's graceful leave, :mod:`recover.train.worker`), the next
   commit is a stop, the lowest live replica saves a complete checkpoint, and everything exits; after
   ``fault_tolerance.stop_grace_s`` whatever still runs is killed. A second signal kills at once.
@@ -36,7 +37,10 @@ Contract:
   broken contract): then it stops the others as a graceful stop does (their leader saves the committed
   state) and exits with 13, whatever else the replicas exited with.
 - Once every step is committed, a replica still running after ``fault_tolerance.stop_grace_s`` (stuck
-  in its exit) is killed (``exit_grace_over``); the status stays 0.
+  in its exit) is killed (``exit_grace_over``); the status stays 0. A replica writing the checkpoint the
+  job ends with (``checkpoint_final``: the last step's, a stop's) is waited for, at most
+  ``training.checkpoint_timeout_s`` from its start; one cut short then makes the status 12, with a
+  line naming the newest complete checkpoint (``checkpoint_timeout``).
 - ``resume``: the workers start from the newest complete checkpoint in ``out``; the records of
   ``metrics.jsonl`` before it are kept (it holds each step once), completed from the replicas' own logs
   where a torn or lost line took one; a step no record holds is named in one warning line and counted
@@ -47,16 +51,18 @@ Contract:
 
 from __future__ import annotations
 
+import os
 import signal
 import sys
 import time
+from pathlib import Path
 from typing import Any
 
 from recover.config import write_run_config
 from recover.launch.faultclock import FaultClock
 from recover.launch.job import LaunchOptions
 from recover.launch.processes import LOST
-from recover.launch.records import JsonlTail, StepRecords, metrics_row, recover_rows, write_metrics
+from recover.launch.records import JsonlTail, LogEpochs, StepRecords, metrics_row, recover_rows, write_metrics
 from recover.launch.supervisor import POLL_S, Supervisor
 from recover.names import Event
 from recover.observe.events import EventLog, JsonlWriter
@@ -74,6 +80,8 @@ from recover.train.exits import (
     EXIT_UNSAVED,
 )
 
+STOP_SIGNALS = (signal.SIGTERM, signal.SIGINT, signal.SIGHUP)
+"""The signals that stop the job gracefully (SIGHUP: the terminal the launcher ran in hung up)."""
 JOINER_GRACE_S = 3.0
 """How long joiners left alone after the last committed step get to exit on their own before being stopped."""
 EXIT_ORDER = (EXIT_UNSAVED, EXIT_SCRIPT_ERROR, EXIT_DIVERGED, EXIT_NONFINITE, EXIT_BAD_DATA, EXIT_STATE_LOST,
@@ -94,6 +102,16 @@ def _ranges(steps: list[int]) -> str:
     return ", ".join(out)
 
 
+def newest_complete(root: Path) -> str:
+    """Where ``--resume`` would continue from: the newest complete checkpoint under ``root``, named."""
+    from recover.train.integrity import list_checkpoints
+
+    found = list_checkpoints(root)
+    if not found:
+        return f"there is no complete checkpoint under {root}"
+    return f"the newest complete checkpoint is {found[-1][1]} (step {found[-1][0]}), where --resume continues"
+
+
 class Launcher:
     """One launch: the run directory, the job's records and events, its supervisor and its fault clock."""
 
@@ -108,6 +126,8 @@ class Launcher:
         self.written = self.records.committed() - 1
         """The last step written to ``metrics.jsonl`` as the job runs."""
         self.tail = JsonlTail()
+        self.epochs = LogEpochs()
+        self._clock0 = (time.time(), time.monotonic())
         self.events = EventLog(self.out / "events.jsonl")
         self.metrics = JsonlWriter(self.out / "metrics.jsonl")
         self.display = ProgressDisplay(self.cfg.training.steps, self.written + 1, title=opts.title,
@@ -121,12 +141,22 @@ class Launcher:
         self.seen_events: list[dict[str, Any]] = []
         """Every record of ``events.jsonl`` read so far (the live goodput reads them)."""
         self.stop_signal: int | None = None
-        """The signal (SIGTERM, SIGINT) that asked for a graceful stop, once one did."""
+        """The signal (SIGTERM, SIGINT, SIGHUP) that asked for a graceful stop, once one did."""
         self.stop_started: float | None = None
         self.script_steps: int | None = None
         """The step count a script's ``job.steps(N)`` gave the job, once one did."""
         self.script_error: dict[str, Any] | None = None
         """The ``script_error`` event that stopped the job (the same exception raised again), if one did."""
+        self.final_saves: dict[int, tuple[float, int]] = {}
+        """replica -> (when, step): the checkpoint the job ends with that it is writing (``checkpoint_final``)."""
+        self.save_ended = 0.0
+        """When a final checkpoint was last written: the exit grace counts from then too."""
+        self.skipped_saves: list[str] = []
+        """The lines of periodic checkpoints skipped because the previous one was still being written."""
+        self.save_cut: str | None = None
+        """The line of a final checkpoint killed mid-write after ``training.checkpoint_timeout_s``, once one was."""
+        self.start_failed: str | None = None
+        """Why the job could not start (too few replicas left before the first generation), once so."""
         self.goodput_at, self.goodput_line = 0.0, None
         self.wall_s = 0.0
         self.all_lost = False
@@ -178,8 +208,8 @@ class Launcher:
                           failures=[str(s) for s in self.o.failures], random_mtbf_s=self.o.random_mtbf_s,
                           rejoin_after_s=self.o.rejoin_after_s,
                           resume_step=self.written + 1 if self.o.resume else None)
-        signal.signal(signal.SIGTERM, self._request_stop)
-        signal.signal(signal.SIGINT, self._request_stop)
+        for sig in STOP_SIGNALS:
+            signal.signal(sig, self._request_stop)
         try:
             self.supervisor.start()
             self._read_token()
@@ -207,18 +237,24 @@ class Launcher:
             for rec in self.tail.read(self.out / "events.jsonl"):
                 self.seen_events.append(rec)
                 self.supervisor.on_event(rec, now)
+                self._track_final_save(rec, now)
                 if rec.get("kind") == Event.SCRIPT_ERROR:
                     self._on_script_error(rec, now)
                 elif rec.get("kind") == Event.SCRIPT_STEPS and self._on_script_steps(int(rec["steps"])):
                     done_at = None
             self.supervisor.reap_fenced(now)
-            if self.supervisor.poll(now, self.records.last_step() + 1, unfinished=self.written + 1 < steps):
+            if self.supervisor.poll(now, self.records.last_step() + 1, unfinished=self.records.committed() < steps):
                 self._restart()
+            if (why := self.supervisor.cannot_start()) is not None:
+                self.start_failed = why
+                self.events.event(Event.START_FAILED, message=why)
+                return
             self._collect()
             self._flush_metrics(final=False)
             if not self.supervisor.busy():
                 return
-            if self.stop_started is not None and now - self.stop_started > self.cfg.fault_tolerance.stop_grace_s:
+            if self.stop_started is not None and not self._saving(now) and \
+                    now - max(self.stop_started, self.save_ended) > self.cfg.fault_tolerance.stop_grace_s:
                 self.events.event("stop_grace_over", running=[r.rid for r in self.supervisor.live()])
                 return
             if self.records.committed() >= steps:
@@ -228,7 +264,8 @@ class Launcher:
                 done_at = done_at or now
                 live = self.supervisor.live()
                 joiners = all(r.joined for r in live)
-                if now >= done_at + (JOINER_GRACE_S if joiners else self.cfg.fault_tolerance.stop_grace_s):
+                grace = JOINER_GRACE_S if joiners else self.cfg.fault_tolerance.stop_grace_s
+                if not self._saving(now) and now >= max(done_at, self.save_ended) + grace:
                     if not joiners:
                         self.events.event("exit_grace_over", running=[r.rid for r in live])
                     return
@@ -271,11 +308,47 @@ class Launcher:
         except OSError:
             self.token = None
 
+    # ---- the checkpoint a job ends with ------------------------------------------------------
+    def _track_final_save(self, rec: dict[str, Any], now: float) -> None:
+        """Follows the final checkpoints being written: begun (``checkpoint_final``), then done or refused."""
+        r = rec.get("replica")
+        if rec.get("kind") == Event.CHECKPOINT_FINAL and r is not None:
+            self.final_saves[r] = (now, rec["step"])
+        elif rec.get("kind") in (Event.CHECKPOINT, Event.CHECKPOINT_UNSAVED) and r is not None:
+            if self.final_saves.pop(r, None) is not None:
+                self.save_ended = now
+        elif rec.get("kind") == Event.CHECKPOINT_SKIPPED:
+            self.skipped_saves.append(rec.get("message", ""))
+            if len(self.skipped_saves) == 1:
+                self.display.message(f"[yellow]{rec.get('message', '')}[/]")
+
+    def _saving(self, now: float) -> bool:
+        """Whether a live replica is writing the checkpoint the job ends with, within
+        ``training.checkpoint_timeout_s`` of its start (the exit grace never cuts it short). One past
+        it is given up: logged, its line kept in :attr:`save_cut` (the job's status is then 12)."""
+        live = {r.rid for r in self.supervisor.live()}
+        timeout = self.cfg.training.checkpoint_timeout_s
+        for r, (since, step) in list(self.final_saves.items()):
+            if r not in live:
+                del self.final_saves[r]
+            elif now - since > timeout:
+                del self.final_saves[r]
+                self.save_cut = (f"the checkpoint of step {step} was still being written by replica {r} after "
+                                 f"training.checkpoint_timeout_s = {timeout:g} s and was cut short; "
+                                 f"{newest_complete(self.out / 'checkpoints')}")
+                self.events.event(Event.CHECKPOINT_TIMEOUT, replica=r, step=step, timeout_s=timeout)
+                self.events.event(Event.CHECKPOINT_UNSAVED, replica=r, step=step, message=self.save_cut,
+                                  source="launcher")
+        return bool(self.final_saves)
+
     # ---- records ---------------------------------------------------------------------------
     def _collect(self) -> None:
-        """Merges the step records the replicas appended since the last call."""
+        """Merges the step records the replicas appended since the last call, each stamped ``t`` with the
+        launcher's monotonic clock as it is read (never a replica's wall clock)."""
         for path in sorted((self.out / "replicas").glob("replica_*.jsonl")):
-            for rec in self.tail.read(path):
+            for rec in self.epochs.mark(path, self.tail.read(path)):
+                if isinstance(rec.get("t"), (int, float)):
+                    rec["t"] = self._clock0[0] + time.monotonic() - self._clock0[1]
                 if self.records.add(rec) and "replica" in rec:
                     self.last_step_at[rec["replica"]] = time.time()
 
@@ -329,10 +402,23 @@ class Launcher:
             self._read_token()
 
     def _request_stop(self, signum: int, frame: Any) -> None:
-        """SIGTERM or SIGINT: a graceful stop (see the module docstring); the second one: at once."""
+        """SIGTERM, SIGINT or SIGHUP: a graceful stop (see the module docstring); the second one: at once."""
         if self.stop_signal is not None:
             raise KeyboardInterrupt(f"signal {signum}")
         self.stop_signal = signum
+        if signum == signal.SIGHUP:
+            self._off_the_terminal()
+
+    def _off_the_terminal(self) -> None:
+        """After a hang-up, what the launcher would print to its terminal (gone with the session) goes to
+        ``logs/launcher.log`` instead: the stop's line is still written somewhere."""
+        if not any(os.isatty(fd) for fd in (1, 2)):
+            return  # redirected: the output still has its reader
+        fd = os.open(self.out / "logs" / "launcher.log", os.O_WRONLY | os.O_CREAT | os.O_APPEND, 0o644)
+        for std in (1, 2):
+            if os.isatty(std):
+                os.dup2(fd, std)
+        os.close(fd)
 
     def _begin_stop(self, now: float) -> None:
         """Passes the stop on: SIGTERM to the coordinator, SIGINT to every worker; no more rejoins or faults."""
@@ -395,6 +481,8 @@ class Launcher:
         codes = self.supervisor.exit_codes()
         self.events.event("end", wall_s=round(self.wall_s, 3), exit_codes=codes)
         self.events.close()
+        if self.save_cut is not None:
+            return EXIT_UNSAVED
         if self.script_error is not None:  # stopped by it, whether or not every step committed
             return EXIT_UNSAVED if EXIT_UNSAVED in codes.values() else EXIT_SCRIPT_ERROR
         if self.written + 1 >= self.cfg.training.steps:

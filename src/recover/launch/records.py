@@ -5,15 +5,22 @@ Rank 0 of every replica appends one record per committed step to ``replicas/repl
 and ``recover collect`` (after a job run across machines) both merge them with :class:`StepRecords`,
 whose rule is the whole contract:
 
-    Per step, the record written last (largest ``t``; a tie goes to the higher ``replica``) is the
-    step's record. Several replicas record the same commit, alike but for who wrote it and their own
-    timings; a step recorded again after a restart from an older checkpoint was redone, and its newer
-    record is the one the run went on from. A ``val_loss`` that the step's record lacks (only the
+    Per step, the record of the job's latest commit of it is the step's record: the latest by the
+    job's logical clock, ``(epoch, generation)``, never by a replica's wall clock (a replica whose clock
+    steps an hour forward must not win); a tie goes to the higher ``replica``. Several replicas record
+    the same commit, alike but for who wrote it and their own timings; a step recorded again after a
+    restart from an older checkpoint was redone (in a later generation: a restore forms a new one), and
+    its newer record is the one the run went on from. ``epoch`` counts, per replica log, the times its
+    generations started again from 1 (a new coordinator: the checkpoint-and-restart baseline, a
+    requeued job; :class:`LogEpochs`). A ``val_loss`` that the step's record lacks (only the
     replica that evaluated carries one) is taken, with its ``eval_s``, from the newest record of the
     step that has one. Anything else (an event, a line a killed writer tore, a record without an
     integer ``step`` and a ``loss``) is not a step record and is left out.
 
-The rule does not depend on the order records are added in. A step nobody recorded is a gap: it is
+The rule does not depend on the order records are added in. The launcher stamps each record's ``t``
+with its own monotonic clock as it reads it (:meth:`StepRecords` then holds one clock), so
+``metrics.jsonl``'s ``elapsed_s`` never jumps with a replica's clock; ``recover collect``, reading
+after the fact, keeps the replicas' ``t``. A step nobody recorded is a gap: it is
 absent from the merge (:meth:`StepRecords.committed` counts the steps before the first gap).
 :class:`JsonlTail` reads the complete lines appended to a file since its last read, and
 :func:`write_metrics` writes the merge as ``metrics.jsonl`` rows (``elapsed_s`` instead of ``t``).
@@ -38,8 +45,38 @@ def is_step_record(rec: Any) -> bool:
             and isinstance(rec.get("t"), (int, float)))
 
 
-def _order(rec: Record) -> tuple[float, int]:
-    return rec["t"], rec.get("replica", -1)
+def _order(rec: Record) -> tuple[int, int, int]:
+    generation = rec.get("generation")
+    return rec.get("epoch", 0), generation if isinstance(generation, int) else 0, rec.get("replica", -1)
+
+
+class LogEpochs:
+    """The ``epoch`` of each record of the replicas' logs: per log, how many times its generations started
+    again from a lower number (a new coordinator), read in file order."""
+
+    def __init__(self) -> None:
+        self._last: dict[Path, tuple[int, int]] = {}
+        """path -> (the last generation read, its epoch)."""
+
+    def mark(self, path: Path, records: Iterable[Any]) -> list[Any]:
+        """``records`` (the next ones of ``path``, in file order), each step record given its ``epoch``."""
+        out = []
+        for rec in records:
+            if is_step_record(rec) and isinstance(rec.get("generation"), int):
+                last, epoch = self._last.get(path, (0, 0))
+                epoch += rec["generation"] < last
+                self._last[path] = (rec["generation"], epoch)
+                rec = {**rec, "epoch": epoch}
+            out.append(rec)
+        return out
+
+
+def read_step_logs(paths: Iterable[Path]) -> list[Any]:
+    """Every record of the replicas' logs ``paths``, each step record with its ``epoch``."""
+    from recover.observe.events import read_jsonl
+
+    epochs = LogEpochs()
+    return [rec for path in paths for rec in epochs.mark(path, read_jsonl(path))]
 
 
 class StepRecords:
@@ -139,6 +176,7 @@ def recover_rows(kept: dict[int, Record], replica_records: Iterable[Any],
 def metrics_row(rec: Record, t0: float) -> Record:
     """``rec`` as a ``metrics.jsonl`` row: its write time ``t`` becomes ``elapsed_s`` since ``t0``."""
     row = dict(rec)
+    row.pop("epoch", None)
     row["elapsed_s"] = round(row.pop("t") - t0, 3)
     return row
 

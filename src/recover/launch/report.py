@@ -188,6 +188,8 @@ def summarize(run_dir: Path, name: str, wall_s: float, write: bool = True) -> di
         "max_microbatches": max((r["microbatches"] for r in rows), default=0),
         "kills": sum(1 for e in events if e.get("kind") == Event.KILL),
         "failures_detected": failures_detected(events),
+        "out_of_memory": [{k: e.get(k) for k in ("replica", "step", "pid", "cgroup", "peak_bytes")} for e in events
+                          if e.get("kind") == Event.KILL and e.get("cause") == "out of memory"],
         "rejoins": sum(1 for e in joins if e["replica"] < launched),
         "grown": sorted({e["replica"] for e in joins if e["replica"] >= launched}),  # beyond the launch's count
         "recoveries": lat,

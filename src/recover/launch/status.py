@@ -36,7 +36,7 @@ from typing import Any
 
 from recover.coord.tls import Tls, add_tls_flags
 from recover.errors import RecoverError
-from recover.launch.records import StepRecords
+from recover.launch.records import LogEpochs, StepRecords
 from recover.names import Event
 
 FAULT_KINDS = (Event.KILL, Event.FAILURE_DETECTED, Event.FENCED, Event.RESTORED, Event.DIVERGENT,
@@ -113,12 +113,26 @@ def read_status(run_dir: Path, faults: int = 5) -> dict[str, Any]:
     if not path.is_file():
         raise RecoverError(f"{run_dir}: no events.jsonl; give the --out of a job (recover launch, or the "
                            "recipes' coordinator and workers)")
-    records, last_steps = StepRecords(), {}
+    records, last_steps, epochs = StepRecords(), {}, LogEpochs()
     for log in sorted((run_dir / "replicas").glob("replica_*.jsonl")):
-        steps = [rec["step"] for rec in read_jsonl(log) if records.add(rec)]
+        steps = [rec["step"] for rec in epochs.mark(log, read_jsonl(log)) if records.add(rec)]
         if steps:
             last_steps[int(log.stem.removeprefix("replica_"))] = max(steps)
-    return job_status(list(read_jsonl(path)), records, last_steps, time.time(), faults)
+    return {**job_status(list(read_jsonl(path)), records, last_steps, time.time(), faults),
+            "holder": lease_holder(run_dir)}
+
+
+def lease_holder(run_dir: Path) -> dict[str, Any] | None:
+    """Who holds the run directory (:mod:`recover.observe.lease`): ``describe``, ``pid``, ``host`` and ``gone``
+    (why the holder is provably gone, None while it may run); None when nobody does."""
+    from dataclasses import asdict
+
+    from recover.observe.lease import NAME, TTL_S, gone_why, holder
+
+    h = holder(run_dir)
+    if h is None:
+        return None
+    return {**asdict(h), "describe": h.describe(), "gone": gone_why(h, run_dir / NAME, TTL_S)}
 
 
 COLUMNS = (("state", "state"), ("last_step", "last step"), ("activity", "activity"), ("mb_s", "s / microbatch"),
@@ -152,6 +166,10 @@ def status_table(s: dict[str, Any], where: Any) -> Any:
         lines.append(f"{time.strftime('%H:%M:%S', when)} {e['kind']} replica "
                      f"{e.get('replica', '-')}" + (f": {detail}" if detail else ""))
     table.caption = "last faults:\n" + "\n".join(lines) if lines else "no faults"
+    if s.get("holder"):  # a run directory's: who runs the job in it
+        h = s["holder"]
+        table.caption = f"held by {h['describe']}" + (f" (gone: {h['gone']})" if h["gone"] else "") + \
+            "\n" + table.caption
     return table
 
 

@@ -21,7 +21,9 @@ Contract:
   ``fault_tolerance.fence_exit_s`` after the fence, and one still running a second later (frozen,
   or stuck below Python) is SIGKILLed (``reaped``); it then rejoins like a killed replica.
 - A rank SIGKILLed by neither a logged fault (a ``kill`` event naming its PID) nor the supervisor was
-  killed from outside (an operator, the OOM killer): logged as a ``kill`` from ``external``.
+  killed from outside (an operator, the OOM killer): logged as a ``kill`` from ``external``; when its
+  memory cgroup counted an OOM kill meanwhile (:mod:`recover.launch.oom`), with ``cause`` ``out of
+  memory``, its cgroup and its peak memory, and one line (:attr:`Supervisor.oom_lines`).
 - A spare that exits by itself is logged (``spare_exit``) and replaced (:data:`~recover.launch.spares.MAX_EXITS`).
 - :meth:`Supervisor.kill_all` SIGKILLs and reaps every process the supervisor started that still runs
   (spares included; a stop ends the spares at once);
@@ -42,10 +44,12 @@ import time
 from collections.abc import Callable
 from typing import Any
 
+from recover.errors import RecoverError
 from recover.launch.job import Address, Commands, LaunchOptions
+from recover.launch.oom import SEE_EVERY_S, MemoryWatch
 from recover.launch.processes import LOST, ReplicaProcesses, Spawned, free_port, kill_processes, signal_processes, spawn
 from recover.launch.spares import Devices, SparePool
-from recover.names import Baseline
+from recover.names import Baseline, Event
 from recover.observe.events import EventLog
 from recover.observe.rundir import write_private
 from recover.train.exits import (
@@ -63,6 +67,9 @@ from recover.train.exits import (
 )
 
 POLL_S = 0.05
+MAX_SAME_EXITS = 3
+"""A replica that failed with the same exit status (other than a SIGKILL or a fence) this many times is not
+restarted again: the job goes on without it (or ends, when too few replicas are left to start)."""
 MAX_COORDINATOR_RESTARTS = 10
 ENDS_JOB = (EXIT_QUORUM_LOST, EXIT_STOPPED, EXIT_COORDINATOR_LOST, EXIT_DIVERGED, EXIT_NONFINITE, EXIT_BAD_DATA,
             EXIT_STATE_LOST, EXIT_UNSAVED, EXIT_SCRIPT_ERROR)
@@ -111,6 +118,16 @@ class Supervisor:
         """PIDs a fault of the launcher already hit."""
         self.ended = False
         """A replica ended the job on purpose (an exit status of :data:`ENDS_JOB`): nothing rejoins."""
+        self.formed = False
+        """The first generation formed (training began): a replica started later joins, taking the state."""
+        self.same_exits: dict[tuple[int, int], int] = {}
+        """(replica, exit code) -> how often it ended so (a failure other than a SIGKILL or a fence)."""
+        self.memory = MemoryWatch()
+        self._memory_at = 0.0
+        self.oom_lines: list[str] = []
+        """One line per replica the kernel's OOM killer ended (the launcher prints them at the end)."""
+        self.given_up: dict[int, int] = {}
+        """replica -> the exit code it failed with :data:`MAX_SAME_EXITS` times: not restarted again."""
 
     # ---- starting --------------------------------------------------------------------------
     def start(self) -> None:
@@ -141,9 +158,11 @@ class Supervisor:
         assert self.coordinator is not None
         deadline = time.time() + 30
         while time.time() < deadline:
-            if self.coordinator.proc.poll() is not None:
-                raise RuntimeError(f"the coordinator exited with {self.coordinator.proc.returncode}; "
-                                   f"see {self.coordinator.path}")
+            if self.coordinator.proc.poll() is not None:  # its last line says why (a taken port: which, the fix)
+                self.coordinator.log.flush()
+                said = [line for line in self.coordinator.path.read_text(errors="replace").splitlines() if line]
+                raise RecoverError(f"the coordinator exited with {self.coordinator.proc.returncode} "
+                                   f"({said[-1] if said else 'no output'}); see {self.coordinator.path}")
             try:
                 socket.create_connection((self.o.host, self.addr.port), timeout=0.2).close()  # type: ignore[arg-type]
                 return
@@ -174,6 +193,7 @@ class Supervisor:
         return self.devices.get(rid) or self.o.placement.devices(rid, self.cmds.ranks)
 
     def _start_replica(self, rid: int, join: bool) -> None:
+        again = rid in self.replicas  # a restart before the first generation does not join: it is a member
         spare = self.pool.take(self.devices_of(rid)) if join else None
         waited: dict[str, float] = {}
         if spare is not None:
@@ -187,8 +207,11 @@ class Supervisor:
             ranks = self._spawn(self.cmds.replica(self.addr, self.resume, rid, join), f"replica_{rid}",
                                 self.devices_of(rid))
         self.replicas[rid] = ReplicaProcesses(rid, ranks, time.time(), join)
-        if join:
-            self.events.event("rejoin_started", replica=rid, pid=ranks[0].proc.pid, log=ranks[0].path.name, **waited)
+        for rank in ranks:
+            self.memory.see(rank.proc.pid)
+        if join or (again and not self.formed):
+            self.events.event("rejoin_started", replica=rid, pid=ranks[0].proc.pid, log=ranks[0].path.name,
+                              join=join, **waited)
 
     # ---- watching --------------------------------------------------------------------------
     def live(self) -> list[ReplicaProcesses]:
@@ -218,6 +241,8 @@ class Supervisor:
         replicas declared dead."""
         if rec.get("spec") is not None:  # an injected fault struck: a restarted replica is not given it again
             self.cmds.struck.add(rec["spec"])
+        if rec.get("kind") == "generation":
+            self.formed = True
         if rec.get("kind") == "kill" and rec.get("pid") is not None:
             self.known_kills.add(rec["pid"])
         elif rec.get("kind") == "failure_detected":
@@ -262,10 +287,13 @@ class Supervisor:
             if self.o.baseline == Baseline.RESTART and code in (-signal.SIGKILL, EXIT_JOB_FAILED) and unfinished:
                 return True
             self.ended = self.ended or code in ENDS_JOB
-            wanted = self.o.rejoin_replicas is None or rep.rid in self.o.rejoin_replicas
-            lost = code in (-signal.SIGKILL, EXIT_RAISED)  # killed, or its script raised for the first time
-            if lost and self.o.rejoin_after_s is not None and unfinished and wanted:
+            if self._failed(rep.rid, code, unfinished) and self.o.rejoin_after_s is not None and (
+                    self.o.rejoin_replicas is None or rep.rid in self.o.rejoin_replicas):
                 self.rejoin_at[rep.rid] = now + self.o.rejoin_after_s
+        if now >= self._memory_at:  # the running ranks' memory cgroups and peaks, to name an OOM kill
+            self._memory_at = now + SEE_EVERY_S
+            for pid in (p.pid for r in self.live() for p in r.procs):
+                self.memory.see(pid)
         for spare in self.pool.reap():
             self.events.event("spare_exit", codes=[r.proc.returncode for r in spare.ranks],
                               log=spare.ranks[0].path.name, replaced=not self.pool.gave_up)
@@ -274,8 +302,36 @@ class Supervisor:
                 del self.rejoin_at[rid]
             elif now >= when:
                 del self.rejoin_at[rid]
-                self._start_replica(rid, join=True)
+                self._start_replica(rid, join=self.formed)  # before the first generation: one of its members
         return False
+
+    def _failed(self, rid: int, code: int, unfinished: bool) -> bool:
+        """Whether replica ``rid``'s exit with ``code`` is a failure to restart it after: any exit of an
+        unfinished job that was neither a finish or leave (0) nor an end on purpose, unless it failed the
+        same way (not a SIGKILL or fence: those come from outside) :data:`MAX_SAME_EXITS` times."""
+        if not unfinished or self.stopping or code in (0, EXIT_JOB_FAILED, *ENDS_JOB):
+            return False
+        if code == LOST:
+            return True
+        seen = self.same_exits[rid, code] = self.same_exits.get((rid, code), 0) + 1
+        if seen < MAX_SAME_EXITS:
+            return True
+        self.given_up[rid] = code
+        self.events.event(Event.REPLICA_GIVEN_UP, replica=rid, code=code, exits=seen)
+        self.say(f"replica {rid} exited with {code} {seen} times: not restarted again")
+        return False
+
+    def cannot_start(self) -> str | None:
+        """Before the first generation: why the job cannot start (fewer replicas left, running or due to
+        restart, than ``fault_tolerance.min_replicas``, after a failure), else None."""
+        need = self.o.config.fault_tolerance.min_replicas
+        left = len(self.live()) + len(self.rejoin_at)
+        failed = [r for r in self.replicas.values() if r.exit_code not in (None, 0)]
+        if self.formed or not failed or left >= need:
+            return None
+        first = failed[0]
+        return (f"replica {first.rid} exited with {first.exit_code} before training began, and {left} replica(s) are "
+                f"left of the {need} needed (fault_tolerance.min_replicas); its log: {first.ranks[0].path}")
 
     def _count_external_kill(self, rep: ReplicaProcesses, now: float, step: int) -> None:
         """A rank SIGKILLed by neither the fault injection nor the supervisor was killed from outside (an
@@ -283,9 +339,18 @@ class Supervisor:
         killed = [rep.procs[k].pid for k, c in rep.codes.items() if c == -signal.SIGKILL]
         if killed and not self.known_kills & {p.pid for p in rep.procs}:
             at = self.lost_at.get(rep.rid)
-            self.events.event("kill", replica=rep.rid, step=step, phase="external", pid=killed[0], source="external",
-                              at=at if at is not None and at >= rep.started else now)
+            oom = next((o for o in map(self.memory.oom, killed) if o is not None), None)
+            cause = {} if oom is None else {"cause": "out of memory", "cgroup": oom.cgroup,
+                                            "peak_bytes": oom.peak_bytes}
+            self.events.event(Event.KILL, replica=rep.rid, step=step, phase="external", pid=killed[0],
+                              source="external", at=at if at is not None and at >= rep.started else now, **cause)
             self.known_kills.update(killed)
+            if oom is not None:
+                line = f"recover: replica {rep.rid} (PID {killed[0]}) was killed at step {step}: {oom.describe()}"
+                self.oom_lines.append(line)
+                self.say(line)
+        for proc in rep.procs:
+            self.memory.forget(proc.pid)
 
     # ---- acting ----------------------------------------------------------------------------
     def pid(self, rid: int, rank: int) -> int:

@@ -373,25 +373,35 @@ class Checkpointer:
         self.last_blocking_s = 0.0
         """Seconds the last :meth:`save` blocked training (with an asynchronous save: staging only)."""
 
-    def save(self, step: int, data_step: int, total_tokens: int, blocking: bool | None = None) -> Path:
+    def writing(self) -> int | None:
+        """The step of the asynchronous save still being written, None when none is."""
+        pending = self._pending
+        return pending.step if pending is not None and not pending.done() else None
+
+    def save(self, step: int, data_step: int, total_tokens: int, blocking: bool | None = None) -> Path | None:
         """Checkpoint after ``step`` committed steps.
 
         An asynchronous save returns once the state is staged in CPU memory; it becomes loadable only
-        when complete. Every save first waits for the previous asynchronous one (and raises its error,
-        if any). A save blocks until committed when ``blocking`` is true, or, by default, at the end of
-        training (``step >= training.steps``) and when made while an exception is being handled (a stop,
-        such as a lost quorum, after which the process exits).
+        when complete. At most one is in flight: a periodic asynchronous save due while the previous one
+        is still being written is not made (None: the caller reports it, the saves are slower than their
+        interval), never queued behind it. Every other save first waits for the previous asynchronous one
+        (and raises its error, if any). A save blocks until committed when ``blocking`` is true, or, by
+        default, at the end of training (``step >= training.steps``) and when made while an exception is
+        being handled (a stop, such as a lost quorum, after which the process exits).
         """
         t0 = time.perf_counter()
-        self.wait()
         r, tc = self.replica, self.cfg.training
+        if blocking is None:
+            blocking = step >= tc.steps or sys.exc_info()[0] is not None
+        if not blocking and tc.checkpoint_async and r.group is None and self.writing() is not None:
+            self.last_blocking_s = 0.0
+            return None
+        self.wait()
         if self._description is None:  # the run config and tokenizer every checkpoint carries
             self._description = describe_run(self.cfg)
         meta = {"total_tokens": total_tokens, "seed": tc.seed,
                 "data_cursor": {"step": data_step, "epoch": self.epoch_of(data_step)}, **self._description.meta}
         files = self._description.files
-        if blocking is None:
-            blocking = step >= tc.steps or sys.exc_info()[0] is not None
         if tc.checkpoint_async and r.group is None:
             self._pending = save_checkpoint_async(self.root, step, r.model, r.optimizer, meta, self.cfg.model,
                                                   tc.keep_checkpoints, files)

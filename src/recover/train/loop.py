@@ -152,6 +152,8 @@ class Loop:
             due = leader and cadence.due(outcome.step, end)
             final = outcome.stop or outcome.step + 1 == end
             if leader and final and (due or outcome.stop):
+                self.on_event(Event.CHECKPOINT_FINAL, step=self.step.progress.step,  # the launcher waits for it
+                              timeout_s=tc.checkpoint_timeout_s)
                 with self.busy("io"):
                     self.save_last()
             elif due:
@@ -224,5 +226,12 @@ class Loop:
         """A checkpoint of the committed progress (collective in a replica of several ranks)."""
         p = self.step.progress
         path = self.checkpointer.save(p.step, p.data_step, p.tokens, blocking)
+        if path is None:  # the previous save is still being written: this one is not made, nor queued
+            writing = self.checkpointer.writing()
+            line = (f"checkpoint of step {p.step} skipped: the one of step {writing} is still being written (saves "
+                    "take longer than their interval; raise training.checkpoint_every or use faster storage)")
+            print(f"recover: warning: {line}", file=sys.stderr, flush=True)
+            self.on_event(Event.CHECKPOINT_SKIPPED, step=p.step, writing=writing, message=line)
+            return None
         self.on_event(Event.CHECKPOINT, step=p.step, blocking_s=round(self.checkpointer.last_blocking_s, 6))
         return path
