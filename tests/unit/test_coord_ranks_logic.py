@@ -567,3 +567,23 @@ def test_a_replica_cut_from_a_member_joins_only_once_its_probe_reaches_it() -> N
     assert logs(out, "link_restored") == [{"pairs": [[1, 2]], "generation": 1}]
     out = vote(agg, "a0", 13, step=1) + vote(agg, "b0", 14, step=1)
     assert logs(out, "generation")[0]["members"] == [0, 1, 2]
+
+
+def test_members_stuck_in_a_rendezvous_are_asked_whom_they_reach_and_the_rule_hears_them() -> None:
+    """Replicas 1 and 2 hang in a rendezvous that cannot connect (their own timeout comes later); 0 and 3
+    time out naming nobody. The coordinator asks every member to probe its peers at once: 1 and 2 each
+    answer without the other, and 2 is fenced long before the grace (before: both silent, nobody named)."""
+    agg = make(expected=4, hb=60.0)
+    for r in range(4):
+        _with_probe(agg, f"r{r}_0", r, False, 0.0)
+    _all_waiting(agg, 4, 0.5)
+    out = agg.on_message("r0_0", msg("report", id=1, generation=1, suspects=[], timeout=True), 30.0)
+    asked = sent(out, "reach")
+    assert set(asked) == {"r0_0", "r1_0", "r2_0", "r3_0"}
+    assert asked["r1_0"]["peers"] == {"0": "10.0.0.0:7", "2": "10.0.0.2:7", "3": "10.0.0.3:7"}
+    agg.on_message("r3_0", msg("report", id=1, generation=1, suspects=[], timeout=True), 30.1)
+    agg.on_message("r1_0", msg("reached", reached=[0, 3]), 30.5)
+    out = agg.on_message("r2_0", msg("reached", reached=[0, 3]), 30.6)
+    report = logs(out, "link_report")[0]
+    assert (report["broken"], report["silent"], report["fenced"]) == ([[1, 2]], [], [2])
+    assert {c: m["re"] for c, m in sent(out, "ok").items()} == {"r0_0": 1, "r3_0": 1}

@@ -82,6 +82,9 @@ class FaultTolerantGroup:
         self._waiter = Waiter(membership.generation)
         self._broken = False
         self._aborting: threading.Event | None = None  # set once this group's communicator is aborted
+        self.passed: tuple[Membership, ...] = ()
+        """Generations of the same step that failed while this replica's rendezvous formed (its first group):
+        the other members may have planned the step over the first of them (see the step protocol)."""
 
     # ------------------------------------------------------------- forming
 
@@ -106,6 +109,7 @@ class FaultTolerantGroup:
         dev = device if device is not None else default_device(resolved)
         yard = graveyard if graveyard is not None else Graveyard()
         m, deadline = membership, time.monotonic() + timeout_s
+        passed: list[Membership] = []
         while True:
             try:
                 client.entering(m.generation)
@@ -113,9 +117,12 @@ class FaultTolerantGroup:
                     pg, store = _rendezvous(client, m, resolved, dev, timeout_s, yard)
                 break
             except PeerFailure:  # bounded: each retry needs a newer generation within the deadline
+                passed.append(m)
                 m = client.wait_for_generation(m.generation, max(0.0, deadline - time.monotonic()))
-        return cls(client, m, pg, backend=resolved, device=dev, timeout_s=timeout_s,
-                   bucket_bytes=bucket_bytes, graveyard=yard, store=store, pool=pool)
+        group = cls(client, m, pg, backend=resolved, device=dev, timeout_s=timeout_s,
+                    bucket_bytes=bucket_bytes, graveyard=yard, store=store, pool=pool)
+        group.passed = tuple(p for p in passed if p.step == m.step)
+        return group
 
     def next_generation(self, timeout_s: float | None = None) -> FaultTolerantGroup:
         """Retires this group and returns one for the coordinator's next generation.

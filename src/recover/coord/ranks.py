@@ -96,13 +96,14 @@ class RankAggregator:
         self._ids = itertools.count(1)  # ids of forwarded requests: those of different ranks collide
         self._out: list[Out] = []
         self._now = 0.0  # the time of the event whose actions are being applied
-        self.link_rule = LinkJudge[tuple[Link, dict[str, Any]]](link_grace_s)  # timed-out reports held
+        self.link_rule = LinkJudge[tuple[Link, dict[str, Any]] | None](link_grace_s)  # reports held (None: a reach)
         self.heartbeat_s = heartbeat_s
         self.scan_s = scan_s
         self._next_scan = float("-inf")
         self.beat_s = beat_s
         self._next_beat = float("-inf")
         self._next_reach = float("-inf")
+        self._asked: dict[int, dict[int, list[int]]] = {}  # generation -> member -> the peers it was asked about
         self._drains: dict[int, list[tuple[Link, int]]] = {}  # replica -> the operators' drains awaiting its commit
 
     @property
@@ -223,6 +224,31 @@ class RankAggregator:
             self._next_reach = now + REACH_EVERY_S
             self._ask_reach()
 
+    def _ask_members(self, generation: int) -> None:
+        """Reports of ``generation`` are held: every member asked whom it reaches now (a member stuck in a
+        rendezvous that cannot connect reports nothing until its own timeout), so that the link rule has
+        every member's links within the probe timeout, not the collective timeout."""
+        self._asked[generation] = {}
+        for r in self.state.current.members if self.state.current else ():
+            slot = self._slots.get(r)
+            if slot is None or slot.probe is None:
+                continue
+            peers = {str(b): self._slots[b].probe for b in self.state.current.members  # type: ignore[union-attr]
+                     if b != r and b in self._slots and self._slots[b].probe is not None}
+            self._asked[generation][r] = [int(b) for b in peers]
+            for link in slot.conns:
+                self._send(link, {"type": "reach", "peers": peers})
+
+    def _reached(self, slot: Slot, reached: list[int], now: float) -> None:
+        """A ``reach`` answered: for a member while reports of its generation are held, its links go to the
+        link rule (whom it was asked about and did not reach); any pair it reached is a known cut no more."""
+        g = self.state.generation
+        asked = self._asked.get(g, {}).pop(slot.replica, None)
+        if asked is not None and self.link_rule.holds(g) and not self.state.failing:
+            self.link_rule.hold(g, slot.replica, None, sorted(set(asked) - set(reached)), now)
+            self._settle_links(now)
+        self._apply(self.state.on_reached(slot.replica, reached, now), now)
+
     def _ask_reach(self) -> None:
         """Each joiner held back by a known cut is asked to probe the replicas it was cut from
         (:mod:`recover.coord.links`): a pair it reaches again is cleared, and it joins at the next commit."""
@@ -319,10 +345,13 @@ class RankAggregator:
                 self._forward(slot, [(link, msg["id"])], False, now, lambda i: self.state.on_nonfinite(
                     slot.replica, i, msg["generation"], msg["step"], msg["ids"], now))
             elif kind == "reached":
-                self._apply(self.state.on_reached(slot.replica, msg["reached"], now), now)
+                self._reached(slot, msg["reached"], now)
             elif kind == "report":
                 if self._judged(msg) and not (msg.get("timeout") and self._fence_unreached(slot.replica, now)):
+                    first = not self.link_rule.holds(msg["generation"])
                     self.link_rule.hold(msg["generation"], slot.replica, (link, msg), msg["suspects"], now)
+                    if first:
+                        self._ask_members(msg["generation"])
                     self._settle_links(now)
                     return
                 self._forward(slot, [(link, msg["id"])], False, now, lambda i: self.state.on_report(
@@ -462,9 +491,11 @@ class RankAggregator:
                 why = (f"it cannot connect to replicas {peers}" if peers else "it did not report its links")
                 self._kill(slot, "link", f"{why} after generation {v.generation} failed with every member alive "
                                          "(the smallest set that leaves a fully connected group)", now)
+            self._asked.pop(v.generation, None)
             for r, reports in v.reports.items():
-                for link, msg in reports:
-                    self._report(r, link, msg, now)
+                for held in reports:
+                    if held is not None:
+                        self._report(r, held[0], held[1], now)
 
     def _report(self, r: int, link: Link, msg: dict[str, Any], now: float) -> None:
         """A held report to the state, if its connection still speaks for replica ``r``."""
