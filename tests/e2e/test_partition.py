@@ -77,6 +77,11 @@ class Routed:
         for src, dst in ((x, y), (y, x)):
             ip("-n", self.router, "rule", "add", "blackhole", "from", src, "to", dst, "prio", "100")
 
+    def mend(self, a: int, b: int) -> None:
+        x, y = self.addr[f"h{a}"], self.addr[f"h{b}"]
+        for src, dst in ((x, y), (y, x)):
+            ip("-n", self.router, "rule", "del", "blackhole", "from", src, "to", dst, "prio", "100")
+
     def cmd(self, name: str, argv: list[str]) -> list[str]:
         return ["ip", "netns", "exec", self.hosts[name], *argv]
 
@@ -132,13 +137,13 @@ class Job:
         self.procs[name] = proc
         return proc
 
-    def worker(self, r: int) -> None:
-        with (self.run / f"worker_{r}.err").open("w") as err:
-            self._start(f"worker{r}", self.net.cmd(f"h{r}", [
+    def worker(self, r: int, *extra: str) -> None:
+        with (self.run / f"worker_{r}{'_again' if extra else ''}.err").open("w") as err:
+            self._start(f"worker{r}{'_again' if extra else ''}", self.net.cmd(f"h{r}", [
                 sys.executable, "-m", "recover", "worker", "--config", str(self.config), "--replica", str(r),
                 "--coordinator", f"{self.net.addr['c']}:{self.port}", "--token-file", str(self.run / "token"),
                 "--out", str(self.run), "--procs", str(REPLICAS), "--training.checkpoint_every", "0",
-                "--fault_tolerance.collective_timeout_s", str(TIMEOUT_S)]), stderr=err)
+                "--fault_tolerance.collective_timeout_s", str(TIMEOUT_S), *extra]), stderr=err)
 
     def events(self) -> list[dict]:
         path = self.run / "events.jsonl"
@@ -194,6 +199,38 @@ def test_a_partial_partition_fences_one_side_within_the_bound_and_training_stays
         assert job.procs["worker2"].wait(30) == EXIT_FENCED
         later = [g for g in generations(job) if g["t"] > resolved["t"]]
         assert not [g for g in later if set(CUT) <= set(g["members"])]  # never the broken pair again
+    finally:
+        job.close()
+    run_recover(["collect", str(job.run)], timeout=120)
+    assert losses(job.run) == losses(reference)  # bitwise, every step
+
+
+def test_a_replica_fenced_for_a_cut_joins_again_only_once_its_link_is_mended(
+        net: Routed, reference: Path, tmp_path: Path) -> None:
+    """Replica 2, fenced for its cut with 1, is started again by hand (``--join``) while the cut lasts: it is
+    held back at every commit (``join_held``), no generation holds 1 and 2; once the link is mended its probe
+    reaches 1 (``link_restored``) and it joins at the next commit. Every step bitwise the failure-free run's
+    (each microbatch takes 0.4 s of emulated device time, which changes no number, so the job outlasts the
+    second start)."""
+    job = Job(net, tmp_path / "run", reference / "config.json")
+    slow = ("--training.device_time_s", "0.4")
+    try:
+        net.partition(*CUT)
+        for r in range(REPLICAS):
+            job.worker(r, *slow)
+        wait_until(lambda: job.procs["worker2"].poll() is not None, 4 * BOUND_S, "replica 2 to be fenced")
+        job.worker(2, *slow, "--join")
+        wait_until(lambda: any(e["kind"] == "join_held" for e in job.events()), 60, "replica 2 held back")
+        net.mend(*CUT)
+        wait_until(lambda: any(e["kind"] == "link_restored" for e in job.events()), 30, "the probe through")
+        wait_until(lambda: len(generations(job)[-1]["members"]) == REPLICAS, 30, "replica 2 admitted")
+        for name in ("worker0", "worker1", "worker3", "worker2_again"):
+            wait_until(lambda n=name: job.procs[n].poll() is not None, 180, f"{name} to finish")
+            assert job.procs[name].returncode == 0
+        held = next(e["t"] for e in job.events() if e["kind"] == "join_held")
+        restored = next(e["t"] for e in job.events() if e["kind"] == "link_restored")
+        assert not [g for g in generations(job)[1:] if set(CUT) <= set(g["members"]) and g["t"] < restored]
+        assert held < restored
     finally:
         job.close()
     run_recover(["collect", str(job.run)], timeout=120)
