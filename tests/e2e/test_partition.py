@@ -138,8 +138,9 @@ class Job:
         return proc
 
     def worker(self, r: int, *extra: str) -> None:
-        with (self.run / f"worker_{r}{'_again' if extra else ''}.err").open("w") as err:
-            self._start(f"worker{r}{'_again' if extra else ''}", self.net.cmd(f"h{r}", [
+        name = f"worker{r}_again" if "--join" in extra else f"worker{r}"
+        with (self.run / f"{name}.err").open("w") as err:
+            self._start(name, self.net.cmd(f"h{r}", [
                 sys.executable, "-m", "recover", "worker", "--config", str(self.config), "--replica", str(r),
                 "--coordinator", f"{self.net.addr['c']}:{self.port}", "--token-file", str(self.run / "token"),
                 "--out", str(self.run), "--procs", str(REPLICAS), "--training.checkpoint_every", "0",
@@ -195,7 +196,7 @@ def test_a_partial_partition_fences_one_side_within_the_bound_and_training_stays
         assert fenced["replica"] == 2  # the rule's tie goes to the higher id
         for r in (0, 1, 3):
             wait_until(lambda r=r: job.procs[f"worker{r}"].poll() is not None, 180, f"replica {r} to finish")
-            assert job.procs[f"worker{r}"].returncode == 0, (job.run / f"worker_{r}.err").read_text()[-2000:]
+            assert job.procs[f"worker{r}"].returncode == 0, (job.run / f"worker{r}.err").read_text()[-2000:]
         assert job.procs["worker2"].wait(30) == EXIT_FENCED
         later = [g for g in generations(job) if g["t"] > resolved["t"]]
         assert not [g for g in later if set(CUT) <= set(g["members"])]  # never the broken pair again
@@ -210,10 +211,10 @@ def test_a_replica_fenced_for_a_cut_joins_again_only_once_its_link_is_mended(
     """Replica 2, fenced for its cut with 1, is started again by hand (``--join``) while the cut lasts: it is
     held back at every commit (``join_held``), no generation holds 1 and 2; once the link is mended its probe
     reaches 1 (``link_restored``) and it joins at the next commit. Every step bitwise the failure-free run's
-    (each microbatch takes 0.4 s of emulated device time, which changes no number, so the job outlasts the
+    (each microbatch takes 1 s of emulated device time, which changes no number, so the job outlasts the
     second start)."""
     job = Job(net, tmp_path / "run", reference / "config.json")
-    slow = ("--training.device_time_s", "0.4")
+    slow = ("--training.device_time_s", "1.0")
     try:
         net.partition(*CUT)
         for r in range(REPLICAS):
