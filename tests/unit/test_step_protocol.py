@@ -480,3 +480,8 @@ def test_a_replica_whose_first_rendezvous_failed_plans_the_step_as_the_members_t
     plan = p._step_plan(0)
     assert plan == survivors_plan and sorted(i for ids in plan.values() for i in ids) == list(range(M))
     assert p._step_plan(0) == p.plan(0) != survivors_plan  # once: the next step plans over the members
+    # a joiner's failed generation is not planned from (the members plan after its state transfer), nor
+    # one of another step
+    for stale in (FakeMembership(0, (0, 1, 2, 3), joined=(1,)), FakeMembership(0, (0, 1, 2, 3), step=3)):
+        group.passed = (stale,)  # type: ignore[attr-defined]
+        assert p._step_plan(0) == p.plan(0)

@@ -158,9 +158,11 @@ class FaultTolerantGroup:
                 self._abort(parent)  # rebuilding: the old communicator goes first
                 parent = None
             self._await_abort(wait_s)
-            return FaultTolerantGroup.create(self.client, m, self.backend, self.timeout_s,
-                                             bucket_bytes=self.bucket_bytes, graveyard=self.graveyard,
-                                             device=self.device, pool=self.pool)
+            group = FaultTolerantGroup.create(self.client, m, self.backend, self.timeout_s,
+                                              bucket_bytes=self.bucket_bytes, graveyard=self.graveyard,
+                                              device=self.device, pool=self.pool)
+            group.passed = ()  # a survivor's in-step recovery plans from its own plan, not from these
+            return group
         finally:
             if parent is not None:  # shrunk (every rank aborts the parent), or an error on the way
                 self.graveyard.park(self.generation, parent, abort=True)

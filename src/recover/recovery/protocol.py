@@ -212,7 +212,8 @@ class ResilientStep:
         member it could not connect to was fenced) the plan the members that formed that generation made
         over its members, with the orphans of those not in this one re-planned as their in-step recovery
         does: otherwise this replica would compute other ids than the others expect of it."""
-        passed = getattr(self.group, "passed", ())
+        passed = [m for m in getattr(self.group, "passed", ()) if m.step == self.progress.step
+                  and self.me not in m.joined and not m.restore and not m.resync]  # a joiner's: planned later
         if not passed:
             return self.plan(data_step)
         self.group.passed = ()  # once: the step's first plan
