@@ -170,8 +170,10 @@ def test_requests_of_a_replica_still_waiting_for_ranks_are_refused() -> None:
 def test_ack_reaches_the_state_once_every_rank_acked() -> None:
     agg = make()
     two_replicas(agg)
-    out = agg.on_message("b0", msg("report", id=8, generation=1, suspects=[]), 0.1)
-    assert sent(out, "ok") == {"b0": {"type": "ok", "re": 8, "generation": 1}}
+    assert agg.on_message("b0", msg("report", id=8, generation=1, suspects=[]), 0.1) == []  # held: the link rule
+    out = agg.on_message("a0", msg("report", id=3, generation=1, suspects=[]), 0.1)  # every member reported
+    assert sent(out, "ok") == {"b0": {"type": "ok", "re": 8, "generation": 1},
+                               "a0": {"type": "ok", "re": 3, "generation": 1}}
     assert set(sent(out, "failing")) == {"a0", "a1", "b0"}  # a push goes to every rank
     assert agg.on_message("a0", msg("ack", generation=1), 0.2) == []
     assert agg.on_message("b0", msg("ack", generation=1), 0.3) == []  # a1 has not acked yet
@@ -525,8 +527,8 @@ def test_a_report_without_the_timeout_flag_does_not_skip_the_link_rule() -> None
     (no timeout flag). Before, such a report started a failure round at once and the held reports were
     handed back unjudged: the same members formed again."""
     agg = _four_waiting()
+    agg.on_message("r3_0", msg("report", id=1, generation=1, suspects=[]), 29.9)  # first, naming nobody: held
     agg.on_message("r0_0", msg("report", id=1, generation=1, suspects=[], timeout=True), 30.0)
-    agg.on_message("r3_0", msg("report", id=1, generation=1, suspects=[]), 30.1)  # nothing named: held all the same
     assert not agg.state.failing
     agg.on_message("r2_0", msg("report", id=1, generation=1, suspects=[1]), 30.2)
     out = agg.on_message("r1_0", msg("report", id=1, generation=1, suspects=[2]), 30.3)

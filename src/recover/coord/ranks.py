@@ -28,8 +28,8 @@ Invariants:
     a unique id; its reply goes back to exactly the connection(s) that asked, each with its own id.
   * A ``report`` that a collective of the current generation timed out fences the members that never
     reached it (computing or in io, by their heartbeats). When every member reached it (a broken
-    link), the reports are held and judged by the link rule (:mod:`recover.coord.links`); so is a report
-    without the timeout flag that names a member it cannot reach or comes while others are held.
+    link), the reports are held and judged by the link rule (:mod:`recover.coord.links`); so is any other
+    report of the current generation while it is not failing (a backend error after a peer's timeout).
   * With ``beat_s``, every registered connection gets a ``beat`` that often (the coordinator is never
     silent for longer: a worker's read deadline, :mod:`recover.coord.deadline`).
   * Timeouts (heartbeat, registration, hangs) are judged on a coarser clock (``scan_s``,
@@ -449,13 +449,12 @@ class RankAggregator:
             self._forward(slot, got.asked, False, now, lambda i: self.state.on_vote(r, i, agreed, now))
 
     def _judged(self, msg: dict[str, Any]) -> bool:
-        """Whether a ``report`` goes to the link rule: one of the current, healthy generation that timed out,
-        names a member it cannot reach, or comes while reports of that generation are held (a peer's pair
-        closed after its own timeout: without the flag, it is judged with the others all the same)."""
+        """Whether a ``report`` goes to the link rule: any of the current, healthy generation. A report without
+        the timeout flag may be a peer's pair closed after that peer's own timeout (a partition elsewhere),
+        and it may come first: judged with the others all the same. (A dead member is no delay: its closed
+        connection starts the failure round, which hands the held reports back at once.)"""
         g = msg["generation"]
-        if g != self.state.generation or self.state.failing:
-            return False
-        return bool(msg.get("timeout") or msg["suspects"] or self.link_rule.holds(g))
+        return g == self.state.generation and not self.state.failing
 
     def _fence_unreached(self, reporter: int, now: float) -> bool:
         """A collective of the current generation ran out of time: the members that never reached it
