@@ -422,7 +422,7 @@ def test_a_broken_link_between_two_replicas_fences_one_of_them_never_the_same_ge
     ev = events(tmp_path)
     report = next(e for e in ev if e["kind"] == "link_report")
     assert report["unreachable"]["1"] == [2] and report["unreachable"]["2"] == [1]
-    assert report["unreachable"]["0"] == [] and report["implicated"] == 2
+    assert report["unreachable"]["0"] == [] and report["fenced"] == [2] and report["broken"] == [[1, 2]]
     assert [(e["replica"], e["cause"]) for e in ev if e["kind"] == "failure_detected" and e["cause"] != "left"] \
         == [(2, "link")]
     generations = [e for e in ev if e["kind"] == "generation" and e["reason"] != "initial" and e["step"] < STEPS]

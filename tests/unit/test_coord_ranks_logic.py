@@ -170,8 +170,10 @@ def test_requests_of_a_replica_still_waiting_for_ranks_are_refused() -> None:
 def test_ack_reaches_the_state_once_every_rank_acked() -> None:
     agg = make()
     two_replicas(agg)
-    out = agg.on_message("b0", msg("report", id=8, generation=1, suspects=[0]), 0.1)
-    assert sent(out, "ok") == {"b0": {"type": "ok", "re": 8, "generation": 1}}
+    assert agg.on_message("b0", msg("report", id=8, generation=1, suspects=[]), 0.1) == []  # held: the link rule
+    out = agg.on_message("a0", msg("report", id=3, generation=1, suspects=[]), 0.1)  # every member reported
+    assert sent(out, "ok") == {"b0": {"type": "ok", "re": 8, "generation": 1},
+                               "a0": {"type": "ok", "re": 3, "generation": 1}}
     assert set(sent(out, "failing")) == {"a0", "a1", "b0"}  # a push goes to every rank
     assert agg.on_message("a0", msg("ack", generation=1), 0.2) == []
     assert agg.on_message("b0", msg("ack", generation=1), 0.3) == []  # a1 has not acked yet
@@ -385,7 +387,7 @@ def test_a_broken_link_fences_the_replica_the_reports_implicate() -> None:
     assert agg.on_message("r0_0", msg("report", id=8, generation=1, suspects=[2], timeout=True), 0.7) == []
     out = agg.on_message("r2_0", msg("report", id=9, generation=1, suspects=[0], timeout=True), 0.8)
     assert logs(out, "link_report") == [{"generation": 1, "unreachable": {"0": [2], "1": [], "2": [0]},
-                                         "implicated": 2}]
+                                         "broken": [[0, 2]], "silent": [], "fenced": [2]}]
     assert [(d["replica"], d["cause"]) for d in logs(out, "failure_detected")] == [(2, "link")]
     assert {c: m["re"] for c, m in sent(out, "ok").items()} == {"r0_0": 8, "r1_0": 7}
     assert agg.state.failing and "r2_0" in closed(out)
@@ -410,7 +412,7 @@ def test_a_reporter_that_reaches_hardly_anyone_implicates_itself_and_silence_end
     out = []
     for r in range(3):
         out += agg2.on_message(f"r{r}_0", msg("report", id=r + 1, generation=1, suspects=[], timeout=True), 0.6)
-    assert logs(out, "failure_detected") == [] and logs(out, "link_report")[0]["implicated"] is None
+    assert logs(out, "failure_detected") == [] and logs(out, "link_report")[0]["fenced"] == []
     assert agg2.state.failing
 
 
@@ -492,3 +494,98 @@ def test_an_operator_connection_is_no_member_never_times_out_and_its_drain_is_an
     assert sent(out, "committed")["b0"]["left"] is True and agg.state.current.members == (0, 2)
     out = agg.on_message("op", msg("status", id=3, token="nope"), 3.1)
     assert sent(out, "error")["op"]["code"] == "unauthorized" and closed(out) == ["op"]
+
+
+def _four_waiting(hb: float = 60.0) -> RankAggregator:
+    agg = make(expected=4, hb=hb)
+    for r in range(4):
+        replica(agg, f"r{r}_", r, 1)
+    _all_waiting(agg, 4, 0.5)
+    return agg
+
+
+def test_a_partition_before_the_start_fences_one_side_of_the_cut_not_the_same_members_again() -> None:
+    """Replicas 1 and 2 cannot connect: their rendezvous fails (no timeout flag on gloo's connect error,
+    each names the other), 0 and 3 time out in their first collective naming nobody. Before, 0 and 3's
+    reports named nobody and the same four members formed again for ever."""
+    agg = _four_waiting()
+    assert agg.on_message("r0_0", msg("report", id=1, generation=1, suspects=[], timeout=True), 30.0) == []
+    assert agg.on_message("r1_0", msg("report", id=1, generation=1, suspects=[2]), 30.1) == []  # held: no round
+    assert not agg.state.failing
+    agg.on_message("r3_0", msg("report", id=1, generation=1, suspects=[], timeout=True), 30.2)
+    out = agg.on_message("r2_0", msg("report", id=1, generation=1, suspects=[1]), 30.3)
+    assert logs(out, "link_report")[0]["fenced"] == [2] and logs(out, "link_report")[0]["broken"] == [[1, 2]]
+    assert [(d["replica"], d["cause"]) for d in logs(out, "failure_detected")] == [(2, "link")]
+    for r in (0, 1, 3):
+        out = agg.on_message(f"r{r}_0", msg("ack", generation=1), 30.4)
+    assert logs(out, "generation")[0]["members"] == [0, 1, 3]
+    assert agg.state.cuts.pairs == {(1, 2)}
+
+
+def test_a_report_without_the_timeout_flag_does_not_skip_the_link_rule() -> None:
+    """Mid-run: 0 timed out first; the others' pairs with it closed, so they report a backend error
+    (no timeout flag). Before, such a report started a failure round at once and the held reports were
+    handed back unjudged: the same members formed again."""
+    agg = _four_waiting()
+    agg.on_message("r3_0", msg("report", id=1, generation=1, suspects=[]), 29.9)  # first, naming nobody: held
+    agg.on_message("r0_0", msg("report", id=1, generation=1, suspects=[], timeout=True), 30.0)
+    assert not agg.state.failing
+    agg.on_message("r2_0", msg("report", id=1, generation=1, suspects=[1]), 30.2)
+    out = agg.on_message("r1_0", msg("report", id=1, generation=1, suspects=[2]), 30.3)
+    assert [(d["replica"], d["cause"]) for d in logs(out, "failure_detected")] == [(2, "link")]
+
+
+def test_a_member_that_never_reports_is_fenced_once_the_grace_is_over() -> None:
+    agg = _four_waiting()
+    for r in (0, 1, 3):
+        agg.on_message(f"r{r}_0", msg("report", id=1, generation=1, suspects=[], timeout=True), 30.0)
+    assert not agg.state.failing
+    out = agg.on_tick(30.0 + LINK_GRACE_S + 0.1)
+    assert logs(out, "link_report")[0]["silent"] == [2]
+    assert [(d["replica"], d["cause"]) for d in logs(out, "failure_detected")] == [(2, "link")]
+
+
+def _with_probe(agg: RankAggregator, conn: str, r: int, join: bool, now: float) -> list[Out]:
+    agg.on_open(conn, "peer", now)
+    return agg.on_message(conn, msg("register", id=1, token=TOKEN, replica=r, join=join, probe=f"10.0.0.{r}:7"), now)
+
+
+def test_a_replica_cut_from_a_member_joins_only_once_its_probe_reaches_it() -> None:
+    """After 2 was fenced for its cut with 1, 2 registers again (the launcher's --rejoin-after, or by
+    hand): it is held back (``join_held``) at every commit and asked to probe 1; once it reaches 1, the
+    next commit admits it."""
+    agg = make(expected=2, hb=60.0)
+    _with_probe(agg, "a0", 0, False, 0.0)
+    _with_probe(agg, "b0", 1, False, 0.0)
+    agg.state.cuts.add([(1, 2)])
+    assert sent(_with_probe(agg, "c0", 2, True, 0.1), "ok")["c0"]["re"] == 1
+    out = vote(agg, "a0", 11) + vote(agg, "b0", 12)
+    assert sent(out, "membership") == {}  # no generation with the broken pair
+    assert all(m["new_generation"] is None for m in sent(out, "committed").values())
+    assert logs(out, "join_held") == [{"replica": 2, "generation": 1, "cannot_reach": [1]}]
+    assert sent(agg.on_tick(1.0), "reach") == {"c0": {"type": "reach", "peers": {"1": "10.0.0.1:7"}}}
+    assert agg.on_message("c0", msg("reached", reached=[]), 1.1) == []  # still cut
+    out = agg.on_message("c0", msg("reached", reached=[0, 1]), 1.2)
+    assert logs(out, "link_restored") == [{"pairs": [[1, 2]], "generation": 1}]
+    out = vote(agg, "a0", 13, step=1) + vote(agg, "b0", 14, step=1)
+    assert logs(out, "generation")[0]["members"] == [0, 1, 2]
+
+
+def test_members_stuck_in_a_rendezvous_are_asked_whom_they_reach_and_the_rule_hears_them() -> None:
+    """Replicas 1 and 2 hang in a rendezvous that cannot connect (their own timeout comes later); 0 and 3
+    time out naming nobody. The coordinator asks every member to probe its peers at once: 1 and 2 each
+    answer without the other, and 2 is fenced long before the grace (before: both silent, nobody named)."""
+    agg = make(expected=4, hb=60.0)
+    for r in range(4):
+        _with_probe(agg, f"r{r}_0", r, False, 0.0)
+    _all_waiting(agg, 4, 0.5)
+    out = agg.on_message("r0_0", msg("report", id=1, generation=1, suspects=[], timeout=True), 30.0)
+    asked = sent(out, "reach")
+    assert set(asked) == {"r0_0", "r1_0", "r2_0", "r3_0"}
+    assert asked["r1_0"]["peers"] == {"0": "10.0.0.0:7", "2": "10.0.0.2:7", "3": "10.0.0.3:7"}
+    agg.on_message("r3_0", msg("report", id=1, generation=1, suspects=[], timeout=True), 30.1)
+    agg.on_message("r1_0", msg("reached", reached=[0, 3]), 30.5)
+    out = agg.on_message("r2_0", msg("reached", reached=[0, 3]), 30.6)
+    report = logs(out, "link_report")[0]
+    assert (report["broken"], report["silent"], report["fenced"]) == ([[1, 2]], [], [2])
+    assert {c: m["re"] for c, m in sent(out, "ok").items()} == {"r0_0": 1, "r3_0": 1}

@@ -460,3 +460,28 @@ def test_a_slow_replica_gets_fewer_microbatches_and_every_plan_agrees() -> None:
 def test_the_even_policy_ignores_speeds() -> None:
     _, runs = run_job(2, 4, mb_s={0: 0.002, 1: 0.008})
     assert [o.computed for o in runs[1].outcomes] == [M // 2] * 4
+
+
+def test_a_replica_whose_first_rendezvous_failed_plans_the_step_as_the_members_that_formed_it() -> None:
+    """Generation 0 (replicas 0-3) formed for 0, 2 and 3, not for 1 (it could not connect to 2, which was
+    fenced); 0 and 3 computed their share and re-planned 2's orphans over 0, 1 and 3. Replica 1 starts in
+    generation 1: it computes its share of generation 0's plan plus its orphans, so every id is computed
+    exactly once (before: it planned afresh over 0, 1 and 3 and computed ids another replica held)."""
+    from recover.workload import plan_step, replan
+
+    world = World(4)
+    first, now = FakeMembership(0, (0, 1, 2, 3)), FakeMembership(1, (0, 1, 3))
+    group = FakeGroup(world, 1, now)
+    group.passed = (first,)  # type: ignore[attr-defined]
+    p = ResilientStep(FakeReplica(), group, FakeCoordinator(world, 1, []), M, Progress(), 1, policy="even")
+    base = plan_step(M, first.members, 0, p.assignment, p.seed, None)
+    orphans = replan(base, None, {2}, {0, 1, 3}, None)
+    survivors_plan = {r: base[r] + orphans.get(r, []) for r in (0, 1, 3)}
+    plan = p._step_plan(0)
+    assert plan == survivors_plan and sorted(i for ids in plan.values() for i in ids) == list(range(M))
+    assert p._step_plan(0) == p.plan(0) != survivors_plan  # once: the next step plans over the members
+    # a joiner's failed generation is not planned from (the members plan after its state transfer), nor
+    # one of another step
+    for stale in (FakeMembership(0, (0, 1, 2, 3), joined=(1,)), FakeMembership(0, (0, 1, 2, 3), step=3)):
+        group.passed = (stale,)  # type: ignore[attr-defined]
+        assert p._step_plan(0) == p.plan(0)

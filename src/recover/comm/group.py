@@ -9,7 +9,8 @@ Every collective
   2. is launched async and waited on while watching ``client.failure_notice(g)`` (gloo: a helper
      thread blocks in ``work.wait()``; NCCL: ``work.is_completed()`` is polled): a gloo rank blocked
      on a dead peer that is not its ring neighbour would otherwise wait for the backend timeout;
-  3. on a coordinator notice or a backend error, stops waiting at once, reports to the coordinator,
+  3. on a coordinator notice or a backend error, stops waiting at once, reports to the coordinator
+     (naming the members whose link probe does not answer; a failed rendezvous too),
      waits for its decision and raises ``PeerFailure(g, dead)`` naming exactly the replicas that
      are not in the next generation. The broken group is parked in a :class:`Graveyard`.
 Call order after a failure: ``group = group.next_generation()``; every collective of a broken group
@@ -81,6 +82,9 @@ class FaultTolerantGroup:
         self._waiter = Waiter(membership.generation)
         self._broken = False
         self._aborting: threading.Event | None = None  # set once this group's communicator is aborted
+        self.passed: tuple[Membership, ...] = ()
+        """Generations of the same step that failed while this replica's rendezvous formed (its first group):
+        the other members may have planned the step over the first of them (see the step protocol)."""
 
     # ------------------------------------------------------------- forming
 
@@ -105,6 +109,7 @@ class FaultTolerantGroup:
         dev = device if device is not None else default_device(resolved)
         yard = graveyard if graveyard is not None else Graveyard()
         m, deadline = membership, time.monotonic() + timeout_s
+        passed: list[Membership] = []
         while True:
             try:
                 client.entering(m.generation)
@@ -112,9 +117,12 @@ class FaultTolerantGroup:
                     pg, store = _rendezvous(client, m, resolved, dev, timeout_s, yard)
                 break
             except PeerFailure:  # bounded: each retry needs a newer generation within the deadline
+                passed.append(m)
                 m = client.wait_for_generation(m.generation, max(0.0, deadline - time.monotonic()))
-        return cls(client, m, pg, backend=resolved, device=dev, timeout_s=timeout_s,
-                   bucket_bytes=bucket_bytes, graveyard=yard, store=store, pool=pool)
+        group = cls(client, m, pg, backend=resolved, device=dev, timeout_s=timeout_s,
+                    bucket_bytes=bucket_bytes, graveyard=yard, store=store, pool=pool)
+        group.passed = tuple(p for p in passed if p.step == m.step)
+        return group
 
     def next_generation(self, timeout_s: float | None = None) -> FaultTolerantGroup:
         """Retires this group and returns one for the coordinator's next generation.
@@ -150,9 +158,11 @@ class FaultTolerantGroup:
                 self._abort(parent)  # rebuilding: the old communicator goes first
                 parent = None
             self._await_abort(wait_s)
-            return FaultTolerantGroup.create(self.client, m, self.backend, self.timeout_s,
-                                             bucket_bytes=self.bucket_bytes, graveyard=self.graveyard,
-                                             device=self.device, pool=self.pool)
+            group = FaultTolerantGroup.create(self.client, m, self.backend, self.timeout_s,
+                                              bucket_bytes=self.bucket_bytes, graveyard=self.graveyard,
+                                              device=self.device, pool=self.pool)
+            group.passed = ()  # a survivor's in-step recovery plans from its own plan, not from these
+            return group
         finally:
             if parent is not None:  # shrunk (every rank aborts the parent), or an error on the way
                 self.graveyard.park(self.generation, parent, abort=True)
@@ -308,20 +318,15 @@ class FaultTolerantGroup:
     def _fail(self, reason: str, report: bool, *work_lists: list[Any], timed_out: bool = False) -> PeerFailure:
         """Retires this broken group, waits for the coordinator's decision, builds the PeerFailure.
 
-        A timed-out collective reports the members this replica cannot reach (:meth:`unreachable`), so
-        that when every member reached the collective the coordinator can tell which link broke."""
-        suspects = self.unreachable() if timed_out and report else []
+        A failed collective it reports names the members this replica cannot reach (:meth:`unreachable`), so
+        that when every member is alive the coordinator can tell which links broke (:mod:`recover.coord.links`)."""
+        suspects = self.unreachable() if report and not self.client.failure_notice(self.generation) else []
         self._retire(True, *work_lists)
         return peer_failure(self.client, self.generation, reason, report, self.timeout_s, timed_out, suspects)
 
     def unreachable(self) -> list[int]:
         """The other members whose probe listener (address in this generation's store) does not answer."""
-        peers: dict[int, str] = {}
-        for r in self.members:
-            key = f"probe/{r}"
-            if r != self.client.replica_id and self.store is not None and self.store.check([key]):
-                peers[r] = self.store.get(key).decode()
-        return self.client.unreachable(peers)
+        return _unreachable(self.client, self.store, self.members)
 
     def _withhold(self, what: str) -> None:
         """Fault injection (``--cut``): the link to a member is broken, so this collective never
@@ -463,6 +468,19 @@ def _rendezvous(client: CoordinatorClient, m: Membership, backend: str, device: 
 
     pg = run_watched(client, g, yard, timeout_s, build, "rendezvous")
     if pg is None:
-        reason = f"rendezvous of generation {g} failed: {err[0] if err else 'unknown error'}"
-        raise peer_failure(client, g, reason, True, timeout_s)
+        first = str(err[0]).strip().splitlines()[0][:200] if err and str(err[0]).strip() else "unknown error"
+        reason = f"rendezvous of generation {g} failed: {first}"
+        # whom it could not connect to: the members that published a probe address and do not answer it
+        suspects = [] if client.failure_notice(g) else _unreachable(client, store, m.members)
+        raise peer_failure(client, g, reason, True, timeout_s, _is_timeout(first), suspects)
     return pg, store
+
+
+def _unreachable(client: CoordinatorClient, store: Any, members: Sequence[int]) -> list[int]:
+    """The other ``members`` whose probe listener (its address under ``probe/R`` in ``store``) does not answer."""
+    peers: dict[int, str] = {}
+    for r in members:
+        key = f"probe/{r}"
+        if r != client.replica_id and store is not None and store.check([key]):
+            peers[r] = store.get(key).decode()
+    return client.unreachable(peers)

@@ -226,7 +226,8 @@ class CoordinatorClient:
 
     def _register_msg(self) -> dict[str, Any]:
         msg = {"type": "register", "token": self._token, "replica": self.replica_id, "join": self._join,
-               "rank": self.rank, "ranks": self.ranks, "pid": os.getpid(), "release": RELEASE}
+               "rank": self.rank, "ranks": self.ranks, "pid": os.getpid(), "release": RELEASE,
+               "probe": self.probe_address()}
         m = self.membership
         if m is not None:  # a registration again, after the coordinator was lost: what this replica holds
             speeds = self.speeds if self.speeds is not None else m.speeds
@@ -236,11 +237,26 @@ class CoordinatorClient:
     # ---- link probes (recover.coord.probe): after a collective timed out, who can this replica reach?
     def probe_address(self) -> str:
         """``host:port`` of this replica's probe listener, on the interface that reaches the coordinator."""
-        return self._probe.address(self._sock.getsockname()[0] if self._sock is not None else "127.0.0.1")
+        host = "127.0.0.1"
+        if self._sock is not None:
+            try:
+                host = self._sock.getsockname()[0]
+            except OSError:  # a closed connection: the listener, started on first use, keeps its address
+                pass
+        return self._probe.address(host)
 
     def unreachable(self, peers: dict[int, str], timeout_s: float = PROBE_TIMEOUT_S) -> list[int]:
         """The replicas of ``peers`` (replica -> probe address) this one cannot reach (:mod:`recover.coord.probe`)."""
         return self._probe.unreachable(peers, timeout_s)
+
+    def _answer_reach(self, peers: dict[int, str]) -> None:
+        """The coordinator asks whether this replica (a joiner held back by a known cut) reaches ``peers``
+        now: the probe's answer goes back as ``reached`` (:mod:`recover.coord.links`)."""
+        missing = set(self._probe.unreachable(peers))
+        try:
+            self._send({"type": "reached", "reached": sorted(set(peers) - missing)})
+        except OSError:
+            pass  # the connection is gone: the reader marks it lost
 
     def advance(self) -> None:
         """The training loop passed a phase point (its progress, sent with the heartbeats)."""
@@ -591,6 +607,9 @@ class CoordinatorClient:
                 self._cond.notify_all()
                 for event in self._wakers:
                     event.set()
+        elif kind == "reach":
+            peers = {int(r): str(a) for r, a in (msg["peers"] or {}).items() if str(r).isdigit()}
+            self._spawn(lambda: self._answer_reach(peers), "recover-reach")
         elif kind == "error" and msg.get("re") is None:
             if msg["code"] == "fenced":  # otherwise a refused frame; a fatal one is followed by EOF
                 self._mark_lost(f"fenced by the coordinator: {msg['message']}")

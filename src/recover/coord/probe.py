@@ -13,6 +13,7 @@ link to that replica fail both ways: no probe goes out to it and its probes get 
 
 from __future__ import annotations
 
+import errno
 import socket
 import struct
 import threading
@@ -20,6 +21,10 @@ from collections.abc import Callable
 
 PROBE_TIMEOUT_S = 2.0
 """How long a link probe waits for a peer's answer."""
+
+LOCAL_ERRORS = frozenset({errno.EMFILE, errno.ENFILE, errno.ENOMEM, errno.ENOBUFS})
+"""A probe that fails with one of these could not even try (this process or host is out of descriptors or
+memory): the peer is not named, so the fault stays this replica's own (:mod:`recover.coord.barren`)."""
 
 
 class LinkProbe:
@@ -60,8 +65,9 @@ class LinkProbe:
                     s.sendall(struct.pack(">i", self.replica_id))
                     if s.recv(1) != b"!":
                         raise OSError("no answer")
-            except OSError:
-                found.append(replica)
+            except OSError as exc:
+                if exc.errno not in LOCAL_ERRORS:  # out of descriptors or memory here says nothing of the link
+                    found.append(replica)
 
         threads = [threading.Thread(target=probe, args=(r, a), daemon=True) for r, a in sorted(peers.items())]
         for t in threads:

@@ -32,7 +32,9 @@ fingerprint to the replicas that hold it), and
 the pushes ``failing`` (generation g is being replaced), ``membership`` (a new generation) and ``beat``
 (nothing to tell: the coordinator is there; every ``beat_s`` named in the ``ok`` reply to a
 ``register``, so that a worker's read deadline tells a silence from a quiet stretch,
-:mod:`recover.coord.deadline`).
+:mod:`recover.coord.deadline`) and ``reach`` (to a joiner held back by a known cut, :mod:`recover.coord.links`:
+``peers`` maps replica ids to their probe addresses, which each ``register`` may name as ``probe``; the
+joiner probes them and answers ``reached``, the ids it reached).
 
 Replicas of several ranks: each rank (process) of a replica keeps its own connection and numbers
 its own requests 1, 2, 3...; ``re`` always names the id *that connection* sent. Every rank of a
@@ -100,8 +102,11 @@ SCHEMAS: dict[str, dict[str, str]] = {
     "failing": {"generation": _INT, "dead": _INTS, "reason": _STR},
     "membership": {"membership": _OPT_DICT},
     "beat": {},
+    "reach": {"peers": _OPT_DICT},
+    "reached": {"reached": _INTS, "rank": _ABSENT_INT},
 }
-CLIENT_TYPES = frozenset({"register", "hb", "hbs", "ack", "report", "nonfinite", "vote", "bye", "status", "drain"})
+CLIENT_TYPES = frozenset({"register", "hb", "hbs", "ack", "report", "nonfinite", "vote", "bye", "status", "drain",
+                          "reached"})
 SERVER_TYPES = frozenset(SCHEMAS) - CLIENT_TYPES
 OPERATOR_TYPES = frozenset({"status", "drain"})
 """The requests of an operator's connection (no member): the first message may be one of these."""

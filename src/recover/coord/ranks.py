@@ -28,7 +28,8 @@ Invariants:
     a unique id; its reply goes back to exactly the connection(s) that asked, each with its own id.
   * A ``report`` that a collective of the current generation timed out fences the members that never
     reached it (computing or in io, by their heartbeats). When every member reached it (a broken
-    link), the reports are held and judged by the link rule (:mod:`recover.coord.links`).
+    link), the reports are held and judged by the link rule (:mod:`recover.coord.links`); so is any other
+    report of the current generation while it is not failing (a backend error after a peer's timeout).
   * With ``beat_s``, every registered connection gets a ``beat`` that often (the coordinator is never
     silent for longer: a worker's read deadline, :mod:`recover.coord.deadline`).
   * Timeouts (heartbeat, registration, hangs) are judged on a coarser clock (``scan_s``,
@@ -66,6 +67,8 @@ from recover.coord.slots import Close, Link, Out, SendTo, Slot, check_register, 
 from recover.coord.state import MembershipState
 
 LINK_GRACE_S = 5.0
+REACH_EVERY_S = 2.0
+"""How often a joiner held back by a known cut is asked to probe the replicas it was cut from."""
 
 
 class RankAggregator:
@@ -101,12 +104,14 @@ class RankAggregator:
         self._ids = itertools.count(1)  # ids of forwarded requests: those of different ranks collide
         self._out: list[Out] = []
         self._now = 0.0  # the time of the event whose actions are being applied
-        self.link_rule = LinkJudge[tuple[Link, dict[str, Any]]](link_grace_s)  # timed-out reports held
+        self.link_rule = LinkJudge[tuple[Link, dict[str, Any]] | None](link_grace_s)  # reports held (None: a reach)
         self.heartbeat_s = heartbeat_s
         self.scan_s = scan_s
         self._next_scan = float("-inf")
         self.beat_s = beat_s
         self._next_beat = float("-inf")
+        self._next_reach = float("-inf")
+        self._asked: dict[int, dict[int, list[int]]] = {}  # generation -> member -> the peers it was asked about
         self._drains: dict[int, list[tuple[Link, int]]] = {}  # replica -> the operators' drains awaiting its commit
 
     @property
@@ -223,6 +228,47 @@ class RankAggregator:
             slot = self._slots.get(replica)
             if slot is not None:
                 self._kill(slot, "hung", detail, now)
+        if self.state.held_joiners and now >= self._next_reach:
+            self._next_reach = now + REACH_EVERY_S
+            self._ask_reach()
+
+    def _ask_members(self, generation: int) -> None:
+        """Reports of ``generation`` are held: every member asked whom it reaches now (a member stuck in a
+        rendezvous that cannot connect reports nothing until its own timeout), so that the link rule has
+        every member's links within the probe timeout, not the collective timeout."""
+        self._asked[generation] = {}
+        for r in self.state.current.members if self.state.current else ():
+            slot = self._slots.get(r)
+            if slot is None or slot.probe is None:
+                continue
+            peers = {str(b): self._slots[b].probe for b in self.state.current.members  # type: ignore[union-attr]
+                     if b != r and b in self._slots and self._slots[b].probe is not None}
+            self._asked[generation][r] = [int(b) for b in peers]
+            for link in slot.conns:
+                self._send(link, {"type": "reach", "peers": peers})
+
+    def _reached(self, slot: Slot, reached: list[int], now: float) -> None:
+        """A ``reach`` answered: for a member while reports of its generation are held, its links go to the
+        link rule (whom it was asked about and did not reach); any pair it reached is a known cut no more."""
+        g = self.state.generation
+        asked = self._asked.get(g, {}).pop(slot.replica, None)
+        if asked is not None and self.link_rule.holds(g) and not self.state.failing:
+            self.link_rule.hold(g, slot.replica, None, sorted(set(asked) - set(reached)), now)
+            self._settle_links(now)
+        self._apply(self.state.on_reached(slot.replica, reached, now), now)
+
+    def _ask_reach(self) -> None:
+        """Each joiner held back by a known cut is asked to probe the replicas it was cut from
+        (:mod:`recover.coord.links`): a pair it reaches again is cleared, and it joins at the next commit."""
+        for j in sorted(self.state.held_joiners):
+            slot = self._slots.get(j)
+            if slot is None or slot.probe is None:
+                continue
+            peers = {str(b): self._slots[b].probe for b in self.state.cuts.blocked(j, set(self._slots))
+                     if self._slots[b].probe is not None}
+            if peers:
+                for link in slot.conns:
+                    self._send(link, {"type": "reach", "peers": peers})
 
     # ------------------------------------------------------------- requests
 
@@ -311,10 +357,14 @@ class RankAggregator:
             elif kind == "nonfinite":
                 self._forward(slot, [(link, msg["id"])], False, now, lambda i: self.state.on_nonfinite(
                     slot.replica, i, msg["generation"], msg["step"], msg["ids"], now))
+            elif kind == "reached":
+                self._reached(slot, msg["reached"], now)
             elif kind == "report":
-                if msg.get("timeout") and msg["generation"] == self.state.generation and not self.state.failing \
-                        and not self._fence_unreached(slot.replica, now):
+                if self._judged(msg) and not (msg.get("timeout") and self._fence_unreached(slot.replica, now)):
+                    first = not self.link_rule.holds(msg["generation"])
                     self.link_rule.hold(msg["generation"], slot.replica, (link, msg), msg["suspects"], now)
+                    if first:
+                        self._ask_members(msg["generation"])
                     self._settle_links(now)
                     return
                 self._forward(slot, [(link, msg["id"])], False, now, lambda i: self.state.on_report(
@@ -357,6 +407,8 @@ class RankAggregator:
         slot.conns.append(link)
         if resume is not None:
             slot.resume[rank] = resume
+        if rank == 0 and isinstance(msg.get("probe"), str):
+            slot.probe = msg["probe"]
         if ranks > 1 and not relay:
             self._log("rank_register", replica=r, rank=rank, ranks=ranks, registered=len(slot.links))
         if asked is None:
@@ -409,6 +461,14 @@ class RankAggregator:
             agreed = got.ballot
             self._forward(slot, got.asked, False, now, lambda i: self.state.on_vote(r, i, agreed, now))
 
+    def _judged(self, msg: dict[str, Any]) -> bool:
+        """Whether a ``report`` goes to the link rule: any of the current, healthy generation. A report without
+        the timeout flag may be a peer's pair closed after that peer's own timeout (a partition elsewhere),
+        and it may come first: judged with the others all the same. (A dead member is no delay: its closed
+        connection starts the failure round, which hands the held reports back at once.)"""
+        g = msg["generation"]
+        return g == self.state.generation and not self.state.failing
+
     def _fence_unreached(self, reporter: int, now: float) -> bool:
         """A collective of the current generation ran out of time: the members that never reached it
         (computing, saving or evaluating, by their heartbeats) are fenced, so the next generation is never
@@ -423,8 +483,8 @@ class RankAggregator:
         return fenced
 
     def _settle_links(self, now: float) -> None:
-        """The link rule's verdicts (:mod:`recover.coord.links`): the implicated replica is fenced, then
-        every held report goes to the state."""
+        """The link rule's verdicts (:mod:`recover.coord.links`): the broken pairs are remembered by the state,
+        the replicas the rule names are fenced, then every held report goes to the state."""
         if not self.link_rule.holding:
             return
         current = self.state.current
@@ -432,15 +492,22 @@ class RankAggregator:
         for v in self.link_rule.settle(now, self.state.generation, not self.state.failing, members):
             if v.judged:
                 self._log("link_report", generation=v.generation,
-                          unreachable={str(r): u for r, u in sorted(v.unreachable.items())}, implicated=v.victim)
-            slot = self._slots.get(v.victim) if v.victim is not None else None
-            if slot is not None:
-                who = sorted(r for r, named in v.unreachable.items() if v.victim in named)
-                self._kill(slot, "link", f"replicas {who} cannot reach it after a collective of generation "
-                                         f"{v.generation} timed out with every member in it", now)
+                          unreachable={str(r): u for r, u in sorted(v.unreachable.items())},
+                          broken=[list(p) for p in v.broken], silent=list(v.silent), fenced=list(v.fenced))
+                self.state.cuts.add(v.broken)
+            for victim in v.fenced:
+                slot = self._slots.get(victim)
+                if slot is None:
+                    continue
+                peers = sorted(b if a == victim else a for a, b in v.broken if victim in (a, b))
+                why = (f"it cannot connect to replicas {peers}" if peers else "it did not report its links")
+                self._kill(slot, "link", f"{why} after generation {v.generation} failed with every member alive "
+                                         "(the smallest set that leaves a fully connected group)", now)
+            self._asked.pop(v.generation, None)
             for r, reports in v.reports.items():
-                for link, msg in reports:
-                    self._report(r, link, msg, now)
+                for held in reports:
+                    if held is not None:
+                        self._report(r, held[0], held[1], now)
 
     def _report(self, r: int, link: Link, msg: dict[str, Any], now: float) -> None:
         """A held report to the state, if its connection still speaks for replica ``r``."""

@@ -132,6 +132,7 @@ class Relay:
         self.reconnect_s = reconnect_s
         self._fenced = False
         self._held: dict[str, Any] = {"generation": 0, "members": [], "committed": -1, "speeds": None}
+        self._probe: dict[str, str] = {}  # rank 0's link probe address, named in the replica's register
         """What the replica holds, from the memberships and commits relayed (a re-registration's ``resume``)."""
         self._lost_at: float | None = None  # when the upstream connection ended (None: connected)
         self._outage_since: float | None = None  # when the coordinator went away (None: registered with it)
@@ -272,6 +273,8 @@ class Relay:
             self._forward(msg, [(loc, msg["id"])], rank=loc.rank)
         elif kind == "bye":
             self._send_up({"type": "bye", "rank": loc.rank})
+        elif kind == "reached":  # a rank's answer to the coordinator's ``reach`` (recover.coord.links)
+            self._send_up({"type": "reached", "reached": msg["reached"], "rank": loc.rank})
         elif kind == "register":
             self._reply_error(loc, msg.get("id"), "already_registered", f"rank {loc.rank} is already registered")
         else:
@@ -308,10 +311,12 @@ class Relay:
             self._end(f"a local peer was refused: {ref.code}: {ref.message}")
             return
         self._member, loc.rank = member, rank
+        if rank == 0 and isinstance(msg.get("probe"), str):
+            self._probe = {"probe": msg["probe"]}
         if asked is not None:
             self._reg_uid = self._forward({"type": "register", "token": self._token, "replica": self.replica_id,
-                                           "join": join, "ranks": self.ranks, "relay": True, "release": RELEASE},
-                                          asked)
+                                           "join": join, "ranks": self.ranks, "relay": True, "release": RELEASE,
+                                           **self._probe}, asked)
 
     def _check_local(self, msg: dict[str, Any]) -> tuple[int, bool]:
         """``(rank, join)`` of a local rank's first message, which must register it. Raises Refused."""
@@ -486,7 +491,7 @@ class Relay:
         self._acks = AckClock(up)
         join = self._member.join if self._member is not None else False
         msg = {"type": "register", "token": self._token, "replica": self.replica_id, "join": join,
-               "ranks": self.ranks, "relay": True, "release": RELEASE}
+               "ranks": self.ranks, "relay": True, "release": RELEASE, **self._probe}
         if self._held["generation"] > 0:
             msg["resume"] = dict(self._held)
         self._reg_uid = self._forward(msg, [])  # the ranks asked nothing: the reply stays here

@@ -71,6 +71,7 @@ class Slot:
     routes: dict[int, list[Asked]] = field(default_factory=dict)  # forwarded id -> who asked
     seen: dict[int, float] = field(default_factory=dict)  # relay: rank -> its newest entry in a batched heartbeat
     conns: list[Link] = field(default_factory=list)  # its distinct connections (a relay: one), for pushes
+    probe: str | None = None  # rank 0's link probe listener, host:port (its register's ``probe``)
     member: Member[Asked] = field(init=False)
 
     def __post_init__(self) -> None:

@@ -76,6 +76,7 @@ from typing import Any
 from recover.coord import integrity
 from recover.coord.actions import Action, Fence, Log, Refused, Send
 from recover.coord.barren import BarrenReports
+from recover.coord.links import KnownCuts
 from recover.coord.protocol import Ballot, Membership, Resume, speeds_to_wire
 from recover.names import Event
 from recover.workload.speeds import SpeedTracker
@@ -146,6 +147,9 @@ class MembershipState:
         self.barren = BarrenReports()
         """Failure rounds in a row started by reports that found nobody (:mod:`recover.coord.barren`)."""
         self._members: frozenset[int] = frozenset()  # the current generation's, for O(1) lookups
+        self.cuts = KnownCuts()
+        self.held_joiners: set[int] = set()  # joiners held back by a known cut (logged once each)
+        """Pairs of replicas known not to connect (:mod:`recover.coord.links`): never in one generation."""
 
     @property
     def generation(self) -> int:
@@ -282,6 +286,13 @@ class MembershipState:
             acts += self._check_round(now)
         return acts
 
+    def on_reached(self, replica: int, reached: list[int], now: float) -> list[Action]:
+        """``replica``'s probe reached ``reached``: the known cuts between them are cleared
+        (:mod:`recover.coord.links`); a joiner held back by them joins at the next commit."""
+        cleared = self.cuts.connected(replica, reached)
+        return [Log("link_restored", {"pairs": [list(p) for p in cleared], "generation": self.generation})] \
+            if cleared else []
+
     def on_vote(self, replica: int, req_id: int, ballot: Ballot, now: float) -> list[Action]:
         """A member's commit vote (:class:`~recover.coord.protocol.Ballot`): its ``mb_s`` is the seconds
         per microbatch it measured in the step; ``stop``: its process was asked to stop the job (the
@@ -345,8 +356,9 @@ class MembershipState:
                                           "generation": generation}))
             if drained:
                 acts.append(Log("drained", {"replicas": sorted(drained), "step": step, "generation": generation}))
+            before = self.generation
             acts += self._admit_joiners(now, leavers, "drain" if drained == leavers else "leave")
-            new_gen = self.generation
+            new_gen = self.generation if self.generation != before else None  # every joiner held back: none
             self.drained.update(dict.fromkeys(drained, (step, new_gen)))
         self.draining -= drained
         speeds = speeds_to_wire(self.speeds.planned)
@@ -536,16 +548,30 @@ class MembershipState:
     def _admit_joiners(self, now: float, leavers: set[int] | None = None, reason: str = "leave") -> list[Action]:
         """The next generation at a step boundary: the waiting joiners in, the ``leavers`` out (``reason``
         names why they leave)."""
-        joiners = sorted(self.pending_join & self.live)
-        self.pending_join.clear()
+        stay = set(self.current.members if self.current else ()) - (leavers or set())
+        joiners, held = self._joinable(sorted(self.pending_join & self.live), stay)
+        self.pending_join = set(held)
+        acts: list[Action] = [Log("join_held", {"replica": j, "generation": self.generation,
+                                               "cannot_reach": self.cuts.blocked(j, stay)})
+                              for j in held if j not in self.held_joiners]
+        self.held_joiners = set(held)
         if not joiners and not leavers:
-            return []
+            return acts
         self.fresh |= set(joiners)
         if self.late & set(joiners):  # they hold a step's state already, midway through the next: resync
             self._resync = True
             self.late -= set(joiners)
         members = sorted((set(self.current.members if self.current else ()) - (leavers or set())) | set(joiners))
-        return self._form(members, reason if leavers else "join", now)
+        return acts + self._form(members, reason if leavers else "join", now)
+
+    def _joinable(self, joiners: list[int], stay: set[int]) -> tuple[list[int], list[int]]:
+        """``joiners`` split into those admitted beside ``stay`` and those held back: a joiner known not to
+        connect to a member (or to an earlier joiner) waits until a probe shows the pair connects."""
+        admitted: list[int] = []
+        held: list[int] = []
+        for j in joiners:
+            (held if self.cuts.blocked(j, stay | set(admitted)) else admitted).append(j)
+        return admitted, held
 
     def _form(self, members: list[int], reason: str, now: float, *, detail: str = "",
               latency_s: float | None = None) -> list[Action]:

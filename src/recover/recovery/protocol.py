@@ -207,6 +207,22 @@ class ResilientStep:
         """Ids of the step per live replica: all M over the current members (layer 3)."""
         return plan_step(self.M, self.group.members, data_step, self.assignment, self.seed, self.times)
 
+    def _step_plan(self, data_step: int) -> dict[int, list[int]]:
+        """The plan this step starts from: :meth:`plan`, but for a replica whose first rendezvous failed (a
+        member it could not connect to was fenced) the plan the members that formed that generation made
+        over its members, with the orphans of those not in this one re-planned as their in-step recovery
+        does: otherwise this replica would compute other ids than the others expect of it."""
+        passed = [m for m in getattr(self.group, "passed", ()) if m.step == self.progress.step
+                  and self.me not in m.joined and not m.restore and not m.resync]  # a joiner's: planned later
+        if not passed:
+            return self.plan(data_step)
+        self.group.passed = ()  # once: the step's first plan
+        plan = plan_step(self.M, passed[0].members, data_step, self.assignment, self.seed, self.times)
+        live = set(self.group.members)
+        dead = set(plan) - live
+        new_work = replan(plan, None, dead, live, self.times) if dead else {}
+        return {r: list(ids) + list(new_work.get(r, [])) for r, ids in plan.items() if r in live}
+
     def share(self, data_step: int) -> list[int]:
         """This replica's ids of ``data_step`` in the plan of the current members and speeds: what it expects
         to compute in a coming step (a failure, a joiner or the speeds of the next commit may change it)."""
@@ -230,7 +246,7 @@ class ResilientStep:
 
     def commit_iter(self, step: int, data_step: int) -> Generator[Work, None, Committed]:
         """:meth:`commit` with the computing left to the caller: yields :class:`Work`, returns the commit."""
-        plan = self.plan(data_step)
+        plan = self._step_plan(data_step)
         todo = plan[self.me]
         self.replica.reset()
         audit = self._audit_of(step, plan)

@@ -60,6 +60,7 @@ from recover.config import Config
 from recover.coord.client import CoordinatorLost, Diverged
 from recover.errors import DataError, QuorumLost, StateLost
 from recover.faults import FailureSpec, Perturbation
+from recover.lifeline import ENV as LAUNCHER_ENV
 from recover.names import Baseline, Event
 from recover.observe.events import EventLog, JsonlWriter
 from recover.observe.sinks import StepSinks
@@ -290,8 +291,8 @@ class Session:
             if client.gone:  # it did not come back
                 return self._save_and_stop(save, Event.COORDINATOR_LOST, exc, "continue with --resume",
                                            EXIT_COORDINATOR_LOST)
-            print(f"recover: replica {self.replica_id} rank {self.rank}: {exc}; stopping (the launcher restarts "
-                  "the replica if --rejoin-after is set)", file=sys.stderr, flush=True)
+            print(f"recover: replica {self.replica_id} rank {self.rank}: {exc}; stopping ({restart_hint()})",
+                  file=sys.stderr, flush=True)
             return EXIT_FENCED
         return None
 
@@ -330,7 +331,15 @@ class Session:
         """The watchdog's end of a fenced process whose training thread did not stop by itself (it may be
         stuck in a kernel, a collective inside the replica, or a hang): one line, no traceback."""
         print(f"recover: replica {self.replica_id} rank {self.rank}: fenced by the coordinator ({why}); "
-              "exiting (the launcher restarts the replica if --rejoin-after is set)", file=sys.stderr, flush=True)
+              f"exiting ({restart_hint()})", file=sys.stderr, flush=True)
         self.event(Event.FENCED_EXIT, reason=why)
         sys.stdout.flush()
         os._exit(EXIT_FENCED)
+
+
+def restart_hint() -> str:
+    """How a fenced replica comes back: the launcher's ``--rejoin-after`` when a launcher started this
+    process (:mod:`recover.lifeline` marks its environment), else starting it again by hand."""
+    if os.environ.get(LAUNCHER_ENV):
+        return "the launcher restarts the replica if --rejoin-after is set"
+    return "start the replica again (`recover worker ... --join`) to rejoin"

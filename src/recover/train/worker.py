@@ -174,8 +174,13 @@ class ReplicaWorker:
             step = session.connect(self.replica, tc.global_microbatches, assignment=tc.assignment,
                                    audit_every=ft.audit_every, overlap=ft.overlaps(self.replica.device.type))
         except CoordinatorLost as exc:
-            if session.client is None or not session.client.stopping:
+            if session.client is None:
                 raise
+            if not session.client.stopping:  # fenced (a partition found in its first rendezvous): as mid-run
+                code = session.status(exc, None)
+                if code is None:
+                    raise
+                return code
             print(f"recover: replica {self.replica_id}: {exc}", file=sys.stderr, flush=True)
             return 0 if session.client.finished else EXIT_STOPPED
         except StateLost as exc:  # admitted where nobody holds the state, and no checkpoint to restore
