@@ -10,6 +10,7 @@ import weakref
 from collections.abc import Callable, Iterator
 from contextlib import contextmanager
 from datetime import timedelta
+from types import SimpleNamespace
 from typing import Any
 
 import pytest
@@ -106,6 +107,9 @@ class FakeClient:
 
     def probe_address(self) -> str:
         return "127.0.0.1:1"
+
+    def unreachable(self, peers: dict[int, str]) -> list[int]:
+        return []  # every peer's probe answers: a failure here names nobody
 
     @contextmanager
     def activity(self, kind: str) -> Iterator[None]:
@@ -230,9 +234,9 @@ def logged_create(monkeypatch: pytest.MonkeyPatch) -> list[str]:
     """``FaultTolerantGroup.create`` replaced by one that logs the generation it builds."""
     log: list[str] = []
 
-    def create(cls: type, client: Any, m: Membership, *args: Any, **kwargs: Any) -> str:
+    def create(cls: type, client: Any, m: Membership, *args: Any, **kwargs: Any) -> SimpleNamespace:
         log.append(f"create {m.generation}")
-        return f"group {m.generation}"
+        return SimpleNamespace(name=f"group {m.generation}")
 
     monkeypatch.setattr(FaultTolerantGroup, "create", classmethod(create))
     return log
@@ -250,7 +254,7 @@ def test_rebuild_aborts_the_old_communicator_before_the_next_one_forms(logged_cr
     group = nccl_group(FakeClient(nxt), (0, 1, 2), logged_create, Graveyard())
     if broken:
         group._retire(True)  # what a failed collective does
-    assert group.next_generation() == "group 2"
+    assert group.next_generation().name == "group 2"
     assert logged_create == ["abort old", "create 2"]
 
 
@@ -261,7 +265,7 @@ def test_a_failed_shrink_falls_back_to_abort_then_rebuild(logged_create: list[st
     group = nccl_group(FakeClient(membership(2, (0, 1))), (0, 1, 2), logged_create, Graveyard())
     group._retire(True)  # kept for the shrink: not aborted yet
     assert logged_create == []
-    assert group.next_generation() == "group 2"
+    assert group.next_generation().name == "group 2"
     assert logged_create == ["shrink", "abort old", "create 2"]
 
 
