@@ -17,6 +17,7 @@ from conftest import subprocess_env
 def test_a_taken_port_is_refused_naming_it_and_the_fix(tmp_path: Path, flag: str) -> None:
     token = tmp_path / "token"
     token.write_text("t" * 32)
+    token.chmod(0o600)  # as a job's token is: one other users can read is named in a warning line
     with socket.create_server(("127.0.0.1", 0)) as taken:
         port = taken.getsockname()[1]
         ports = {"--port": "0", "--store-port": "0", flag: str(port)}

@@ -37,7 +37,9 @@ def events(out: Path) -> list[dict]:
 
 
 def test_an_exception_met_once_is_shown_and_the_job_goes_on_with_the_replica_rejoined(tmp_path: Path) -> None:
-    res = launch(tmp_path, {"RAISE": "4:2", "RAISE_ONCE": str(tmp_path / "raised")}, "--rejoin-after", "1")
+    # 0.1 s a microbatch: the 7 steps after the exception outlast the rejoin's 1 s (a finished job restarts nobody)
+    res = launch(tmp_path, {"RAISE": "4:2", "RAISE_ONCE": str(tmp_path / "raised"), "MB_S": "0.1"},
+                 "--rejoin-after", "1")
     assert res.returncode == 0, res.stderr[-3000:]
     raised = [e for e in events(tmp_path) if e["kind"] == "script_error"]
     assert len(raised) == 1 and raised[0]["step"] == 4 and not raised[0]["recurring"]

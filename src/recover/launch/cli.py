@@ -322,7 +322,7 @@ def check_launch(req: LaunchRequest) -> LaunchOptions:
     if req.metrics_port:  # taken now: refused here in one line, not by the coordinator once it all started
         MetricsServer("127.0.0.1", req.metrics_port).close()
     if req.resume:
-        check_resume(cfg, Path(req.out))
+        check_resume(cfg, Path(req.out), script=bool(req.script))
         if req.baseline:
             raise ConfigError("--resume continues a recover run; the baselines restart by themselves")
     if req.script and cfg.training.init_from:
@@ -352,10 +352,12 @@ def check_launch(req: LaunchRequest) -> LaunchOptions:
                          title=f"{cfg.name} x{p.replicas}" + (f" (x{P} ranks)" if P > 1 else ""))
 
 
-def check_resume(cfg: Config, out: Path) -> None:
+def check_resume(cfg: Config, out: Path, script: bool = False) -> None:
     """What ``--resume`` needs, from the newest complete checkpoint under ``out`` before any process starts:
     one to resume from, written for this model (one of another model would be refused by every worker, once
-    each), and no more steps in it than the run has.
+    each), and no more steps in it than the run has. A script's checkpoint holds its own model and its step
+    count is the script's (``job.steps``): only that one exists is checked here; the script's ``Job`` checks
+    the rest.
 
     Raises:
         ConfigError: one line naming the checkpoint and the fix.
@@ -369,6 +371,8 @@ def check_resume(cfg: Config, out: Path) -> None:
                           "--resume to start afresh (a checkpoint is saved on SIGTERM, on quorum loss and every "
                           "training.checkpoint_every steps)")
     step, path = found[-1]
+    if script:
+        return
     try:
         check_compatible(read_meta(path), cfg.model, path)
     except IncompatibleCheckpoint as exc:

@@ -150,7 +150,14 @@ class Lease:
         return h is not None and h.nonce == self.me.nonce
 
     def renew(self) -> bool:
-        """Renews the lease (its mtime); False when it is no longer this holder's."""
+        """Renews the lease (its mtime); False when it is no longer this holder's. A lease file removed under the
+        job (with the whole run directory, which the launcher then creates again) is nobody else's: written
+        again as this holder's."""
+        if holder(self.path.parent) is None:
+            try:
+                _create(self.path, self.me)
+            except OSError:
+                return True  # the directory is not there yet: the next renewal writes it
         if not self.ours():
             return False
         try:

@@ -1,6 +1,8 @@
 """The README's example with a bug: the replica computing microbatch ID of step STEP raises (``RAISE=STEP:ID``).
-``RAISE_ONCE=FILE``: only the first process that meets it raises (it creates FILE), so the exception is met once."""
+``RAISE_ONCE=FILE``: only the first process that meets it raises (it creates FILE), so the exception is met once.
+``MB_S=seconds``: each microbatch takes at least that long (time for a replacement to join; no number changes)."""
 import os
+import time
 
 import torch
 from torch import nn
@@ -10,6 +12,7 @@ import recover
 V, T, B, M, STEPS = 96, 32, 4, 6, 12
 AT_STEP, AT_ID = (int(x) for x in os.environ["RAISE"].split(":"))
 ONCE = os.environ.get("RAISE_ONCE")
+MB_S = float(os.environ.get("MB_S", "0"))
 
 
 def sample(step: int, i: int) -> tuple[torch.Tensor, torch.Tensor]:
@@ -35,5 +38,6 @@ job = recover.Job(model, optimizer, samples=sample, microbatches=M, clip=1.0, to
 for step in job.steps(STEPS):
     for mb in step:
         check(step.index, mb.id)
+        time.sleep(MB_S)
         x, y = mb.batch
         mb.backward(nn.functional.cross_entropy(model(x).flatten(0, 1), y.flatten()))
