@@ -5,7 +5,7 @@
 #   make test-unit   the unit tier alone (under a minute)
 #   make test-interop   Hugging Face models and torchtitan's Llama 3 trained through recover.api, and the metrics
 #                       files read by TensorBoard's and W&B's own readers (CI runs it too)
-#   make test-slurm   the real-cluster tier: a real Slurm cluster and Prometheus on this machine (root; ~11 min;
+#   make test-slurm   the real-cluster tier: a real Slurm cluster and Prometheus on this machine (root; 8-11 min;
 #                     CI runs it too)
 #   make test-compat   tests/unit and tests/dist on the oldest torch pyproject.toml allows, in ./.venv-compat
 #   make gpu-check   on a GPU node: check, test and benchmark everything one GPU can, into one report
