@@ -13,6 +13,7 @@ import time
 from pathlib import Path
 
 import pytest
+from test_storage import FULL_AT_SUMMARY  # a launcher whose summary.json the disk refuses
 
 from conftest import ROOT, STOP_GRACE_S, kill_group, subprocess_env
 from recover.observe.events import read_jsonl
@@ -244,18 +245,6 @@ def _cut_shard(data: Path) -> None:
     with open(sorted(data.glob("train*.bin"))[0], "r+b") as f:
         f.truncate(2048)
 
-
-FULL_AT_SUMMARY = """
-import errno, pathlib, sys
-write_text = pathlib.Path.write_text
-def full(self, *args, **kwargs):
-    if self.name == "summary.json":  # the disk fills as the job ends: the launcher's own write is refused
-        raise OSError(errno.ENOSPC, "No space left on device")
-    return write_text(self, *args, **kwargs)
-pathlib.Path.write_text = full
-from recover.cli import main
-sys.exit(main(sys.argv[1:]))
-"""
 
 LONG = ("--steps", "200", "--training.eval_every=0")
 STATUSES = {  # status: (launch flags, what is done to the running job after step 3, the line it ends with)
