@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import json
 import math
 from pathlib import Path
@@ -147,6 +148,28 @@ def test_evaluate_with_an_injected_runner_writes_the_report(tmp_path: Path) -> N
     text = (tmp_path / "PAPER.md").read_text()
     assert "bitwise equal" in text and "within 10%" in text and "Wall time" in text
     assert res["wall_s"] >= 0
+
+
+def test_resume_reads_back_the_seeds_of_the_same_plan(tmp_path: Path) -> None:
+    calls: list[int] = []
+
+    def runner(plan: Plan, seed: int, out: Path, log: Any) -> dict[str, Any]:
+        calls.append(seed)
+        return fake_seed(plan, seed, out, log)
+
+    def bitwise(p: Plan, o: Path, log: Any) -> dict[str, Any]:
+        calls.append(-1)
+        return {"system": "recover", "seed": 0, "deterministic": True, "steps": STEPS, "bitwise_equal": True}
+
+    first = evaluate(PLAN, tmp_path, runner=runner, bitwise_runner=bitwise, show_progress=False, scenarios=())
+    assert calls == [*PLAN.seeds, -1]
+    again = evaluate(PLAN, tmp_path, runner=runner, bitwise_runner=bitwise, show_progress=False, scenarios=(),
+                     resume=True)
+    assert calls == [*PLAN.seeds, -1]  # nothing ran again
+    assert again["trajectory"] == first["trajectory"] and again["simulator"] == first["simulator"]
+    other = dataclasses.replace(PLAN, steps=PLAN.steps + 1)
+    evaluate(other, tmp_path, runner=runner, bitwise_runner=bitwise, show_progress=False, scenarios=(), resume=True)
+    assert calls == [*PLAN.seeds, -1] * 2  # another plan's stages are not reused
 
 
 def test_problems_fail_the_command(result: dict[str, Any]) -> None:

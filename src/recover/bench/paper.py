@@ -50,6 +50,9 @@ def add_parser(bench_subparsers: argparse._SubParsersAction) -> argparse.Argumen
                         "is meant for 4 to 16)")
     p.add_argument("--out", default="runs/bench-paper", help="directory of the runs, plots and PAPER.md")
     p.add_argument("--json", default=None, help="also write the results to this JSON file")
+    p.add_argument("--resume", action="store_true",
+                   help="read back the seeds (and the deterministic check) already run into --out by the same plan "
+                        "instead of running them again: continues an interrupted evaluation, or rebuilds its report")
     p.set_defaults(func=run_from_args)
     return p
 
@@ -87,7 +90,7 @@ def run_from_args(args: argparse.Namespace) -> int:
 
     plan = plan_from_args(args)
     out = Path(args.out)
-    res = evaluate(plan, out)
+    res = evaluate(plan, out, resume=args.resume)
     res["report"] = [str(p) for p in write_report(res, out)]
     write_json(out / "results.json", res)
     if args.json:

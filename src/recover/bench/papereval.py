@@ -26,6 +26,7 @@ Contract:
 
 from __future__ import annotations
 
+import json
 import time
 from collections.abc import Callable, Sequence
 from pathlib import Path
@@ -34,7 +35,7 @@ from typing import Any
 import numpy as np
 
 from recover.bench import paperstats as st
-from recover.bench.common import Log, machine_load
+from recover.bench.common import Log, machine_load, write_json
 from recover.bench.paperruns import Plan, Runner, SeedResult, run_bitwise, run_seed
 
 FRACTIONS = tuple(round(0.1 * i, 1) for i in range(1, 11))
@@ -43,8 +44,15 @@ BitwiseRunner = Callable[[Plan, Path, Log], dict[str, Any]]
 
 
 def evaluate(plan: Plan, out: Path, runner: Runner = run_seed, bitwise_runner: BitwiseRunner = run_bitwise,
-             show_progress: bool = True, scenarios: Sequence[str] | None = None) -> dict[str, Any]:
-    """Runs every seed (and the bitwise check) with a progress bar; returns :func:`assemble`'s object."""
+             show_progress: bool = True, scenarios: Sequence[str] | None = None,
+             resume: bool = False) -> dict[str, Any]:
+    """Runs every seed (and the bitwise check) with a progress bar; returns :func:`assemble`'s object.
+
+    Each seed's result is kept in ``out/seedN/seed.json`` (the bitwise check's in
+    ``out/deterministic/bitwise.json``); with ``resume`` a stage whose file exists and was made by
+    the same plan is read back instead of run again, so that an interrupted evaluation continues and
+    a report can be rebuilt from the runs already made.
+    """
     from rich.console import Console
     from rich.progress import BarColumn, Progress, TextColumn, TimeElapsedColumn
 
@@ -63,16 +71,42 @@ def evaluate(plan: Plan, out: Path, runner: Runner = run_seed, bitwise_runner: B
 
         for seed in plan.seeds:
             progress.update(task, description=f"seed {seed}: 4 systems, {plan.steps} steps")
-            seeds.append(runner(plan, seed, out / f"seed{seed}", log))
+            seeds.append(_stage(plan, out / f"seed{seed}" / "seed.json", resume, log,
+                                lambda seed=seed: runner(plan, seed, out / f"seed{seed}", log)))
             progress.advance(task)
         if plan.bitwise:
             progress.update(task, description="deterministic mode: recover vs its reference, bitwise")
-            bitwise = bitwise_runner(plan, out / "deterministic", log)
+            bitwise = _stage(plan, out / "deterministic" / "bitwise.json", resume, log,
+                             lambda: bitwise_runner(plan, out / "deterministic", log))
             progress.advance(task)
     res = assemble(plan, seeds, bitwise, scenarios)
     res.update(wall_s=round(time.time() - t0, 1), load={"before": load_before, "after": machine_load()},
                out=str(out))
     return res
+
+
+def _stage(plan: Plan, path: Path, resume: bool, log: Log, run: Callable[[], dict[str, Any]]) -> dict[str, Any]:
+    """One stage's result: read back from ``path`` (``resume``, same plan) or run and kept there."""
+    import json
+
+    key = _plan_key(plan)
+    if resume and path.exists():
+        try:
+            kept = json.loads(path.read_text(encoding="utf-8"))
+        except (OSError, ValueError):
+            kept = {}
+        if kept.get("plan") == key and "result" in kept:
+            log(f"{path.parent.name}: read back from {path} (--resume)")
+            return dict(kept["result"])
+    result = run()
+    write_json(path, {"plan": key, "result": result})
+    return result
+
+
+def _plan_key(plan: Plan) -> dict[str, Any]:
+    """What makes two plans' runs interchangeable: what a run is made of (not its seeds' number, label or timeout)."""
+    return json.loads(json.dumps({k: getattr(plan, k) for k in ("config", "replicas", "steps", "device_time_s",
+                                                                 "overrides")}))
 
 
 def assemble(plan: Plan, seeds: Sequence[SeedResult], bitwise: dict[str, Any] | None,
