@@ -22,19 +22,27 @@ T, OVERHEAD, M, R, STEPS, TPM, LATENCY = 0.1, 0.02, 8, 4, 30, 100, 0.3
 KILL_STEPS = (10, 20)
 
 
+OVH = {n: OVERHEAD for n in range(1, R + 1)}
+"""Step overhead by live replicas (a test may make it fall as replicas die, as on shared cores)."""
+RELAUNCH = {n: 3.0 for n in range(1, R + 1)}
+"""Relaunch cost by replicas relaunched."""
+
+
 def step_time(n: int) -> float:
-    return OVERHEAD + math.ceil(M / n) * T
+    return OVH[n] + math.ceil(M / n) * T
 
 
 def fake_recover() -> dict[str, Any]:
-    """recover as the simulator models it: a kill mid-step adds the latency and the orphans' makespan."""
+    """recover as the simulator models it: a kill at 90% of a step's own work; the survivors start the orphans
+    once their own quota is done and the loss detected (the latency), then reduce (the overhead)."""
     t, n, series, kills = 0.0, R, [], []
     for s in range(STEPS):
         dur = step_time(n)
         if s in KILL_STEPS:
             quota = math.ceil(M / n)
-            kills.append([t + dur / 2, n - 1])
-            dur += LATENCY + math.ceil(quota / (n - 1)) * T
+            own = dur - OVH[n]
+            kills.append([t + 0.9 * own, n - 1])
+            dur = max(own, 0.9 * own + LATENCY) + math.ceil(quota / (n - 1)) * T + OVH[n]
             n -= 1
         t += dur
         series.append([t, n, (s + 1) * M * TPM])
@@ -48,7 +56,7 @@ def fake_restart() -> dict[str, Any]:
         if s in KILL_STEPS and s not in done:
             done.add(s)
             kills.append([t + step_time(n) / 2, n - 1])
-            t += step_time(n) / 2 + 3.0 + step_time(n - 1)
+            t += step_time(n) / 2 + RELAUNCH[n - 1] + step_time(n - 1)
             n -= 1
             s = s - s % 4
         t += step_time(n)
@@ -73,7 +81,8 @@ def fake_seed(plan: Plan, seed: int, out: Path, log: Any) -> dict[str, Any]:
     return {"seed": seed, "load": [1.0], "wall_s": 1.0, "schedule": ["1@10:backward", "2@20:reduce"],
             "inputs": {"replicas": R, "microbatches": M, "tokens_per_microbatch": TPM, "step_time_s": step_time(R),
                        "device_time_s": T, "recovery_latency_s": LATENCY, "reconfig_s": 0.2, "restart_s": 3.0,
-                       "save_s": 0.05, "checkpoint_every": 4},
+                       "save_s": 0.05, "checkpoint_every": 4,
+                       "relaunches": [[R - 1 - i, RELAUNCH[R - 1 - i]] for i in range(len(KILL_STEPS))]},
             "systems": {"failure-free": run(ff, [], base), "recover": run(rec["series"], rec["kills"], base + 0.002),
                         "checkpoint-and-restart": run(rst["series"], rst["kills"], base + 0.001),
                         "shrink-and-drop": run(shrink, [[1.0, 1]], base + 0.5)}}
@@ -138,11 +147,53 @@ def test_simulator_reproduces_runs_built_to_its_model(result: dict[str, Any]) ->
     assert proj == {("paper-512", "assumed"), ("paper-512", "measured, scaled to the step time")}
 
 
+def fake_calibration(plan: Plan, out: Path, log: Any) -> dict[str, Any]:
+    """What failure-free runs at fewer replicas would measure under the fakes' model."""
+    return {"points": [{"replicas": k, "step_time_s": step_time(k), "overhead_s": OVH[k], "start_s": RELAUNCH[k]}
+                       for k in plan.calibration_counts()]}
+
+
+def test_calibration_by_live_count_follows_a_host_whose_costs_change_with_the_replicas(
+        monkeypatch: pytest.MonkeyPatch) -> None:
+    """Overhead falling as replicas die and relaunches cheaper with fewer replicas (as on 2 shared cores):
+    one step overhead and one relaunch cost miss; the overhead per live count from failure-free runs and
+    the relaunch cost per replicas relaunched (from the other seeds) do not."""
+    monkeypatch.setattr(f"{__name__}.OVH", {1: 0.0, 2: 0.005, 3: 0.05, 4: 0.1})
+    monkeypatch.setattr(f"{__name__}.RELAUNCH", {1: 1.0, 2: 1.0, 3: 6.0, 4: 8.0})
+    seeds = [fake_seed(PLAN, s, Path("."), print) for s in PLAN.seeds]
+    assert PLAN.calibration_counts() == [2, 3]
+    flat_seeds = [{**s, "inputs": {k: v for k, v in s["inputs"].items() if k != "relaunches"}} for s in seeds]
+    flat = assemble(PLAN, flat_seeds, None, scenarios=())
+    cal = assemble(PLAN, seeds, None, scenarios=(), calibration=fake_calibration(PLAN, Path("."), print))
+
+    def errors(res: dict[str, Any], system: str) -> list[float]:
+        return [abs(r["error"]) for r in res["simulator"]
+                if r["system"] == system and r["measure"] == "effective_tokens_per_s"]
+
+    assert max(errors(cal, "recover")) <= 0.02 < 0.05 < max(errors(flat, "recover"))
+    assert max(errors(cal, "checkpoint-and-restart")) <= 0.05  # one step of the fake in 30
+    from recover.bench.papersim import job_spec
+
+    spec = job_spec("checkpoint-and-restart", seeds[0]["inputs"], [], 10.0)
+    assert spec.restart_by_replicas == ((2, 1.0), (3, 6.0)) and spec.restart_for(3) == 6.0
+    assert all(r["calibrated"] and r["replicas"] == R and r["costs_from"] == "other seeds" for r in cal["simulator"])
+    assert [p["replicas"] for p in cal["calibration"]] == [2, 3]
+
+
+def test_scale_plans_add_simulator_rows_at_their_replica_count() -> None:
+    seeds = [fake_seed(PLAN, s, Path("."), print) for s in PLAN.seeds[:2]]
+    other = dataclasses.replace(PLAN, seeds=(0, 1), label="scale")
+    res = assemble(PLAN, seeds, None, scenarios=(), scale=[(other, seeds, fake_calibration(other, Path("."), print))])
+    assert len(res["scale"]) == 1 and res["scale"][0]["replicas"] == R
+    assert {r["calibrated"] for r in res["simulator"]} == {False, True}
+    assert len(res["simulator"]) == 2 * 2 * 3 * 2  # two parts x two seeds x three systems x two measures
+
+
 def test_evaluate_with_an_injected_runner_writes_the_report(tmp_path: Path) -> None:
     res = evaluate(PLAN, tmp_path, runner=fake_seed,
                    bitwise_runner=lambda p, o, log: {"system": "recover", "seed": 0, "deterministic": True,
                                                      "steps": STEPS, "bitwise_equal": True},
-                   show_progress=False, scenarios=())
+                   show_progress=False, scenarios=(), calibration_runner=fake_calibration)
     paths = write_report(res, tmp_path)
     assert {p.name for p in paths} == {"trajectory.png", "budget.png", "simulator.png", "PAPER.md"}
     text = (tmp_path / "PAPER.md").read_text()
@@ -161,14 +212,16 @@ def test_resume_reads_back_the_seeds_of_the_same_plan(tmp_path: Path) -> None:
         calls.append(-1)
         return {"system": "recover", "seed": 0, "deterministic": True, "steps": STEPS, "bitwise_equal": True}
 
-    first = evaluate(PLAN, tmp_path, runner=runner, bitwise_runner=bitwise, show_progress=False, scenarios=())
+    first = evaluate(PLAN, tmp_path, runner=runner, bitwise_runner=bitwise, show_progress=False, scenarios=(),
+                     calibration_runner=fake_calibration)
     assert calls == [*PLAN.seeds, -1]
     again = evaluate(PLAN, tmp_path, runner=runner, bitwise_runner=bitwise, show_progress=False, scenarios=(),
-                     resume=True)
+                     resume=True, calibration_runner=fake_calibration)
     assert calls == [*PLAN.seeds, -1]  # nothing ran again
     assert again["trajectory"] == first["trajectory"] and again["simulator"] == first["simulator"]
     other = dataclasses.replace(PLAN, steps=PLAN.steps + 1)
-    evaluate(other, tmp_path, runner=runner, bitwise_runner=bitwise, show_progress=False, scenarios=(), resume=True)
+    evaluate(other, tmp_path, runner=runner, bitwise_runner=bitwise, show_progress=False, scenarios=(), resume=True,
+             calibration_runner=fake_calibration)
     assert calls == [*PLAN.seeds, -1] * 2  # another plan's stages are not reused
 
 
@@ -191,6 +244,12 @@ def test_plan_flags() -> None:
         plan_from_args(argparse.Namespace(quick=True, seeds=None, steps=8, replicas=16))
     with pytest.raises(ConfigError, match="--replicas 1"):
         plan_from_args(argparse.Namespace(quick=False, seeds=None, steps=None, replicas=1))
+    flags = {"quick": False, "seeds": None, "steps": None, "replicas": None}
+    assert [p.replicas for p in plan_from_args(argparse.Namespace(**flags, scale=None)).scale] == [8, 16]
+    assert [p.replicas for p in plan_from_args(argparse.Namespace(**flags, scale="12")).scale] == [12]
+    assert plan_from_args(argparse.Namespace(**flags, scale="none")).scale == ()
+    with pytest.raises(ConfigError, match="--scale 8,x"):
+        plan_from_args(argparse.Namespace(**flags, scale="8,x"))
 
 
 def write_run(run_dir: Path) -> None:

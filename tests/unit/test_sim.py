@@ -57,17 +57,21 @@ def test_one_failure_checkpoint_restart_loses_exactly_the_closed_form_work() -> 
     assert r.elapsed_s == pytest.approx(r.tokens / spec.failure_free_throughput + sum(lost.values()))
 
 
-def test_one_failure_recover_and_shrink_drop_closed_forms() -> None:
-    spec = one_failure(100.5, recovery_latency_s=1.0, reconfig_s=4.0, rejoin=False)
+@pytest.mark.parametrize(("t_f", "hidden"), [(100.5, 1.0), (101.8, 0.2)])
+def test_one_failure_recover_and_shrink_drop_closed_forms(t_f: float, hidden: float) -> None:
+    spec = one_failure(t_f, recovery_latency_s=1.0, reconfig_s=4.0, rejoin=False)
     result = simulate(spec)
     rec, drop = result.strategies["recover"], result.strategies["shrink-drop"]
-    # recover: step 50 (100..102) loses replica 3 (8 ids): +1 s latency, +ceil(8/7) x 0.25 s orphans,
-    # then 7 replicas carry ceil(64/7) = 10 microbatches: 2.5 s steps
-    after = math.floor((1000.0 - 103.5) / 2.5)
+    # recover: step 50 (100..102) loses replica 3 (8 ids); the survivors finish their own quotas at 102, the
+    # orphans start at max(102, t_f + 1 s latency) and take ceil(8/7) x 0.25 s; then 7 replicas carry
+    # ceil(64/7) = 10 microbatches: 2.5 s steps. A loss at 100.5 hides all of its latency behind the
+    # survivors' own work, one at 101.8 only 0.2 s of it.
+    end = max(102.0, t_f + 1.0) + 0.5
+    after = math.floor((1000.0 - end) / 2.5)
     assert rec.track.steps_done == 51 + after
-    assert rec.time_lost_s["recovery"] == 1.0 and rec.time_lost_s["recompute"] == 0.5
+    assert rec.time_lost_s["recovery"] == pytest.approx(1.0 - hidden) and rec.time_lost_s["recompute"] == 0.5
     assert rec.time_lost_s["fewer_replicas"] == pytest.approx(0.5 * after)
-    assert rec.time_lost_s["unfinished"] == pytest.approx(1000.0 - 103.5 - 2.5 * after)
+    assert rec.time_lost_s["unfinished"] == pytest.approx(1000.0 - end - 2.5 * after)
     # shrink-drop: step 50 discarded, 4 s reconfiguration, then 2 s steps of 56 microbatches
     assert drop.time_lost_s["lost_work"] == 2.0 and drop.time_lost_s["reconfig"] == 4.0
     assert dict(drop.track.microbatches) == {64: 50, 56: math.floor((1000.0 - 106.0) / 2.0)}

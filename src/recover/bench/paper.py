@@ -19,12 +19,19 @@ from recover.bench.common import write_json
 from recover.bench.paperruns import Plan
 from recover.errors import ConfigError
 
-FULL = Plan(config="tiny", replicas=4, steps=200, seeds=(0, 1, 2, 3, 4), device_time_s=0.25, label="full")
+SCALE = tuple(Plan(config="debug", replicas=n, steps=48, seeds=(0, 1), device_time_s=0.25, bitwise=False,
+                   label=f"scale {n}") for n in (8, 16))
+"""The simulator's check at 8 and 16 replicas: the smallest model, so that 16 processes on 2 cores stay
+below the emulated device time."""
+FULL = Plan(config="tiny", replicas=4, steps=200, seeds=(0, 1, 2, 3, 4), device_time_s=0.25, label="full",
+            scale=SCALE)
 """Sized for under 2 hours on 2 idle cores: 5 seeds x (reference, recover, restart, shrink) x 200 steps of
-~0.55 s, plus the deterministic pair."""
+~0.55 s, the failure-free calibration runs, the 8- and 16-replica checks, and the deterministic pair."""
 QUICK = Plan(config="debug", replicas=4, steps=30, seeds=(0, 1, 2), device_time_s=0.1, timeout_s=600.0,
-             label="quick")
-"""The whole pipeline in minutes: the smallest model, 3 seeds, 30 steps."""
+             label="quick", calibration_rounds=1, calibration_steps=12,
+             scale=(Plan(config="debug", replicas=8, steps=24, seeds=(0,), device_time_s=0.1, timeout_s=600.0,
+                         bitwise=False, label="scale 8", calibration_rounds=1, calibration_steps=12),))
+"""The whole pipeline in minutes: the smallest model, 3 seeds, 30 steps, one 8-replica check."""
 
 
 # ---------------------------------------------------------------- command line
@@ -38,7 +45,8 @@ def add_parser(bench_subparsers: argparse._SubParsersAction) -> argparse.Argumen
                     "(half the replicas lost); reports the final validation loss against the failure-free seeds' "
                     "spread, effective throughput after successive failures, tokens at a GPU-time budget, and "
                     "`recover simulate` replaying the same traces from measured inputs; projects 512, 16k and "
-                    "131k GPUs. Writes PAPER.md, PNG plots and results.json under --out.")
+                    "131k GPUs. Writes PAPER.md, PNG plots and results.json under --out. Config overrides (e.g. "
+                    "--data.path DIR) go to every run.")
     p.add_argument("--quick", action="store_true",
                    help=f"a smoke run of the whole pipeline ({QUICK.config} preset, {len(QUICK.seeds)} seeds, "
                         f"{QUICK.steps} steps; minutes); default: the full evaluation ({FULL.config}, "
@@ -48,12 +56,15 @@ def add_parser(bench_subparsers: argparse._SubParsersAction) -> argparse.Argumen
     p.add_argument("--replicas", type=int, default=None,
                    help="emulated replicas (devices) per run, half of them lost (default 4; the simulator's check "
                         "is meant for 4 to 16)")
+    p.add_argument("--scale", default=None, metavar="N[,N...]|none",
+                   help="the replica counts of the simulator's further checks (default: 8,16 full, 8 quick; "
+                        "'none' skips them); each runs the plan's check preset with half its replicas lost")
     p.add_argument("--out", default="runs/bench-paper", help="directory of the runs, plots and PAPER.md")
     p.add_argument("--json", default=None, help="also write the results to this JSON file")
     p.add_argument("--resume", action="store_true",
                    help="read back the seeds (and the deterministic check) already run into --out by the same plan "
                         "instead of running them again: continues an interrupted evaluation, or rebuilds its report")
-    p.set_defaults(func=run_from_args)
+    p.set_defaults(func=run_from_args, accepts_overrides=True)
     return p
 
 
@@ -78,10 +89,39 @@ def plan_from_args(args: argparse.Namespace) -> Plan:
         if args.replicas < 2:
             raise ConfigError(f"--replicas {args.replicas}: at least 2, so that half of them can fail")
         plan = dataclasses.replace(plan, replicas=args.replicas)
+    extra = tuple(getattr(args, "overrides", None) or ())
+    if extra:  # config overrides (e.g. --data.path DIR) go to every run, the check plans' too
+        if any(o.split("=")[0] in ("--training.device_time_s", "--training.seed", "--parallel.replicas",
+                                   "--training.steps") for o in extra):
+            raise ConfigError("bench paper sets --training.device_time_s, --training.seed, --parallel.replicas and "
+                              "--training.steps itself; use --seeds, --steps and --replicas instead")
+        plan = dataclasses.replace(plan, overrides=(*plan.overrides, *extra),
+                                   scale=tuple(dataclasses.replace(sp, overrides=(*sp.overrides, *extra))
+                                               for sp in plan.scale))
+    scale = getattr(args, "scale", None)
+    if scale is not None:
+        plan = dataclasses.replace(plan, scale=_scale_plans(plan, scale))
     if plan.steps < plan.replicas // 2 + 2:
         raise ConfigError(f"--steps {plan.steps} is too short to lose {plan.replicas // 2} of {plan.replicas} replicas "
                           f"at evenly spaced steps; use at least {plan.replicas // 2 + 2}")
     return plan
+
+
+def _scale_plans(plan: Plan, text: str) -> tuple[Plan, ...]:
+    """``--scale``: the plan's check plans at the replica counts named (refused in one line when not counts)."""
+    import dataclasses
+
+    if text.strip().lower() == "none":
+        return ()
+    template = plan.scale[0] if plan.scale else (SCALE[0] if plan.label != "quick" else QUICK.scale[0])
+    try:
+        counts = [int(x) for x in text.split(",") if x.strip()]
+    except ValueError:
+        counts = []
+    if not counts or any(n < 2 for n in counts):
+        raise ConfigError(f"--scale {text}: replica counts >= 2 separated by commas (e.g. 8,16), or none")
+    return tuple(dataclasses.replace(template, replicas=n, label=f"scale {n}", overrides=plan.overrides,
+                                     steps=max(template.steps, n // 2 + 2)) for n in counts)
 
 
 def run_from_args(args: argparse.Namespace) -> int:

@@ -36,22 +36,26 @@ import numpy as np
 
 from recover.bench import paperstats as st
 from recover.bench.common import Log, machine_load, write_json
-from recover.bench.paperruns import Plan, Runner, SeedResult, run_bitwise, run_seed
+from recover.bench.paperruns import Plan, Runner, SeedResult, run_bitwise, run_calibration, run_inputs, run_seed
+from recover.errors import ConfigError
 
 FRACTIONS = tuple(round(0.1 * i, 1) for i in range(1, 11))
 SYSTEM_ORDER = ("failure-free", "recover", "checkpoint-and-restart", "shrink-and-drop")
 BitwiseRunner = Callable[[Plan, Path, Log], dict[str, Any]]
+CalibrationRunner = Callable[[Plan, Path, Log], dict[str, Any]]
 
 
 def evaluate(plan: Plan, out: Path, runner: Runner = run_seed, bitwise_runner: BitwiseRunner = run_bitwise,
              show_progress: bool = True, scenarios: Sequence[str] | None = None,
-             resume: bool = False) -> dict[str, Any]:
-    """Runs every seed (and the bitwise check) with a progress bar; returns :func:`assemble`'s object.
+             resume: bool = False, calibration_runner: CalibrationRunner = run_calibration) -> dict[str, Any]:
+    """Runs every stage with a progress bar; returns :func:`assemble`'s object.
 
-    Each seed's result is kept in ``out/seedN/seed.json`` (the bitwise check's in
-    ``out/deterministic/bitwise.json``); with ``resume`` a stage whose file exists and was made by
-    the same plan is read back instead of run again, so that an interrupted evaluation continues and
-    a report can be rebuilt from the runs already made.
+    The stages: the plan's seeds, its calibration (failure-free runs at fewer replicas, for the
+    simulator), then each ``plan.scale`` plan's seeds and calibration (under ``out/scaleN``), then
+    the bitwise check. Each stage's result is kept in a JSON file under its directory; with
+    ``resume`` a stage whose file exists and was made by the same plan is read back instead of run
+    again, so that an interrupted evaluation continues and a report can be rebuilt from the runs
+    already made.
     """
     from rich.console import Console
     from rich.progress import BarColumn, Progress, TextColumn, TimeElapsedColumn
@@ -59,30 +63,54 @@ def evaluate(plan: Plan, out: Path, runner: Runner = run_seed, bitwise_runner: B
     t0, load_before = time.time(), machine_load()
     out.mkdir(parents=True, exist_ok=True)
     console = Console(stderr=True)
-    seeds: list[SeedResult] = []
+    parts = [(plan, out), *((sp, out / f"scale{sp.replicas}") for sp in plan.scale)]
+    done: list[tuple[Plan, list[SeedResult], dict[str, Any]]] = []
     bitwise = None
-    steps = len(plan.seeds) + (1 if plan.bitwise else 0)
+    total = sum(len(p.seeds) + 1 for p, _ in parts) + (1 if plan.bitwise else 0)
     with Progress(TextColumn("{task.description}"), BarColumn(), TextColumn("{task.completed}/{task.total}"),
                   TimeElapsedColumn(), console=console, disable=not show_progress) as progress:
-        task = progress.add_task(f"bench paper ({plan.label})", total=steps)
+        task = progress.add_task(f"bench paper ({plan.label})", total=total)
 
         def log(msg: str) -> None:
             progress.console.print(msg, highlight=False, markup=False)
 
-        for seed in plan.seeds:
-            progress.update(task, description=f"seed {seed}: 4 systems, {plan.steps} steps")
-            seeds.append(_stage(plan, out / f"seed{seed}" / "seed.json", resume, log,
-                                lambda seed=seed: runner(plan, seed, out / f"seed{seed}", log)))
+        for part, where in parts:
+            seeds: list[SeedResult] = []
+            for seed in part.seeds:
+                progress.update(task, description=f"{part.replicas} replicas, seed {seed}: 4 systems, "
+                                                  f"{part.steps} steps")
+                res = _stage(part, where / f"seed{seed}" / "seed.json", resume, log,
+                             lambda part=part, seed=seed, where=where: runner(part, seed, where / f"seed{seed}", log))
+                seeds.append(_measured_again(res, where / f"seed{seed}", part))
+                progress.advance(task)
+            progress.update(task, description=f"{part.replicas} replicas: failure-free calibration at "
+                                              f"{part.calibration_counts()} replicas")
+            cal = _stage(part, where / "calibration" / "calibration.json", resume, log,
+                         lambda part=part, where=where: calibration_runner(part, where / "calibration", log))
             progress.advance(task)
+            done.append((part, seeds, cal))
         if plan.bitwise:
             progress.update(task, description="deterministic mode: recover vs its reference, bitwise")
             bitwise = _stage(plan, out / "deterministic" / "bitwise.json", resume, log,
                              lambda: bitwise_runner(plan, out / "deterministic", log))
             progress.advance(task)
-    res = assemble(plan, seeds, bitwise, scenarios)
+    (_, seeds, cal), scale = done[0], done[1:]
+    res = assemble(plan, seeds, bitwise, scenarios, calibration=cal, scale=scale)
     res.update(wall_s=round(time.time() - t0, 1), load={"before": load_before, "after": machine_load()},
                out=str(out))
     return res
+
+
+def _measured_again(seed: SeedResult, where: Path, plan: Plan) -> SeedResult:
+    """``seed`` with the inputs its run directories give re-read (:func:`~recover.bench.paperruns.run_inputs`),
+    so that a resumed evaluation takes them as this version measures them; kept as they were when the
+    runs are gone (or were faked)."""
+    inputs = seed.get("inputs", {})
+    try:
+        fresh = run_inputs(where / "round0", int(inputs["microbatches"]), plan.device_time_s)
+    except (KeyError, ValueError, OSError, ConfigError):
+        return seed
+    return {**seed, "inputs": {**inputs, **fresh}}
 
 
 def _stage(plan: Plan, path: Path, resume: bool, log: Log, run: Callable[[], dict[str, Any]]) -> dict[str, Any]:
@@ -110,28 +138,36 @@ def _plan_key(plan: Plan) -> dict[str, Any]:
 
 
 def assemble(plan: Plan, seeds: Sequence[SeedResult], bitwise: dict[str, Any] | None,
-             scenarios: Sequence[str] | None = None) -> dict[str, Any]:
+             scenarios: Sequence[str] | None = None, calibration: dict[str, Any] | None = None,
+             scale: Sequence[tuple[Plan, Sequence[SeedResult], dict[str, Any] | None]] = ()) -> dict[str, Any]:
     """The result object from the seed results (pure; see the module docstring).
 
     Args:
         scenarios: the simulator presets to project (default all of :data:`recover.bench.papersim.PROJECTIONS`).
+        calibration: :func:`~recover.bench.paperruns.run_calibration`'s result for ``plan`` (None: the
+            simulator takes one step overhead and one relaunch cost).
+        scale: ``(plan, seed results, calibration)`` of further replica counts, for the simulator's
+            check and the ``scale`` rows only.
     """
-    from recover.bench.papersim import ASSUMED, PROJECTIONS, SCALED_COSTS, projections, validate
+    from recover.bench.papersim import ASSUMED, PROJECTIONS, SCALED_COSTS, projections
 
-    budgets = [_budget(s) for s in seeds]
-    simulator = []
-    for s, b in zip(seeds, budgets, strict=True):
-        for name, run in s["systems"].items():
-            if name != "failure-free" and run.get("completed"):
-                at = b["tokens"].get(name, [None])[-1] if b["budget_gpu_s"] else None
-                simulator += validate(s["seed"], name, s["inputs"], run, b["budget_gpu_s"], at)
+    simulator = _simulator(seeds, calibration)
+    scale_rows = []
+    for sp, sseeds, scal in scale:
+        simulator += _simulator(sseeds, scal)
+        scale_rows.append({"replicas": sp.replicas, "config": sp.config, "steps": sp.steps,
+                           "seeds": [s["seed"] for s in sseeds], "throughput": _throughput(sseeds),
+                           "budget": _budget_rows([_budget(s) for s in sseeds]),
+                           "calibration": (scal or {}).get("points", [])})
     inputs = _median_inputs(seeds)
     return {
-        "benchmark": "paper", "plan": {k: v for k, v in vars(plan).items()},
+        "benchmark": "paper", "plan": _plan_json(plan),
         "trajectory": _trajectory(seeds) + ([bitwise] if bitwise else []),
         "throughput": _throughput(seeds),
-        "budget": _budget_rows(budgets),
+        "budget": _budget_rows([_budget(s) for s in seeds]),
         "simulator": simulator,
+        "scale": scale_rows,
+        "calibration": (calibration or {}).get("points", []),
         "projections": projections(inputs, PROJECTIONS if scenarios is None else scenarios) if inputs else [],
         "inputs": inputs, "bitwise": bitwise,
         "projection_basis": {"measured": [f"{k} / step_time_s" for k in SCALED_COSTS], "assumed": list(ASSUMED)},
@@ -139,6 +175,26 @@ def assemble(plan: Plan, seeds: Sequence[SeedResult], bitwise: dict[str, Any] | 
         "curves": {name: st.band([s["systems"][name]["losses"] for s in seeds if name in s["systems"]])
                    for name in _systems(seeds)},
     }
+
+
+def _plan_json(plan: Plan) -> dict[str, Any]:
+    return {k: ([_plan_json(p) for p in v] if k == "scale" else v) for k, v in vars(plan).items()}
+
+
+def _simulator(seeds: Sequence[SeedResult], calibration: dict[str, Any] | None) -> list[dict[str, Any]]:
+    """The simulator rows of every completed failure run of ``seeds`` (see :func:`recover.bench.papersim.validate`)."""
+    from recover.bench.papersim import costs_elsewhere, validate
+
+    points = (calibration or {}).get("points", [])
+    rows = []
+    for s in seeds:
+        b = _budget(s)
+        inputs = costs_elsewhere(s["inputs"], [o["inputs"] for o in seeds if o is not s])
+        for name, run in s["systems"].items():
+            if name != "failure-free" and run.get("completed"):
+                at = b["tokens"].get(name, [None])[-1] if b["budget_gpu_s"] else None
+                rows += validate(s["seed"], name, inputs, run, b["budget_gpu_s"], at, points)
+    return rows
 
 
 def _systems(seeds: Sequence[SeedResult]) -> list[str]:

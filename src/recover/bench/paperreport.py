@@ -106,20 +106,42 @@ def markdown(res: dict[str, Any], plots: Sequence[str], missing: Sequence[str] =
 
 
 def _simulator_md(res: dict[str, Any], inputs: dict[str, Any], plot: bool) -> list[str]:
+    shown = {k: v for k, v in inputs.items() if k not in ("device_dominates", "full_point")}
     lines = ["## The simulator against the measured runs", "",
              "Each measured run replayed by `recover simulate`'s engine, its kills at the times they happened in "
-             "that run, calibrated only from measured inputs (median over seeds): " + ", ".join(
-                 f"{k} {fmt(v, '.4g')}" for k, v in inputs.items() if k not in ("device_dominates",)) + ". "
+             "that run, calibrated only from measured inputs (the main runs' medians over seeds: " + ", ".join(
+                 f"{k} {fmt(v, '.4g')}" for k, v in shown.items()) + "). "
              "Within: |simulated / measured - 1| <= 10%.", ""]
-    rows = [[r["system"], str(r["seed"]), r["measure"], fmt(r["measured"], ",.1f"), fmt(r["simulated"], ",.1f"),
-             _pct(r["error"]), {True: "yes", False: "**no**", None: "-"}[r["within"]]] for r in res["simulator"]]
-    lines += _table(("system", "seed", "measure", "measured", "simulated", "error", "within 10%"), rows)
+    cal = [(res["plan"]["replicas"], res.get("calibration") or [])] + [
+        (sc["replicas"], sc.get("calibration") or []) for sc in res.get("scale", [])]
+    if any(points for _, points in cal):
+        lines += ["Calibration (failure-free runs at fewer replicas, not the runs checked): the step overhead per "
+                  "live replica count and the start of that many replicas (launch to first commit, minus one "
+                  "step), which the simulator takes as the relaunch cost of that many replicas; linear in between.",
+                  ""]
+        lines += _table(("job", "replicas", "step s", "overhead s", "start s"),
+                        [[f"{n} replicas", str(p["replicas"]), fmt(p["step_time_s"], ".3f"),
+                          fmt(p["overhead_s"], ".3f"), fmt(p["start_s"], ".2f")] for n, points in cal for p in points])
+    rows = [[str(r.get("replicas", "-")), r["system"], str(r["seed"]), r["measure"], fmt(r["measured"], ",.1f"),
+             fmt(r["simulated"], ",.1f"), _pct(r["error"]), {True: "yes", False: "**no**", None: "-"}[r["within"]]]
+            for r in res["simulator"]]
+    lines += _table(("replicas", "system", "seed", "measure", "measured", "simulated", "error", "within 10%"), rows)
     misses = [r for r in res["simulator"] if r["within"] is False]
     lines += [f"{len(res['simulator']) - len(misses)} of {len(res['simulator'])} within 10%."
               + (" Each miss is a finding to explain (docs/PAPER.md explains those of the runs recorded there), not "
                  "a parameter to tune." if misses else ""), ""]
     if plot:
         lines += ["![simulated over measured](simulator.png)", ""]
+    if res.get("scale"):
+        lines += ["## At other replica counts", "", "The same trace shape (half the replicas lost at evenly spaced "
+                  "steps) at more replicas, run for the simulator's check: medians over their seeds.", ""]
+        lines += _table(("replicas", "preset", "steps", "system", "after failures tok/s", "x ckpt-restart (after)",
+                         "tokens at B vs ckpt-restart"),
+                        [[str(sc["replicas"]), sc["config"], str(sc["steps"]), r["system"],
+                          fmt(r["after_failures_tokens_per_s"], ",.0f"), fmt(r.get("vs_checkpoint_restart"), ".2f"),
+                          _pct(next((b["gain_vs_checkpoint_restart"][-1] for b in sc["budget"]
+                                     if b["system"] == r["system"]), None))]
+                         for sc in res["scale"] for r in sc["throughput"]])
     lines += ["## Projections", "", "The presets of `recover simulate` (job shape, step time, failures, repair: "
               "assumed, see docs/BENCHMARKS.md), with their assumed costs and with the measured costs (recovery "
               "latency, shrink reconfiguration, relaunch, save) carried over as multiples of the measured step "
@@ -190,7 +212,8 @@ def _plot_simulator(res: dict[str, Any], path: Path) -> None:
         ax.scatter(i, r["simulated"] / r["measured"], color=COLORS.get(r["system"]), marker=marker, zorder=3)
     ax.axhspan(0.9, 1.1, color="0.85", alpha=0.6, label="within 10%", zorder=1)
     ax.axhline(1.0, color="0.4", lw=0.8)
-    ax.set_xticks(range(len(rows)), [f"{r['system'][:7]} s{r['seed']}" for r in rows], rotation=60, fontsize=7)
+    ax.set_xticks(range(len(rows)), [f"{r.get('replicas', '')}r {r['system'][:7]} s{r['seed']}" for r in rows],
+                  rotation=60, fontsize=7)
     ax.set_ylabel("simulated / measured")
     ax.set_title("simulator vs measured (o: effective throughput, s: tokens at budget)")
     ax.legend(fontsize=8)

@@ -15,6 +15,10 @@ with ``series`` ``[t, live_replicas, model_tokens]`` per committed record in tim
 seconds since training started; a record of a step at or below one already recorded is a rollback:
 the model's tokens drop back) and ``kills`` ``[t, replica]``. :func:`run_bitwise` runs the
 reference and recover in deterministic mode and says whether every step's loss is bitwise equal.
+:func:`run_calibration` runs failure-free references at a smaller replica count and returns what the
+simulator's per-count table needs (:func:`calibration_point`: the step overhead with that many live
+replicas; also the start of a fresh launch of that many, launch to first commit minus one step, for
+comparison with a relaunch).
 """
 
 from __future__ import annotations
@@ -50,6 +54,17 @@ class Plan:
     bitwise: bool = True
     timeout_s: float = 1800.0
     label: str = field(default="full", compare=False)
+    scale: tuple[Plan, ...] = ()
+    """further plans at other replica counts, run for the simulator's check (and throughput) only."""
+    calibration_steps: int = 16
+    """steps of each failure-free calibration run (:func:`run_calibration`)."""
+    calibration_rounds: int = 2
+    """failure-free runs per calibrated replica count (medians)."""
+
+    def calibration_counts(self) -> list[int]:
+        """Replica counts calibrated besides the full one: half, and three quarters when distinct."""
+        half = max(1, self.replicas - max(1, self.replicas // 2))
+        return sorted({k for k in (half, (half + self.replicas) // 2) if 1 <= k < self.replicas})
 
 
 Runner = Callable[[Plan, int, Path, Log], SeedResult]
@@ -68,21 +83,82 @@ def run_seed(plan: Plan, seed: int, out: Path, log: Log) -> SeedResult:
                     device_time_s=plan.device_time_s, rounds=1, log=log)
     rows = {r["name"]: r for r in res["systems"]}
     runs = {NAMES[name]: read_run(row) for name, row in rows.items() if name in NAMES}
-    first = next(iter(load_metrics(rows["reference"]["run_dir"])), {})
     yd = res["young_daly"]
-    from recover.sim.calibration import calibrate
-
     inputs = {
-        "replicas": plan.replicas, "microbatches": res["microbatches"],
-        "tokens_per_microbatch": int(first.get("tokens", 0) // max(1, res["microbatches"])),
-        "step_time_s": calibrate(rows["reference"]["run_dir"]).step_time_s, "device_time_s": plan.device_time_s,
-        "recovery_latency_s": _latency(rows.get("recover")), "reconfig_s": _reconfig_s(rows.get(Baseline.SHRINK.value)),
-        "restart_s": _relaunch_s(rows.get(Baseline.RESTART.value)), "save_s": yd.get("save_cost_s"),
-        "checkpoint_every": yd.get("checkpoint_every"), "compute_s": res["device"]["compute_s"],
-        "device_dominates": res["device"]["dominates"],
+        "replicas": plan.replicas, "microbatches": res["microbatches"], "device_time_s": plan.device_time_s,
+        "save_s": yd.get("save_cost_s"), "checkpoint_every": yd.get("checkpoint_every"),
+        "compute_s": res["device"]["compute_s"], "device_dominates": res["device"]["dominates"],
+        **run_inputs(out / "round0", res["microbatches"], plan.device_time_s),
     }
     return {"seed": seed, "load": load, "wall_s": round(time.time() - t0, 1), "inputs": inputs, "systems": runs,
             "schedule": res["schedule"]["fails"]}
+
+
+def calibration_point(run_dir: str | Path, microbatches: int, device_time_s: float) -> dict[str, Any]:
+    """A failure-free run's step time, step overhead (step beyond ``ceil(M/k)`` device times) and
+    start (launch to the first commit, minus one step), at its ``replicas`` k."""
+    import math
+
+    from recover.sim.calibration import calibrate
+
+    run_dir = Path(run_dir)
+    cal = calibrate(run_dir)
+    k = int(cal.replicas or 1)
+    win = windows(run_dir)
+    first = min(_commit_times(run_dir, win))
+    return {"replicas": k, "step_time_s": cal.step_time_s,
+            "overhead_s": max(0.0, cal.step_time_s - math.ceil(microbatches / k) * device_time_s),
+            "start_s": max(0.0, first - win["launch_t"] - cal.step_time_s)}
+
+
+def run_calibration(plan: Plan, out: Path, log: Log) -> dict[str, Any]:
+    """Failure-free runs at each of :meth:`Plan.calibration_counts` (``calibration_rounds`` each, medians),
+    on the plan's emulated devices: ``{"points": [{"replicas", "step_time_s", "overhead_s", "start_s",
+    "rounds"}]}``."""
+    import shutil
+
+    from recover.bench.common import launch_run
+    from recover.config import load_config
+
+    overrides = [*plan.overrides, f"--training.seed={plan.seeds[0]}", f"--training.device_time_s={plan.device_time_s}"]
+    microbatches = load_config(plan.config, overrides).training.global_microbatches
+    points = []
+    for k in plan.calibration_counts():
+        runs = []
+        for r in range(plan.calibration_rounds):
+            run_dir = out / f"r{k}" / f"round{r}"
+            shutil.rmtree(run_dir, ignore_errors=True)
+            code = launch_run(run_dir, plan.config, k, plan.calibration_steps, overrides=overrides,
+                              timeout_s=plan.timeout_s)
+            try:
+                runs.append(calibration_point(run_dir, microbatches, plan.device_time_s))
+            except (ValueError, OSError) as exc:  # a run without a commit gives no point; said, not hidden
+                log(f"calibration at {k} replicas, round {r}: exit {code}, no point ({exc})")
+        if runs:
+            points.append({"replicas": k, "rounds": runs,
+                           **{key: statistics.median(x[key] for x in runs)
+                              for key in ("step_time_s", "overhead_s", "start_s")}})
+            log(f"calibration at {k} replicas: step {points[-1]['step_time_s']:.3f} s, overhead "
+                f"{points[-1]['overhead_s'] * 1000:.0f} ms, start {points[-1]['start_s']:.2f} s")
+    return {"points": points}
+
+
+def run_inputs(rounds_dir: Path, microbatches: int, device_time_s: float) -> dict[str, Any]:
+    """The simulator's inputs measured in one seed's run directories (``rounds_dir/<system>``): the
+    reference's step time, tokens per microbatch and calibration point; recover's recovery latency;
+    shrink-and-drop's reconfiguration; checkpoint-and-restart's relaunches."""
+    from recover.sim.calibration import calibrate
+
+    ref = rounds_dir / "reference"
+    first = next(iter(load_metrics(ref)), {})
+    row = {name: {"run_dir": str(rounds_dir / name)} if (rounds_dir / name).is_dir() else None
+           for name in FAILURE_SYSTEMS}
+    return {"tokens_per_microbatch": int(first.get("tokens", 0) // max(1, microbatches)),
+            "step_time_s": calibrate(ref).step_time_s, "recovery_latency_s": _latency(row["recover"]),
+            "reconfig_s": _reconfig_s(row[Baseline.SHRINK.value]),
+            "restart_s": _relaunch_s(row[Baseline.RESTART.value]),
+            "relaunches": _relaunches(row[Baseline.RESTART.value]),
+            "full_point": calibration_point(ref, microbatches, device_time_s)}
 
 
 def read_run(row: dict[str, Any]) -> dict[str, Any]:
@@ -116,30 +192,47 @@ def model_series(run_dir: Path, win: dict[str, float]) -> list[list[float]]:
 
 
 def _latency(row: dict[str, Any] | None) -> float | None:
-    """Median recovery latency (seconds) of a run's recoveries, None without one."""
+    """Median over kills of the kill to the first new generation naming the replica dead (detection and the
+    new generation: what the simulator's ``recovery_latency_s`` is), None without one."""
     if not row or "run_dir" not in row:
         return None
-    ms = [e["latency_ms"] for e in load_events(row["run_dir"])
-          if e.get("kind") in (Event.RECOVERY, Event.RECOVERED) and isinstance(e.get("latency_ms"), (int, float))]
-    return statistics.median(ms) / 1000 if ms else None
+    events = load_events(row["run_dir"])
+    gaps = []
+    for k in (e for e in events if e.get("kind") == Event.KILL):
+        t = min((g["t"] for g in events if g.get("kind") == Event.GENERATION and g["t"] >= k["t"]
+                 and k.get("replica") in g.get("dead", [])), default=None)
+        if t is not None:
+            gaps.append(t - k["t"])
+    return statistics.median(gaps) if gaps else None
 
 
-def _relaunch_s(row: dict[str, Any] | None) -> float | None:
-    """Median over relaunches of (first commit after the relaunch - the kill) - the step after it."""
+def _relaunches(row: dict[str, Any] | None) -> list[list[float]]:
+    """``[replicas relaunched, cost]`` per relaunch of a checkpoint-and-restart run: the cost is the first
+    commit of the relaunched job - the kill - the step after it (detection, teardown, process start,
+    rendezvous, checkpoint load and warm-up)."""
     if not row or "run_dir" not in row:
-        return None
+        return []
     run_dir = Path(row["run_dir"])
     win = windows(run_dir)
     events = load_events(run_dir)
-    times = _commit_times(run_dir, win)
-    costs = []
+    commits = sorted((win["launch_t"] + r["elapsed_s"], int(r.get("live_replicas", 1)))
+                     for r in read_jsonl(run_dir / "metrics.jsonl") if "elapsed_s" in r and "step" in r)
+    out = []
     for e in (e for e in events if e.get("kind") == Event.JOB_RESTART):
         kill = max((k["t"] for k in events if k.get("kind") == Event.KILL and k["t"] <= e["t"]), default=None)
-        after = [t for t in times if t > e["t"]]
+        begun = min((g["t"] for g in events if g.get("kind") == Event.GENERATION and g.get("reason") == "initial"
+                     and g["t"] > e["t"]), default=e["t"])  # the relaunched job's first generation
+        after = [(t, n) for t, n in commits if t > begun]  # not a commit of the old job racing its teardown
         if kill is None or len(after) < 3:
             continue
-        step = statistics.median(b - a for a, b in zip(after, after[1:], strict=False))
-        costs.append(after[0] - kill - step)
+        step = statistics.median(b[0] - a[0] for a, b in zip(after, after[1:], strict=False))
+        out.append([after[0][1], max(0.0, after[0][0] - kill - step)])
+    return out
+
+
+def _relaunch_s(row: dict[str, Any] | None) -> float | None:
+    """Median cost over a run's relaunches (:func:`_relaunches`), None without one."""
+    costs = [c for _, c in _relaunches(row)]
     return statistics.median(costs) if costs else None
 
 

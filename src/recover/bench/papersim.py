@@ -7,12 +7,19 @@ and rows out.
   :data:`MEASURED`): replicas, M and tokens per microbatch of the run; the failure-free step time
   (median full-size step of the failure-free reference); the emulated device time per microbatch
   (what the emulator enforces; the part of a step above ``ceil(M/N)`` of it is the step overhead);
-  recover's recovery latency (median ``latency_ms`` of its recoveries); shrink-and-drop's
-  (its reconfiguration); checkpoint-and-restart's relaunch cost (from its kill to its first commit
-  after the relaunch, minus one step: process start, rendezvous, checkpoint load and warm-up, all
-  booked as ``restart_s``, ``load_s`` = 0), its blocking save cost and the K it ran with; and the
-  failure trace, each kill at the time it happened in THAT system's run (failures are keyed by
-  step, so a system that loses time meets its later failures later). Nothing is fitted.
+  recover's recovery latency (median over kills of the kill to the new generation naming the
+  replica dead: detection and the new generation); shrink-and-drop's reconfiguration;
+  checkpoint-and-restart's relaunch cost (from its kill to its first commit after the relaunch,
+  minus one step: detection, teardown, process start, rendezvous, checkpoint load and warm-up, all
+  booked as ``restart_s``, ``load_s`` = 0), by the number of replicas relaunched when given
+  (``restart_by_replicas``); its blocking save cost and the K it ran with; and the failure trace,
+  each kill at the time it happened in THAT system's run (failures are keyed by step, so a system
+  that loses time meets its later failures later). Nothing is fitted. With a ``calibration``
+  (failure-free runs at fewer replicas, :func:`recover.bench.paperruns.run_calibration`) the step
+  overhead is taken per live count (``step_overhead_by_live``: on a host whose cores the replicas
+  share, the overhead falls as replicas die).
+* :func:`costs_elsewhere` gives a seed the costs measured in the OTHER seeds' runs (leave one out),
+  so that no run is simulated with a cost measured in itself (its own when no other seed has one).
 * :func:`validate` replays each system twice: to its measured training time (effective throughput
   = tokens / time) and to the GPU-time budget (tokens at the budget); a row is ``within`` when
   ``|simulated / measured - 1| <= TOLERANCE``.
@@ -24,6 +31,7 @@ and rows out.
 from __future__ import annotations
 
 import math
+import statistics
 from collections.abc import Sequence
 from typing import Any
 
@@ -35,7 +43,8 @@ TOLERANCE = 0.10
 SIM_NAMES = {"recover": "recover", "checkpoint-and-restart": "checkpoint-restart", "shrink-and-drop": "shrink-drop"}
 """System name in the benchmark -> strategy name in the simulator."""
 MEASURED = ("replicas", "microbatches", "tokens_per_microbatch", "step_time_s", "device_time_s",
-            "recovery_latency_s", "reconfig_s", "restart_s", "save_s", "checkpoint_every", "kill times")
+            "recovery_latency_s", "reconfig_s", "restart_s", "relaunches", "save_s", "checkpoint_every", "kill times",
+            "calibration: step overhead per live replica count")
 SCALED_COSTS = {"recovery_latency_s": "recovery_latency_s", "reconfig_s": "reconfig_s",
                 "restart_s": "restart_s", "save_s": "save_s"}
 """Measured cost -> JobSpec field carried to a projection as (cost / measured step time) x the preset's step."""
@@ -46,29 +55,61 @@ ASSUMED = ("GPUs and the replica shape", "M and tokens per microbatch", "step ti
 
 
 def job_spec(system: str, inputs: dict[str, Any], kills: Sequence[tuple[float, int]], duration_s: float,
-             budget_gpu_s: float | None = None) -> JobSpec:
+             budget_gpu_s: float | None = None, calibration: Sequence[dict[str, Any]] = ()) -> JobSpec:
     """The simulated job of one measured run of ``system`` (see the module docstring).
 
     Args:
-        inputs: the seed's measured inputs (keys of :data:`MEASURED`, ``None`` where not measured).
+        inputs: the seed's measured inputs (keys of :data:`MEASURED`, ``None`` where not measured;
+            ``relaunches``: ``[replicas relaunched, cost]`` pairs).
         kills: ``(seconds since training start, replica)`` of each kill in this system's run.
         duration_s: the run length to simulate.
         budget_gpu_s: the GPU-second budget, None for none.
+        calibration: points of failure-free runs at fewer replicas (``replicas``, ``overhead_s``).
     """
     n, m = inputs["replicas"], inputs["microbatches"]
     step = inputs["step_time_s"]
     overhead = min(max(0.0, step - math.ceil(m / n) * inputs["device_time_s"]), 0.5 * step)
     costs = {k: inputs.get(k) for k in ("recovery_latency_s", "reconfig_s", "restart_s", "save_s")}
     every = inputs.get("checkpoint_every")
+    overheads: tuple[tuple[int, float], ...] = ()
+    if calibration:
+        overheads = (*((int(p["replicas"]), float(p["overhead_s"])) for p in calibration), (n, overhead))
+    by_count: dict[int, list[float]] = {}
+    for k, cost in inputs.get("relaunches") or ():
+        by_count.setdefault(int(k), []).append(float(cost))
+    restarts = tuple((k, statistics.median(v)) for k, v in sorted(by_count.items()))
     return JobSpec(
         gpus=n, tp=1, microbatches=m, tokens_per_microbatch=inputs["tokens_per_microbatch"], step_time_s=step,
-        step_overhead_s=overhead, duration_s=duration_s,
+        step_overhead_s=overhead, step_overhead_by_live=overheads, restart_by_replicas=restarts,
+        duration_s=duration_s,
         budget_gpu_h=budget_gpu_s / HOUR if budget_gpu_s else None, failures="trace",
         trace=tuple((float(t), int(r)) for t, r in kills), rejoin=False, restart_mode="survivors",
         recovery_latency_s=costs["recovery_latency_s"] or 0.0, reconfig_s=costs["reconfig_s"] or 0.0,
         restart_s=costs["restart_s"] or 0.0, load_s=0.0, save_s=costs["save_s"] or 0.0,
         checkpoint_interval_s=every * step if every else None,
     )
+
+
+COSTS = ("recovery_latency_s", "reconfig_s", "restart_s", "save_s")
+"""The measured costs :func:`costs_elsewhere` takes from the other seeds (``relaunches`` too)."""
+
+
+def costs_elsewhere(inputs: dict[str, Any], others: Sequence[dict[str, Any]]) -> dict[str, Any]:
+    """``inputs`` with its costs replaced by the other seeds' (medians; their relaunches pooled), where any
+    other seed measured them; ``costs_from`` says which."""
+    out = dict(inputs)
+    taken = []
+    for key in COSTS:
+        vals = [o[key] for o in others if isinstance(o.get(key), (int, float))]
+        if vals:
+            out[key] = statistics.median(vals)
+            taken.append(key)
+    pooled = [r for o in others for r in (o.get("relaunches") or ())]
+    if pooled:
+        out["relaunches"] = pooled
+        taken.append("relaunches")
+    out["costs_from"] = "other seeds" if taken else "own run"
+    return out
 
 
 def _check(measured: float | None, simulated: float | None) -> dict[str, Any]:
@@ -79,18 +120,21 @@ def _check(measured: float | None, simulated: float | None) -> dict[str, Any]:
 
 
 def validate(seed: int, system: str, inputs: dict[str, Any], run: dict[str, Any],
-             budget_gpu_s: float | None, measured_at_budget: float | None) -> list[dict[str, Any]]:
+             budget_gpu_s: float | None, measured_at_budget: float | None,
+             calibration: Sequence[dict[str, Any]] = ()) -> list[dict[str, Any]]:
     """The ``simulator`` rows of one measured run: effective throughput, then tokens at the budget."""
     strategy = SIM_NAMES[system]
     kills = run["kills"]
-    spec = job_spec(system, inputs, kills, run["train_s"])
+    spec = job_spec(system, inputs, kills, run["train_s"], calibration=calibration)
     sim = simulate(spec, [strategy]).strategies[strategy]
-    rows = [{"system": system, "seed": seed, "measure": "effective_tokens_per_s",
+    base = {"system": system, "seed": seed, "replicas": inputs["replicas"], "calibrated": bool(calibration),
+            "costs_from": inputs.get("costs_from", "own run")}
+    rows = [{**base, "measure": "effective_tokens_per_s",
              **_check(run["tokens"] / run["train_s"], sim.tokens / run["train_s"])}]
     if budget_gpu_s:
-        spec_b = job_spec(system, inputs, kills, 4 * run["train_s"], budget_gpu_s)
+        spec_b = job_spec(system, inputs, kills, 4 * run["train_s"], budget_gpu_s, calibration)
         sim_b = simulate(spec_b, [strategy]).strategies[strategy]
-        rows.append({"system": system, "seed": seed, "measure": "tokens_at_budget",
+        rows.append({**base, "measure": "tokens_at_budget",
                      **_check(measured_at_budget, float(sim_b.tokens_at_budget))})
     return rows
 

@@ -12,6 +12,11 @@ Every failed step it plans is checked with :func:`~recover.workload.check_assign
 Model of a replica (stated once, used everywhere): replicas are identical (no stragglers); a
 microbatch costs ``t_mb`` seconds on any replica; the per-step ``overhead`` (all-reduce, optimizer)
 does not depend on the quota. With all ``R`` replicas live a step takes exactly ``step_time_s``.
+The overhead is ``step_overhead_s`` at every live count unless ``step_overhead_by_live`` gives it
+measured at some counts (collectives and hosts whose cost changes with the processes taking part);
+likewise a relaunch costs ``restart_s`` unless ``restart_by_replicas`` gives it by the number of
+replicas relaunched. Both tables are read by :func:`interpolate`: linear between the measured
+counts, flat beyond them.
 """
 
 from __future__ import annotations
@@ -55,6 +60,8 @@ class JobSpec:
     """failure-free step time with every replica live."""
     step_overhead_s: float = 0.0
     """part of a step that does not grow with the quota (gradient all-reduce, optimizer step)."""
+    step_overhead_by_live: tuple[tuple[int, float], ...] = ()
+    """(live replicas, step overhead s) measured at some live counts; empty: ``step_overhead_s`` at every count."""
     duration_s: float = 7 * DAY
     """wall-clock length of the run (it ends earlier if the GPU-hour budget is spent)."""
     budget_gpu_h: float | None = None
@@ -84,6 +91,8 @@ class JobSpec:
     """checkpoint-restart: checkpoint load after a restart."""
     restart_s: float = 180.0
     """checkpoint-restart: relaunch of the job (scheduler, process start, communicator init)."""
+    restart_by_replicas: tuple[tuple[int, float], ...] = ()
+    """(replicas relaunched, relaunch s) measured at some sizes; empty: ``restart_s`` at every size."""
     restart_mode: str = "survivors"
     """checkpoint-restart after a failure: 'survivors' (relaunch at once on the live replicas, keeping
     M by gradient accumulation) or 'replace' (the relaunch waits for the replacement)."""
@@ -130,9 +139,24 @@ class JobSpec:
             raise ConfigError(f"min_replicas = {self.min_replicas} must be <= the {self.replicas} replicas")
         if self.step_overhead_s >= self.step_time_s:
             raise ConfigError(f"step_overhead_s = {self.step_overhead_s} must be < step_time_s = {self.step_time_s}")
+        for name in ("step_overhead_by_live", "restart_by_replicas"):
+            for n, cost in getattr(self, name):
+                if not isinstance(n, int) or isinstance(n, bool) or n < 1 or not (math.isfinite(cost) and cost >= 0):
+                    raise ConfigError(f"{name} entry ({n!r}, {cost!r}): a replica count >= 1 and seconds >= 0")
+        if self.step_overhead_by_live and self.overhead(self.replicas) >= self.step_time_s:
+            raise ConfigError(f"step_overhead_by_live gives {self.overhead(self.replicas)} s at the full "
+                              f"{self.replicas} replicas, not < step_time_s = {self.step_time_s}")
         for t, g in self.trace:
             if not (0 <= g < self.gpus):
                 raise ConfigError(f"trace failure of gpu {g} at {t} s: gpu must be in 0..{self.gpus - 1}")
+
+    def overhead(self, live: int) -> float:
+        """The step overhead with ``live`` replicas (``step_overhead_by_live`` or ``step_overhead_s``)."""
+        return interpolate(self.step_overhead_by_live, live, self.step_overhead_s)
+
+    def restart_for(self, replicas: int) -> float:
+        """The relaunch cost of ``replicas`` replicas (``restart_by_replicas`` or ``restart_s``)."""
+        return interpolate(self.restart_by_replicas, replicas, self.restart_s)
 
     @property
     def replica_gpus(self) -> int:
@@ -173,6 +197,19 @@ class JobSpec:
         return dataclasses.replace(self, **changes)
 
 
+def interpolate(table: Sequence[tuple[int, float]], n: int, default: float) -> float:
+    """``table``'s value at ``n``: linear between its counts, flat beyond them; ``default`` when empty."""
+    if not table:
+        return default
+    pts = sorted(table)
+    if n <= pts[0][0]:
+        return float(pts[0][1])
+    for (n0, v0), (n1, v1) in zip(pts, pts[1:], strict=False):
+        if n <= n1:
+            return float(v0 + (v1 - v0) * (n - n0) / (n1 - n0)) if n1 != n0 else float(v1)
+    return float(pts[-1][1])
+
+
 def _positive(name: str, value: object) -> None:
     if isinstance(value, bool) or not isinstance(value, (int, float)) or not (math.isfinite(value) and value > 0):
         raise ConfigError(f"{name} = {value!r} must be a finite number > 0")
@@ -196,7 +233,7 @@ class StepModel:
         self.R = spec.replicas
         self.full_quota = quotas(assign(range(self.M), range(self.R)))  # {replica: microbatches}
         self.full_quotas = np.array([self.full_quota[r] for r in range(self.R)], dtype=np.int64)
-        self.t_mb = (spec.step_time_s - spec.step_overhead_s) / max(self.full_quota.values())
+        self.t_mb = (spec.step_time_s - spec.overhead(self.R)) / max(self.full_quota.values())
         self._plan = lru_cache(maxsize=None)(self._plan_uncached)
         self._single = lru_cache(maxsize=None)(self._single_uncached)
         self.step_time = lru_cache(maxsize=None)(self._step_time)  # type: ignore[method-assign]
@@ -205,11 +242,12 @@ class StepModel:
     def _plan_uncached(self, n: int) -> Assignment:
         return assign(range(self.M), range(n))
 
-    def compute_time(self, quota: float) -> float:
-        """The step time when the busiest replica runs ``quota`` microbatches."""
-        if quota == max(self.full_quota.values()):
+    def compute_time(self, quota: float, live: int | None = None) -> float:
+        """The step time when the busiest of ``live`` replicas (default all) runs ``quota`` microbatches."""
+        live = self.R if live is None else live
+        if quota == max(self.full_quota.values()) and live == self.R:
             return self.spec.step_time_s  # exact, no rounding through t_mb
-        return self.spec.step_overhead_s + self.t_mb * quota
+        return self.spec.overhead(live) + self.t_mb * quota
 
     def step_time(self, n: int) -> float:
         """A failure-free step over ``n`` live replicas carrying all M microbatches (cached)."""
@@ -218,7 +256,7 @@ class StepModel:
     def _step_time(self, n: int) -> float:
         if n < 1:
             raise ValueError("a step needs at least one live replica")
-        return self.compute_time(makespan(self._plan(n)))
+        return self.compute_time(makespan(self._plan(n)), n)
 
     def quota(self, n: int, position: int) -> int:
         """Microbatches of the replica at ``position`` of ``n`` sorted live replicas."""

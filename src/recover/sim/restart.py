@@ -10,7 +10,8 @@ Model:
   unless ``checkpoint_interval_s`` is given (no failures expected: no checkpoints).
 * A failure of a live replica at ``t_f`` rolls the model back to the last COMPLETED checkpoint:
   all the time since that checkpoint finished (or since the last restart finished) is
-  ``lost_work``, including a save cut short. Then the job relaunches: ``restart_s`` (``restart``)
+  ``lost_work``, including a save cut short. Then the job relaunches: ``restart_s`` (``restart``;
+  ``restart_by_replicas`` when given, by the replicas relaunched)
   followed by ``load_s`` (``load``).
 * ``restart_mode = 'survivors'``: the relaunch goes on with the live replicas, keeping M by
   gradient accumulation (steps take ``step_time(n)``, like recover's); replicas replaced (with
@@ -86,16 +87,17 @@ def _relaunch(m: Members, track: Track) -> None:
             track.idle(track.end_s - track.t, "stopped", 0)
             return
         t0 = track.t
-        relaunched = max(t0 + spec.restart_s, t_need)
+        restart_s = spec.restart_for(m.n)
+        relaunched = max(t0 + restart_s, t_need)
         loaded = relaunched + spec.load_s
         t_f, r = m.next_failure(before=loaded)
         if t_f < loaded:
-            _book(track, t_f - t0, spec.restart_s, relaunched - t0, m.n * G)
+            _book(track, t_f - t0, restart_s, relaunched - t0, m.n * G)
             m.pop_failure()
             if m.is_live(r):
                 m.kill(r, t_f, spec.rejoin)
             continue
-        _book(track, relaunched - t0, spec.restart_s, relaunched - t0, m.n * G)
+        _book(track, relaunched - t0, restart_s, relaunched - t0, m.n * G)
         m.admit(relaunched)
         track.idle(spec.load_s, "load", m.n * G)
         return
@@ -108,7 +110,7 @@ def _worth_regrowing(sm: StepModel, m: Members, now: float) -> bool:
     if spec.restart_mode != "survivors" or ready == 0:
         return False
     slow, fast = sm.step_time(m.n), sm.step_time(m.n + ready)
-    return (slow - fast) / slow * spec.job_mtbf_s() > spec.restart_s + spec.load_s
+    return (slow - fast) / slow * spec.job_mtbf_s() > spec.restart_for(m.n + ready) + spec.load_s
 
 
 def _book(track: Track, elapsed: float, restart_s: float, relaunch_s: float, gpus: int) -> None:

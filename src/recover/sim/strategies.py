@@ -127,8 +127,10 @@ def _recover_failed_step(sm: StepModel, m: Members, track: Track) -> None:
     t0, n = track.t, m.n
     start = list(m.live)  # positions are taken in the step's starting live set
     compute = sm.step_time(n)
+    overhead = spec.overhead(n)
     end = t0 + compute
     positions: list[int] = []
+    times: list[float] = []
     rounds: list[float] = []
     dead_gpu_s = 0.0
     while True:
@@ -139,6 +141,7 @@ def _recover_failed_step(sm: StepModel, m: Members, track: Track) -> None:
         if not m.is_live(r):
             continue
         positions.append(bisect.bisect_left(start, r))
+        times.append(t_f)
         m.kill(r, t_f, spec.rejoin)
         dead_gpu_s += G * (t_f - t0)
         if m.n < max(1, spec.min_replicas):  # the step cannot finish: its work so far is lost
@@ -146,9 +149,24 @@ def _recover_failed_step(sm: StepModel, m: Members, track: Track) -> None:
             track.lost["unfinished" if track.done else "lost_work"] += moved
             return
         rounds = sm.failed_step(n, positions)
-        end = t0 + compute + len(rounds) * spec.recovery_latency_s + sum(rounds)
-    extra = {"recovery": len(rounds) * spec.recovery_latency_s, "recompute": sum(rounds)}
+        end = orphans_done(t0 + compute - overhead, times, rounds, spec.recovery_latency_s) + overhead
+    recompute = sum(rounds)
+    extra = {"recovery": max(0.0, end - t0 - compute - recompute), "recompute": recompute}
     track.step(compute, extra, m.n * G, spec.tokens_per_step, sm.M, extra_gpu_s=dead_gpu_s)
+
+
+def orphans_done(own_done: float, failures: list[float], rounds: list[float], latency_s: float) -> float:
+    """When the survivors finish the orphans of a step's failures (at ``failures`` times, in order).
+
+    The survivors compute their own quotas first (done at ``own_done``); the orphans of the k-th
+    failure start once the survivors are free and the failure has been detected and a new
+    generation formed (``failure + latency_s``), and take ``rounds[k]``. A failure early in the step
+    thus hides its detection behind the survivors' own work; one near the step's end does not.
+    """
+    cursor = own_done
+    for t_f, dt in zip(failures, rounds, strict=True):
+        cursor = max(cursor, t_f + latency_s) + dt
+    return cursor
 
 
 def run_shrink_drop(sm: StepModel, m: Members, track: Track) -> None:
@@ -162,7 +180,7 @@ def run_shrink_drop(sm: StepModel, m: Members, track: Track) -> None:
             version = m.version
             live_quotas = sm.full_quotas[np.fromiter(m.live, dtype=np.int64, count=m.n)]
             mb = int(live_quotas.sum())
-            step_time = sm.compute_time(int(live_quotas.max()))
+            step_time = sm.compute_time(int(live_quotas.max()), m.n)
         what = _run(m, track, step_time, mb * spec.tokens_per_microbatch, mb)
         if what == "join":
             pause(m, track, spec.rejoin_cost_s, "rejoin")
