@@ -465,6 +465,12 @@ class Config:
                  "over the TP ranks)")
         require(self.fault_tolerance.min_replicas <= p.replicas, "fault_tolerance.min_replicas",
                  self.fault_tolerance.min_replicas, f"at most parallel.replicas = {p.replicas}")
+        ranks = p.pp * p.tp * p.fsdp
+        require(self.fault_tolerance.audit_every == 0 or ranks == 1, "fault_tolerance.audit_every",
+                 self.fault_tolerance.audit_every,
+                 f"0 with replicas of {ranks} ranks (pp x tp x fsdp): an audit recomputes one microbatch's "
+                 "gradient on its own, which only a one-process replica has; fingerprints "
+                 "(fault_tolerance.fingerprint_every) still catch a replica whose parameters went wrong")
         self._check_step_size()
 
     def _check_step_size(self) -> None:

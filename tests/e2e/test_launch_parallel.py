@@ -221,3 +221,23 @@ def test_a_corrupted_and_a_hung_pipeline_x_tensor_parallel_replica_leave_the_run
     detected = [(e["replica"], e["cause"]) for e in ev if e["kind"] == "failure_detected"]
     assert detected[-1] == (0, "hung") and len(detected) == 2
     assert [r["live_replicas"] for r in recs if r["step"] in (3, 4, STEPS - 1)] == [3, 2, 1]
+
+
+def test_a_nan_gradient_on_a_pipeline_stage_fences_its_replica_in_the_step(
+        plain: Path, corpus: Path, tmp_path: Path, failure_free: Callable[[str], Path]) -> None:
+    """2 replicas of 2 pipeline stages in deterministic mode; in step 5 the gradient of microbatch 6 becomes NaN
+    on replica 1 (a faulty kernel): its loss stays finite, so only the stages' own gradient check sees it. The
+    schedule mixed the column's microbatches, so the stage names all of them; replica 1 is fenced before the
+    step commits and replica 0 recomputes its microbatches in the same step. Every step holds M microbatches,
+    bitwise equal to the failure-free run of one replica."""
+    run = tmp_path / "nan"
+    launch(run, corpus, *CONFIGS["pp2"], "--nan", "1@5:6", "--workload.policy=even", "--deterministic")
+    recs = rows(run)
+    assert [r["step"] for r in recs] == list(range(STEPS)) and all(r["microbatches"] == M for r in recs)
+    check_trajectory(run, plain, failure_free("pp2"))
+    ev = events(run)
+    reported = [(e["replica"], e["step"]) for e in ev if e["kind"] == "nonfinite" and "generation" in e]
+    assert reported and set(reported) == {(1, 5)}
+    assert all(6 in e["ids"] for e in ev if e["kind"] == "nonfinite" and "generation" in e)
+    assert [e["replica"] for e in ev if e["kind"] == "fenced"] == [1]
+    assert [r["live_replicas"] for r in recs if r["step"] in (4, 5)] == [2, 1]

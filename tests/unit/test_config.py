@@ -69,6 +69,8 @@ def test_overrides_are_typed() -> None:
         (["--parallel.tp", "2", "--parallel.sequence_parallel", "true", "--data.seq_len", "63"],
          "data.seq_len = 63 is not allowed: a multiple of parallel.tp = 2 with parallel.sequence_parallel"),
         (["--parallel.sequence_parallel", "true"], "parallel.sequence_parallel = True is not allowed"),
+        (["--parallel.fsdp", "2", "--parallel.replicas", "2", "--fault_tolerance.audit_every", "2"],
+         "fault_tolerance.audit_every = 2 is not allowed: 0 with replicas of 2 ranks (pp x tp x fsdp)"),
         # choices come from the fields' Literal types
         (["--parallel.backend", "glo"],
          "parallel.backend = 'glo' is not allowed: one of 'auto', 'gloo', 'nccl' (did you mean 'gloo'?)"),

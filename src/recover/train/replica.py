@@ -40,8 +40,9 @@ surfaces as an exception within it and the caller treats the whole replica as lo
   reduced / divisor`` on the local shards, clipped by the global norm ``sum_norm / divisor``;
   ``optimizer.step()``. No host synchronisation; it consumes ``reduced`` (scaled in place where its
   dtype is the parameters'). Returns the norm.
-- A pass whose loss or gradient is not finite puts its id in ``nonfinite`` (with ``pp > 1`` only the
-  loss, on the last stage, is checked); the step protocol reports it and the replica is fenced (its
+- A pass whose loss or gradient is not finite puts its id in ``nonfinite`` (with ``pp > 1`` the loss on
+  the last stage, and each stage's gradients of the schedule, which mix the ids of its column: all of
+  them go to ``nonfinite`` on that stage); the step protocol reports it and the replica is fenced (its
   buffers, now not finite, are never reduced) or the job ends. Which pass it was: from the losses;
   on one process, a gradient that is not finite shows in the buffers (checked once per call) and is
   found by computing the call's microbatches again one by one (a fault path); a replica of several
@@ -480,11 +481,31 @@ class Replica:
         with self.compute_dtype(), self._folding_each_backward():
             by_position = self.pipe.run(n, B, T, inputs, targets, [0.0 if mb is None else 1.0 for mb in column])
         hook(step, Phase.BACKWARD)
+        grads_finite = self._stage_gradients(step, column)
         self._fold()  # deterministic without FSDP: the hooks left nothing in .grad
         self._emulate_device(t0, n)
         losses = {column[k]: v for k, v in by_position.items() if column[k] is not None}
-        self.nonfinite += [mb for mb, v in losses.items() if not math.isfinite(v)]  # the last stage sees it
+        if grads_finite:
+            self.nonfinite += [mb for mb, v in losses.items() if not math.isfinite(v)]  # the last stage sees it
+        else:  # one schedule mixed the column's gradients: every one of its ids is suspect on this stage
+            self.nonfinite += [mb for mb in column if mb is not None and mb not in self.nonfinite]
         return losses
+
+    @torch.no_grad()
+    def _stage_gradients(self, step: int, column: list[int | None]) -> bool:
+        """A pipeline stage's gradients of the schedule just run: the injected faults of its microbatches
+        applied (``perturb``), then whether they are finite on this stage (one host read per call). They
+        are the ``.grad`` the schedule summed, or, where each backward was folded as it came
+        (deterministic mode), the buffers themselves."""
+        grads = self._local_grads() or list(self.buffers)
+        for mb in column:
+            perturb = self.perturb.gradient(step, mb) if mb is not None else None
+            if perturb is not None:
+                for g in grads:
+                    perturb(g)
+        if not grads:
+            return True
+        return bool(torch.stack(torch._foreach_norm(grads)).sum().isfinite().item())
 
     def _local_grads(self) -> list[torch.Tensor]:
         """This rank's gradients of the pass just run, as they are folded: each ``.grad``'s local shard, or
