@@ -82,6 +82,15 @@ class Routed:
         for src, dst in ((x, y), (y, x)):
             ip("-n", self.router, "rule", "del", "blackhole", "from", src, "to", dst, "prio", "100")
 
+    def isolate(self, name: str, on: bool = True) -> None:
+        """Host ``name`` can exchange no packet with any other host (``on=False`` mends it)."""
+        me = self.addr[name]
+        for other, addr in self.addr.items():
+            if other != name:
+                for src, dst in ((me, addr), (addr, me)):
+                    ip("-n", self.router, "rule", "add" if on else "del", "blackhole", "from", src, "to", dst,
+                       "prio", "100")
+
     def cmd(self, name: str, argv: list[str]) -> list[str]:
         return ["ip", "netns", "exec", self.hosts[name], *argv]
 
@@ -120,14 +129,14 @@ class Job:
     ``config.json``, as hosts share a job's config, and ``--procs``: these hosts share this machine's cores,
     and the threads per process set the floating-point sums); every process stopped by PID."""
 
-    def __init__(self, net: Routed, run: Path, config: Path) -> None:
+    def __init__(self, net: Routed, run: Path, config: Path, *coordinator_args: str) -> None:
         self.net, self.run, self.config, self.procs = net, run, config, {}
         run.mkdir()
         (run / "token").write_text("t0ken\n")
         coord = self._start("coordinator", net.cmd("c", [
             sys.executable, "-m", "recover", "coordinator", "--host", net.addr["c"], "--port", "0", "--store-port",
             "0", "--token-file", str(run / "token"), "--events", str(run / "events.jsonl"),
-            "--replicas", str(REPLICAS)]), stdout=subprocess.PIPE)
+            "--replicas", str(REPLICAS), *coordinator_args]), stdout=subprocess.PIPE)
         assert coord.stdout is not None
         self.port = json.loads(coord.stdout.readline())["port"]
 
@@ -236,3 +245,45 @@ def test_a_replica_fenced_for_a_cut_joins_again_only_once_its_link_is_mended(
         job.close()
     run_recover(["collect", str(job.run)], timeout=120)
     assert losses(job.run) == losses(reference)  # bitwise, every step
+
+
+def test_a_coordinator_cut_off_from_every_replica_fences_nobody_and_a_lasting_cut_keeps_the_state(
+        net: Routed, reference: Path, tmp_path: Path) -> None:
+    """The coordinator's host loses its network mid-run, twice. For 2.5 s (more than the heartbeat timeout of
+    2 s; with TCP's retransmission backoff, 3 s of silence, less than the workers' read deadline of three
+    timeouts): every replica's heartbeats stop at once, which the coordinator takes for its own isolation
+    (``coordinator_isolated``), fencing nobody; once the path is back every replica trains on.
+    Then for good: every worker finds itself cut off, the lowest member keeps the committed state under
+    ``checkpoints/cut_off/`` (nobody else could: the coordinator is out of reach) and every worker ends with
+    one line. Every committed step is the failure-free run's, bitwise."""
+    job = Job(net, tmp_path / "run", reference / "config.json", "--heartbeat-timeout", "2")
+    slow = ("--training.device_time_s", "0.5")  # long enough a run to cut it twice; changes no number
+    try:
+        for r in range(REPLICAS):
+            job.worker(r, *slow)
+        wait_until(lambda: job.committed() >= 3, 120, "3 committed steps")
+        net.isolate("c")
+        time.sleep(2.5)
+        net.isolate("c", on=False)
+        wait_until(lambda: any(e["kind"] == "coordinator_reached" for e in job.events()), 30, "the path back")
+        at = job.committed()
+        wait_until(lambda: job.committed() >= at + 2, 60, "two more committed steps")
+        ev = job.events()
+        assert [e["replicas"] for e in ev if e["kind"] == "coordinator_isolated"] == [list(range(REPLICAS))]
+        assert not [e for e in ev if e["kind"] == "failure_detected"]  # nobody fenced for the coordinator's cut
+        assert all(job.procs[f"worker{r}"].poll() is None for r in range(REPLICAS))
+        net.isolate("c")
+        for r in range(REPLICAS):
+            wait_until(lambda r=r: job.procs[f"worker{r}"].poll() is not None, 90, f"worker {r} to end")
+            assert job.procs[f"worker{r}"].returncode == EXIT_FENCED
+        err = (job.run / "worker0.err").read_text()
+        assert "cut off from the coordinator" in err and "Saved a complete checkpoint of step" in err, err[-2000:]
+        kept = list((job.run / "checkpoints" / "cut_off" / "replica_0").glob("step_*"))
+        assert len(kept) == 1 and (kept[0] / "COMMITTED").is_file()
+        assert not (job.run / "checkpoints" / "cut_off" / "replica_1").exists()  # the lowest member alone
+        assert int(kept[0].name.split("_")[1]) == job.committed()  # the state after the last committed step
+    finally:
+        job.close()
+    run_recover(["collect", str(job.run)], timeout=120)
+    got, ref = losses(job.run), losses(reference)
+    assert len(got) >= 5 and got == {step: ref[step] for step in got}  # bitwise, every committed step

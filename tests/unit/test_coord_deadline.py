@@ -219,8 +219,8 @@ def session(tmp_path: Path, client: Any, me: int, members: tuple[int, ...]) -> S
     return s
 
 
-def lost_client(why: str, *, gone: bool = False) -> Any:
-    return SimpleNamespace(gone=gone, diverged=None, lost=why, settle=lambda: why)
+def lost_client(why: str, *, gone: bool = False, cut_off: str | None = None) -> Any:
+    return SimpleNamespace(gone=gone, diverged=None, lost=why, settle=lambda: why, cut_off=cut_off)
 
 
 def test_a_gone_coordinator_makes_the_lowest_member_save_and_every_replica_exit_7(
@@ -237,10 +237,16 @@ def test_a_gone_coordinator_makes_the_lowest_member_save_and_every_replica_exit_
 def test_a_cut_off_replica_exits_fenced_with_one_line_also_on_a_network_error(
         tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
     why = "cut off from the coordinator at 10.0.0.1:5: nothing heard from it for 3.1 s"
-    s = session(tmp_path, lost_client(why), 1, (0, 1))
+    s = session(tmp_path, lost_client(why, cut_off=why), 1, (0, 1))
     assert s.status(DistNetworkError("Connection reset by peer"), lambda root: pytest.fail("no save")) == EXIT_FENCED
     err = capsys.readouterr().err
     assert err.count("\n") == 1 and why in err and "DistNetworkError meanwhile" in err
+    saved: list[Any] = []  # the lowest member keeps the committed state apart, in case every replica was cut off
+    s = session(tmp_path, lost_client(why, cut_off=why), 0, (0, 1))
+    assert s.status(CoordinatorLost(why), lambda root: saved.append(root) or root / "step_000007") == EXIT_FENCED
+    assert saved == [tmp_path / "checkpoints" / "cut_off" / "replica_0"]
+    err = capsys.readouterr().err
+    assert err.count("\n") == 1 and "Saved a complete checkpoint of step 7" in err and "--resume" in err
 
 
 def test_a_network_error_while_the_coordinator_is_heard_is_not_hidden(tmp_path: Path) -> None:

@@ -268,6 +268,8 @@ def test_silent_rank_is_fenced_with_its_replica_after_the_heartbeat_timeout() ->
     for conn in ("a0", "b0"):
         agg.on_heard(conn, 0.9)
     assert agg.on_tick(0.9) == []
+    for conn in ("a0", "b0"):
+        agg.on_heard(conn, 1.2)  # the others are heard (were every one silent, the coordinator would be cut off)
     out = agg.on_tick(1.5)  # a1 silent since it registered at 0.0
     assert sent(out, "error") == {
         "a1": {"type": "error", "re": None, "code": "fenced", "message": "no heartbeat for 1.500 s"},
@@ -425,11 +427,44 @@ def test_nobody_is_judged_across_the_coordinators_own_stall() -> None:
     out = agg.on_resumed(2.4, 3.0)
     assert logs(out, "coordinator_stalled") == [{"seconds": 2.4}]
     assert logs(agg.on_tick(3.0), "failure_detected") == []
-    assert [d["cause"] for d in logs(agg.on_tick(4.1), "failure_detected")] == ["heartbeat_timeout"] * 3
-    control = make(expected=3)  # without it every replica would be fenced at once
-    three_replicas(control)
-    _all_waiting(control, 3, 0.5)
-    assert len(logs(control.on_tick(3.0), "failure_detected")) == 3
+    for r in (0, 1):  # replica 2 is silent from 3.0 on, the others are heard: it alone is fenced
+        agg.on_heard(f"r{r}_0", 3.8)
+    assert [(d["replica"], d["cause"]) for d in logs(agg.on_tick(4.1), "failure_detected")] \
+        == [(2, "heartbeat_timeout")]
+
+
+def test_every_member_silent_at_once_is_the_coordinators_isolation_not_their_deaths() -> None:
+    """Every replica's heartbeats stop together at 0.5 s (a partition around the coordinator's host): nobody
+    is fenced while the silence lasts up to the hold; the first heartbeat back ends it and every connection
+    gets a fresh grace, so the replicas coming back a moment later are not fenced either. A silence beyond
+    the hold is judged as before: the members themselves have given up by then."""
+    agg = make(expected=3)
+    three_replicas(agg)
+    _heard(agg, 3, 0.5)
+    out = agg.on_tick(3.0)
+    assert logs(out, "failure_detected") == []
+    assert logs(out, "coordinator_isolated") == [{"replicas": [0, 1, 2], "silent_s": 2.5}]
+    assert logs(agg.on_tick(20.0), "failure_detected") == []
+    agg.on_heard("r0_0", 20.2)
+    out = agg.on_tick(20.3)
+    assert logs(out, "coordinator_reached") == [{"seconds": 19.8}] and logs(out, "failure_detected") == []
+    _heard(agg, 3, 20.6)
+    assert logs(agg.on_tick(21.0), "failure_detected") == []
+    held = make(expected=3)
+    three_replicas(held)
+    _heard(held, 3, 0.5)
+    held.on_tick(3.0)
+    assert len(logs(held.on_tick(0.5 + held.isolation_hold_s + 0.1), "failure_detected")) == 3
+    alone = make(expected=1)  # one replica's silence says nothing about the coordinator: judged at once
+    replica(alone, "s", 0, 1)
+    alone.on_heard("s0", 0.5)
+    assert len(logs(alone.on_tick(2.0), "failure_detected")) == 1
+
+
+def _heard(agg: RankAggregator, n: int, now: float) -> None:
+    for r in range(n):
+        agg.on_heard(f"r{r}_0", now)
+        agg.on_message(f"r{r}_0", msg("hb", progress=5, activity="wait", generation=1), now)
 
 
 def test_a_restarted_coordinator_takes_the_least_any_rank_of_a_replica_committed() -> None:

@@ -65,8 +65,12 @@ from recover.coord.protocol import (
 )
 from recover.coord.slots import Close, Link, Out, SendTo, Slot, check_register, replica_resume
 from recover.coord.state import MembershipState
+from recover.names import Event
 
 LINK_GRACE_S = 5.0
+ISOLATION_HOLD_S = 30.0
+"""How long every member's silence at once is taken for the coordinator's isolation (the default of the
+workers' ``fault_tolerance.coordinator_reconnect_s``)."""
 REACH_EVERY_S = 2.0
 """How often a joiner held back by a known cut is asked to probe the replicas it was cut from."""
 
@@ -86,12 +90,14 @@ class RankAggregator:
         scan_s: seconds between timeout scans (0: at every tick).
         beat_s: every this many seconds each registered connection gets a ``beat`` (its read deadline,
             :mod:`recover.coord.deadline`), and every ``ok`` names it; 0: no beats.
+        isolation_hold_s: how long a silence of every member at once is taken for this coordinator's
+            own isolation, judged nobody (:meth:`_isolated`).
     """
 
     def __init__(self, state: MembershipState, *, token: str, heartbeat_timeout_s: float,
                  register_timeout_s: float, liveness: Liveness | None = None,
                  link_grace_s: float = LINK_GRACE_S, heartbeat_s: float | None = None, scan_s: float = 0.0,
-                 beat_s: float = 0.0) -> None:
+                 beat_s: float = 0.0, isolation_hold_s: float = ISOLATION_HOLD_S) -> None:
         if not token:
             raise ValueError("token must be a non-empty string")
         self.state = state
@@ -111,6 +117,8 @@ class RankAggregator:
         self.beat_s = beat_s
         self._next_beat = float("-inf")
         self._next_reach = float("-inf")
+        self.isolation_hold_s = isolation_hold_s
+        self._isolated_since: float | None = None  # the members' common silence began (see _isolated)
         self._asked: dict[int, dict[int, list[int]]] = {}  # generation -> member -> the peers it was asked about
         self._drains: dict[int, list[tuple[Link, int]]] = {}  # replica -> the operators' drains awaiting its commit
 
@@ -166,6 +174,12 @@ class RankAggregator:
         """The server was not running for ``stall_s`` (and has read what arrived meanwhile): nobody is
         judged across that gap. Every connection gets a fresh grace, and the hang and failure-round
         clocks move on by the gap."""
+        self._grace(stall_s, now)
+        self._log(Event.COORDINATOR_STALLED, seconds=round(stall_s, 3))
+        return self._take()
+
+    def _grace(self, stall_s: float, now: float) -> None:
+        """Nobody is judged across a gap of ``stall_s`` ending ``now`` (see :meth:`on_resumed`)."""
         for link in self._links.values():
             link.last_seen = max(link.last_seen, now)
             link.opened += stall_s
@@ -175,8 +189,6 @@ class RankAggregator:
         self.liveness.pause(stall_s)
         self.state.pause(stall_s)
         self.link_rule.pause(stall_s)
-        self._log("coordinator_stalled", seconds=round(stall_s, 3))
-        return self._take()
 
     def on_stop_requested(self, now: float) -> list[Out]:
         """The coordinator was asked to stop the job: the next commit is a stop (see the state)."""
@@ -197,8 +209,9 @@ class RankAggregator:
         if now >= self._next_scan:
             self._next_scan = now + self.scan_s
             self._scan(now)
-        self._settle_links(now)
-        self._apply(self.state.on_tick(now), now)
+        if self._isolated_since is None:  # cut off: no deadline of the state is judged either (see _isolated)
+            self._settle_links(now)
+            self._apply(self.state.on_tick(now), now)
         if self.beat_s and now >= self._next_beat:
             self._next_beat = now + self.beat_s
             self._beat()
@@ -211,8 +224,39 @@ class RankAggregator:
             if link.replica is not None:
                 self._send(link, beat)
 
+    def _isolated(self, now: float) -> bool:
+        """Whether this coordinator is cut off rather than its members dead: every rank of at least two
+        member replicas fell silent together (a partition around the coordinator's host, a switch that
+        went down: it cannot tell which replicas failed, and fencing them all would end the job). Then
+        nobody is judged, for at most ``isolation_hold_s`` (the members' own reconnect window: past it
+        they save a checkpoint and stop by themselves); the first heartbeat that comes back ends it and
+        gives every connection a fresh grace."""
+        beating = [link for link in self._links.values() if not link.closed and link.replica is not None
+                   and (slot := self._slots.get(link.replica)) is not None and slot.registered]
+        # silent for half the timeout: a live member is heard every heartbeat interval, so a member that
+        # died alone never finds every other one this silent, while those cut off with it fall silent
+        # within a heartbeat of it (and must not be judged one by one as their timeouts come)
+        silent = [link for link in beating if now - link.last_seen > self.heartbeat_timeout_s / 2]
+        if len(silent) == len(beating) and len({link.replica for link in silent}) >= 2:
+            since = max(link.last_seen for link in silent)
+            if now - since <= self.heartbeat_timeout_s:
+                return True  # not judged yet: nobody's silence is over the timeout
+            if self._isolated_since is None:
+                self._isolated_since = since
+                self._log(Event.COORDINATOR_ISOLATED, replicas=sorted({link.replica for link in silent}),
+                          silent_s=round(now - since, 3))
+            return now - self._isolated_since <= self.isolation_hold_s
+        if self._isolated_since is not None:
+            gap = max(0.0, now - self._isolated_since)
+            self._isolated_since = None
+            self._grace(gap, now)
+            self._log(Event.COORDINATOR_REACHED, seconds=round(gap, 3))
+        return False
+
     def _scan(self, now: float) -> None:
         """The timeouts: O(connections + ranks), so run on the ``scan_s`` clock."""
+        if self._isolated(now):
+            return
         for link in list(self._links.values()):
             if link.closed:
                 continue  # fenced with a replica-mate earlier in this loop

@@ -465,7 +465,7 @@ def launch(req: LaunchRequest) -> int:
         print(f"recover: the job ended after {launcher.written + 1} committed steps without its final checkpoint: "
               f"{why}", file=sys.stderr)
     elif code == EXIT_QUORUM_LOST and launcher.all_lost:
-        print(f"recover: the job stopped: {_everyone_lost(opts.out)}", file=sys.stderr)
+        print(f"recover: the job stopped: {_everyone_lost(opts.out, launcher.rescued)}", file=sys.stderr)
     elif code == EXIT_QUORUM_LOST:
         print("recover: the job stopped because too few replicas survived; a complete checkpoint was saved "
               f"under {opts.out / 'checkpoints'}", file=sys.stderr)
@@ -534,15 +534,20 @@ LOST_AS = {"connection_closed": "died", "heartbeat_timeout": "went silent", "hun
 """How a replica was lost, by the cause of its ``failure_detected``, in the line of a job that lost them all."""
 
 
-def _everyone_lost(out: Path) -> str:
+def _everyone_lost(out: Path, rescued: Path | None = None) -> str:
     """The line of a job whose every replica was fenced or killed with none to come back: who went how, and
-    the newest complete checkpoint to resume from."""
+    the newest complete checkpoint to resume from (``rescued``: one a replica cut off from the coordinator
+    kept, put in place by the launcher)."""
     from recover.train.integrity import list_checkpoints
 
     causes = {e["replica"]: e.get("cause", "lost") for e in _events(out)
               if e.get("kind") == Event.FAILURE_DETECTED and "replica" in e}
     how = ", ".join(f"replica {r} {LOST_AS.get(c, c)}" for r, c in sorted(causes.items())) or "fenced or killed"
     step, path = list_checkpoints(out / "checkpoints")[-1]
+    if rescued is not None and rescued == path:
+        return (f"every replica was cut off from the coordinator (its host unreachable from theirs); the lowest "
+                f"kept the committed state, now {path} (step {step}): mend the network and continue with the same "
+                "command and --resume")
     return (f"every replica was lost ({how}) and none was to come back (no --rejoin-after); the newest complete "
             f"checkpoint is {path} (step {step}): continue with the same command and --resume, redoing the steps "
             "after it")

@@ -112,6 +112,34 @@ def newest_complete(root: Path) -> str:
     return f"the newest complete checkpoint is {found[-1][1]} (step {found[-1][0]}), where --resume continues"
 
 
+def rescue(root: Path) -> Path | None:
+    """After every replica was lost: the newest checkpoint kept by a replica cut off from the coordinator
+    (``root/cut_off/replica_R/step_N``, :data:`recover.observe.rundir.CUT_OFF_DIR`) put in place as
+    ``root/step_N`` when it is newer than every complete checkpoint there (every replica was cut off:
+    the committed state lives on); the kept ones are removed. Also at the start of ``--resume``.
+    Returns the checkpoint put in place."""
+    import shutil
+
+    from recover.observe.rundir import CUT_OFF_DIR
+    from recover.train.integrity import list_checkpoints
+
+    kept = root / CUT_OFF_DIR
+    if not kept.is_dir():
+        return None
+    found = sorted((step, Path(path)) for d in kept.iterdir() if d.is_dir() for step, path in list_checkpoints(d))
+    newest = list_checkpoints(root)
+    placed = None
+    if found and (not newest or found[-1][0] > newest[-1][0]):
+        step, path = found[-1]
+        placed = root / path.name
+        try:
+            path.rename(placed)  # refused when a checkpoint of that step appeared meanwhile (or on Windows, exists)
+        except OSError:
+            placed = None
+    shutil.rmtree(kept, ignore_errors=True)
+    return placed
+
+
 class Launcher:
     """One launch: the run directory, the job's records and events, its supervisor and its fault clock."""
 
@@ -161,6 +189,8 @@ class Launcher:
         self.wall_s = 0.0
         self.all_lost = False
         """Whether the job ended because every replica was fenced or killed with none to come back."""
+        self.rescued: Path | None = None
+        """The checkpoint a cut-off replica kept that became the newest complete one (:func:`rescue`), if one did."""
         self.token: str | None = None
         """The coordinator's token, kept to be written again if the run directory is removed."""
         self.run_dir_lost = False
@@ -179,6 +209,7 @@ class Launcher:
         kept: dict[int, dict[str, Any]] = {}
         lost: list[int] = []
         if self.o.resume:  # the records before the checkpoint: metrics.jsonl's, completed from the replicas' logs
+            rescue(self.out / "checkpoints")
             found = list_checkpoints(self.out / "checkpoints")
             before = found[-1][0] if found else 0
             kept, lost = recover_rows(records_before(self.out / "metrics.jsonl", before),
@@ -495,6 +526,7 @@ class Launcher:
             from recover.train.integrity import list_checkpoints
 
             self.all_lost = True
+            self.rescued = rescue(self.out / "checkpoints")
             status = EXIT_QUORUM_LOST if list_checkpoints(self.out / "checkpoints") else EXIT_STATE_LOST
         return status or 1
 

@@ -21,6 +21,9 @@ from recover.errors import ConfigError
 
 RECORDS = ("metrics.jsonl", "events.jsonl", "summary.json", "config.json", "token")
 DIRECTORIES = ("checkpoints", "replicas", "logs", "tensorboard", "wandb")
+CUT_OFF_DIR = "cut_off"
+"""``checkpoints/cut_off/replica_R/``: the committed state kept by the lowest member of a generation whose
+replica was cut off from the coordinator (every replica may have been); see :func:`recover.launch.launcher.rescue`."""
 
 
 def run_contents(out: Path) -> list[str]:

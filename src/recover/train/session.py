@@ -63,6 +63,7 @@ from recover.faults import FailureSpec, Perturbation
 from recover.lifeline import ENV as LAUNCHER_ENV
 from recover.names import Baseline, Event
 from recover.observe.events import EventLog, JsonlWriter
+from recover.observe.rundir import CUT_OFF_DIR
 from recover.observe.sinks import StepSinks
 from recover.recovery.protocol import Progress, ResilientStep
 from recover.train.exits import (
@@ -291,6 +292,13 @@ class Session:
             if client.gone:  # it did not come back
                 return self._save_and_stop(save, Event.COORDINATOR_LOST, exc, "continue with --resume",
                                            EXIT_COORDINATOR_LOST)
+            if client.cut_off is not None:  # the lowest member keeps the committed state, in case all were cut off
+                rescue = self.out / "checkpoints" / CUT_OFF_DIR / f"replica_{self.replica_id}"
+                then = ("`recover launch` puts it in place for --resume" if os.environ.get(LAUNCHER_ENV) else
+                        f"move it into {self.out / 'checkpoints'} and continue with --resume")
+                return self._save_and_stop(save, Event.COORDINATOR_CUT_OFF, exc, "the coordinator has fenced this "
+                                           f"replica by now, unless every replica was cut off: then {then}",
+                                           EXIT_FENCED, rescue)
             print(f"recover: replica {self.replica_id} rank {self.rank}: {exc}; stopping ({restart_hint()})",
                   file=sys.stderr, flush=True)
             return EXIT_FENCED
@@ -314,13 +322,18 @@ class Session:
             self.event(Event.DIVERGED_STOP, step=step.progress.step, checkpoint=str(path), side=side)
         return EXIT_DIVERGED
 
-    def _save_and_stop(self, save: Save | None, kind: Event, exc: Exception, advice: str, status: int) -> int:
-        """The job cannot go on (``kind``: ``quorum_lost``, ``coordinator_lost``): the lowest member of the
-        last generation saves a complete checkpoint of the committed state; returns ``status``."""
+    def _save_and_stop(self, save: Save | None, kind: Event, exc: Exception, advice: str, status: int,
+                       where: Path | None = None) -> int:
+        """The job cannot go on (``kind``: ``quorum_lost``, ``coordinator_lost``, ...): the lowest member of the
+        last generation saves a complete checkpoint of the committed state (under ``checkpoints/``, or at
+        ``where``); returns ``status``."""
         step = self.step
         if step is None or step.me != min(step.group.members):
+            if self.rank == 0 and kind is Event.COORDINATOR_CUT_OFF:
+                print(f"recover: replica {self.replica_id}: {exc}; stopping ({restart_hint()})", file=sys.stderr,
+                      flush=True)
             return status
-        path = save(None) if save is not None else None
+        path = save(where) if save is not None else None
         self.event(kind, step=step.progress.step, checkpoint=str(path) if path else None, message=str(exc))
         if self.rank == 0:
             saved = f"Saved a complete checkpoint of step {step.progress.step} at {path}; " if path else ""
