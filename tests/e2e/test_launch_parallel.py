@@ -146,17 +146,18 @@ def test_kill_one_rank_of_a_replica(name: str, plain: Path, corpus: Path, tmp_pa
 
 def test_a_killed_a_corrupted_and_a_hung_fsdp_replica_leave_the_run_bitwise_unaffected(
         plain: Path, corpus: Path, tmp_path: Path, failure_free: Callable[[str], Path]) -> None:
-    """3 replicas of 2 FSDP ranks in deterministic mode, every fault on rank 0: replica 2 is SIGKILLed in
+    """3 replicas of 2 FSDP ranks in deterministic mode, every fault on rank 1: replica 2 is SIGKILLed in
     step 1's backward and rejoins from a warm spare; one bit of replica 1's parameter shard flips before
     step 7 (the rejoin has time to land on busy cores): lane 0's fingerprint differs from the other two
     replicas', replica 1 is fenced before step 7 commits and its microbatches are recomputed by the others;
-    replica 0's training thread hangs in step 9's backward (fenced as hung). Every step holds M microbatches,
+    replica 0's training thread hangs in step 9's backward (fenced as hung, the fence naming rank 1: rank 0,
+    blocked in the replica's collective with it, reports that it waits). Every step holds M microbatches,
     bitwise equal to the failure-free run of one replica: the same ids in other pairs inside each replica's
     reduce-scatters change nothing."""
     run = tmp_path / "corrupt"
     run_recover(["launch", "--config", "debug", "--replicas", "3", "--steps", str(STEPS), "--out", str(run),
                  "--no-progress", "--data.path", str(corpus), *MODEL, "--fsdp", "2", "--fail", "2@1:backward",
-                 "--corrupt", "1@7", "--hang", "0@9:backward", "--fail-rank", "0", "--rejoin-after", "0.2",
+                 "--corrupt", "1@7", "--hang", "0@9:backward", "--fail-rank", "1", "--rejoin-after", "0.2",
                  f"--fault_tolerance.hang_timeout_s={HANG_S}", "--deterministic"], timeout=300)
     recs = rows(run)
     assert [r["step"] for r in recs] == list(range(STEPS)) and all(r["microbatches"] == M for r in recs)
@@ -168,6 +169,8 @@ def test_a_killed_a_corrupted_and_a_hung_fsdp_replica_leave_the_run_bitwise_unaf
     detected = [(e["replica"], e["cause"]) for e in ev if e["kind"] == "failure_detected"]
     assert [r for r, _ in detected[:3]] == [2, 1, 0] and detected[2][1] == "hung"
     assert [(e["replica"], e["step"]) for e in ev if e["kind"] == "kill"] == [(2, 1), (0, 9)]
+    hung = [e["reason"] for e in ev if e["kind"] == "fenced" and e["replica"] == 0]
+    assert len(hung) == 1 and hung[0].startswith("rank 1 made no progress"), hung
 
 
 def test_a_killed_coordinator_a_corrupted_and_a_hung_pipeline_replica_leave_the_run_bitwise_unaffected(
@@ -198,6 +201,7 @@ def test_a_killed_coordinator_a_corrupted_and_a_hung_pipeline_replica_leave_the_
     assert [e["replica"] for e in ev if e["kind"] == "fenced"] == [2, 0]  # the coordinator's restart fenced no one
     assert {r["step"]: r["live_replicas"] for r in recs}[8] == 2
     assert [(e["replica"], e["cause"]) for e in ev if e["kind"] == "failure_detected"][-1] == (0, "hung")
+    assert [e["reason"].split(" made")[0] for e in ev if e["kind"] == "fenced" and e["replica"] == 0] == ["rank 1"]
     assert {r["step"]: r["live_replicas"] for r in recs}[STEPS - 1] == 1
 
 
@@ -220,6 +224,7 @@ def test_a_corrupted_and_a_hung_pipeline_x_tensor_parallel_replica_leave_the_run
     assert [(d["step"], d["replicas"]) for d in ev if d["kind"] == "divergent"] == [(4, [1])]
     detected = [(e["replica"], e["cause"]) for e in ev if e["kind"] == "failure_detected"]
     assert detected[-1] == (0, "hung") and len(detected) == 2
+    assert [e["reason"].split(" made")[0] for e in ev if e["kind"] == "fenced" and e["replica"] == 0] == ["rank 3"]
     assert [r["live_replicas"] for r in recs if r["step"] in (3, 4, STEPS - 1)] == [3, 2, 1]
 
 

@@ -2,6 +2,9 @@
 
 from __future__ import annotations
 
+import time
+from pathlib import Path
+
 import pytest
 
 from recover.coord.liveness import Liveness
@@ -139,3 +142,50 @@ def test_a_member_that_never_votes_after_the_others_did_is_hung() -> None:
     assert [r for r, _ in hung] == [2] and "has not voted" in hung[0][1]
     live.committed(0, 2.8)  # a commit (or a new generation) ends the ballot
     assert live.hung(10.0) == []
+
+
+def test_the_rank_named_is_the_stuck_one_not_its_partner_blocked_in_a_collective() -> None:
+    """Replica 0 of two ranks: rank 1's training thread is stuck; rank 0 waits for it inside the replica (its
+    heartbeats say ``wait``, :func:`recover.coord.client.in_collective`), or, where it cannot tell, is
+    ahead of it: the fence names rank 1 either way."""
+    for partner in ("wait", "compute"):
+        live = started(2, ranks=2, hang_timeout_s=2.0)
+        for t in (0.5, 1.0, 2.0, 3.5):
+            live.heartbeat(0, 0, 21 if partner == "compute" else 20, partner, t)
+            live.heartbeat(0, 1, 20, "compute", t)
+            live.heartbeat(1, 0, 20, "wait", t)
+            live.heartbeat(1, 1, 20, "wait", t)
+        (hung,) = live.hung(3.6)
+        assert hung[0] == 0 and hung[1].startswith("rank 1 made no progress"), (partner, hung)
+
+
+def test_a_thread_blocked_in_torch_distributed_counts_as_waiting(tmp_path: Path) -> None:
+    """A rendezvous of two ranks that only one joins blocks its thread inside ``torch.distributed``."""
+    import datetime
+    import threading
+
+    import torch.distributed as dist
+
+    from recover.coord.client import in_collective
+
+    me = threading.get_ident()
+    assert not in_collective(me)
+    done = threading.Event()
+
+    def rendezvous() -> None:
+        try:
+            dist.init_process_group("gloo", init_method=f"file://{tmp_path / 'rdzv'}", rank=0, world_size=2,
+                                    timeout=datetime.timedelta(seconds=3))
+        except Exception:  # the second rank never comes: it times out, which is the point
+            pass
+        finally:
+            done.set()
+
+    thread = threading.Thread(target=rendezvous, daemon=True)
+    thread.start()
+    deadline = time.monotonic() + 2.5
+    while not in_collective(me) and time.monotonic() < deadline and not done.is_set():
+        time.sleep(0.05)
+    assert in_collective(me)
+    done.wait(10)
+    assert not in_collective(me)

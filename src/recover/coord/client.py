@@ -103,6 +103,19 @@ RECONNECT_EVERY_S = 0.2
 _SERVER_TYPES = SERVER_TYPES
 
 
+_DISTRIBUTED = os.sep + os.path.join("torch", "distributed") + os.sep
+
+
+def in_collective(skip: int) -> bool:
+    """Whether a thread of this process but ``skip`` (the caller) is blocked in ``torch.distributed``: its
+    innermost Python frame is that package's (a collective or a wait on one; the C++ call below it has no
+    frame of its own)."""
+    import sys
+
+    return any(_DISTRIBUTED in frame.f_code.co_filename
+               for ident, frame in sys._current_frames().items() if ident != skip)
+
+
 class CoordinatorClient:
     """See the module docstring. Thread-safe."""
 
@@ -133,6 +146,7 @@ class CoordinatorClient:
         self._progress = 0
         self._entered = 0
         self._activity = "compute"
+        self._beat_progress = -1  # the progress the previous heartbeat carried
         self.fence_exit_s, self.on_fenced = fence_exit_s, on_fenced
         self.speeds: dict[int, float] | None = None
         """The planned seconds per microbatch from the last commit this client voted in (None: even)."""
@@ -261,6 +275,15 @@ class CoordinatorClient:
     def advance(self) -> None:
         """The training loop passed a phase point (its progress, sent with the heartbeats)."""
         self._progress += 1
+
+    def _reported_activity(self, progress: int) -> str:
+        """The activity a heartbeat carries: ``compute`` without progress since the previous beat while a
+        thread of this process is blocked in a ``torch.distributed`` call (a collective inside the replica:
+        FSDP, tensor parallel, a pipeline's send or receive) is ``wait``: this rank waits for a peer of its
+        replica, and the hang rule names the stuck one (:mod:`recover.coord.liveness`)."""
+        if self._activity != "compute" or progress != self._beat_progress:
+            return self._activity
+        return "wait" if in_collective(threading.get_ident()) else "compute"
 
     def entering(self, generation: int) -> None:
         """The training thread moves on to ``generation`` (forms its group): sent with the heartbeats,
@@ -696,9 +719,11 @@ class CoordinatorClient:
                 return
             if self._reconnecting or not self.perturb.heartbeats():
                 continue
+            progress = self._progress
+            activity = self._reported_activity(progress)
+            self._beat_progress = progress
             try:
-                self._send({"type": "hb", "progress": self._progress, "activity": self._activity,
-                            "generation": self._entered})
+                self._send({"type": "hb", "progress": progress, "activity": activity, "generation": self._entered})
             except OSError as exc:
                 if self.reconnect_s <= 0:
                     self._mark_lost(f"heartbeat failed: {exc}")

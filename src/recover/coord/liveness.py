@@ -148,7 +148,9 @@ class Liveness:
                      or (r.activity == "io" and now - r.since > IO_FACTOR * limit)]
             behind = self._behind(replica, ranks, now, limit)
             if stale and (others or replica in self._warm):
-                rank, silent = stale[0]
+                # the rank behind the others (least progress, longest still) is the stuck one; those of its
+                # replica blocked in a collective with it report ``wait`` and are not stale
+                rank, silent = min(stale, key=lambda ks: (ranks[ks[0]].progress, -ks[1], ks[0]))
                 io = ranks[rank].activity == "io"
                 where, allowed = ("in a save or evaluation, ", IO_FACTOR * limit) if io else ("", limit)
                 why = f"while replicas {others} waited for it" if others else "with no other replica waiting"
