@@ -76,3 +76,18 @@ def test_a_requeued_job_waits_for_another_hosts_lease_to_go_stale(tmp_path: Path
     taken = acquire(tmp_path, "recover coordinator", ttl_s=1.5, wait_s=5.0)
     assert 0.5 < time.monotonic() - t0 < 4.5 and taken.took_over is not None
     taken.release()
+
+
+def test_a_lease_of_the_same_job_is_taken_over_at_once_and_another_jobs_is_not(tmp_path: Path) -> None:
+    """A coordinator its scheduler replaced on another host (a Kubernetes pod, a requeued Slurm job) names the
+    same job: it takes the fresh lease of its predecessor at once; a second job on the directory does not."""
+    run = tmp_path / "run"
+    _plant(run, replace(lease.me("recover coordinator", job="trainer"), host="pod-a", boot_id="other"))
+    with pytest.raises(LeaseHeld):
+        acquire(run, "recover coordinator", job="another-job")
+    with acquire(run, "recover coordinator", job="trainer") as held:
+        assert held.took_over is not None and "same job (trainer)" in held.took_over
+        assert holder(run) == held.me and held.me.job == "trainer"
+    old = {k: v for k, v in asdict(lease.me("recover launch")).items() if k != "job"}  # a lease of an older release
+    (run / lease.NAME).write_text(json.dumps(old))
+    assert holder(run) is not None and holder(run).job == ""

@@ -96,6 +96,10 @@ def register(subparsers: argparse._SubParsersAction) -> None:
                    help="hold the run directory DIR's lease while the coordinator runs (renewed every 5 s): a second "
                         "job on DIR is refused; one of another host that stopped renewing it 30 s ago is taken over "
                         "(waited for up to 40 s)")
+    p.add_argument("--lease-job", default=None, metavar="ID",
+                   help="the job this coordinator belongs to, as its scheduler names it (a Kubernetes Deployment, a "
+                        "Slurm job id): a lease held by the same job is its earlier coordinator, which the scheduler "
+                        "replaced, and is taken over at once")
     p.add_argument("--start-timeout", type=float, default=None, metavar="S",
                    help="the first generation waits at most S seconds after the first registration for the other "
                         "--replicas, then forms of those registered (at least --min-replicas; default: "
@@ -274,7 +278,7 @@ def run(args: argparse.Namespace) -> int:
     if args.lease:  # before anything is written to the run directory (the events go there)
         from recover.observe.lease import RENEW_S, TTL_S, acquire
 
-        lease = acquire(Path(args.lease), "recover coordinator", wait_s=TTL_S + 2 * RENEW_S)
+        lease = acquire(Path(args.lease), "recover coordinator", wait_s=TTL_S + 2 * RENEW_S, job=args.lease_job or "")
         lease.start_renewing()
         if lease.took_over:
             print(f"recover: note: took over {args.lease}'s lease from {lease.took_over}", file=sys.stderr,

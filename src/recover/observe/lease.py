@@ -9,7 +9,8 @@ Contract:
   releases it at its exit (:meth:`Lease.release`: deleted only while it is still its own).
 - A lease that exists is taken over only when its holder is provably gone: on the same host (same name
   and boot id) its PID runs no more, or runs with another start time (reused); on the same name with
-  another boot id the host rebooted; on another host it was not renewed for ``ttl_s`` (:data:`TTL_S`),
+  another boot id the host rebooted; a holder of the same job (``job``, a scheduler's id for it) was
+  replaced by that scheduler; on another host it was not renewed for ``ttl_s`` (:data:`TTL_S`),
   its age read on the file system's own clock (the mtime of a probe file just created beside it), so
   no two hosts' clocks are compared (where no probe can be written, this host's clock is used).
   Taking over renames the stale file away first (``rename`` is atomic: of two launches that both
@@ -59,6 +60,9 @@ class Holder:
     started: float
     command: str
     nonce: str
+    job: str = ""
+    """The job the holder belongs to (``--lease-job``; empty: none said): a holder of the same job is its
+    earlier incarnation, which the job's scheduler replaced."""
 
     def describe(self) -> str:
         since = time.strftime("%Y-%m-%d %H:%M:%S", time.localtime(self.started))
@@ -91,10 +95,11 @@ def _pid_runs(pid: int) -> bool:
     return True
 
 
-def me(command: str) -> Holder:
-    """This process as a lease's holder."""
+def me(command: str, job: str = "") -> Holder:
+    """This process as a lease's holder (of ``job``, when one is named)."""
     pid = os.getpid()
-    return Holder(socket.gethostname(), _boot_id(), pid, pid_start(pid), time.time(), command, secrets.token_hex(8))
+    return Holder(socket.gethostname(), _boot_id(), pid, pid_start(pid), time.time(), command, secrets.token_hex(8),
+                  job)
 
 
 def holder(out: Path) -> Holder | None:
@@ -117,8 +122,11 @@ def _fs_age(path: Path) -> float | None:
         return None
 
 
-def gone_why(h: Holder, path: Path, ttl_s: float) -> str | None:
-    """Why the holder ``h`` of the lease at ``path`` is provably gone, None while it may live."""
+def gone_why(h: Holder, path: Path, ttl_s: float, job: str = "") -> str | None:
+    """Why the holder ``h`` of the lease at ``path`` is provably gone, None while it may live (``job``: the
+    taker's job; a holder of the same job was replaced by that job's scheduler)."""
+    if job and h.job == job:
+        return f"it belongs to the same job ({job}), whose scheduler started this replacement"
     if h.host == socket.gethostname() and h.boot_id == _boot_id():
         if not _pid_runs(h.pid):
             return f"PID {h.pid} runs no more"
@@ -228,10 +236,11 @@ def check_free(out: Path, ttl_s: float = TTL_S) -> None:
         raise LeaseHeld(refusal(out, h, ttl_s))
 
 
-def acquire(out: Path, command: str, ttl_s: float = TTL_S, wait_s: float = 0.0) -> Lease:
+def acquire(out: Path, command: str, ttl_s: float = TTL_S, wait_s: float = 0.0, job: str = "") -> Lease:
     """Takes ``out``'s lease (creating ``out``), taking over one whose holder is gone. ``wait_s``: while
     another host's holder may still be alive, how long to wait for its lease to go stale (a job requeued on
-    another node right after its old node died) before giving up.
+    another node right after its old node died) before giving up. ``job``: the job this process belongs
+    to (a scheduler's id for it): a lease held by the same job is taken over at once.
 
     Raises:
         LeaseHeld: one line naming the holder; nothing was written.
@@ -239,7 +248,7 @@ def acquire(out: Path, command: str, ttl_s: float = TTL_S, wait_s: float = 0.0) 
     deadline = time.monotonic() + wait_s
     while True:
         try:
-            return _acquire(Path(out), command, ttl_s)
+            return _acquire(Path(out), command, ttl_s, job)
         except LeaseHeld:
             h = holder(out)
             if h is None or h.host == socket.gethostname() or time.monotonic() >= deadline:
@@ -247,14 +256,14 @@ def acquire(out: Path, command: str, ttl_s: float = TTL_S, wait_s: float = 0.0) 
             time.sleep(min(1.0, RENEW_S))
 
 
-def _acquire(out: Path, command: str, ttl_s: float) -> Lease:
-    path, mine = out / NAME, me(command)
+def _acquire(out: Path, command: str, ttl_s: float, job: str = "") -> Lease:
+    path, mine = out / NAME, me(command, job)
     for _ in range(3):
         out.mkdir(parents=True, exist_ok=True)
         if _create(path, mine):
             return Lease(path, mine, None)
         h = holder(out)
-        why = None if h is None else gone_why(h, path, ttl_s)
+        why = None if h is None else gone_why(h, path, ttl_s, job)
         if why is None:
             raise LeaseHeld(refusal(out, h, ttl_s))
         stale = out / f".{NAME}.stale-{mine.nonce}"
