@@ -105,3 +105,27 @@ def test_an_unsaved_end_has_its_own_exit_status_before_any_other() -> None:
     statuses = [v for k, v in vars(exits).items() if k.startswith("EXIT_")]
     assert len(set(statuses)) == len(statuses) and exits.EXIT_UNSAVED not in (0, 1, 2)
     assert EXIT_ORDER[0] == exits.EXIT_UNSAVED  # a quorum lost and not saved reads as not saved
+
+
+def test_the_state_a_cut_off_replica_kept_is_put_in_place_only_when_newest(tmp_path: Path) -> None:
+    """Every replica cut off from the coordinator: the lowest kept the committed state under checkpoints/cut_off/;
+    the launcher makes it the newest checkpoint (for --resume) when it is newer than every complete one there."""
+    from recover.launch.launcher import rescue
+    from recover.train.integrity import MARKER, list_checkpoints
+
+    root = tmp_path / "checkpoints"
+
+    def complete(path: Path) -> Path:
+        path.mkdir(parents=True)
+        (path / MARKER).write_text("ok")
+        return path
+
+    assert rescue(root) is None  # nothing kept: nothing to do
+    complete(root / "step_000004")
+    complete(root / "cut_off" / "replica_0" / "step_000006")
+    (root / "cut_off" / "replica_1" / "step_000007.partial").mkdir(parents=True)  # never completed: not taken
+    placed = rescue(root)
+    assert placed == root / "step_000006" and [s for s, _ in list_checkpoints(root)] == [4, 6]
+    assert not (root / "cut_off").exists()
+    complete(root / "cut_off" / "replica_0" / "step_000005")  # older than the newest complete: left alone
+    assert rescue(root) is None and [s for s, _ in list_checkpoints(root)] == [4, 6]
