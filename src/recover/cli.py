@@ -19,6 +19,7 @@ import argparse
 import importlib
 import os
 import sys
+import threading
 import traceback
 import typing
 
@@ -97,12 +98,23 @@ def main(argv: list[str] | None = None) -> int:
     streams = sys.stdout, sys.stderr
     sys.stdout, sys.stderr = (s if isinstance(s, _Tolerant) else _Tolerant(s) for s in streams)  # type: ignore
     try:
-        return _main(argv)
+        code = _main(argv)
     finally:
         sys.stdout, sys.stderr = streams
+    dist = sys.modules.get("recover.train.dist")
+    if dist is not None and getattr(dist, "abandoned", None) is not None:  # a teardown left waiting for good:
+        sys.stdout.flush()  # ending normally would wait on it again in the interpreter's own teardown
+        sys.stderr.flush()
+        os._exit(code)
+    return code
 
 
 def _main(argv: list[str] | None) -> int:
+    import faulthandler
+    import signal
+
+    if hasattr(signal, "SIGUSR2") and threading.current_thread() is threading.main_thread():
+        faulthandler.register(signal.SIGUSR2, all_threads=True)  # `kill -USR2 PID`: every thread's stack
     parser = build_parser()
     argv = list(sys.argv[1:] if argv is None else argv)
     script: list[str] = []

@@ -4,7 +4,12 @@ Contract:
 - Every system runs as its own child process tree (``python -m recover ...``), started in a new
   session and, if it outlives its time limit or the benchmark is interrupted, stopped by its
   process-group id (never by name): SIGINT first, so that a launcher stops the processes it started
-  in sessions of their own (its ``finally``), then SIGKILL after :data:`STOP_GRACE_S`.
+  in sessions of their own (its ``finally``), then SIGKILL after :data:`STOP_GRACE_S`, to the group
+  and to every process descended from the child (found under ``/proc``: one that a runner started in
+  a session of its own goes too). A run whose work is done (``done``) but whose processes have not
+  ended :data:`LINGER_S` later lingers: each of its processes that catches SIGUSR2 (``recover``'s
+  entry point dumps every thread's stack on it) is asked for its stacks, into the run's log, then the
+  tree is killed and the run's status is :data:`LINGERED` (the benchmark marks it, never counts it).
 - A run directory is read only through :mod:`recover.observe.plots` loaders and ``summary.json``;
   the benchmarks never change one except to add files of their own.
 - Timing windows are defined here, once, for every system:
@@ -40,6 +45,10 @@ SRC_DIR = str(Path(__file__).resolve().parents[2])
 START_KINDS = (Event.GENERATION, Event.TRAIN_START)
 STOP_GRACE_S = 10.0
 """Seconds a stopped child gets after SIGINT before its process group is SIGKILLed."""
+LINGER_S = 60.0
+"""Seconds a run's processes get to end once its work is done (see the module docstring)."""
+LINGERED = 125
+"""The status :func:`run_child` returns for a run whose processes lingered after its work."""
 Log = Callable[[str], None]
 
 
@@ -59,14 +68,16 @@ def recover_cmd(*args: str, python: str | None = None) -> list[str]:
     return [python or sys.executable, "-m", "recover", *args]
 
 
-def run_child(cmd: Sequence[str], log_path: Path, timeout_s: float, env: dict[str, str] | None = None) -> int:
-    """Runs ``cmd`` with its output in ``log_path``; stops its process group (:func:`kill_group` with
+def run_child(cmd: Sequence[str], log_path: Path, timeout_s: float, env: dict[str, str] | None = None,
+              done: Callable[[], bool] | None = None, linger_s: float = LINGER_S) -> int:
+    """Runs ``cmd`` with its output in ``log_path``; stops its process tree (:func:`kill_group` with
     :data:`STOP_GRACE_S`) past ``timeout_s`` or when this process is interrupted (SIGINT) or terminated
     (SIGTERM: while the child runs, it raises SystemExit(143) here instead of ending this process
-    with the child left running).
+    with the child left running). With ``done`` (the run's work is complete), processes still running
+    ``linger_s`` after it first says so have their stacks dumped to the log and are killed.
 
     Returns:
-        the exit status, or 124 when the time limit was reached.
+        the exit status, 124 when the time limit was reached, :data:`LINGERED` when it lingered.
     """
     log_path.parent.mkdir(parents=True, exist_ok=True)
     main = threading.current_thread() is threading.main_thread()
@@ -75,11 +86,23 @@ def run_child(cmd: Sequence[str], log_path: Path, timeout_s: float, env: dict[st
         with open(log_path, "ab") as log:
             proc = subprocess.Popen(list(cmd), stdout=log, stderr=subprocess.STDOUT, start_new_session=True,
                                     env=env or child_env())
+            deadline, finished = time.monotonic() + timeout_s, None
             try:
-                return proc.wait(timeout=timeout_s)
-            except subprocess.TimeoutExpired:
-                kill_group(proc, STOP_GRACE_S)
-                return 124
+                while True:
+                    try:
+                        return proc.wait(timeout=max(0.0, min(0.5, deadline - time.monotonic())))
+                    except subprocess.TimeoutExpired:
+                        pass
+                    now = time.monotonic()
+                    if now >= deadline:
+                        kill_group(proc, STOP_GRACE_S)
+                        return 124
+                    if done is not None and finished is None and done():
+                        finished = now
+                    if finished is not None and now - finished > linger_s:
+                        _dump_stacks(proc.pid, log)
+                        kill_group(proc)
+                        return LINGERED
             except BaseException:
                 kill_group(proc, STOP_GRACE_S)
                 raise
@@ -88,12 +111,60 @@ def run_child(cmd: Sequence[str], log_path: Path, timeout_s: float, env: dict[st
             signal.signal(signal.SIGTERM, previous)
 
 
+def descendants(pid: int) -> list[int]:
+    """Every process descended from ``pid`` (children first), read from ``/proc`` (empty where there is none)."""
+    parents: dict[int, list[int]] = {}
+    try:
+        entries = os.listdir("/proc")
+    except OSError:
+        return []
+    for name in entries:
+        if not name.isdigit():
+            continue
+        try:
+            stat = Path(f"/proc/{name}/stat").read_text()
+        except OSError:
+            continue
+        parents.setdefault(int(stat[stat.rindex(")") + 2:].split()[1]), []).append(int(name))
+    out, todo = [], [pid]
+    while todo:
+        kids = parents.get(todo.pop(), [])
+        out += kids
+        todo += kids
+    return out
+
+
+def _catches_usr2(pid: int) -> bool:
+    try:
+        for line in Path(f"/proc/{pid}/status").read_text().splitlines():
+            if line.startswith("SigCgt:"):
+                return bool(int(line.split()[1], 16) >> (signal.SIGUSR2 - 1) & 1)
+    except (OSError, ValueError):
+        pass
+    return False
+
+
+def _dump_stacks(pid: int, log: Any) -> None:
+    """Asks every process of ``pid``'s tree that catches SIGUSR2 for its threads' stacks (into their logs)."""
+    tree = [p for p in [pid, *descendants(pid)] if _catches_usr2(p)]
+    log.write(f"\n[bench] the run's work is done but processes {tree or [pid]} still run: their stacks follow, "
+              f"then they are killed\n".encode())
+    log.flush()
+    for p in tree:
+        try:
+            os.kill(p, signal.SIGUSR2)
+        except ProcessLookupError:
+            pass
+    time.sleep(1.0)
+
+
 def _exit_on_signal(signum: int, frame: Any) -> None:
     raise SystemExit(128 + signum)
 
 
 def kill_group(proc: subprocess.Popen[Any], grace_s: float = 0.0) -> None:
-    """SIGKILLs the process group that ``proc`` leads (it was started with a new session).
+    """SIGKILLs the process group that ``proc`` leads (it was started with a new session) and every process
+    descended from it.
 
     With ``grace_s`` > 0 the group gets SIGINT first and up to ``grace_s`` seconds to exit.
     """
@@ -103,15 +174,35 @@ def kill_group(proc: subprocess.Popen[Any], grace_s: float = 0.0) -> None:
             proc.wait(timeout=grace_s)
         except (ProcessLookupError, subprocess.TimeoutExpired):
             pass
+    tree = descendants(proc.pid)  # also those in sessions of their own (a runner's workers)
     if proc.poll() is None:
         try:
             os.killpg(proc.pid, signal.SIGKILL)
+        except ProcessLookupError:
+            pass
+    for p in tree:
+        try:
+            os.kill(p, signal.SIGKILL)
         except ProcessLookupError:
             pass
     try:
         proc.wait(timeout=10)
     except subprocess.TimeoutExpired:
         pass
+
+
+def committed(run_dir: Path, steps: int) -> Callable[[], bool]:
+    """Whether ``run_dir``'s ``metrics.jsonl`` holds the record of step ``steps - 1`` (a run's work is done;
+    steps redone after a rollback come before it)."""
+    last = f'"step":{steps - 1},'.encode()
+
+    def done() -> bool:
+        try:
+            with open(run_dir / "metrics.jsonl", "rb") as f:
+                return any(last in line.replace(b" ", b"") for line in f)
+        except OSError:
+            return False
+    return done
 
 
 def launch_run(out: Path, config: str, replicas: int, steps: int, fails: Iterable[str] = (),
@@ -124,7 +215,7 @@ def launch_run(out: Path, config: str, replicas: int, steps: int, fails: Iterabl
     if baseline:
         cmd += ["--baseline", baseline]
     cmd += list(overrides)
-    return run_child(cmd, out.with_name(out.name + ".log"), timeout_s)
+    return run_child(cmd, out.with_name(out.name + ".log"), timeout_s, done=committed(out, steps))
 
 
 def windows(run_dir: Path) -> dict[str, float]:

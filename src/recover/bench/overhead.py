@@ -44,7 +44,10 @@ from pathlib import Path
 from typing import Any
 
 from recover.bench.common import (
+    LINGER_S,
+    LINGERED,
     Log,
+    committed,
     fmt,
     launch_run,
     machine_load,
@@ -141,10 +144,12 @@ def run_system(name: str, run_dir: Path, config: str, replicas: int, steps: int,
     if name == "recover-overlap":
         return launch_run(run_dir, config, replicas, steps, (), None,
                           [*overrides, "--fault_tolerance.overlap_reduction=on"], timeout_s)
+    done = committed(run_dir, steps)
     if name == "allreduce":
-        return run_child(_torchrun(replicas, "recover", "train", "--no-progress", *common), log_path, timeout_s)
+        return run_child(_torchrun(replicas, "recover", "train", "--no-progress", *common), log_path, timeout_s,
+                         done=done)
     if name == "ddp":
-        return run_child(_torchrun(replicas, MODULE, "ddp-worker", *common), log_path, timeout_s)
+        return run_child(_torchrun(replicas, MODULE, "ddp-worker", *common), log_path, timeout_s, done=done)
     if name == "torchft":
         from recover.bench.torchft_runner import run_torchft
 
@@ -188,6 +193,10 @@ def run_bench(config: str = "tiny", replicas: int = 4, steps: int = 30, warmup: 
             log(f"[{time.strftime('%H:%M:%S')}] round {r}: {name} (load {machine_load()})")
             code = run_system(name, run_dir, config, replicas, steps, overrides, tft_python, timeout_s)
             codes[name].append(code)
+            if code == LINGERED:  # marked, not counted: its step times may be right, its end was not
+                log(f"round {r}: {name}'s processes lingered {LINGER_S:g} s after its last step and were killed "
+                    f"(their stacks are in {run_dir}.log); the run is not counted")
+                continue
             dirs[name].append(run_dir)
     rows = [system_stats(name, dirs[name], warmup) | {"exit_codes": codes[name]} for name in active]
     res: dict[str, Any] = {

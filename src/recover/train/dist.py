@@ -10,9 +10,13 @@ one membership for good, sums on flattened copies (inputs are never changed), ev
 from __future__ import annotations
 
 import os
+import sys
+import threading
+import traceback
 from collections.abc import Sequence
 from dataclasses import dataclass
 from datetime import timedelta
+from pathlib import Path
 from typing import Any
 
 import torch
@@ -63,9 +67,39 @@ def init_from_env(backend: str = "auto", timeout_s: float = 300.0) -> DistContex
     return ctx
 
 
-def shutdown() -> None:
-    if dist.is_initialized():
-        dist.destroy_process_group()
+SHUTDOWN_TIMEOUT_S = 30.0
+"""How long tearing down the process group may take at the end of a run."""
+abandoned: str | None = None
+"""Where a teardown that did not return was waiting (see :func:`shutdown`); None: none was abandoned."""
+
+
+def shutdown(timeout_s: float = SHUTDOWN_TIMEOUT_S) -> None:
+    """Destroys the process group, bounded: gloo's teardown can wait for good on peers that already
+    exited (its threads in futex waits). One that has not returned after ``timeout_s`` is abandoned with
+    one warning line naming where it waits; :data:`abandoned` says so, and ``recover``'s entry point
+    then ends the process with its status at once (:func:`recover.cli.main`), never waiting on it."""
+    global abandoned
+    if not dist.is_initialized():
+        return
+    done = threading.Event()
+
+    def destroy() -> None:
+        try:
+            dist.destroy_process_group()
+        finally:
+            done.set()
+
+    thread = threading.Thread(target=destroy, name="destroy-process-group", daemon=True)
+    thread.start()
+    if done.wait(timeout_s):
+        return
+    frame = sys._current_frames().get(thread.ident or -1)
+    where = " <- ".join(f"{Path(f.filename).name}:{f.lineno} {f.name}"
+                        for f in reversed(traceback.extract_stack(frame)[-3:])) if frame else "unknown"
+    abandoned = where
+    print(f"recover: warning: rank {dist.get_rank() if dist.is_initialized() else '?'}: tearing down the process "
+          f"group did not finish in {timeout_s:g} s (waiting in {where}; a peer that exited first?): the process "
+          "ends without it", file=sys.stderr, flush=True)
 
 
 @dataclass(frozen=True)
