@@ -33,6 +33,21 @@ def test_step_time_is_the_pooled_median_after_warmup(tmp_path: Path) -> None:
     assert overhead.system_stats("x", [r0], warmup=0)["step_time_s"] == pytest.approx(1.0)  # the 5 s gap is one
 
 
+def test_the_step_in_which_a_save_began_is_timed_against_the_others(tmp_path: Path) -> None:
+    # 1.0 s steps; saves of steps 4 and 8 (after steps 3 and 7 committed): steps 4 and 8 took 1.3 s, 5 and 9 1.1 s
+    elapsed, t = [], 0.0
+    for s in range(11):
+        t += {4: 1.3, 8: 1.3, 5: 1.1, 9: 1.1}.get(s, 1.0)
+        elapsed.append(t)
+    run = write_metrics(tmp_path / "r0", elapsed)
+    (run / "events.jsonl").write_text("".join(json.dumps({"t": 0, "kind": "checkpoint", "step": s, "replica": r}) + "\n"
+                                              for s in (4, 8) for r in (0, 1)))
+    st = overhead.system_stats("recover-ckpt", [run], warmup=1)
+    assert st["save_step_ratio"] == pytest.approx(1.3) and st["next_step_ratio"] == pytest.approx(1.1)
+    assert st["saves_timed"] == 2
+    assert "save_step_ratio" not in overhead.system_stats("recover", [write_metrics(tmp_path / "r1", elapsed)], 1)
+
+
 def test_ratios_against_recover(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
     rec = overhead.system_stats("recover", [write_metrics(tmp_path / "a", [0.0, 1.03, 2.06, 3.09])], 0)
     ddp = overhead.system_stats("ddp", [write_metrics(tmp_path / "b", [0.0, 1.0, 2.0, 3.0])], 0)

@@ -11,6 +11,9 @@ Contract:
   * ``recover-overlap``: the same with the reduction overlapping the last backward
     (``fault_tolerance.overlap_reduction = on``; its default, ``auto``, overlaps on GPUs only):
     ``recover / it`` is what the overlap gains on this machine;
+  * ``recover-ckpt``: the same with an asynchronous checkpoint every :data:`CKPT_EVERY` steps:
+    ``save_step_ratio`` is the median time of a step in which a save began over that of the other
+    steps (``next_step_ratio``: of the step after it), the cost of saving on the training path;
   * ``recover-nofp``: the same without fingerprints (``fault_tolerance.fingerprint_every = 0``):
     ``recover / it`` is what the silent-data-corruption check costs;
   * ``ddp``: ``torch.nn.parallel.DistributedDataParallel`` under ``torchrun`` (gloo, bucketed
@@ -62,8 +65,11 @@ from recover.bench.common import (
 from recover.errors import ConfigError
 from recover.observe.plots import load_metrics
 
-SYSTEMS = ("recover", "recover-nofp", "recover-overlap", "ddp", "allreduce", "torchft")
+SYSTEMS = ("recover", "recover-nofp", "recover-overlap", "recover-ckpt", "ddp", "allreduce", "torchft")
+CKPT_EVERY = 5
+"""Steps between the asynchronous checkpoints of ``recover-ckpt``."""
 LABELS = {
+    "recover-ckpt": f"recover launch with an asynchronous checkpoint every {CKPT_EVERY} steps",
     "recover": "recover launch (fault-tolerant all-reduce + commit vote + parameter fingerprint)",
     "recover-nofp": "recover launch without parameter fingerprints (fault_tolerance.fingerprint_every = 0)",
     "recover-overlap": "recover launch overlapping the reduction with the last backward (overlap_reduction = on)",
@@ -86,9 +92,37 @@ def system_stats(name: str, run_dirs: Sequence[Path], warmup: int) -> dict[str, 
         per_round.append(round(median(xs), 5) if xs else None)
         val = next((r["val_loss"] for r in reversed(rows) if r.get("val_loss") is not None), val)
     st = median(intervals)
-    return {"name": name, "label": LABELS.get(name, name), "step_time_s": round(st, 5) if st is not None else None,
-            "step_time_s_per_round": per_round, "intervals": len(intervals), "final_val_loss": val,
-            "run_dirs": [str(d) for d in run_dirs]}
+    row = {"name": name, "label": LABELS.get(name, name), "step_time_s": round(st, 5) if st is not None else None,
+           "step_time_s_per_round": per_round, "intervals": len(intervals), "final_val_loss": val,
+           "run_dirs": [str(d) for d in run_dirs]}
+    return row | save_step_ratios(run_dirs, warmup)
+
+
+def save_step_ratios(run_dirs: Sequence[Path], warmup: int) -> dict[str, Any]:
+    """``save_step_ratio`` and ``next_step_ratio`` (see the module docstring) pooled over the runs that saved
+    checkpoints; nothing for runs that saved none."""
+    from recover.names import Event
+    from recover.observe.plots import load_events
+
+    at: list[float] = []
+    after: list[float] = []
+    other: list[float] = []
+    for run_dir in run_dirs:
+        saved = {int(e["step"]) for e in load_events(run_dir) if e.get("kind") == Event.CHECKPOINT and "step" in e}
+        if not saved:
+            continue
+        rows = sorted(load_metrics(run_dir), key=lambda r: r["step"])
+        for a, b in zip(rows, rows[1:], strict=False):
+            if b["step"] != a["step"] + 1 or a["step"] < warmup:
+                continue
+            dt = b["elapsed_s"] - a["elapsed_s"]
+            (at if b["step"] in saved else after if b["step"] - 1 in saved else other).append(dt)
+    base = median(other)
+    if not at or not base:
+        return {}
+    nxt = median(after)
+    return {"save_step_ratio": round(median(at) / base, 4),  # type: ignore[operator]
+            "next_step_ratio": round(nxt / base, 4) if nxt else None, "saves_timed": len(at)}
 
 
 def assemble(rows: list[dict[str, Any]]) -> dict[str, float | None]:
@@ -115,6 +149,9 @@ def print_result(res: dict[str, Any]) -> None:
              str(r["intervals"]), fmt(r["final_val_loss"], ".4f")] for r in res["systems"]]
     notes = [f"{r['name']}: {r['label']}" for r in res["systems"]]
     notes += [f"{name}: not run ({why})" for name, why in res.get("skipped", {}).items()]
+    notes += [f"{r['name']}: a step in which a save began took {r['save_step_ratio']:.3f}x the others, the step after "
+              f"it {fmt(r.get('next_step_ratio'), '.3f')}x ({r['saves_timed']} saves timed)"
+              for r in res["systems"] if r.get("save_step_ratio") is not None]
     notes.append(f"median of step-to-step wall time after {res['warmup']} warm-up steps, pooled over "
                  f"{res['rounds']} round(s) in alternating order; load average before/after: "
                  f"{res['load']['before']} / {res['load']['after']}; benchmark wall {res['bench_wall_s']:.0f} s")
@@ -141,6 +178,10 @@ def run_system(name: str, run_dir: Path, config: str, replicas: int, steps: int,
     if name == "recover-nofp":
         return launch_run(run_dir, config, replicas, steps, (), None,
                           [*overrides, "--fault_tolerance.fingerprint_every=0"], timeout_s)
+    if name == "recover-ckpt":
+        return launch_run(run_dir, config, replicas, steps, (), None,
+                          [*overrides, f"--training.checkpoint_every={CKPT_EVERY}", "--training.checkpoint_async=true"],
+                          timeout_s)
     if name == "recover-overlap":
         return launch_run(run_dir, config, replicas, steps, (), None,
                           [*overrides, "--fault_tolerance.overlap_reduction=on"], timeout_s)
