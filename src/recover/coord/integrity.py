@@ -23,6 +23,7 @@ from __future__ import annotations
 
 from recover.coord.actions import Action, Fence, Log, Send
 from recover.coord.protocol import Ballot
+from recover.names import Event
 
 AUDIT_TOLERANCE = 1e-5
 """Relative difference of the audited gradient's norm tolerated outside deterministic mode, unless the
@@ -100,8 +101,8 @@ def split(generation: int, step: int, votes: dict[int, tuple[int, Ballot]], side
     trusted, largest = max(sides.items(), key=lambda kv: len(kv[1]))
     if not end and 2 * len(largest) > sum(len(rs) for rs in sides.values()):
         minority = sorted(r for v, rs in sides.items() if v != trusted for r in rs)
-        acts: list[Action] = [Log(kind, {"generation": generation, "step": step, "replicas": minority,
-                                         "majority": largest, "values": sides})]
+        acts: list[Action] = [Log(Event(kind), {"generation": generation, "step": step, "replicas": minority,
+                                                "majority": largest, "values": sides})]
         acts += [Send(r, {"type": "aborted", "re": rid, "generation": generation,
                           "reason": f"{kind} replicas {minority} fenced"})
                  for r, (rid, _) in votes.items() if r not in minority]
@@ -113,6 +114,7 @@ def split(generation: int, step: int, votes: dict[int, tuple[int, Ballot]], side
                                                   "faulty device before resuming"))
     trust = "" if end else " with no majority to trust"
     msg = f"the replicas disagree on {what.replace('its ', '')} at step {step}{trust} ({text}); {fix}"
-    return [Log("diverged", {"generation": generation, "step": step, "sides": sides, "check": kind, "message": msg}),
+    return [Log(Event.DIVERGED, {"generation": generation, "step": step, "sides": sides, "check": kind,
+                                 "message": msg}),
             *(Send(r, {"type": "error", "re": rid, "code": "diverged", "message": msg, "sides": sides})
               for r, (rid, _) in votes.items())], True
