@@ -90,6 +90,7 @@ class StaticGroup:
 
     def __init__(self, world_size: int = 1, rank: int = 0, group: dist.ProcessGroup | None = None) -> None:
         self.membership = StaticMembership(0, tuple(range(world_size)))
+        self.passed: tuple[Any, ...] = ()  # no rendezvous of another generation ever passes it by
         self.generation, self.members, self.rank = 0, self.membership.members, rank
         self._group = group
         self.device = torch.device("cpu")
