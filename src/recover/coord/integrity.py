@@ -81,10 +81,10 @@ def audit_sides(ballots: dict[int, Ballot]) -> tuple[dict[str, list[int]], str] 
                 first = n
                 sides[f"norm {n:.9g}"] = []
             sides[f"norm {first:.9g}"].append(r)
-    first = next(iter(audits.values()))
-    if first.get("samples"):
-        return sides, f"its batch of microbatch {first['id']} (samples(step, {first['id']}))"
-    return sides, f"its gradient of the audited microbatch {first['id']}"
+    one = next(iter(audits.values()))
+    if one.get("samples"):
+        return sides, f"its batch of microbatch {one['id']} (samples(step, {one['id']}))"
+    return sides, f"its gradient of the audited microbatch {one['id']}"
 
 
 def split(generation: int, step: int, votes: dict[int, tuple[int, Ballot]], sides: dict[str, list[int]],

@@ -369,6 +369,7 @@ class Coordinator:
                 self._log(Event.REFUSED, peer=peer, code="too_many_connections")
                 continue
             if self.tls is not None:
+                assert self._tls_ctx is not None  # made with tls
                 sock = self.tls.accept(self._tls_ctx, sock)
             conn = FramedConn(sock, CLIENT_TYPES).register(self._sel)
             self._conns.add(conn)
@@ -409,9 +410,11 @@ class Coordinator:
                 frame = frames.get(id(act.msg))
                 if frame is None:
                     frame = frames[id(act.msg)] = encode(act.msg)
+                assert isinstance(act.conn, FramedConn)  # the logic's connections are this server's
                 self._send(act.conn, frame)
                 self._maybe_die(act.msg, before=False)
             elif isinstance(act, Close):
+                assert isinstance(act.conn, FramedConn)
                 self._close(act.conn)
             else:
                 self._log(act.kind, **act.fields)

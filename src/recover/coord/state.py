@@ -141,7 +141,8 @@ class MembershipState:
         self.left: set[int] = set()  # replicas that said goodbye (their departure is no failure)
         self.lost: set[int] = set()  # replicas declared dead (not a goodbye) and not registered since
         self.draining: set[int] = set()  # members an operator drains: they leave at the next commit
-        self.drained: dict[int, tuple[int, int]] = {}  # drained replica -> (step it left at, generation without it)
+        self.drained: dict[int, tuple[int, int | None]] = {}  # drained replica -> (step it left at, generation
+        # without it: None while every joiner was held back and no generation formed)
         self.faults: deque[dict[str, Any]] = deque(maxlen=FAULTS_KEPT)  # the last failures, for ``status``
         self._nonfinite: dict[tuple[int, int], set[int]] = {}  # (step, id) -> replicas it was not finite on
         self.barren = BarrenReports()
