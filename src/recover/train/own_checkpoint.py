@@ -27,8 +27,8 @@ Contract:
 
 from __future__ import annotations
 
-import sys
 import os
+import sys
 from pathlib import Path
 from typing import Any
 
