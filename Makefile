@@ -119,6 +119,9 @@ gpu-check:
 
 lint: $(STAMP)
 	$(VENV)/bin/ruff check src tests
+	@$(PY) -c 'import mypy' 2>/dev/null || { echo "installing the type checker (.[typing]) into $(VENV)"; \
+		$(PY) -m pip install -q -e '.[typing]'; }
+	$(PY) -m mypy
 
 clean:
 	rm -rf $(VENV) runs data .pytest_cache

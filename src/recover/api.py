@@ -102,9 +102,10 @@ class Runtime:
     @property
     def coordinate(self) -> tuple[int, int]:
         """This rank's ``(fsdp, tp)`` index in :attr:`mesh`."""
-        if self.mesh is None:
+        coordinate = self.mesh.get_coordinate() if self.mesh is not None else None
+        if coordinate is None:  # no mesh, or this rank is not in it
             return 0, 0
-        fsdp, tp = self.mesh.get_coordinate()
+        fsdp, tp = coordinate
         return fsdp, tp
 
 
@@ -308,7 +309,10 @@ class Job(Steps):
 
         cfg = self.runtime.launched["config"] if self.runtime.launched else None
         keep = keep if keep is not None else (cfg.training.keep_checkpoints if cfg else 3)
-        root = root if root is not None else own_checkpoint.checkpoints_of(self.runtime.out)
+        if root is None:
+            if self.runtime.out is None:
+                raise ValueError("a checkpoint of a Job run alone needs its run directory: job.save('runs/mine')")
+            root = own_checkpoint.checkpoints_of(self.runtime.out)
         return own_checkpoint.save(root, self.replica, self.protocol.progress, seed=self.seed, microbatches=self.M,
                                    keep=keep)
 
@@ -397,5 +401,6 @@ class Job(Steps):
                                        seed=self.seed, overlap=False)
         else:
             self._session, self.protocol = script.connect(self)
+        assert self.context is not None  # a Job always has its loop's context
         self.context.protocol = self.protocol
 

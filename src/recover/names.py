@@ -73,13 +73,13 @@ Schedule = Literal["1f1b", "gpipe"]
 Assignment = Literal["blocks", "strided", "shuffled"]
 """Failure-free ids -> replicas: contiguous blocks, strided, or shuffled by (seed, step)."""
 Policy = Literal["weighted", "even"]
+"""Workload policy: quotas weighted by the replicas' measured speeds (stragglers get fewer) or even."""
 Dtype = Literal["float32", "bfloat16"]
 """Compute dtype (``training.dtype``); master weights, optimizer state and reductions stay float32."""
 CompileBackend = Literal["inductor", "aot_eager"]
 """``training.compile_backend``: generated kernels, or a trace run eagerly (debugging, CPU tests)."""
 Overlap = Literal["auto", "on", "off"]
 """``fault_tolerance.overlap_reduction``: ``auto`` overlaps on GPUs only."""
-"""Workload policy: quotas weighted by the replicas' measured speeds (stragglers get fewer) or even."""
 Connections = Literal["replica", "rank"]
 """Coordinator connections of a replica of several ranks: one through its relay (rank 0 runs it,
 heartbeats batched: :mod:`recover.coord.relay`), or one per rank."""

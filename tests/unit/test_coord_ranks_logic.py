@@ -13,6 +13,7 @@ from recover.coord.liveness import Liveness
 from recover.coord.protocol import Ballot, ProtocolError
 from recover.coord.ranks import LINK_GRACE_S, Close, Out, RankAggregator, SendTo
 from recover.coord.state import MembershipState
+from recover.names import Event
 
 TOKEN = "t0ken"
 IDS = [0, 1, 2, 3]
@@ -518,7 +519,7 @@ def test_an_operator_connection_is_no_member_never_times_out_and_its_drain_is_an
     (status,) = sent(agg.on_message("op", msg("status", id=1, token=TOKEN), 0.1), "job_status").values()
     assert status["re"] == 1 and [r["replica"] for r in status["status"]["replicas"]] == [0, 1, 2]
     assert agg.on_message("op", msg("drain", id=2, token=TOKEN, replica=1), 0.2) == [
-        Log("drain_requested", {"replica": 1, "step": 0, "generation": 1})]  # answered at the commit
+        Log(Event.DRAIN_REQUESTED, {"replica": 1, "step": 0, "generation": 1})]  # answered at the commit
     for conn in ("a0", "b0", "c0"):
         agg.on_heard(conn, 2.0)
     assert closed(agg.on_tick(2.5)) == []  # past the register timeout: an operator's connection stays

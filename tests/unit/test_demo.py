@@ -16,7 +16,7 @@ def test_the_demo_meets_a_crash_a_hang_a_straggler_and_a_corruption_in_order() -
     specs = [parse_failure(text) for text in demo_failures(STEPS)]
     assert [s.fault for s in specs] == ["kill", "hang", "slow", "slow", "corrupt"]
     assert [s.step for s in specs] == sorted(s.step for s in specs) and specs[-1].step < STEPS - 5
-    assert specs[3].replica == specs[2].replica and specs[3].factor == 1  # the straggler recovers
+    assert specs[3].replica == specs[2].replica and specs[3].arg == 1  # the straggler recovers
     lost = [s.replica for s in specs if s.kills]
     assert len(set(lost)) == len(lost) == 3  # three distinct replicas lost: a strict majority always healthy
     assert len(DEMO_FAULTS) == len(specs)

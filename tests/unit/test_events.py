@@ -14,13 +14,27 @@ from recover.names import Event
 from recover.observe.events import EventLog, read_jsonl
 
 SRC = Path(__file__).resolve().parents[2] / "src" / "recover"
-WRITES = re.compile(r'(?:\.event|on_event|_event|\bLog)\(\s*"([a-z_]+)"')
 READS = re.compile(r'(?:get\("kind"\)|\["kind"\])\s*(?:==|!=)\s*"([a-z_]+)"')
 
 
-def test_every_kind_written_or_read_by_name_is_a_member() -> None:
+def test_writers_take_members_and_refuse_a_plain_string(tmp_path: Path) -> None:
+    """Every writer of ``events.jsonl`` (the coordinator's ``Log`` actions, every ``EventLog``) binds its kind
+    to the vocabulary: a spelled-out kind is a TypeError at the write, whatever the call looks like."""
+    from recover.coord.actions import Log
+
+    assert Log(Event.COMMIT, {}).kind is Event.COMMIT
+    with pytest.raises(TypeError, match="'commit' is not a recover.names.Event member"):
+        Log("commit", {})  # type: ignore[arg-type]
+    with EventLog(tmp_path / "events.jsonl") as log:
+        with pytest.raises(TypeError, match="'kill' is not a recover.names.Event member"):
+            log.event("kill", replica=1)  # type: ignore[arg-type]
+        log.event(Event.KILL, replica=1)
+    assert [r["kind"] for r in read_jsonl(tmp_path / "events.jsonl")] == ["kill"]
+
+
+def test_every_kind_read_by_name_is_a_member() -> None:
     named = {(path.relative_to(SRC).as_posix(), kind) for path in SRC.rglob("*.py")
-             for kind in WRITES.findall(path.read_text()) + READS.findall(path.read_text())}
+             for kind in READS.findall(path.read_text())}
     assert {kind for _, kind in named} <= {e.value for e in Event}, sorted(named)
 
 

@@ -218,7 +218,7 @@ def test_hang_and_freeze_specs_round_trip_and_fire_their_fault() -> None:
 def test_slow_specs_parse_round_trip_and_never_count_as_failures() -> None:
     parse_slow = kind("slow").parse
     spec = parse_slow("2@10:4")
-    assert (spec.replica, spec.step, spec.fault, spec.factor, spec.kills) == (2, 10, "slow", 4.0, False)
+    assert (spec.replica, spec.step, spec.fault, spec.arg, spec.kills) == (2, 10, "slow", 4.0, False)
     assert parse_failure(str(spec)) == spec and FailureSpec.from_dict(spec.to_dict()) == spec
     FailureSchedule([spec, parse_slow("2@20:1"), "2@30"]).validate(3, 40)  # slowed twice, then killed once
     for bad in ("2@10", "2@10:0.5", "2@10:fast", "x@1:2"):
@@ -233,7 +233,7 @@ def test_slow_specs_parse_round_trip_and_never_count_as_failures() -> None:
 def test_cut_specs_name_another_existing_replica_and_never_count_as_failures() -> None:
     parse_cut = kind("cut").parse
     spec = parse_cut("1@5:2")
-    assert (spec.replica, spec.step, spec.fault, int(spec.factor), spec.kills) == (1, 5, "cut", 2, False)
+    assert (spec.replica, spec.step, spec.fault, int(spec.arg), spec.kills) == (1, 5, "cut", 2, False)
     assert parse_failure(str(spec)) == spec
     FailureSchedule([spec, "1@9"]).validate(3, 10)
     for bad in ("1@5:1", "1@5", "1@5:x"):

@@ -63,6 +63,7 @@ class OneMember:
 
     generation, members, rank, device = 0, (0,), 0, torch.device("cpu")
     membership = StaticMembership(0, (0,))
+    passed: tuple[StaticMembership, ...] = ()
 
     def reduction(self, tensors: list[torch.Tensor], order: Any = None) -> Recording:
         return Recording(tensors, order=order, bucket_bytes=4096, first_bucket_bytes=1024)

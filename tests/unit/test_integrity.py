@@ -44,7 +44,7 @@ def test_corrupt_and_nan_specs() -> None:
     spec = kind("corrupt").parse("2@12")
     assert (spec.replica, spec.step, spec.fault, spec.kills) == (2, 12, "corrupt", True)
     spec = kind("nan").parse("1@5:3")
-    assert (spec.replica, spec.step, spec.fault, int(spec.factor), spec.kills) == (1, 5, "nan", 3, False)
+    assert (spec.replica, spec.step, spec.fault, int(spec.arg), spec.kills) == (1, 5, "nan", 3, False)
     assert str(spec) == "1@5:forward=nan:3"
     with pytest.raises(ValueError, match="write R@STEP:ID"):
         kind("nan").parse("1@5")

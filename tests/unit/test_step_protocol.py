@@ -124,6 +124,7 @@ class FakeGroup:
     """A :class:`~recover.recovery.interfaces.Group` of one generation of the World."""
 
     device = torch.device("cpu")
+    passed: tuple[FakeMembership, ...] = ()
 
     def __init__(self, world: World, me: int, membership: FakeMembership) -> None:
         self.world, self.me, self.membership = world, me, membership
@@ -195,6 +196,9 @@ class FakeReplica:
     """A :class:`~recover.recovery.interfaces.StepReplica` whose gradient of id ``i`` is ``e_i``."""
 
     tokens_per_microbatch = 10
+    audits = False
+    audit_id: int | None = None
+    upcoming = None
 
     def __init__(self, mb_s: float = 0.0) -> None:
         self.mb_s = mb_s  # each microbatch sleeps this long (a slow device)

@@ -74,7 +74,8 @@ def checksum(payload: Tensor) -> str:
 
 def send_state(group: Any, state: Mapping[str, Tensor]) -> str:
     """Broadcasts ``state`` from this rank to every other member; returns the payload's checksum."""
-    entries, offset = [], 0
+    entries: list[dict[str, Any]] = []
+    offset = 0
     for name, t in state.items():
         if not isinstance(t, Tensor):
             raise TypeError(f"state[{name!r}] is {type(t).__name__}; only tensors can be transferred")

@@ -11,6 +11,8 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Any
 
+from recover.names import Event
+
 
 @dataclass(frozen=True)
 class Send:
@@ -30,10 +32,14 @@ class Fence:
 
 @dataclass(frozen=True)
 class Log:
-    """An ``events.jsonl`` record."""
+    """An ``events.jsonl`` record; its kind is an :class:`~recover.names.Event` member (a plain string is refused)."""
 
-    kind: str
+    kind: Event
     fields: dict[str, Any]
+
+    def __post_init__(self) -> None:
+        if not isinstance(self.kind, Event):
+            raise TypeError(f"Log kind {self.kind!r} is not a recover.names.Event member")
 
 
 Action = Send | Fence | Log

@@ -23,6 +23,7 @@ from __future__ import annotations
 
 from recover.coord.actions import Action, Fence, Log, Send
 from recover.coord.protocol import Ballot
+from recover.names import Event
 
 AUDIT_TOLERANCE = 1e-5
 """Relative difference of the audited gradient's norm tolerated outside deterministic mode, unless the
@@ -80,10 +81,10 @@ def audit_sides(ballots: dict[int, Ballot]) -> tuple[dict[str, list[int]], str] 
                 first = n
                 sides[f"norm {n:.9g}"] = []
             sides[f"norm {first:.9g}"].append(r)
-    first = next(iter(audits.values()))
-    if first.get("samples"):
-        return sides, f"its batch of microbatch {first['id']} (samples(step, {first['id']}))"
-    return sides, f"its gradient of the audited microbatch {first['id']}"
+    one = next(iter(audits.values()))
+    if one.get("samples"):
+        return sides, f"its batch of microbatch {one['id']} (samples(step, {one['id']}))"
+    return sides, f"its gradient of the audited microbatch {one['id']}"
 
 
 def split(generation: int, step: int, votes: dict[int, tuple[int, Ballot]], sides: dict[str, list[int]],
@@ -100,8 +101,8 @@ def split(generation: int, step: int, votes: dict[int, tuple[int, Ballot]], side
     trusted, largest = max(sides.items(), key=lambda kv: len(kv[1]))
     if not end and 2 * len(largest) > sum(len(rs) for rs in sides.values()):
         minority = sorted(r for v, rs in sides.items() if v != trusted for r in rs)
-        acts: list[Action] = [Log(kind, {"generation": generation, "step": step, "replicas": minority,
-                                         "majority": largest, "values": sides})]
+        acts: list[Action] = [Log(Event(kind), {"generation": generation, "step": step, "replicas": minority,
+                                                "majority": largest, "values": sides})]
         acts += [Send(r, {"type": "aborted", "re": rid, "generation": generation,
                           "reason": f"{kind} replicas {minority} fenced"})
                  for r, (rid, _) in votes.items() if r not in minority]
@@ -113,6 +114,7 @@ def split(generation: int, step: int, votes: dict[int, tuple[int, Ballot]], side
                                                   "faulty device before resuming"))
     trust = "" if end else " with no majority to trust"
     msg = f"the replicas disagree on {what.replace('its ', '')} at step {step}{trust} ({text}); {fix}"
-    return [Log("diverged", {"generation": generation, "step": step, "sides": sides, "check": kind, "message": msg}),
+    return [Log(Event.DIVERGED, {"generation": generation, "step": step, "sides": sides, "check": kind,
+                                 "message": msg}),
             *(Send(r, {"type": "error", "re": rid, "code": "diverged", "message": msg, "sides": sides})
               for r, (rid, _) in votes.items())], True

@@ -129,7 +129,7 @@ def cut(members: list[int], unreachable: dict[int, list[int]], silent: tuple[int
     for k in range(1, len(touched) + 1):
         covers = [c for c in combinations(touched, k) if all(a in c or b in c for a, b in pairs)]
         if covers:
-            return tuple(sorted(max(covers, key=rank)))
+            return tuple(sorted(sorted(covers, key=rank)[-1]))  # the largest rank (the last of equals)
     return tuple(touched)  # unreachable: every replica in a pair covers them all
 
 

@@ -454,7 +454,7 @@ class RankAggregator:
         if rank == 0 and isinstance(msg.get("probe"), str):
             slot.probe = msg["probe"]
         if ranks > 1 and not relay:
-            self._log("rank_register", replica=r, rank=rank, ranks=ranks, registered=len(slot.links))
+            self._log(Event.RANK_REGISTER, replica=r, rank=rank, ranks=ranks, registered=len(slot.links))
         if asked is None:
             return
         for other in slot.links.values():
@@ -496,7 +496,7 @@ class RankAggregator:
             return
         got = slot.member.vote(ranks, (link, msg["id"]), ballot)
         if isinstance(got, Disagreed):
-            self._log("rank_vote_disagreement", replica=r, generation=ballot.generation, ballots={
+            self._log(Event.RANK_VOTE_DISAGREEMENT, replica=r, generation=ballot.generation, ballots={
                 str(k): {"generation": b.generation, "step": b.step, "ids": len(b.ids)}
                 for k, (_, b) in got.held.items()})
             self._kill(slot, "rank_disagreement",
@@ -535,7 +535,7 @@ class RankAggregator:
         members = [m for m in (current.members if current else ()) if m in self._slots]
         for v in self.link_rule.settle(now, self.state.generation, not self.state.failing, members):
             if v.judged:
-                self._log("link_report", generation=v.generation,
+                self._log(Event.LINK_REPORT, generation=v.generation,
                           unreachable={str(r): u for r, u in sorted(v.unreachable.items())},
                           broken=[list(p) for p in v.broken], silent=list(v.silent), fenced=list(v.fenced))
                 self.state.cuts.add(v.broken)
@@ -636,14 +636,14 @@ class RankAggregator:
                 self._send(link, _fenced(why))
                 self._close(link)
         if not slot.registered:
-            self._log("register_abandoned", replica=r, ranks=slot.ranks, registered=sorted(slot.links), cause=cause)
+            self._log(Event.REGISTER_ABANDONED, replica=r, ranks=slot.ranks, registered=sorted(slot.links), cause=cause)
             return
         if detail:
-            self._log("fenced", replica=r, reason=detail)
+            self._log(Event.FENCED, replica=r, reason=detail)
         self._apply(self.state.on_dead(r, cause, now), now)
 
     def _refuse(self, link: Link, code: str, message: str, re: Any, fatal: bool, now: float) -> None:
-        self._log("refused", peer=link.peer, replica=link.replica, code=code, message=message, closed=fatal)
+        self._log(Event.REFUSED, peer=link.peer, replica=link.replica, code=code, message=message, closed=fatal)
         self._send(link, {"type": "error", "re": re if isinstance(re, int) else None, "code": code,
                           "message": message, **({"release": RELEASE} if code.startswith("bad_") else {})})
         if fatal:
@@ -660,7 +660,7 @@ class RankAggregator:
         self._links.pop(link.conn, None)
         self._out.append(Close(link.conn))
 
-    def _log(self, kind: str, **fields: Any) -> None:
+    def _log(self, kind: Event, **fields: Any) -> None:
         self._out.append(Log(kind, fields))
 
     def _take(self) -> list[Out]:

@@ -231,6 +231,7 @@ class Relay:
             except (BlockingIOError, InterruptedError):
                 return
             if self.tls is not None:
+                assert self._tls_server is not None  # made with tls
                 sock = self.tls.accept(self._tls_server, sock)
             loc = _Local(sock)
             loc.register(self._sel)

@@ -62,6 +62,7 @@ from recover.coord.ranks import Close, Out, RankAggregator, SendTo
 from recover.coord.state import MembershipState
 from recover.coord.tls import Tls
 from recover.errors import ConfigError
+from recover.names import Event
 from recover.observe.events import EventLog
 
 MAX_OUTBUF = 4 << 20  # a peer that lets this much pile up unread is dropped
@@ -208,7 +209,7 @@ class Coordinator:
             register_timeout_s=self.register_timeout_s, liveness=Liveness(self.hang_timeout_s),
             heartbeat_s=self.heartbeat_interval_s, beat_s=beat_interval(self.heartbeat_timeout_s),
             scan_s=scale.scan_interval(self.heartbeat_timeout_s, self.register_timeout_s, self.hang_timeout_s))
-        self._log("coordinator_start", host=self.host, advertise_host=self.advertise_host, port=self.port,
+        self._log(Event.COORDINATOR_START, host=self.host, advertise_host=self.advertise_host, port=self.port,
                   store_port=self.store_port, tls=self.tls is not None,
                   expected_replicas=self.expected_replicas, max_replicas=self.state.max_replicas,
                   heartbeat_s=self.heartbeat_interval_s,
@@ -262,7 +263,7 @@ class Coordinator:
         self._wake_r.close()
         self._wake_w.close()
         self._sel.close()
-        self._log("coordinator_stop")
+        self._log(Event.COORDINATOR_STOP)
         if self._events is not None:
             self._events.close()
         self._store = None
@@ -365,9 +366,10 @@ class Coordinator:
             peer = f"{addr[0]}:{addr[1]}"
             if len(self._conns) >= self.max_connections:
                 sock.close()
-                self._log("refused", peer=peer, code="too_many_connections")
+                self._log(Event.REFUSED, peer=peer, code="too_many_connections")
                 continue
             if self.tls is not None:
+                assert self._tls_ctx is not None  # made with tls
                 sock = self.tls.accept(self._tls_ctx, sock)
             conn = FramedConn(sock, CLIENT_TYPES).register(self._sel)
             self._conns.add(conn)
@@ -380,7 +382,7 @@ class Coordinator:
             items = conn.receive()
         except EOFError:
             if conn.error is not None:
-                self._log("refused", code="tls", message=str(conn.error))
+                self._log(Event.REFUSED, code="tls", message=str(conn.error))
             self._run(agg.on_closed(conn, "connection_closed", now))
             return
         except ProtocolError as exc:  # the stream is out of sync
@@ -408,9 +410,11 @@ class Coordinator:
                 frame = frames.get(id(act.msg))
                 if frame is None:
                     frame = frames[id(act.msg)] = encode(act.msg)
+                assert isinstance(act.conn, FramedConn)  # the logic's connections are this server's
                 self._send(act.conn, frame)
                 self._maybe_die(act.msg, before=False)
             elif isinstance(act, Close):
+                assert isinstance(act.conn, FramedConn)
                 self._close(act.conn)
             else:
                 self._log(act.kind, **act.fields)
@@ -421,7 +425,7 @@ class Coordinator:
             return
         self._replies_sent += 0 if before else 1
         if self._replies_sent >= self.die_at_commit[1]:
-            self._log("coordinator_killed", step=msg["step"], replies_sent=self._replies_sent)
+            self._log(Event.COORDINATOR_KILLED, step=msg["step"], replies_sent=self._replies_sent)
             os.kill(os.getpid(), signal.SIGKILL)
 
     def _send(self, conn: FramedConn, frame: bytes) -> None:
@@ -438,7 +442,7 @@ class Coordinator:
         self._conns.discard(conn)
         conn.close()
 
-    def _log(self, kind: str, **fields: Any) -> None:
+    def _log(self, kind: Event, **fields: Any) -> None:
         if self._events is not None:
             self._events.event(kind, **fields)
         if self._on_event is not None:

@@ -141,7 +141,8 @@ class MembershipState:
         self.left: set[int] = set()  # replicas that said goodbye (their departure is no failure)
         self.lost: set[int] = set()  # replicas declared dead (not a goodbye) and not registered since
         self.draining: set[int] = set()  # members an operator drains: they leave at the next commit
-        self.drained: dict[int, tuple[int, int]] = {}  # drained replica -> (step it left at, generation without it)
+        self.drained: dict[int, tuple[int, int | None]] = {}  # drained replica -> (step it left at, generation
+        # without it: None while every joiner was held back and no generation formed)
         self.faults: deque[dict[str, Any]] = deque(maxlen=FAULTS_KEPT)  # the last failures, for ``status``
         self._nonfinite: dict[tuple[int, int], set[int]] = {}  # (step, id) -> replicas it was not finite on
         self.barren = BarrenReports()
@@ -196,7 +197,7 @@ class MembershipState:
         self.lost.discard(replica)
         self.drained.pop(replica, None)
         acts: list[Action] = [Send(replica, {"type": "ok", "re": req_id, "generation": self.generation}),
-                              Log("register", {"replica": replica, "join": join,
+                              Log(Event.REGISTER, {"replica": replica, "join": join,
                                                **({"resume": resume.to_wire()} if resume else {})})]
         if self.current is None and (resume is not None or self.rebuild):
             if resume is None:  # a joiner while the job is being rebuilt: admitted at the next commit
@@ -209,7 +210,7 @@ class MembershipState:
         if resume is not None:  # came back after the rebuild: behind, it takes the state at the next commit
             self.pending_join.add(replica)
             self.late.add(replica)
-            acts.append(Log("join_request", {"replica": replica, "generation": self.generation, "resumed": True}))
+            acts.append(Log(Event.JOIN_REQUEST, {"replica": replica, "generation": self.generation, "resumed": True}))
             return acts
         if self.current is None:
             self.initial.add(replica)
@@ -218,7 +219,7 @@ class MembershipState:
             if len(self.initial) >= self.expected:
                 acts += self._form(sorted(self.initial), "initial", now)
         elif not self.current.members and self.round is None and self.left:  # everyone finished (or stopped)
-            acts += [Log("join_refused", {"replica": replica, "reason": "finished"}),
+            acts += [Log(Event.JOIN_REFUSED, {"replica": replica, "reason": "finished"}),
                      Send(replica, {"type": "error", "re": None, "code": "finished",
                                     "message": "the job has finished: nothing to join"})]
         elif not self.current.members and self.round is None:
@@ -226,7 +227,7 @@ class MembershipState:
             acts += self._admit_joiners(now)
         else:
             self.pending_join.add(replica)
-            acts.append(Log("join_request", {"replica": replica, "generation": self.generation}))
+            acts.append(Log(Event.JOIN_REQUEST, {"replica": replica, "generation": self.generation}))
         return acts
 
     def on_dead(self, replica: int, cause: str, now: float) -> list[Action]:
@@ -240,9 +241,9 @@ class MembershipState:
         self.draining.discard(replica)
         if cause == "left":  # it said goodbye (finished, stopped): a departure, not a failure
             self.left.add(replica)
-            acts: list[Action] = [Log("left", {"replica": replica, "generation": self.generation})]
+            acts: list[Action] = [Log(Event.LEFT, {"replica": replica, "generation": self.generation})]
         else:
-            acts = [Log("failure_detected", {"replica": replica, "cause": cause, "generation": self.generation})]
+            acts = [Log(Event.FAILURE_DETECTED, {"replica": replica, "cause": cause, "generation": self.generation})]
             self._lose(replica, cause, now)
         if self.rebuild.pop(replica, None) is not None:
             acts += self._check_rebuild(now)
@@ -271,12 +272,12 @@ class MembershipState:
         if not stale and replica not in self._members:
             raise Refused("not_member", f"replica {replica} is not a member of generation {generation}")
         acts: list[Action] = [
-            Log("failure_report", {"replica": replica, "generation": generation, "suspects": suspects,
+            Log(Event.FAILURE_REPORT, {"replica": replica, "generation": generation, "suspects": suspects,
                                    "superseded": stale}),
             Send(replica, {"type": "ok", "re": req_id, "generation": self.generation}),
         ]
         if not stale and self.barren.is_the_fault(replica, suspects):  # its own collectives fail: fence it
-            return acts + [Log("barren_reports", {"replica": replica, "generation": generation,
+            return acts + [Log(Event.BARREN_REPORTS, {"replica": replica, "generation": generation,
                                                   "rounds": self.barren.counts[replica]}),
                            Fence(replica, self.barren.cause(replica))]
         if not stale:
@@ -290,7 +291,7 @@ class MembershipState:
         """``replica``'s probe reached ``reached``: the known cuts between them are cleared
         (:mod:`recover.coord.links`); a joiner held back by them joins at the next commit."""
         cleared = self.cuts.connected(replica, reached)
-        return [Log("link_restored", {"pairs": [list(p) for p in cleared], "generation": self.generation})] \
+        return [Log(Event.LINK_RESTORED, {"pairs": [list(p) for p in cleared], "generation": self.generation})] \
             if cleared else []
 
     def on_vote(self, replica: int, req_id: int, ballot: Ballot, now: float) -> list[Action]:
@@ -314,13 +315,13 @@ class MembershipState:
         acts: list[Action] = []
         if ballot.stop and not self.stop_requested:
             self.stop_requested = True
-            acts.append(Log("stop_requested", {"replica": replica, "step": step}))
+            acts.append(Log(Event.STOP_REQUESTED, {"replica": replica, "step": step}))
         if len(self.votes) < len(cur.members):  # only members vote, once each: O(1), not O(members)
             return acts
         votes, self.votes = self.votes, {}
         ballots = {r: b for r, (_, b) in votes.items()}
         if len({(b.step, b.ids) for b in ballots.values()}) != 1:
-            acts += [Log("vote_disagreement", {"generation": generation, "ballots": {
+            acts += [Log(Event.VOTE_DISAGREEMENT, {"generation": generation, "ballots": {
                 str(r): {"step": b.step, "ids": len(b.ids)} for r, b in ballots.items()}})]
             acts += [Send(r, {"type": "aborted", "re": rid, "generation": generation,
                               "reason": "commit vote disagreement"}) for r, (rid, _) in votes.items()]
@@ -338,24 +339,24 @@ class MembershipState:
         self.barren.committed()
         self.fresh.clear()
         self._resync = self._restoring = False
-        acts: list[Action] = [Log("commit", {"generation": generation, "step": step, "ids": len(ids)})]
+        acts: list[Action] = [Log(Event.COMMIT, {"generation": generation, "step": step, "ids": len(ids)})]
         measured = {r: b.mb_s for r, (_, b) in votes.items() if b.mb_s is not None}
         acts += self._observe_speeds(step, len(ids), self.current.members, measured)
         drained = self.draining & set(votes)
         leavers = {r for r, (_, b) in votes.items() if b.leave} | drained
         if leavers and leavers >= set(self.current.members) and not self.stop_requested:
             self.stop_requested = True  # nobody would be left to hold the state: a stop, saved
-            acts.append(Log("stop_requested", {"source": "leave", "step": step}))
+            acts.append(Log(Event.STOP_REQUESTED, {"source": "leave", "step": step}))
         new_gen = None
         if self.stop_requested:
             acts += self._stop(step)
             leavers = set()
         elif self.pending_join or leavers:
             if leavers - drained:
-                acts.append(Log("leave", {"replicas": sorted(leavers - drained), "step": step,
+                acts.append(Log(Event.LEAVE, {"replicas": sorted(leavers - drained), "step": step,
                                           "generation": generation}))
             if drained:
-                acts.append(Log("drained", {"replicas": sorted(drained), "step": step, "generation": generation}))
+                acts.append(Log(Event.DRAINED, {"replicas": sorted(drained), "step": step, "generation": generation}))
             before = self.generation
             acts += self._admit_joiners(now, leavers, "drain" if drained == leavers else "leave")
             new_gen = self.generation if self.generation != before else None  # every joiner held back: none
@@ -382,7 +383,8 @@ class MembershipState:
         reported = {r for (s, _), rs in self._nonfinite.items() if s == step for r in rs}
         everyone = not [m for m in cur.members if m in self.live and m not in reported]
         if not again and not everyone:
-            return [Log("nonfinite", {"replica": replica, "step": step, "ids": sorted(ids), "generation": generation}),
+            return [Log(Event.NONFINITE, {"replica": replica, "step": step, "ids": sorted(ids),
+                                          "generation": generation}),
                     Send(replica, {"type": "ok", "re": req_id, "generation": self.generation}),
                     Fence(replica, f"microbatch(es) {sorted(ids)} of step {step} were not finite on it; "
                                    "the other replicas recompute them")]
@@ -395,7 +397,7 @@ class MembershipState:
             what = f"microbatches of step {step} have losses or gradients that are not finite on every replica {who}"
         msg = f"{what}: the training diverged (its data or its model), not a faulty device; the last committed " \
               "state is saved"
-        return [Log("nonfinite_divergence", {"step": step, "id": again[0] if again else None, "replicas": who}),
+        return [Log(Event.NONFINITE_DIVERGENCE, {"step": step, "id": again[0] if again else None, "replicas": who}),
                 Send(replica, {"type": "error", "re": req_id, "code": "nonfinite", "message": msg}),
                 *(Send(m, {"type": "error", "re": None, "code": "nonfinite", "message": msg})
                   for m in cur.members if m != replica and m in self.live)]
@@ -420,7 +422,7 @@ class MembershipState:
         if replica in self.draining:
             return []
         self.draining.add(replica)
-        return [Log("drain_requested", {"replica": replica, "step": self.committed_step + 1,
+        return [Log(Event.DRAIN_REQUESTED, {"replica": replica, "step": self.committed_step + 1,
                                         "generation": self.generation})]
 
     def _lose(self, replica: int, cause: str, now: float) -> None:
@@ -435,14 +437,14 @@ class MembershipState:
         if self.stop_requested:
             return []
         self.stop_requested = True
-        return [Log("stop_requested", {"source": "coordinator", "step": self.committed_step + 1})]
+        return [Log(Event.STOP_REQUESTED, {"source": "coordinator", "step": self.committed_step + 1})]
 
     def _stop(self, step: int) -> list[Action]:
         self.stopped = True
         waiting, self.pending_join = sorted(self.pending_join), set()
         msg = {"type": "error", "re": None, "code": "stopping",
                "message": f"the job stopped after step {step}; nothing to join"}
-        return [Log("stop", {"step": step, "members": list(self.current.members) if self.current else [],
+        return [Log(Event.STOP, {"step": step, "members": list(self.current.members) if self.current else [],
                              "waiting_joiners": waiting}), *(Send(r, msg) for r in waiting)]
 
     def on_tick(self, now: float) -> list[Action]:
@@ -486,7 +488,7 @@ class MembershipState:
         self.speeds.planned = dict(speeds) if speeds else None
         self.fresh = {r for r in members if back[r].committed < self.committed_step}
         self._resync = bool(self.fresh)
-        acts: list[Action] = [Log("rebuilt", {
+        acts: list[Action] = [Log(Event.REBUILT, {
             "generation": self._base_generation, "committed_step": self.committed_step,
             "back": sorted(back), "missing": sorted(expected - set(back)), "behind": sorted(self.fresh),
             "late": sorted(others)})]
@@ -507,7 +509,7 @@ class MembershipState:
                                                                sorted((self.speeds.planned or {}).items())})
             else:
                 fields.update(replica=change.replica, slowdown=change.factor)
-            acts.append(Log(change.kind, fields))
+            acts.append(Log(Event(change.kind), fields))
         return acts
 
     # ---------------------------------------------------------------- helpers
@@ -520,7 +522,7 @@ class MembershipState:
         self.round = _Round(g, reason, now, now + self.ack_timeout_s, dead={m for m in members if m not in self.live},
                             pending={m for m in members if m in self.live})
         msg = {"type": "failing", "generation": g, "dead": [], "reason": reason}
-        acts: list[Action] = [Log("failing", {"generation": g, "reason": reason})]
+        acts: list[Action] = [Log(Event.FAILING, {"generation": g, "reason": reason})]
         return acts + [Send(m, msg) for m in self.current.members if m in self.live]
 
     def _check_round(self, now: float) -> list[Action]:
@@ -551,7 +553,7 @@ class MembershipState:
         stay = set(self.current.members if self.current else ()) - (leavers or set())
         joiners, held = self._joinable(sorted(self.pending_join & self.live), stay)
         self.pending_join = set(held)
-        acts: list[Action] = [Log("join_held", {"replica": j, "generation": self.generation,
+        acts: list[Action] = [Log(Event.JOIN_HELD, {"replica": j, "generation": self.generation,
                                                "cannot_reach": self.cuts.blocked(j, stay)})
                               for j in held if j not in self.held_joiners]
         self.held_joiners = set(held)
@@ -601,9 +603,9 @@ class MembershipState:
             fields["latency_ms"] = round(latency_s * 1e3, 3)
         if m.restore:
             fields["restore"] = True
-        acts.append(Log("generation", fields))
+        acts.append(Log(Event.GENERATION, fields))
         if len(members) < self.min_members and not set(dead) <= self.left:  # not at a normal end
-            acts.append(Log("quorum_lost", {"generation": m.generation, "members": list(members),
+            acts.append(Log(Event.QUORUM_LOST, {"generation": m.generation, "members": list(members),
                                             "min_members": self.min_members}))
         wire = {"type": "membership", "membership": m.to_wire()}
         return acts + [Send(r, wire) for r in m.members if r in self.live]

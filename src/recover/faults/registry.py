@@ -54,7 +54,7 @@ class FaultKind:
     report: ClassVar[str]
     """Its name in the fault table of ``recover report``."""
     arg: ClassVar[str | None] = None
-    """What its spec's argument (``FailureSpec.factor``) is, e.g. ``FACTOR``; None: it takes none."""
+    """What its spec's argument (``FailureSpec.arg``) is, e.g. ``FACTOR``; None: it takes none."""
     form: ClassVar[str] = ""
     """How to write a spec with its argument, for errors, e.g. ``R@STEP:FACTOR with FACTOR ...``."""
     kills: ClassVar[bool] = True

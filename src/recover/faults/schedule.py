@@ -57,9 +57,9 @@ class FailureSpec:
     phase: Phase = DEFAULT_PHASE
     rank: int | None = None
     fault: str = KILL
-    factor: float = 1.0
-    """The kind's argument, if it takes one (its ``arg``): how many times as long a microbatch takes
-    (``slow``), the peer replica (``cut``), the microbatch id (``nan``)."""
+    arg: float = 1.0
+    """The kind's argument, if it takes one (its kind's ``arg`` names it): how many times as long a
+    microbatch takes (``slow``), the peer replica (``cut``), the microbatch id (``nan``)."""
 
     def __post_init__(self) -> None:
         for name in ("replica", "step") + (("rank",) if self.rank is not None else ()):
@@ -88,7 +88,7 @@ class FailureSpec:
         as ``--fail-rank``)."""
         suffix = "" if self.fault == KILL else f"={self.fault}"
         if self.kind.arg is not None:
-            suffix += f":{self.factor:g}"
+            suffix += f":{self.arg:g}"
         return f"{self.replica}@{self.step}:{self.phase}{suffix}"
 
     @property
@@ -108,7 +108,7 @@ class FailureSpec:
     def from_dict(cls, d: dict[str, Any]) -> FailureSpec:
         return cls(int(d["replica"]), int(d["step"]), str(d.get("phase", DEFAULT_PHASE)),
                    None if d.get("rank") is None else int(d["rank"]), str(d.get("fault", KILL)),
-                   float(d.get("factor", 1.0)))
+                   float(d.get("arg", d.get("factor", 1.0))))  # "factor": a config.json of an older release
 
 
 def parse_failure(text: str, rank: int | None = None, fault: str | None = None) -> FailureSpec:

@@ -235,7 +235,7 @@ class Launcher:
             if step not in self.records.lost:
                 self.metrics.write(metrics_row(self.records.record(step), self.t0))
         started = time.time()
-        self.events.event("launch", replicas=self.cfg.parallel.replicas, steps=self.cfg.training.steps,
+        self.events.event(Event.LAUNCH, replicas=self.cfg.parallel.replicas, steps=self.cfg.training.steps,
                           failures=[str(s) for s in self.o.failures], random_mtbf_s=self.o.random_mtbf_s,
                           rejoin_after_s=self.o.rejoin_after_s,
                           resume_step=self.written + 1 if self.o.resume else None)
@@ -286,7 +286,7 @@ class Launcher:
                 return
             if self.stop_started is not None and not self._saving(now) and \
                     now - max(self.stop_started, self.save_ended) > self.cfg.fault_tolerance.stop_grace_s:
-                self.events.event("stop_grace_over", running=[r.rid for r in self.supervisor.live()])
+                self.events.event(Event.STOP_GRACE_OVER, running=[r.rid for r in self.supervisor.live()])
                 return
             if self.records.committed() >= steps:
                 # every step committed: the replicas exit on their own (after a final save) within
@@ -298,7 +298,7 @@ class Launcher:
                 grace = JOINER_GRACE_S if joiners else self.cfg.fault_tolerance.stop_grace_s
                 if not self._saving(now) and now >= max(done_at, self.save_ended) + grace:
                     if not joiners:
-                        self.events.event("exit_grace_over", running=[r.rid for r in live])
+                        self.events.event(Event.EXIT_GRACE_OVER, running=[r.rid for r in live])
                     return
             elif self.stop_started is None:
                 self._strike(now)  # faults strike a job that trains, not one that ends
@@ -411,7 +411,7 @@ class Launcher:
         strike = None if self.clock is None else self.clock.tick(now, self.last_step_at, self.supervisor.unstruck())
         if strike is None:
             return
-        self.events.event("kill", replica=strike.replica, rank=strike.rank, step=self.records.last_step() + 1,
+        self.events.event(Event.KILL, replica=strike.replica, rank=strike.rank, step=self.records.last_step() + 1,
                           phase="random", pid=self.supervisor.pid(strike.replica, strike.rank), source="launcher",
                           fault=strike.fault)
         self.supervisor.strike(strike.replica, strike.rank, strike.signal)
@@ -426,7 +426,7 @@ class Launcher:
         resume_step = found[-1][0] if found else 0
         lost = self.records.forget_from(resume_step)
         self.written = min(self.written, resume_step - 1)
-        self.events.event("job_restart", survivors=survivors, resume_step=resume_step, lost_steps=len(lost),
+        self.events.event(Event.JOB_RESTART, survivors=survivors, resume_step=resume_step, lost_steps=len(lost),
                           restart=self.supervisor.restarts)
         if len(survivors) >= self.cfg.fault_tolerance.min_replicas:
             self.supervisor.restart_job(survivors, resume=resume_step > 0)
@@ -456,7 +456,7 @@ class Launcher:
         self.stop_started = now
         assert self.stop_signal is not None
         grace = self.cfg.fault_tolerance.stop_grace_s
-        self.events.event("stop_requested", signal=signal.Signals(self.stop_signal).name, source="launcher",
+        self.events.event(Event.STOP_REQUESTED, signal=signal.Signals(self.stop_signal).name, source="launcher",
                           grace_s=grace)
         self.display.message(f"[bold]stopping[/]: at the next step boundary, after a checkpoint (within "
                              f"{grace:g} s; signal again to stop at once)")
@@ -510,7 +510,7 @@ class Launcher:
 
     def _exit_status(self) -> int:
         codes = self.supervisor.exit_codes()
-        self.events.event("end", wall_s=round(self.wall_s, 3), exit_codes=codes)
+        self.events.event(Event.END, wall_s=round(self.wall_s, 3), exit_codes=codes)
         self.events.close()
         if self.save_cut is not None:
             return EXIT_UNSAVED

@@ -210,7 +210,7 @@ class Supervisor:
         for rank in ranks:
             self.memory.see(rank.proc.pid)
         if join or (again and not self.formed):
-            self.events.event("rejoin_started", replica=rid, pid=ranks[0].proc.pid, log=ranks[0].path.name,
+            self.events.event(Event.REJOIN_STARTED, replica=rid, pid=ranks[0].proc.pid, log=ranks[0].path.name,
                               join=join, **waited)
 
     # ---- watching --------------------------------------------------------------------------
@@ -231,7 +231,7 @@ class Supervisor:
             raise RuntimeError(f"the coordinator exited ({code}) {self.coordinator_restarts + 1} times; see "
                                f"{self.coordinator.path}")
         self.coordinator_restarts += 1
-        self.events.event("coordinator_exit", code=code, restart=self.coordinator_restarts)
+        self.events.event(Event.COORDINATOR_EXIT, code=code, restart=self.coordinator_restarts)
         self.say(f"coordinator exited ({code}): restarting it; replicas keep their state")
         self.coordinator.log.close()
         self._start_coordinator(self.o.config.parallel.replicas)
@@ -261,7 +261,7 @@ class Supervisor:
                 del self.fenced_at[rid]  # gone by itself: poll logs its exit
             elif now - since >= grace:
                 del self.fenced_at[rid]
-                self.events.event("reaped", replica=rid, pids=[p.pid for p in rep.procs],
+                self.events.event(Event.REAPED, replica=rid, pids=[p.pid for p in rep.procs],
                                   after_s=round(now - since, 3))
                 self.known_kills.update(p.pid for p in rep.procs)  # the supervisor's own SIGKILL: no kill event
                 rep.kill()
@@ -282,7 +282,7 @@ class Supervisor:
                 continue
             rep.close_logs()
             self._count_external_kill(rep, now, step)
-            self.events.event("replica_exit", replica=rep.rid, code=code, pid=rep.pid,
+            self.events.event(Event.REPLICA_EXIT, replica=rep.rid, code=code, pid=rep.pid,
                               **({"rank_codes": rep.codes} if self.cmds.ranks > 1 else {}))
             if self.o.baseline == Baseline.RESTART and code in (-signal.SIGKILL, EXIT_JOB_FAILED) and unfinished:
                 return True
@@ -295,7 +295,7 @@ class Supervisor:
             for pid in (p.pid for r in self.live() for p in r.procs):
                 self.memory.see(pid)
         for spare in self.pool.reap():
-            self.events.event("spare_exit", codes=[r.proc.returncode for r in spare.ranks],
+            self.events.event(Event.SPARE_EXIT, codes=[r.proc.returncode for r in spare.ranks],
                               log=spare.ranks[0].path.name, replaced=not self.pool.gave_up)
         for rid, when in list(self.rejoin_at.items()):
             if self.ended or not unfinished:  # nothing to join

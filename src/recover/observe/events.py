@@ -25,6 +25,8 @@ from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
+from recover.names import Event
+
 BACKLOG = 10_000
 """Records a writer keeps while its disk refuses them."""
 SYNC_S = 1.0
@@ -133,7 +135,11 @@ def _ends_torn(path: Path) -> bool:
 class EventLog(JsonlWriter):
     """``events.jsonl``: membership changes, failures, detections, recoveries, joins."""
 
-    def event(self, kind: str, **fields: Any) -> dict[str, Any]:
+    def event(self, kind: Event, **fields: Any) -> dict[str, Any]:
+        """Appends a record of ``kind``, an :class:`~recover.names.Event` member (a plain string is refused:
+        every kind written is one readers can name)."""
+        if not isinstance(kind, Event):
+            raise TypeError(f"event kind {kind!r} is not a recover.names.Event member")
         return self.write({"kind": kind, **fields})
 
 

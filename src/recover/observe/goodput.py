@@ -101,11 +101,6 @@ class Goodput:
                 "tokens_per_s": round(self.tokens / self.wall_s, 2) if self.wall_s > 0 else 0.0,
                 "lost_s": {c: round(self.lost_s.get(c, 0.0), 3) for c in CAUSES}}
 
-    def top_loss(self) -> tuple[str, float] | None:
-        """The cause that cost the most time, if any did."""
-        cause = max(CAUSES, key=lambda c: self.lost_s.get(c, 0.0))
-        return (cause, self.lost_s[cause]) if self.lost_s.get(cause, 0.0) > 0 else None
-
 
 @dataclass(frozen=True)
 class _Segment:

@@ -103,6 +103,10 @@ class Group(Protocol):
         their memory (a group that lends none ignores this)."""
         ...
 
+    passed: tuple[Membership, ...]
+    """Generations formed by others while this member's rendezvous failed, at its step (read once, then
+    cleared by the step protocol)."""
+
     def barrier(self) -> None: ...
 
     def broadcast_into(self, buffers: Sequence[Tensor], src_rank: int) -> None: ...
@@ -158,8 +162,24 @@ class Totals:
 class StepReplica(Protocol):
     """One replica's share of a step (see :class:`~recover.train.replica.Replica` for the contract).
 
-    A replica with an ``upcoming`` attribute reads its data ahead: the step protocol sets it to its
-    :meth:`~recover.recovery.protocol.ResilientStep.share`, the ids this replica expects in a coming step."""
+    Every member the step protocol uses is named here (a type checker holds each implementation to it)."""
+
+    upcoming: Callable[[int], list[int]] | None
+    """Set by the step protocol to its :meth:`~recover.recovery.protocol.ResilientStep.share`: the ids this
+    replica expects in a coming step (a replica that reads its data ahead asks it; others ignore it)."""
+    audit_id: int | None
+    """The audited microbatch of this step when this replica owns it (set by the step protocol)."""
+    audit_value: dict[str, Any] | None
+    """The owner's fingerprint of the audited microbatch's gradient, once computed (None: none)."""
+
+    @property
+    def audits(self) -> bool:
+        """Whether this replica can take part in audits (a microbatch's gradient is its own, unmixed)."""
+        ...
+
+    def audit(self, step: int, mb: int) -> dict[str, Any]:
+        """Computes microbatch ``mb`` of ``step`` again, on its own: its gradient's fingerprint."""
+        ...
 
     @property
     def tokens_per_microbatch(self) -> int: ...

@@ -179,8 +179,7 @@ class ResilientStep:
         self._audit: dict[str, Any] | None = None  # this replica's audit value of the step, if it takes part
         self.speeds = group.membership.speeds  # a joiner's: those of the commit that admitted it
         self._compute_s = 0.0  # this step's compute time so far
-        if hasattr(replica, "upcoming"):  # a replica that reads its data ahead asks for its coming shares
-            replica.upcoming = self.share
+        replica.upcoming = self.share  # a replica that reads its data ahead asks for its coming shares
 
     # ---- one step --------------------------------------------------------------------------
     def run(self) -> StepOutcome:
@@ -212,7 +211,7 @@ class ResilientStep:
         member it could not connect to was fenced) the plan the members that formed that generation made
         over its members, with the orphans of those not in this one re-planned as their in-step recovery
         does: otherwise this replica would compute other ids than the others expect of it."""
-        passed = [m for m in getattr(self.group, "passed", ()) if m.step == self.progress.step
+        passed = [m for m in self.group.passed if m.step == self.progress.step
                   and self.me not in m.joined and not m.restore and not m.resync]  # a joiner's: planned later
         if not passed:
             return self.plan(data_step)
@@ -329,7 +328,7 @@ class ResilientStep:
     def _audit_of(self, step: int, plan: dict[int, list[int]]) -> tuple[int, int, list[int]] | None:
         """This step's audit (``(id, owner, auditors)``), when one is due and replicas can audit."""
         self._audit = None
-        if not (self.audit_every and step % self.audit_every == 0 and getattr(self.replica, "audits", False)):
+        if not (self.audit_every and step % self.audit_every == 0 and self.replica.audits):
             return None
         return audit_plan(plan, step, self.seed)
 

@@ -22,6 +22,7 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
+from recover.comm.backends import detect_backend
 from recover.comm.reduction import DeferredReduction
 
 
@@ -39,12 +40,6 @@ class DistContext:
         return self.rank == 0
 
 
-def pick_backend(requested: str = "auto") -> str:
-    if requested != "auto":
-        return requested
-    return "nccl" if torch.cuda.is_available() else "gloo"
-
-
 def init_from_env(backend: str = "auto", timeout_s: float = 300.0) -> DistContext:
     if "RANK" not in os.environ or "WORLD_SIZE" not in os.environ:
         device = torch.device("cuda", 0) if torch.cuda.is_available() else torch.device("cpu")
@@ -54,7 +49,7 @@ def init_from_env(backend: str = "auto", timeout_s: float = 300.0) -> DistContex
         world_size=int(os.environ["WORLD_SIZE"]),
         local_rank=int(os.environ.get("LOCAL_RANK", "0")),
         local_world_size=int(os.environ.get("LOCAL_WORLD_SIZE", os.environ["WORLD_SIZE"])),
-        backend=pick_backend(backend),
+        backend=detect_backend(backend),  # the one chooser: the replica's group and its cross-replica group agree
     )
     if ctx.backend == "nccl" or torch.cuda.is_available():  # a launcher that gave each rank its own GPU
         ctx.device = torch.device("cuda", ctx.local_rank % torch.cuda.device_count())  # shows it as cuda:0
@@ -124,6 +119,7 @@ class StaticGroup:
 
     def __init__(self, world_size: int = 1, rank: int = 0, group: dist.ProcessGroup | None = None) -> None:
         self.membership = StaticMembership(0, tuple(range(world_size)))
+        self.passed: tuple[Any, ...] = ()  # no rendezvous of another generation ever passes it by
         self.generation, self.members, self.rank = 0, self.membership.members, rank
         self._group = group
         self.device = torch.device("cpu")

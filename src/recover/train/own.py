@@ -114,6 +114,10 @@ class OwnReplica:
     audits = False  # a microbatch's gradient is the user's code: it is not recomputed for audits
     audit_id: int | None = None
     audit_value: dict[str, Any] | None = None
+    upcoming: Callable[[int], list[int]] | None = None  # its data is the user's: nothing is read ahead
+
+    def audit(self, step: int, mb: int) -> dict[str, Any]:
+        raise RuntimeError("a replica of a user's own loop takes no part in audits (audits is False)")
 
     def __init__(self, model: nn.Module, optimizer: torch.optim.Optimizer, *,
                  lr: Callable[[int], float] | LRScheduler | None, clip: float, deterministic: bool,

@@ -27,6 +27,7 @@ Contract:
 
 from __future__ import annotations
 
+import os
 import sys
 from pathlib import Path
 from typing import Any
@@ -41,7 +42,7 @@ from recover.train.integrity import OWN_FORMAT, load_newest, remove_leftovers
 from recover.train.own import OwnReplica
 
 
-def checkpoints_of(run_dir: str | Path) -> Path:
+def checkpoints_of(run_dir: str | os.PathLike[str]) -> Path:
     """Where a run directory keeps its checkpoints (as the built-in trainer's)."""
     return Path(run_dir) / "checkpoints"
 

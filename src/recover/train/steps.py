@@ -33,7 +33,9 @@ class LoopReplica(Protocol):
     """The replica a loop's microbatches fold into (:class:`~recover.train.own.OwnReplica`)."""
 
     perturb: Any
-    grad_scale: float
+
+    @property
+    def grad_scale(self) -> float: ...
 
     def fold(self, step: int, mb: int | None, loss: torch.Tensor) -> None: ...
 

@@ -42,16 +42,16 @@ class Cut(FaultKind):
         return parse_with_arg(text, self.name, "R@STEP:PEER, e.g. 1@5:2", self.name)
 
     def check(self, spec: FailureSpec) -> None:
-        if not (float(spec.factor).is_integer() and spec.factor >= 0 and int(spec.factor) != spec.replica):
-            raise ConfigError(f"cut peer {spec.factor!r} must be another replica's id (an integer >= 0)")
+        if not (float(spec.arg).is_integer() and spec.arg >= 0 and int(spec.arg) != spec.replica):
+            raise ConfigError(f"cut peer {spec.arg!r} must be another replica's id (an integer >= 0)")
 
     def check_run(self, spec: FailureSpec, replicas: int) -> None:
-        if int(spec.factor) >= replicas:
-            raise ConfigError(f"cut {spec}: peer replica {int(spec.factor)} does not exist; replicas are "
+        if int(spec.arg) >= replicas:
+            raise ConfigError(f"cut {spec}: peer replica {int(spec.arg)} does not exist; replicas are "
                               f"0..{replicas - 1}")
 
     def record(self, spec: FailureSpec, perturbation: Perturbation) -> tuple[Event, dict[str, Any]]:
-        return self.event, {"step": spec.step, "peer": int(spec.factor)}
+        return self.event, {"step": spec.step, "peer": int(spec.arg)}
 
     def strike(self, spec: FailureSpec, perturbation: Perturbation) -> None:
-        perturbation.effects[(self.name, int(spec.factor))] = BrokenLink(int(spec.factor))
+        perturbation.effects[(self.name, int(spec.arg))] = BrokenLink(int(spec.arg))

@@ -51,11 +51,11 @@ class NaN(FaultKind):
         return parse_with_arg(text, self.name, "R@STEP:ID, e.g. 1@5:3", "NaN")
 
     def check(self, spec: FailureSpec) -> None:
-        if not (float(spec.factor).is_integer() and spec.factor >= 0):
-            raise ConfigError(f"NaN microbatch id {spec.factor!r} must be an integer >= 0")
+        if not (float(spec.arg).is_integer() and spec.arg >= 0):
+            raise ConfigError(f"NaN microbatch id {spec.arg!r} must be an integer >= 0")
 
     def record(self, spec: FailureSpec, perturbation: Perturbation) -> tuple[Event, dict[str, Any]]:
-        return self.event, {"fault": self.name, "step": spec.step, "microbatch": int(spec.factor)}
+        return self.event, {"fault": self.name, "step": spec.step, "microbatch": int(spec.arg)}
 
     def strike(self, spec: FailureSpec, perturbation: Perturbation) -> None:
-        perturbation.effects[(self.name, spec.step, int(spec.factor))] = Poison(spec.step, int(spec.factor))
+        perturbation.effects[(self.name, spec.step, int(spec.arg))] = Poison(spec.step, int(spec.arg))

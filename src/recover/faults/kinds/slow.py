@@ -43,16 +43,16 @@ class Slow(FaultKind):
         return parse_with_arg(text, self.name, "R@STEP:FACTOR, e.g. 2@10:4", "slow-down")
 
     def check(self, spec: FailureSpec) -> None:
-        if not (isinstance(spec.factor, (int, float)) and math.isfinite(spec.factor) and spec.factor >= 1):
-            raise ConfigError(f"slow-down factor {spec.factor!r} must be a number >= 1 (1 ends a slow-down)")
+        if not (isinstance(spec.arg, (int, float)) and math.isfinite(spec.arg) and spec.arg >= 1):
+            raise ConfigError(f"slow-down factor {spec.arg!r} must be a number >= 1 (1 ends a slow-down)")
 
     def record(self, spec: FailureSpec, perturbation: Perturbation) -> tuple[Event, dict[str, Any]]:
-        return self.event, {"step": spec.step, "factor": spec.factor}
+        return self.event, {"step": spec.step, "factor": spec.arg}
 
     def strike(self, spec: FailureSpec, perturbation: Perturbation) -> None:
         perturbation.effects.pop(self.name, None)
-        if spec.factor > 1:
-            perturbation.effects[self.name] = SlowDown(spec.factor)
+        if spec.arg > 1:
+            perturbation.effects[self.name] = SlowDown(spec.arg)
 
     def struck(self, event: dict[str, Any]) -> bool:
         return event.get("factor", 1.0) > 1.0
