@@ -1,5 +1,6 @@
-"""A teardown that never returns cannot hang a process (:func:`recover.train.dist.shutdown`), and a run is done
-at its last step (:func:`recover.bench.common.committed`); the lingering run itself: tests/e2e/test_bench_lingering_run.py."""
+"""A teardown that never returns cannot hang a process (:func:`recover.train.dist.shutdown`), and a run is
+done at its last step (:func:`recover.bench.common.committed`); the lingering run itself:
+tests/e2e/test_bench_lingering_run.py."""
 
 from __future__ import annotations
 

@@ -656,12 +656,13 @@ class CoordinatorClient:
 
     def _start_watchdog(self, why: str) -> None:
         """After ``fence_exit_s``, calls ``on_fenced(why)`` unless the client was closed meanwhile."""
-        if self.on_fenced is None or self.fence_exit_s is None:
+        on_fenced, after = self.on_fenced, self.fence_exit_s
+        if on_fenced is None or after is None:
             return
 
         def watch() -> None:
-            if not self._stop.wait(self.fence_exit_s) and not self._closing:
-                self.on_fenced(why)
+            if not self._stop.wait(after) and not self._closing:
+                on_fenced(why)
 
         threading.Thread(target=watch, name="recover-fence-watchdog", daemon=True).start()
 

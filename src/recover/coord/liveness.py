@@ -158,8 +158,8 @@ class Liveness:
                                      f"{allowed:.1f} s) {why}"))
             elif behind is not None:
                 out.append((replica, behind))
-            elif (silent := self._not_voting(replica, ranks, now, limit)) is not None:
-                out.append((replica, silent))
+            elif (stuck := self._not_voting(replica, ranks, now, limit)) is not None:
+                out.append((replica, stuck))
         return out
 
     def _not_voting(self, replica: int, ranks: dict[int, _Rank], now: float, limit: float) -> str | None:
