@@ -114,7 +114,10 @@ def _main(argv: list[str] | None) -> int:
     import signal
 
     if hasattr(signal, "SIGUSR2") and threading.current_thread() is threading.main_thread():
-        faulthandler.register(signal.SIGUSR2, all_threads=True)  # `kill -USR2 PID`: every thread's stack
+        try:  # `kill -USR2 PID`: every thread's stack, on the process's standard error
+            faulthandler.register(signal.SIGUSR2, all_threads=True)
+        except (OSError, ValueError, AttributeError):  # a standard error without a descriptor (captured)
+            pass
     parser = build_parser()
     argv = list(sys.argv[1:] if argv is None else argv)
     script: list[str] = []
