@@ -2,13 +2,14 @@
 #   make demo   the main job: a small multi-replica run on the embedded stdlib corpus
 #   make test   the whole test suite: tests/unit, tests/dist (multi-process gloo), tests/e2e (launch runs),
 #               all but the interop tests
-#   make test-unit   the unit tier alone (under a minute)
+#   make test-unit   the unit tier alone (about 35 s)
 #   make test-interop   Hugging Face models and torchtitan's Llama 3 trained through recover.api, and the metrics
 #                       files read by TensorBoard's and W&B's own readers (CI runs it too)
 #   make test-slurm   the real-cluster tier: a real Slurm cluster and Prometheus on this machine (root; 8-11 min;
 #                     CI runs it too)
 #   make test-compat   tests/unit and tests/dist on the oldest torch pyproject.toml allows, in ./.venv-compat
 #   make gpu-check   on a GPU node: check, test and benchmark everything one GPU can, into one report
+#   make lint   ruff, then mypy over recovery/, comm/, coord/ and the API (CI runs it first)
 # Both create and reuse ./.venv. Override the interpreter with PYTHON=..., and the
 # PyTorch requirement installed when torch is absent with TORCH=... (e.g. TORCH='torch==2.11.0').
 
