@@ -330,14 +330,14 @@ def measure_compute_s(config: str, overrides: Sequence[str], replicas: int,
     import torch
 
     from recover.config import load_config
-    from recover.data.prepare import resolve_data_dir
+    from recover.data.prepare import prepared_data_dir
     from recover.train.dist import DistContext
     from recover.train.loop import configure_torch
     from recover.train.trainer import build_replica
 
     threads_before = torch.get_num_threads()
     cfg = load_config(config, [*overrides, f"--parallel.replicas={replicas}", "--training.device_time_s=0"])
-    replica, _ = build_replica(cfg, DistContext(local_world_size=replicas), resolve_data_dir(cfg.data, quiet=True))
+    replica, _ = build_replica(cfg, DistContext(local_world_size=replicas), prepared_data_dir(cfg.data, quiet=True))
     try:
         configure_torch(cfg, replicas)
         threads = torch.get_num_threads()

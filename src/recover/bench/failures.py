@@ -447,12 +447,12 @@ def throughput_series(run_dir: Path, window: int | None = None) -> tuple[list[fl
 def _build_replica(config: str, overrides: Sequence[str], replicas: int) -> tuple[Any, Any]:
     """(config, replica) of this model built in this process as replica 0 of ``replicas`` (no process group)."""
     from recover.config import load_config
-    from recover.data.prepare import resolve_data_dir
+    from recover.data.prepare import prepared_data_dir
     from recover.train.dist import DistContext
     from recover.train.trainer import build_replica
 
     cfg = load_config(config, [*overrides, f"--parallel.replicas={replicas}"])
-    replica, _ = build_replica(cfg, DistContext(local_world_size=replicas), resolve_data_dir(cfg.data, quiet=True))
+    replica, _ = build_replica(cfg, DistContext(local_world_size=replicas), prepared_data_dir(cfg.data, quiet=True))
     return cfg, replica
 
 

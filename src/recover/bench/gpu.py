@@ -159,7 +159,7 @@ def plain_worker(args: argparse.Namespace) -> int:
 
     from recover.config import load_config
     from recover.data.layout import given, resolve_vocab
-    from recover.data.prepare import resolve_data_dir
+    from recover.data.prepare import prepared_data_dir
     from recover.data.sampler import open_samplers
     from recover.model import build_model, lm_loss
     from recover.model.spec import spec_of
@@ -167,7 +167,7 @@ def plain_worker(args: argparse.Namespace) -> int:
     from recover.train.optim import build_optimizer, lr_at, set_lr
 
     cfg = load_config(args.config, args.overrides)
-    data_dir = resolve_data_dir(cfg.data, prepare=True, quiet=True)
+    data_dir = prepared_data_dir(cfg.data, quiet=True)
     cfg = resolve_vocab(cfg, data_dir, given(args.overrides, "model.vocab_size"))  # as `recover train` does
     tc, M = cfg.training, cfg.training.global_microbatches
     device = torch.device("cuda", 0) if torch.cuda.is_available() else torch.device("cpu")

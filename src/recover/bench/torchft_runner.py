@@ -97,12 +97,12 @@ def run_torchft(out: Path, config: str, replicas: int, steps: int, fails: Sequen
         RuntimeError: the Lighthouse did not start.
     """
     from recover.config import load_config
-    from recover.data.prepare import resolve_data_dir
+    from recover.data.prepare import prepared_data_dir
     from recover.launch.report import summarize
 
     python = python or sys.executable
     cfg = load_config(config, [*overrides, f"--parallel.replicas={replicas}", f"--training.steps={steps}"])
-    resolve_data_dir(cfg.data, quiet=True)
+    prepared_data_dir(cfg.data, quiet=True)
     out.mkdir(parents=True, exist_ok=True)
     for sub in ("logs", "replicas", "ready"):
         (out / sub).mkdir(exist_ok=True)
@@ -218,7 +218,7 @@ def replica_main(args: argparse.Namespace) -> int:
     from torchft import Manager, ProcessGroupGloo
 
     from recover.config import load_config
-    from recover.data.prepare import resolve_data_dir
+    from recover.data.layout import resolve_data_dir
     from recover.faults import Perturbation, parse_failure
     from recover.launch.processes import free_port
     from recover.model import lm_loss
@@ -230,7 +230,7 @@ def replica_main(args: argparse.Namespace) -> int:
     out, rid, n = Path(args.out), args.replica, args.replicas
     cfg = load_config(args.config, [*args.overrides, f"--parallel.replicas={n}", f"--training.steps={args.steps}"])
     tc = cfg.training
-    replica, eval_data = build_replica(cfg, DistContext(local_world_size=n), resolve_data_dir(cfg.data, prepare=False))
+    replica, eval_data = build_replica(cfg, DistContext(local_world_size=n), resolve_data_dir(cfg.data))
     model, optim = replica.model, replica.optimizer
 
     def evaluate() -> float:

@@ -37,7 +37,7 @@ from typing import TYPE_CHECKING
 
 import numpy as np
 
-from recover.errors import DataError
+from recover.errors import ConfigError, DataError
 
 if TYPE_CHECKING:
     from recover.config import Config, DataConfig
@@ -256,3 +256,21 @@ def resolve_vocab(cfg: Config, directory: str | Path, explicit: bool) -> Config:
 def given(overrides: list[str] | tuple[str, ...], key: str) -> bool:
     """Whether the command-line ``overrides`` set ``key`` (``--key VALUE`` or ``--key=VALUE``)."""
     return any(arg == f"--{key}" or arg.startswith(f"--{key}=") for arg in overrides)
+
+
+def resolve_data_dir(cfg: DataConfig) -> Path:
+    """The shard directory of ``cfg.path`` (of the first source of ``cfg.sources``): ``builtin:NAME`` lives
+    under ``cfg.cache_dir`` (:func:`recover.data.prepare.prepared_data_dir` prepares it on first use).
+
+    Raises:
+        ConfigError: a ``data.path`` that is not a directory, named with the two ways to make one.
+    """
+    if cfg.sources:
+        return resolve_data_dir(cfg.parts()[0][0])
+    if cfg.path.startswith(BUILTIN_PREFIX):
+        return Path(cfg.cache_dir) / cfg.path[len(BUILTIN_PREFIX):]
+    path = Path(cfg.path)
+    if not path.is_dir():
+        raise ConfigError(f"data.path = {cfg.path!r} is not a directory; prepare one with "
+                          "`recover prepare FILES --out DIR` or use 'builtin:stdlib'")
+    return path

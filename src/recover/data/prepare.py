@@ -75,11 +75,11 @@ import numpy as np
 from rich.progress import BarColumn, DownloadColumn, Progress, TextColumn, TimeElapsedColumn
 
 from recover.config import DataConfig
-from recover.data.layout import META_PKL
+from recover.data.layout import BUILTIN_PREFIX, META_PKL, resolve_data_dir
 from recover.data.shards import META_NAME, UINT16_LIMIT, read_shard
 from recover.data.tokenizer import BYTE_SPEC, Tokenizer, load_tokenizer
 from recover.data.writers import NanoGPTWriter, ShardWriter, file_blake2b, one_flavour, write_meta_pkl
-from recover.errors import ConfigError, DataError
+from recover.errors import DataError
 
 META_VERSION = 2
 SPLITS = ("train", "val")
@@ -910,22 +910,10 @@ def prepare_builtin(
     return _prepare(pieces, out_dir, source, tokenizer, val_fraction, fmt, shard_tokens, max_bytes, quiet, workers)
 
 
-BUILTIN_PREFIX = "builtin:"
-
-
-def resolve_data_dir(cfg: DataConfig, prepare: bool = True, quiet: bool = False) -> Path:
-    """The shard directory of ``cfg.path`` (of the first source of ``cfg.sources``; every builtin one is
-    prepared); ``builtin:NAME`` is prepared on first use."""
-    if cfg.sources:
-        return [resolve_data_dir(part, prepare, quiet) for part, _ in cfg.parts()][0]
-    if cfg.path.startswith(BUILTIN_PREFIX):
-        name = cfg.path[len(BUILTIN_PREFIX):]
-        out = Path(cfg.cache_dir) / name
-        if prepare:
-            prepare_builtin(name, out, quiet=quiet)
-        return out
-    path = Path(cfg.path)
-    if not path.is_dir():
-        raise ConfigError(f"data.path = {cfg.path!r} is not a directory; prepare one with "
-                          "`recover prepare FILES --out DIR` or use 'builtin:stdlib'")
-    return path
+def prepared_data_dir(cfg: DataConfig, quiet: bool = False) -> Path:
+    """:func:`~recover.data.layout.resolve_data_dir`, every ``builtin:`` source prepared first (once: the
+    cache is reused)."""
+    for part, _ in (cfg.parts() if cfg.sources else [(cfg, 1.0)]):
+        if part.path.startswith(BUILTIN_PREFIX):
+            prepare_builtin(part.path[len(BUILTIN_PREFIX):], resolve_data_dir(part), quiet=quiet)
+    return resolve_data_dir(cfg)

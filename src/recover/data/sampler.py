@@ -236,10 +236,10 @@ class EvalSampler:
 
 def source_dirs(cfg: DataConfig) -> list[tuple[DataConfig, Path, float]]:
     """Each source of ``cfg`` (one without ``data.sources``) as ``(its config, its directory, its weight)``;
-    a ``builtin:`` one must be prepared already (:func:`recover.data.prepare.resolve_data_dir` does)."""
-    from recover.data.prepare import resolve_data_dir
+    a ``builtin:`` one must be prepared already (:func:`recover.data.prepare.prepared_data_dir` does)."""
+    from recover.data.layout import resolve_data_dir
 
-    return [(part, resolve_data_dir(part, prepare=False), weight) for part, weight in cfg.parts()]
+    return [(part, resolve_data_dir(part), weight) for part, weight in cfg.parts()]
 
 
 def open_samplers(cfg: DataConfig, data_dir: Path, vocab_size: int, microbatches: int,
@@ -307,7 +307,7 @@ def tokens(path: str | Path | Sequence[str | Path], *, seq_len: int, microbatch_
     """
     from recover.config import DataSource
     from recover.data.layout import check_vocab_fits, data_vocab, split_format, split_pattern
-    from recover.data.prepare import resolve_data_dir
+    from recover.data.prepare import prepared_data_dir
 
     paths = [path] if isinstance(path, (str, Path)) else list(path)
     weights = list(weights) if weights is not None else [1.0] * len(paths)
@@ -316,7 +316,7 @@ def tokens(path: str | Path | Sequence[str | Path], *, seq_len: int, microbatch_
     data = DataConfig(path=str(paths[0]), seq_len=seq_len, microbatch_size=microbatch_size,
                       sources=tuple(DataSource(str(p), w) for p, w in zip(paths, weights, strict=True))
                       if len(paths) > 1 else ())
-    resolve_data_dir(data, prepare=True, quiet=True)
+    prepared_data_dir(data, quiet=True)
     parts = source_dirs(data)
     if len(parts) > 1:
         check_same_vocab(parts)

@@ -240,10 +240,9 @@ script does use cannot refuse its launch (a preset's ``warmup_steps`` above ``--
 
 def _resolve_vocab(cfg: Config, overrides: list[str]) -> Config:
     """``cfg`` with the data's vocabulary unless ``--model.vocab_size`` is among ``overrides``."""
-    from recover.data.layout import given, resolve_vocab
-    from recover.data.prepare import resolve_data_dir
+    from recover.data.layout import given, resolve_data_dir, resolve_vocab
 
-    return resolve_vocab(cfg, resolve_data_dir(cfg.data, prepare=False), given(overrides, "model.vocab_size"))
+    return resolve_vocab(cfg, resolve_data_dir(cfg.data), given(overrides, "model.vocab_size"))
 
 
 def worker_config(config: str, overrides: list[str]) -> Config:
@@ -265,7 +264,7 @@ def check_launch(req: LaunchRequest) -> LaunchOptions:
     Raises:
         ConfigError: the first problem found (config, flags or failure schedule), one line with the fix.
     """
-    from recover.data.prepare import resolve_data_dir
+    from recover.data.layout import resolve_data_dir
     from recover.data.verify import check_data, check_windows
     from recover.faults import FailureSchedule, parse_failure
     from recover.launch.job import LaunchOptions
@@ -335,7 +334,7 @@ def check_launch(req: LaunchRequest) -> LaunchOptions:
         check_init_from(cfg.training.init_from, cfg.model)
     parts, vals, notes = ([] if req.script else cfg.data.parts()), [], []  # a script reads its own data
     for part, _ in parts:  # every source: headers, recorded ids, windows (a built-in corpus: prepared later)
-        data_dir = resolve_data_dir(part, prepare=False)  # a missing directory is refused here, not by the workers
+        data_dir = resolve_data_dir(part)  # a missing directory is refused here, not by the workers
         if data_dir.is_dir() and any(data_dir.iterdir()):
             vals.append(check_data(part, data_dir, cfg.model.vocab_size, hint=notes.append)[1])
     if parts and len(vals) == len(parts):  # validation reads every source's split together
@@ -416,7 +415,7 @@ def launch(req: LaunchRequest) -> int:
     Raises:
         ConfigError: from :func:`check_launch`, before anything is created or started.
     """
-    from recover.data.prepare import resolve_data_dir
+    from recover.data.prepare import prepared_data_dir
     from recover.launch.job import Commands
     from recover.launch.launcher import Launcher
     from recover.train.exits import (
@@ -444,7 +443,7 @@ def launch(req: LaunchRequest) -> int:
             clear_run(opts.out)
         opts.out.mkdir(parents=True, exist_ok=True)
         if not req.script:
-            resolve_data_dir(opts.config.data, quiet=not req.progress)
+            prepared_data_dir(opts.config.data, quiet=not req.progress)
         launcher = Launcher(opts)
         code = launcher.run()
         unwritten = _report(launcher, opts, req.reference)

@@ -89,14 +89,13 @@ def train_config(config: str, overrides: list[str], world_size: int) -> Config:
         ConfigError, DataError: a bad config, a refused ``--parallel.replicas``, a data directory without
             shards, or a model vocabulary smaller than the data's.
     """
-    from recover.data.layout import given, resolve_vocab
-    from recover.data.prepare import resolve_data_dir
+    from recover.data.layout import given, resolve_data_dir, resolve_vocab
 
     cfg = load_config(config, overrides)
     replicas = torchrun_replicas(cfg.parallel, world_size, given(overrides, "parallel.replicas"))
     if replicas != cfg.parallel.replicas:
         cfg = cfg.replace({"parallel.replicas": replicas})
-    return resolve_vocab(cfg, resolve_data_dir(cfg.data, prepare=False), given(overrides, "model.vocab_size"))
+    return resolve_vocab(cfg, resolve_data_dir(cfg.data), given(overrides, "model.vocab_size"))
 
 
 def run_train(args: argparse.Namespace) -> int:

@@ -73,10 +73,10 @@ def tokenizer_record(data_dir: Path) -> tuple[dict[str, Any] | None, dict[str, b
 
 def describe_run(cfg: Config) -> RunDescription:
     """The run config and the tokenizer of ``cfg``'s data, for every checkpoint of the run."""
-    from recover.data.prepare import resolve_data_dir
+    from recover.data.layout import resolve_data_dir
 
     try:
-        data_dir = resolve_data_dir(cfg.data, prepare=False)
+        data_dir = resolve_data_dir(cfg.data)
     except RecoverError:
         data_dir = Path(cfg.data.path)
     record, files = tokenizer_record(data_dir)

@@ -32,7 +32,8 @@ import torch
 
 from recover.config import Config, write_run_config
 from recover.coord.client import Diverged
-from recover.data.prepare import resolve_data_dir
+from recover.data.layout import resolve_data_dir
+from recover.data.prepare import prepared_data_dir
 from recover.data.sampler import EvalSampler, Sampler, open_samplers
 from recover.model import model_stats
 from recover.observe.events import JsonlWriter, keep_records_before
@@ -50,7 +51,8 @@ from recover.train.replica import Replica
 def prepare_data(cfg: Config, ctx: DistContext, quiet: bool = False) -> Path:
     """The shard directory, a built-in corpus prepared first by each host's local rank 0 (the other
     ranks wait for it)."""
-    data_dir = resolve_data_dir(cfg.data, prepare=ctx.local_rank == 0, quiet=quiet or not ctx.is_main)
+    data_dir = (prepared_data_dir(cfg.data, quiet=quiet or not ctx.is_main) if ctx.local_rank == 0
+                else resolve_data_dir(cfg.data))
     if ctx.world_size > 1:
         torch.distributed.barrier()
     return data_dir

@@ -89,7 +89,7 @@ def build(cfg: Config, procs: int) -> Built:
     intra-replica timeout first.
     """
     from recover.comm.nccl import apply_env_defaults
-    from recover.data.prepare import resolve_data_dir
+    from recover.data.layout import resolve_data_dir
 
     apply_env_defaults(collective_timeout_s=cfg.fault_tolerance.collective_timeout_s)  # before any NCCL use
     if cfg.training.deterministic:  # before CUDA initialises
@@ -102,7 +102,7 @@ def build(cfg: Config, procs: int) -> Built:
                                f"{cfg.parallel.procs_per_replica}, or let `recover launch` start it")
         ctx = init_from_env(cfg.parallel.backend, cfg.fault_tolerance.intra_replica_timeout_s)
         ctx.local_world_size = procs
-    replica, eval_data = build_replica(cfg, ctx, resolve_data_dir(cfg.data, prepare=False))
+    replica, eval_data = build_replica(cfg, ctx, resolve_data_dir(cfg.data))
     return replica, eval_data, ctx
 
 
