@@ -205,6 +205,8 @@ def _systems(seeds: Sequence[SeedResult]) -> list[str]:
 def _trajectory(seeds: Sequence[SeedResult]) -> list[dict[str, Any]]:
     ref = [s["systems"]["failure-free"]["final_val_loss"] for s in seeds
            if s["systems"].get("failure-free", {}).get("final_val_loss") is not None]
+    by_seed = {s["seed"]: s["systems"]["failure-free"]["final_val_loss"] for s in seeds
+               if s["systems"].get("failure-free", {}).get("final_val_loss") is not None}
     rows = []
     for name in _systems(seeds):
         runs = [(s["seed"], s["systems"][name]) for s in seeds if name in s["systems"]]
@@ -217,6 +219,10 @@ def _trajectory(seeds: Sequence[SeedResult]) -> list[dict[str, Any]]:
                                "last_loss": _mean([r["losses"][-1] for _, r in runs if r.get("losses")])}
         if name != "failure-free" and len(ref) >= 2 and vals:
             row["test"] = st.seed_test(ref, vals)
+            pairs = [(ff, r["final_val_loss"]) for sd, r in runs if r.get("final_val_loss") is not None
+                     and (ff := by_seed.get(sd)) is not None]
+            if len(pairs) >= 2:
+                row["paired"] = st.paired_test([a for a, _ in pairs], [b for _, b in pairs])
         rows.append(row)
     return rows
 

@@ -63,7 +63,9 @@ def markdown(res: dict[str, Any], plots: Sequence[str], missing: Sequence[str] =
     lines += ["The paper's claims: " + "; ".join(PAPER_CLAIMS) + ".", "", "## Trajectory under failures", "",
               "Final validation loss per seed against the failure-free seeds: the two-sided 95% prediction "
               "interval of one more failure-free seed (mean +- t(0.975, n-1) x sd x sqrt(1 + 1/n)), each seed's "
-              "z-score, and an exact permutation test of the difference of the means.", ""]
+              "z-score, and an exact permutation test of the difference of the means; then seed by seed against "
+              "the failure-free run of the same seed (same initialisation, data order and trace): the mean "
+              "difference, how many seeds ended worse, and the exact sign-flip test of the mean difference.", ""]
     rows = []
     for r in res["trajectory"]:
         if r.get("deterministic"):
@@ -77,6 +79,13 @@ def markdown(res: dict[str, Any], plots: Sequence[str], missing: Sequence[str] =
                      fmt(r.get("first_loss"), ".3f") + " -> " + fmt(r.get("last_loss"), ".3f")])
     lines += _table(("system", "final val loss per seed", "failure-free 95% PI", "z", "all inside",
                      "p (permutation)", "min mb/step", "max rel. loss dev. per step", "train loss first -> last"), rows)
+    paired = [r for r in res["trajectory"] if r.get("paired")]
+    if paired:
+        lines += _table(("system", "minus failure-free, per seed", "mean difference", "seeds worse",
+                         "p (paired sign-flip)"),
+                        [[r["system"], ", ".join(f"{d:+.4f}" for d in r["paired"]["diffs"]),
+                          f"{r['paired']['mean_diff']:+.4f}", f"{r['paired']['worse']} of {len(r['paired']['diffs'])}",
+                          fmt(r["paired"]["p_paired"], ".3f")] for r in paired])
     bw = res.get("bitwise")
     if bw:
         lines += [f"Deterministic mode (seed {bw['seed']}, same trace): recover's loss is "
@@ -231,7 +240,8 @@ def print_summary(res: dict[str, Any]) -> None:
         if r.get("deterministic"):
             continue
         t = r.get("test") or {}
-        rows.append([r["system"], fmt(t.get("mean"), ".4f") if t else fmt(_first(r["final_val_loss"]), ".4f"),
+        vals = r["final_val_loss"]
+        rows.append([r["system"], fmt(sum(vals) / len(vals) if vals else None, ".4f"),
                      ("yes" if t.get("all_inside") else "no") if t else "(reference)",
                      fmt(thr.get(r["system"], {}).get("after_failures_tokens_per_s"), ",.0f"),
                      fmt(thr.get(r["system"], {}).get("vs_checkpoint_restart"), ".3f"),
@@ -244,7 +254,3 @@ def print_summary(res: dict[str, Any]) -> None:
     print_rich_table(f"bench paper ({res['plan']['label']})", ("system", "final val loss (mean)",
                      "inside failure-free 95% PI", "tok/s after failures", "x ckpt-restart", "tokens at B vs ckpt"),
                      rows, notes)
-
-
-def _first(xs: Sequence[float]) -> float | None:
-    return xs[0] if xs else None

@@ -11,6 +11,12 @@ under "this system's run is one more failure-free run", ``x`` falls outside it w
 the failure-free ones by an exact two-sided permutation test of the difference of means
 (:func:`permutation_p`; all splits enumerated up to :data:`MAX_EXACT` of them, else a seeded sample).
 
+Seeds differ more among themselves than a system's run differs from the failure-free run of the SAME
+seed (the same initialisation, data order and trace), so each system is also compared seed by seed
+(:func:`paired_test`): the per-seed differences ``x_i - ref_i``, their mean, and the exact two-sided
+sign-flip permutation test of that mean (all ``2**n`` sign patterns): "the failure changed nothing"
+predicts differences symmetric about 0.
+
 GPU-time budgets (:func:`budget_curve`): on emulated devices one replica is one device, so the
 GPU-seconds a run has held by time ``t`` are the integral of its live replicas; the tokens held by
 the model at that point count only committed steps that were not rolled back.
@@ -70,6 +76,23 @@ def permutation_p(a: Sequence[float], b: Sequence[float], seed: int = 0) -> floa
     sums = pool[splits].sum(axis=1)
     diffs = np.abs(sums / k - (total - sums) / (n - k))
     return float(np.mean(diffs >= observed - 1e-12))
+
+
+def paired_test(ref: Sequence[float], values: Sequence[float]) -> dict[str, Any]:
+    """A system's final losses against the failure-free ones of the same seeds (same order, equal length).
+
+    Returns:
+        ``diffs`` (value - reference, per seed), ``mean_diff``, ``worse`` (seeds whose loss is higher) and
+        ``p_paired`` (the exact two-sided sign-flip test of the mean difference; 1.0 when all are 0).
+    """
+    diffs = np.array(values, dtype=float) - np.array(ref, dtype=float)
+    observed = abs(diffs.mean()) if len(diffs) else 0.0
+    if not len(diffs) or observed == 0.0:
+        return {"diffs": [float(d) for d in diffs], "mean_diff": 0.0, "worse": 0, "p_paired": 1.0}
+    signs = np.array(list(itertools.product((1.0, -1.0), repeat=len(diffs))))
+    flipped = np.abs((signs * np.abs(diffs)).mean(axis=1))
+    return {"diffs": [float(d) for d in diffs], "mean_diff": float(diffs.mean()), "worse": int((diffs > 0).sum()),
+            "p_paired": float(np.mean(flipped >= observed - 1e-12))}
 
 
 def seed_test(ref: Sequence[float], values: Sequence[float]) -> dict[str, Any]:
