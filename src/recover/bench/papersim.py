@@ -49,6 +49,8 @@ MEASURED = ("replicas", "microbatches", "tokens_per_microbatch", "step_time_s", 
 SCALED_COSTS = {"recovery_latency_s": "recovery_latency_s", "reconfig_s": "reconfig_s",
                 "restart_s": "restart_s", "save_s": "save_s"}
 """Measured cost -> JobSpec field carried to a projection as (cost / measured step time) x the preset's step."""
+COSTS = ("recovery_latency_s", "reconfig_s", "restart_s", "save_s")
+"""The measured costs of a run (:func:`costs_elsewhere` takes them, and ``relaunches``, from the other seeds)."""
 PROJECTIONS = tuple(PRESETS)
 ASSUMED = ("GPUs and the replica shape", "M and tokens per microbatch", "step time", "failure model or trace",
            "repair and rejoin costs", "restart mode", "the costs a preset keeps when one was not measured")
@@ -70,7 +72,7 @@ def job_spec(system: str, inputs: dict[str, Any], kills: Sequence[tuple[float, i
     n, m = inputs["replicas"], inputs["microbatches"]
     step = inputs["step_time_s"]
     overhead = min(max(0.0, step - math.ceil(m / n) * inputs["device_time_s"]), 0.5 * step)
-    costs = {k: inputs.get(k) for k in ("recovery_latency_s", "reconfig_s", "restart_s", "save_s")}
+    costs = {k: inputs.get(k) for k in COSTS}
     every = inputs.get("checkpoint_every")
     overheads: tuple[tuple[int, float], ...] = ()
     if calibration:
@@ -89,10 +91,6 @@ def job_spec(system: str, inputs: dict[str, Any], kills: Sequence[tuple[float, i
         restart_s=costs["restart_s"] or 0.0, load_s=0.0, save_s=costs["save_s"] or 0.0,
         checkpoint_interval_s=every * step if every else None,
     )
-
-
-COSTS = ("recovery_latency_s", "reconfig_s", "restart_s", "save_s")
-"""The measured costs :func:`costs_elsewhere` takes from the other seeds (``relaunches`` too)."""
 
 
 def costs_elsewhere(inputs: dict[str, Any], others: Sequence[dict[str, Any]]) -> dict[str, Any]:
