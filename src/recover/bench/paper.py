@@ -19,8 +19,20 @@ from recover.bench.common import write_json
 from recover.bench.paperruns import Plan
 from recover.errors import ConfigError
 
-SCALE = tuple(Plan(config="debug", replicas=n, steps=48, seeds=(0, 1), device_time_s=0.25, bitwise=False,
-                   label=f"scale {n}") for n in (8, 16))
+DEBUG_M = 8
+"""The ``debug`` preset's microbatches per step (``training.global_microbatches``)."""
+
+
+def scale_plan(n: int, steps: int = 48, seeds: tuple[int, ...] = (0, 1), device_time_s: float = 0.25,
+               overrides: tuple[str, ...] = (), **kw: Any) -> Plan:
+    """A check plan at ``n`` replicas on the ``debug`` preset, with at least one microbatch per replica (M
+    raised to ``n`` where the preset's is smaller)."""
+    more = (f"--training.global_microbatches={n}",) if n > DEBUG_M else ()
+    return Plan(config="debug", replicas=n, steps=max(steps, n // 2 + 2), seeds=seeds, device_time_s=device_time_s,
+                bitwise=False, label=f"scale {n}", overrides=(*overrides, *more), **kw)
+
+
+SCALE = (scale_plan(8), scale_plan(16))
 """The simulator's check at 8 and 16 replicas: the smallest model, so that 16 processes on 2 cores stay
 below the emulated device time."""
 FULL = Plan(config="tiny", replicas=4, steps=200, seeds=(0, 1, 2, 3, 4), device_time_s=0.25, label="full",
@@ -29,8 +41,8 @@ FULL = Plan(config="tiny", replicas=4, steps=200, seeds=(0, 1, 2, 3, 4), device_
 ~0.55 s, the failure-free calibration runs, the 8- and 16-replica checks, and the deterministic pair."""
 QUICK = Plan(config="debug", replicas=4, steps=30, seeds=(0, 1, 2), device_time_s=0.1, timeout_s=600.0,
              label="quick", calibration_rounds=1, calibration_steps=12,
-             scale=(Plan(config="debug", replicas=8, steps=24, seeds=(0,), device_time_s=0.1, timeout_s=600.0,
-                         bitwise=False, label="scale 8", calibration_rounds=1, calibration_steps=12),))
+             scale=(scale_plan(8, steps=24, seeds=(0,), device_time_s=0.1, timeout_s=600.0, calibration_rounds=1,
+                               calibration_steps=12),))
 """The whole pipeline in minutes: the smallest model, 3 seeds, 30 steps, one 8-replica check."""
 
 
@@ -109,19 +121,19 @@ def plan_from_args(args: argparse.Namespace) -> Plan:
 
 def _scale_plans(plan: Plan, text: str) -> tuple[Plan, ...]:
     """``--scale``: the plan's check plans at the replica counts named (refused in one line when not counts)."""
-    import dataclasses
 
     if text.strip().lower() == "none":
         return ()
-    template = plan.scale[0] if plan.scale else (SCALE[0] if plan.label != "quick" else QUICK.scale[0])
+    template = (plan.scale or (QUICK if plan.label == "quick" else FULL).scale)[0]
     try:
         counts = [int(x) for x in text.split(",") if x.strip()]
     except ValueError:
         counts = []
     if not counts or any(n < 2 for n in counts):
         raise ConfigError(f"--scale {text}: replica counts >= 2 separated by commas (e.g. 8,16), or none")
-    return tuple(dataclasses.replace(template, replicas=n, label=f"scale {n}", overrides=plan.overrides,
-                                     steps=max(template.steps, n // 2 + 2)) for n in counts)
+    kept = {k: getattr(template, k) for k in ("seeds", "device_time_s", "timeout_s", "calibration_rounds",
+                                              "calibration_steps")}
+    return tuple(scale_plan(n, steps=template.steps, overrides=plan.overrides, **kept) for n in counts)
 
 
 def run_from_args(args: argparse.Namespace) -> int:
