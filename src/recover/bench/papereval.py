@@ -65,6 +65,7 @@ def evaluate(plan: Plan, out: Path, runner: Runner = run_seed, bitwise_runner: B
     console = Console(stderr=True)
     parts = [(plan, out), *((sp, out / f"scale{sp.replicas}") for sp in plan.scale)]
     done: list[tuple[Plan, list[SeedResult], dict[str, Any]]] = []
+    stage_s: list[float] = []  # each stage's own wall time, run now or read back
     bitwise = None
     total = sum(len(p.seeds) + 1 for p, _ in parts) + (1 if plan.bitwise else 0)
     with Progress(TextColumn("{task.description}"), BarColumn(), TextColumn("{task.completed}/{task.total}"),
@@ -80,24 +81,25 @@ def evaluate(plan: Plan, out: Path, runner: Runner = run_seed, bitwise_runner: B
                 progress.update(task, description=f"{part.replicas} replicas, seed {seed}: 4 systems, "
                                                   f"{part.steps} steps")
                 res = _stage(part, where / f"seed{seed}" / "seed.json", resume, log,
-                             lambda part=part, seed=seed, where=where: runner(part, seed, where / f"seed{seed}", log))
+                             lambda part=part, seed=seed, where=where: runner(part, seed, where / f"seed{seed}", log),
+                             stage_s)
                 seeds.append(_measured_again(res, where / f"seed{seed}", part))
                 progress.advance(task)
             progress.update(task, description=f"{part.replicas} replicas: failure-free calibration at "
                                               f"{part.calibration_counts()} replicas")
             cal = _stage(part, where / "calibration" / "calibration.json", resume, log,
-                         lambda part=part, where=where: calibration_runner(part, where / "calibration", log))
+                         lambda part=part, where=where: calibration_runner(part, where / "calibration", log), stage_s)
             progress.advance(task)
             done.append((part, seeds, cal))
         if plan.bitwise:
             progress.update(task, description="deterministic mode: recover vs its reference, bitwise")
             bitwise = _stage(plan, out / "deterministic" / "bitwise.json", resume, log,
-                             lambda: bitwise_runner(plan, out / "deterministic", log))
+                             lambda: bitwise_runner(plan, out / "deterministic", log), stage_s)
             progress.advance(task)
     (_, seeds, cal), scale = done[0], done[1:]
     res = assemble(plan, seeds, bitwise, scenarios, calibration=cal, scale=scale)
-    res.update(wall_s=round(time.time() - t0, 1), load={"before": load_before, "after": machine_load()},
-               out=str(out))
+    res.update(wall_s=round(time.time() - t0, 1), stages_s=round(sum(stage_s), 1),
+               load={"before": load_before, "after": machine_load()}, out=str(out))
     return res
 
 
@@ -113,8 +115,10 @@ def _measured_again(seed: SeedResult, where: Path, plan: Plan) -> SeedResult:
     return {**seed, "inputs": {**inputs, **fresh}}
 
 
-def _stage(plan: Plan, path: Path, resume: bool, log: Log, run: Callable[[], dict[str, Any]]) -> dict[str, Any]:
-    """One stage's result: read back from ``path`` (``resume``, same plan) or run and kept there."""
+def _stage(plan: Plan, path: Path, resume: bool, log: Log, run: Callable[[], dict[str, Any]],
+           stage_s: list[float]) -> dict[str, Any]:
+    """One stage's result: read back from ``path`` (``resume``, same plan) or run and kept there (with its wall
+    time, appended to ``stage_s`` either way: 0 for a stage kept by an older release without it)."""
     import json
 
     key = _plan_key(plan)
@@ -125,9 +129,12 @@ def _stage(plan: Plan, path: Path, resume: bool, log: Log, run: Callable[[], dic
             kept = {}
         if kept.get("plan") == key and "result" in kept:
             log(f"{path.parent.name}: read back from {path} (--resume)")
+            stage_s.append(float(kept.get("wall_s") or kept["result"].get("wall_s") or 0.0))
             return dict(kept["result"])
+    t0 = time.time()
     result = run()
-    write_json(path, {"plan": key, "result": result})
+    stage_s.append(time.time() - t0)
+    write_json(path, {"plan": key, "result": result, "wall_s": round(stage_s[-1], 1)})
     return result
 
 

@@ -44,6 +44,11 @@ def _table(columns: Sequence[str], rows: Sequence[Sequence[str]]) -> list[str]:
             *("| " + " | ".join(r) + " |" for r in rows), ""]
 
 
+def _small(x: float) -> str:
+    """A signed loss difference: 4 decimals, or 2 significant digits when smaller than that."""
+    return f"{x:+.4f}" if x == 0 or abs(x) >= 1e-4 else f"{x:+.1e}"
+
+
 def _pct(x: float | None) -> str:
     return "-" if x is None else f"{x * 100:+.1f}%"
 
@@ -55,8 +60,10 @@ def markdown(res: dict[str, Any], plots: Sequence[str], missing: Sequence[str] =
              f"`recover bench paper{' --quick' if plan['label'] == 'quick' else ''}`: preset `{plan['config']}`, "
              f"{plan['replicas']} replicas on emulated devices ({plan['device_time_s']:g} s per microbatch), "
              f"{plan['steps']} steps, seeds {list(plan['seeds'])}; half the replicas lost at evenly spaced steps "
-             f"(the paper's 256 of 512 GPUs, scaled). Wall time {fmt(res.get('wall_s'), '.0f')} s; load average "
-             f"before/after {res.get('load', {}).get('before')} / {res.get('load', {}).get('after')}.", ""]
+             f"(the paper's 256 of 512 GPUs, scaled). Wall time of its runs {fmt(res.get('stages_s'), '.0f')} s "
+             f"(every stage's own, whether run now or read back with --resume; this invocation "
+             f"{fmt(res.get('wall_s'), '.0f')} s); load average before/after {res.get('load', {}).get('before')} / "
+             f"{res.get('load', {}).get('after')}.", ""]
     if plan["label"] == "quick":
         lines += ["**A quick run** (fewer seeds, steps and a smaller model): it proves the pipeline; its numbers "
                   "are not the paper's results.", ""]
@@ -83,8 +90,8 @@ def markdown(res: dict[str, Any], plots: Sequence[str], missing: Sequence[str] =
     if paired:
         lines += _table(("system", "minus failure-free, per seed", "mean difference", "seeds worse",
                          "p (paired sign-flip)"),
-                        [[r["system"], ", ".join(f"{d:+.4f}" for d in r["paired"]["diffs"]),
-                          f"{r['paired']['mean_diff']:+.4f}", f"{r['paired']['worse']} of {len(r['paired']['diffs'])}",
+                        [[r["system"], ", ".join(_small(d) for d in r["paired"]["diffs"]),
+                          _small(r["paired"]["mean_diff"]), f"{r['paired']['worse']} of {len(r['paired']['diffs'])}",
                           fmt(r["paired"]["p_paired"], ".3f")] for r in paired])
     bw = res.get("bitwise")
     if bw:
@@ -115,19 +122,27 @@ def markdown(res: dict[str, Any], plots: Sequence[str], missing: Sequence[str] =
 
 
 def _simulator_md(res: dict[str, Any], inputs: dict[str, Any], plot: bool) -> list[str]:
-    shown = {k: v for k, v in inputs.items() if k not in ("device_dominates", "full_point")}
+    shown = {k: v for k, v in inputs.items() if k not in ("device_dominates", "full_point", "relaunches")}
+    relaunch: dict[int, list[float]] = {}
+    for seed in res.get("seeds", []):
+        for k, cost in seed.get("inputs", {}).get("relaunches") or ():
+            relaunch.setdefault(int(k), []).append(float(cost))
     lines = ["## The simulator against the measured runs", "",
              "Each measured run replayed by `recover simulate`'s engine, its kills at the times they happened in "
              "that run, calibrated only from measured inputs (the main runs' medians over seeds: " + ", ".join(
                  f"{k} {fmt(v, '.4g')}" for k, v in shown.items()) + "). "
+             "Checkpoint-and-restart's relaunch, by replicas relaunched (kill to the relaunched job's first "
+             "commit, minus one step; min..max over the seeds): " + (", ".join(
+                 f"{k}: {min(v):.2f}..{max(v):.2f} s" for k, v in sorted(relaunch.items())) or "none measured") +
+             ". Each run is simulated with the costs of the OTHER seeds' runs (leave one out). "
              "Within: |simulated / measured - 1| <= 10%.", ""]
     cal = [(res["plan"]["replicas"], res.get("calibration") or [])] + [
         (sc["replicas"], sc.get("calibration") or []) for sc in res.get("scale", [])]
     if any(points for _, points in cal):
         lines += ["Calibration (failure-free runs at fewer replicas, not the runs checked): the step overhead per "
-                  "live replica count and the start of that many replicas (launch to first commit, minus one "
-                  "step), which the simulator takes as the relaunch cost of that many replicas; linear in between.",
-                  ""]
+                  "live replica count, which the simulator takes (linear in between); and, for comparison only, "
+                  "the start of a fresh launch of that many replicas (launch to first commit, minus one step), "
+                  "which a relaunch exceeds by its detection, teardown and checkpoint load.", ""]
         lines += _table(("job", "replicas", "step s", "overhead s", "start s"),
                         [[f"{n} replicas", str(p["replicas"]), fmt(p["step_time_s"], ".3f"),
                           fmt(p["overhead_s"], ".3f"), fmt(p["start_s"], ".2f")] for n, points in cal for p in points])
@@ -248,7 +263,8 @@ def print_summary(res: dict[str, Any]) -> None:
                      _pct((bud.get(r["system"]) or {}).get("gain_vs_checkpoint_restart", [None])[-1])])
     sim = res["simulator"]
     notes = [f"simulator: {sum(1 for r in sim if r['within'])} of {len(sim)} measured runs within 10%",
-             f"wall time {fmt(res.get('wall_s'), '.0f')} s, load {res.get('load')}; report: {res.get('report')}"]
+             f"wall time of its runs {fmt(res.get('stages_s'), '.0f')} s (this invocation {fmt(res.get('wall_s'), '.0f')} "
+             f"s), load {res.get('load')}; report: {res.get('report')}"]
     if res.get("bitwise"):
         notes.insert(0, f"deterministic mode: bitwise equal = {res['bitwise']['bitwise_equal']}")
     print_rich_table(f"bench paper ({res['plan']['label']})", ("system", "final val loss (mean)",
