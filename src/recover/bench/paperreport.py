@@ -263,8 +263,8 @@ def print_summary(res: dict[str, Any]) -> None:
                      _pct((bud.get(r["system"]) or {}).get("gain_vs_checkpoint_restart", [None])[-1])])
     sim = res["simulator"]
     notes = [f"simulator: {sum(1 for r in sim if r['within'])} of {len(sim)} measured runs within 10%",
-             f"wall time of its runs {fmt(res.get('stages_s'), '.0f')} s (this invocation {fmt(res.get('wall_s'), '.0f')} "
-             f"s), load {res.get('load')}; report: {res.get('report')}"]
+             f"wall time of its runs {fmt(res.get('stages_s'), '.0f')} s (this invocation "
+             f"{fmt(res.get('wall_s'), '.0f')} s), load {res.get('load')}; report: {res.get('report')}"]
     if res.get("bitwise"):
         notes.insert(0, f"deterministic mode: bitwise equal = {res['bitwise']['bitwise_equal']}")
     print_rich_table(f"bench paper ({res['plan']['label']})", ("system", "final val loss (mean)",
