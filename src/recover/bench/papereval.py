@@ -179,9 +179,26 @@ def assemble(plan: Plan, seeds: Sequence[SeedResult], bitwise: dict[str, Any] | 
         "inputs": inputs, "bitwise": bitwise,
         "projection_basis": {"measured": [f"{k} / step_time_s" for k in SCALED_COSTS], "assumed": list(ASSUMED)},
         "seeds": [{k: v for k, v in s.items() if k != "systems"} for s in seeds],
+        "deviation": _deviation(seeds),
         "curves": {name: st.band([s["systems"][name]["losses"] for s in seeds if name in s["systems"]])
                    for name in _systems(seeds)},
     }
+
+
+def _deviation(seeds: Sequence[SeedResult]) -> dict[str, dict[str, list[float]]]:
+    """Per system, the band over seeds of its per-step training loss minus the failure-free run's of the same
+    seed (the same initialisation and data order): where a system's trajectory leaves the reference's."""
+    out = {}
+    for name in _systems(seeds):
+        if name == "failure-free":
+            continue
+        diffs = [np.subtract(run["losses"][:n], ref["losses"][:n]).tolist() for s in seeds
+                 if (run := s["systems"].get(name, {})).get("losses") and
+                 (ref := s["systems"].get("failure-free", {})).get("losses")
+                 and (n := min(len(run["losses"]), len(ref["losses"])))]
+        if diffs:
+            out[name] = st.band(diffs)
+    return out
 
 
 def _plan_json(plan: Plan) -> dict[str, Any]:

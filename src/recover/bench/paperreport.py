@@ -190,17 +190,31 @@ def _pyplot() -> Any:
 
 def _plot_trajectory(res: dict[str, Any], path: Path) -> None:
     plt = _pyplot()
-    fig, ax = plt.subplots(figsize=(9, 5), dpi=110)
+    deviation = res.get("deviation") or {}
+    fig, axes = plt.subplots(2 if deviation else 1, 1, figsize=(9, 8 if deviation else 5), dpi=110, sharex=True,
+                             squeeze=False)
+    ax = axes[0][0]
     for name, b in res["curves"].items():
         x = list(range(1, len(b["mean"]) + 1))
         style = {"lw": 1.4, **STYLES.get(name, {})}
         ax.plot(x, b["mean"], color=COLORS.get(name), label=f"{name} (mean of seeds)", **style)
         ax.fill_between(x, b["low"], b["high"], color=COLORS.get(name), alpha=0.18)
-    ax.set_xlabel("step")
     ax.set_ylabel("training loss (nats/token)")
     ax.set_title("loss per committed step: seed mean, band = min..max over seeds")
     ax.grid(alpha=0.3)
     ax.legend(fontsize=8)
+    if deviation:
+        dev = axes[1][0]
+        dev.axhline(0, color="0.5", lw=0.8)
+        for name, b in deviation.items():
+            x = list(range(1, len(b["mean"]) + 1))
+            dev.plot(x, b["mean"], color=COLORS.get(name), lw=1.2, label=name, **STYLES.get(name, {}))
+            dev.fill_between(x, b["low"], b["high"], color=COLORS.get(name), alpha=0.18)
+        dev.set_ylabel("minus the failure-free run of the same seed")
+        dev.set_title("departure from the reference trajectory (mean and min..max over seeds)")
+        dev.grid(alpha=0.3)
+        dev.legend(fontsize=8)
+    axes[-1][0].set_xlabel("step")
     fig.tight_layout()
     fig.savefig(path)
     plt.close(fig)
