@@ -98,6 +98,14 @@ def result() -> dict[str, Any]:
                                   "bitwise_equal": True}, scenarios=("paper-512",))
 
 
+def test_the_paired_test_compares_each_seed_with_its_own_reference() -> None:
+    worse = st.paired_test([1.0, 2.0, 3.0, 4.0, 5.0], [1.1, 2.05, 3.2, 4.1, 5.07])
+    assert worse["worse"] == 5 and worse["mean_diff"] == pytest.approx(0.104)
+    assert worse["p_paired"] == pytest.approx(2 / 32)  # all five signs alike: the 2 extreme of 32 patterns
+    same = st.paired_test([1.0, 2.0, 3.0], [1.0 - 1e-7, 2.0 + 1e-7, 3.0])
+    assert same["worse"] == 1 and same["p_paired"] == pytest.approx(1.0)
+
+
 def test_prediction_interval_and_permutation_test() -> None:
     m, s, low, high = st.prediction_interval([1.0, 2.0, 3.0])
     assert (m, s) == (2.0, 1.0)

@@ -88,7 +88,7 @@ def paired_test(ref: Sequence[float], values: Sequence[float]) -> dict[str, Any]
     diffs = np.array(values, dtype=float) - np.array(ref, dtype=float)
     observed = abs(diffs.mean()) if len(diffs) else 0.0
     if not len(diffs) or observed == 0.0:
-        return {"diffs": [float(d) for d in diffs], "mean_diff": 0.0, "worse": 0, "p_paired": 1.0}
+        return {"diffs": [float(d) for d in diffs], "mean_diff": 0.0, "worse": int((diffs > 0).sum()), "p_paired": 1.0}
     signs = np.array(list(itertools.product((1.0, -1.0), repeat=len(diffs))))
     flipped = np.abs((signs * np.abs(diffs)).mean(axis=1))
     return {"diffs": [float(d) for d in diffs], "mean_diff": float(diffs.mean()), "worse": int((diffs > 0).sum()),
