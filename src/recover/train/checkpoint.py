@@ -46,7 +46,6 @@ import math
 import os
 import shutil
 import sys
-import threading
 import time
 import warnings
 from collections.abc import Callable
@@ -235,43 +234,10 @@ def save_checkpoint_async(root: str | os.PathLike[str], step: int, model: nn.Mod
     with warnings.catch_warnings():
         warnings.simplefilter("ignore", FutureWarning)
         warnings.filterwarnings("ignore", message="torch.distributed is disabled")  # no_dist is intended
-        upload = dcp.async_save(_state(model, optimizer), storage_writer=background_writer(partial), no_dist=True)
+        upload = dcp.async_save(_state(model, optimizer), checkpoint_id=str(partial), no_dist=True)
     pending = AsyncSave(step, final, partial, time.perf_counter() - t0)
     upload.add_done_callback(lambda fut: pending._finish(fut, meta, keep, files))
     return pending
-
-
-WRITER_NICE = 10
-"""How much lower the scheduling priority of the thread writing an asynchronous checkpoint is than
-training's (Linux ``nice``, per thread): where the write shares cores with training, compute goes first
-and the write fills the time training waits (collectives, the device), yet still progresses."""
-
-
-def background_writer(path: Path) -> Any:
-    """DCP's file-system writer for ``path`` whose writing thread runs at a lower priority (:data:`WRITER_NICE`):
-    the thread of the background save, which also hashes and commits the files."""
-    from torch.distributed.checkpoint import FileSystemWriter
-
-    class BackgroundWriter(FileSystemWriter):
-        def write_data(self, plan: Any, planner: Any) -> Any:
-            lower_this_thread(WRITER_NICE)
-            return super().write_data(plan, planner)
-
-    return BackgroundWriter(path)
-
-
-def lower_this_thread(by: int) -> None:
-    """Lowers the calling thread's scheduling priority by ``by`` nice levels, once (Linux threads are
-    tasks with priorities of their own; elsewhere, and in the main thread, nothing is changed)."""
-    if threading.current_thread() is threading.main_thread() or not hasattr(os, "setpriority"):
-        return
-    tid = threading.get_native_id()
-    try:
-        now = os.getpriority(os.PRIO_PROCESS, tid)
-        if now < os.getpriority(os.PRIO_PROCESS, os.getpid()) + by:
-            os.setpriority(os.PRIO_PROCESS, tid, min(19, now + by))
-    except OSError:
-        pass
 
 
 def _write_synced(path: Path, text: str) -> None:
