@@ -190,6 +190,7 @@ class Event(str, Enum):
     STOP_SIGNAL = "stop_signal"
     STOPPED = "stopped"
     STRAGGLER = "straggler"
+    STRAGGLER_CLEARED = "straggler_cleared"
     TRAIN_START = "train_start"
     VOTE_DISAGREEMENT = "vote_disagreement"
 

@@ -292,6 +292,16 @@ def test_a_straggler_is_rebalanced_once_named_and_cleared_when_it_recovers() -> 
     assert [c.kind for c in changes] == ["rebalanced", "straggler_cleared"]
 
 
+def test_every_speed_change_is_an_event_the_coordinator_can_write() -> None:
+    from recover.names import Event
+
+    tracker = SpeedTracker()
+    kinds = {c.kind for slow in (0.2, 0.1) for c in _observe(tracker, {0: 0.1, 1: 0.1, 2: 0.1, 3: slow}, steps=20,
+                                                             noise=0.05)}
+    assert kinds == {"rebalanced", "straggler", "straggler_cleared"}
+    assert {Event(k) for k in kinds} == {Event.REBALANCED, Event.STRAGGLER, Event.STRAGGLER_CLEARED}
+
+
 def test_a_replica_left_without_work_is_probed_with_one_microbatch() -> None:
     tracker = SpeedTracker(stale_steps=5)
     _observe(tracker, {0: 0.1, 1: 0.1, 2: 10.0}, steps=3)

@@ -85,7 +85,7 @@ def run_child(cmd: Sequence[str], log_path: Path, timeout_s: float, env: dict[st
     try:
         with open(log_path, "ab") as log:
             proc = subprocess.Popen(list(cmd), stdout=log, stderr=subprocess.STDOUT, start_new_session=True,
-                                    env=env or child_env())
+                                    env=env or child_env(), preexec_fn=_interruptible)
             deadline, finished = time.monotonic() + timeout_s, None
             try:
                 while True:
@@ -156,6 +156,13 @@ def _dump_stacks(pid: int, log: Any) -> None:
         except ProcessLookupError:
             pass
     time.sleep(1.0)
+
+
+def _interruptible() -> None:
+    """In the child, before it runs: SIGINT back to its default, so that the SIGINT a stop sends first is
+    heard even when this benchmark runs where SIGINT is ignored (a background job of a shell, ``nohup``),
+    whose children would inherit that."""
+    signal.signal(signal.SIGINT, signal.SIG_DFL)
 
 
 def _exit_on_signal(signum: int, frame: Any) -> None:
