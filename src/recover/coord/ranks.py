@@ -245,7 +245,10 @@ class RankAggregator:
                 self._isolated_since = since
                 self._log(Event.COORDINATOR_ISOLATED, replicas=sorted({link.replica for link in silent}),
                           silent_s=round(now - since, 3))
-            return now - self._isolated_since <= self.isolation_hold_s
+            if now - self._isolated_since <= self.isolation_hold_s:
+                return True
+            self._isolated_since = None  # held for long enough: the members gave up by now; judged as ever
+            return False
         if self._isolated_since is not None:
             gap = max(0.0, now - self._isolated_since)
             self._isolated_since = None
