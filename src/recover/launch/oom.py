@@ -120,6 +120,10 @@ class MemoryWatch:
         if found is None or count is None:
             return
         old = self._seen.get(pid)
+        if old is not None and old[1] == found[1]:
+            # the same cgroup: the count of the first look stands, so that a look between an OOM kill and the
+            # victim's death (it frees its memory first, and is not yet dead) does not hide the kill
+            count = min(count, old[2])
         self._seen[pid] = (found[0], found[1], count, _peak(pid) or (old[3] if old else None))
 
     def oom(self, pid: int) -> OomKill | None:
