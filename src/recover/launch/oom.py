@@ -67,12 +67,19 @@ def _count(path: Path) -> int | None:
 
 
 def _dead(pid: int) -> bool:
-    """Whether ``pid`` is gone or a zombie (ended, not reaped yet)."""
+    """Whether ``pid`` is gone, a zombie (ended, not reaped yet) or dying: a SIGKILL is pending for it (an
+    OOM victim frees its memory before it is dead)."""
     try:
         stat = Path(f"/proc/{pid}/stat").read_text()
+        status = Path(f"/proc/{pid}/status").read_text()
     except OSError:
         return True
-    return stat[stat.rindex(")") + 2] in "ZX"
+    if stat[stat.rindex(")") + 2] in "ZX":
+        return True
+    for line in status.splitlines():
+        if line.startswith(("SigPnd:", "ShdPnd:")) and int(line.split()[1], 16) >> (9 - 1) & 1:  # SIGKILL
+            return True
+    return False
 
 
 def _peak(pid: int) -> int | None:
@@ -120,10 +127,6 @@ class MemoryWatch:
         if found is None or count is None:
             return
         old = self._seen.get(pid)
-        if old is not None and old[1] == found[1]:
-            # the same cgroup: the count of the first look stands, so that a look between an OOM kill and the
-            # victim's death (it frees its memory first, and is not yet dead) does not hide the kill
-            count = min(count, old[2])
         self._seen[pid] = (found[0], found[1], count, _peak(pid) or (old[3] if old else None))
 
     def oom(self, pid: int) -> OomKill | None:
