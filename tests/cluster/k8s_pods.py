@@ -30,6 +30,8 @@ from typing import Any
 
 from netns import Hosts
 
+from recover.bench.common import signal_all
+
 ROOT = Path(__file__).resolve().parents[2]
 RENDER = ROOT / "examples" / "k8s" / "render.py"
 STEPS = 30
@@ -163,11 +165,7 @@ class Job:
     def kill_pod(self, host: str) -> None:
         """SIGKILL to every process of the pod on ``host`` (a node's death, an OOM kill of the pod)."""
         while pids := self.hosts.pids_in(host):
-            for pid in pids:
-                try:
-                    os.kill(pid, signal.SIGKILL)
-                except ProcessLookupError:
-                    pass
+            signal_all(pids, signal.SIGKILL)
             time.sleep(0.05)
 
     def end(self) -> None:

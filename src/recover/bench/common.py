@@ -150,12 +150,17 @@ def _dump_stacks(pid: int, log: Any) -> None:
     log.write(f"\n[bench] the run's work is done but processes {tree or [pid]} still run: their stacks follow, "
               f"then they are killed\n".encode())
     log.flush()
-    for p in tree:
+    signal_all(tree, signal.SIGUSR2)
+    time.sleep(1.0)
+
+
+def signal_all(pids: Iterable[int], sig: int) -> None:
+    """Sends ``sig`` to each of ``pids`` that still exists (by PID, never by name)."""
+    for pid in pids:
         try:
-            os.kill(p, signal.SIGUSR2)
+            os.kill(pid, sig)
         except ProcessLookupError:
             pass
-    time.sleep(1.0)
 
 
 def _interruptible() -> None:
@@ -187,11 +192,7 @@ def kill_group(proc: subprocess.Popen[Any], grace_s: float = 0.0) -> None:
             os.killpg(proc.pid, signal.SIGKILL)
         except ProcessLookupError:
             pass
-    for p in tree:
-        try:
-            os.kill(p, signal.SIGKILL)
-        except ProcessLookupError:
-            pass
+    signal_all(tree, signal.SIGKILL)
     try:
         proc.wait(timeout=10)
     except subprocess.TimeoutExpired:
