@@ -11,7 +11,7 @@ against the type's arguments, so the allowed values and the error message come f
 from __future__ import annotations
 
 from enum import Enum
-from typing import Literal, get_args
+from typing import Any, Literal, get_args
 
 
 class _Named(str, Enum):
@@ -197,6 +197,13 @@ class Event(str, Enum):
     def __str__(self) -> str:
         return str(self.value)
 
+
+
+def slowing(event: dict[str, Any]) -> bool:
+    """Whether an ``events.jsonl`` record starts (or changes) a slow-down: a ``slowed`` event with a factor
+    above 1 (factor 1 ends it). The one rule for the slow fault kind that writes it and the readers that
+    measure its span (goodput)."""
+    return event.get("kind") == Event.SLOWED and float(event.get("factor", 1.0)) > 1.0
 
 WORKER_ENV = "RECOVER_WORKER"
 """Set by ``recover launch ... -- CMD`` in each replica's process, as JSON: ``coordinator`` (HOST:PORT),

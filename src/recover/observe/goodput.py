@@ -48,7 +48,7 @@ from collections.abc import Iterable
 from dataclasses import dataclass, field
 from typing import Any
 
-from recover.names import Event
+from recover.names import Event, slowing
 
 CAUSES = ("startup", "restart", "recovery", "rejoin", "checkpoint", "evaluation", "stragglers", "degraded",
           "other")
@@ -151,7 +151,7 @@ def _slow_spans(events: list[dict[str, Any]]) -> list[tuple[float, float]]:
     open_: dict[int, float] = {}
     for e in events:
         r = e.get("replica")
-        if e.get("kind") == Event.SLOWED and e.get("factor", 1.0) > 1.0:
+        if slowing(e):
             open_.setdefault(r, e["t"])
         elif e.get("kind") in (Event.SLOWED, Event.FAILURE_DETECTED) and r in open_:
             spans.append((open_.pop(r), e["t"]))

@@ -11,7 +11,7 @@ from recover.errors import ConfigError
 from recover.faults.perturb import Effect, Perturbation
 from recover.faults.registry import FaultKind, register
 from recover.faults.schedule import FailureSpec, parse_with_arg
-from recover.names import Event
+from recover.names import Event, slowing
 
 
 class SlowDown(Effect):
@@ -55,4 +55,4 @@ class Slow(FaultKind):
             perturbation.effects[self.name] = SlowDown(spec.arg)
 
     def struck(self, event: dict[str, Any]) -> bool:
-        return event.get("factor", 1.0) > 1.0
+        return slowing(event)
