@@ -271,12 +271,13 @@ def test_the_time_limit_notice_stops_with_a_checkpoint_requeues_and_the_job_resu
         cluster: SlurmCluster, reference: Path, tmp_path: Path, corpus: Path) -> None:
     """`--time=2 --signal=B:TERM@35`: Slurm's own timer signals the batch script; the next commit is a stop, a
     checkpoint is saved, the script requeues the job (it is still RUNNING), and the requeued job resumes
-    from the checkpoint to the end. slurmctld checks time limits every 30 s and sends the signal once fewer
-    than @ + 60 s remain, so it comes 25 to 55 s into the job: 0.4 s per microbatch keeps it training
-    until then (40 steps of 1.6 s)."""
+    from the checkpoint to the end. slurmctld looks at time limits in rounds of about 30 s and may send the
+    signal up to a minute before @ seconds remain, so it comes 25 to 85 s into the job (a CI run saw none by
+    67 s): 0.8 s per microbatch keeps the job training past its limit (40 steps of 3.2 s), so a job that
+    completes without the notice fails the test instead of passing by luck."""
     job = submit(cluster, tmp_path, "limit", 2, "--data.path", str(corpus), *FLAGS,
-                 "--training.device_time_s", "0.4", sbatch=("--time=2", "--signal=B:TERM@35"))
-    job.restart_now(1)
+                 "--training.device_time_s", "0.8", sbatch=("--time=2", "--signal=B:TERM@35"))
+    job.restart_now(1, timeout=200)
     assert "requeueing job" in job.output(), job.output()
     stopped = json.loads((job.out / "summary.json").read_text())
     assert stopped["stopped"] and 0 < stopped["committed_steps"] < STEPS, job.output()
