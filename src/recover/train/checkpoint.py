@@ -52,7 +52,7 @@ from collections.abc import Callable
 from concurrent import futures
 from concurrent.futures import Future
 from pathlib import Path
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING, Any, Protocol
 
 import torch
 from torch import nn
@@ -75,7 +75,6 @@ from recover.train.integrity import (  # noqa: F401 - the on-disk helpers are pa
 
 if TYPE_CHECKING:
     from recover.config import Config
-    from recover.train.replica import Replica
 
 def _state(model: nn.Module, optimizer: torch.optim.Optimizer,
            extra: dict[str, torch.Tensor] | None = None) -> dict[str, Any]:
@@ -351,6 +350,26 @@ def _free_bytes(root: str | os.PathLike[str]) -> float:
         return math.inf
 
 
+class Saved(Protocol):
+    """What a :class:`Checkpointer` saves and resumes: one replica's model and optimizer, and how its ranks
+    share them (the built-in :class:`~recover.train.replica.Replica` is one). Declared here, so that
+    checkpoints do not import the replica they save."""
+
+    @property
+    def model(self) -> nn.Module: ...
+
+    @property
+    def optimizer(self) -> torch.optim.Optimizer: ...
+
+    @property
+    def group(self) -> Any:
+        """The process group the replica's ranks share its state's shards over; None: one process."""
+
+    @property
+    def is_writer(self) -> bool:
+        """The rank that writes the metadata, the manifest and the marker."""
+
+
 class Checkpointer:
     """Saves and resumes one replica's state under ``root``.
 
@@ -365,7 +384,7 @@ class Checkpointer:
         epoch_of: the data epoch of a step (recorded with the data cursor).
     """
 
-    def __init__(self, root: str | os.PathLike[str], replica: Replica, cfg: Config,
+    def __init__(self, root: str | os.PathLike[str], replica: Saved, cfg: Config,
                  epoch_of: Callable[[int], float] = lambda step: 0) -> None:
         self.root, self.replica, self.cfg, self.epoch_of = Path(root), replica, cfg, epoch_of
         self._pending: AsyncSave | None = None
