@@ -1,8 +1,8 @@
 """Hugging Face files of any registered architecture: its mapping looked up by ``model.arch`` or
 ``model_type``, and the byte tokenizer as a ``tokenizer.json``.
 
-Pure conversions (no files): :mod:`recover.train.export` writes what they return and
-:mod:`recover.train.weights` reads a Hugging Face directory through them.
+Pure conversions (no files): :mod:`recover.train.checkpoints.export` writes what they return and
+:mod:`recover.train.checkpoints.weights` reads a Hugging Face directory through them.
 
 Contract:
 - :func:`to_hf`, :func:`from_hf`, :func:`recover_name` and :func:`hf_config` are the

@@ -39,7 +39,7 @@ from recover.model.config import ModelConfig
 
 MARKER = "COMMITTED"
 OWN_FORMAT = "own"
-"""``meta.json``'s ``format`` in a checkpoint of a user's model (:mod:`recover.train.own_checkpoint`)."""
+"""``meta.json``'s ``format`` in a checkpoint of a user's model (:mod:`recover.train.checkpoints.own_checkpoint`)."""
 MANIFEST = "manifest.json"
 ALGORITHM = "sha256"
 _CHUNK = 8 << 20

@@ -1,5 +1,5 @@
 """Checkpoints of a user's model (:meth:`recover.api.Job.save`, ``Job(resume=...)``), on the built-in
-trainer's disk conventions and helpers (:func:`~recover.train.checkpoint.save_state`: ``.partial``
+trainer's disk conventions and helpers (:func:`~recover.train.checkpoints.checkpoint.save_state`: ``.partial``
 directory, manifest with SHA-256, fsynced ``COMMITTED`` marker, rename into place, keep-N).
 
 Layout: ``RUN/checkpoints/step_NNNNNN/`` (NNNNNN: committed steps) holds
@@ -7,7 +7,7 @@ Layout: ``RUN/checkpoints/step_NNNNNN/`` (NNNNNN: committed steps) holds
   "rng": {"cpu": ...}, "extra": {"0": ..., "1": ...}}``: ``model`` and ``optim`` as
   ``torch.distributed.checkpoint.state_dict.get_state_dict(model, optimizer)`` gives them (keys: the
   parameters' and buffers' names), ``extra`` the tensors of the extra state in
-  :func:`~recover.train.extra.encode`'s order (absent without extra state);
+  :func:`~recover.train.checkpoints.extra.encode`'s order (absent without extra state);
 - ``meta.json``: ``step``, ``format`` (``"own"``), ``params`` (name -> shape of every entry of the model's
   ``state_dict()``), ``data_cursor.step``, ``total_tokens``, ``seed``, ``microbatches`` and ``extra``
   (``parts``, the JSON ``skeleton`` of their state dicts, the tensors' ``shapes``; or null);
@@ -36,14 +36,14 @@ import torch
 
 from recover.errors import IncompatibleCheckpoint
 from recover.recovery.protocol import Progress
-from recover.train.checkpoint import load_state, save_state
-from recover.train.extra import Stateful, decode, encode, load_into, state_of
-from recover.train.integrity import OWN_FORMAT, load_newest, remove_leftovers
+from recover.train.checkpoints.checkpoint import load_state, save_state
+from recover.train.checkpoints.extra import Stateful, decode, encode, load_into, state_of
+from recover.train.checkpoints.integrity import OWN_FORMAT, load_newest, remove_leftovers
 
 
 class OwnState(Protocol):
-    """What these checkpoints hold of a user's replica (:class:`~recover.train.own.OwnReplica` is one): its
-    model, optimizer and extra state by part (:func:`~recover.train.extra.parts`). Declared here, so that
+    """What these checkpoints hold of a user's replica (:class:`~recover.train.replicas.own.OwnReplica` is one): its
+    model, optimizer and extra state by part (:func:`~recover.train.checkpoints.extra.parts`). Declared here, so that
     checkpoints do not import the replica they save."""
 
     @property
