@@ -1,5 +1,7 @@
 """The import plan: README's Layout lists the packages lowest first; no module imports from a package listed
-below its own, and no modules import each other in a circle. Every import statement counts, one inside a
+below its own, and no modules import each other in a circle. A package whose entry lists its rooms
+(subpackages; ``train/``) holds every module in one of them, and no module of a room imports from a room
+listed below its own. Every import statement counts, one inside a
 function too. For the order, so do ``if TYPE_CHECKING:`` imports and modules named in strings (``importlib``:
 the command list, PEP 562 exports, the model registry's built-in); circles are among the imports that run
 (not ``TYPE_CHECKING``), by statement (the registry loads its built-in, whose spec imports it, on first use)."""
@@ -17,9 +19,26 @@ MODULES = {".".join(p.relative_to(SRC).with_suffix("").parts).removesuffix(".__i
            for p in (SRC / "recover").rglob("*.py")}
 
 
+def layout_block() -> str:
+    return (ROOT / "README.md").read_text().split("\n## Layout\n", 1)[1].split("```")[1]
+
+
 def layout_order() -> list[str]:
-    block = (ROOT / "README.md").read_text().split("\n## Layout\n", 1)[1].split("```")[1]
-    return re.findall(r"^  (\w+)(?:\.py|/) ", block, re.M)
+    return re.findall(r"^  (\w+)(?:\.py|/) ", layout_block(), re.M)
+
+
+def layout_rooms() -> dict[str, list[str]]:
+    """Package -> its rooms (subpackages), lowest first: the lines ``   name/  text`` indented inside the
+    package's entry of the Layout (``train/``); a package whose entry lists none is absent."""
+    entries = re.split(r"^(?=  \S)", layout_block(), flags=re.M)
+    found = {}
+    for entry in entries:
+        head, _, rest = entry.partition("\n")
+        package = re.match(r"  (\w+)/ ", head)
+        rooms = re.findall(r"^ {3,}(\w+)/ {2,}", rest, re.M)
+        if package and rooms:
+            found[package[1]] = rooms
+    return found
 
 
 def module_of(name: str) -> str:
@@ -52,6 +71,22 @@ def test_no_package_imports_one_listed_below_it() -> None:
     upward = [f"{name} -> {dep}" for name, path in MODULES.items() for dep in imports(path, run=False)
               if name in unit and dep in unit and rank[unit[dep]] > rank[unit[name]]]
     assert not upward, f"imports of a package listed below (README, Layout): {upward}"
+
+
+def test_no_room_imports_one_listed_below_it() -> None:
+    rooms = layout_rooms()
+    assert "train" in rooms, "README's Layout: the train/ entry lists its rooms (lines '   name/  text')"
+    for package, order in rooms.items():
+        prefix = f"recover.{package}."
+        inside = {name: name.split(".")[2] for name in MODULES if name.startswith(prefix)}
+        loose = [name for name in inside if name.count(".") == 2 and MODULES[name].name != "__init__.py"]
+        assert not loose, f"modules of {package}/ outside its rooms: {loose}"
+        assert set(inside.values()) == set(order), f"{package}/'s rooms in README's Layout: {order}, " \
+            f"its subpackages: {sorted(set(inside.values()))}"
+        rank = {room: i for i, room in enumerate(order)}
+        upward = [f"{name} -> {dep}" for name in inside for dep in imports(MODULES[name], run=False)
+                  if dep in inside and rank[inside[dep]] > rank[inside[name]]]
+        assert not upward, f"imports of a room of {package}/ listed below (README, Layout): {upward}"
 
 
 def test_no_modules_import_each_other_in_a_circle() -> None:
