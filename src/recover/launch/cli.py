@@ -25,8 +25,7 @@ from typing import TYPE_CHECKING, Any
 from recover.config import Config, load_config, parse_overrides
 from recover.coord.tls import Tls, add_tls_flags
 from recover.errors import ConfigError, RecoverError
-from recover.faults.registry import random_kinds, registered
-from recover.faults.schedule import KILL
+from recover.faults.registry import KILL, random_kinds, registered
 from recover.launch.placement import Placement, parse_gpus, place, visible_gpus
 from recover.names import BASELINES, Baseline, Event, Phase
 from recover.observe.lease import acquire, check_free

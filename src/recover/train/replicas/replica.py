@@ -88,7 +88,8 @@ from torch.distributed.tensor import DTensor
 
 from recover.config import Config, ModelConfig, TrainingConfig
 from recover.data.prefetch import Prefetcher
-from recover.faults.perturb import NONE, GradientFn
+from recover.faults.perturb import NONE
+from recover.faults.registry import GradientFn
 from recover.model import build_model, lm_loss
 from recover.names import Phase
 from recover.parallel.apply import clean_name, parallelize
