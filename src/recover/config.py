@@ -37,7 +37,7 @@ from typing import Any, ClassVar, Literal
 
 from recover.errors import ConfigError, check_numbers, require
 from recover.model import spec as model_spec
-from recover.model.config import ModelConfig
+from recover.model.spec import ModelConfig
 from recover.names import (
     Assignment,
     Backend,

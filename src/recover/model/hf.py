@@ -26,8 +26,7 @@ from recover.model import spec as registry
 if TYPE_CHECKING:
     import torch
 
-    from recover.model.config import ModelConfig
-    from recover.model.spec import HFMapping
+    from recover.model.spec import HFMapping, ModelConfig
 
 EOT_TOKEN = "<|endoftext|>"
 

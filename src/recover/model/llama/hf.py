@@ -23,7 +23,7 @@ from __future__ import annotations
 from typing import TYPE_CHECKING, Any
 
 from recover.errors import ConfigError
-from recover.model.config import ModelConfig
+from recover.model.spec import ModelConfig
 
 if TYPE_CHECKING:
     import torch

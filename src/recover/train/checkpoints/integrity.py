@@ -35,7 +35,7 @@ from pathlib import Path
 from typing import Any
 
 from recover.errors import CheckpointError, IncompatibleCheckpoint
-from recover.model.config import ModelConfig
+from recover.model.spec import ModelConfig
 
 MARKER = "COMMITTED"
 OWN_FORMAT = "own"
