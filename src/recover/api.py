@@ -25,11 +25,11 @@ Contract:
   its fault injections, whether it joins a running job). There, every replica registers with the
   coordinator, reduces over layer 1's fault-tolerant groups, writes its step records and events into the
   run directory like a built-in replica, and exits with the same statuses when it is fenced or the job
-  ends (:mod:`recover.train.exits`). Run as plain ``python SCRIPT`` it is one replica on its own.
+  ends (:mod:`recover.train.processes.exits`). Run as plain ``python SCRIPT`` it is one replica on its own.
 - A joiner (a restarted replica) takes the model's parameters, buffers, optimizer state and ``extra``
   state from a live replica at a step boundary; ``steps()`` then continues from the step the job is at.
 - :meth:`Job.save` checkpoints the model, optimizer, ``extra`` state and counters between steps
-  (:mod:`recover.train.own_checkpoint`: the built-in trainer's disk conventions); ``Job(resume=RUN)``
+  (:mod:`recover.train.checkpoints.own_checkpoint`: the built-in trainer's disk conventions); ``Job(resume=RUN)``
   continues from the newest intact one, bitwise in deterministic mode. In a launched job only the lowest
   live replica writes, with no collective; ``recover launch --resume`` makes ``RUN`` the run directory.
   When every replica holding the state is lost at once, the replicas started in their place load the newest
@@ -66,8 +66,8 @@ import torch
 from torch import nn
 
 from recover.names import WORKER_ENV, Event, Phase
-from recover.train import script
-from recover.train.steps import LoopContext, Step, Steps
+from recover.train.processes import script
+from recover.train.replicas.steps import LoopContext, Step, Steps
 
 if TYPE_CHECKING:
     from torch.distributed.device_mesh import DeviceMesh
@@ -129,12 +129,12 @@ def _init() -> Runtime:
         world = int(os.environ.get("WORLD_SIZE", "1"))
         return _runtime(Config(parallel=ParallelConfig(fsdp=world)), None, 0, None)
     from recover.config import RUN_CONFIG, load_config
-    from recover.train.process import prepare
+    from recover.train.processes.process import prepare
 
     job = json.loads(raw)
     # recover launch wrote the run's config.json; a cluster recipe names the preset and its overrides
     cfg = load_config(job.get("config") or str(Path(job["out"]) / RUN_CONFIG), list(job.get("overrides", [])))
-    prepare(cfg)  # the set-up of every replica process (recover.train.process)
+    prepare(cfg)  # the set-up of every replica process (recover.train.processes.process)
     job["errors"] = script.ScriptErrors(Path(job["out"]), int(job["replica"]),
                                         int(os.environ.get("RANK", "0"))).install()
     script.skip_teardown()
@@ -147,8 +147,8 @@ def _runtime(cfg: Any, job: dict[str, Any] | None, replica: int, out: Path | Non
     trainer's only). Raises ConfigError."""
     from recover.errors import ConfigError
     from recover.parallel.dims import ParallelDims
-    from recover.train.dist import init_from_env
-    from recover.train.worker import own_device
+    from recover.train.processes.worker import own_device
+    from recover.train.replicas.dist import init_from_env
 
     p = cfg.parallel
     if p.pp > 1:
@@ -196,9 +196,9 @@ class Job(Steps):
             (None on the other replicas and steps).
         scaler: a ``torch.amp.GradScaler`` for float16: each microbatch's loss is scaled by its scale before the
             backward, an overflowed step's update is skipped and the scale backs off, decided by the committed
-            step on every replica alike (bitwise as without failures; :mod:`recover.train.scaling`).
+            step on every replica alike (bitwise as without failures; :mod:`recover.train.replicas.scaling`).
         check_samples: read the first microbatch of each step twice and compare (an impure ``samples``, one
-            with the global RNG or a running cursor, is refused at that step: :mod:`recover.train.contract`).
+            with the global RNG or a running cursor, is refused at that step: :mod:`recover.train.replicas.contract`).
 
     Raises:
         IncompatibleCheckpoint: ``resume`` holds a checkpoint of another model or extra state (nothing loaded).
@@ -215,8 +215,8 @@ class Job(Steps):
                  evaluate: Callable[[], float] | None = None, eval_every: int = 0, scaler: Any = None) -> None:
         from recover.config import DataConfig
         from recover.data.prefetch import Prefetcher
-        from recover.train.contract import PureSamples, probe_id
-        from recover.train.own import OwnReplica, column
+        from recover.train.replicas.contract import PureSamples, probe_id
+        from recover.train.replicas.own import OwnReplica, column
 
         if microbatches < 1:
             raise ValueError(f"microbatches = {microbatches}: a step needs at least one")
@@ -227,14 +227,14 @@ class Job(Steps):
         if deterministic is None:
             deterministic = bool(cfg and cfg.training.deterministic)
         if deterministic:
-            from recover.train.loop import use_deterministic_kernels
+            from recover.train.processes.loop import use_deterministic_kernels
 
             use_deterministic_kernels()
         self.model, self.samples, self.M, self.seed = model, samples, microbatches, seed
         rt = self.runtime
         if prefetch is None:
             prefetch = cfg.data.prefetch if cfg else DataConfig.prefetch
-        # launched replicas of one rank digest each step's probe batch for the vote (recover.train.contract)
+        # launched replicas of one rank digest each step's probe batch for the vote (recover.train.replicas.contract)
         probe = (lambda step: probe_id(step, microbatches)) if cfg is not None and rt.ranks == 1 else None
         self.pure = PureSamples(samples, check_samples, probe)
         self.reads = Prefetcher(self.pure, prefetch, rt.device)
@@ -260,7 +260,7 @@ class Job(Steps):
 
     def _resume(self, resume: str | os.PathLike[str] | None) -> Progress:
         from recover.recovery.protocol import Progress
-        from recover.train import own_checkpoint
+        from recover.train.checkpoints import own_checkpoint
 
         launched = self.runtime.launched
         if resume is None and launched and launched.get("resume"):
@@ -272,7 +272,7 @@ class Job(Steps):
 
     def save(self, run_dir: str | os.PathLike[str] | None = None, *, keep: int | None = None) -> Path | None:
         """Checkpoints the model, optimizer, ``extra`` state and counters after the steps committed so far, in
-        ``RUN/checkpoints/step_NNNNNN`` (layout: :mod:`recover.train.own_checkpoint`). Call it between steps
+        ``RUN/checkpoints/step_NNNNNN`` (layout: :mod:`recover.train.checkpoints.own_checkpoint`). Call it between steps
         (after a step's microbatch loop), the same on every replica.
 
         In a launched job only the lowest live replica writes, alone (no collective, the others do not wait):
@@ -286,7 +286,7 @@ class Job(Steps):
         Raises:
             RuntimeError: called inside a step's microbatch loop. ValueError: no ``run_dir`` when not launched.
         """
-        from recover.train import own_checkpoint
+        from recover.train.checkpoints import own_checkpoint
 
         if self.context is not None and self.context.inside:
             raise RuntimeError("job.save() inside a step's microbatch loop: call it after the loop, between steps")
@@ -304,8 +304,8 @@ class Job(Steps):
     def _write(self, root: Path | None, keep: int | None = None) -> Path:
         """A checkpoint of the committed state under ``root`` (None: the run directory's ``checkpoints/``):
         :meth:`save`'s, and the launched session's own (a committed stop, quorum or coordinator lost,
-        divergence: :mod:`recover.train.session`)."""
-        from recover.train import own_checkpoint
+        divergence: :mod:`recover.train.processes.session`)."""
+        from recover.train.checkpoints import own_checkpoint
 
         cfg = self.runtime.launched["config"] if self.runtime.launched else None
         keep = keep if keep is not None else (cfg.training.keep_checkpoints if cfg else 3)
@@ -357,7 +357,7 @@ class Job(Steps):
 
     def _probed(self, data_step: int) -> None:
         """The digest of ``data_step``'s probe batch into this replica's vote (read now if it was not yet)."""
-        from recover.train.contract import probe_id
+        from recover.train.replicas.contract import probe_id
 
         mb = probe_id(data_step, self.M)
         if data_step not in self.pure.digests:
@@ -393,8 +393,8 @@ class Job(Steps):
             script.fail(self._session, exc, self._write)
 
     def _start(self) -> None:
-        from recover.train.dist import CommitAll, StaticGroup
-        from recover.train.process import build_step
+        from recover.train.processes.process import build_step
+        from recover.train.replicas.dist import CommitAll, StaticGroup
 
         if self.runtime.launched is None:
             self.protocol = build_step(self.replica, StaticGroup(), CommitAll(), self.M, self.start, None,

@@ -29,8 +29,8 @@ from recover.errors import RecoverError
 # Modules that register sub-commands, in the order `recover --help` lists them.
 COMMAND_MODULES = (
     "recover.launch.demo",  # demo
-    "recover.train.cli",  # train
-    "recover.train.checkpoint_cli",  # sample, export
+    "recover.train.processes.cli",  # train
+    "recover.train.checkpoints.checkpoint_cli",  # sample, export
     "recover.data.cli",  # prepare
     "recover.launch.cli",  # launch, compare, worker
     "recover.launch.report",  # report
@@ -101,7 +101,7 @@ def main(argv: list[str] | None = None) -> int:
         code = _main(argv)
     finally:
         sys.stdout, sys.stderr = streams
-    dist = sys.modules.get("recover.train.dist")
+    dist = sys.modules.get("recover.train.replicas.dist")
     if dist is not None and getattr(dist, "abandoned", None) is not None:  # a teardown left waiting for good:
         sys.stdout.flush()  # ending normally would wait on it again in the interpreter's own teardown
         sys.stderr.flush()
@@ -140,7 +140,7 @@ def _main(argv: list[str] | None) -> int:
     except RecoverError as exc:
         print(f"recover: error: {one_line(str(exc))}", file=sys.stderr)
         if args.command == "worker":
-            from recover.train.exits import record_exit
+            from recover.train.processes.exits import record_exit
 
             record_exit(2)
         return 2

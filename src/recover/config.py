@@ -37,7 +37,7 @@ from typing import Any, ClassVar, Literal
 
 from recover.errors import ConfigError, check_numbers, require
 from recover.model import spec as model_spec
-from recover.model.config import ModelConfig
+from recover.model.spec import ModelConfig
 from recover.names import (
     Assignment,
     Backend,
@@ -183,7 +183,7 @@ class TrainingConfig:
     """Save a checkpoint every this many steps (and at the end when > 0); 0 disables. ``"auto"``: every K
     steps, K chosen as the job runs by Young/Daly from the measured cost of a save (what training waits
     for it), the median step time and the failures seen (prior: ``fault_tolerance.mtbf_s``), logged as
-    ``checkpoint_interval`` when it changes (:mod:`recover.train.cadence`); the first save comes after the
+    ``checkpoint_interval`` when it changes (:mod:`recover.train.checkpoints.cadence`); the first save comes after the
     first step, to measure its cost, and the last step is saved too."""
     checkpoint_async: bool = True
     """Periodic checkpoints with ``torch.distributed.checkpoint.async_save`` (the default): the step blocks
@@ -364,7 +364,7 @@ class FaultToleranceConfig:
     """The job's mean time between failures in seconds, as ``training.checkpoint_every = "auto"`` assumes it
     before failures are seen (then it counts as one failure's worth of evidence beside the observed ones).
     0: 50,000 GPU-hours shared by the job's processes (Llama 3 405B's published interruption rate; about 3 h
-    for 16,384 GPUs: :func:`recover.train.cadence.default_mtbf_s`)."""
+    for 16,384 GPUs: :func:`recover.train.checkpoints.cadence.default_mtbf_s`)."""
     start_timeout_s: float = 60.0
     """How long the first generation waits for every replica after the first registered: then it forms of
     those registered (at least ``min_replicas``), and the others join at a step boundary when they come."""

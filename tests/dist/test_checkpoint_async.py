@@ -27,7 +27,7 @@ from conftest import losses, max_rel_diff, subprocess_env
 from recover.cli import main
 from recover.config import ModelConfig
 from recover.errors import CheckpointError
-from recover.train import checkpoint as ckpt
+from recover.train.checkpoints import checkpoint as ckpt
 
 CFG = ModelConfig()  # only stored in meta.json here: the modules below are plain nn.Linear
 
@@ -133,7 +133,7 @@ SAVER = """
 import sys, torch
 from torch import nn
 from recover.config import ModelConfig
-from recover.train import checkpoint as ckpt
+from recover.train.checkpoints import checkpoint as ckpt
 root = sys.argv[1]
 model = nn.Sequential(*[nn.Linear(512, 512) for _ in range(4)])  # ~1 M floats: ~12 MB with AdamW state
 opt = torch.optim.AdamW(model.parameters())

@@ -27,7 +27,7 @@ from pathlib import Path
 import pytest
 
 from conftest import subprocess_env
-from recover.train.exits import EXIT_FENCED
+from recover.train.processes.exits import EXIT_FENCED
 
 LEAVE_S = 10.0  # the acceptance bound: the cut-off worker has left this long after the cut
 

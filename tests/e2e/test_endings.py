@@ -17,7 +17,7 @@ from test_storage import FULL_AT_SUMMARY  # a launcher whose summary.json the di
 
 from conftest import ROOT, STOP_GRACE_S, kill_group, subprocess_env
 from recover.observe.events import read_jsonl
-from recover.train.integrity import list_checkpoints
+from recover.train.checkpoints.integrity import list_checkpoints
 
 
 def start(out: Path, corpus: Path, *flags: str) -> subprocess.Popen[str]:

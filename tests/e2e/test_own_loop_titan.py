@@ -51,7 +51,7 @@ def test_torchtitans_llama3_trains_bitwise_through_a_corruption_a_kill_and_a_han
 
 @pytest.mark.interop
 def test_a_joiners_rebuilt_llama3_with_the_transferred_state_computes_bitwise_what_the_live_one_does() -> None:
-    from recover.train.own import OwnReplica
+    from recover.train.replicas.own import OwnReplica
 
     spec = importlib.util.spec_from_file_location("train_titan", SCRIPT)
     titan = importlib.util.module_from_spec(spec)

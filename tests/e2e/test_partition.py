@@ -29,7 +29,7 @@ import pytest
 
 from conftest import losses, run_recover, subprocess_env
 from recover.bench.common import kill_group
-from recover.train.exits import EXIT_FENCED
+from recover.train.processes.exits import EXIT_FENCED
 
 REPLICAS, STEPS, TIMEOUT_S = 4, 14, 6.0
 BOUND_S = 2 * TIMEOUT_S  # the stated bound: resolved within twice the collective timeout

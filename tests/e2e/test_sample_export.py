@@ -23,10 +23,10 @@ from recover.config import ModelConfig, load_config
 from recover.data.tokenizer import ByteTokenizer
 from recover.errors import CheckpointError, ConfigError
 from recover.model import build_model, construct, hf
-from recover.train.describe import read_description, resolve_checkpoint
-from recover.train.integrity import verify, write_manifest
-from recover.train.sample import generate, load_checkpoint_model
-from recover.train.weights import check_init_from, load_initial_weights, read_checkpoint_state
+from recover.train.checkpoints.describe import read_description, resolve_checkpoint
+from recover.train.checkpoints.integrity import verify, write_manifest
+from recover.train.checkpoints.sample import generate, load_checkpoint_model
+from recover.train.checkpoints.weights import check_init_from, load_initial_weights, read_checkpoint_state
 
 MODEL = ["--model.n_kv_heads=2", "--model.tie_embeddings=false", "--model.init_std=0.1", "--model.rope_theta=500"]
 PROMPT = "    def __init__(self, name):\n"  # 30 bytes: 30 + 30 new tokens stay inside max_seq_len = 64
@@ -87,9 +87,9 @@ def test_a_checkpoint_describes_itself_and_older_ones_fall_back(run: Path, tmp_p
 def test_a_huggingface_tokenizer_travels_inside_the_checkpoint(tmp_path: Path) -> None:
     """A run on a tokenizer.json: the checkpoint holds a copy (under the manifest) and reads it back."""
     pytest.importorskip("tokenizers", reason="the HF tokenizer path needs the 'tokenizers' package")
-    from recover.train.checkpoint import save_checkpoint
-    from recover.train.describe import describe_run
-    from recover.train.optim import build_optimizer
+    from recover.train.checkpoints.checkpoint import save_checkpoint
+    from recover.train.checkpoints.describe import describe_run
+    from recover.train.replicas.optim import build_optimizer
 
     tok_file = tmp_path / "tok" / "tokenizer.json"
     tok_file.parent.mkdir()

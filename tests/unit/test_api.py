@@ -11,7 +11,7 @@ import torch
 from torch import nn
 
 import recover
-from recover.train.steps import microbatch_seed
+from recover.train.replicas.steps import microbatch_seed
 
 M, CLIP = 4, 0.5
 
@@ -145,7 +145,7 @@ class Hooked(nn.Module):
 
 
 def test_a_joiner_receives_the_parameters_and_persistent_buffers_not_what_state_dict_hooks_derive() -> None:
-    from recover.train.own import OwnReplica
+    from recover.train.replicas.own import OwnReplica
 
     def replica(seed: int) -> tuple[nn.Module, OwnReplica]:
         torch.manual_seed(seed)

@@ -1,4 +1,4 @@
-"""A teardown that never returns cannot hang a process (:func:`recover.train.dist.shutdown`), and a run is
+"""A teardown that never returns cannot hang a process (:func:`recover.train.replicas.dist.shutdown`), and a run is
 done at its last step (:func:`recover.bench.common.committed`); the lingering run itself:
 tests/e2e/test_bench_lingering_run.py."""
 
@@ -24,7 +24,7 @@ def test_the_last_step_says_a_run_is_done_not_a_count_of_records(tmp_path: Path)
 
 def test_a_teardown_that_never_returns_is_abandoned_with_one_line(monkeypatch: pytest.MonkeyPatch,
                                                                  capsys: pytest.CaptureFixture[str]) -> None:
-    from recover.train import dist as train_dist
+    from recover.train.replicas import dist as train_dist
 
     monkeypatch.setattr(train_dist.dist, "is_initialized", lambda: True)
     monkeypatch.setattr(train_dist.dist, "get_rank", lambda: 3)

@@ -1,4 +1,5 @@
-"""Which steps the saver checkpoints (recover.train.cadence): a fixed K, or Young/Daly's from measurements."""
+"""Which steps the saver checkpoints (recover.train.checkpoints.cadence): a fixed K, or Young/Daly's from
+measurements."""
 
 from __future__ import annotations
 
@@ -8,7 +9,7 @@ import pytest
 
 from recover.config import load_config
 from recover.errors import ConfigError
-from recover.train.cadence import Cadence, default_mtbf_s, young_daly_interval_s, young_daly_steps
+from recover.train.checkpoints.cadence import Cadence, default_mtbf_s, young_daly_interval_s, young_daly_steps
 
 
 def test_young_daly_in_seconds_and_steps() -> None:

@@ -1,5 +1,5 @@
-"""A save the storage refused is abandoned (recover.train.checkpoint.abandon): what it left goes, the rest stays.
-A periodic one lets training go on; one the job ends with leaves the loop ``unsaved`` (exit status 12)."""
+"""A save the storage refused is abandoned (recover.train.checkpoints.checkpoint.abandon): what it left goes, the
+rest stays. A periodic one lets training go on; one the job ends with leaves the loop ``unsaved`` (exit status 12)."""
 
 from __future__ import annotations
 
@@ -12,10 +12,10 @@ import pytest
 from recover.config import load_config
 from recover.names import Event
 from recover.recovery.protocol import Progress
-from recover.train import exits
-from recover.train.cadence import Cadence
-from recover.train.checkpoint import MARKER, UNSAVED, UNSAVED_NONE, abandon
-from recover.train.loop import Loop
+from recover.train.checkpoints.cadence import Cadence
+from recover.train.checkpoints.checkpoint import MARKER, UNSAVED, UNSAVED_NONE, abandon
+from recover.train.processes import exits
+from recover.train.processes.loop import Loop
 
 
 def test_abandon_removes_every_partial_keeps_complete_and_set_aside_ones_and_names_the_cause(tmp_path: Path) -> None:
@@ -111,7 +111,7 @@ def test_the_state_a_cut_off_replica_kept_is_put_in_place_only_when_newest(tmp_p
     """Every replica cut off from the coordinator: the lowest kept the committed state under checkpoints/cut_off/;
     the launcher makes it the newest checkpoint (for --resume) when it is newer than every complete one there."""
     from recover.launch.launcher import rescue
-    from recover.train.integrity import MARKER, list_checkpoints
+    from recover.train.checkpoints.integrity import MARKER, list_checkpoints
 
     root = tmp_path / "checkpoints"
 

@@ -235,7 +235,7 @@ def test_a_step_too_large_for_memory_is_refused_with_the_fields_and_the_fix() ->
 
 def test_a_section_built_alone_checks_its_numbers_too() -> None:
     from recover.config import TrainingConfig
-    from recover.model.config import ModelConfig
+    from recover.model.spec import ModelConfig
 
     with pytest.raises(ConfigError, match="training.lr = inf is not allowed: a finite number"):
         TrainingConfig(lr=float("inf"))

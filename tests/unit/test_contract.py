@@ -13,7 +13,7 @@ from torch import nn
 
 import recover
 from recover.errors import ContractError
-from recover.train.contract import PureSamples, same
+from recover.train.replicas.contract import PureSamples, same
 
 M = 4
 

@@ -1,6 +1,6 @@
 """The read deadline of a worker's coordinator connection (recover.coord.deadline): the pure verdict, the
 client acting on it against a stand-in coordinator on loopback that goes silent, and the replica's end
-(recover.train.session) for each verdict. Threads and sockets, no processes: well under a second each.
+(recover.train.processes.session) for each verdict. Threads and sockets, no processes: well under a second each.
 """
 
 from __future__ import annotations
@@ -31,8 +31,8 @@ from recover.coord.deadline import (
 )
 from recover.coord.protocol import CLIENT_TYPES, FrameDecoder, Membership, encode
 from recover.errors import CoordinatorLost
-from recover.train.exits import EXIT_COORDINATOR_LOST, EXIT_FENCED
-from recover.train.session import Session
+from recover.train.processes.exits import EXIT_COORDINATOR_LOST, EXIT_FENCED
+from recover.train.processes.session import Session
 
 BEAT_S = 0.05
 DEADLINE_S = DEADLINE_BEATS * BEAT_S

@@ -20,7 +20,7 @@ from recover.data.shards import GPT2_MAGIC, LLAMA3_MAGIC, read_shard
 from recover.data.verify import check_data
 from recover.errors import ConfigError, DataError
 from recover.launch.cli import LaunchRequest, check_launch
-from recover.train.cli import torchrun_replicas, train_config
+from recover.train.processes.cli import torchrun_replicas, train_config
 
 TEXT = "First Citizen:\nBefore we proceed any further, hear me speak.\n\nAll:\nSpeak, speak.\n" * 400
 

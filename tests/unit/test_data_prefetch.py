@@ -19,8 +19,8 @@ from recover.data.sampler import Sampler
 from recover.data.shards import TokenDataset, write_shard
 from recover.errors import DataError
 from recover.recovery.protocol import ResilientStep
-from recover.train.dist import CommitAll, StaticGroup
-from recover.train.replica import Replica
+from recover.train.replicas.dist import CommitAll, StaticGroup
+from recover.train.replicas.replica import Replica
 
 M, B, T = 8, 2, 16
 

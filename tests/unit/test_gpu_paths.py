@@ -22,8 +22,8 @@ from test_reduction import Recording
 
 from recover.config import TrainingConfig
 from recover.recovery.protocol import ResilientStep
-from recover.train.dist import CommitAll, StaticMembership
-from recover.train.replica import Replica
+from recover.train.replicas.dist import CommitAll, StaticMembership
+from recover.train.replicas.replica import Replica
 
 READS = ("item", "tolist", "cpu", "numpy", "__float__", "__int__", "__bool__", "__index__")
 
@@ -173,7 +173,7 @@ def test_the_warm_up_compiles_before_joining_and_leaves_nothing_behind() -> None
 
 def test_deterministic_mode_switches_on_deterministic_kernels(monkeypatch: pytest.MonkeyPatch) -> None:
     from recover.config import load_config
-    from recover.train.loop import configure_torch
+    from recover.train.processes.loop import configure_torch
 
     monkeypatch.delenv("CUBLAS_WORKSPACE_CONFIG", raising=False)
     threads = torch.get_num_threads()

@@ -10,8 +10,8 @@ import torch
 from recover.config import load_config
 from recover.errors import CheckpointError
 from recover.faults import kind
-from recover.train.integrity import verify, write_manifest
-from recover.train.replica import Replica
+from recover.train.checkpoints.integrity import verify, write_manifest
+from recover.train.replicas.replica import Replica
 
 
 class _Data:

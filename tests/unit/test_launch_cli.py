@@ -100,7 +100,7 @@ def test_demo_failures_scale_with_the_run() -> None:
 
 def test_placement_gives_every_rank_its_own_gpu_and_refuses_more_ranks_than_gpus() -> None:
     from recover.launch.placement import parse_gpus, place
-    from recover.train.exits import PLACEMENT_ENV
+    from recover.train.processes.exits import PLACEMENT_ENV
 
     plan = place(2, 2, parse_gpus("0,1,2,3"))
     assert plan.gpus == {(0, 0): "0", (0, 1): "1", (1, 0): "2", (1, 1): "3"} and not plan.shared
@@ -131,7 +131,7 @@ def test_dry_run_prints_the_plan_and_starts_nothing(tmp_path: Path, capsys: pyte
 
 
 def test_a_worker_that_sees_cuda_the_launcher_did_not_refuses_to_share_gpu_0_silently() -> None:
-    from recover.train.worker import worker_device
+    from recover.train.processes.worker import worker_device
 
     assert worker_device(0, "none", 4) == "cpu"
     assert worker_device(1, None, 4) == "cuda:0"  # given its own GPU (or started by torchrun / a cluster recipe)
@@ -210,7 +210,7 @@ def _fake_checkpoint(out: Path, step: int, **model: object) -> Path:
     import json
 
     from recover.config import load_config
-    from recover.train.integrity import MARKER, checkpoint_path
+    from recover.train.checkpoints.integrity import MARKER, checkpoint_path
 
     path = checkpoint_path(out / "checkpoints", step)
     path.mkdir(parents=True)

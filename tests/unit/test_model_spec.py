@@ -27,7 +27,7 @@ from recover.model import build_model, hf, model_stats
 from recover.model.common import param_seed
 from recover.model.spec import ModelSpec, TPPlan, get, names, register
 from recover.parallel import ParallelDims, parallelize, split_stage
-from recover.train.checkpoint import check_compatible
+from recover.train.checkpoints.checkpoint import check_compatible
 
 ARCH = "minigpt"
 

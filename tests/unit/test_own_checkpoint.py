@@ -140,7 +140,7 @@ def test_no_checkpoint_starts_fresh_and_another_model_is_refused_with_nothing_lo
 
 
 def test_own_checkpoints_are_refused_by_export_and_sample(tmp_path: Path) -> None:
-    from recover.train.describe import read_description, resolve_checkpoint
+    from recover.train.checkpoints.describe import read_description, resolve_checkpoint
 
     job, _ = train(1)
     path = job.save(tmp_path)

@@ -13,8 +13,8 @@ from recover.errors import ConfigError
 from recover.model import build_model, lm_loss
 from recover.parallel import MeshAxis, ParallelDims, parallelize, split_stage
 from recover.parallel.pipeline import PipelineRunner
-from recover.train.optim import build_optimizer, lr_at, set_lr
-from recover.train.replica import Replica
+from recover.train.replicas.optim import build_optimizer, lr_at, set_lr
+from recover.train.replicas.replica import Replica
 
 CFG = ModelConfig(vocab_size=64, dim=32, n_layers=5, n_heads=4, max_seq_len=16, tie_embeddings=False)
 

@@ -18,7 +18,7 @@ from test_parallel import CFG, _Sampler
 from recover.comm.reduction import Reduction, plan_buckets
 from recover.config import TrainingConfig
 from recover.faults import Perturbation, kind
-from recover.train.replica import Replica
+from recover.train.replicas.replica import Replica
 
 
 class Recording(Reduction):

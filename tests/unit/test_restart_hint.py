@@ -5,7 +5,7 @@ from __future__ import annotations
 import pytest
 
 from recover.lifeline import ENV
-from recover.train.session import restart_hint
+from recover.train.processes.session import restart_hint
 
 
 def test_a_worker_started_by_hand_is_not_told_about_the_launcher(monkeypatch: pytest.MonkeyPatch) -> None:

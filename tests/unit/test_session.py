@@ -1,4 +1,5 @@
-"""How a launched replica's session ends a job it cannot go on in (:meth:`recover.train.session.Session.status`)."""
+"""How a launched replica's session ends a job it cannot go on in
+(:meth:`recover.train.processes.session.Session.status`)."""
 
 from __future__ import annotations
 
@@ -8,8 +9,8 @@ import pytest
 
 from recover.config import load_config
 from recover.errors import StateLost
-from recover.train.exits import EXIT_STATE_LOST
-from recover.train.session import Session
+from recover.train.processes.exits import EXIT_STATE_LOST
+from recover.train.processes.session import Session
 
 
 def test_nobody_holding_the_state_and_no_checkpoint_ends_with_one_line_and_status_11(

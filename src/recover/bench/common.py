@@ -339,9 +339,9 @@ def measure_compute_s(config: str, overrides: Sequence[str], replicas: int,
 
     from recover.config import load_config
     from recover.data.prepare import prepared_data_dir
-    from recover.train.dist import DistContext
-    from recover.train.loop import configure_torch
-    from recover.train.trainer import build_replica
+    from recover.train.processes.loop import configure_torch
+    from recover.train.processes.trainer import build_replica
+    from recover.train.replicas.dist import DistContext
 
     threads_before = torch.get_num_threads()
     cfg = load_config(config, [*overrides, f"--parallel.replicas={replicas}", "--training.device_time_s=0"])

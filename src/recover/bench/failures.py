@@ -91,7 +91,7 @@ from recover.errors import ConfigError
 from recover.faults import FailureSchedule, FailureSpec, random_schedule
 from recover.names import Baseline, Event, Phase
 from recover.observe.plots import load_events, load_metrics
-from recover.train.cadence import young_daly_interval_s, young_daly_steps
+from recover.train.checkpoints.cadence import young_daly_interval_s, young_daly_steps
 
 SYSTEMS = ("recover", Baseline.RESTART.value, "restart-async", Baseline.SHRINK.value, "torchft")
 RESTARTS = {Baseline.RESTART.value: False, "restart-async": True}
@@ -448,8 +448,8 @@ def _build_replica(config: str, overrides: Sequence[str], replicas: int) -> tupl
     """(config, replica) of this model built in this process as replica 0 of ``replicas`` (no process group)."""
     from recover.config import load_config
     from recover.data.prepare import prepared_data_dir
-    from recover.train.dist import DistContext
-    from recover.train.trainer import build_replica
+    from recover.train.processes.trainer import build_replica
+    from recover.train.replicas.dist import DistContext
 
     cfg = load_config(config, [*overrides, f"--parallel.replicas={replicas}"])
     replica, _ = build_replica(cfg, DistContext(local_world_size=replicas), prepared_data_dir(cfg.data, quiet=True))
@@ -465,7 +465,7 @@ def measure_save_cost(config: str, overrides: Sequence[str], replicas: int, repe
     ``whole`` runs until the checkpoint is committed (equal to ``blocking`` when synchronous).
     Each asynchronous save is awaited before the next one starts, outside the blocking time.
     """
-    from recover.train.checkpoint import Checkpointer
+    from recover.train.checkpoints.checkpoint import Checkpointer
 
     with tempfile.TemporaryDirectory(prefix="recover-save-cost-") as tmp, warnings.catch_warnings():
         warnings.simplefilter("ignore", UserWarning)  # DCP: "assuming the intent is to save in a single process"

@@ -163,8 +163,8 @@ def plain_worker(args: argparse.Namespace) -> int:
     from recover.data.sampler import open_samplers
     from recover.model import build_model, lm_loss
     from recover.model.spec import spec_of
-    from recover.train.loop import configure_torch
-    from recover.train.optim import build_optimizer, lr_at, set_lr
+    from recover.train.processes.loop import configure_torch
+    from recover.train.replicas.optim import build_optimizer, lr_at, set_lr
 
     cfg = load_config(args.config, args.overrides)
     data_dir = prepared_data_dir(cfg.data, quiet=True)

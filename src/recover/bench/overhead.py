@@ -261,9 +261,9 @@ def ddp_worker(args: argparse.Namespace) -> int:
     from recover.config import load_config
     from recover.model import lm_loss
     from recover.observe.events import JsonlWriter
-    from recover.train.dist import init_from_env, shutdown
-    from recover.train.optim import lr_at, set_lr
-    from recover.train.trainer import build_replica, prepare_data
+    from recover.train.processes.trainer import build_replica, prepare_data
+    from recover.train.replicas.dist import init_from_env, shutdown
+    from recover.train.replicas.optim import lr_at, set_lr
     from recover.workload import static_assignment
 
     cfg = load_config(args.config, args.overrides)

@@ -222,9 +222,9 @@ def replica_main(args: argparse.Namespace) -> int:
     from recover.faults import Perturbation, parse_failure
     from recover.launch.processes import free_port
     from recover.model import lm_loss
-    from recover.train.dist import DistContext
-    from recover.train.optim import lr_at, set_lr
-    from recover.train.trainer import build_replica
+    from recover.train.processes.trainer import build_replica
+    from recover.train.replicas.dist import DistContext
+    from recover.train.replicas.optim import lr_at, set_lr
     from recover.workload import assign
 
     out, rid, n = Path(args.out), args.replica, args.replicas

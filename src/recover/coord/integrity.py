@@ -14,7 +14,7 @@ others fenced, or with no strict majority the job ends.
 
 Parameters that differ at step 0 (before any update) are the replicas' initial weights, not a faulty
 device: the verdict's line says so and names the fix (:data:`INITIAL_WEIGHTS`). Audits marked ``samples``
-(a script's replicas each digest the step's probe batch, :mod:`recover.train.contract`) that differ end the
+(a script's replicas each digest the step's probe batch, :mod:`recover.train.replicas.contract`) that differ end the
 job whatever the majority (the check ``samples``, :data:`SAMPLES_FIX`): the user's ``samples`` is not one
 function everywhere, which no majority repairs.
 """

@@ -6,15 +6,9 @@ only through :class:`~recover.faults.perturb.Perturbation`.
 """
 
 from recover.faults.kinds.hang import HANG_SIGNAL, hang_on_signal
-from recover.faults.perturb import NONE, Effect, Perturbation
-from recover.faults.registry import FaultKind, kind, random_kinds, registered, struck_by
-from recover.faults.schedule import (
-    PHASES,
-    FailureSchedule,
-    FailureSpec,
-    parse_failure,
-    random_schedule,
-)
+from recover.faults.perturb import NONE, Perturbation
+from recover.faults.registry import Effect, FailureSpec, FaultKind, kind, random_kinds, registered, struck_by
+from recover.faults.schedule import PHASES, FailureSchedule, parse_failure, random_schedule
 
 __all__ = ["HANG_SIGNAL", "NONE", "PHASES", "Effect", "FailureSchedule", "FailureSpec", "FaultKind", "Perturbation",
            "hang_on_signal", "kind", "parse_failure", "random_kinds", "random_schedule", "registered", "struck_by"]

@@ -8,7 +8,7 @@ calls it at its injection points and never asks which kinds exist:
 - :meth:`Perturbation.at_phase` at every phase point of every step: a spec of this rank whose
   (step, phase) it is fires once, in schedule order: its event is written (``record``), then its kind
   strikes (:meth:`~recover.faults.registry.FaultKind.strike`): it kills, hangs or stops the process, acts
-  on the ``target`` (the replica: ``target.corrupt()``), or installs an :class:`Effect`;
+  on the ``target`` (the replica: ``target.corrupt()``), or installs an :class:`~recover.faults.registry.Effect`;
 - :meth:`Perturbation.gradient` before a pass's gradients are folded: None (nothing to do, the common
   case), or a function applied to each gradient tensor of the pass in turn, in place;
 - :meth:`Perturbation.time_factor` where a pass's time is emulated or stretched;
@@ -26,30 +26,12 @@ import threading
 from collections.abc import Callable, Hashable, Iterable
 from typing import Any
 
-from recover.faults.registry import kind
-from recover.faults.schedule import FailureSpec, phase_hint
+from recover.faults.registry import Effect, FailureSpec, GradientFn, kind, phase_hint
 from recover.names import PHASES, Event, Phase
 
-GradientFn = Callable[[Any], None]
-"""Applied in place to each gradient tensor of one pass, in order."""
 Record = Callable[[FailureSpec, Event, dict[str, Any]], Any]
 """Writes the event of a spec that strikes: ``record(spec, kind_of_event, fields)``."""
 
-
-class Effect:
-    """What a struck fault leaves in force; the defaults change nothing (a kind overrides what it needs)."""
-
-    def gradient(self, perturbation: Perturbation, step: int, mb: int | None) -> GradientFn | None:
-        return None
-
-    def time_factor(self) -> float:
-        return 1.0
-
-    def unreachable(self, peer: int) -> bool:
-        return False
-
-    def heartbeats(self) -> bool:
-        return True
 
 
 class Perturbation:

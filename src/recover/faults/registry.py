@@ -1,5 +1,6 @@
 """The fault kinds: each is one registered :class:`FaultKind`, declared in its own module of
-:mod:`recover.faults.kinds`.
+:mod:`recover.faults.kinds`; and what a kind is given: the :class:`FailureSpec` it parses and checks, the
+:class:`Hook` it strikes through and the :class:`Effect` it may leave in force.
 
 Contract: a kind declares everything the rest of the system asks about it, so adding one touches
 its own module (and its test) only:
@@ -7,7 +8,7 @@ its own module (and its test) only:
 - its name (the ``fault`` of its specs, ``R@STEP:PHASE=NAME[:ARG]``, and of its events), one line of
   help, and its place among the kinds (``order``);
 - its ``recover launch`` flag (``flag``, ``metavar``, ``usage``) and :meth:`FaultKind.parse`, which turns
-  the flag's value into a :class:`~recover.faults.schedule.FailureSpec` or raises a one-line
+  the flag's value into a :class:`FailureSpec` or raises a one-line
   :class:`~recover.errors.ConfigError` with the form to write; :meth:`FaultKind.check` validates a
   spec's argument and :meth:`FaultKind.check_run` what depends on the run (the replica count);
 - whether it loses the replica (``kills``: counted by ``FailureSchedule.validate``), whether it strikes
@@ -20,21 +21,28 @@ its own module (and its test) only:
 
 :func:`registered` imports every module of :mod:`recover.faults.kinds` on first use (each registers its kind
 with :func:`register`), so no list of kinds is kept anywhere else. This module imports nothing above
-``faults/``: the injection reaches production code only through the hook.
+``faults/``: the injection reaches production code only through the hook. It is the lowest module of
+``faults/``: a spec names its kind and a kind parses specs, so the two live here together, and the hook that
+fires the kinds (:mod:`recover.faults.perturb`) implements :class:`Hook` rather than being imported here.
 """
 
 from __future__ import annotations
 
+import difflib
 import importlib
 import pkgutil
-from typing import TYPE_CHECKING, Any, ClassVar
+from collections.abc import Callable, Hashable
+from dataclasses import asdict, dataclass
+from typing import Any, ClassVar, Protocol
 
 from recover.errors import ConfigError
-from recover.names import Event
+from recover.names import PHASES, Event, Phase
 
-if TYPE_CHECKING:
-    from recover.faults.perturb import Perturbation
-    from recover.faults.schedule import FailureSpec
+DEFAULT_PHASE = Phase.FORWARD
+KILL = "kill"
+"""The kind of a spec that names none: SIGKILL."""
+GradientFn = Callable[[Any], None]
+"""Applied in place to each gradient tensor of one pass, in order."""
 
 _KINDS: dict[str, FaultKind] = {}
 _FOUND: list[bool] = []  # not empty once every module of recover.faults.kinds was imported
@@ -73,11 +81,11 @@ class FaultKind:
     def check_run(self, spec: FailureSpec, replicas: int) -> None:
         """Refuses ``spec`` in a run of ``replicas`` replicas (ConfigError); the default accepts it."""
 
-    def strike(self, spec: FailureSpec, perturbation: Perturbation) -> None:
+    def strike(self, spec: FailureSpec, perturbation: Hook) -> None:
         """What the process does when ``spec`` fires (after :meth:`record` is written)."""
         raise NotImplementedError
 
-    def record(self, spec: FailureSpec, perturbation: Perturbation) -> tuple[Event, dict[str, Any]]:
+    def record(self, spec: FailureSpec, perturbation: Hook) -> tuple[Event, dict[str, Any]]:
         """The event written when ``spec`` strikes and its fields (the replica is added by the writer)."""
         return self.event, {"fault": self.name, "step": spec.step}
 
@@ -87,6 +95,124 @@ class FaultKind:
 
     def __repr__(self) -> str:
         return f"<fault kind {self.name}>"
+
+
+class Effect:
+    """What a struck fault leaves in force; the defaults change nothing (a kind overrides what it needs)."""
+
+    def gradient(self, perturbation: Hook, step: int, mb: int | None) -> GradientFn | None:
+        return None
+
+    def time_factor(self) -> float:
+        return 1.0
+
+    def unreachable(self, peer: int) -> bool:
+        return False
+
+    def heartbeats(self) -> bool:
+        return True
+
+
+class Hook(Protocol):
+    """What a kind's :meth:`FaultKind.strike` acts on: the process's one hook
+    (:class:`~recover.faults.perturb.Perturbation` is it), declared here so that the kinds' interface does not
+    import the hook that fires them."""
+
+    @property
+    def replica(self) -> int: ...
+
+    @property
+    def rank(self) -> int:
+        """This process's rank in its replica."""
+
+    @property
+    def target(self) -> Any:
+        """The replica whose state a kind may act on (``corrupt()``); None where there is none."""
+
+    @property
+    def effects(self) -> dict[Hashable, Effect]:
+        """What struck faults left in force, by key (a kind adds its :class:`Effect`)."""
+
+    @property
+    def kill(self) -> Callable[[int, int], Any]:
+        """``kill(pid, signal)``."""
+
+    @property
+    def hang(self) -> Callable[[], Any]:
+        """Hangs the calling (training) thread."""
+
+
+@dataclass(frozen=True)
+class FailureSpec:
+    """Replica ``replica`` fails at ``phase`` of step ``step`` (0-based); ``rank`` None = its last rank.
+
+    ``fault`` names its kind (:func:`~recover.faults.registry.registered`): killed (the default), its training
+    thread hung for good, its process frozen (SIGSTOP) for good, ...
+    """
+
+    replica: int
+    step: int
+    phase: Phase = DEFAULT_PHASE
+    rank: int | None = None
+    fault: str = KILL
+    arg: float = 1.0
+    """The kind's argument, if it takes one (its kind's ``arg`` names it): how many times as long a
+    microbatch takes (``slow``), the peer replica (``cut``), the microbatch id (``nan``)."""
+
+    def __post_init__(self) -> None:
+        for name in ("replica", "step") + (("rank",) if self.rank is not None else ()):
+            value = getattr(self, name)
+            if not isinstance(value, int) or isinstance(value, bool) or value < 0:
+                raise ConfigError(f"failure {name} = {value!r} must be an integer >= 0")
+        if self.phase not in PHASES:
+            raise ConfigError(f"failure phase {self.phase!r} {phase_hint(self.phase)}")
+        object.__setattr__(self, "phase", Phase(self.phase))  # a plain name becomes its member
+        object.__setattr__(self, "fault", kind(self.fault).name)
+        self.kind.check(self)
+
+    @property
+    def kind(self) -> FaultKind:
+        """What it does (its registered kind)."""
+        return kind(self.fault)
+
+    @property
+    def kills(self) -> bool:
+        """Whether the replica is lost by it (a kill, hang, freeze or corruption; not a slow-down, a cut
+        link, or a NaN, which loses it only if it computes that microbatch): its kind's ``kills``."""
+        return self.kind.kills
+
+    def __str__(self) -> str:
+        """``R@STEP:PHASE``, with ``=KIND[:ARG]`` for other kinds than a kill (the rank travels separately,
+        as ``--fail-rank``)."""
+        suffix = "" if self.fault == KILL else f"={self.fault}"
+        if self.kind.arg is not None:
+            suffix += f":{self.arg:g}"
+        return f"{self.replica}@{self.step}:{self.phase}{suffix}"
+
+    @property
+    def label(self) -> str:
+        """``str(self)`` with ``#RANK`` when the rank is given: how a worker is told the spec, and how the
+        event of its strike names it (``spec``)."""
+        return str(self) if self.rank is None else f"{self}#{self.rank}"
+
+    def key(self) -> tuple[int, int, int]:
+        """Sort key: step, then phase order, then replica."""
+        return (self.step, PHASES.index(self.phase), self.replica)
+
+    def to_dict(self) -> dict[str, Any]:
+        return {**asdict(self), "phase": self.phase.value}
+
+    @classmethod
+    def from_dict(cls, d: dict[str, Any]) -> FailureSpec:
+        return cls(int(d["replica"]), int(d["step"]), str(d.get("phase", DEFAULT_PHASE)),
+                   None if d.get("rank") is None else int(d["rank"]), str(d.get("fault", KILL)),
+                   float(d.get("arg", d.get("factor", 1.0))))  # "factor": a config.json of an older release
+
+
+def phase_hint(phase: str) -> str:
+    close = difflib.get_close_matches(phase, PHASES, n=1, cutoff=0.5)
+    hint = f" (did you mean {close[0]!r}?)" if close else ""
+    return f"is not a phase{hint}; use one of {', '.join(PHASES)}"
 
 
 def register(kind: type[FaultKind]) -> type[FaultKind]:

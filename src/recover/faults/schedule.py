@@ -1,4 +1,5 @@
-"""Failure specs and schedules, keyed by (replica, step, phase).
+"""Failure schedules, keyed by (replica, step, phase), and the text form of a spec (its
+:class:`~recover.faults.registry.FailureSpec`).
 
 Contract: a :class:`FailureSchedule` is plain data, checked by :meth:`FailureSchedule.validate`
 before anything starts (``recover launch`` refuses impossible requests up front). Each replica
@@ -24,91 +25,19 @@ slow-down, a cut link, a NaN) do not count as failures in :meth:`FailureSchedule
 
 from __future__ import annotations
 
-import difflib
 import math
 import random
 import re
 from collections.abc import Iterable, Iterator
-from dataclasses import asdict, dataclass
 from typing import Any
 
 from recover.errors import ConfigError
-from recover.faults.registry import FaultKind, kind, registered
+from recover.faults.registry import DEFAULT_PHASE, KILL, FailureSpec, kind, phase_hint, registered
 from recover.names import PHASES, STEP_PHASES, Phase
 
-DEFAULT_PHASE = Phase.FORWARD
 FORM = "REPLICA@STEP[:PHASE], e.g. 1@5:backward"
 _SPEC = re.compile(r"^\s*([^@:]*)@([^@:]*)(?::([^@:]*))?\s*$")
 MAX_DRAWS = 1_000_000
-KILL = "kill"
-"""The kind of a spec that names none: SIGKILL."""
-
-
-@dataclass(frozen=True)
-class FailureSpec:
-    """Replica ``replica`` fails at ``phase`` of step ``step`` (0-based); ``rank`` None = its last rank.
-
-    ``fault`` names its kind (:func:`~recover.faults.registry.registered`): killed (the default), its training
-    thread hung for good, its process frozen (SIGSTOP) for good, ...
-    """
-
-    replica: int
-    step: int
-    phase: Phase = DEFAULT_PHASE
-    rank: int | None = None
-    fault: str = KILL
-    arg: float = 1.0
-    """The kind's argument, if it takes one (its kind's ``arg`` names it): how many times as long a
-    microbatch takes (``slow``), the peer replica (``cut``), the microbatch id (``nan``)."""
-
-    def __post_init__(self) -> None:
-        for name in ("replica", "step") + (("rank",) if self.rank is not None else ()):
-            value = getattr(self, name)
-            if not isinstance(value, int) or isinstance(value, bool) or value < 0:
-                raise ConfigError(f"failure {name} = {value!r} must be an integer >= 0")
-        if self.phase not in PHASES:
-            raise ConfigError(f"failure phase {self.phase!r} {phase_hint(self.phase)}")
-        object.__setattr__(self, "phase", Phase(self.phase))  # a plain name becomes its member
-        object.__setattr__(self, "fault", kind(self.fault).name)
-        self.kind.check(self)
-
-    @property
-    def kind(self) -> FaultKind:
-        """What it does (its registered kind)."""
-        return kind(self.fault)
-
-    @property
-    def kills(self) -> bool:
-        """Whether the replica is lost by it (a kill, hang, freeze or corruption; not a slow-down, a cut
-        link, or a NaN, which loses it only if it computes that microbatch): its kind's ``kills``."""
-        return self.kind.kills
-
-    def __str__(self) -> str:
-        """``R@STEP:PHASE``, with ``=KIND[:ARG]`` for other kinds than a kill (the rank travels separately,
-        as ``--fail-rank``)."""
-        suffix = "" if self.fault == KILL else f"={self.fault}"
-        if self.kind.arg is not None:
-            suffix += f":{self.arg:g}"
-        return f"{self.replica}@{self.step}:{self.phase}{suffix}"
-
-    @property
-    def label(self) -> str:
-        """``str(self)`` with ``#RANK`` when the rank is given: how a worker is told the spec, and how the
-        event of its strike names it (``spec``)."""
-        return str(self) if self.rank is None else f"{self}#{self.rank}"
-
-    def key(self) -> tuple[int, int, int]:
-        """Sort key: step, then phase order, then replica."""
-        return (self.step, PHASES.index(self.phase), self.replica)
-
-    def to_dict(self) -> dict[str, Any]:
-        return {**asdict(self), "phase": self.phase.value}
-
-    @classmethod
-    def from_dict(cls, d: dict[str, Any]) -> FailureSpec:
-        return cls(int(d["replica"]), int(d["step"]), str(d.get("phase", DEFAULT_PHASE)),
-                   None if d.get("rank") is None else int(d["rank"]), str(d.get("fault", KILL)),
-                   float(d.get("arg", d.get("factor", 1.0))))  # "factor": a config.json of an older release
 
 
 def parse_failure(text: str, rank: int | None = None, fault: str | None = None) -> FailureSpec:
@@ -164,12 +93,6 @@ def parse_at_step(text: str, fault: str) -> FailureSpec:
     if ":" in text:
         raise ConfigError(f"bad {fault} {text!r}: write R@STEP, e.g. 2@12")
     return parse_failure(f"{text}:{DEFAULT_PHASE}={fault}")
-
-
-def phase_hint(phase: str) -> str:
-    close = difflib.get_close_matches(phase, PHASES, n=1, cutoff=0.5)
-    hint = f" (did you mean {close[0]!r}?)" if close else ""
-    return f"is not a phase{hint}; use one of {', '.join(PHASES)}"
 
 
 class FailureSchedule:

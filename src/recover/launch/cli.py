@@ -25,18 +25,17 @@ from typing import TYPE_CHECKING, Any
 from recover.config import Config, load_config, parse_overrides
 from recover.coord.tls import Tls, add_tls_flags
 from recover.errors import ConfigError, RecoverError
-from recover.faults.registry import random_kinds, registered
-from recover.faults.schedule import KILL
+from recover.faults.registry import KILL, random_kinds, registered
 from recover.launch.placement import Placement, parse_gpus, place, visible_gpus
 from recover.names import BASELINES, Baseline, Event, Phase
 from recover.observe.lease import acquire, check_free
 from recover.observe.rundir import check_out, clear_run
-from recover.train.cli import INIT_FROM_HELP, init_from_override
+from recover.train.processes.cli import INIT_FROM_HELP, init_from_override
 
 if TYPE_CHECKING:
     from recover.launch.job import LaunchOptions
     from recover.launch.launcher import Launcher
-    from recover.train.worker import ReplicaWorker
+    from recover.train.processes.worker import ReplicaWorker
 
 
 def register(sub: argparse._SubParsersAction) -> None:
@@ -329,7 +328,7 @@ def check_launch(req: LaunchRequest) -> LaunchOptions:
                           "weights into the built-in models only; load yours in the script before recover.Job(...) "
                           "(e.g. model.load_state_dict(...)), or resume a script's run with --resume")
     if cfg.training.init_from:  # a source that does not fit is refused here, not by every worker
-        from recover.train.weights import check_init_from
+        from recover.train.checkpoints.weights import check_init_from
 
         check_init_from(cfg.training.init_from, cfg.model)
     parts, vals, notes = ([] if req.script else cfg.data.parts()), [], []  # a script reads its own data
@@ -362,7 +361,7 @@ def check_resume(cfg: Config, out: Path, script: bool = False) -> None:
         ConfigError: one line naming the checkpoint and the fix.
     """
     from recover.errors import CheckpointError, IncompatibleCheckpoint
-    from recover.train.integrity import check_compatible, list_checkpoints, read_meta
+    from recover.train.checkpoints.integrity import check_compatible, list_checkpoints, read_meta
 
     found = list_checkpoints(out / "checkpoints")
     if not found:
@@ -418,7 +417,7 @@ def launch(req: LaunchRequest) -> int:
     from recover.data.prepare import prepared_data_dir
     from recover.launch.job import Commands
     from recover.launch.launcher import Launcher
-    from recover.train.exits import (
+    from recover.train.processes.exits import (
         EXIT_BAD_DATA,
         EXIT_COORDINATOR_LOST,
         EXIT_DIVERGED,
@@ -537,7 +536,7 @@ def _everyone_lost(out: Path, rescued: Path | None = None) -> str:
     """The line of a job whose every replica was fenced or killed with none to come back: who went how, and
     the newest complete checkpoint to resume from (``rescued``: one a replica cut off from the coordinator
     kept, put in place by the launcher)."""
-    from recover.train.integrity import list_checkpoints
+    from recover.train.checkpoints.integrity import list_checkpoints
 
     causes = {e["replica"]: e.get("cause", "lost") for e in _events(out)
               if e.get("kind") == Event.FAILURE_DETECTED and "replica" in e}
@@ -643,15 +642,16 @@ def run_compare(args: argparse.Namespace) -> int:
 
 
 def run_worker(args: argparse.Namespace) -> int:
-    """``recover worker``: the built-in replica, started through :mod:`recover.train.process` like a script."""
+    """``recover worker``: the built-in replica, started through :mod:`recover.train.processes.process` like a
+    script."""
     from recover.observe.sinks import check_extras
-    from recover.train.exits import EXIT_STOPPED
-    from recover.train.process import Launched, exit_process, prepare
-    from recover.train.worker import ReplicaWorker, build
+    from recover.train.processes.exits import EXIT_STOPPED
+    from recover.train.processes.process import Launched, exit_process, prepare
+    from recover.train.processes.worker import ReplicaWorker, build
 
     holder: list[ReplicaWorker] = []
 
-    def stop(signum: int, frame: Any) -> None:  # SIGTERM: a leave, SIGINT: a stop (see train/worker.py)
+    def stop(signum: int, frame: Any) -> None:  # SIGTERM: a leave, SIGINT: a stop (see train/processes/worker.py)
         if holder:
             holder[0].request_stop(signum)
         else:  # still starting up: nothing to save

@@ -18,7 +18,7 @@ Contract:
   (``recover collect`` merges by the same), written as steps commit and again, final, at the end.
 - SIGTERM, SIGINT or SIGHUP (the terminal hung up: what would be printed goes to ``logs/launcher.log``)
   is a graceful stop: the coordinator is sent SIGTERM and every worker SIGINT
-  (SIGTERM to one worker alone is that replica's graceful leave, :mod:`recover.train.worker`), the next
+  (SIGTERM to one worker alone is that replica's graceful leave, :mod:`recover.train.processes.worker`), the next
   commit is a stop, the lowest live replica saves a complete checkpoint, and everything exits; after
   ``fault_tolerance.stop_grace_s`` whatever still runs is killed. A second signal kills at once.
   Exit statuses: 0 every step committed, 3 quorum lost (also when every replica was fenced or killed
@@ -31,7 +31,7 @@ Contract:
   job ended with (before any other: the committed steps are recorded, the older checkpoints kept) or,
   the job finished, the launcher's ``summary.json``, 13 a user's script raised the same exception again (see
   below), 1 otherwise.
-- A user's script that raises (a ``script_error`` event, :mod:`recover.train.script`): the launcher prints
+- A user's script that raises (a ``script_error`` event, :mod:`recover.train.processes.script`): the launcher prints
   at once the replica, the exception's last lines and its log's path, and whether the job goes on (the
   first time: the replica is lost and rejoins like a killed one) or stops (the same exception again, or a
   broken contract): then it stops the others as a graceful stop does (their leader saves the committed
@@ -67,7 +67,7 @@ from recover.launch.supervisor import POLL_S, Supervisor
 from recover.names import Event
 from recover.observe.events import EventLog, JsonlWriter
 from recover.observe.progress import ProgressDisplay
-from recover.train.exits import (
+from recover.train.processes.exits import (
     EXIT_BAD_DATA,
     EXIT_COORDINATOR_LOST,
     EXIT_DIVERGED,
@@ -104,7 +104,7 @@ def _ranges(steps: list[int]) -> str:
 
 def newest_complete(root: Path) -> str:
     """Where ``--resume`` would continue from: the newest complete checkpoint under ``root``, named."""
-    from recover.train.integrity import list_checkpoints
+    from recover.train.checkpoints.integrity import list_checkpoints
 
     found = list_checkpoints(root)
     if not found:
@@ -121,7 +121,7 @@ def rescue(root: Path) -> Path | None:
     import shutil
 
     from recover.observe.rundir import CUT_OFF_DIR
-    from recover.train.integrity import list_checkpoints
+    from recover.train.checkpoints.integrity import list_checkpoints
 
     kept = root / CUT_OFF_DIR
     if not kept.is_dir():
@@ -200,7 +200,7 @@ class Launcher:
         """The run directory; with ``resume``, the step records before the newest checkpoint are kept.
         Returns when the run began."""
         from recover.observe.events import read_jsonl, records_before
-        from recover.train.integrity import list_checkpoints, remove_leftovers
+        from recover.train.checkpoints.integrity import list_checkpoints, remove_leftovers
 
         for sub in ("logs", "replicas"):
             (self.out / sub).mkdir(parents=True, exist_ok=True)
@@ -418,7 +418,7 @@ class Launcher:
 
     def _restart(self) -> None:
         """Checkpoint-and-restart: stop everything, relaunch the survivors from the last checkpoint."""
-        from recover.train.integrity import list_checkpoints
+        from recover.train.checkpoints.integrity import list_checkpoints
 
         survivors = self.supervisor.end_job()
         self._collect()
@@ -523,7 +523,7 @@ class Launcher:
         status = next((status for status in EXIT_ORDER if status in codes.values()), None)
         if status is None and self.stop_signal is None and codes and all(c == LOST for c in codes.values()):
             # every replica fenced or killed and none to come back (no --rejoin-after): nobody saved at the end
-            from recover.train.integrity import list_checkpoints
+            from recover.train.checkpoints.integrity import list_checkpoints
 
             self.all_lost = True
             self.rescued = rescue(self.out / "checkpoints")

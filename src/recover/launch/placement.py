@@ -11,9 +11,9 @@ Contract:
   ``share`` (``--share-gpus``, for tests on one GPU): ranks then share the GPUs round robin and every
   collective runs on gloo (NCCL allows one rank per device), also when no GPU was found.
 - A process given no GPU is told so (``RECOVER_PLACEMENT``: ``none``, or ``shared`` under
-  ``--share-gpus``), and :func:`recover.train.worker.worker_device` decides in the worker, which can ask CUDA: the CPU,
-  ``cuda:0`` when the GPU is its alone or shared on purpose, or a refusal in one line when several
-  processes would silently share GPU 0 because the launcher could not see the GPUs.
+  ``--share-gpus``), and :func:`recover.train.processes.worker.worker_device` decides in the worker, which
+  can ask CUDA: the CPU, ``cuda:0`` when the GPU is its alone or shared on purpose, or a refusal in one
+  line when several processes would silently share GPU 0 because the launcher could not see the GPUs.
 - A replica that rejoins takes the devices of the one it replaces; a warm spare waits on the CPU, or on
   GPUs no rank was placed on (:meth:`Placement.spare_devices`), and a replica it becomes keeps them.
 """
@@ -26,7 +26,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 from recover.errors import ConfigError
-from recover.train.exits import PLACEMENT_ENV
+from recover.train.processes.exits import PLACEMENT_ENV
 
 NVIDIA_PROC = Path("/proc/driver/nvidia/gpus")
 

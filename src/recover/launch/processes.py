@@ -21,7 +21,7 @@ from pathlib import Path
 from typing import IO, Any
 
 from recover.lifeline import child_env
-from recover.train.exits import EXIT_FENCED
+from recover.train.processes.exits import EXIT_FENCED
 
 LOST = -signal.SIGKILL
 """A replica's exit code when it was lost to a failure (a rank SIGKILLed, or the replica fenced)."""

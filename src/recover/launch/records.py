@@ -1,7 +1,7 @@
 """The run's step records: the replicas' own logs merged into ``metrics.jsonl`` by one rule.
 
 Rank 0 of every replica appends one record per committed step to ``replicas/replica_R.jsonl``
-(:func:`recover.train.exits.replica_log_path`). ``recover launch`` (while its job runs and at its end)
+(:func:`recover.train.processes.exits.replica_log_path`). ``recover launch`` (while its job runs and at its end)
 and ``recover collect`` (after a job run across machines) both merge them with :class:`StepRecords`,
 whose rule is the whole contract:
 

@@ -9,7 +9,7 @@ Contract:
   agent for them; commands from :class:`~recover.launch.job.Commands`). Its end is logged
   (``replica_exit``); one lost to a SIGKILL rejoins ``rejoin_after_s`` later while the job is
   unfinished (``rejoin_started``; so does a script's replica that raised for the first time,
-  :data:`~recover.train.exits.EXIT_RAISED`): as a warm spare when one runs (:mod:`recover.launch.spares`: the
+  :data:`~recover.train.processes.exits.EXIT_RAISED`): as a warm spare when one runs (:mod:`recover.launch.spares`: the
   ``warm_spares`` spares are started with the replicas, and a new one behind each spare taken; a
   replica keeps its spare's devices; the event says how long the spare waited, ``spare_waited_s``),
   else afresh on its own devices. Rejoins
@@ -52,7 +52,7 @@ from recover.launch.spares import Devices, SparePool
 from recover.names import Baseline, Event
 from recover.observe.events import EventLog
 from recover.observe.rundir import write_private
-from recover.train.exits import (
+from recover.train.processes.exits import (
     EXIT_BAD_DATA,
     EXIT_COORDINATOR_LOST,
     EXIT_DIVERGED,

@@ -16,8 +16,7 @@ from dataclasses import dataclass
 import torch
 from torch import nn
 
-from recover.model.config import ModelConfig
-from recover.model.spec import get
+from recover.model.spec import ModelConfig, get
 
 __all__ = ["ModelStats", "build_model", "construct", "model_stats"]
 

@@ -1,8 +1,8 @@
 """Hugging Face files of any registered architecture: its mapping looked up by ``model.arch`` or
 ``model_type``, and the byte tokenizer as a ``tokenizer.json``.
 
-Pure conversions (no files): :mod:`recover.train.export` writes what they return and
-:mod:`recover.train.weights` reads a Hugging Face directory through them.
+Pure conversions (no files): :mod:`recover.train.checkpoints.export` writes what they return and
+:mod:`recover.train.checkpoints.weights` reads a Hugging Face directory through them.
 
 Contract:
 - :func:`to_hf`, :func:`from_hf`, :func:`recover_name` and :func:`hf_config` are the
@@ -26,8 +26,7 @@ from recover.model import spec as registry
 if TYPE_CHECKING:
     import torch
 
-    from recover.model.config import ModelConfig
-    from recover.model.spec import HFMapping
+    from recover.model.spec import HFMapping, ModelConfig
 
 EOT_TOKEN = "<|endoftext|>"
 

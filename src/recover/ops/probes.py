@@ -13,7 +13,7 @@ Contract:
 - ``allreduce``: one rank of a gloo or NCCL all-reduce over the TCPStore the parent hosts: the sum is
   checked, then a few all-reduces are timed (bus bandwidth as nccl-tests defines it).
 - ``gradfp``: one microbatch's gradient in deterministic mode (``training.deterministic``, the process
-  set up by :func:`recover.train.loop.configure_torch`), model from :func:`recover.model.build_model`,
+  set up by :func:`recover.train.processes.loop.configure_torch`), model from :func:`recover.model.build_model`,
   loss :func:`recover.model.lm_loss`, tokens drawn from a seeded generator; its exact fingerprint is
   :func:`bit_fingerprint`, the formula of ``Replica.fingerprint``.
 - :func:`cpu_matmul_flops` runs in the caller's process (the CPU needs no child).
@@ -186,7 +186,7 @@ def gradfp_probe(config: str, device: str, dtype: str, seed: int) -> dict[str, A
 
     from recover.config import load_config
     from recover.model import build_model, lm_loss
-    from recover.train.loop import configure_torch
+    from recover.train.processes.loop import configure_torch
 
     extra = ["--training.threads=1"] if device == "cpu" else []
     cfg = load_config(config, ["--training.deterministic=true", f"--training.dtype={dtype}", *extra])

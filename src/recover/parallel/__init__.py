@@ -7,7 +7,7 @@ fault-tolerant reduction. Typical use on every rank of a replica::
     dims = ParallelDims.from_config(cfg.parallel)          # pp x fsdp x tp = this torchrun job's world
     timeout = cfg.fault_tolerance.intra_replica_timeout_s
     mesh, group = dims.build_mesh("cpu", timeout), dims.build_group(timeout)
-    replica = Replica(cfg.model, cfg.training, sampler, dims, mesh, group)   # recover.train.replica
+    replica = Replica(cfg.model, cfg.training, sampler, dims, mesh, group)   # recover.train.replicas.replica
 
 Nothing here names a module of a particular model: the blocks, the pipeline split and the TP plan
 come from the model's :class:`~recover.model.spec.ModelSpec` (``model.cfg.arch``).

@@ -18,7 +18,7 @@ ids ran in which shard column, so it would tie a deterministic step to the plan.
   output, so the same view of the float64 output is the exact value. A ``.grad`` whose storage is not
   that output's size (another torch's layout) raises instead of folding a wrong value.
 - The caller folds those shards into its float64 buffers, then calls :meth:`ExactShards.clear` and sets
-  every ``.grad`` to None before the next backward (:meth:`recover.train.replica.Replica._fold`).
+  every ``.grad`` to None before the next backward (:meth:`recover.train.replicas.replica.Replica._fold`).
 
 Under a pipeline schedule (PP x FSDP) FSDP2 accumulates a stage's unsharded gradients over the
 microbatches in the float64 reduce dtype and reduce-scatters once: the same holds.

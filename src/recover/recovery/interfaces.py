@@ -4,11 +4,11 @@ The step protocol (:mod:`recover.recovery.protocol`) talks to exactly three thin
 
 - a :class:`Group`: the collectives of one membership generation. Layer 1's
   :class:`~recover.comm.group.FaultTolerantGroup` in a job of ``recover launch``; a static group
-  (``recover.train.dist.StaticGroup``) under ``recover train``; fakes in the unit tests.
+  (``recover.train.replicas.dist.StaticGroup``) under ``recover train``; fakes in the unit tests.
 - a :class:`Coordinator`: the commit vote (``recover.coord.client.CoordinatorClient``, or a
   coordinator-less stand-in that commits every step).
 - a :class:`StepReplica`: one replica's model, optimizer and step gradients
-  (:class:`~recover.train.replica.Replica`).
+  (:class:`~recover.train.replicas.replica.Replica`).
 
 Contract of :class:`Group` (every call may raise :class:`~recover.errors.PeerFailure`, naming the
 dead, after which only ``next_generation`` may be called): collectives never modify their inputs;
@@ -160,7 +160,7 @@ class Totals:
 
 
 class StepReplica(Protocol):
-    """One replica's share of a step (see :class:`~recover.train.replica.Replica` for the contract).
+    """One replica's share of a step (see :class:`~recover.train.replicas.replica.Replica` for the contract).
 
     Every member the step protocol uses is named here (a type checker holds each implementation to it)."""
 

@@ -30,7 +30,7 @@ from functools import lru_cache
 import numpy as np
 
 from recover.errors import ConfigError
-from recover.train.cadence import young_daly_interval_s
+from recover.train.checkpoints.cadence import young_daly_interval_s
 from recover.workload import assign, check_assignment, makespan, quotas, replan
 from recover.workload.policy import Assignment
 

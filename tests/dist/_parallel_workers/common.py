@@ -16,7 +16,7 @@ from recover.config import ModelConfig, TrainingConfig
 from recover.data.sampler import Sampler
 from recover.data.shards import TokenDataset, write_shard
 from recover.model import build_model, lm_loss
-from recover.train.optim import build_optimizer, lr_at, set_lr
+from recover.train.replicas.optim import build_optimizer, lr_at, set_lr
 
 M = 8
 SEQ_LEN = 32

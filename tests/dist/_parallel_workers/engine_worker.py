@@ -31,8 +31,8 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 from _parallel_workers.common import SEED, STEPS, M, make_sampler, model_cfg, plan, train_cfg  # noqa: E402
 from recover.parallel import MeshAxis, ParallelDims  # noqa: E402
-from recover.train.dist import StaticGroup  # noqa: E402
-from recover.train.replica import Replica  # noqa: E402
+from recover.train.replicas.dist import StaticGroup  # noqa: E402
+from recover.train.replicas.replica import Replica  # noqa: E402
 
 DEFAULTS: dict[str, Any] = {"pp": 1, "tp": 1, "fsdp": 1, "replicas": 2, "tied": 0, "schedule": "1f1b", "ac": 0,
                             "sp": 0, "det": 0, "other": 0, "splits": 0}

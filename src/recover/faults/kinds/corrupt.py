@@ -4,9 +4,8 @@ fingerprints notice, at that step's vote. The replica is lost (fenced)."""
 
 from __future__ import annotations
 
-from recover.faults.perturb import Perturbation
-from recover.faults.registry import FaultKind, register
-from recover.faults.schedule import FailureSpec, parse_at_step
+from recover.faults.registry import FailureSpec, FaultKind, Hook, register
+from recover.faults.schedule import parse_at_step
 
 
 @register
@@ -23,5 +22,5 @@ class Corrupt(FaultKind):
     def parse(self, text: str) -> FailureSpec:
         return parse_at_step(text, self.name)
 
-    def strike(self, spec: FailureSpec, perturbation: Perturbation) -> None:
+    def strike(self, spec: FailureSpec, perturbation: Hook) -> None:
         perturbation.target.corrupt()

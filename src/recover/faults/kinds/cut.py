@@ -7,9 +7,8 @@ from __future__ import annotations
 from typing import Any
 
 from recover.errors import ConfigError
-from recover.faults.perturb import Effect, Perturbation
-from recover.faults.registry import FaultKind, register
-from recover.faults.schedule import FailureSpec, parse_with_arg
+from recover.faults.registry import Effect, FailureSpec, FaultKind, Hook, register
+from recover.faults.schedule import parse_with_arg
 from recover.names import Event
 
 
@@ -50,8 +49,8 @@ class Cut(FaultKind):
             raise ConfigError(f"cut {spec}: peer replica {int(spec.arg)} does not exist; replicas are "
                               f"0..{replicas - 1}")
 
-    def record(self, spec: FailureSpec, perturbation: Perturbation) -> tuple[Event, dict[str, Any]]:
+    def record(self, spec: FailureSpec, perturbation: Hook) -> tuple[Event, dict[str, Any]]:
         return self.event, {"step": spec.step, "peer": int(spec.arg)}
 
-    def strike(self, spec: FailureSpec, perturbation: Perturbation) -> None:
+    def strike(self, spec: FailureSpec, perturbation: Hook) -> None:
         perturbation.effects[(self.name, int(spec.arg))] = BrokenLink(int(spec.arg))

@@ -8,8 +8,7 @@ import signal
 import threading
 
 from recover.faults.kinds.kill import Stop
-from recover.faults.perturb import Perturbation
-from recover.faults.registry import register
+from recover.faults.registry import Hook, register
 
 HANG_SIGNAL = getattr(signal, "SIGUSR1", signal.SIGTERM)
 """Sent by the launcher's random faults: the worker's training (main) thread stops for good."""
@@ -32,5 +31,5 @@ class Hang(Stop):
     report = "hang"
     signal = HANG_SIGNAL
 
-    def stop(self, perturbation: Perturbation) -> None:
+    def stop(self, perturbation: Hook) -> None:
         perturbation.hang()

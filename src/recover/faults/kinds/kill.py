@@ -11,9 +11,8 @@ import signal
 import sys
 from typing import Any
 
-from recover.faults.perturb import Perturbation
-from recover.faults.registry import FaultKind, register
-from recover.faults.schedule import FailureSpec, parse_failure
+from recover.faults.registry import FailureSpec, FaultKind, Hook, register
+from recover.faults.schedule import parse_failure
 from recover.names import Event, Phase
 
 
@@ -26,16 +25,16 @@ class Stop(FaultKind):
     def parse(self, text: str) -> FailureSpec:
         return parse_failure(text, fault=self.name)
 
-    def record(self, spec: FailureSpec, perturbation: Perturbation) -> tuple[Event, dict[str, Any]]:
+    def record(self, spec: FailureSpec, perturbation: Hook) -> tuple[Event, dict[str, Any]]:
         return self.event, {"rank": perturbation.rank, "step": spec.step, "phase": spec.phase,
                             "fault": self.name, "pid": os.getpid()}
 
-    def strike(self, spec: FailureSpec, perturbation: Perturbation) -> None:
+    def strike(self, spec: FailureSpec, perturbation: Hook) -> None:
         sys.stdout.flush()
         sys.stderr.flush()
         self.stop(perturbation)
 
-    def stop(self, perturbation: Perturbation) -> None:
+    def stop(self, perturbation: Hook) -> None:
         """Stops the process (or its training thread) for good."""
         assert self.signal is not None
         perturbation.kill(os.getpid(), self.signal)

@@ -6,9 +6,8 @@ from __future__ import annotations
 
 from typing import Any
 
-from recover.faults.perturb import Effect, GradientFn, Perturbation
-from recover.faults.registry import FaultKind, register
-from recover.faults.schedule import FailureSpec, parse_at_step
+from recover.faults.registry import Effect, FailureSpec, FaultKind, GradientFn, Hook, register
+from recover.faults.schedule import parse_at_step
 
 MISCOMPUTE = 1.0 + 2.0**-8
 """Every gradient of the replica is multiplied by this from then on."""
@@ -19,7 +18,7 @@ def _off(grad: Any) -> None:
 
 
 class BadArithmetic(Effect):
-    def gradient(self, perturbation: Perturbation, step: int, mb: int | None) -> GradientFn | None:
+    def gradient(self, perturbation: Hook, step: int, mb: int | None) -> GradientFn | None:
         return _off
 
 
@@ -39,5 +38,5 @@ class Miscompute(FaultKind):
     def parse(self, text: str) -> FailureSpec:
         return parse_at_step(text, self.name)
 
-    def strike(self, spec: FailureSpec, perturbation: Perturbation) -> None:
+    def strike(self, spec: FailureSpec, perturbation: Hook) -> None:
         perturbation.effects[self.name] = BadArithmetic()

@@ -5,9 +5,8 @@ every committed step still holds all M microbatches (the orphans are recomputed 
 
 from __future__ import annotations
 
-from recover.faults.perturb import Effect, Perturbation
-from recover.faults.registry import FaultKind, register
-from recover.faults.schedule import FailureSpec, parse_at_step
+from recover.faults.registry import Effect, FailureSpec, FaultKind, Hook, register
+from recover.faults.schedule import parse_at_step
 
 
 class Muted(Effect):
@@ -30,5 +29,5 @@ class Mute(FaultKind):
     def parse(self, text: str) -> FailureSpec:
         return parse_at_step(text, self.name)
 
-    def strike(self, spec: FailureSpec, perturbation: Perturbation) -> None:
+    def strike(self, spec: FailureSpec, perturbation: Hook) -> None:
         perturbation.effects[self.name] = Muted()

@@ -7,9 +7,8 @@ from __future__ import annotations
 from typing import Any
 
 from recover.errors import ConfigError
-from recover.faults.perturb import Effect, GradientFn, Perturbation
-from recover.faults.registry import FaultKind, register
-from recover.faults.schedule import FailureSpec, parse_with_arg
+from recover.faults.registry import Effect, FailureSpec, FaultKind, GradientFn, Hook, register
+from recover.faults.schedule import parse_with_arg
 from recover.names import Event
 
 
@@ -20,7 +19,7 @@ class Poison(Effect):
     def __init__(self, step: int, mb: int) -> None:
         self.step, self.mb = step, mb
 
-    def gradient(self, perturbation: Perturbation, step: int, mb: int | None) -> GradientFn | None:
+    def gradient(self, perturbation: Hook, step: int, mb: int | None) -> GradientFn | None:
         if (step, mb) != (self.step, self.mb):
             return None
         left = [True]
@@ -54,8 +53,8 @@ class NaN(FaultKind):
         if not (float(spec.arg).is_integer() and spec.arg >= 0):
             raise ConfigError(f"NaN microbatch id {spec.arg!r} must be an integer >= 0")
 
-    def record(self, spec: FailureSpec, perturbation: Perturbation) -> tuple[Event, dict[str, Any]]:
+    def record(self, spec: FailureSpec, perturbation: Hook) -> tuple[Event, dict[str, Any]]:
         return self.event, {"fault": self.name, "step": spec.step, "microbatch": int(spec.arg)}
 
-    def strike(self, spec: FailureSpec, perturbation: Perturbation) -> None:
+    def strike(self, spec: FailureSpec, perturbation: Hook) -> None:
         perturbation.effects[(self.name, spec.step, int(spec.arg))] = Poison(spec.step, int(spec.arg))

@@ -8,9 +8,8 @@ import math
 from typing import Any
 
 from recover.errors import ConfigError
-from recover.faults.perturb import Effect, Perturbation
-from recover.faults.registry import FaultKind, register
-from recover.faults.schedule import FailureSpec, parse_with_arg
+from recover.faults.registry import Effect, FailureSpec, FaultKind, Hook, register
+from recover.faults.schedule import parse_with_arg
 from recover.names import Event, slowing
 
 
@@ -46,10 +45,10 @@ class Slow(FaultKind):
         if not (isinstance(spec.arg, (int, float)) and math.isfinite(spec.arg) and spec.arg >= 1):
             raise ConfigError(f"slow-down factor {spec.arg!r} must be a number >= 1 (1 ends a slow-down)")
 
-    def record(self, spec: FailureSpec, perturbation: Perturbation) -> tuple[Event, dict[str, Any]]:
+    def record(self, spec: FailureSpec, perturbation: Hook) -> tuple[Event, dict[str, Any]]:
         return self.event, {"step": spec.step, "factor": spec.arg}
 
-    def strike(self, spec: FailureSpec, perturbation: Perturbation) -> None:
+    def strike(self, spec: FailureSpec, perturbation: Hook) -> None:
         perturbation.effects.pop(self.name, None)
         if spec.arg > 1:
             perturbation.effects[self.name] = SlowDown(spec.arg)

@@ -1,8 +1,8 @@
 """recover's Llama layout <-> Hugging Face ``LlamaForCausalLM``: names, rotary layout, config.
 
 Llama's :class:`~recover.model.spec.HFMapping` (:mod:`recover.model.llama.spec`): pure conversions (no
-files; tensors are only reshaped, so no torch import). :mod:`recover.train.export` and
-:mod:`recover.train.weights` reach them through :mod:`recover.model.hf`, which asks the model registry.
+files; tensors are only reshaped, so no torch import). :mod:`recover.train.checkpoints.export` and
+:mod:`recover.train.checkpoints.weights` reach them through :mod:`recover.model.hf`, which asks the model registry.
 
 Contract:
 - :func:`to_hf` maps a recover state dict (full tensors, recover names) to HF's names and back
@@ -23,7 +23,7 @@ from __future__ import annotations
 from typing import TYPE_CHECKING, Any
 
 from recover.errors import ConfigError
-from recover.model.config import ModelConfig
+from recover.model.spec import ModelConfig
 
 if TYPE_CHECKING:
     import torch

@@ -22,7 +22,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from recover.model.common import param_seed
-from recover.model.config import ModelConfig
+from recover.model.spec import ModelConfig
 
 
 class RMSNorm(nn.Module):

@@ -18,12 +18,10 @@ from typing import TYPE_CHECKING
 
 from recover.errors import ConfigError
 from recover.model.llama import hf
-from recover.model.spec import HFMapping, ModelSpec, TPPlan
+from recover.model.spec import HFMapping, ModelConfig, ModelSpec, TPPlan
 
 if TYPE_CHECKING:
     from torch import nn
-
-    from recover.model.config import ModelConfig
 
 
 def build(cfg: ModelConfig) -> nn.Module:

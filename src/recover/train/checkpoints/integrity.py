@@ -35,11 +35,11 @@ from pathlib import Path
 from typing import Any
 
 from recover.errors import CheckpointError, IncompatibleCheckpoint
-from recover.model.config import ModelConfig
+from recover.model.spec import ModelConfig
 
 MARKER = "COMMITTED"
 OWN_FORMAT = "own"
-"""``meta.json``'s ``format`` in a checkpoint of a user's model (:mod:`recover.train.own_checkpoint`)."""
+"""``meta.json``'s ``format`` in a checkpoint of a user's model (:mod:`recover.train.checkpoints.own_checkpoint`)."""
 MANIFEST = "manifest.json"
 ALGORITHM = "sha256"
 _CHUNK = 8 << 20

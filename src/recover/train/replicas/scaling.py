@@ -4,7 +4,7 @@ committed step, so a run with failures stays bitwise the failure-free run's.
 Contract: :class:`LossScale` takes a torch ``GradScaler``'s settings (its scale, growth and backoff factors,
 growth interval) and from then on owns the scale; the scaler mirrors it (``get_scale()``), nothing more
 (recover, not ``scaler.step``, runs the update). Each microbatch's loss is multiplied by :attr:`LossScale.scale`
-before its backward (:meth:`recover.train.steps.Microbatch.backward`); an overflow there is no fault of the
+before its backward (:meth:`recover.train.replicas.steps.Microbatch.backward`); an overflow there is no fault of the
 replica (no microbatch is reported non-finite for its gradient). At the update (:meth:`OwnReplica.apply`) the
 reduced gradient's norm decides for every replica alike: not finite, the update is skipped and the scale
 multiplied by the backoff factor; finite, the sum is divided by M x scale (the clip applies to the unscaled

@@ -26,7 +26,7 @@ surfaces as an exception within it and the caller treats the whole replica as lo
   backward, as DDP does; other layouts call it for every buffer at the end.
 - No host synchronisation per microbatch: losses stay on the device until the end of the call, and
   finiteness is checked once per call, on the losses and the buffers, in ONE read to the host
-  (:func:`~recover.train.bits.to_host`). Every tensor a collective inside the replica sees lives on
+  (:func:`~recover.train.replicas.bits.to_host`). Every tensor a collective inside the replica sees lives on
   ``device`` (an NCCL group has no CPU backend).
 - ``payload()`` (local): this rank's gradient buffers in ``model.parameters()`` order, then a float64
   ``[loss_sum, count]`` of the WHOLE replica (the same tensors all step: ``reduce_order`` lists them in
@@ -59,7 +59,7 @@ surfaces as an exception within it and the caller treats the whole replica as lo
   An injected fault (``perturb``, :class:`~recover.faults.Perturbation`: the one hook, installed by the
   session) may stretch each pass's time or alter its gradients.
 - With ``training.init_from`` (``--init-from``) the whole model is loaded from those weights right after
-  it is built, on every rank, before the pipeline split, TP and FSDP (:mod:`recover.train.weights`):
+  it is built, on every rank, before the pipeline split, TP and FSDP (:mod:`recover.train.checkpoints.weights`):
   every replica starts from the same parameters, as with the seeded initialisation.
 - In deterministic mode the buffers are float64: a sum of float32 microbatch gradients in float64 does
   not depend on who computed which id, so a step is bitwise reproducible. Each microbatch's gradient
@@ -88,22 +88,23 @@ from torch.distributed.tensor import DTensor
 
 from recover.config import Config, ModelConfig, TrainingConfig
 from recover.data.prefetch import Prefetcher
-from recover.faults.perturb import NONE, GradientFn
+from recover.faults.perturb import NONE
+from recover.faults.registry import GradientFn
 from recover.model import build_model, lm_loss
 from recover.names import Phase
 from recover.parallel.apply import clean_name, parallelize
 from recover.parallel.dims import AXES, Coord, MeshAxis, ParallelDims
 from recover.parallel.exact import ExactShards
 from recover.recovery.interfaces import Totals
-from recover.train.bits import MASK, bit_sum, flip_bit, to_host
-from recover.train.optim import build_optimizer, lr_at, set_lr
-from recover.train.update import apply_sum, read_totals
-from recover.train.weights import load_initial_weights
+from recover.train.checkpoints.weights import load_initial_weights
+from recover.train.replicas.bits import MASK, bit_sum, flip_bit, to_host
+from recover.train.replicas.optim import build_optimizer, lr_at, set_lr
+from recover.train.replicas.update import apply_sum, read_totals
 from recover.workload.policy import split_within_replica
 
 if TYPE_CHECKING:
     from recover.parallel.pipeline import PipelineRunner
-    from recover.train.dist import DistContext
+    from recover.train.replicas.dist import DistContext
 
 Hook = Callable[[int, str], Any]  # (step, phase) -> fault injection point
 Final = Callable[[int], None]  # final(i): gradient buffer i is complete (a streamed reduction may launch it)
@@ -583,7 +584,7 @@ class Replica:
     @torch.no_grad()
     def fingerprint(self) -> str:
         """(local) An exact fingerprint of this rank's parameter shards, computed where they live
-        (:func:`~recover.train.bits.bit_sum`): any single changed bit changes it. One read of the
+        (:func:`~recover.train.replicas.bits.bit_sum`): any single changed bit changes it. One read of the
         parameters; 16 hex digits."""
         ((total,),) = to_host(self._fingerprint())
         return f"{total & MASK:016x}"

@@ -11,7 +11,7 @@ Contract:
 - :func:`to_tensors` carries a tree as plain tensors for a state transfer (``PREFIX.json``: the skeleton
   as UTF-8 bytes in a uint8 tensor, ``PREFIX.I``: the tensors); :func:`from_tensors` reads it back. A
   checkpoint keeps the skeleton in ``meta.json`` and the tensors in its DCP files
-  (:mod:`recover.train.own_checkpoint`).
+  (:mod:`recover.train.checkpoints.own_checkpoint`).
 """
 
 from __future__ import annotations

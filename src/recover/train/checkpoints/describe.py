@@ -12,7 +12,7 @@ config (``config``) and a record of the tokenizer (``tokenizer``):
 
 Contract:
 - :func:`describe_run` is computed once per run by the checkpoint writer (it reads the data
-  directory's ``meta.json``); :func:`recover.train.checkpoint.save_checkpoint` writes its files into
+  directory's ``meta.json``); :func:`recover.train.checkpoints.checkpoint.save_checkpoint` writes its files into
   the checkpoint before ``meta.json``, the manifest and the ``COMMITTED`` marker, so the manifest
   covers them and a checkpoint is never visible without them.
 - :func:`resolve_checkpoint` turns a RUN_DIR or a checkpoint directory into one intact checkpoint
@@ -36,7 +36,7 @@ from typing import Any
 from recover.config import Config, ModelConfig
 from recover.data.tokenizer import BYTE_SPEC, ByteTokenizer, HFTokenizer, load_tokenizer
 from recover.errors import CheckpointError, ConfigError, RecoverError
-from recover.train.integrity import MARKER, OWN_FORMAT, list_checkpoints, read_meta, verify
+from recover.train.checkpoints.integrity import MARKER, OWN_FORMAT, list_checkpoints, read_meta, verify
 
 TOKENIZER_FILE = "tokenizer.json"
 
@@ -174,7 +174,7 @@ def read_description(checkpoint: Path) -> Description:
     if meta.get("format") == OWN_FORMAT:
         raise CheckpointError(f"{checkpoint} holds a model of your own (job.save): recover export, sample and "
                               "--training.init_from take the built-in models only; load it with "
-                              "torch.distributed.checkpoint (layout: recover.train.own_checkpoint)")
+                              "torch.distributed.checkpoint (layout: recover.train.checkpoints.own_checkpoint)")
     config = meta.get("config") or _run_config(checkpoint)
     model = meta.get("model") or (config or {}).get("model")
     if not isinstance(model, dict):

@@ -3,7 +3,7 @@
 Contract:
 - :func:`export` reads one complete, verified checkpoint (a RUN_DIR means its newest intact one)
   and needs nothing else: the model and run config and the tokenizer come from the checkpoint
-  (:mod:`recover.train.describe`).
+  (:mod:`recover.train.checkpoints.describe`).
 - ``hf`` (an architecture whose spec has a Hugging Face mapping; Llama's: :mod:`recover.model.llama.hf`):
   ``config.json`` (:func:`recover.model.hf.hf_config`), ``generation_config.json``,
   ``model.safetensors`` (float32, HF names and layouts; for Llama ``wq``/``wk`` rows in HF's rotary
@@ -50,8 +50,8 @@ def export(source: str | Path, fmt: str, out: str | Path, overwrite: bool = Fals
         RecoverError: a bad format or ``out``, no intact checkpoint, no tokenizer for ``hf``, or ``hf`` for an
             architecture without a Hugging Face mapping.
     """
-    from recover.train.describe import read_description, resolve_checkpoint
-    from recover.train.weights import read_checkpoint_state
+    from recover.train.checkpoints.describe import read_description, resolve_checkpoint
+    from recover.train.checkpoints.weights import read_checkpoint_state
 
     if fmt not in FORMATS:
         raise ConfigError(f"--format {fmt!r} is not allowed: one of {', '.join(FORMATS)}")
@@ -100,7 +100,7 @@ def _move_into_place(tmp: Path, out: Path) -> None:
 
 def _write_hf(tmp: Path, state: dict[str, torch.Tensor], model: ModelConfig,
               tok: ByteTokenizer | HFTokenizer | None) -> None:
-    from recover.train.weights import require_safetensors
+    from recover.train.checkpoints.weights import require_safetensors
 
     safetensors = require_safetensors()
     eot = tok.eot_id if tok is not None else None

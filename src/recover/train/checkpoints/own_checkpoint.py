@@ -1,5 +1,5 @@
 """Checkpoints of a user's model (:meth:`recover.api.Job.save`, ``Job(resume=...)``), on the built-in
-trainer's disk conventions and helpers (:func:`~recover.train.checkpoint.save_state`: ``.partial``
+trainer's disk conventions and helpers (:func:`~recover.train.checkpoints.checkpoint.save_state`: ``.partial``
 directory, manifest with SHA-256, fsynced ``COMMITTED`` marker, rename into place, keep-N).
 
 Layout: ``RUN/checkpoints/step_NNNNNN/`` (NNNNNN: committed steps) holds
@@ -7,7 +7,7 @@ Layout: ``RUN/checkpoints/step_NNNNNN/`` (NNNNNN: committed steps) holds
   "rng": {"cpu": ...}, "extra": {"0": ..., "1": ...}}``: ``model`` and ``optim`` as
   ``torch.distributed.checkpoint.state_dict.get_state_dict(model, optimizer)`` gives them (keys: the
   parameters' and buffers' names), ``extra`` the tensors of the extra state in
-  :func:`~recover.train.extra.encode`'s order (absent without extra state);
+  :func:`~recover.train.checkpoints.extra.encode`'s order (absent without extra state);
 - ``meta.json``: ``step``, ``format`` (``"own"``), ``params`` (name -> shape of every entry of the model's
   ``state_dict()``), ``data_cursor.step``, ``total_tokens``, ``seed``, ``microbatches`` and ``extra``
   (``parts``, the JSON ``skeleton`` of their state dicts, the tensors' ``shapes``; or null);
@@ -30,16 +30,30 @@ from __future__ import annotations
 import os
 import sys
 from pathlib import Path
-from typing import Any
+from typing import Any, Protocol
 
 import torch
 
 from recover.errors import IncompatibleCheckpoint
 from recover.recovery.protocol import Progress
-from recover.train.checkpoint import load_state, save_state
-from recover.train.extra import decode, encode, load_into, state_of
-from recover.train.integrity import OWN_FORMAT, load_newest, remove_leftovers
-from recover.train.own import OwnReplica
+from recover.train.checkpoints.checkpoint import load_state, save_state
+from recover.train.checkpoints.extra import Stateful, decode, encode, load_into, state_of
+from recover.train.checkpoints.integrity import OWN_FORMAT, load_newest, remove_leftovers
+
+
+class OwnState(Protocol):
+    """What these checkpoints hold of a user's replica (:class:`~recover.train.replicas.own.OwnReplica` is one): its
+    model, optimizer and extra state by part (:func:`~recover.train.checkpoints.extra.parts`). Declared here, so that
+    checkpoints do not import the replica they save."""
+
+    @property
+    def model(self) -> torch.nn.Module: ...
+
+    @property
+    def optimizer(self) -> torch.optim.Optimizer: ...
+
+    @property
+    def extra(self) -> dict[str, Stateful]: ...
 
 
 def checkpoints_of(run_dir: str | os.PathLike[str]) -> Path:
@@ -47,7 +61,7 @@ def checkpoints_of(run_dir: str | os.PathLike[str]) -> Path:
     return Path(run_dir) / "checkpoints"
 
 
-def save(root: Path, replica: OwnReplica, progress: Progress, *, seed: int, microbatches: int, keep: int) -> Path:
+def save(root: Path, replica: OwnState, progress: Progress, *, seed: int, microbatches: int, keep: int) -> Path:
     """Checkpoints ``replica`` after ``progress.step`` committed steps under ``root``; returns its directory.
     Complete checkpoints older than the newest ``keep`` are deleted (0: none)."""
     skeleton, tensors = encode(state_of(replica.extra))
@@ -59,7 +73,7 @@ def save(root: Path, replica: OwnReplica, progress: Progress, *, seed: int, micr
                       extra={str(i): t for i, t in enumerate(tensors)})
 
 
-def resume(root: Path, replica: OwnReplica, *, clean: bool) -> Progress | None:
+def resume(root: Path, replica: OwnState, *, clean: bool) -> Progress | None:
     """Loads the newest intact checkpoint under ``root`` into ``replica``; returns its counters, or None
     (one line on stderr) when there is none. ``clean``: first delete what interrupted saves left (only
     when no save can be in flight).
@@ -80,7 +94,7 @@ def resume(root: Path, replica: OwnReplica, *, clean: bool) -> Progress | None:
     return Progress(int(meta["step"]), int(meta["data_cursor"]["step"]), int(meta["total_tokens"]))
 
 
-def _load(path: Path, replica: OwnReplica) -> dict[str, Any]:
+def _load(path: Path, replica: OwnState) -> dict[str, Any]:
     """``path`` into ``replica`` (its model, optimizer, RNG, extra state); returns ``meta.json``."""
     _, tensors = encode(state_of(replica.extra))
     meta = load_state(path, replica.model, replica.optimizer, lambda meta, p: check_fits(meta, replica, p),
@@ -95,7 +109,7 @@ def shapes(model: torch.nn.Module) -> dict[str, list[int]]:
     return {name: list(t.shape) for name, t in model.state_dict().items()}
 
 
-def check_fits(meta: dict[str, Any], replica: OwnReplica, path: Path) -> None:
+def check_fits(meta: dict[str, Any], replica: OwnState, path: Path) -> None:
     """Raises IncompatibleCheckpoint (one line) unless checkpoint ``path`` is of ``replica``'s model and extra state."""
     if meta.get("format") != OWN_FORMAT:
         raise IncompatibleCheckpoint(f"checkpoint {path} is the built-in trainer's (recover train), not one of "
@@ -110,7 +124,7 @@ def check_fits(meta: dict[str, Any], replica: OwnReplica, path: Path) -> None:
     _check_extra(meta.get("extra"), replica, path)
 
 
-def _check_extra(saved: dict[str, Any] | None, replica: OwnReplica, path: Path) -> None:
+def _check_extra(saved: dict[str, Any] | None, replica: OwnState, path: Path) -> None:
     parts, saved_parts = sorted(replica.extra), (saved or {}).get("parts", [])
     if saved_parts != parts:
         raise IncompatibleCheckpoint(f"checkpoint {path} holds {_named(saved_parts)}, this Job has {_named(parts)}; "

@@ -1,7 +1,7 @@
 """``recover train``: the step protocol without a coordinator, in one process or under torchrun.
 
 The same step as a replica of ``recover launch`` (:class:`~recover.recovery.protocol.ResilientStep`
-over a :class:`~recover.train.replica.Replica`), on a :class:`~recover.train.dist.StaticGroup` of
+over a :class:`~recover.train.replicas.replica.Replica`), on a :class:`~recover.train.replicas.dist.StaticGroup` of
 the torchrun ranks and a coordinator that commits every step: no fault tolerance, the failure-free
 path that recover's runs are compared with.
 
@@ -40,12 +40,12 @@ from recover.observe.events import JsonlWriter, keep_records_before
 from recover.observe.progress import ProgressDisplay
 from recover.observe.sinks import StepSinks
 from recover.recovery.protocol import Progress
-from recover.train.checkpoint import Checkpointer
-from recover.train.dist import CommitAll, DistContext, StaticGroup
-from recover.train.integrity import remove_leftovers
-from recover.train.loop import Loop, configure_torch
-from recover.train.process import build_step
-from recover.train.replica import Replica
+from recover.train.checkpoints.checkpoint import Checkpointer
+from recover.train.checkpoints.integrity import remove_leftovers
+from recover.train.processes.loop import Loop, configure_torch
+from recover.train.processes.process import build_step
+from recover.train.replicas.dist import CommitAll, DistContext, StaticGroup
+from recover.train.replicas.replica import Replica
 
 
 def prepare_data(cfg: Config, ctx: DistContext, quiet: bool = False) -> Path:

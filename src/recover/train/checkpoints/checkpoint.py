@@ -2,8 +2,8 @@
 
 Layout: ``CKPT_ROOT/step_000010/`` holds the DCP files (model, optimizer, RNG), ``meta.json``
 (step, data cursor, model config, tokens; from a :class:`Checkpointer` also the run config and the
-tokenizer's record, with a copy of a HuggingFace ``tokenizer.json``: :mod:`recover.train.describe`)
-and ``manifest.json`` (size and SHA-256 of every file: :mod:`recover.train.integrity`). It is
+tokenizer's record, with a copy of a HuggingFace ``tokenizer.json``: :mod:`recover.train.checkpoints.describe`)
+and ``manifest.json`` (size and SHA-256 of every file: :mod:`recover.train.checkpoints.integrity`). It is
 written as ``step_000010.partial/`` first; the ``COMMITTED`` marker is written and fsynced last
 and the directory renamed into place, so a
 checkpoint directory without the marker (a save killed halfway) is never loaded and never
@@ -28,7 +28,7 @@ Contract:
   model: :class:`~recover.errors.IncompatibleCheckpoint`); :func:`load_newest` falls back from a
   damaged one to the next older.
 - :func:`save_state` and :func:`load_state` are the same for any model (a user's:
-  :mod:`recover.train.own_checkpoint`): the caller's ``meta`` says what model it is, the caller's
+  :mod:`recover.train.checkpoints.own_checkpoint`): the caller's ``meta`` says what model it is, the caller's
   check refuses another.
 - After each save the writer deletes complete checkpoints older than the newest ``keep``
   (``training.keep_checkpoints``); :func:`remove_leftovers` deletes what interrupted saves left
@@ -52,15 +52,15 @@ from collections.abc import Callable
 from concurrent import futures
 from concurrent.futures import Future
 from pathlib import Path
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING, Any, Protocol
 
 import torch
 from torch import nn
 
 from recover.config import ModelConfig
 from recover.errors import CheckpointError
-from recover.train.describe import RunDescription, describe_run
-from recover.train.integrity import (  # noqa: F401 - the on-disk helpers are part of this module's API
+from recover.train.checkpoints.describe import RunDescription, describe_run
+from recover.train.checkpoints.integrity import (  # noqa: F401 - the on-disk helpers are part of this module's API
     MARKER,
     check_compatible,
     checkpoint_path,
@@ -75,7 +75,6 @@ from recover.train.integrity import (  # noqa: F401 - the on-disk helpers are pa
 
 if TYPE_CHECKING:
     from recover.config import Config
-    from recover.train.replica import Replica
 
 def _state(model: nn.Module, optimizer: torch.optim.Optimizer,
            extra: dict[str, torch.Tensor] | None = None) -> dict[str, Any]:
@@ -308,7 +307,7 @@ GOES_ON = "training goes on, older checkpoints are kept"
 UNSAVED = ("the job's final state is NOT saved; the committed steps stay recorded and older checkpoints are kept "
            "(--resume continues from the newest)")
 """What follows an abandoned checkpoint the job ends with (at the end, a stop, too few replicas, the
-coordinator lost): the process exits with :data:`~recover.train.exits.EXIT_UNSAVED`. :func:`abandon`
+coordinator lost): the process exits with :data:`~recover.train.processes.exits.EXIT_UNSAVED`. :func:`abandon`
 says instead that there is none to resume from when no complete checkpoint is left."""
 UNSAVED_NONE = ("the job's final state is NOT saved and no older checkpoint exists; the committed steps stay "
                 "recorded (a new run starts from step 0)")
@@ -351,6 +350,26 @@ def _free_bytes(root: str | os.PathLike[str]) -> float:
         return math.inf
 
 
+class Saved(Protocol):
+    """What a :class:`Checkpointer` saves and resumes: one replica's model and optimizer, and how its ranks
+    share them (the built-in :class:`~recover.train.replicas.replica.Replica` is one). Declared here, so that
+    checkpoints do not import the replica they save."""
+
+    @property
+    def model(self) -> nn.Module: ...
+
+    @property
+    def optimizer(self) -> torch.optim.Optimizer: ...
+
+    @property
+    def group(self) -> Any:
+        """The process group the replica's ranks share its state's shards over; None: one process."""
+
+    @property
+    def is_writer(self) -> bool:
+        """The rank that writes the metadata, the manifest and the marker."""
+
+
 class Checkpointer:
     """Saves and resumes one replica's state under ``root``.
 
@@ -365,7 +384,7 @@ class Checkpointer:
         epoch_of: the data epoch of a step (recorded with the data cursor).
     """
 
-    def __init__(self, root: str | os.PathLike[str], replica: Replica, cfg: Config,
+    def __init__(self, root: str | os.PathLike[str], replica: Saved, cfg: Config,
                  epoch_of: Callable[[int], float] = lambda step: 0) -> None:
         self.root, self.replica, self.cfg, self.epoch_of = Path(root), replica, cfg, epoch_of
         self._pending: AsyncSave | None = None

@@ -18,16 +18,16 @@ replica's group, so every rank holds the replica's whole ledger and stats. A par
 over the fsdp axis (a plain tensor: the model of a plain ``torchrun`` of a one-process script, or what the
 user's plan left unwrapped) is data parallel inside the replica, as under DDP: :meth:`totals` sums its
 reduced gradient over the fsdp ranks (``dp_group``) before anything reads it, so every rank applies the
-same update and the ranks stay equal; they must start equal (:func:`~recover.train.contract.check_same_weights`
+same update and the ranks stay equal; they must start equal (:func:`~recover.train.replicas.contract.check_same_weights`
 at construction), and the optimizer must step the model's own parameters
-(:func:`~recover.train.contract.check_optimizer`).
+(:func:`~recover.train.replicas.contract.check_optimizer`).
 
-The rest is the built-in replica's, shared: the totals and the update (:mod:`recover.train.update`:
+The rest is the built-in replica's, shared: the totals and the update (:mod:`recover.train.replicas.update`:
 divide by M, clip by the global norm, the user's optimizer), the exact parameter fingerprint, and the
 state a joiner receives (parameters, persistent buffers, optimizer state, counters: tensors only; this
 rank's shards, from the same rank of a live replica; the joiner's own construction of the model provides
 the rest, e.g. non-persistent buffers), to which the user's extra state (``extra``:
-:mod:`recover.train.extra`) and the optimizer's param-group settings (an LR scheduler's ``lr``) are
+:mod:`recover.train.checkpoints.extra`) and the optimizer's param-group settings (an LR scheduler's ``lr``) are
 added as tensors and a JSON skeleton in a tensor of bytes. The learning rate, when the user gives
 ``lr(step)``, is set from the committed step before each update.
 """
@@ -47,9 +47,7 @@ from torch.optim.lr_scheduler import LRScheduler
 from recover.errors import ContractError
 from recover.faults.perturb import NONE
 from recover.recovery.interfaces import Totals
-from recover.train.bits import bit_sum, flip_bit, to_host
-from recover.train.contract import check_optimizer, check_same_weights
-from recover.train.extra import (
+from recover.train.checkpoints.extra import (
     from_tensors,
     hyperparameters,
     load_into,
@@ -58,14 +56,16 @@ from recover.train.extra import (
     state_of,
     to_tensors,
 )
-from recover.train.optim import set_lr
-from recover.train.replica import like, load_transferred, local, shards, transfer_tensors
-from recover.train.scaling import LossScale
-from recover.train.update import apply_sum, read_totals
+from recover.train.replicas.bits import bit_sum, flip_bit, to_host
+from recover.train.replicas.contract import check_optimizer, check_same_weights
+from recover.train.replicas.optim import set_lr
+from recover.train.replicas.replica import like, load_transferred, local, shards, transfer_tensors
+from recover.train.replicas.scaling import LossScale
+from recover.train.replicas.update import apply_sum, read_totals
 from recover.workload.policy import split_within_replica
 
 LOSS_SCALE = "loss_scale"
-"""The name of the loss scale (``scaler``, :mod:`recover.train.scaling`) among the extra state."""
+"""The name of the loss scale (``scaler``, :mod:`recover.train.replicas.scaling`) among the extra state."""
 SCHEDULER = "lr_scheduler"
 """The name of an LR scheduler given as ``lr`` among the extra state (joiners and checkpoints carry it)."""
 
@@ -101,7 +101,7 @@ class OwnReplica:
         fsdp, fsdp_index, tp_index: the replica's fsdp degree and this rank's coordinates.
         extra: state that travels with the model (``state_dict()``/``load_state_dict()``, or a dict of such).
         scaler: a torch ``GradScaler`` whose dynamic loss scale this replica applies (float16:
-            :mod:`recover.train.scaling`); None: no loss scaling.
+            :mod:`recover.train.replicas.scaling`); None: no loss scaling.
         dp_group: the process group of this rank's fsdp ranks (``mesh["fsdp"]``), when ``fsdp > 1``: the
             gradients of parameters not sharded over it are summed over it.
 
@@ -235,7 +235,7 @@ class OwnReplica:
         self._folded = []
 
     def totals(self, reduced: list[torch.Tensor], fingerprint: bool = False) -> Totals:
-        """The reduced payload's totals (:func:`~recover.train.update.read_totals`), after the gradients of the
+        """The reduced payload's totals (:func:`~recover.train.replicas.update.read_totals`), after the gradients of the
         parameters not sharded over the fsdp axis were summed over it in place (data parallel inside the
         replica: see the module docstring)."""
         if self.dp_group is not None:

@@ -1,10 +1,10 @@
 """A user's script as one replica of a ``recover launch`` job (the launched half of :mod:`recover.api`).
 
 Contract: :func:`connect` joins the script's :class:`~recover.api.Job` to its launched job through the
-:class:`~recover.train.session.Session` the built-in worker uses, so a script has the same
+:class:`~recover.train.processes.session.Session` the built-in worker uses, so a script has the same
 coordinator, fault injections (``--fail``/``--hang``/``--slow``/``--corrupt``/``--nan``, the
 launcher's random faults), step records, events, graceful stop on SIGTERM/SIGINT and exit statuses
-(:mod:`recover.train.exits`) as a built-in replica; :func:`end` is the end of its ``steps()``:
+(:mod:`recover.train.processes.exits`) as a built-in replica; :func:`end` is the end of its ``steps()``:
 :func:`fail` the end of a job the replica cannot go on in (its line, its saves and its status: the
 process exits; the user's own errors propagate).
 
@@ -34,10 +34,10 @@ from recover.errors import ContractError, StateLost
 from recover.names import Event, Phase
 from recover.observe.events import EventLog, read_jsonl
 from recover.recovery.protocol import ResilientStep, StepOutcome
-from recover.train.exits import EXIT_RAISED, EXIT_SCRIPT_ERROR, EXIT_STOPPED
-from recover.train.loop import step_record
-from recover.train.process import Launched, exit_process
-from recover.train.session import Save, Session
+from recover.train.processes.exits import EXIT_RAISED, EXIT_SCRIPT_ERROR, EXIT_STOPPED
+from recover.train.processes.loop import step_record
+from recover.train.processes.process import Launched, exit_process
+from recover.train.processes.session import Save, Session
 
 SETTLE_S = 10.0
 """How long the end of a script waits for its retired groups' release (those a parked thread holds are skipped)."""
@@ -66,8 +66,8 @@ def restore(job: Any, out: Path) -> Any:
     """Every replica holding the state was lost: the newest intact checkpoint of ``job.save()`` in the run,
     loaded into the job's replica (None: there is none, or every one is damaged or of another model)."""
     from recover.errors import CheckpointError
-    from recover.train import own_checkpoint
-    from recover.train.integrity import list_checkpoints
+    from recover.train.checkpoints import own_checkpoint
+    from recover.train.checkpoints.integrity import list_checkpoints
 
     root = own_checkpoint.checkpoints_of(out)
     try:

@@ -2,7 +2,7 @@
 
     replica = Replica.from_config(cfg, sampler, ctx)          # model, optimizer, step gradients
     step = ResilientStep(replica, group, coordinator, M, ...)  # the step protocol (layer 2)
-    for committed in Steps(step).steps(end):   # recover.train.steps: the library API's iterator of committed steps
+    for committed in Steps(step).steps(end):   # the library API's iterator too (recover.train.replicas.steps)
         outcome = committed.run()            # plan, compute, reduce, recover, commit, apply, admit
         record it; validate and checkpoint when due (the lowest live replica)
 
@@ -11,11 +11,11 @@ Contract: a record is written for every committed step, after its optimizer upda
 read-ahead of :mod:`recover.data.prefetch` did not hide); validation
 and checkpoints run on the lowest live replica only (every rank of it: both are collective inside
 a replica of several ranks), so the other replicas never wait for them; which steps are saved is the
-:class:`~recover.train.cadence.Cadence`'s (``training.checkpoint_every``, a number or ``"auto"``).
+:class:`~recover.train.checkpoints.cadence.Cadence`'s (``training.checkpoint_every``, a number or ``"auto"``).
 Storage errors are not faults of the replica: a periodic checkpoint the storage refuses is abandoned
 and training goes on (:meth:`Loop.save_or_abandon`); one the job ends with (the last step's, a stop's,
 one when the job cannot go on: :meth:`Loop.save_last`) leaves ``unsaved`` set to its line, and the
-process exits with :data:`~recover.train.exits.EXIT_UNSAVED`.
+process exits with :data:`~recover.train.processes.exits.EXIT_UNSAVED`.
 """
 
 from __future__ import annotations
@@ -35,11 +35,11 @@ from recover.config import Config
 from recover.data.sampler import EvalSampler
 from recover.names import Event
 from recover.recovery.protocol import ResilientStep, StepOutcome
-from recover.train.cadence import Cadence
-from recover.train.checkpoint import UNSAVED, Checkpointer, abandon, save_failures
-from recover.train.optim import lr_at
-from recover.train.replica import Replica
-from recover.train.steps import Steps  # the committed-step iterator of the library API, the one there is
+from recover.train.checkpoints.cadence import Cadence
+from recover.train.checkpoints.checkpoint import UNSAVED, Checkpointer, abandon, save_failures
+from recover.train.replicas.optim import lr_at
+from recover.train.replicas.replica import Replica
+from recover.train.replicas.steps import Steps  # the committed-step iterator of the library API, the one there is
 
 
 def configure_torch(cfg: Config, local_procs: int) -> None:

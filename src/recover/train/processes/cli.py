@@ -77,7 +77,7 @@ def torchrun_replicas(parallel: ParallelConfig, world_size: int, explicit: bool)
 
 
 def world_size() -> int:
-    """torchrun's WORLD_SIZE (with RANK, as :func:`~recover.train.dist.init_from_env` reads it), else 1."""
+    """torchrun's WORLD_SIZE (with RANK, as :func:`~recover.train.replicas.dist.init_from_env` reads it), else 1."""
     return int(os.environ["WORLD_SIZE"]) if "RANK" in os.environ and "WORLD_SIZE" in os.environ else 1
 
 
@@ -104,19 +104,19 @@ def run_train(args: argparse.Namespace) -> int:
     from recover.coord.client import Diverged
     from recover.observe.rundir import check_out, clear_run
     from recover.observe.sinks import check_extras
-    from recover.train.dist import init_from_env, shutdown
-    from recover.train.exits import EXIT_NONFINITE, EXIT_STOPPED, EXIT_UNSAVED
-    from recover.train.trainer import train
+    from recover.train.processes.exits import EXIT_NONFINITE, EXIT_STOPPED, EXIT_UNSAVED
+    from recover.train.processes.trainer import train
+    from recover.train.replicas.dist import init_from_env, shutdown
 
     cfg = train_config(args.config, [*args.overrides, *init_from_override(args.init_from)], world_size())
     check_out(Path(args.out), args.resume, args.overwrite)
     check_extras(cfg.observe)
     if cfg.training.init_from:  # refused before anything starts, with one line
-        from recover.train.weights import check_init_from
+        from recover.train.checkpoints.weights import check_init_from
 
         check_init_from(cfg.training.init_from, cfg.model)
     if cfg.training.deterministic:  # before CUDA initialises (init_from_env picks this rank's GPU)
-        from recover.train.loop import use_deterministic_kernels
+        from recover.train.processes.loop import use_deterministic_kernels
 
         use_deterministic_kernels()
     ctx = init_from_env(cfg.parallel.backend)

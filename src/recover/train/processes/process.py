@@ -1,6 +1,6 @@
 """The start of every replica process of a launched job, one path for both kinds: the built-in trainer
-(``recover worker``, :mod:`recover.train.worker`) and a user's script on :mod:`recover.api`
-(:mod:`recover.train.script`). A feature of the replica process edits this module, not two front doors:
+(``recover worker``, :mod:`recover.train.processes.worker`) and a user's script on :mod:`recover.api`
+(:mod:`recover.train.processes.script`). A feature of the replica process edits this module, not two front doors:
 
     launched = Launched.from_flags(...)            # recover worker's command line
     launched = Launched.from_env(job)              # a script's environment (recover.names.WORKER_ENV)
@@ -14,7 +14,7 @@ Contract:
 - :class:`Launched` is what the launcher told this process, whichever way it was told: the run directory,
   the replica id, the coordinator's address and token, this replica's fault injections (``R@STEP:PHASE``,
   ``#RANK`` when ``--fail-rank`` named one), whether it joins a running job or resumes, and TLS; from it
-  :meth:`Session.of <recover.train.session.Session.of>` makes the one session (registration, injections,
+  :meth:`Session.of <recover.train.processes.session.Session.of>` makes the one session (registration, injections,
   records, stops, exit statuses and their saves) every replica process runs through.
 - :func:`prepare` is the process set-up both kinds need before torch.distributed or CUDA is used:
   the process dies with the launcher (:mod:`recover.lifeline`), SIGUSR1 stops its training thread (the
@@ -130,8 +130,8 @@ def build_step(replica: Any, group: Any, coordinator: Any, M: int, start: Progre
 
 def exit_process(code: int) -> NoReturn:
     """Ends the process with ``code`` (see the module docstring), recorded for a wrapper that reads it
-    (:func:`~recover.train.exits.record_exit`: torchrun reports every rank's failure as 1)."""
-    from recover.train.exits import record_exit
+    (:func:`~recover.train.processes.exits.record_exit`: torchrun reports every rank's failure as 1)."""
+    from recover.train.processes.exits import record_exit
 
     record_exit(code)
     sys.stdout.flush()

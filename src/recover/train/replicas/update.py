@@ -1,7 +1,7 @@
 """The end of a step, shared by every kind of replica: what the reduced payload holds, and the update.
 
 Contract (the payload is gradient buffers then a float64 ``[loss_sum, count]``, see
-:mod:`recover.train.replica`):
+:mod:`recover.train.replicas.replica`):
 - :func:`read_totals` reads, in ONE host read, the loss sum, the microbatch count, the L2 norm of the
   summed gradient (each tensor divided by how many ranks hold a copy of it, then summed over the ranks
   of ``group`` when a replica has several) and, when given, a fingerprint tensor.
@@ -19,7 +19,7 @@ import torch
 import torch.distributed as dist
 
 from recover.recovery.interfaces import Totals
-from recover.train.bits import MASK, to_host
+from recover.train.replicas.bits import MASK, to_host
 
 
 def read_totals(reduced: list[torch.Tensor], grads: int, copies: torch.Tensor, fingerprint: torch.Tensor | None,

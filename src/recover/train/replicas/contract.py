@@ -33,7 +33,7 @@ import torch.distributed as dist
 from torch import nn
 
 from recover.errors import ContractError
-from recover.train.bits import bit_sum
+from recover.train.replicas.bits import bit_sum
 
 SEED_FIX = ("seed the RNG the same way before building the model (e.g. torch.manual_seed(0) before constructing "
             "it), on every rank and replica")

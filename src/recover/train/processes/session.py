@@ -1,7 +1,7 @@
 """One replica's membership of a launched job: the part every kind of replica shares.
 
 A replica of ``recover launch`` is either the built-in trainer (``recover worker``,
-:mod:`recover.train.worker`) or a user's script on :mod:`recover.api`. Both run through one
+:mod:`recover.train.processes.worker`) or a user's script on :mod:`recover.api`. Both run through one
 :class:`Session`, so both get the same coordinator, fault injections, files and exit statuses:
 
     session = Session(cfg, out, replica_id, host, port, token, failures, join=..., rank=k, ranks=P)
@@ -66,7 +66,7 @@ from recover.observe.events import EventLog, JsonlWriter
 from recover.observe.rundir import CUT_OFF_DIR
 from recover.observe.sinks import StepSinks
 from recover.recovery.protocol import Progress, ResilientStep
-from recover.train.exits import (
+from recover.train.processes.exits import (
     EXIT_BAD_DATA,
     EXIT_COORDINATOR_LOST,
     EXIT_DIVERGED,
@@ -78,7 +78,7 @@ from recover.train.exits import (
     EXIT_STOPPED,
     replica_log_path,
 )
-from recover.train.process import Launched, build_step
+from recover.train.processes.process import Launched, build_step
 
 NETWORK_ERRORS = (DistNetworkError, DistStoreError)
 """torch.distributed's errors of a path that broke (a store or peer that cannot be reached): the end
@@ -119,7 +119,7 @@ class Session:
     @classmethod
     def of(cls, launched: Launched, cfg: Config, *, rank: int = 0, ranks: int = 1, start: Progress | None = None,
            restore: Restore | None = None, baseline: Baseline | str | None = None) -> Session:
-        """The session of a replica process the launcher started (:mod:`recover.train.process`)."""
+        """The session of a replica process the launcher started (:mod:`recover.train.processes.process`)."""
         return cls(cfg, launched.out, launched.replica, launched.host, launched.port, launched.token,
                    list(launched.failures), join=launched.join, rank=rank, ranks=ranks, start=start,
                    baseline=baseline, restore=restore, tls=launched.tls)

@@ -26,7 +26,7 @@ from recover.errors import ConfigError
 from recover.model.build import construct
 
 if TYPE_CHECKING:
-    from recover.train.describe import Description
+    from recover.train.checkpoints.describe import Description
 
 
 def next_token(logits: torch.Tensor, temperature: float, top_k: int | None,
@@ -87,8 +87,8 @@ def load_checkpoint_model(path: str | Path, device: str | torch.device = "cpu") 
     Raises:
         CheckpointError: no intact checkpoint there, or it cannot describe itself.
     """
-    from recover.train.describe import read_description, resolve_checkpoint
-    from recover.train.weights import read_checkpoint_state
+    from recover.train.checkpoints.describe import read_description, resolve_checkpoint
+    from recover.train.checkpoints.weights import read_checkpoint_state
 
     ckpt = resolve_checkpoint(path)
     desc = read_description(ckpt)

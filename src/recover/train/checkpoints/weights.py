@@ -6,7 +6,7 @@ A path is one of (tried in this order):
   ``llama`` built in, and ``*.safetensors`` or ``pytorch_model*.bin``), converted by
   :mod:`recover.model.hf` (names and layouts: the architecture's :class:`~recover.model.spec.HFMapping`);
 - a recover checkpoint directory, or a run directory (its newest intact checkpoint:
-  :func:`recover.train.describe.resolve_checkpoint`).
+  :func:`recover.train.checkpoints.describe.resolve_checkpoint`).
 
 Contract:
 - :func:`open_weights` returns a :class:`Weights`: the source's model config, ``shapes()`` (read
@@ -19,7 +19,7 @@ Contract:
   before anything starts.
 - :func:`load_initial_weights` is called by every rank of every replica on its WHOLE model right
   after :func:`~recover.model.build_model` and before the pipeline split, tensor parallelism and
-  FSDP (:class:`~recover.train.replica.Replica`), so each rank shards the same full tensors and every
+  FSDP (:class:`~recover.train.replicas.replica.Replica`), so each rank shards the same full tensors and every
   replica starts from the same parameters. Step 0, a fresh optimizer: only the weights are taken.
 """
 
@@ -74,7 +74,7 @@ def open_weights(path: str | Path) -> Weights:
         return _torch_file(path if path.is_file() else path / TORCH_FILE)
     if (path / "config.json").is_file() and _hf_files(path):
         return _hf_dir(path)
-    from recover.train.describe import read_description, resolve_checkpoint
+    from recover.train.checkpoints.describe import read_description, resolve_checkpoint
 
     ckpt = resolve_checkpoint(path)
     desc = read_description(ckpt)

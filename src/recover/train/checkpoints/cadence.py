@@ -20,7 +20,7 @@ Contract: only the lowest live replica saves, so its cadence decides alone; ever
 after its first step as saver to measure C for itself (a fresh checkpoint just after a failure is worth
 having). K is chosen again after each save and after each step that saw failures; the caller logs it
 (``checkpoint_interval``) when it changes. In a replica of several ranks every rank must decide alike
-(the save is collective there): the caller shares rank 0's K (:meth:`recover.train.replica.Replica.agreed`).
+(the save is collective there): the caller shares rank 0's K (:meth:`recover.train.replicas.replica.Replica.agreed`).
 Pure: no torch, no I/O.
 """
 

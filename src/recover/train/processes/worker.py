@@ -16,7 +16,7 @@ that registers after every replica finished exits with status 0, nothing to join
 fewer than ``fault_tolerance.min_replicas`` survive, the lowest live replica saves a complete
 checkpoint and every survivor exits with status 3 and a message saying so.
 
-Stops and coordinator loss (exit statuses in ``train/exits.py``):
+Stops and coordinator loss (exit statuses in ``train/processes/exits.py``):
 - SIGTERM (:meth:`ReplicaWorker.request_stop`, a preempted node): a graceful leave: the next vote
   asks to leave; at its commit this replica leaves (its share of that step is in it), the others go
   on in the next generation without a failure round or any recompute; it saves nothing and exits
@@ -43,7 +43,7 @@ Stops and coordinator loss (exit statuses in ``train/exits.py``):
 - A full disk (or an I/O error): a periodic checkpoint the storage refuses is abandoned and training
   goes on; when the checkpoint the job ends with is refused (the last step's, a stop's, or one when the
   job cannot go on), the saver exits with status 12 (``EXIT_UNSAVED``) after one line naming the path,
-  the free space and the cause; older checkpoints are kept (:class:`~recover.train.loop.Loop`).
+  the free space and the cause; older checkpoints are kept (:class:`~recover.train.processes.loop.Loop`).
 
 A replica of several ranks (``parallel.pp x fsdp x tp > 1``) is one torchrun-style job: every rank
 runs this same loop with the same control flow. Rank k holds its own coordinator client (through
@@ -69,14 +69,14 @@ from recover.data.sampler import EvalSampler
 from recover.errors import ConfigError, DataError, QuorumLost, RecoverError, StateLost
 from recover.names import Baseline, Phase
 from recover.recovery.protocol import Progress
-from recover.train.checkpoint import Checkpointer
-from recover.train.dist import DistContext, init_from_env
-from recover.train.exits import EXIT_STOPPED, EXIT_UNSAVED, PLACEMENT_ENV
-from recover.train.loop import Loop, use_deterministic_kernels
-from recover.train.process import Launched
-from recover.train.replica import Replica
-from recover.train.session import NETWORK_ERRORS, Session
-from recover.train.trainer import build_replica
+from recover.train.checkpoints.checkpoint import Checkpointer
+from recover.train.processes.exits import EXIT_STOPPED, EXIT_UNSAVED, PLACEMENT_ENV
+from recover.train.processes.loop import Loop, use_deterministic_kernels
+from recover.train.processes.process import Launched
+from recover.train.processes.session import NETWORK_ERRORS, Session
+from recover.train.processes.trainer import build_replica
+from recover.train.replicas.dist import DistContext, init_from_env
+from recover.train.replicas.replica import Replica
 
 Built = tuple[Replica, EvalSampler, DistContext]
 
@@ -133,8 +133,9 @@ def own_device(cfg: Config) -> Any:
 
 
 class ReplicaWorker:
-    """Trains ``cfg`` as the replica ``launched`` names (:class:`~recover.train.process.Launched`): the built-in
-    replica through the launched :class:`~recover.train.session.Session` every kind of replica shares."""
+    """Trains ``cfg`` as the replica ``launched`` names (:class:`~recover.train.processes.process.Launched`): the
+    built-in replica through the launched :class:`~recover.train.processes.session.Session` every kind of
+    replica shares."""
 
     def __init__(self, cfg: Config, launched: Launched, procs: int = 1, built: Built | None = None,
                  baseline: Baseline | str | None = None) -> None:
@@ -150,7 +151,7 @@ class ReplicaWorker:
         """Every replica holding the state was lost: the newest intact checkpoint, loaded (None: none, or every
         one damaged: each named on stderr)."""
         from recover.errors import CheckpointError
-        from recover.train.integrity import list_checkpoints
+        from recover.train.checkpoints.integrity import list_checkpoints
 
         if not list_checkpoints(self.checkpointer.root):
             return None
@@ -168,7 +169,7 @@ class ReplicaWorker:
         self.session.request_stop(signum)
 
     def run(self) -> int:
-        """Trains to ``training.steps``; returns the process's exit status (see ``train/exits.py``)."""
+        """Trains to ``training.steps``; returns the process's exit status (see ``train/processes/exits.py``)."""
         session, tc, ft = self.session, self.cfg.training, self.cfg.fault_tolerance
         try:
             step = session.connect(self.replica, tc.global_microbatches, assignment=tc.assignment,

@@ -1,5 +1,5 @@
 """The committed steps of a step protocol: the one iterator of committed steps, shared by
-:class:`recover.api.Job` (your loop) and :class:`recover.train.loop.Loop` (the built-in trainer's).
+:class:`recover.api.Job` (your loop) and :class:`recover.train.processes.loop.Loop` (the built-in trainer's).
 
 Contract:
 - :meth:`Steps.steps` yields a :class:`Step` per step until ``total`` are committed (a joiner starts where
@@ -30,7 +30,7 @@ if TYPE_CHECKING:
 
 
 class LoopReplica(Protocol):
-    """The replica a loop's microbatches fold into (:class:`~recover.train.own.OwnReplica`)."""
+    """The replica a loop's microbatches fold into (:class:`~recover.train.replicas.own.OwnReplica`)."""
 
     perturb: Any
 
@@ -59,7 +59,7 @@ class LoopContext:
     hook: Callable[[int, Phase], None]
     failed: Callable[[Exception], None]
     probe: Callable[[int], int] | None = None
-    """The step's probe microbatch (read by every replica; see :mod:`recover.train.contract`); None: none."""
+    """The step's probe microbatch (read by every replica; see :mod:`recover.train.replicas.contract`); None: none."""
     probed: Callable[[int], None] = lambda data_step: None
     """After each batch of a step's work: the probe's digest into the vote (a launched Job's)."""
     evaluated: Callable[[StepOutcome], float | None] = lambda outcome: None
@@ -202,7 +202,7 @@ class Step:
 
 class Steps:
     """The committed steps of a step protocol: the one iterator of committed steps, for your loop
-    (:class:`recover.api.Job`) and the built-in trainer's (:class:`recover.train.loop.Loop`)."""
+    (:class:`recover.api.Job`) and the built-in trainer's (:class:`recover.train.processes.loop.Loop`)."""
 
     def __init__(self, protocol: ResilientStep | None = None, context: LoopContext | None = None) -> None:
         self.protocol: Any = protocol  # set before steps() (a Job builds its protocol when the loop starts)

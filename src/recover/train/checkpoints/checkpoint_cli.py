@@ -41,7 +41,7 @@ def register(sub: argparse._SubParsersAction) -> None:
 def run_sample(args: argparse.Namespace) -> int:
     import torch
 
-    from recover.train.sample import check_options, generate, load_checkpoint_model, resolve_device
+    from recover.train.checkpoints.sample import check_options, generate, load_checkpoint_model, resolve_device
 
     check_options(args.max_new_tokens, args.temperature, args.top_k)
     model, desc = load_checkpoint_model(args.path, resolve_device(args.device))
@@ -56,7 +56,7 @@ def run_sample(args: argparse.Namespace) -> int:
 
 
 def run_export(args: argparse.Namespace) -> int:
-    from recover.train.export import export
+    from recover.train.checkpoints.export import export
 
     ckpt = export(args.path, args.format, args.out, args.overwrite, args.tokenizer)
     print(f"exported {ckpt} as {args.format} to {args.out}", flush=True)
