@@ -30,10 +30,43 @@ Process = subprocess.Popen[bytes]
 
 
 def free_port(host: str = "127.0.0.1") -> int:
-    """A TCP port free on ``host`` right now."""
+    """A TCP port free on ``host`` right now (another process may take it before it is used: a launcher
+    holds its ports with :class:`Ports`)."""
     with socket.socket() as s:
         s.bind((host, 0))
         return s.getsockname()[1]
+
+
+class Ports:
+    """TCP ports on ``host`` held for the processes a launcher starts, so that nothing else on the machine
+    takes one between its choice and the child's bind (a busy node's outgoing connections draw their local
+    ports from the same range: the coordinator then failed to start, 'cannot bind'), nor while a
+    coordinator restarts on the same ports. Each is held by a socket bound here with ``SO_REUSEADDR`` and
+    never listening: a child binds and listens on it with ``SO_REUSEADDR`` too (Python's
+    ``socket.create_server`` and c10d's ``TCPStore`` both set it), which Linux allows beside a bound
+    socket that does not listen, while any other bind and any outgoing connection are kept off it."""
+
+    def __init__(self, host: str) -> None:
+        self.host = host
+        self._held: dict[str, socket.socket] = {}
+
+    def take(self, key: str) -> int:
+        """A port held under ``key`` (one held before under the same key is let go: its user was replaced)."""
+        self.release(key)
+        s = socket.socket(socket.getaddrinfo(self.host, 0, 0, socket.SOCK_STREAM)[0][0], socket.SOCK_STREAM)
+        s.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+        s.bind((self.host, 0))
+        self._held[key] = s
+        return int(s.getsockname()[1])
+
+    def release(self, key: str) -> None:
+        held = self._held.pop(key, None)
+        if held is not None:
+            held.close()
+
+    def close(self) -> None:
+        for key in list(self._held):
+            self.release(key)
 
 
 def signal_processes(procs: list[Process], sig: int) -> None:

@@ -47,7 +47,7 @@ from typing import Any
 from recover.errors import RecoverError
 from recover.launch.job import Address, Commands, LaunchOptions
 from recover.launch.oom import SEE_EVERY_S, MemoryWatch
-from recover.launch.processes import LOST, ReplicaProcesses, Spawned, free_port, kill_processes, signal_processes, spawn
+from recover.launch.processes import LOST, Ports, ReplicaProcesses, Spawned, kill_processes, signal_processes, spawn
 from recover.launch.spares import Devices, SparePool
 from recover.names import Baseline, Event
 from recover.observe.events import EventLog
@@ -92,6 +92,8 @@ class Supervisor:
         self.cmds = Commands(opts)
         self.events = events
         self.say = say
+        self.ports = Ports(opts.host)
+        """The ports this job's processes bind, held from their choice until the launcher exits."""
         self.addr = self._new_address()
         self.resume = opts.resume
         """Whether the workers start from the newest complete checkpoint."""
@@ -143,7 +145,7 @@ class Supervisor:
         """Ports and token of a new job's coordinator (a restarted coordinator keeps them)."""
         token_file = self.o.out / "token"
         write_private(token_file, secrets.token_hex(16))
-        return Address(self.o.host, free_port(self.o.host), free_port(self.o.host), token_file)
+        return Address(self.o.host, self.ports.take("coordinator"), self.ports.take("store"), token_file)
 
     def _start_coordinator(self, expected: int) -> None:
         self._spawn_coordinator(expected)
@@ -175,7 +177,7 @@ class Supervisor:
         """The P processes of one replica or spare, each in its own session on its device; P > 1 get
         torchrun's environment."""
         P = self.cmds.ranks
-        port = free_port(self.o.host) if P > 1 else 0
+        port = self.ports.take(name) if P > 1 else 0  # its ranks' own store (rank 0's)
         logs = self.o.out / "logs"
         return [spawn(cmd, logs / (f"{name}.log" if P == 1 else f"{name}_rank{k}.log"),
                       {**self.cmds.env(devices[k], k, port), **(extra_env or {})}, stdin) for k in range(P)]
