@@ -123,6 +123,7 @@ class Event(str, Enum):
     COORDINATOR_STALLED = "coordinator_stalled"
     COORDINATOR_START = "coordinator_start"
     COORDINATOR_STOP = "coordinator_stop"
+    COORDINATOR_ENDED = "coordinator_ended"
     DIVERGED = "diverged"
     DRAIN_REQUESTED = "drain_requested"
     DRAINED = "drained"

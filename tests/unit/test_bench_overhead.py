@@ -48,6 +48,44 @@ def test_the_step_in_which_a_save_began_is_timed_against_the_others(tmp_path: Pa
     assert "save_step_ratio" not in overhead.system_stats("recover", [write_metrics(tmp_path / "r1", elapsed)], 1)
 
 
+def test_own_cpu_is_the_replicas_own_and_background_cpu_and_the_coordinators_share_over_compute(
+        tmp_path: Path) -> None:
+    # 2 replicas x 4 steps (1 warm-up): compute 100 ms, own 0.5 ms, background 0.2 ms per replica-step; the
+    # coordinator spent 0.08 s from its start to its end over the run's 8 replica-steps: 10 ms each, 6 of them timed
+    runs = []
+    for r, own in enumerate((0.5, 1.5)):  # round 1's replicas spent 1.5 ms of their own
+        run = write_metrics(tmp_path / f"r{r}", [1.0, 2.0, 3.0, 4.0])
+        (run / "replicas").mkdir()
+        for rid in range(2):
+            (run / "replicas" / f"replica_{rid}.jsonl").write_text("".join(json.dumps(
+                {"step": s, "loss": 4.0, "cpu_ms": {"step": 200.0, "compute": 100.0, "reduce": 50.0, "update": 49.5,
+                                                    "own": own, "background": 0.2}}) + "\n" for s in range(4))
+                + "{torn")
+        (run / "events.jsonl").write_text("".join(json.dumps(e) + "\n" for e in (
+            {"t": 0, "kind": "coordinator_start", "cpu_s": 1.5},  # its start-up is not the steps'
+            {"t": 9, "kind": "coordinator_ended", "cpu_s": 1.58})))
+        runs.append(run)
+    one = overhead.run_own_cpu(runs[0], warmup=1)
+    assert one is not None
+    assert one["training_thread"] == pytest.approx(0.005) and one["client_threads"] == pytest.approx(0.002)
+    assert one["coordinator"] == pytest.approx(0.1)  # 10 ms of the coordinator's per 100 ms of compute
+    assert one["own_cpu_fraction"] == pytest.approx(0.107)
+    st = overhead.system_stats("recover", runs, warmup=1)
+    assert st["own_cpu_fraction"] == pytest.approx((0.107 + 0.117) / 2)
+    assert st["own_cpu_fraction_spread"] == pytest.approx(0.01)
+    assert st["own_cpu_parts"]["training_thread"] == pytest.approx(0.01)
+    plain = write_metrics(tmp_path / "ddp", [1.0, 2.0, 3.0])
+    assert "own_cpu_fraction" not in overhead.system_stats("ddp", [plain], warmup=1)  # not a recover launch
+
+
+def test_a_steps_cpu_record_leaves_recovers_own_work_after_its_parts() -> None:
+    from recover.train.processes.loop import cpu_record
+
+    ms = cpu_record(0.2, 0.001, {"compute": 0.15, "reduce": 0.03, "update": 0.015})
+    assert ms == {"step": 200.0, "compute": 150.0, "reduce": 30.0, "update": 15.0, "own": 5.0, "background": 1.0}
+    assert cpu_record(0.1, 0.0, {"compute": 0.2})["own"] == 0.0  # never negative (clocks read apart)
+
+
 def test_ratios_against_recover(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
     rec = overhead.system_stats("recover", [write_metrics(tmp_path / "a", [0.0, 1.03, 2.06, 3.09])], 0)
     ddp = overhead.system_stats("ddp", [write_metrics(tmp_path / "b", [0.0, 1.0, 2.0, 3.0])], 0)

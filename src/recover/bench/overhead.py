@@ -32,6 +32,9 @@ Contract:
   ``ratio_vs_recover`` = a system's step time / recover's; ``paired_ratio_vs_recover`` = the
   median over rounds of the same ratio within each round; ``recover_overhead`` = recover's step
   time / each other system's (the target is <= 1.03 against plain DDP).
+- Apart from the machine's noise, each recover row carries ``own_cpu_fraction`` (:func:`own_cpu`): recover's
+  own CPU seconds per replica-step over the step's compute CPU seconds, from the replicas' ``cpu_ms`` records
+  and the coordinator's CPU (goal <= 0.01), with its spread over rounds and its parts.
 - ``--json FILE`` writes the result object; ``systems`` holds one object per system.
 """
 
@@ -39,6 +42,7 @@ from __future__ import annotations
 
 import argparse
 import shutil
+import statistics
 import sys
 import time
 from collections.abc import Sequence
@@ -95,7 +99,59 @@ def system_stats(name: str, run_dirs: Sequence[Path], warmup: int) -> dict[str, 
     row = {"name": name, "label": LABELS.get(name, name), "step_time_s": round(st, 5) if st is not None else None,
            "step_time_s_per_round": per_round, "intervals": len(intervals), "final_val_loss": val,
            "run_dirs": [str(d) for d in run_dirs]}
-    return row | save_step_ratios(run_dirs, warmup)
+    return row | save_step_ratios(run_dirs, warmup) | own_cpu(run_dirs, warmup)
+
+
+def run_own_cpu(run_dir: Path, warmup: int) -> dict[str, float] | None:
+    """recover's own CPU per step of one run over its compute CPU (see :func:`own_cpu`), by part; None for a run
+    whose replicas recorded no ``cpu_ms`` (not a recover launch)."""
+    import json
+
+    from recover.names import Event
+    from recover.observe.plots import load_events
+
+    compute = main = background = 0.0
+    timed = 0
+    for path in sorted((run_dir / "replicas").glob("replica_*.jsonl")):
+        for line in path.read_text().splitlines():
+            try:
+                rec = json.loads(line)
+            except ValueError:
+                continue
+            ms = rec.get("cpu_ms") if isinstance(rec, dict) else None
+            if ms and rec.get("step", -1) >= warmup:
+                compute += ms["compute"]
+                main += ms["own"]
+                background += ms["background"]
+                timed += 1
+    if not timed or compute <= 0:
+        return None
+    steps = max(1, len(load_metrics(run_dir)))
+    replicas = max(1, len(list((run_dir / "replicas").glob("replica_*.jsonl"))))
+    events = load_events(run_dir)  # the coordinator's CPU from when it served (start) to when it was ended
+    started = [float(e["cpu_s"]) for e in events if e.get("kind") == Event.COORDINATOR_START and "cpu_s" in e]
+    ended = [float(e["cpu_s"]) for e in events if e.get("kind") == Event.COORDINATOR_ENDED and e.get("cpu_s")]
+    coord_s = max(0.0, ended[-1] - started[-1]) if started and ended else 0.0
+    coordinator = coord_s * 1000 / (steps * replicas) * timed  # its share of the timed replica-steps
+    parts = {"training_thread": main / compute, "client_threads": background / compute,
+             "coordinator": coordinator / compute}
+    return {"own_cpu_fraction": sum(parts.values()), **parts}
+
+
+def own_cpu(run_dirs: Sequence[Path], warmup: int) -> dict[str, Any]:
+    """``own_cpu_fraction``: recover's own CPU seconds per replica-step (the training thread's CPU outside the
+    compute, the wait on the reduction and the update: plan, reduction buffers, vote, fingerprint, hooks; the
+    coordinator client's threads: heartbeats; the coordinator's process, shared out per replica-step) over the
+    step's compute CPU seconds, the median over rounds; ``own_cpu_fraction_spread`` its max - min over rounds;
+    ``own_cpu_parts`` the median of each part. CPU time, not wall time: it means the same at any load.
+    Nothing for runs without ``cpu_ms`` records (the systems that are not recover)."""
+    runs = [r for r in (run_own_cpu(d, warmup) for d in run_dirs) if r is not None]
+    if not runs:
+        return {}
+    fractions = [r["own_cpu_fraction"] for r in runs]
+    parts = {k: round(statistics.median(r[k] for r in runs), 5) for k in runs[0] if k != "own_cpu_fraction"}
+    return {"own_cpu_fraction": round(statistics.median(fractions), 5),
+            "own_cpu_fraction_spread": round(max(fractions) - min(fractions), 5), "own_cpu_parts": parts}
 
 
 def save_step_ratios(run_dirs: Sequence[Path], warmup: int) -> dict[str, Any]:
@@ -152,6 +208,10 @@ def print_result(res: dict[str, Any]) -> None:
     notes += [f"{r['name']}: a step in which a save began took {r['save_step_ratio']:.3f}x the others, the step after "
               f"it {fmt(r.get('next_step_ratio'), '.3f')}x ({r['saves_timed']} saves timed)"
               for r in res["systems"] if r.get("save_step_ratio") is not None]
+    notes += [f"{r['name']}: recover's own CPU {r['own_cpu_fraction']:.4f} of the compute's per replica-step "
+              f"(spread {r['own_cpu_fraction_spread']:.4f}; "
+              + ", ".join(f"{k} {v:.4f}" for k, v in r["own_cpu_parts"].items()) + ")"
+              for r in res["systems"] if r.get("own_cpu_fraction") is not None]
     notes.append(f"median of step-to-step wall time after {res['warmup']} warm-up steps, pooled over "
                  f"{res['rounds']} round(s) in alternating order; load average before/after: "
                  f"{res['load']['before']} / {res['load']['after']}; benchmark wall {res['bench_wall_s']:.0f} s")

@@ -97,6 +97,7 @@ from recover.coord.protocol import (
 from recover.coord.tls import SerialSocket, Tls
 from recover.errors import CoordinatorLost, CoordinatorRefused, Diverged, Expelled, PeerFailure, QuorumLost
 from recover.faults.perturb import NONE
+from recover.observe import cpu
 
 RECONNECT_EVERY_S = 0.2
 """How often a client that lost the coordinator tries to reach it again."""
@@ -458,6 +459,7 @@ class CoordinatorClient:
         t = threading.Thread(target=target, name=f"{name}-{self.replica_id}", daemon=True)
         self._threads.append(t)
         t.start()
+        cpu.register(t)
 
     def _send(self, msg: dict[str, Any]) -> None:
         assert self._sock is not None

@@ -74,6 +74,7 @@ from recover.coord.protocol import (
     register_ranks,
 )
 from recover.coord.tls import Tls
+from recover.observe import cpu
 
 _LETTER = {name: letter for letter, name in ACTIVITY_LETTERS.items()}
 
@@ -161,6 +162,7 @@ class Relay:
         self._sel.register(self._wake_r, selectors.EVENT_READ, "wake")
         self._thread = threading.Thread(target=self._loop, name=f"recover-relay-{self.replica_id}", daemon=True)
         self._thread.start()
+        cpu.register(self._thread)
         return self
 
     @property

@@ -210,7 +210,7 @@ class Coordinator:
             heartbeat_s=self.heartbeat_interval_s, beat_s=beat_interval(self.heartbeat_timeout_s),
             scan_s=scale.scan_interval(self.heartbeat_timeout_s, self.register_timeout_s, self.hang_timeout_s))
         self._log(Event.COORDINATOR_START, host=self.host, advertise_host=self.advertise_host, port=self.port,
-                  store_port=self.store_port, tls=self.tls is not None,
+                  store_port=self.store_port, tls=self.tls is not None, cpu_s=round(time.process_time(), 3),
                   expected_replicas=self.expected_replicas, max_replicas=self.state.max_replicas,
                   heartbeat_s=self.heartbeat_interval_s,
                   heartbeat_timeout_s=self.heartbeat_timeout_s, connections=self.connections,

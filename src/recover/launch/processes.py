@@ -37,6 +37,16 @@ def free_port(host: str = "127.0.0.1") -> int:
         return s.getsockname()[1]
 
 
+def cpu_seconds(pid: int) -> float | None:
+    """The CPU seconds (user + system) process ``pid`` has spent so far (Linux ``/proc``; None elsewhere, or
+    once it is gone)."""
+    try:
+        fields = Path(f"/proc/{pid}/stat").read_text().rpartition(")")[2].split()
+        return (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")
+    except (OSError, ValueError, IndexError):
+        return None
+
+
 class Ports:
     """TCP ports on ``host`` held for the processes a launcher starts, so that nothing else on the machine
     takes one between its choice and the child's bind (a busy node's outgoing connections draw their local

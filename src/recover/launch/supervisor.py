@@ -47,7 +47,16 @@ from typing import Any
 from recover.errors import RecoverError
 from recover.launch.job import Address, Commands, LaunchOptions
 from recover.launch.oom import SEE_EVERY_S, MemoryWatch
-from recover.launch.processes import LOST, Ports, ReplicaProcesses, Spawned, kill_processes, signal_processes, spawn
+from recover.launch.processes import (
+    LOST,
+    Ports,
+    ReplicaProcesses,
+    Spawned,
+    cpu_seconds,
+    kill_processes,
+    signal_processes,
+    spawn,
+)
 from recover.launch.spares import Devices, SparePool
 from recover.names import Baseline, Event
 from recover.observe.events import EventLog
@@ -408,6 +417,8 @@ class Supervisor:
         """SIGKILLs and reaps every process started that still runs (spares, replicas, coordinator)."""
         self.pool.close()
         procs = [p for r in self.replicas.values() for p in r.procs]
+        if self.coordinator and self.coordinator.proc.poll() is None:  # what it spent (coordinator_start: from)
+            self.events.event(Event.COORDINATOR_ENDED, cpu_s=cpu_seconds(self.coordinator.proc.pid))
         kill_processes(procs + ([self.coordinator.proc] if self.coordinator else []))
 
     # ---- the end ---------------------------------------------------------------------------

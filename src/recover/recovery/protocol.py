@@ -107,6 +107,9 @@ class StepOutcome:
     """The job stops after this step (a graceful stop was committed with it)."""
     left: bool = False
     """This replica left the job after this step (a graceful leave); the others train on."""
+    cpu: dict[str, float] = field(default_factory=dict)
+    """The training thread's CPU seconds in the step's ``compute``, ``reduce`` (the wait on the reduction)
+    and ``update`` (:mod:`recover.observe.cpu`: the rest of the step is recover's own work)."""
 
     @property
     def loss(self) -> float:
@@ -179,6 +182,7 @@ class ResilientStep:
         self._audit: dict[str, Any] | None = None  # this replica's audit value of the step, if it takes part
         self.speeds = group.membership.speeds  # a joiner's: those of the commit that admitted it
         self._compute_s = 0.0  # this step's compute time so far
+        self._cpu: dict[str, float] = {}  # this step's thread CPU seconds by part (StepOutcome.cpu)
         replica.upcoming = self.share  # a replica that reads its data ahead asks for its coming shares
 
     # ---- one step --------------------------------------------------------------------------
@@ -254,14 +258,17 @@ class ResilientStep:
         recoveries: list[dict[str, Any]] = []
         computed = 0
         self._compute_s = 0.0
+        self._cpu = {"compute": 0.0, "reduce": 0.0, "update": 0.0}
         while True:
             t0 = time.perf_counter()
             order = self.replica.reduce_order if self.overlap else None
             reduction = self.group.reduction(self.replica.payload(), order)
+            c0 = time.thread_time()
             yield Work(data_step, list(todo), reduction.final if self.overlap else None)
             if audit is not None and self.me in audit[2]:
                 self._audit = {"id": audit[0], **self.replica.audit(data_step, audit[0])}
                 audit = None  # once per step, even if the step recovers
+            self._cpu["compute"] += time.thread_time() - c0
             self._compute_s += time.perf_counter() - t0
             computed += len(todo)
             if self.replica.nonfinite:
@@ -282,7 +289,11 @@ class ResilientStep:
     def _reduce_and_vote(self, step: int, plan: dict[int, list[int]], recoveries: list[dict[str, Any]],
                          computed: int, reduction: Reduction) -> Committed:
         self.hook(step, Phase.REDUCE)
-        reduced = reduction.result()  # launches the stats (and any bucket not launched yet), waits
+        c0 = time.thread_time()
+        try:
+            reduced = reduction.result()  # launches the stats (and any bucket not launched yet), waits
+        finally:
+            self._cpu["reduce"] += time.thread_time() - c0
         return self.vote(step, plan, reduced, recoveries, computed)
 
     def vote(self, step: int, plan: dict[int, list[int]], reduced: list[torch.Tensor],
@@ -313,13 +324,15 @@ class ResilientStep:
         """The optimizer update of a committed step; the progress advances."""
         loss_sum, count = c.totals.loss_sum, c.totals.microbatches
         self.hook(step, Phase.OPTIMIZER)
+        c0 = time.thread_time()
         grad_norm = self.replica.apply(c.reduced, self.divisor(count), step, c.totals.sum_norm)
+        self._cpu["update"] = self._cpu.get("update", 0.0) + time.thread_time() - c0
         self.group.release(c.reduced)  # consumed by the update: a later reduction may reuse their memory
         tokens = count * self.replica.tokens_per_microbatch
         slow = {r: round(s, 2) for r, s in slowdowns(self.speeds or {}).items()
                 if s >= STRAGGLER_RATIO and r in c.live}
         outcome = StepOutcome(step, self.progress.data_step, loss_sum, count, tokens, grad_norm, c.generation,
-                              c.live, c.computed, c.recoveries, c.quotas, slow, c.stop, c.left)
+                              c.live, c.computed, c.recoveries, c.quotas, slow, c.stop, c.left, dict(self._cpu))
         self.progress.step += 1
         self.progress.data_step += 1
         self.progress.tokens += tokens

@@ -34,6 +34,7 @@ import torch
 from recover.config import Config
 from recover.data.sampler import EvalSampler
 from recover.names import Event
+from recover.observe import cpu
 from recover.recovery.protocol import ResilientStep, StepOutcome
 from recover.train.checkpoints.cadence import Cadence
 from recover.train.checkpoints.checkpoint import UNSAVED, Checkpointer, abandon, save_failures
@@ -67,6 +68,16 @@ def use_deterministic_kernels() -> None:
     already deterministic for a fixed thread count."""
     os.environ.setdefault("CUBLAS_WORKSPACE_CONFIG", ":4096:8")
     torch.use_deterministic_algorithms(True)
+
+
+def cpu_record(step_s: float, background_s: float, parts: dict[str, float]) -> dict[str, float]:
+    """A step's ``cpu_ms``: the training thread's CPU milliseconds in the whole step and in its parts
+    (``compute``, ``reduce``, ``update``), ``own`` (the rest: recover's own work on the training thread) and
+    ``background`` (recover's own threads meanwhile: heartbeats, the relay); see :mod:`recover.observe.cpu`."""
+    ms = {"step": step_s * 1000, **{k: v * 1000 for k, v in parts.items()}}
+    ms["own"] = max(0.0, ms["step"] - sum(v * 1000 for v in parts.values()))
+    ms["background"] = background_s * 1000
+    return {k: round(v, 3) for k, v in ms.items()}
 
 
 def step_record(outcome: StepOutcome, dt: float, lr: float) -> dict[str, Any]:
@@ -130,13 +141,15 @@ class Loop:
         replica saves a complete checkpoint of it (unless one was due anyway) and ``stopped`` is set."""
         tc, cadence = self.cfg.training, self.cadence
         for committed in Steps(self.step).steps(end):
-            t0 = time.perf_counter()
+            t0, c0, b0 = time.perf_counter(), time.thread_time(), cpu.background_s()
             outcome = committed.run()  # plan, compute, reduce, recover, commit, apply, admit
             dt = time.perf_counter() - t0
+            record_cpu = cpu_record(time.thread_time() - c0, cpu.background_s() - b0, outcome.cpu)
             cadence.stepped(dt, sum(len(r["dead"]) for r in outcome.recoveries))
             record = step_record(outcome, dt, lr_at(outcome.step, tc))
             record["data_wait_ms"] = round(self.replica.reads.take().wait_s * 1000, 3)  # reads not hidden
             record["total_tokens"] = self.step.progress.tokens
+            record["cpu_ms"] = record_cpu
             mixture = getattr(self.replica.data, "source_tokens", None)
             if mixture is not None and len(self.cfg.data.sources) > 1:
                 record["source_tokens"] = mixture(outcome.step)  # committed steps 0..step, per source
