@@ -2,7 +2,7 @@
 #   make demo   the main job: a small multi-replica run on the embedded stdlib corpus
 #   make test   the whole test suite: tests/unit, tests/dist (multi-process gloo), tests/e2e (launch runs),
 #               all but the interop tests
-#   make test-unit   the unit tier alone (about 35 s)
+#   make test-unit   the unit tier alone (about 60 s)
 #   make test-interop   Hugging Face models and torchtitan's Llama 3 trained through recover.api, and the metrics
 #                       files read by TensorBoard's and W&B's own readers (CI runs it too)
 #   make test-slurm   the real-cluster tier: a real Slurm cluster and Prometheus on this machine (root; 8-11 min;
