@@ -124,6 +124,7 @@ class Event(str, Enum):
     COORDINATOR_START = "coordinator_start"
     COORDINATOR_STOP = "coordinator_stop"
     COORDINATOR_ENDED = "coordinator_ended"
+    COORDINATOR_FAILED = "coordinator_failed"
     DIVERGED = "diverged"
     DRAIN_REQUESTED = "drain_requested"
     DRAINED = "drained"

@@ -315,3 +315,20 @@ def test_recover_drain_prints_one_line_for_a_refusal(coord: Coordinator, tmp_pat
     finally:
         for c in cs:
             c.close()
+
+
+def test_a_broken_serving_loop_is_raised_by_serve_forever_and_logged_not_a_quiet_end(tmp_path: Path) -> None:
+    """An unexpected exception in the coordinator's loop ends it loudly: serve_forever raises it (the command
+    then prints its one internal-error line and fails), the event log names it, and it stops cleanly."""
+    c = Coordinator(token=TOKEN, events_path=str(tmp_path / "events.jsonl"), expected_replicas=1,
+                    heartbeat_interval_s=0.05, heartbeat_timeout_s=0.6).start()
+    assert c.aggregator is not None
+
+    def broken(now: float) -> list[Any]:
+        raise KeyError("a bug in a rule")
+
+    c.aggregator.on_tick = broken  # type: ignore[method-assign]
+    with pytest.raises(KeyError, match="a bug in a rule"):
+        c.serve_forever()
+    kinds = [e["kind"] for e in read_jsonl(tmp_path / "events.jsonl")]
+    assert "coordinator_failed" in kinds and kinds[-1] == "coordinator_stop"

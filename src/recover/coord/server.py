@@ -163,6 +163,8 @@ class Coordinator:
         self._cond = threading.Condition()
         self._conns: set[FramedConn] = set()
         self._stopping = False
+        self.failure: Exception | None = None
+        """What broke the serving loop, if anything (:meth:`serve_forever` raises it)."""
         self._stop_job = False  # request_stop() was called: handed to the loop
         self._thread: threading.Thread | None = None
         self._store: Any = None
@@ -215,7 +217,7 @@ class Coordinator:
                   heartbeat_s=self.heartbeat_interval_s,
                   heartbeat_timeout_s=self.heartbeat_timeout_s, connections=self.connections,
                   max_connections=self.max_connections)
-        self._thread = threading.Thread(target=self._loop, name="recover-coordinator", daemon=True)
+        self._thread = threading.Thread(target=self._serve, name="recover-coordinator", daemon=True)
         self._thread.start()
         return self
 
@@ -228,6 +230,8 @@ class Coordinator:
         try:
             while self._thread.is_alive() and not self.finished:
                 self._thread.join(0.2)
+            if self.failure is not None:  # the loop broke: the process says so and fails (not a quiet 0)
+                raise self.failure
         finally:
             self.stop()
 
@@ -289,6 +293,15 @@ class Coordinator:
                 self._cond.wait(min(left, 0.1))
 
     # ------------------------------------------------------------- the loop
+
+    def _serve(self) -> None:
+        """The loop's thread: an exception that breaks the loop is kept in :attr:`failure` (and the event
+        log's ``coordinator_failed``) for :meth:`serve_forever` to raise, not printed from the thread."""
+        try:
+            self._loop()
+        except Exception as exc:  # whatever it is: serve_forever raises it
+            self.failure = exc
+            self._log(Event.COORDINATOR_FAILED, error=f"{type(exc).__name__}: {exc}")
 
     def _loop(self) -> None:
         """Serves until stopped. Judge others only when running: when this loop was not scheduled for
