@@ -36,6 +36,35 @@ def test_a_lease_is_exclusive_renewed_and_released(tmp_path: Path) -> None:
     check_free(run)
 
 
+def test_a_renewal_under_way_when_the_lease_is_released_does_not_write_it_again(
+        tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """The renewal thread is inside a renewal when the holder releases the lease: the release waits for it, and
+    the renewal, seeing the lease given up, writes nothing (before, it found the file gone and wrote it again,
+    leaving a dead process's lease behind; seen on a loaded machine)."""
+    import threading
+
+    run = tmp_path / "run"
+    held = acquire(run, "recover coordinator")
+    entered, go, done = threading.Event(), threading.Event(), threading.Event()
+    original = lease.Lease.renew
+
+    def held_up(self: lease.Lease) -> bool:
+        entered.set()
+        go.wait(10)
+        try:
+            return original(self)
+        finally:
+            done.set()
+
+    monkeypatch.setattr(lease.Lease, "renew", held_up)
+    held.start_renewing(every_s=0.01)
+    assert entered.wait(10)
+    threading.Timer(0.2, go.set).start()  # the renewal goes on while the release is under way
+    held.release()
+    assert done.wait(10)
+    assert not (run / lease.NAME).exists()
+
+
 def test_a_lease_of_a_reused_pid_or_a_rebooted_host_is_taken_over(tmp_path: Path) -> None:
     mine = lease.me("recover launch")
     _plant(tmp_path, replace(mine, pid_start=(mine.pid_start or 0) + 1, nonce="old"))  # same PID, another process

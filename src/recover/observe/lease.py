@@ -151,6 +151,7 @@ class Lease:
         self.took_over = took_over
         """Why the previous holder's lease was taken over (None: there was none)."""
         self._stop = threading.Event()
+        self._renewer: threading.Thread | None = None
 
     def ours(self) -> bool:
         """Whether the lease file is still this holder's."""
@@ -160,7 +161,9 @@ class Lease:
     def renew(self) -> bool:
         """Renews the lease (its mtime); False when it is no longer this holder's. A lease file removed under the
         job (with the whole run directory, which the launcher then creates again) is nobody else's: written
-        again as this holder's."""
+        again as this holder's; never once the lease is being given up."""
+        if self._stop.is_set():
+            return True
         if holder(self.path.parent) is None:
             try:
                 _create(self.path, self.me)
@@ -182,11 +185,15 @@ class Lease:
                     print(f"recover: warning: the lease {self.path} is no longer this job's", file=sys.stderr,
                           flush=True)
                     return
-        threading.Thread(target=loop, name="lease-renewal", daemon=True).start()
+        self._renewer = threading.Thread(target=loop, name="lease-renewal", daemon=True)
+        self._renewer.start()
 
     def release(self) -> None:
-        """Gives the run directory up (the lease file is deleted while it is still this holder's)."""
+        """Gives the run directory up (the lease file is deleted while it is still this holder's), once the
+        renewal thread has stopped: a renewal under way would otherwise write the deleted file again."""
         self._stop.set()
+        if self._renewer is not None and self._renewer is not threading.current_thread():
+            self._renewer.join(10)
         if self.ours():
             self.path.unlink(missing_ok=True)
 
