@@ -64,7 +64,9 @@ def test_bench_failures_end_to_end(tmp_path: Path, corpus: Path) -> None:
     assert restart["min_microbatches"] == 8 and restart["restarts"] == 1
     assert restart["max_rel_loss_dev"] < 1e-5  # resumed from a complete checkpoint
     assert restart["effective_tokens_per_s"] < by["recover"]["effective_tokens_per_s"]
-    assert restart["wall_s"] > by["recover"]["wall_s"] and restart["checkpoint_async"]
+    # restarting costs time: its failure loses more than recover's (the whole runs' wall times include each
+    # system's start-up, which a loaded machine stretched past the restart's loss once: not compared)
+    assert restart["time_lost_per_failure_s"] > by["recover"]["time_lost_per_failure_s"] and restart["checkpoint_async"]
     yd = res["young_daly"]  # Young/Daly of the asynchronous saves (no synchronous restart system ran)
     assert yd["async"]["save_cost_s"] > 0 and yd["async"]["checkpoint_every"] >= 1
     ideal = res["ideal"]
