@@ -20,7 +20,7 @@ def test_a_held_port_is_kept_from_others_and_free_for_its_child_again_and_again(
         with socket.create_server(("127.0.0.1", port)) as server, \
                 socket.create_connection(("127.0.0.1", port), timeout=5):
             server.accept()[0].close()
-    ports.close()
+    ports.release("coordinator")
 
 
 def test_a_replaced_or_released_key_lets_its_port_go() -> None:

@@ -74,10 +74,6 @@ class Ports:
         if held is not None:
             held.close()
 
-    def close(self) -> None:
-        for key in list(self._held):
-            self.release(key)
-
 
 def signal_processes(procs: list[Process], sig: int) -> None:
     """Sends ``sig`` to each process still running (by PID: each leads its own session)."""
