@@ -28,6 +28,7 @@ from recover.cli import main
 from recover.config import ModelConfig
 from recover.errors import CheckpointError
 from recover.train.checkpoints import checkpoint as ckpt
+from recover.train.checkpoints import writer as writer_mod
 
 CFG = ModelConfig()  # only stored in meta.json here: the modules below are plain nn.Linear
 
@@ -134,6 +135,7 @@ import sys, torch
 from torch import nn
 from recover.config import ModelConfig
 from recover.train.checkpoints import checkpoint as ckpt
+from recover.train.checkpoints import writer as writer_mod
 root = sys.argv[1]
 model = nn.Sequential(*[nn.Linear(512, 512) for _ in range(4)])  # ~1 M floats: ~12 MB with AdamW state
 opt = torch.optim.AdamW(model.parameters())
@@ -202,3 +204,140 @@ def test_resume_from_an_async_checkpoint_reproduces_the_trajectory(corpus: Path,
     assert "(step 8)" in capsys.readouterr().out
     assert [s for s, _ in ckpt.list_checkpoints(run / "checkpoints")] == [8, 9, 12]  # keep_checkpoints = 3
     assert max_rel_diff(losses(ref), losses(run)) <= 1e-6
+
+
+# ---- the writer process (train/checkpoints/writer.py) ------------------------------------------------
+
+def ready_writer(model: nn.Module, opt: torch.optim.Optimizer) -> writer_mod.Writer:
+    """A writer whose process is up for this model's state (the first ``takes`` starts it)."""
+    writer = writer_mod.Writer()
+    state = ckpt._state(model, opt)
+    deadline = time.monotonic() + 120
+    while not writer.takes(state):
+        assert time.monotonic() < deadline, "the writer process did not become ready within 120 s"
+        time.sleep(0.1)
+    return writer
+
+
+def writer_pid(writer: writer_mod.Writer) -> int:
+    assert writer._child is not None
+    return writer._child.proc.pid
+
+
+def test_a_save_by_the_writer_process_holds_the_staged_state_and_loads_like_one_from_training(tmp_path: Path) -> None:
+    model, opt = small(1.0)
+    ckpt.save_checkpoint(tmp_path / "here", 2, model, opt, {"tag": "here"}, CFG)
+    writer = ready_writer(model, opt)
+    try:
+        pending = ckpt.save_checkpoint_async(tmp_path / "there", 2, model, opt, {"tag": "there"}, CFG, writer=writer)
+        fill(model, 3.0)  # training goes on at once: the state was copied out
+        assert pending.wait(60) == tmp_path / "there" / "step_000002"
+        assert not list((tmp_path / "there").glob("*.partial"))
+        loaded = []
+        for where in ("here", "there"):
+            fresh, fresh_opt = small(0.0)
+            meta = ckpt.load_checkpoint(tmp_path / where / "step_000002", fresh, fresh_opt, CFG)
+            assert meta["tag"] == where and meta["step"] == 2
+            loaded.append((fresh.state_dict(), fresh_opt.state_dict()))
+        assert params_equal(fresh, 1.0)  # the state when the save started, not the 3.0 of afterwards
+        (m1, o1), (m2, o2) = loaded
+        assert all(torch.equal(m1[k], m2[k]) for k in m1)
+        assert all(torch.equal(o1["state"][i][k], o2["state"][i][k]) for i in o1["state"] for k in o1["state"][i])
+        assert o1["param_groups"] == o2["param_groups"]
+        # the buffer is reused: a second save of a changed state holds the new values
+        fill(model, 5.0)
+        ckpt.save_checkpoint_async(tmp_path / "there", 3, model, opt, {}, CFG, writer=writer).wait(60)
+        fresh, fresh_opt = small(0.0)
+        ckpt.load_checkpoint(tmp_path / "there" / "step_000003", fresh, fresh_opt, CFG)
+        assert params_equal(fresh, 5.0)
+        # a state that outgrew the buffer goes into a larger one, handed to the same process
+        big = nn.Sequential(nn.Linear(64, 64), nn.Linear(64, 4))
+        big_opt = torch.optim.AdamW(big.parameters(), lr=0.1)
+        big(torch.ones(2, 64)).sum().backward()
+        big_opt.step()
+        fill(big, 7.0)
+        pid = writer_pid(writer)
+        assert writer.takes(ckpt._state(big, big_opt))
+        ckpt.save_checkpoint_async(tmp_path / "there", 4, big, big_opt, {}, CFG, writer=writer).wait(60)
+        assert writer_pid(writer) == pid
+        fresh = nn.Sequential(nn.Linear(64, 64), nn.Linear(64, 4))
+        fresh_opt = torch.optim.AdamW(fresh.parameters(), lr=0.1)
+        ckpt.load_checkpoint(tmp_path / "there" / "step_000004", fresh, fresh_opt, CFG)
+        assert params_equal(fresh, 7.0)
+    finally:
+        writer.close()
+
+
+def test_a_write_the_storage_refuses_fails_with_its_errno_and_commits_nothing(tmp_path: Path) -> None:
+    model, opt = small(1.0)
+    writer = ready_writer(model, opt)
+    try:
+        ckpt.save_checkpoint_async(tmp_path, 4, model, opt, {}, CFG, writer=writer).wait(60)
+        final, partial = ckpt.begin_save(tmp_path, 5)
+        partial.rmdir()
+        partial.write_text("a file where the save's directory was")  # the writer cannot write into it
+        with pytest.raises(OSError) as err:
+            writer.submit(ckpt._state(model, opt), partial, final, 5, {}, 0, None).result(60)
+        assert err.value.errno is not None
+        assert [s for s, _ in ckpt.list_checkpoints(tmp_path)] == [4]
+        # the process goes on: the next save is written
+        ckpt.save_checkpoint_async(tmp_path, 6, model, opt, {}, CFG, writer=writer).wait(60)
+        assert [s for s, _ in ckpt.list_checkpoints(tmp_path)] == [4, 6]
+    finally:
+        writer.close()
+
+
+def test_a_killed_writer_process_fails_its_save_and_the_next_state_starts_another(tmp_path: Path) -> None:
+    model, opt = small(1.0)
+    writer = ready_writer(model, opt)
+    try:
+        first = writer_pid(writer)
+        os.kill(first, signal.SIGKILL)
+        final, partial = ckpt.begin_save(tmp_path, 7)
+        with pytest.raises(CheckpointError, match="writer process ended .killed by signal 9.*not committed"):
+            writer.submit(ckpt._state(model, opt), partial, final, 7, {}, 0, None).result(60)
+        assert ckpt.list_checkpoints(tmp_path) == []
+        # the next state is saved by the caller while another process starts, then by that process
+        assert not writer.takes(ckpt._state(model, opt))
+        assert writer_pid(writer) != first
+    finally:
+        writer.close()
+    writer = ready_writer(model, opt)
+    writer.close()
+
+
+WRITER_PARENT = """
+import sys, time, torch
+from torch import nn
+from recover.config import ModelConfig
+from recover.train.checkpoints import checkpoint as ckpt, writer as writer_mod
+model = nn.Linear(64, 64)
+opt = torch.optim.AdamW(model.parameters())
+w = writer_mod.Writer()
+while not w.takes(ckpt._state(model, opt)):
+    time.sleep(0.05)
+print(w._child.proc.pid, flush=True)
+time.sleep(600)
+"""
+
+
+def test_the_writer_process_ends_with_the_process_it_writes_for(tmp_path: Path) -> None:
+    """A replica SIGKILLed alone (not its process group): its writer must not outlive it and commit later."""
+    proc = subprocess.Popen([sys.executable, "-c", WRITER_PARENT], stdout=subprocess.PIPE, text=True,
+                            env=subprocess_env(), start_new_session=True)
+    try:
+        assert proc.stdout is not None
+        child = int(proc.stdout.readline())
+        os.kill(proc.pid, signal.SIGKILL)
+        proc.wait(30)
+        deadline = time.monotonic() + 10
+        while Path(f"/proc/{child}").exists() and time.monotonic() < deadline:
+            time.sleep(0.05)
+        gone = not Path(f"/proc/{child}").exists() or "Z" in Path(f"/proc/{child}/stat").read_text().split()[2]
+        assert gone, f"the writer process {child} outlived its parent by 10 s"
+    finally:
+        try:
+            os.killpg(proc.pid, signal.SIGKILL)
+        except ProcessLookupError:
+            pass
+        proc.wait(30)

@@ -6,7 +6,7 @@ import itertools
 import json
 from pathlib import Path
 
-from recover.launch.records import JsonlTail, LogEpochs, StepRecords, read_step_logs, write_metrics
+from recover.launch.records import JsonlTail, LogEpochs, StepRecords, metrics_row, read_step_logs, stamp, write_metrics
 
 
 def rec(step: int, t: float, replica: int, loss: float = 5.0, **extra: object) -> dict[str, object]:
@@ -99,3 +99,12 @@ def test_resume_completes_the_rows_a_torn_metrics_file_lost_from_the_replicas_re
     records = StepRecords(rows[s] | {"t": rows[s]["elapsed_s"]} for s in rows)
     records.mark_lost(lost)
     assert records.committed() == 5 and 3 in records and records.steps() == [0, 1, 2, 4]
+
+
+def test_a_record_is_timed_by_when_it_was_written_on_this_hosts_clock_else_when_it_was_read() -> None:
+    since, now = 100.0, 250.0  # the launcher started at 100 on its monotonic clock; it reads at 250
+    assert stamp(rec(0, 1e9, 0, mono=249.987), since, now) == 249.987  # written 13 ms ago, here
+    assert stamp(rec(0, 1e9, 0), since, now) == now  # no clock of its own (an older release's record)
+    assert stamp(rec(0, 1e9, 0, mono=50.0), since, now) == now  # before this launcher: an older run's
+    assert stamp(rec(0, 1e9, 0, mono=9e5), since, now) == now  # another host's clock, ahead of ours
+    assert "mono" not in metrics_row(rec(3, 12.5, 1, mono=249.0), t0=10.0)  # not a column of metrics.jsonl

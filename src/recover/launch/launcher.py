@@ -62,7 +62,7 @@ from recover.config import write_run_config
 from recover.launch.faultclock import FaultClock
 from recover.launch.job import LaunchOptions
 from recover.launch.processes import LOST
-from recover.launch.records import JsonlTail, LogEpochs, StepRecords, metrics_row, recover_rows, write_metrics
+from recover.launch.records import JsonlTail, LogEpochs, StepRecords, metrics_row, recover_rows, stamp, write_metrics
 from recover.launch.supervisor import POLL_S, Supervisor
 from recover.names import Event
 from recover.observe.events import EventLog, JsonlWriter
@@ -375,11 +375,11 @@ class Launcher:
     # ---- records ---------------------------------------------------------------------------
     def _collect(self) -> None:
         """Merges the step records the replicas appended since the last call, each stamped ``t`` with the
-        launcher's monotonic clock as it is read (never a replica's wall clock)."""
+        launcher's monotonic clock (:func:`~recover.launch.records.stamp`; never a replica's wall clock)."""
         for path in sorted((self.out / "replicas").glob("replica_*.jsonl")):
             for rec in self.epochs.mark(path, self.tail.read(path)):
                 if isinstance(rec.get("t"), (int, float)):
-                    rec["t"] = self._clock0[0] + time.monotonic() - self._clock0[1]
+                    rec["t"] = self._clock0[0] + stamp(rec, self._clock0[1], time.monotonic()) - self._clock0[1]
                 if self.records.add(rec) and "replica" in rec:
                     self.last_step_at[rec["replica"]] = time.time()
 

@@ -18,9 +18,11 @@ whose rule is the whole contract:
     integer ``step`` and a ``loss``) is not a step record and is left out.
 
 The rule does not depend on the order records are added in. The launcher stamps each record's ``t``
-with its own monotonic clock as it reads it (:meth:`StepRecords` then holds one clock), so
-``metrics.jsonl``'s ``elapsed_s`` never jumps with a replica's clock; ``recover collect``, reading
-after the fact, keeps the replicas' ``t``. A step nobody recorded is a gap: it is
+with its own monotonic clock (:meth:`StepRecords` then holds one clock), so ``metrics.jsonl``'s
+``elapsed_s`` never jumps with a replica's clock: with the record's ``mono``, the time it was written on
+the writer's monotonic clock, which on the launcher's host is the launcher's (:func:`stamp`), else when
+the launcher read it (every 50 ms: too coarse to time a step). ``recover collect``, reading after the
+fact, keeps the replicas' ``t``. A step nobody recorded is a gap: it is
 absent from the merge (:meth:`StepRecords.committed` counts the steps before the first gap).
 :class:`JsonlTail` reads the complete lines appended to a file since its last read, and
 :func:`write_metrics` writes the merge as ``metrics.jsonl`` rows (``elapsed_s`` instead of ``t``).
@@ -173,10 +175,19 @@ def recover_rows(kept: dict[int, Record], replica_records: Iterable[Any],
     return rows, [s for s in range(before) if s not in rows]
 
 
+def stamp(rec: Record, since: float, now: float) -> float:
+    """When ``rec`` was written, on the monotonic clock of this process: its ``mono`` when that reads as this
+    clock (between ``since``, this process's start, and ``now``: a record of this host written since), else
+    ``now`` (another host's clock, an older run's record, or none)."""
+    mono = rec.get("mono")
+    return float(mono) if isinstance(mono, (int, float)) and since <= mono <= now else now
+
+
 def metrics_row(rec: Record, t0: float) -> Record:
     """``rec`` as a ``metrics.jsonl`` row: its write time ``t`` becomes ``elapsed_s`` since ``t0``."""
     row = dict(rec)
     row.pop("epoch", None)
+    row.pop("mono", None)
     row["elapsed_s"] = round(row.pop("t") - t0, 3)
     return row
 

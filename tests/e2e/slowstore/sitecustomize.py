@@ -1,7 +1,7 @@
 """A slow checkpoint store, for tests/e2e/test_slow_checkpoints.py: on PYTHONPATH, every process sleeps
 SLOW_STORE_S seconds in the fsync of a checkpoint's COMMITTED marker whose path holds SLOW_STORE_MATCH (default
 ``.partial``): each checkpoint takes that much longer to write, wherever it is written from (the training
-thread for a synchronous save, the writer thread for an asynchronous one)."""
+thread for a synchronous save, the writer thread or process for an asynchronous one)."""
 import os
 import time
 

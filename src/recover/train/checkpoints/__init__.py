@@ -1,6 +1,7 @@
 """Checkpoints and weights on disk, and what reads them: DCP checkpoints visible only once complete
 (:mod:`~recover.train.checkpoints.checkpoint`; a user's model's: :mod:`~recover.train.checkpoints.own_checkpoint`),
-their manifests and which are intact (:mod:`~recover.train.checkpoints.integrity`, no torch), what each
+the process that writes asynchronous ones (:mod:`~recover.train.checkpoints.writer`), the commit protocol,
+manifests and which are intact (:mod:`~recover.train.checkpoints.integrity`, no torch), what each
 carries (:mod:`~recover.train.checkpoints.describe`), when the saving replica saves
 (:mod:`~recover.train.checkpoints.cadence`), a user's extra state as tensors and JSON
 (:mod:`~recover.train.checkpoints.extra`), model weights from any source and ``--init-from``

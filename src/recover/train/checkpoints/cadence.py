@@ -102,6 +102,10 @@ class Cadence:
         self.elapsed_s += seconds
         self.failures += failures
 
+    def periodic(self) -> bool:
+        """Whether the saver checkpoints before the job's end (``training.checkpoint_every`` set)."""
+        return self.auto or self.every > 0
+
     def due(self, step: int, end: int) -> bool:
         """Whether the saver checkpoints after (0-based) ``step`` of a run of ``end`` steps."""
         done = step + 1

@@ -14,13 +14,14 @@ replaces an older complete one. An older complete save of the same step is first
 Contract:
 - :func:`save_checkpoint` is called by every rank that holds a shard of the state (with the
   group they share), or by one rank with ``process_group=None`` when every rank holds a full copy.
-- :func:`save_checkpoint_async` (one rank, full copy) returns once the state is copied (staged)
-  to CPU memory; ``torch.distributed.checkpoint.async_save`` writes it from a background thread
-  and the same commit (``meta.json``, fsynced marker, rename) runs only after the write succeeded,
-  from that thread. Until then the checkpoint is invisible: a process killed during the write
-  leaves only a ``.partial`` directory. :meth:`AsyncSave.wait` blocks until it is committed (or
-  raises :class:`CheckpointError` if the write failed); the caller must wait before the next save
-  and before the process exits.
+- :func:`save_checkpoint_async` (one rank, full copy) returns once the state is copied out: into the
+  shared buffer of a :class:`~recover.train.checkpoints.writer.Writer`, whose process writes and commits
+  it, or, while none is ready, into CPU memory that ``torch.distributed.checkpoint.async_save`` writes
+  from a thread of this process, which commits it. Either way the same commit (``meta.json``, fsynced
+  marker, rename) runs only after the write succeeded; until then the checkpoint is invisible: a
+  process killed during the write leaves only a ``.partial`` directory. :meth:`AsyncSave.wait` blocks
+  until it is committed (or raises :class:`CheckpointError` if the write failed); the caller must wait
+  before the next save and before the process exits.
 - :func:`latest_checkpoint` returns the newest complete checkpoint or None.
 - :func:`load_checkpoint` verifies the checkpoint against its manifest, then restores model and
   optimizer in place and returns the metadata; a damaged checkpoint, or one written for another
@@ -34,8 +35,9 @@ Contract:
   (``training.keep_checkpoints``); :func:`remove_leftovers` deletes what interrupted saves left
   (``.partial``, ``.replaced``): call it only when no save can be in flight (at the start of a run).
 - :class:`Checkpointer` is one replica's policy on top: when a save blocks, asynchronous saves in
-  flight, and resuming from the newest intact checkpoint (a damaged one is named in one line and
-  the next older one is tried).
+  flight and the writer process they use (started by the first save that does not block; ended by
+  :meth:`Checkpointer.close`), and resuming from the newest intact checkpoint (a damaged one is named in
+  one line and the next older one is tried).
 """
 
 from __future__ import annotations
@@ -62,7 +64,9 @@ from recover.errors import CheckpointError
 from recover.train.checkpoints.describe import RunDescription, describe_run
 from recover.train.checkpoints.integrity import (  # noqa: F401 - the on-disk helpers are part of this module's API
     MARKER,
+    begin_save,
     check_compatible,
+    commit_save,
     checkpoint_path,
     latest_checkpoint,
     list_checkpoints,
@@ -72,6 +76,7 @@ from recover.train.checkpoints.integrity import (  # noqa: F401 - the on-disk he
     verify,
     write_manifest,
 )
+from recover.train.checkpoints.writer import Writer
 
 if TYPE_CHECKING:
     from recover.config import Config
@@ -115,7 +120,7 @@ def save_state(root: str | os.PathLike[str], step: int, model: nn.Module, optimi
     final = checkpoint_path(root, step)
     partial = final.with_name(final.name + ".partial")
     if is_writer:
-        _begin(root, step)
+        begin_save(root, step)
     if process_group is not None:
         torch.distributed.barrier(group=process_group)
     with warnings.catch_warnings():
@@ -124,45 +129,8 @@ def save_state(root: str | os.PathLike[str], step: int, model: nn.Module, optimi
         dcp.save(_state(model, optimizer, extra), checkpoint_id=str(partial), process_group=process_group,
                  no_dist=process_group is None)
     if is_writer:  # DCP's save returns on its coordinator (this rank) once every rank's files are written
-        _commit(partial, final, step, meta, keep, files)
+        commit_save(partial, final, step, meta, keep, files)
     return final
-
-
-def _begin(root: str | os.PathLike[str], step: int) -> tuple[Path, Path]:
-    """(final, partial) directories of a save of ``step``; a stale partial one is cleared."""
-    final = checkpoint_path(root, step)
-    partial = final.with_name(final.name + ".partial")
-    shutil.rmtree(partial, ignore_errors=True)
-    partial.mkdir(parents=True)
-    return final, partial
-
-
-def _commit(partial: Path, final: Path, step: int, meta: dict[str, Any], keep: int = 0,
-            files: dict[str, bytes] | None = None) -> None:
-    """Makes a fully written ``partial`` directory the checkpoint of ``step`` (the last act of a save);
-    ``meta`` becomes its ``meta.json`` (with ``step``); ``files`` (name -> bytes, e.g. the run's
-    ``tokenizer.json``) are stored with it, under the manifest."""
-    for name, data in (files or {}).items():
-        with open(partial / name, "wb") as f:
-            f.write(data)
-            f.flush()
-            os.fsync(f.fileno())
-    record = {"step": step, **meta}
-    _write_synced(partial / "meta.json", json.dumps(record, indent=1))
-    t0 = time.perf_counter()
-    files = write_manifest(partial)
-    _write_synced(partial / MARKER, json.dumps({"step": step, "manifest_s": round(time.perf_counter() - t0, 4),
-                                                "bytes": sum(int(e["bytes"]) for e in files.values())}))
-    aside = final.with_name(final.name + ".replaced")
-    if final.exists():  # an older save of the same step: move it aside (atomic), delete it only afterwards
-        shutil.rmtree(aside, ignore_errors=True)
-        os.replace(final, aside)
-    os.replace(partial, final)
-    _fsync_dir(final.parent)
-    shutil.rmtree(aside, ignore_errors=True)
-    if keep > 0:
-        for _, old in list_checkpoints(final.parent)[:-keep]:
-            shutil.rmtree(old, ignore_errors=True)
 
 
 class AsyncSave:
@@ -171,24 +139,14 @@ class AsyncSave:
     Attributes:
         step: the checkpoint's step.
         path: its final directory (it exists, complete, only once :meth:`done` is true and no error).
-        blocking_s: seconds the caller was blocked (state dict + staging copy + starting the writer).
+        partial: the directory it is written into.
+        blocking_s: seconds the caller was blocked (state dict + staging copy + handing it to the writer).
+        committed: resolves to ``path`` once committed, or to the write's or commit's error.
     """
 
-    def __init__(self, step: int, path: Path, partial: Path, blocking_s: float) -> None:
+    def __init__(self, step: int, path: Path, partial: Path, blocking_s: float, committed: Future[Path]) -> None:
         self.step, self.path, self.partial, self.blocking_s = step, path, partial, blocking_s
-        self.committed: Future[Path] = Future()
-        """Resolves to ``path`` once committed, or to the write's or commit's error."""
-
-    def _finish(self, upload: Future[Any], meta: dict[str, Any], keep: int,
-                files: dict[str, bytes] | None = None) -> None:
-        """Runs when DCP's write finished (in its writer thread): commit only a successful write."""
-        try:
-            upload.result()
-            _commit(self.partial, self.path, self.step, meta, keep, files)
-        except BaseException as exc:  # handed to whoever waits
-            self.committed.set_exception(exc)
-        else:
-            self.committed.set_result(self.path)
+        self.committed = committed
 
     def done(self) -> bool:
         return self.committed.done()
@@ -205,6 +163,8 @@ class AsyncSave:
             return self.committed.result(timeout)
         except futures.TimeoutError:
             raise
+        except CheckpointError:
+            raise
         except Exception as exc:
             raise CheckpointError(f"the asynchronous checkpoint of step {self.step} failed while writing "
                                   f"{self.partial} ({type(exc).__name__}: {exc}); it was not committed") from exc
@@ -212,46 +172,48 @@ class AsyncSave:
 
 def save_checkpoint_async(root: str | os.PathLike[str], step: int, model: nn.Module,
                           optimizer: torch.optim.Optimizer, meta: dict[str, Any],
-                          model_cfg: ModelConfig, keep: int = 0, files: dict[str, bytes] | None = None) -> AsyncSave:
+                          model_cfg: ModelConfig, keep: int = 0, files: dict[str, bytes] | None = None,
+                          writer: Writer | None = None) -> AsyncSave:
     """Like :func:`save_checkpoint` from one rank holding the full state, but the write runs in the background.
 
-    Returns as soon as the state is copied to CPU memory (training may then change the model and
-    optimizer freely); the checkpoint is committed, with the same atomic protocol, by the writer
-    thread after the write succeeded. Call :meth:`AsyncSave.wait` before the next save and before
-    the process exits: a process that dies first leaves only a ``.partial`` directory, never a
-    loadable checkpoint.
+    Returns as soon as the state is copied out of the model and optimizer (training may then change them
+    freely): into ``writer``'s shared buffer when given and the state allows
+    (:mod:`~recover.train.checkpoints.writer`: a process of its own writes and commits it), else into CPU
+    memory that ``torch.distributed.checkpoint.async_save`` writes from a thread of this process, which
+    commits it. Either way the checkpoint is committed with the same atomic protocol only after the write
+    succeeded. Call :meth:`AsyncSave.wait` before the next save and before the process exits: a process
+    that dies first leaves only a ``.partial`` directory, never a loadable checkpoint.
     """
+    t0 = time.perf_counter()
+    final, partial = begin_save(root, step)
+    meta = json.loads(json.dumps({"model": dataclasses.asdict(model_cfg), **meta}))  # now's values, not the end's
+    state = _state(model, optimizer)
+    if writer is not None and writer.takes(state):
+        committed = writer.submit(state, partial, final, step, meta, keep, files)
+        return AsyncSave(step, final, partial, time.perf_counter() - t0, committed)
     import torch.distributed.checkpoint as dcp
 
-    t0 = time.perf_counter()
     # DCP's writer thread warns that it saves from one process, which is intended; catch_warnings
     # here would be left before that thread warns, so this one message is silenced for good.
     warnings.filterwarnings("ignore", message="torch.distributed is disabled.*save in a single process",
                             category=UserWarning)
-    final, partial = _begin(root, step)
-    meta = json.loads(json.dumps({"model": dataclasses.asdict(model_cfg), **meta}))  # now's values, not the end's
     with warnings.catch_warnings():
         warnings.simplefilter("ignore", FutureWarning)
         warnings.filterwarnings("ignore", message="torch.distributed is disabled")  # no_dist is intended
-        upload = dcp.async_save(_state(model, optimizer), checkpoint_id=str(partial), no_dist=True)
-    pending = AsyncSave(step, final, partial, time.perf_counter() - t0)
-    upload.add_done_callback(lambda fut: pending._finish(fut, meta, keep, files))
-    return pending
+        upload = dcp.async_save(state, checkpoint_id=str(partial), no_dist=True)
+    in_thread: Future[Path] = Future()
 
+    def finish(fut: Future[Any]) -> None:  # in DCP's writer thread: commit only a successful write
+        try:
+            fut.result()
+            commit_save(partial, final, step, meta, keep, files)
+        except BaseException as exc:  # handed to whoever waits
+            in_thread.set_exception(exc)
+        else:
+            in_thread.set_result(final)
 
-def _write_synced(path: Path, text: str) -> None:
-    with open(path, "w", encoding="utf-8") as f:
-        f.write(text)
-        f.flush()
-        os.fsync(f.fileno())
-
-
-def _fsync_dir(path: Path) -> None:
-    fd = os.open(path, os.O_RDONLY)
-    try:
-        os.fsync(fd)
-    finally:
-        os.close(fd)
+    upload.add_done_callback(finish)
+    return AsyncSave(step, final, partial, time.perf_counter() - t0, in_thread)
 
 
 def load_checkpoint(path: str | os.PathLike[str], model: nn.Module, optimizer: torch.optim.Optimizer,
@@ -388,6 +350,7 @@ class Checkpointer:
                  epoch_of: Callable[[int], float] = lambda step: 0) -> None:
         self.root, self.replica, self.cfg, self.epoch_of = Path(root), replica, cfg, epoch_of
         self._pending: AsyncSave | None = None
+        self._writer: Writer | None = None
         self._description: RunDescription | None = None
         self.last_blocking_s = 0.0
         """Seconds the last :meth:`save` blocked training (with an asynchronous save: staging only)."""
@@ -421,9 +384,11 @@ class Checkpointer:
         meta = {"total_tokens": total_tokens, "seed": tc.seed,
                 "data_cursor": {"step": data_step, "epoch": self.epoch_of(data_step)}, **self._description.meta}
         files = self._description.files
-        if tc.checkpoint_async and r.group is None:
+        if tc.checkpoint_async and r.group is None and not (blocking and self._writer is None):
+            if self._writer is None:  # made by the first save that does not block (or prepare): a job that
+                self._writer = Writer()  # never makes one starts no process
             self._pending = save_checkpoint_async(self.root, step, r.model, r.optimizer, meta, self.cfg.model,
-                                                  tc.keep_checkpoints, files)
+                                                  tc.keep_checkpoints, files, self._writer)
             path = self._pending.path
             if blocking:
                 self.wait()
@@ -442,6 +407,21 @@ class Checkpointer:
         """
         pending, self._pending = self._pending, None
         return pending.wait() if pending is not None else None
+
+    def prepare(self) -> None:
+        """Starts the writer process asynchronous saves use, where they use one (a one-process replica with
+        ``training.checkpoint_async``), so that it is ready by the first; returns at once (idempotent)."""
+        if self.cfg.training.checkpoint_async and self.replica.group is None:
+            if self._writer is None:
+                self._writer = Writer()
+            self._writer.start()
+
+    def close(self) -> None:
+        """Ends the writer process, if one was started (after the save it is writing: call :meth:`wait` first
+        to know how that ended)."""
+        writer, self._writer = self._writer, None
+        if writer is not None:
+            writer.close()
 
     def resume(self) -> tuple[Path, dict[str, int]]:
         """Loads the newest intact checkpoint into the replica; returns its path and the counters

@@ -16,6 +16,10 @@ Contract:
   passes with ``verified = False`` so old runs still resume.
 - :func:`load_newest` runs a loader on the newest intact checkpoint: a damaged one is named in one line
   and the next older one tried; one of another model stops the search at once.
+- :func:`begin_save` and :func:`commit_save` are the protocol every save follows (whichever process writes
+  the state): the state is written into ``step_NNNNNN.partial/``, then ``meta.json``, the manifest and the
+  fsynced marker, then the directory is renamed into place (an older save of the same step moved aside
+  first, never deleted in place) and checkpoints beyond ``keep`` are deleted.
 - :func:`check_compatible` tells a checkpoint of another model from its ``meta.json`` alone.
 - Neither reads the state into memory beyond one chunk per thread.
 """
@@ -29,6 +33,7 @@ import os
 import re
 import shutil
 import sys
+import time
 from collections.abc import Callable
 from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
@@ -117,6 +122,58 @@ def remove_leftovers(root: str | os.PathLike[str]) -> list[Path]:
     for path in gone:
         shutil.rmtree(path, ignore_errors=True)
     return gone
+
+
+def begin_save(root: str | os.PathLike[str], step: int) -> tuple[Path, Path]:
+    """(final, partial) directories of a save of ``step``; a stale partial one is cleared."""
+    final = checkpoint_path(root, step)
+    partial = final.with_name(final.name + ".partial")
+    shutil.rmtree(partial, ignore_errors=True)
+    partial.mkdir(parents=True)
+    return final, partial
+
+
+def commit_save(partial: Path, final: Path, step: int, meta: dict[str, Any], keep: int = 0,
+                files: dict[str, bytes] | None = None) -> None:
+    """Makes a fully written ``partial`` directory the checkpoint of ``step`` (the last act of a save);
+    ``meta`` becomes its ``meta.json`` (with ``step``); ``files`` (name -> bytes, e.g. the run's
+    ``tokenizer.json``) are stored with it, under the manifest."""
+    for name, data in (files or {}).items():
+        with open(partial / name, "wb") as f:
+            f.write(data)
+            f.flush()
+            os.fsync(f.fileno())
+    record = {"step": step, **meta}
+    _write_synced(partial / "meta.json", json.dumps(record, indent=1))
+    t0 = time.perf_counter()
+    manifest = write_manifest(partial)
+    _write_synced(partial / MARKER, json.dumps({"step": step, "manifest_s": round(time.perf_counter() - t0, 4),
+                                                "bytes": sum(int(e["bytes"]) for e in manifest.values())}))
+    aside = final.with_name(final.name + ".replaced")
+    if final.exists():  # an older save of the same step: move it aside (atomic), delete it only afterwards
+        shutil.rmtree(aside, ignore_errors=True)
+        os.replace(final, aside)
+    os.replace(partial, final)
+    _fsync_dir(final.parent)
+    shutil.rmtree(aside, ignore_errors=True)
+    if keep > 0:
+        for _, old in list_checkpoints(final.parent)[:-keep]:
+            shutil.rmtree(old, ignore_errors=True)
+
+
+def _write_synced(path: Path, text: str) -> None:
+    with open(path, "w", encoding="utf-8") as f:
+        f.write(text)
+        f.flush()
+        os.fsync(f.fileno())
+
+
+def _fsync_dir(path: Path) -> None:
+    fd = os.open(path, os.O_RDONLY)
+    try:
+        os.fsync(fd)
+    finally:
+        os.close(fd)
 
 
 def _files(directory: Path) -> list[str]:

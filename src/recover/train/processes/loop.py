@@ -156,6 +156,8 @@ class Loop:
             if self.replica.device.type == "cuda":
                 record["gpu_mem_gb"] = round(torch.cuda.max_memory_allocated(self.replica.device) / 2**30, 3)
             leader = self.step.me == min(outcome.live)
+            if leader and cadence.periodic():
+                self.checkpointer.prepare()  # its writer process starts now, ready by the first periodic save
             if leader and tc.eval_due(outcome.step, end):
                 t_eval = time.perf_counter()
                 with self.busy("io"):

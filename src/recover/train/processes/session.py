@@ -48,6 +48,7 @@ from __future__ import annotations
 import os
 import signal
 import sys
+import time
 import threading
 from collections.abc import Callable
 from pathlib import Path
@@ -205,8 +206,8 @@ class Session:
 
     def write(self, record: dict[str, Any]) -> None:
         """A committed step's record into the replica's log (rank 0)."""
-        if self.log is not None:
-            self.log.write({**record, "replica": self.replica_id})
+        if self.log is not None:  # "mono": when, on this host's monotonic clock (the launcher's, on its host)
+            self.log.write({**record, "replica": self.replica_id, "mono": round(time.monotonic(), 6)})
         if self.sinks is not None:
             self.sinks.step(record)
 

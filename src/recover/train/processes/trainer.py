@@ -137,6 +137,7 @@ def train(cfg: Config, out: str | os.PathLike[str], ctx: DistContext | None = No
     finally:
         restore()
         display.close()
+        checkpointer.close()
         if metrics is not None:
             metrics.close()
         if sinks is not None:

@@ -170,6 +170,12 @@ class ReplicaWorker:
 
     def run(self) -> int:
         """Trains to ``training.steps``; returns the process's exit status (see ``train/processes/exits.py``)."""
+        try:
+            return self._train()
+        finally:
+            self.checkpointer.close()  # its writer process, if a save started one
+
+    def _train(self) -> int:
         session, tc, ft = self.session, self.cfg.training, self.cfg.fault_tolerance
         try:
             step = session.connect(self.replica, tc.global_microbatches, assignment=tc.assignment,
