@@ -48,8 +48,8 @@ from __future__ import annotations
 import os
 import signal
 import sys
-import time
 import threading
+import time
 from collections.abc import Callable
 from pathlib import Path
 from typing import Any
