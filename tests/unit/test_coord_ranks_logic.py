@@ -26,10 +26,10 @@ def make(expected: int = 2, hb: float = 1.0, register_timeout: float = 10.0) -> 
 
 
 def register(agg: RankAggregator, conn: str, replica: int, rank: int = 0, ranks: int = 1, *, join: bool = False,
-             rid: int = 1, now: float = 0.0, token: str = TOKEN) -> list[Out]:
+             rid: int = 1, now: float = 0.0, token: str = TOKEN, pid: int | None = None) -> list[Out]:
     agg.on_open(conn, f"peer-{conn}", now)
     return agg.on_message(conn, {"type": "register", "id": rid, "token": token, "replica": replica, "join": join,
-                                 "rank": rank, "ranks": ranks}, now)
+                                 "rank": rank, "ranks": ranks, **({"pid": pid} if pid is not None else {})}, now)
 
 
 def replica(agg: RankAggregator, name: str, rid: int, ranks: int, now: float = 0.0, **kw: Any) -> list[Out]:
@@ -625,3 +625,24 @@ def test_members_stuck_in_a_rendezvous_are_asked_whom_they_reach_and_the_rule_he
     report = logs(out, "link_report")[0]
     assert (report["broken"], report["silent"], report["fenced"]) == ([[1, 2]], [], [2])
     assert {c: m["re"] for c, m in sent(out, "ok").items()} == {"r0_0": 1, "r3_0": 1}
+
+
+def test_a_process_its_launcher_saw_die_is_a_dead_replica_before_its_connection_closes() -> None:
+    agg = make()
+    register(agg, "a0", 0, 0, 2, pid=100)
+    register(agg, "a1", 0, 1, 2, pid=101)
+    out = register(agg, "b0", 1, pid=200)
+    assert set(sent(out, "membership")) == {"a0", "a1", "b0"}
+    agg.on_open("op", "peer-op", 1.0)  # the launcher's watch: rank 1's process died, its connection still open
+    out = agg.on_message("op", msg("died", id=5, token=TOKEN, pid=101), 1.0)
+    assert sent(out, "ok") == {"op": {"type": "ok", "re": 5}}
+    assert logs(out, "failure_detected") == [{"replica": 0, "cause": "process_died", "generation": 1}]
+    assert set(closed(out)) == {"a0", "a1"} and set(sent(out, "failing")) == {"b0"}
+    assert agg.on_closed("a1", "connection_closed", 1.03) == []  # its connection closing then: nothing more
+    # a PID no member registered with (a process already replaced, another host's) changes nothing
+    agg.on_open("op2", "peer-op2", 1.1)
+    out = agg.on_message("op2", msg("died", id=6, token=TOKEN, pid=101), 1.1)
+    assert sent(out, "ok") == {"op2": {"type": "ok", "re": 6}} and not logs(out, "failure_detected")
+    agg.on_open("op3", "peer-op3", 1.2)
+    out = agg.on_message("op3", msg("died", id=7, token="wrong", pid=200), 1.2)
+    assert not logs(out, "failure_detected") and agg.snapshot()["live"] == [1]

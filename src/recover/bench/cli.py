@@ -41,6 +41,9 @@ def _register_collectives(sub: argparse._SubParsersAction) -> None:
     c.add_argument("--iters", type=int, default=10, help="timed all-reduces of each kind (default 10)")
     c.add_argument("--bucket-mb", type=float, default=16.0, help="FT all-reduce bucket size in MiB (default 16)")
     c.add_argument("--seed", type=int, default=0, help="seed for the kill schedule")
+    c.add_argument("--deathwatch", choices=("on", "off"), default="on",
+                   help="on (default): a killed worker's death is seen by the driver at once and told to the "
+                        "coordinator, as recover launch does; off: only its closed connection tells")
     c.add_argument("--json", default=None, help="also write the results to this JSON file")
     c.set_defaults(func=run_collectives)
 
@@ -57,7 +60,8 @@ def run_collectives(args: argparse.Namespace) -> int:
             raise ConfigError(f"--{name.replace('_', '-')} must be >= 1, got {getattr(args, name)}")
     res = collectives.run(kills=args.kills, replicas=args.replicas, floats=args.floats, kill_floats=args.kill_floats,
                           iters=args.iters, bucket_mb=args.bucket_mb, seed=args.seed,
-                          log=lambda msg: print(msg, file=sys.stderr, flush=True))
+                          log=lambda msg: print(msg, file=sys.stderr, flush=True),
+                          deathwatch=args.deathwatch == "on")
     collectives.print_table(res)
     if args.json:
         with open(args.json, "w", encoding="utf-8") as f:

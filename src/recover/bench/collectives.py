@@ -46,6 +46,9 @@ def _emit(**rec: Any) -> None:
 
 
 def _worker(port: int, token: str, replica: int, join: bool, bucket_mb: float) -> None:
+    from recover import deathwatch
+
+    deathwatch.hold()  # as a launched worker does (recover.train.processes.process.prepare)
     import torch
 
     from recover.comm import FaultTolerantGroup, receive_state, send_state, source_rank
@@ -108,13 +111,28 @@ def _worker(port: int, token: str, replica: int, join: bool, bucket_mb: float) -
                 else:
                     receive_state(group, src)
             _emit(reply="vote", generation=group.generation)
+    deathwatch.release()
     os._exit(0)
 
 
 # ---------------------------------------------------------------- driver side
 
+def _tell_died(port: int, token: str, pid: int) -> None:
+    """(a death watch's thread) The coordinator told that worker ``pid`` died; its closed connection tells it
+    anyway if this does not get through."""
+    from recover.coord.operator import ask
+    from recover.errors import RecoverError
+
+    try:
+        ask(f"127.0.0.1:{port}", token, {"type": "died", "pid": pid}, timeout_s=2.0)
+    except (RecoverError, OSError):
+        pass
+
+
 class _Proc:
-    def __init__(self, replica: int, port: int, token: str, join: bool, bucket_mb: float) -> None:
+    def __init__(self, replica: int, port: int, token: str, join: bool, bucket_mb: float, watched: bool) -> None:
+        from recover import deathwatch
+
         env = dict(os.environ)
         env["PYTHONPATH"] = _SRC + os.pathsep + env.get("PYTHONPATH", "")
         env.setdefault("OMP_NUM_THREADS", "1")
@@ -122,8 +140,14 @@ class _Proc:
         cmd = [sys.executable, "-m", "recover.bench.collectives", str(port), str(replica),
                "1" if join else "0", str(bucket_mb)]
         self.replica = replica
-        self.popen = subprocess.Popen(cmd, stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True, env=env,
-                                      start_new_session=True)
+        watch = deathwatch.Watch() if watched and deathwatch.supported() else None
+        self.popen = subprocess.Popen(cmd, stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True,
+                                      env={**env, **(watch.env() if watch else {})}, start_new_session=True,
+                                      pass_fds=(watch.fd,) if watch else ())
+        if watch is not None:  # what recover launch's supervisor does: the coordinator told at once
+            watch.close_fd()
+            pid = self.popen.pid
+            watch.start(lambda: self.popen.poll() is None, lambda: _tell_died(port, token, pid))
         self.lines: Queue[dict[str, Any]] = Queue()
         threading.Thread(target=self._pump, daemon=True).start()
 
@@ -167,8 +191,11 @@ def _summary(xs: list[float]) -> dict[str, float]:
 
 
 def run(kills: int = 20, replicas: int = 4, floats: int = 10_000_000, kill_floats: int = 1_000_000,
-        iters: int = 10, bucket_mb: float = 16.0, seed: int = 0, log: Any = print) -> dict[str, Any]:
-    """Runs the benchmark; returns the results (also what ``--json`` writes)."""
+        iters: int = 10, bucket_mb: float = 16.0, seed: int = 0, log: Any = print,
+        deathwatch: bool = True) -> dict[str, Any]:
+    """Runs the benchmark; returns the results (also what ``--json`` writes). ``deathwatch``: the driver sees a
+    killed worker die and tells the coordinator at once (:mod:`recover.deathwatch`, as ``recover launch``
+    does); False: the coordinator sees the death only when the worker's connection closes."""
     from recover.coord.server import Coordinator
     from recover.observe.events import read_jsonl
 
@@ -181,7 +208,7 @@ def run(kills: int = 20, replicas: int = 4, floats: int = 10_000_000, kill_float
     procs: dict[int, _Proc] = {}
     spare: _Proc | None = None
     try:
-        procs = {r: _Proc(r, coord.port, token, False, bucket_mb) for r in range(replicas)}
+        procs = {r: _Proc(r, coord.port, token, False, bucket_mb, deathwatch) for r in range(replicas)}
         for p in procs.values():
             p.expect("event", "ready")
         log(f"{replicas} replicas ready; timing {iters} x 3 all-reduces of {floats:,} floats")
@@ -194,7 +221,7 @@ def run(kills: int = 20, replicas: int = 4, floats: int = 10_000_000, kill_float
         samples: list[dict[str, float]] = []
         for k in range(kills):
             if spare is None:
-                spare, next_id = _Proc(next_id, coord.port, token, True, bucket_mb), next_id + 1
+                spare, next_id = _Proc(next_id, coord.port, token, True, bucket_mb, deathwatch), next_id + 1
             coord.wait_until(lambda s, r=spare.replica: r in s["pending_join"], 300)
             for p in procs.values():
                 p.send(op="loop", n=kill_floats)
@@ -229,7 +256,7 @@ def run(kills: int = 20, replicas: int = 4, floats: int = 10_000_000, kill_float
         coord.stop()
     result: dict[str, Any] = {
         "replicas": replicas, "kills": kills, "floats": floats, "kill_floats": kill_floats, "iters": iters,
-        "bucket_mb": bucket_mb,
+        "bucket_mb": bucket_mb, "deathwatch": deathwatch,
         "overhead": {"ft": _summary(ft), "plain": _summary(plain), "copy": _summary(copy),
                      "ratio_median": statistics.median(ft) / statistics.median(plain),
                      "ratio_paired": statistics.median(f / p for f, p in zip(ft, plain, strict=True)),

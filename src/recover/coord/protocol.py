@@ -92,6 +92,7 @@ SCHEMAS: dict[str, dict[str, str]] = {
     "status": {"id": _INT, "token": _STR},
     "job_status": {"re": _INT, "status": _OPT_DICT},
     "drain": {"id": _INT, "token": _STR, "replica": _INT},
+    "died": {"id": _INT, "token": _STR, "pid": _INT},
     "drained": {"re": _INT, "replica": _INT, "step": _INT, "generation": _INT},
     "ok": {"re": _INT, "heartbeat_s": _ABSENT_NUM, "beat_s": _ABSENT_NUM},
     "error": {"re": _OPT_INT, "code": _STR, "message": _STR, "sides": _ABSENT_DICT,
@@ -106,9 +107,9 @@ SCHEMAS: dict[str, dict[str, str]] = {
     "reached": {"reached": _INTS, "rank": _ABSENT_INT},
 }
 CLIENT_TYPES = frozenset({"register", "hb", "hbs", "ack", "report", "nonfinite", "vote", "bye", "status", "drain",
-                          "reached"})
+                          "died", "reached"})
 SERVER_TYPES = frozenset(SCHEMAS) - CLIENT_TYPES
-OPERATOR_TYPES = frozenset({"status", "drain"})
+OPERATOR_TYPES = frozenset({"status", "drain", "died"})
 """The requests of an operator's connection (no member): the first message may be one of these."""
 ACTIVITY_LETTERS = {"c": "compute", "w": "wait", "i": "io"}
 """The one-letter activities of a batched heartbeat (``hbs``), by letter."""

@@ -336,8 +336,17 @@ class RankAggregator:
             self._operate(link, msg, now)
 
     def _operate(self, link: Link, msg: dict[str, Any], now: float) -> None:
-        """An operator's ``status`` (answered at once) or ``drain`` (answered at the commit it leaves at)."""
+        """An operator's ``status`` (answered at once), ``drain`` (answered at the commit it leaves at) or
+        ``died``: the launcher saw a member's process die (:mod:`recover.deathwatch`), before its connection
+        closes; the replica is dead as it would be then (cause ``process_died``). A PID no member registered
+        with (a process already replaced, or another host's) changes nothing."""
         link.operator = True
+        if msg["type"] == "died":
+            slot = next((s for s in self._slots.values() if msg["pid"] in s.pids), None)
+            if slot is not None:
+                self._kill(slot, "process_died", "", now)
+            self._send(link, {"type": "ok", "re": msg["id"]})
+            return
         if msg["type"] == "status":
             activities = {r: self.liveness.activities(r) for r in self._slots}
             registering = [r for r, s in self._slots.items() if not s.registered]
@@ -456,6 +465,8 @@ class RankAggregator:
             slot.resume[rank] = resume
         if rank == 0 and isinstance(msg.get("probe"), str):
             slot.probe = msg["probe"]
+        if isinstance(msg.get("pid"), int):
+            slot.pids.add(msg["pid"])
         if ranks > 1 and not relay:
             self._log(Event.RANK_REGISTER, replica=r, rank=rank, ranks=ranks, registered=len(slot.links))
         if asked is None:
@@ -633,7 +644,8 @@ class RankAggregator:
             return
         del self._slots[r]
         self.liveness.forget(r)
-        why = detail if first is None else f"{slot.who(first.rank)} is gone ({cause}{': ' + detail if detail else ''})"
+        why = (detail or cause) if first is None else \
+            f"{slot.who(first.rank)} is gone ({cause}{': ' + detail if detail else ''})"
         for link in slot.conns:
             if link is not first and not link.closed:
                 self._send(link, _fenced(why))

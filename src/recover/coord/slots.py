@@ -72,6 +72,7 @@ class Slot:
     seen: dict[int, float] = field(default_factory=dict)  # relay: rank -> its newest entry in a batched heartbeat
     conns: list[Link] = field(default_factory=list)  # its distinct connections (a relay: one), for pushes
     probe: str | None = None  # rank 0's link probe listener, host:port (its register's ``probe``)
+    pids: set[int] = field(default_factory=set)  # its registered processes' PIDs (a relay's: its rank 0's)
     member: Member[Asked] = field(init=False)
 
     def __post_init__(self) -> None:

@@ -15,7 +15,6 @@ from __future__ import annotations
 import argparse
 import contextlib
 import json
-import os
 import signal
 import sys
 from dataclasses import dataclass, replace
@@ -528,7 +527,7 @@ def _events(out: Path) -> list[dict[str, Any]]:
         return []
 
 
-LOST_AS = {"connection_closed": "died", "heartbeat_timeout": "went silent", "hung": "hung"}
+LOST_AS = {"connection_closed": "died", "process_died": "died", "heartbeat_timeout": "went silent", "hung": "hung"}
 """How a replica was lost, by the cause of its ``failure_detected``, in the line of a job that lost them all."""
 
 
@@ -655,7 +654,7 @@ def run_worker(args: argparse.Namespace) -> int:
         if holder:
             holder[0].request_stop(signum)
         else:  # still starting up: nothing to save
-            os._exit(0 if signum == signal.SIGTERM else EXIT_STOPPED)
+            exit_process(0 if signum == signal.SIGTERM else EXIT_STOPPED)
 
     signal.signal(signal.SIGTERM, stop)
     signal.signal(signal.SIGINT, stop)
@@ -667,7 +666,7 @@ def run_worker(args: argparse.Namespace) -> int:
         built = build(cfg, args.procs)
         line = sys.stdin.readline()
         if not line.strip():
-            os._exit(0)  # the launcher closed our stdin: not needed
+            exit_process(0)  # the launcher closed our stdin: not needed
         order = json.loads(line)
         replica, fails, join = int(order["replica"]), list(order.get("fail", [])), True
     if replica is None:

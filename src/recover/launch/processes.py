@@ -6,6 +6,8 @@ Contract:
 - :class:`ReplicaProcesses` acts as torchrun's agent for the P ranks of a replica: once one rank
   ends abnormally, the others are SIGKILLed at once; the replica's exit code is :data:`LOST` when a
   rank died by SIGKILL or was fenced, else the first abnormal code, else 0.
+- A worker's death it did not choose is seen at once (:func:`spawn`'s ``on_death``, :mod:`recover.deathwatch`),
+  25-40 ms before its connections close.
 - :func:`kill_processes` SIGKILLs and reaps: a process it was given is gone when it returns (or
   did not die within 10 s of SIGKILL, which only a process stuck in the kernel does).
 """
@@ -16,10 +18,12 @@ import os
 import signal
 import socket
 import subprocess
+from collections.abc import Callable
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import IO, Any
 
+from recover import deathwatch
 from recover.lifeline import child_env
 from recover.train.processes.exits import EXIT_FENCED
 
@@ -104,12 +108,19 @@ class Spawned:
     path: Path
 
 
-def spawn(cmd: list[str], log_path: Path, env: dict[str, str], stdin: Any = None) -> Spawned:
+def spawn(cmd: list[str], log_path: Path, env: dict[str, str], stdin: Any = None,
+          on_death: Callable[[int], None] | None = None) -> Spawned:
     """Starts ``cmd`` in a session of its own, output appended to ``log_path``, with ``env`` on top of
-    this process's environment (marked for the lifeline)."""
+    this process's environment (marked for the lifeline). ``on_death(pid)``: called from a thread of its own
+    the moment the process dies without having chosen to (:mod:`recover.deathwatch`; where supported)."""
     log = open(log_path, "ab")  # noqa: SIM115 - lives with the process
+    watch = deathwatch.Watch() if on_death is not None and deathwatch.supported() else None
     proc = subprocess.Popen(cmd, stdin=stdin, stdout=log, stderr=subprocess.STDOUT, start_new_session=True,
-                            env={**child_env(), **env})
+                            env={**child_env(), **env, **(watch.env() if watch else {})},
+                            pass_fds=(watch.fd,) if watch else ())
+    if watch is not None and on_death is not None:
+        watch.close_fd()
+        watch.start(lambda: proc.poll() is None, lambda: on_death(proc.pid))
     return Spawned(proc, log, log_path)
 
 

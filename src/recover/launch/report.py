@@ -274,7 +274,8 @@ def goodput_table(g: Goodput, title: str) -> Table:
     return table
 
 
-SHORT_CAUSES = {"connection_closed": "connection lost", "heartbeat_timeout": "no heartbeat"}
+SHORT_CAUSES = {"connection_closed": "connection lost", "process_died": "process died",
+                "heartbeat_timeout": "no heartbeat"}
 
 
 def faults_table(faults: list[dict[str, Any]], title: str = "faults") -> Table:

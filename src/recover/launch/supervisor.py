@@ -44,6 +44,7 @@ import time
 from collections.abc import Callable
 from typing import Any
 
+from recover.coord.operator import ask
 from recover.errors import RecoverError
 from recover.launch.job import Address, Commands, LaunchOptions
 from recover.launch.oom import SEE_EVERY_S, MemoryWatch
@@ -76,6 +77,8 @@ from recover.train.processes.exits import (
 )
 
 POLL_S = 0.05
+DIED_TIMEOUT_S = 2.0
+"""How long the launcher tries to tell the coordinator a worker died (its closed connection says it anyway)."""
 MAX_SAME_EXITS = 3
 """A replica that failed with the same exit status (other than a SIGKILL or a fence) this many times is not
 restarted again: the job goes on without it (or ends, when too few replicas are left to start)."""
@@ -189,7 +192,18 @@ class Supervisor:
         port = self.ports.take(name) if P > 1 else 0  # its ranks' own store (rank 0's)
         logs = self.o.out / "logs"
         return [spawn(cmd, logs / (f"{name}.log" if P == 1 else f"{name}_rank{k}.log"),
-                      {**self.cmds.env(devices[k], k, port), **(extra_env or {})}, stdin) for k in range(P)]
+                      {**self.cmds.env(devices[k], k, port), **(extra_env or {})}, stdin, on_death=self._died)
+                for k in range(P)]
+
+    def _died(self, pid: int) -> None:
+        """(a death watch's thread) A worker process died: the coordinator is told at once, before the process's
+        connection closes (the kernel closes it only once the process's memory is torn down, 25-40 ms later
+        for a torch process). Unreachable or not in time: its connection closing tells it all the same."""
+        try:
+            ask(f"{self.addr.host}:{self.addr.port}", self.addr.token_file.read_text().strip(),
+                {"type": "died", "pid": pid}, self.o.tls, timeout_s=DIED_TIMEOUT_S)
+        except (RecoverError, OSError):
+            pass
 
     def _start_spare(self, devices: Devices) -> list[Spawned]:
         """A warm spare on ``devices``: a replica's workers that start up (torch, model, data) and wait on

@@ -17,7 +17,9 @@ Contract:
   :meth:`Session.of <recover.train.processes.session.Session.of>` makes the one session (registration, injections,
   records, stops, exit statuses and their saves) every replica process runs through.
 - :func:`prepare` is the process set-up both kinds need before torch.distributed or CUDA is used:
-  the process dies with the launcher (:mod:`recover.lifeline`), SIGUSR1 stops its training thread (the
+  the process dies with the launcher (:mod:`recover.lifeline`), its death is seen by the launcher at once
+  (:mod:`recover.deathwatch`; every exit of its own goes through :func:`exit_process` or the interpreter's
+  exit, which release the watch), SIGUSR1 stops its training thread (the
   launcher's random hangs), NCCL's environment defaults carry the collective timeout.
 - :func:`build_step` builds the step protocol (or a baseline's variant) of any replica from the config, in
   one place: a launched replica (:meth:`Session.connect`), ``recover train`` and a Job run alone.
@@ -97,11 +99,13 @@ class Launched:
 
 def prepare(cfg: Config) -> None:
     """The process set-up (see the module docstring)."""
+    from recover import deathwatch
     from recover.comm.nccl import apply_env_defaults
     from recover.faults import hang_on_signal
     from recover.lifeline import die_with_launcher
 
     die_with_launcher()
+    deathwatch.hold()  # the launcher sees this process die at once, not when its connections close
     hang_on_signal()
     apply_env_defaults(collective_timeout_s=cfg.fault_tolerance.collective_timeout_s)  # before any NCCL use
 
@@ -131,9 +135,11 @@ def build_step(replica: Any, group: Any, coordinator: Any, M: int, start: Progre
 def exit_process(code: int) -> NoReturn:
     """Ends the process with ``code`` (see the module docstring), recorded for a wrapper that reads it
     (:func:`~recover.train.processes.exits.record_exit`: torchrun reports every rank's failure as 1)."""
+    from recover import deathwatch
     from recover.train.processes.exits import record_exit
 
     record_exit(code)
+    deathwatch.release()  # an end of its own, not a death
     sys.stdout.flush()
     sys.stderr.flush()
     os._exit(code)

@@ -79,7 +79,7 @@ from recover.train.processes.exits import (
     EXIT_STOPPED,
     replica_log_path,
 )
-from recover.train.processes.process import Launched, build_step
+from recover.train.processes.process import Launched, build_step, exit_process
 
 NETWORK_ERRORS = (DistNetworkError, DistStoreError)
 """torch.distributed's errors of a path that broke (a store or peer that cannot be reached): the end
@@ -223,7 +223,7 @@ class Session:
         if self.client is None or self.client.membership is None:
             print(f"recover: replica {self.replica_id} rank {self.rank}: {'left' if leave else 'stopped'} by "
                   f"signal {signum} before training", file=sys.stderr, flush=True)
-            os._exit(0 if leave else EXIT_STOPPED)
+            exit_process(0 if leave else EXIT_STOPPED)
         if leave and not self.client.leave_requested:
             self.client.leave_requested = True
             self.event(Event.LEAVE_SIGNAL, signal=signum)
