@@ -219,10 +219,14 @@ def test_a_worker_out_of_file_descriptors_is_fenced_as_the_fault_and_the_job_goe
     assert [r["step"] for r in rows] == list(range(40)) and {r["microbatches"] for r in rows} == {8}
     slowest = max(r["time_s"] for r in rows[at:])
     assert slowest < 15, slowest  # within the step's budget, not a collective timeout
-    fenced = [e for e in events if e["kind"] == "barren_reports"]
-    assert [e["replica"] for e in fenced] == [2], [e for e in events if e["kind"] in ("generation", "failure_report")]
+    # replica 2 alone is fenced as the fault: by the barren rule (its own collectives failed in 3 generations in
+    # a row while every peer answered), or first by the link rule when a peer's probe found that it cannot
+    # accept a connection either (which of the two acts first depends on how soon replica 0's death is seen)
+    fenced = [e["replica"] for e in events if e["kind"] in ("barren_reports", "fenced")]
+    assert fenced == [2], [e for e in events if e["kind"] in ("generation", "failure_report", "fenced")]
+    assert {e["replica"] for e in events if e["kind"] == "failure_detected"} == {0, 2}
     log = (out / "logs" / "replica_2.log").read_text(errors="replace")
-    assert "Traceback" not in err + log and "fenced by the coordinator: its collectives failed in 3 generations" in log
+    assert "Traceback" not in err + log and "fenced by the coordinator" in log
 
 
 def _kill_replica_1(out: Path) -> None:

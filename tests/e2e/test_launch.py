@@ -328,16 +328,16 @@ def test_intruders_and_every_replica_killed_at_once_leave_the_run_bitwise_unaffe
         assert _stranger_writes("127.0.0.1", start["store_port"]) > 0
         reply = _stranger_registers("127.0.0.1", start["port"])
         assert reply["type"] == "error" and reply["code"] == "unauthorized", reply
+        _await_step(run, 10, proc)  # the extra worker's refusal is read at the end: its start-up takes its time
+        for pid in [_worker_pid(run, r) for r in range(4)]:  # gathered first, then killed at once
+            os.kill(pid, signal.SIGKILL)
+        _, err = proc.communicate(timeout=180)
+        assert proc.returncode == 0, err.decode()[-3000:]
         _, said = extra.communicate(timeout=120)
         assert extra.returncode == 2, said
         assert said.strip().splitlines() == [
             "recover: error: coordinator refused the request: bad_replica: replica id 4 is outside this job's "
             "0..3 (--max-replicas lets it grow)"]
-        _await_step(run, 10, proc)
-        for pid in [_worker_pid(run, r) for r in range(4)]:  # gathered first, then killed at once
-            os.kill(pid, signal.SIGKILL)
-        _, err = proc.communicate(timeout=180)
-        assert proc.returncode == 0, err.decode()[-3000:]
         assert _processes_of(run) == []  # the launcher reaped every replica and spare before it exited
     finally:
         if extra is not None and extra.poll() is None:
