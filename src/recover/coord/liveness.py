@@ -54,6 +54,26 @@ class _Rank:
     """The newest generation its training thread moved on to (None: not reported)."""
 
 
+@dataclass
+class _Summary:
+    """What the hang rule asks of a replica's ranks, kept per replica so that a scan of a large job visits a
+    replica's ranks only when one of them may be judged: the earliest ``since`` of its ranks in ``compute``
+    and in ``io``, whether one waits, and the oldest generation a waiting rank reported."""
+
+    compute_since: float | None
+    io_since: float | None
+    waits: bool
+    oldest_wait: int | None
+
+    @classmethod
+    def of(cls, ranks: dict[int, _Rank]) -> _Summary:
+        compute = [r.since for r in ranks.values() if r.activity == "compute"]
+        io = [r.since for r in ranks.values() if r.activity == "io"]
+        waits = [r for r in ranks.values() if r.activity == "wait"]
+        generations = [r.generation for r in waits if r.generation is not None]
+        return cls(min(compute, default=None), min(io, default=None), bool(waits), min(generations, default=None))
+
+
 class Liveness:
     """Per-rank progress of the registered replicas, and the hang rule (see the module docstring)."""
 
@@ -64,6 +84,7 @@ class Liveness:
                              f"factor = {factor} > 0")
         self.hang_timeout_s, self.min_s, self.factor = hang_timeout_s, min_s, factor
         self._replicas: dict[int, dict[int, _Rank]] = {}
+        self._summaries: dict[int, _Summary] = {}  # replica -> its ranks summed up, dropped when a rank changes
         self._commits: deque[tuple[int, float]] = deque(maxlen=21)
         self._formed: tuple[int, tuple[int, ...], float] | None = None  # (generation, members, when)
         self._ballot: tuple[float, set[tuple[int, int | None]]] | None = None  # (first vote, (replica, rank) voted)
@@ -72,11 +93,13 @@ class Liveness:
     def start(self, replica: int, ranks: int, now: float) -> None:
         """Replica ``replica`` of ``ranks`` ranks is registered: its clocks start now."""
         self._replicas[replica] = {k: _Rank(-1, "compute", now) for k in range(ranks)}
+        self._summaries.pop(replica, None)
         self._warm.discard(replica)
 
     def forget(self, replica: int) -> None:
         """The replica is gone (dead, fenced or left)."""
         self._replicas.pop(replica, None)
+        self._summaries.pop(replica, None)
         self._warm.discard(replica)
 
     def pause(self, stall_s: float) -> None:
@@ -85,6 +108,7 @@ class Liveness:
         for ranks in self._replicas.values():
             for r in ranks.values():
                 r.since += stall_s
+        self._summaries.clear()
         if self._formed is not None:
             g, members, when = self._formed
             self._formed = (g, members, when + stall_s)
@@ -111,6 +135,7 @@ class Liveness:
         r = self._replicas.get(replica, {}).get(rank)
         if r is None:
             return
+        self._summaries.pop(replica, None)
         if generation is not None:
             r.generation = generation
         if progress is None:
@@ -136,17 +161,28 @@ class Liveness:
             return self.min_s
         return max(self.min_s, self.factor * statistics.median(times))
 
+    def _summary(self, replica: int) -> _Summary:
+        found = self._summaries.get(replica)
+        if found is None:
+            found = self._summaries[replica] = _Summary.of(self._replicas[replica])
+        return found
+
     def hung(self, now: float) -> list[tuple[int, str]]:
-        """``(replica, detail)`` of every replica hung at ``now``, by replica id (one pass over the ranks)."""
+        """``(replica, detail)`` of every replica hung at ``now``, by replica id. A replica's ranks are visited
+        only when its summary says one may be judged (a scan of 1,024 x 128 ranks costs 1,024 looks)."""
         waiting = self.waiting()
         limit = self.timeout()
         out = []
         for replica, ranks in sorted(self._replicas.items()):
-            others = sorted(waiting - {replica})
-            stale = [(k, now - r.since) for k, r in ranks.items()
-                     if (r.activity == "compute" and now - r.since > limit)
-                     or (r.activity == "io" and now - r.since > IO_FACTOR * limit)]
-            behind = self._behind(replica, ranks, now, limit)
+            s = self._summary(replica)
+            stale: list[tuple[int, float]] = []
+            if (s.compute_since is not None and now - s.compute_since > limit) or \
+                    (s.io_since is not None and now - s.io_since > IO_FACTOR * limit):
+                stale = [(k, now - r.since) for k, r in ranks.items()
+                         if (r.activity == "compute" and now - r.since > limit)
+                         or (r.activity == "io" and now - r.since > IO_FACTOR * limit)]
+            behind = self._behind(replica, ranks, now, limit) if s.oldest_wait is not None else None
+            others = sorted(waiting - {replica}) if stale else []
             if stale and (others or replica in self._warm):
                 # the rank behind the others (least progress, longest still) is the stuck one; those of its
                 # replica blocked in a collective with it report ``wait`` and are not stale
@@ -199,4 +235,4 @@ class Liveness:
 
     def waiting(self) -> set[int]:
         """Replicas with a rank blocked for the others (in a collective, a vote, ...)."""
-        return {rep for rep, ranks in self._replicas.items() if any(r.activity == "wait" for r in ranks.values())}
+        return {rep for rep in self._replicas if self._summary(rep).waits}
