@@ -189,3 +189,66 @@ def test_a_thread_blocked_in_torch_distributed_counts_as_waiting(tmp_path: Path)
     assert in_collective(me)
     done.wait(10)
     assert not in_collective(me)
+
+
+def _hung_by_every_rank(live: Liveness, now: float) -> list[tuple[int, str]]:
+    """The hang rule as it read before per-replica summaries: every rank of every replica visited each scan."""
+    from recover.coord.liveness import IO_FACTOR
+
+    waiting = {rep for rep, ranks in live._replicas.items() if any(r.activity == "wait" for r in ranks.values())}
+    limit = live.timeout()
+    out = []
+    for replica, ranks in sorted(live._replicas.items()):
+        others = sorted(waiting - {replica})
+        stale = [(k, now - r.since) for k, r in ranks.items()
+                 if (r.activity == "compute" and now - r.since > limit)
+                 or (r.activity == "io" and now - r.since > IO_FACTOR * limit)]
+        behind = live._behind(replica, ranks, now, limit)
+        if stale and (others or replica in live._warm):
+            rank, silent = min(stale, key=lambda ks: (ranks[ks[0]].progress, -ks[1], ks[0]))
+            io = ranks[rank].activity == "io"
+            where, allowed = ("in a save or evaluation, ", IO_FACTOR * limit) if io else ("", limit)
+            why = f"while replicas {others} waited for it" if others else "with no other replica waiting"
+            out.append((replica, f"rank {rank} made no progress for {silent:.1f} s ({where}hang timeout "
+                                 f"{allowed:.1f} s) {why}"))
+        elif behind is not None:
+            out.append((replica, behind))
+        elif (stuck := live._not_voting(replica, ranks, now, limit)) is not None:
+            out.append((replica, stuck))
+    return out
+
+
+def test_the_scan_by_replica_summaries_judges_exactly_as_a_visit_of_every_rank() -> None:
+    import random
+
+    rng = random.Random(7)
+    verdicts = 0
+    for trial in range(40):
+        live = started(rng.randint(2, 6), ranks=rng.randint(1, 4), hang_timeout_s=rng.choice([0.0, 1.0, 2.5]))
+        now, generation = 0.0, 1
+        for _ in range(300):
+            now += rng.uniform(0.0, 0.4)
+            what = rng.random()
+            replicas = sorted(live._replicas)
+            if what < 0.6 and replicas:
+                r = rng.choice(replicas)
+                live.heartbeat(r, rng.randrange(len(live._replicas[r])), rng.randint(0, 8),
+                               rng.choice(["compute", "wait", "io", "bogus", None]), now,
+                               rng.choice([None, generation - 1, generation]))
+            elif what < 0.68:
+                generation += 1
+                live.formed(generation, [r for r in replicas if rng.random() < 0.8], now)
+            elif what < 0.76 and replicas:
+                live.voted(rng.choice(replicas), rng.choice([None, 0]), now)
+            elif what < 0.82:
+                live.committed(rng.randint(0, 50), now)
+            elif what < 0.85:
+                live.pause(rng.uniform(0.0, 1.0))
+            elif what < 0.88 and len(replicas) > 1:
+                live.forget(rng.choice(replicas))
+            elif what < 0.91:
+                live.start(max(replicas, default=-1) + 1, rng.randint(1, 4), now)
+            expected = _hung_by_every_rank(live, now)
+            assert live.hung(now) == expected, (trial, now)
+            verdicts += bool(expected)
+    assert verdicts > 100, "the random runs must reach hangs for the comparison to mean anything"
