@@ -122,6 +122,8 @@ class Supervisor:
         """replica -> when it rejoins."""
         self.restarts = 0
         """Job restarts of the checkpoint-and-restart baseline."""
+        self.own_kills: set[int] = set()
+        """PIDs the supervisor SIGKILLs itself (the job's end, a reaped replica): no death to tell (:meth:`_died`)."""
         self.known_kills: set[int] = set()
         """PIDs whose SIGKILL is accounted for (a ``kill`` event names them, or the supervisor reaped them)."""
         self.lost_at: dict[int, float] = {}
@@ -198,7 +200,10 @@ class Supervisor:
     def _died(self, pid: int) -> None:
         """(a death watch's thread) A worker process died: the coordinator is told at once, before the process's
         connection closes (the kernel closes it only once the process's memory is torn down, 25-40 ms later
-        for a torch process). Unreachable or not in time: its connection closing tells it all the same."""
+        for a torch process). Unreachable or not in time: its connection closing tells it all the same. A process
+        the supervisor killed itself (the job's end, a reaped replica) is no news."""
+        if pid in self.own_kills:
+            return
         try:
             ask(f"{self.addr.host}:{self.addr.port}", self.addr.token_file.read_text().strip(),
                 {"type": "died", "pid": pid}, self.o.tls, timeout_s=DIED_TIMEOUT_S)
@@ -289,6 +294,7 @@ class Supervisor:
                 self.events.event(Event.REAPED, replica=rid, pids=[p.pid for p in rep.procs],
                                   after_s=round(now - since, 3))
                 self.known_kills.update(p.pid for p in rep.procs)  # the supervisor's own SIGKILL: no kill event
+                self.own_kills.update(p.pid for p in rep.procs)
                 rep.kill()
 
     def poll(self, now: float, step: int, unfinished: bool) -> bool:
@@ -431,6 +437,7 @@ class Supervisor:
         """SIGKILLs and reaps every process started that still runs (spares, replicas, coordinator)."""
         self.pool.close()
         procs = [p for r in self.replicas.values() for p in r.procs]
+        self.own_kills.update(p.pid for p in procs)
         if self.coordinator and self.coordinator.proc.poll() is None:  # what it spent (coordinator_start: from)
             self.events.event(Event.COORDINATOR_ENDED, cpu_s=cpu_seconds(self.coordinator.proc.pid))
         kill_processes(procs + ([self.coordinator.proc] if self.coordinator else []))
