@@ -35,9 +35,10 @@ Contract:
   (``training.keep_checkpoints``); :func:`remove_leftovers` deletes what interrupted saves left
   (``.partial``, ``.replaced``): call it only when no save can be in flight (at the start of a run).
 - :class:`Checkpointer` is one replica's policy on top: when a save blocks, asynchronous saves in
-  flight and the writer process they use (started by the first save that does not block; ended by
-  :meth:`Checkpointer.close`), and resuming from the newest intact checkpoint (a damaged one is named in
-  one line and the next older one is tried).
+  flight and the writer process they use (started ahead of the first periodic save by
+  :meth:`Checkpointer.prepare`, or by the first save that does not block; ended by
+  :meth:`Checkpointer.close`), and resuming from the newest intact checkpoint (a damaged one is named
+  in one line and the next older one is tried).
 """
 
 from __future__ import annotations
@@ -162,8 +163,6 @@ class AsyncSave:
         try:
             return self.committed.result(timeout)
         except futures.TimeoutError:
-            raise
-        except CheckpointError:
             raise
         except Exception as exc:
             raise CheckpointError(f"the asynchronous checkpoint of step {self.step} failed while writing "

@@ -216,7 +216,7 @@ class _Child:
             _send(self.sock, {**request, "size": buffer.size}, buffer.fd if buffer is not self.mapped else None)
             self.mapped = buffer
         except OSError as exc:
-            self._fail(f"could not be handed to the checkpoint writer process ({exc})")
+            self._fail(f"could not be handed the save ({exc})")
         return done
 
     def close(self) -> None:
@@ -248,13 +248,13 @@ class _Child:
                 done.set_result(Path(reply["path"]))
             elif done is not None:
                 done.set_exception(_error(reply))
-        self._fail(f"was lost: the checkpoint writer process ended ({_status(self.proc.wait())})")
+        self._fail(f"ended ({_status(self.proc.wait())}) before the save was written")
 
     def _fail(self, what: str) -> None:
         with self.lock:
             done, self.waiting = self.waiting, None
         if done is not None and not done.done():
-            done.set_exception(CheckpointError(f"the checkpoint {what}; it was not committed"))
+            done.set_exception(CheckpointError(f"the checkpoint writer process {what}"))
 
 
 class Writer:
