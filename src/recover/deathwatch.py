@@ -10,7 +10,7 @@ Contract (Linux with glibc's robust process-shared mutexes; elsewhere :func:`sup
 nothing here does anything):
 - The parent makes one :class:`Watch` per child before starting it: a mutex in anonymous shared memory
   (``memfd_create``), handed to the child as a file descriptor (``pass_fds``) named by :data:`ENV` in its
-  environment (:meth:`Watch.env`).
+  environment (:meth:`Watch.env`); :func:`popen` starts a child with one.
 - The child calls :func:`hold` first thing, from its main thread (a robust mutex belongs to the thread that
   locked it): it maps the memory and locks the mutex for its whole life. Before any exit it means (a
   clean end, a fence, a stop) it calls :func:`release` (the interpreter's normal exit does too): only a
@@ -28,10 +28,12 @@ import ctypes.util
 import errno
 import mmap
 import os
+import subprocess
 import sys
 import threading
 import time
 from collections.abc import Callable
+from typing import Any
 
 ENV = "RECOVER_DEATHWATCH_FD"
 _SIZE = 128  # a pthread_mutex_t is 40 bytes on x86-64, 48 on aarch64
@@ -119,6 +121,20 @@ class Watch:
             if not alive():
                 return  # it ended before it ever held the mutex: its exit is seen the usual way
             time.sleep(_HOLD_POLL_S)
+
+
+def popen(cmd: list[str], on_death: Callable[[int], None], env: dict[str, str] | None = None,
+          **kwargs: Any) -> subprocess.Popen[Any]:
+    """``subprocess.Popen(cmd, env=env, **kwargs)`` with a watch where supported: ``on_death(pid)`` is called
+    from the watch's thread when the child dies holding it (the child calls :func:`hold`)."""
+    watch = Watch() if supported() else None
+    if watch is None:
+        return subprocess.Popen(cmd, env=env, **kwargs)
+    proc: subprocess.Popen[Any] = subprocess.Popen(cmd, env={**(os.environ if env is None else env), **watch.env()},
+                                                   pass_fds=(watch.fd,), **kwargs)
+    watch.close_fd()
+    watch.start(lambda: proc.poll() is None, lambda: on_death(proc.pid))
+    return proc
 
 
 def hold() -> None:

@@ -117,21 +117,10 @@ def _worker(port: int, token: str, replica: int, join: bool, bucket_mb: float) -
 
 # ---------------------------------------------------------------- driver side
 
-def _tell_died(port: int, token: str, pid: int) -> None:
-    """(a death watch's thread) The coordinator told that worker ``pid`` died; its closed connection tells it
-    anyway if this does not get through."""
-    from recover.coord.operator import ask
-    from recover.errors import RecoverError
-
-    try:
-        ask(f"127.0.0.1:{port}", token, {"type": "died", "pid": pid}, timeout_s=2.0)
-    except (RecoverError, OSError):
-        pass
-
-
 class _Proc:
     def __init__(self, replica: int, port: int, token: str, join: bool, bucket_mb: float, watched: bool) -> None:
         from recover import deathwatch
+        from recover.coord.operator import tell_died
 
         env = dict(os.environ)
         env["PYTHONPATH"] = _SRC + os.pathsep + env.get("PYTHONPATH", "")
@@ -140,14 +129,10 @@ class _Proc:
         cmd = [sys.executable, "-m", "recover.bench.collectives", str(port), str(replica),
                "1" if join else "0", str(bucket_mb)]
         self.replica = replica
-        watch = deathwatch.Watch() if watched and deathwatch.supported() else None
-        self.popen = subprocess.Popen(cmd, stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True,
-                                      env={**env, **(watch.env() if watch else {})}, start_new_session=True,
-                                      pass_fds=(watch.fd,) if watch else ())
-        if watch is not None:  # what recover launch's supervisor does: the coordinator told at once
-            watch.close_fd()
-            pid = self.popen.pid
-            watch.start(lambda: self.popen.poll() is None, lambda: _tell_died(port, token, pid))
+        options: dict[str, Any] = {"stdin": subprocess.PIPE, "stdout": subprocess.PIPE, "text": True,
+                                   "start_new_session": True}
+        self.popen = (deathwatch.popen(cmd, lambda pid: tell_died(f"127.0.0.1:{port}", token, pid), env, **options)
+                      if watched else subprocess.Popen(cmd, env=env, **options))  # as recover launch does
         self.lines: Queue[dict[str, Any]] = Queue()
         threading.Thread(target=self._pump, daemon=True).start()
 

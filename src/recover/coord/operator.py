@@ -1,6 +1,7 @@
 """An operator's requests to a running coordinator: the job's ``status`` now, and ``drain`` of one replica.
 
-Contract: an operator (``recover status --coordinator``, ``recover drain``) opens a short-lived
+Contract: an operator (``recover status --coordinator``, ``recover drain``; ``died`` from a launcher's death
+watch, :func:`tell_died`) opens a short-lived
 connection of its own, presents the job's token in each request and is never a member: it does not
 register, heartbeat, vote nor count for liveness, and its connection closing is nobody's failure
 (:mod:`recover.coord.ranks` answers it). :func:`ask` is that client: one request, its one reply.
@@ -108,6 +109,16 @@ def ask(address: str, token: str, msg: dict[str, Any], tls: Tls | None = None,
         raise RecoverError(f"the coordinator at {address} did not answer: {exc}") from None
     finally:
         sock.close()
+
+
+def tell_died(address: str, token: str, pid: int, tls: Tls | None = None, timeout_s: float = 2.0) -> None:
+    """Tells the coordinator at ``address`` that process ``pid`` died (:mod:`recover.deathwatch`): it fences the
+    replica registered with that PID at once. Unreachable or not in time: nothing (the process's connection
+    closing tells it all the same)."""
+    try:
+        ask(address, token, {"type": "died", "pid": pid}, tls, timeout_s=timeout_s)
+    except (RecoverError, OSError):
+        pass
 
 
 def _reply(sock: Any, address: str, deadline: float, meanwhile: str) -> dict[str, Any]:

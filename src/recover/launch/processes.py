@@ -114,13 +114,10 @@ def spawn(cmd: list[str], log_path: Path, env: dict[str, str], stdin: Any = None
     this process's environment (marked for the lifeline). ``on_death(pid)``: called from a thread of its own
     the moment the process dies without having chosen to (:mod:`recover.deathwatch`; where supported)."""
     log = open(log_path, "ab")  # noqa: SIM115 - lives with the process
-    watch = deathwatch.Watch() if on_death is not None and deathwatch.supported() else None
-    proc = subprocess.Popen(cmd, stdin=stdin, stdout=log, stderr=subprocess.STDOUT, start_new_session=True,
-                            env={**child_env(), **env, **(watch.env() if watch else {})},
-                            pass_fds=(watch.fd,) if watch else ())
-    if watch is not None and on_death is not None:
-        watch.close_fd()
-        watch.start(lambda: proc.poll() is None, lambda: on_death(proc.pid))
+    options: dict[str, Any] = {"stdin": stdin, "stdout": log, "stderr": subprocess.STDOUT, "start_new_session": True}
+    env = {**child_env(), **env}
+    proc = (deathwatch.popen(cmd, on_death, env, **options) if on_death is not None
+            else subprocess.Popen(cmd, env=env, **options))
     return Spawned(proc, log, log_path)
 
 

@@ -44,7 +44,7 @@ import time
 from collections.abc import Callable
 from typing import Any
 
-from recover.coord.operator import ask
+from recover.coord.operator import tell_died
 from recover.errors import RecoverError
 from recover.launch.job import Address, Commands, LaunchOptions
 from recover.launch.oom import SEE_EVERY_S, MemoryWatch
@@ -205,10 +205,10 @@ class Supervisor:
         if pid in self.own_kills:
             return
         try:
-            ask(f"{self.addr.host}:{self.addr.port}", self.addr.token_file.read_text().strip(),
-                {"type": "died", "pid": pid}, self.o.tls, timeout_s=DIED_TIMEOUT_S)
-        except (RecoverError, OSError):
-            pass
+            token = self.addr.token_file.read_text().strip()
+        except OSError:
+            return
+        tell_died(f"{self.addr.host}:{self.addr.port}", token, pid, self.o.tls, timeout_s=DIED_TIMEOUT_S)
 
     def _start_spare(self, devices: Devices) -> list[Spawned]:
         """A warm spare on ``devices``: a replica's workers that start up (torch, model, data) and wait on
