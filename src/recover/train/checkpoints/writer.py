@@ -75,14 +75,19 @@ def stageable(state: Any) -> bool:
                                                for t in _tensors(state))
 
 
-def _tensors(state: Any) -> list[torch.Tensor]:
-    if isinstance(state, torch.Tensor):
-        return [state]
-    if isinstance(state, dict):
-        return [t for v in state.values() for t in _tensors(v)]
-    if isinstance(state, (list, tuple)):
-        return [t for v in state for t in _tensors(v)]
+def _leaves(tree: Any, kind: type) -> list[Any]:
+    """The leaves of ``tree`` (nested dicts, lists and tuples) that are ``kind``, depth first in order."""
+    if isinstance(tree, kind):
+        return [tree]
+    if isinstance(tree, dict):
+        return [t for v in tree.values() for t in _leaves(v, kind)]
+    if isinstance(tree, (list, tuple)):
+        return [t for v in tree for t in _leaves(v, kind)]
     return []
+
+
+def _tensors(state: Any) -> list[torch.Tensor]:
+    return _leaves(state, torch.Tensor)
 
 
 def _layout(state: Any, at: list[int]) -> Any:
@@ -112,13 +117,7 @@ def _view(buffer: torch.Tensor, slot: _Slot) -> torch.Tensor:
 
 def _slots(skeleton: Any) -> list[_Slot]:
     """The slots of ``skeleton`` in the order :func:`_tensors` lists a state's tensors."""
-    if isinstance(skeleton, _Slot):
-        return [skeleton]
-    if isinstance(skeleton, dict):
-        return [t for v in skeleton.values() for t in _slots(v)]
-    if isinstance(skeleton, (list, tuple)):
-        return [t for v in skeleton for t in _slots(v)]
-    return []
+    return _leaves(skeleton, _Slot)
 
 
 def _copy(dsts: list[torch.Tensor], srcs: list[torch.Tensor]) -> None:
