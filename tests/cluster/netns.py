@@ -102,6 +102,17 @@ class Hosts:
         out = subprocess.run(["ip", "netns", "pids", self.ns[name]], capture_output=True, text=True, timeout=30)
         return [int(p) for p in out.stdout.split()]
 
+    def commands_in(self, name: str) -> dict[int, bytes]:
+        """The command line (NUL-separated) of every process in host ``name``'s namespace that still lives when read:
+        one listed may exit before its ``/proc`` entry is read, and is left out."""
+        commands = {}
+        for pid in self.pids_in(name):
+            try:
+                commands[pid] = Path(f"/proc/{pid}/cmdline").read_bytes()
+            except OSError:
+                continue
+        return commands
+
     def close(self) -> None:
         for ns in reversed(self._made):
             subprocess.run(["ip", "netns", "del", ns], capture_output=True, timeout=30)

@@ -320,8 +320,7 @@ def test_the_coordinator_killed_is_started_again_and_no_step_is_lost(
     job = submit(cluster, tmp_path, "coord", 2, "--data.path", str(corpus), *FLAGS,
                  "--training.device_time_s", "0.1")
     job.wait_step(4)
-    (pid,) = [p for p in cluster.hosts.pids_in("n0")
-              if b"recover\x00coordinator" in Path(f"/proc/{p}/cmdline").read_bytes()]
+    (pid,) = [p for p, command in cluster.hosts.commands_in("n0").items() if b"recover\x00coordinator" in command]
     os.kill(pid, signal.SIGKILL)
     state = job.wait()
     assert (state["JobState"], state["ExitCode"]) == ("COMPLETED", "0:0"), job.output()

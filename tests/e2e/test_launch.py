@@ -338,7 +338,7 @@ def test_intruders_and_every_replica_killed_at_once_leave_the_run_bitwise_unaffe
         assert said.strip().splitlines() == [
             "recover: error: coordinator refused the request: bad_replica: replica id 4 is outside this job's "
             "0..3 (--max-replicas lets it grow)"]
-        assert _processes_of(run) == []  # the launcher reaped every replica and spare before it exited
+        assert _processes_of(run) == {}  # the launcher reaped every replica and spare before it exited
     finally:
         if extra is not None and extra.poll() is None:
             extra.kill()
@@ -430,9 +430,10 @@ def test_a_broken_link_between_two_replicas_fences_one_of_them_never_the_same_ge
     assert [g["members"] for g in generations] == [[0, 1, 3]]  # one new generation, not the same members again
 
 
-def _processes_of(run: Path) -> list[int]:
-    """PIDs of live processes whose command line names ``run`` (the launcher's coordinator and workers)."""
-    pids = []
+def _processes_of(run: Path) -> dict[int, str]:
+    """The command line (spaces between arguments) of each live process that names ``run`` (the launcher's
+    coordinator and workers), by PID; read once, so a process that exits meanwhile is simply left out."""
+    processes = {}
     for entry in Path("/proc").iterdir():
         if entry.name.isdigit():
             try:
@@ -440,8 +441,8 @@ def _processes_of(run: Path) -> list[int]:
             except OSError:
                 continue
             if str(run) in cmdline and int(entry.name) != os.getpid():
-                pids.append(int(entry.name))
-    return pids
+                processes[int(entry.name)] = cmdline
+    return processes
 
 
 def test_every_process_dies_with_a_sigkilled_launcher(corpus: Path, tmp_path: Path) -> None:
@@ -466,7 +467,7 @@ def test_every_process_dies_with_a_sigkilled_launcher(corpus: Path, tmp_path: Pa
         deadline = time.monotonic() + 5
         while _processes_of(run) and time.monotonic() < deadline:
             time.sleep(0.1)
-        assert _processes_of(run) == []
+        assert _processes_of(run) == {}
     finally:
         for pid in [proc.pid, *_processes_of(run)]:
             try:
@@ -484,8 +485,7 @@ def _await_step(run: Path, step: int, proc: subprocess.Popen[bytes], timeout: fl
 
 
 def _coordinator_pid(run: Path) -> int:
-    pids = [p for p in _processes_of(run) if b" coordinator " in Path(f"/proc/{p}/cmdline").read_bytes().replace(
-        b"\0", b" ")]
+    pids = [p for p, cmdline in _processes_of(run).items() if " coordinator " in cmdline]
     assert len(pids) == 1, pids
     return pids[0]
 
@@ -532,7 +532,7 @@ def test_the_coordinator_killed_mid_commit_paused_and_killed_again_costs_no_step
         deadline = time.monotonic() + 5
         while _processes_of(run) and time.monotonic() < deadline:
             time.sleep(0.1)
-        assert _processes_of(run) == []
+        assert _processes_of(run) == {}
     finally:
         _reap(run, proc)
     every_step_bitwise(run, reference_det)
@@ -562,7 +562,7 @@ def test_sigterm_to_the_launcher_saves_a_checkpoint_and_resume_finishes_bitwise(
         assert proc.returncode == 6, err.decode()[-3000:]
         while _processes_of(run) and time.monotonic() - t0 < 30:
             time.sleep(0.1)
-        assert _processes_of(run) == []
+        assert _processes_of(run) == {}
         assert "continue with the same command and --resume" in err.decode()
     finally:
         _reap(run, proc)
@@ -579,8 +579,7 @@ def test_sigterm_to_the_launcher_saves_a_checkpoint_and_resume_finishes_bitwise(
 def _worker_pid(run: Path, replica: int) -> int:
     """The PID of replica ``replica``'s worker process (one rank)."""
     pattern = re.compile(rf" worker .*--replica {replica}( |$)")
-    pids = [p for p in _processes_of(run)
-            if pattern.search(Path(f"/proc/{p}/cmdline").read_bytes().replace(b"\0", b" ").decode(errors="replace"))]
+    pids = [p for p, cmdline in _processes_of(run).items() if pattern.search(cmdline)]
     assert len(pids) == 1, pids
     return pids[0]
 
