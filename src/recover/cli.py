@@ -33,6 +33,7 @@ COMMAND_MODULES = (
     "recover.train.checkpoints.checkpoint_cli",  # sample, export
     "recover.data.cli",  # prepare
     "recover.launch.cli",  # launch, compare, worker
+    "recover.launch.forkserver",  # forkserver (internal)
     "recover.launch.report",  # report
     "recover.launch.collect",  # collect
     "recover.launch.status",  # status
@@ -136,7 +137,10 @@ def _main(argv: list[str] | None) -> int:
         parser.error(f"unrecognized arguments: {' '.join(extra)}")
     args.overrides = extra
     try:
-        return int(args.func(args) or 0)
+        result = args.func(args)
+        if isinstance(result, list):  # a worker forked by `recover forkserver`: it runs its own command line
+            return _main(result)
+        return int(result or 0)
     except RecoverError as exc:
         print(f"recover: error: {one_line(str(exc))}", file=sys.stderr)
         if args.command == "worker":

@@ -124,14 +124,15 @@ class Watch:
 
 
 def popen(cmd: list[str], on_death: Callable[[int], None], env: dict[str, str] | None = None,
-          **kwargs: Any) -> subprocess.Popen[Any]:
-    """``subprocess.Popen(cmd, env=env, **kwargs)`` with a watch where supported: ``on_death(pid)`` is called
-    from the watch's thread when the child dies holding it (the child calls :func:`hold`)."""
+          start: Callable[..., Any] = subprocess.Popen, **kwargs: Any) -> Any:
+    """``start(cmd, env=env, **kwargs)`` (:class:`subprocess.Popen`, or anything that takes its ``env`` and
+    ``pass_fds`` and returns an object with its ``pid`` and ``poll``) with a watch where supported:
+    ``on_death(pid)`` is called from the watch's thread when the child dies holding it (the child calls
+    :func:`hold`)."""
     watch = Watch() if supported() else None
     if watch is None:
-        return subprocess.Popen(cmd, env=env, **kwargs)
-    proc: subprocess.Popen[Any] = subprocess.Popen(cmd, env={**(os.environ if env is None else env), **watch.env()},
-                                                   pass_fds=(watch.fd,), **kwargs)
+        return start(cmd, env=env, **kwargs)
+    proc = start(cmd, env={**(os.environ if env is None else env), **watch.env()}, pass_fds=(watch.fd,), **kwargs)
     watch.close_fd()
     watch.start(lambda: proc.poll() is None, lambda: on_death(proc.pid))
     return proc

@@ -137,6 +137,7 @@ class Event(str, Enum):
     FENCED = "fenced"
     FENCED_EXIT = "fenced_exit"
     FINISHED = "finished"
+    FORK_SERVER = "fork_server"
     GENERATION = "generation"
     GREW = "grew"
     INJECTED = "injected"

@@ -88,6 +88,10 @@ def register(sub: argparse._SubParsersAction) -> None:
                         "that a killed replica's replacement takes, joining in well under a second instead of "
                         "seconds (default: 1 on the CPU; on GPUs 1 where a replica's worth of GPUs holds no rank, "
                         "else 0: a spare needs devices of its own); 0: replacements start afresh")
+    p.add_argument("--no-fork-server", action="store_true",
+                   help="start each worker as a new interpreter (seconds of imports each) instead of forking it "
+                        "from the job's fork server, which imports torch and recover once (for a library that "
+                        "does not survive a fork)")
     p.add_argument("--baseline", choices=BASELINES, default=None,
                    help=f"run a baseline instead of recover on the same model, data and failures: "
                         f"{Baseline.describe()}")
@@ -185,6 +189,8 @@ class LaunchRequest:
     """With ``rejoin_after_s``: only these replicas rejoin (None: every killed one)."""
     warm_spares: int | None = None
     """With ``rejoin_after_s``: spare workers kept started (None: :func:`warm_spares`' default)."""
+    fork_workers: bool = True
+    """Workers forked from the job's fork server (False: ``--no-fork-server``)."""
     baseline: Baseline | None = None
     seed: int = 0
     """Seed of the random failures."""
@@ -343,6 +349,7 @@ def check_launch(req: LaunchRequest) -> LaunchOptions:
                          failures=schedule, random_mtbf_s=req.random_mtbf_s,
                          random_faults=req.random_faults, rejoin_after_s=req.rejoin_after_s,
                          rejoin_replicas=req.rejoin_replicas, warm_spares=spares, seed=req.seed, baseline=req.baseline,
+                         fork_workers=req.fork_workers,
                          progress=req.progress, resume=req.resume, kill_coordinator=req.kill_coordinator,
                          metrics_port=req.metrics_port,
                          placement=placement, script=req.script, max_replicas=req.max_replicas or p.replicas, tls=tls,
@@ -616,6 +623,7 @@ def run_launch(args: argparse.Namespace) -> int:
         random_mtbf_s=args.random_failures, rejoin_after_s=args.rejoin_after,
         random_faults=tuple(f.strip().lower() for f in args.random_faults.split(",") if f.strip()),
         rejoin_replicas=_ids("--rejoin-replicas", args.rejoin_replicas), warm_spares=args.warm_spares,
+        fork_workers=not args.no_fork_server,
         baseline=Baseline(args.baseline) if args.baseline else None, seed=args.seed,
         reference=Path(args.reference) if args.reference else None, progress=not args.no_progress,
         resume=args.resume, overwrite=args.overwrite, kill_coordinator=args.kill_coordinator,

@@ -58,6 +58,9 @@ class LaunchOptions:
     """The coordinator wire over TLS: every process started gets ``--tls-*`` (None: plain TCP)."""
     metrics_port: int = 0
     """The coordinator's Prometheus endpoint, ``--metrics-port`` (0: none)."""
+    fork_workers: bool = True
+    """``recover worker`` processes are forked from the job's fork server (:mod:`recover.launch.forkserver`);
+    False (``--no-fork-server``): each starts as a new interpreter."""
     kill_coordinator: str | None = None
     """Fault injection ``STEP[:SENT]``: the first coordinator SIGKILLs itself in step STEP's commit after
     SENT of its replies went out (the launcher then restarts it)."""

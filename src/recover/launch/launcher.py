@@ -250,6 +250,7 @@ class Launcher:
         finally:
             self.display.close()
             self.supervisor.kill_all()
+            self.supervisor.close()
             self.metrics.close()
         write_metrics(self.out / "metrics.jsonl", self.records, self.t0)  # final: a restart redid some steps
         self.wall_s = time.time() - started

@@ -24,13 +24,14 @@ from pathlib import Path
 from typing import IO, Any
 
 from recover import deathwatch
+from recover.launch.forkserver import Forked, ForkServer, Unavailable
 from recover.lifeline import child_env
 from recover.train.processes.exits import EXIT_FENCED
 
 LOST = -signal.SIGKILL
 """A replica's exit code when it was lost to a failure (a rank SIGKILLed, or the replica fenced)."""
 
-Process = subprocess.Popen[bytes]
+Process = subprocess.Popen[bytes] | Forked
 
 
 def free_port(host: str = "127.0.0.1") -> int:
@@ -109,16 +110,32 @@ class Spawned:
 
 
 def spawn(cmd: list[str], log_path: Path, env: dict[str, str], stdin: Any = None,
-          on_death: Callable[[int], None] | None = None) -> Spawned:
+          on_death: Callable[[int], None] | None = None, forks: ForkServer | None = None) -> Spawned:
     """Starts ``cmd`` in a session of its own, output appended to ``log_path``, with ``env`` on top of
     this process's environment (marked for the lifeline). ``on_death(pid)``: called from a thread of its own
-    the moment the process dies without having chosen to (:mod:`recover.deathwatch`; where supported)."""
+    the moment the process dies without having chosen to (:mod:`recover.deathwatch`; where supported).
+    ``forks``: a ``recover`` command is forked by this server (:mod:`recover.launch.forkserver`), or started
+    as a new interpreter when the server cannot."""
     log = open(log_path, "ab")  # noqa: SIM115 - lives with the process
     options: dict[str, Any] = {"stdin": stdin, "stdout": log, "stderr": subprocess.STDOUT, "start_new_session": True}
     env = {**child_env(), **env}
-    proc = (deathwatch.popen(cmd, on_death, env, **options) if on_death is not None
-            else subprocess.Popen(cmd, env=env, **options))
+    start = _starter(forks)
+    proc = deathwatch.popen(cmd, on_death, env, start=start, **options) if on_death is not None else start(
+        cmd, env=env, **options)
     return Spawned(proc, log, log_path)
+
+
+def _starter(forks: ForkServer | None) -> Callable[..., Process]:
+    if forks is None:
+        return subprocess.Popen
+
+    def start(cmd: list[str], env: dict[str, str], **options: Any) -> Process:
+        try:
+            return forks.popen(cmd, env, **options)
+        except Unavailable:
+            return subprocess.Popen(cmd, env=env, **options)
+
+    return start
 
 
 @dataclass

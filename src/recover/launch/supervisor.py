@@ -46,6 +46,7 @@ from typing import Any
 
 from recover.coord.operator import tell_died
 from recover.errors import RecoverError
+from recover.launch import forkserver
 from recover.launch.job import Address, Commands, LaunchOptions
 from recover.launch.oom import SEE_EVERY_S, MemoryWatch
 from recover.launch.processes import (
@@ -144,11 +145,16 @@ class Supervisor:
         """One line per replica the kernel's OOM killer ended (the launcher prints them at the end)."""
         self.given_up: dict[int, int] = {}
         """replica -> the exit code it failed with :data:`MAX_SAME_EXITS` times: not restarted again."""
+        self.forks: forkserver.ForkServer | None = None
+        """The job's fork server, which ``recover worker`` processes are forked from (None: none)."""
 
     # ---- starting --------------------------------------------------------------------------
     def start(self) -> None:
         """The coordinator, every replica and the warm spares. The workers start while the coordinator
-        starts (their first connection waits for it), so its start-up overlaps theirs."""
+        starts (their first connection waits for it), so its start-up overlaps theirs; so does the fork
+        server's (the first worker forked waits for its imports)."""
+        if self.o.fork_workers and not self.o.script:
+            self.forks = forkserver.start(self.o.out / "logs" / "forkserver.log")
         self._spawn_coordinator(self.o.config.parallel.replicas)
         for rid in range(self.o.config.parallel.replicas):
             self._start_replica(rid, join=False)
@@ -193,9 +199,17 @@ class Supervisor:
         P = self.cmds.ranks
         port = self.ports.take(name) if P > 1 else 0  # its ranks' own store (rank 0's)
         logs = self.o.out / "logs"
-        return [spawn(cmd, logs / (f"{name}.log" if P == 1 else f"{name}_rank{k}.log"),
-                      {**self.cmds.env(devices[k], k, port), **(extra_env or {})}, stdin, on_death=self._died)
-                for k in range(P)]
+        forks = self.forks if cmd[1:4] == ["-m", "recover", "worker"] else None
+        spawned = [spawn(cmd, logs / (f"{name}.log" if P == 1 else f"{name}_rank{k}.log"),
+                         {**self.cmds.env(devices[k], k, port), **(extra_env or {})}, stdin, on_death=self._died,
+                         forks=forks)
+                   for k in range(P)]
+        if forks is not None and forks.broken is not None:  # said once; every worker after starts afresh
+            self.say(f"recover: note: workers start as new interpreters: the fork server is {forks.broken} "
+                     f"(see {self.o.out / 'logs' / 'forkserver.log'})")
+            self.events.event(Event.FORK_SERVER, forks=False, why=forks.broken)
+            self.forks = None
+        return spawned
 
     def _died(self, pid: int) -> None:
         """(a death watch's thread) A worker process died: the coordinator is told at once, before the process's
@@ -441,6 +455,15 @@ class Supervisor:
         if self.coordinator and self.coordinator.proc.poll() is None:  # what it spent (coordinator_start: from)
             self.events.event(Event.COORDINATOR_ENDED, cpu_s=cpu_seconds(self.coordinator.proc.pid))
         kill_processes(procs + ([self.coordinator.proc] if self.coordinator else []))
+
+    def close(self) -> None:
+        """Ends the fork server (after :meth:`kill_all`), logging what it did (``fork_server``)."""
+        if self.forks is not None:
+            ready = self.forks.ready or {}
+            self.events.event(Event.FORK_SERVER, forks=True, forked=self.forks.forked, cpu_s=ready.get("cpu_s"),
+                              threads=ready.get("threads"))
+            self.forks.close()
+            self.forks = None
 
     # ---- the end ---------------------------------------------------------------------------
     def exit_codes(self) -> dict[int, int | None]:

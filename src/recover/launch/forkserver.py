@@ -1,0 +1,388 @@
+"""Replica workers forked from a warm interpreter: a worker starts in milliseconds, not seconds of imports.
+
+A ``recover worker`` spends ~3 s of CPU importing torch and recover (and torch's compiler stack, which the
+first optimizer step imports) before it does anything of its own: on a node whose replicas start together
+that is one core's seconds per replica, and a replacement started without a warm spare joins that much later.
+``recover launch`` therefore starts one fork server per job (``recover forkserver``, a child of the launcher
+marked for the lifeline like the others): it imports what a worker imports, once, and forks each worker.
+
+Contract (Linux; :func:`start` returns None elsewhere, and callers then start workers as new interpreters):
+- :meth:`ForkServer.popen` takes the place of :class:`subprocess.Popen` for a ``python -m recover ...``
+  command and returns a :class:`Forked` with Popen's ``pid``, ``args``, ``stdin``, ``returncode``, ``poll``,
+  ``wait``, ``send_signal``, ``terminate`` and ``kill``. It raises :class:`Unavailable` when the server cannot
+  serve (it died, or did not become ready in time): the caller starts the process the usual way.
+- The worker is the launcher's own child, not the server's: the server forks a short-lived intermediate that
+  forks the worker and exits, and the launcher is a child subreaper while it asks (``PR_SET_CHILD_SUBREAPER``),
+  so the worker is reparented to it. The launcher waits for it and signals it like any child; the server's
+  death ends no worker, and the lifeline (:mod:`recover.lifeline`) ties the worker to the launcher itself.
+- The worker runs in a session of its own with exactly the request's environment (``os.environ``, ``getenv``;
+  ``/proc/PID/environ`` shows the server's, the block a process is born with), working directory and standard
+  streams, and each descriptor of ``pass_fds`` at its own number; ``/proc/PID/cmdline`` (``ps``) shows its own
+  command (written over the room the server's command line keeps for it: :data:`ROOM` bytes).
+- The server imports before it serves and forks only while it is single-threaded apart from threads whose
+  libraries re-make them after a fork (OpenBLAS's, as every ``DataLoader`` worker relies on) and while no
+  CUDA context exists in it (torch's import creates none); a worker initialises its devices itself.
+"""
+
+from __future__ import annotations
+
+import ctypes
+import fcntl
+import json
+import os
+import select
+import signal
+import socket
+import subprocess
+import sys
+import threading
+import time
+from pathlib import Path
+from typing import IO, Any
+
+from recover.lifeline import child_env
+
+ROOM = 8192
+"""Bytes the server's command line keeps for a worker's: a longer command is cut there in ``ps``."""
+READY_TIMEOUT_S = 120.0
+"""How long a request waits for the server's imports (a busy node's first start) before the worker is started
+as a new interpreter instead."""
+_PR_SET_CHILD_SUBREAPER = 36
+_MAX_FDS = 16
+_PRELOAD = ("recover.train.processes.worker", "torch._dynamo", "torch.distributed.checkpoint")
+"""What a worker imports before its first step: ``torch._dynamo`` comes with the first optimizer step and
+``torch.distributed.checkpoint`` with the first save."""
+
+
+class Unavailable(RuntimeError):
+    """The fork server cannot start this process: start it as a new interpreter."""
+
+
+def supported() -> bool:
+    """Whether workers can be forked here (Linux: a child subreaper and ``/proc``)."""
+    return sys.platform.startswith("linux") and hasattr(socket, "SOCK_SEQPACKET") and hasattr(os, "pidfd_open")
+
+
+def _prctl(option: int, value: int) -> bool:
+    try:
+        return bool(ctypes.CDLL(None, use_errno=True).prctl(option, value, 0, 0, 0) == 0)
+    except (OSError, AttributeError):
+        return False
+
+
+# ---- the launcher's side -----------------------------------------------------------------------------------
+
+
+class Forked:
+    """A worker forked by the server: the launcher's child, seen as :class:`subprocess.Popen` sees one."""
+
+    def __init__(self, args: list[str], pid: int, stdin: IO[bytes] | None) -> None:
+        self.args, self.pid, self.stdin = args, pid, stdin
+        self.stdout = self.stderr = None
+        self.returncode: int | None = None
+        self._lock = threading.Lock()  # the death watch's thread polls too
+        try:
+            self._pidfd: int | None = os.pidfd_open(pid)  # readable once it ended (Linux >= 5.3)
+        except OSError:
+            self._pidfd = None
+
+    def poll(self) -> int | None:
+        with self._lock:
+            if self.returncode is None:
+                try:
+                    pid, status = os.waitpid(self.pid, os.WNOHANG)
+                except ChildProcessError:  # reaped by someone else: its status is lost, not its end
+                    pid, status = self.pid, 255 << 8
+                if pid:
+                    self.returncode = os.waitstatus_to_exitcode(status)
+                    if self._pidfd is not None:
+                        os.close(self._pidfd)
+            return self.returncode
+
+    def wait(self, timeout: float | None = None) -> int:
+        deadline = None if timeout is None else time.monotonic() + timeout
+        while (code := self.poll()) is None:
+            left = None if deadline is None else deadline - time.monotonic()
+            if left is not None and left <= 0:
+                raise subprocess.TimeoutExpired(self.args, timeout or 0)
+            pause = 1.0 if left is None else min(left, 1.0)
+            try:
+                if self._pidfd is None:
+                    raise ValueError
+                select.select([self._pidfd], [], [], pause)
+            except (OSError, ValueError):  # no pidfd, or closed by a poll in another thread meanwhile
+                time.sleep(min(pause, 0.005))
+        return code
+
+    def send_signal(self, sig: int) -> None:
+        if self.poll() is None:
+            try:
+                os.kill(self.pid, sig)
+            except ProcessLookupError:
+                pass
+
+    def terminate(self) -> None:
+        self.send_signal(signal.SIGTERM)
+
+    def kill(self) -> None:
+        self.send_signal(signal.SIGKILL)
+
+
+class ForkServer:
+    """The launcher's handle on its fork server (see the module docstring)."""
+
+    def __init__(self, proc: subprocess.Popen[bytes], sock: socket.socket) -> None:
+        self.proc, self._sock = proc, sock
+        self._lock = threading.Lock()  # one request at a time: the subreaper window is per request
+        self.ready: dict[str, Any] | None = None
+        self.broken: str | None = None
+        """Why it cannot serve (None while it can)."""
+        self.forked = 0
+        """Workers it forked."""
+        self.started = time.monotonic()
+
+    def _await_ready(self) -> None:
+        if self.ready is not None or self.broken is not None:
+            return
+        left = READY_TIMEOUT_S - (time.monotonic() - self.started)
+        self._sock.settimeout(max(left, 0.001))
+        try:
+            self.ready = json.loads(self._sock.recv(4096) or b"null")
+        except (OSError, ValueError) as exc:
+            self.ready = None
+            self.broken = f"not ready within {READY_TIMEOUT_S:.0f} s ({exc})" if isinstance(exc, TimeoutError) \
+                else f"gone ({exc})"
+        if self.ready is None and self.broken is None:
+            self.broken = f"exited with {self.proc.poll()} while importing (see its log)"
+        if self.broken is None and not self.ready.get("forks", False):  # type: ignore[union-attr]
+            self.broken = self.ready.get("why", "refused")  # type: ignore[union-attr]
+        self._sock.settimeout(None)
+
+    def popen(self, cmd: list[str], env: dict[str, str], stdin: Any = None, stdout: Any = None, stderr: Any = None,
+              pass_fds: tuple[int, ...] = (), start_new_session: bool = True, cwd: str | None = None) -> Forked:
+        """``subprocess.Popen(cmd, env=env, stdin=..., stdout=..., stderr=..., pass_fds=..., start_new_session=True)``
+        for ``cmd`` = ``[python, "-m", "recover", ...]``; ``stdin`` None (the server's: nothing) or
+        ``subprocess.PIPE``, ``stdout`` a file, ``stderr`` a file or ``subprocess.STDOUT``."""
+        assert start_new_session and cmd[1:3] == ["-m", "recover"], cmd
+        with self._lock:
+            self._await_ready()
+            if self.broken is not None:
+                raise Unavailable(self.broken)
+            pipe = os.pipe() if stdin == subprocess.PIPE else None
+            out = stdout.fileno()
+            err = out if stderr in (None, subprocess.STDOUT) else stderr.fileno()
+            fds = [pipe[0] if pipe else -1, out, err, *pass_fds]
+            request = {"argv": cmd[3:], "env": env, "cwd": cwd or os.getcwd(), "targets": [0, 1, 2, *pass_fds],
+                       "parent": os.getpid()}
+            reaper = _prctl(_PR_SET_CHILD_SUBREAPER, 1)
+            try:
+                if not reaper:
+                    raise Unavailable("this system refuses PR_SET_CHILD_SUBREAPER")
+                sent = [fd for fd in fds if fd >= 0]
+                socket.send_fds(self._sock, [json.dumps({**request, "sent": [fd >= 0 for fd in fds]}).encode()],
+                                sent)
+                reply = json.loads(self._sock.recv(4096) or b"null")
+            except (OSError, ValueError) as exc:
+                self.broken = f"gone ({exc})"
+                raise Unavailable(self.broken) from exc
+            finally:
+                if reaper:
+                    _prctl(_PR_SET_CHILD_SUBREAPER, 0)
+                if pipe:
+                    os.close(pipe[0])
+            if not reply or "pid" not in reply:
+                if pipe:
+                    os.close(pipe[1])
+                raise Unavailable((reply or {}).get("error", "the server closed its socket"))
+            self.forked += 1
+            return Forked(cmd, int(reply["pid"]), os.fdopen(pipe[1], "wb") if pipe else None)
+
+    def close(self) -> None:
+        """Ends the server (its workers run on: they are the launcher's)."""
+        self._sock.close()
+        try:
+            self.proc.wait(timeout=5)
+        except subprocess.TimeoutExpired:
+            self.proc.kill()
+            self.proc.wait()
+
+
+def start(log_path: Path) -> ForkServer | None:
+    """Starts the job's fork server (None where :func:`supported` is false); it imports in the background and
+    the first :meth:`ForkServer.popen` waits for it. Its output goes to ``log_path``."""
+    if not supported():
+        return None
+    mine, theirs = socket.socketpair(socket.AF_UNIX, socket.SOCK_SEQPACKET)
+    with open(log_path, "ab") as log:
+        proc = subprocess.Popen([sys.executable, "-m", "recover", "forkserver", "--fd", str(theirs.fileno()),
+                                 "--room", " " * ROOM], pass_fds=(theirs.fileno(),), stdin=subprocess.DEVNULL,
+                                stdout=log, stderr=subprocess.STDOUT, start_new_session=True, env=child_env())
+    theirs.close()
+    return ForkServer(proc, mine)
+
+
+# ---- the server's side -------------------------------------------------------------------------------------
+
+
+def _threads() -> list[str]:
+    """The names of this process's native threads but the main one."""
+    me = os.getpid()
+    names = []
+    for tid in os.listdir("/proc/self/task"):
+        if int(tid) != me:
+            try:
+                names.append(Path(f"/proc/self/task/{tid}/comm").read_text().strip())
+            except OSError:
+                continue
+    return names
+
+
+def _fork_safe() -> str | None:
+    """Why forking here would not be safe, or None."""
+    torch = sys.modules.get("torch")
+    if torch is not None and torch.cuda.is_initialized():
+        return "a CUDA context exists in the fork server"
+    try:  # the driver loaded (a device count asked, say) is enough to break CUDA in a forked child
+        if "/libcuda.so" in Path("/proc/self/maps").read_text():
+            return "the CUDA driver was loaded in the fork server"
+    except OSError:
+        pass
+    if threading.active_count() > 1:
+        return f"Python threads run in the fork server: {[t.name for t in threading.enumerate()]}"
+    return None
+
+
+def serve(fd: int) -> list[str] | None:
+    """``recover forkserver``: imports, says whether it can fork, then serves requests on socket ``fd`` until it
+    closes (returns None). In a forked worker it returns that worker's ``recover`` arguments instead, with the
+    process set up as asked (the caller runs them)."""
+    from recover.lifeline import die_with_launcher
+
+    die_with_launcher()
+    sock = socket.socket(fileno=fd)
+    why = None
+    try:
+        import importlib
+
+        for name in _PRELOAD:
+            importlib.import_module(name)
+    except Exception as exc:  # noqa: BLE001 - any failure: the workers start as new interpreters
+        why = f"importing failed ({type(exc).__name__}: {exc})"
+    why = why or _fork_safe()
+    sock.send(json.dumps({"forks": why is None, "why": why, "threads": _threads(),
+                          "cpu_s": round(time.process_time(), 3)}).encode())
+    if why is not None:
+        return None
+    while True:
+        try:
+            msg, fds, _flags, _addr = socket.recv_fds(sock, 1 << 20, _MAX_FDS)
+        except OSError:
+            return None
+        if not msg:
+            return None
+        request = json.loads(msg)
+        argv = _fork(sock, request, fds)
+        if argv is not None:
+            return argv
+
+
+def _fork(sock: socket.socket, request: dict[str, Any], fds: list[int]) -> list[str] | None:
+    """Forks the worker of ``request`` (its argv in the worker, None here) and replies with its PID."""
+    why = _fork_safe()
+    if why is not None:
+        _close(fds)
+        sock.send(json.dumps({"error": why}).encode())
+        return None
+    sys.stdout.flush()
+    sys.stderr.flush()
+    r, w = os.pipe()
+    middle = os.fork()
+    if middle == 0:  # the intermediate: forks the worker and exits, so that the launcher adopts it
+        os.close(r)
+        try:
+            worker = os.fork()
+        except OSError:
+            os._exit(1)
+        if worker == 0:
+            os.close(w)
+            return _become(sock, request, fds)
+        os.write(w, str(worker).encode())
+        os._exit(0)
+    os.close(w)
+    os.waitpid(middle, 0)  # once reaped, the worker has been reparented
+    with os.fdopen(r, "rb") as pipe:
+        pid = pipe.read().decode()
+    _close(fds)
+    sock.send(json.dumps({"pid": int(pid)} if pid else {"error": "fork failed"}).encode())
+    return None
+
+
+def _close(fds: list[int]) -> None:
+    for fd in fds:
+        try:
+            os.close(fd)
+        except OSError:
+            pass
+
+
+def _become(sock: socket.socket, request: dict[str, Any], fds: list[int]) -> list[str]:
+    """In the forked worker: its session, descriptors, environment, directory and command line."""
+    sock.close()
+    os.setsid()
+    targets = [t for t, sent in zip(request["targets"], request["sent"], strict=True) if sent]
+    floor = max([*targets, *fds, 2]) + 1
+    high = [fcntl.fcntl(fd, fcntl.F_DUPFD_CLOEXEC, floor) for fd in fds]  # no dup2 below overwrites a source
+    _close(fds)
+    for fd, target in zip(high, targets, strict=True):
+        os.dup2(fd, target)  # inheritable, as Popen's pass_fds
+    _close([fd for fd in high if fd not in targets])
+    os.environ.clear()
+    os.environ.update(request["env"])
+    os.chdir(request["cwd"])
+    deadline = time.monotonic() + 10
+    while os.getppid() != request["parent"] and time.monotonic() < deadline:  # adopted by the launcher
+        time.sleep(0.001)
+    _reseed()
+    argv = list(request["argv"])
+    _retitle([sys.executable, "-m", "recover", *argv])
+    sys.argv = [sys.argv[0], *argv]
+    return argv
+
+
+def _reseed() -> None:
+    """Fresh seeds for the global generators a new interpreter would seed from the system's entropy (the
+    server's state is every worker's after a fork); torch's default generator starts from the same fixed seed
+    in any process and is left alone."""
+    import random
+
+    random.seed()
+    numpy = sys.modules.get("numpy")
+    if numpy is not None:
+        numpy.random.seed()
+
+
+def _retitle(args: list[str]) -> None:
+    """Writes ``args`` over this process's original command line (``/proc/self/cmdline``), cut to its room."""
+    try:
+        fields = Path("/proc/self/stat").read_text().rpartition(")")[2].split()
+        start, end = int(fields[45]), int(fields[46])  # arg_start, arg_end (fields 48 and 49)
+    except (OSError, ValueError, IndexError):
+        return
+    size = end - start
+    if size <= 1:
+        return
+    text = b"\0".join(a.encode(errors="replace") for a in args)[:size - 1]
+    ctypes.memmove(start, text.ljust(size, b"\0"), size)
+
+
+def run(args: Any) -> list[str] | None:
+    """``recover forkserver --fd N``: serves until the launcher closes its socket (None); in each forked worker
+    it returns the command line that ``recover`` then runs in its place."""
+    return serve(args.fd)
+
+
+def register(sub: Any) -> None:
+    p = sub.add_parser("forkserver", help="(internal) the process `recover launch` forks its workers from")
+    p.add_argument("--fd", type=int, required=True, help="the launcher's socket")
+    p.add_argument("--room", default="", help="room for a forked worker's command line")
+    p.set_defaults(func=run)
