@@ -53,6 +53,14 @@ def test_a_forked_command_is_our_child_set_up_as_asked_and_outlives_the_server(s
     with open(tmp_path / "out.log", "wb") as log:
         proc = server.popen(cmd, _env(), stdout=log, stderr=subprocess.STDOUT,
                             pass_fds=(extra.fileno(),), cwd=str(work))
+    try:
+        _check_forked(server, proc, cmd, tmp_path, work, extra)
+    finally:
+        proc.kill()
+        proc.wait(timeout=10)
+
+
+def _check_forked(server, proc, cmd: list[str], tmp_path: Path, work: Path, extra) -> None:
     assert isinstance(proc, forkserver.Forked) and server.forked == 1
     _wait_for(lambda: b'"port"' in (tmp_path / "out.log").read_bytes())  # its ready record, on the stdout given
     pid = proc.pid

@@ -146,15 +146,16 @@ class Supervisor:
         self.given_up: dict[int, int] = {}
         """replica -> the exit code it failed with :data:`MAX_SAME_EXITS` times: not restarted again."""
         self.forks: forkserver.ForkServer | None = None
-        """The job's fork server, which ``recover worker`` processes are forked from (None: none)."""
+        """The job's fork server, which the coordinator and ``recover worker`` processes are forked from (None:
+        not started yet, or none)."""
+        self.forks_ended = False
+        """The fork server could not serve (or is off): every process starts as a new interpreter."""
 
     # ---- starting --------------------------------------------------------------------------
     def start(self) -> None:
         """The coordinator, every replica and the warm spares. The workers start while the coordinator
-        starts (their first connection waits for it), so its start-up overlaps theirs; so does the fork
-        server's (the first worker forked waits for its imports)."""
-        if self.o.fork_workers and not self.o.script:
-            self.forks = forkserver.start(self.o.out / "logs" / "forkserver.log")
+        starts (their first connection waits for it), so its start-up overlaps theirs. Both are forked
+        from the job's fork server, which the coordinator's start waits for (its imports)."""
         self._spawn_coordinator(self.o.config.parallel.replicas)
         for rid in range(self.o.config.parallel.replicas):
             self._start_replica(rid, join=False)
@@ -173,7 +174,8 @@ class Supervisor:
 
     def _spawn_coordinator(self, expected: int) -> None:
         cmd = self.cmds.coordinator(self.addr, expected, first=not self.coordinator_restarts)
-        self.coordinator = spawn(cmd, self.o.out / "logs" / "coordinator.log", {})
+        self.coordinator = spawn(cmd, self.o.out / "logs" / "coordinator.log", {}, forks=self._forks())
+        self._forks_checked()
 
     def _await_coordinator(self) -> None:
         """Until the coordinator listens; it must not exit meanwhile."""
@@ -199,17 +201,30 @@ class Supervisor:
         P = self.cmds.ranks
         port = self.ports.take(name) if P > 1 else 0  # its ranks' own store (rank 0's)
         logs = self.o.out / "logs"
-        forks = self.forks if cmd[1:4] == ["-m", "recover", "worker"] else None
+        forks = self._forks() if cmd[1:3] == ["-m", "recover"] else None  # not a user's script
         spawned = [spawn(cmd, logs / (f"{name}.log" if P == 1 else f"{name}_rank{k}.log"),
                          {**self.cmds.env(devices[k], k, port), **(extra_env or {})}, stdin, on_death=self._died,
                          forks=forks)
                    for k in range(P)]
-        if forks is not None and forks.broken is not None:  # said once; every worker after starts afresh
-            self.say(f"recover: note: workers start as new interpreters: the fork server is {forks.broken} "
-                     f"(see {self.o.out / 'logs' / 'forkserver.log'})")
-            self.events.event(Event.FORK_SERVER, forks=False, why=forks.broken)
-            self.forks = None
+        self._forks_checked()
         return spawned
+
+    def _forks(self) -> forkserver.ForkServer | None:
+        """The fork server, started at the first request (None: processes start as new interpreters; so do a
+        script job's, whose replicas are the user's command: one coordinator is not worth the server's imports)."""
+        if self.forks is None and self.o.fork_workers and not self.o.script and not self.forks_ended:
+            self.forks = forkserver.start(self.o.out / "logs" / "forkserver.log")
+            self.forks_ended = self.forks is None
+        return self.forks
+
+    def _forks_checked(self) -> None:
+        """A fork server that could not serve is said once; every process after starts afresh."""
+        if self.forks is not None and self.forks.broken is not None:
+            self.say(f"recover: note: the job's processes start as new interpreters: the fork server is "
+                     f"{self.forks.broken} (see {self.o.out / 'logs' / 'forkserver.log'})")
+            self.events.event(Event.FORK_SERVER, forks=False, why=self.forks.broken)
+            self.forks.close()
+            self.forks, self.forks_ended = None, True
 
     def _died(self, pid: int) -> None:
         """(a death watch's thread) A worker process died: the coordinator is told at once, before the process's
@@ -458,6 +473,7 @@ class Supervisor:
 
     def close(self) -> None:
         """Ends the fork server (after :meth:`kill_all`), logging what it did (``fork_server``)."""
+        self.forks_ended = True
         if self.forks is not None:
             ready = self.forks.ready or {}
             self.events.event(Event.FORK_SERVER, forks=True, forked=self.forks.forked, cpu_s=ready.get("cpu_s"),
