@@ -37,7 +37,7 @@ demo: $(STAMP)
 	$(VENV)/bin/recover demo
 
 test: $(STAMP)
-	$(PY) -m pytest -q --durations=15 -m "not interop"
+	$(PY) -m pytest -q --durations=15 -m "not interop" -n auto --dist worksteal
 
 # test-interop: other projects' model code (transformers' Llama and GPT-2, torchtitan's Llama 3) trained through
 # recover.api under recover launch with a kill, a hang and a corruption (~3 min; CI runs it after make test).
