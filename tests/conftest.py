@@ -42,6 +42,12 @@ def _no_process(*_args: object, **_kwargs: object) -> None:
                   "(tests/e2e for a `recover launch` run)")
 
 
+def pytest_collection_modifyitems(items: list[pytest.Item]) -> None:
+    """The longest runs (marked ``long``) first: with the tiers spread over the cores (`make test`'s ``-n auto``),
+    one that started last would run alone at the end."""
+    items.sort(key=lambda item: item.get_closest_marker("long") is None)  # stable: the rest keep their order
+
+
 @pytest.fixture(autouse=True)
 def unit_tier_is_in_process(request: pytest.FixtureRequest, monkeypatch: pytest.MonkeyPatch) -> None:
     """Fails a test under tests/unit that starts a process (see the module's docstring)."""

@@ -25,6 +25,7 @@ from recover.observe.plots import load_metrics
 
 
 @pytest.mark.slow
+@pytest.mark.long
 def test_bench_failures_end_to_end(tmp_path: Path, corpus: Path) -> None:
     parser = argparse.ArgumentParser()
     failures.add_parser(parser.add_subparsers())

@@ -18,6 +18,7 @@ from recover.cli import main
 
 
 @pytest.mark.slow
+@pytest.mark.long
 def test_bench_paper_runs_the_whole_pipeline(tmp_path: Path, corpus: Path) -> None:
     out, js = tmp_path / "out", tmp_path / "paper.json"
     code = main(["bench", "paper", "--quick", "--seeds", "2", "--steps", "8", "--replicas", "2", "--scale", "none",

@@ -161,6 +161,7 @@ def test_a_training_shard_cut_short_under_the_running_job_is_bad_data_status_10_
     assert "Traceback" not in logs and "SIGBUS" not in logs
 
 
+@pytest.mark.long
 def test_a_torn_metrics_file_then_resume_recovers_the_committed_steps_from_the_replicas_logs(
         corpus: Path, tmp_path: Path) -> None:
     # issue 41: the record of the last step inside the checkpoint was gone for good: "59 steps committed", status 1
