@@ -661,7 +661,9 @@ def test_nan_everywhere_and_a_two_replica_split_stop_the_job_with_their_state_sa
     assert res.returncode == 8, res.stderr[-2000:]
     assert "disagree at step 5 with no majority to trust (replicas [0] hold" in res.stderr
     ckpts = split / "checkpoints"
-    assert sorted(p.name for p in ckpts.iterdir()) == ["diverged", "step_000002", "step_000004"]
+    saved = [e["step"] for e in events(split) if e["kind"] == "checkpoint"]  # step 4's is skipped while step 2's
+    assert saved in ([2], [2, 4])  # is still being written (a loaded machine): never a torn or a diverged one
+    assert sorted(p.name for p in ckpts.iterdir()) == ["diverged", *(f"step_{s:06d}" for s in saved)]
     sides = sorted((ckpts / "diverged").iterdir())
     assert [p.name for p in sides] == ["replicas_0", "replicas_1"]
     manifests = [json.loads((p / "step_000005" / "manifest.json").read_text())["files"] for p in sides]
