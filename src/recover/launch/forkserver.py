@@ -4,7 +4,8 @@ A ``recover worker`` spends ~3 s of CPU importing torch and recover (and torch's
 first optimizer step imports) before it does anything of its own: on a node whose replicas start together
 that is one core's seconds per replica, and a replacement started without a warm spare joins that much later.
 ``recover launch`` therefore starts one fork server per job (``recover forkserver``, a child of the launcher
-marked for the lifeline like the others): it imports what a worker imports, once, and forks each worker.
+marked for the lifeline like the others): it imports what a worker imports, once, and forks the coordinator
+and each worker (a "worker" below is any ``recover`` command forked).
 
 Contract (Linux; :func:`start` returns None elsewhere, and callers then start workers as new interpreters):
 - :meth:`ForkServer.popen` takes the place of :class:`subprocess.Popen` for a ``python -m recover ...``

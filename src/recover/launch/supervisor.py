@@ -1,6 +1,9 @@
 """The supervisor of ``recover launch``: it starts the job's processes, watches them and ends them all.
 
 Contract:
+- The coordinator and the ``recover worker`` processes are forked from the job's fork server
+  (:mod:`recover.launch.forkserver`; started at the first, none for a script job or with ``--no-fork-server``,
+  each a new interpreter once it cannot serve, said in one line and a ``fork_server`` event).
 - The coordinator starts first, as its own process (a worker's death never takes it down), and is
   started again at once, on the same ports and token, whenever it exits while the job runs (at most
   :data:`MAX_COORDINATOR_RESTARTS` times): the replicas keep their state, reconnect and register
