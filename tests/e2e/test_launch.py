@@ -96,6 +96,8 @@ def check_run(run: Path, ref: Path, bitwise: bool, kills: int) -> dict:
 def test_reference_is_failure_free_and_matches_plain_training(reference_det: Path, corpus: Path,
                                                                tmp_path: Path) -> None:
     assert all(r["live_replicas"] == 4 and r["microbatches"] == M for r in rows(reference_det))
+    forks = [e for e in events(reference_det) if e["kind"] == "fork_server"]  # its processes were forked:
+    assert [(e["forks"], e["forked"]) for e in forks] == [(True, 5)]  # the coordinator and the 4 workers
     run_recover(["train", "--config", "debug", "--out", str(tmp_path), "--no-progress", *mixture(corpus),
                  f"--training.steps={STEPS}", "--training.eval_every=20"])
     assert max_rel_diff(losses(tmp_path), losses(reference_det)) <= 1e-5

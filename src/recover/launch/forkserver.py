@@ -150,7 +150,6 @@ class ForkServer:
         try:
             self.ready = json.loads(self._sock.recv(4096) or b"null")
         except (OSError, ValueError) as exc:
-            self.ready = None
             self.broken = f"not ready within {READY_TIMEOUT_S:.0f} s ({exc})" if isinstance(exc, TimeoutError) \
                 else f"gone ({exc})"
         if self.ready is None and self.broken is None:
@@ -178,12 +177,19 @@ class ForkServer:
             reaper = _prctl(_PR_SET_CHILD_SUBREAPER, 1)
             try:
                 if not reaper:
-                    raise Unavailable("this system refuses PR_SET_CHILD_SUBREAPER")
+                    self.broken = "refused by this system (PR_SET_CHILD_SUBREAPER)"
+                    raise Unavailable(self.broken)
                 sent = [fd for fd in fds if fd >= 0]
                 socket.send_fds(self._sock, [json.dumps({**request, "sent": [fd >= 0 for fd in fds]}).encode()],
                                 sent)
                 reply = json.loads(self._sock.recv(4096) or b"null")
-            except (OSError, ValueError) as exc:
+                if not reply or "pid" not in reply:
+                    raise Unavailable((reply or {}).get("error", "the server closed its socket"))
+            except (OSError, ValueError, Unavailable) as exc:
+                if pipe:
+                    os.close(pipe[1])  # no child has the other end
+                if isinstance(exc, Unavailable):
+                    raise
                 self.broken = f"gone ({exc})"
                 raise Unavailable(self.broken) from exc
             finally:
@@ -191,10 +197,6 @@ class ForkServer:
                     _prctl(_PR_SET_CHILD_SUBREAPER, 0)
                 if pipe:
                     os.close(pipe[0])
-            if not reply or "pid" not in reply:
-                if pipe:
-                    os.close(pipe[1])
-                raise Unavailable((reply or {}).get("error", "the server closed its socket"))
             self.forked += 1
             return Forked(cmd, int(reply["pid"]), os.fdopen(pipe[1], "wb") if pipe else None)
 
