@@ -341,3 +341,78 @@ def test_the_writer_process_ends_with_the_process_it_writes_for(tmp_path: Path) 
         except ProcessLookupError:
             pass
         proc.wait(30)
+
+
+FORKING_PARENT = """
+import json, os, sys, threading, time
+from pathlib import Path
+import torch
+from torch import nn
+from recover.config import ModelConfig
+from recover.train.checkpoints import checkpoint as ckpt, writer as writer_mod
+stop = threading.Event()
+other = threading.Thread(target=stop.wait, name="some-thread")
+other.start()
+refused = writer_mod.prefork()  # a thread runs: no fork
+stop.set()
+other.join()
+forked = writer_mod.prefork()
+spare = writer_mod._spare.proc.pid
+model = nn.Sequential(nn.Linear(16, 16), nn.Linear(16, 4))  # as small() makes
+opt = torch.optim.AdamW(model.parameters(), lr=0.1)
+model(torch.ones(2, 16)).sum().backward()
+opt.step()
+w = writer_mod.Writer()
+t0 = time.monotonic()
+while not w.takes(ckpt._state(model, opt)):
+    time.sleep(0.001)
+ready_s = time.monotonic() - t0
+pid = w._child.proc.pid
+path = ckpt.save_checkpoint_async(Path(sys.argv[1]), 3, model, opt, {}, ModelConfig(), writer=w).wait(60)
+fields = Path(f"/proc/{pid}/stat").read_text().rpartition(")")[2].split()
+print(json.dumps({"refused": refused, "forked": forked, "spare": spare, "pid": pid, "ready_s": ready_s,
+                  "path": str(path), "ppid": int(fields[1]), "cmdline": Path(f"/proc/{pid}/cmdline").read_bytes()
+                  .decode().split("\\0"), "fds": {int(fd): os.readlink(f"/proc/{pid}/fd/{fd}")
+                                                                 for fd in os.listdir(f"/proc/{pid}/fd")},
+                  "value": model[0].weight[0, 0].item()}), flush=True)
+time.sleep(600)
+"""
+
+
+def test_a_writer_forked_at_the_start_is_taken_ready_writes_and_dies_with_its_parent(tmp_path: Path) -> None:
+    """The replica's writer forked before any thread ran (no new interpreter at the first save): refused while
+    a thread runs; taken ready by the first Writer; its own command line and only its socket and standard
+    streams open; its checkpoint loads; SIGKILL of its parent alone ends it at once."""
+    import json
+
+    proc = subprocess.Popen([sys.executable, "-c", FORKING_PARENT, str(tmp_path)], stdout=subprocess.PIPE, text=True,
+                            env=subprocess_env(), start_new_session=True)
+    try:
+        assert proc.stdout is not None
+        got = json.loads(proc.stdout.readline())
+        assert got["refused"] is False and got["forked"] is True
+        assert got["pid"] == got["spare"] and got["ppid"] == proc.pid
+        assert got["ready_s"] < 5, "a forked writer is ready without importing anything"
+        assert got["cmdline"][1:3] == ["-m", "recover.train.checkpoints.writer"], got["cmdline"]
+        # stdin, stdout, stderr, its socket and the buffer it maps: nothing else of its parent's
+        mine = [f for fd, f in got["fds"].items() if int(fd) > 2]
+        assert [f for f in mine if not f.startswith(("socket:", "/memfd:recover-checkpoint"))] == [], got["fds"]
+        assert len(mine) <= 2, got["fds"]
+        fresh, fresh_opt = small(0.0)
+        ckpt.load_checkpoint(Path(got["path"]), fresh, fresh_opt, CFG)
+        assert fresh[0].weight[0, 0].item() == got["value"]
+        os.kill(proc.pid, signal.SIGKILL)
+        proc.wait(30)
+        deadline = time.monotonic() + 2
+        while Path(f"/proc/{got['pid']}").exists() and time.monotonic() < deadline:
+            if "Z" in Path(f"/proc/{got['pid']}/stat").read_text().split()[2]:
+                break
+            time.sleep(0.01)
+        else:
+            assert not Path(f"/proc/{got['pid']}").exists(), "the forked writer outlived its parent by 2 s"
+    finally:
+        try:
+            os.killpg(proc.pid, signal.SIGKILL)
+        except ProcessLookupError:
+            pass
+        proc.wait(30)

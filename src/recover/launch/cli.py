@@ -652,6 +652,7 @@ def run_worker(args: argparse.Namespace) -> int:
     """``recover worker``: the built-in replica, started through :mod:`recover.train.processes.process` like a
     script."""
     from recover.observe.sinks import check_extras
+    from recover.train.checkpoints.checkpoint import prefork_writer
     from recover.train.processes.exits import EXIT_STOPPED
     from recover.train.processes.process import Launched, exit_process, prepare
     from recover.train.processes.worker import ReplicaWorker, build
@@ -669,6 +670,7 @@ def run_worker(args: argparse.Namespace) -> int:
     cfg = worker_config(args.config, args.overrides)
     prepare(cfg)
     check_extras(cfg.observe)
+    prefork_writer(cfg)  # before the first thread starts; the first periodic save finds it ready
     replica, fails, join, built = args.replica, args.fail, args.join, None
     if args.spare:  # a hot spare: pay the start-up cost now, learn who to be when a replica dies
         built = build(cfg, args.procs)

@@ -31,16 +31,15 @@ import ctypes
 import fcntl
 import json
 import os
-import select
-import signal
 import socket
 import subprocess
 import sys
 import threading
 import time
 from pathlib import Path
-from typing import IO, Any
+from typing import Any
 
+from recover.forking import Forked, retitle, threads, unsafe
 from recover.lifeline import child_env
 
 ROOM = 8192
@@ -72,61 +71,6 @@ def _prctl(option: int, value: int) -> bool:
 
 
 # ---- the launcher's side -----------------------------------------------------------------------------------
-
-
-class Forked:
-    """A worker forked by the server: the launcher's child, seen as :class:`subprocess.Popen` sees one."""
-
-    def __init__(self, args: list[str], pid: int, stdin: IO[bytes] | None) -> None:
-        self.args, self.pid, self.stdin = args, pid, stdin
-        self.stdout = self.stderr = None
-        self.returncode: int | None = None
-        self._lock = threading.Lock()  # the death watch's thread polls too
-        try:
-            self._pidfd: int | None = os.pidfd_open(pid)  # readable once it ended (Linux >= 5.3)
-        except OSError:
-            self._pidfd = None
-
-    def poll(self) -> int | None:
-        with self._lock:
-            if self.returncode is None:
-                try:
-                    pid, status = os.waitpid(self.pid, os.WNOHANG)
-                except ChildProcessError:  # reaped by someone else: its status is lost, not its end
-                    pid, status = self.pid, 255 << 8
-                if pid:
-                    self.returncode = os.waitstatus_to_exitcode(status)
-                    if self._pidfd is not None:
-                        os.close(self._pidfd)
-            return self.returncode
-
-    def wait(self, timeout: float | None = None) -> int:
-        deadline = None if timeout is None else time.monotonic() + timeout
-        while (code := self.poll()) is None:
-            left = None if deadline is None else deadline - time.monotonic()
-            if left is not None and left <= 0:
-                raise subprocess.TimeoutExpired(self.args, timeout or 0)
-            pause = 1.0 if left is None else min(left, 1.0)
-            try:
-                if self._pidfd is None:
-                    raise ValueError
-                select.select([self._pidfd], [], [], pause)
-            except (OSError, ValueError):  # no pidfd, or closed by a poll in another thread meanwhile
-                time.sleep(min(pause, 0.005))
-        return code
-
-    def send_signal(self, sig: int) -> None:
-        if self.poll() is None:
-            try:
-                os.kill(self.pid, sig)
-            except ProcessLookupError:
-                pass
-
-    def terminate(self) -> None:
-        self.send_signal(signal.SIGTERM)
-
-    def kill(self) -> None:
-        self.send_signal(signal.SIGKILL)
 
 
 class ForkServer:
@@ -227,34 +171,6 @@ def start(log_path: Path) -> ForkServer | None:
 # ---- the server's side -------------------------------------------------------------------------------------
 
 
-def _threads() -> list[str]:
-    """The names of this process's native threads but the main one."""
-    me = os.getpid()
-    names = []
-    for tid in os.listdir("/proc/self/task"):
-        if int(tid) != me:
-            try:
-                names.append(Path(f"/proc/self/task/{tid}/comm").read_text().strip())
-            except OSError:
-                continue
-    return names
-
-
-def _fork_safe() -> str | None:
-    """Why forking here would not be safe, or None."""
-    torch = sys.modules.get("torch")
-    if torch is not None and torch.cuda.is_initialized():
-        return "a CUDA context exists in the fork server"
-    try:  # the driver loaded (a device count asked, say) is enough to break CUDA in a forked child
-        if "/libcuda.so" in Path("/proc/self/maps").read_text():
-            return "the CUDA driver was loaded in the fork server"
-    except OSError:
-        pass
-    if threading.active_count() > 1:
-        return f"Python threads run in the fork server: {[t.name for t in threading.enumerate()]}"
-    return None
-
-
 def serve(fd: int) -> list[str] | None:
     """``recover forkserver``: imports, says whether it can fork, then serves requests on socket ``fd`` until it
     closes (returns None). In a forked worker it returns that worker's ``recover`` arguments instead, with the
@@ -271,8 +187,8 @@ def serve(fd: int) -> list[str] | None:
             importlib.import_module(name)
     except Exception as exc:  # noqa: BLE001 - any failure: the workers start as new interpreters
         why = f"importing failed ({type(exc).__name__}: {exc})"
-    why = why or _fork_safe()
-    sock.send(json.dumps({"forks": why is None, "why": why, "threads": _threads(),
+    why = why or unsafe()
+    sock.send(json.dumps({"forks": why is None, "why": why, "threads": threads(),
                           "cpu_s": round(time.process_time(), 3)}).encode())
     if why is not None:
         return None
@@ -291,7 +207,7 @@ def serve(fd: int) -> list[str] | None:
 
 def _fork(sock: socket.socket, request: dict[str, Any], fds: list[int]) -> list[str] | None:
     """Forks the worker of ``request`` (its argv in the worker, None here) and replies with its PID."""
-    why = _fork_safe()
+    why = unsafe()
     if why is not None:
         _close(fds)
         sock.send(json.dumps({"error": why}).encode())
@@ -347,7 +263,7 @@ def _become(sock: socket.socket, request: dict[str, Any], fds: list[int]) -> lis
         time.sleep(0.001)
     _reseed()
     argv = list(request["argv"])
-    _retitle([sys.executable, "-m", "recover", *argv])
+    retitle([sys.executable, "-m", "recover", *argv])
     sys.argv = [sys.argv[0], *argv]
     return argv
 
@@ -364,24 +280,15 @@ def _reseed() -> None:
         numpy.random.seed()
 
 
-def _retitle(args: list[str]) -> None:
-    """Writes ``args`` over this process's original command line (``/proc/self/cmdline``), cut to its room."""
-    try:
-        fields = Path("/proc/self/stat").read_text().rpartition(")")[2].split()
-        start, end = int(fields[45]), int(fields[46])  # arg_start, arg_end (fields 48 and 49)
-    except (OSError, ValueError, IndexError):
-        return
-    size = end - start
-    if size <= 1:
-        return
-    text = b"\0".join(a.encode(errors="replace") for a in args)[:size - 1]
-    ctypes.memmove(start, text.ljust(size, b"\0"), size)
-
-
 def run(args: Any) -> list[str] | None:
     """``recover forkserver --fd N``: serves until the launcher closes its socket (None); in each forked worker
     it returns the command line that ``recover`` then runs in its place."""
-    return serve(args.fd)
+    argv = serve(args.fd)
+    if argv is None:  # served: no interpreter teardown (a second of CPU with torch loaded) on the job's cores
+        sys.stdout.flush()
+        sys.stderr.flush()
+        os._exit(0)
+    return argv
 
 
 def register(sub: Any) -> None:

@@ -24,7 +24,8 @@ from pathlib import Path
 from typing import IO, Any
 
 from recover import deathwatch
-from recover.launch.forkserver import Forked, ForkServer, Unavailable
+from recover.forking import Forked
+from recover.launch.forkserver import ForkServer, Unavailable
 from recover.lifeline import child_env
 from recover.train.processes.exits import EXIT_FENCED
 

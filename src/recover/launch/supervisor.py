@@ -223,8 +223,8 @@ class Supervisor:
     def _forks_checked(self) -> None:
         """A fork server that could not serve is said once; every process after starts afresh."""
         if self.forks is not None and self.forks.broken is not None:
-            self.say(f"recover: note: the job's processes start as new interpreters: the fork server is "
-                     f"{self.forks.broken} (see {self.o.out / 'logs' / 'forkserver.log'})")
+            self.say(f"recover: note: the job's processes start as new interpreters: the fork server cannot "
+                     f"serve: {self.forks.broken} (see {self.o.out / 'logs' / 'forkserver.log'})")
             self.events.event(Event.FORK_SERVER, forks=False, why=self.forks.broken)
             self.forks.close()
             self.forks, self.forks_ended = None, True

@@ -77,7 +77,7 @@ from recover.train.checkpoints.integrity import (  # noqa: F401 - the on-disk he
     verify,
     write_manifest,
 )
-from recover.train.checkpoints.writer import Writer
+from recover.train.checkpoints.writer import Writer, close_spare, prefork
 
 if TYPE_CHECKING:
     from recover.config import Config
@@ -331,6 +331,16 @@ class Saved(Protocol):
         """The rank that writes the metadata, the manifest and the marker."""
 
 
+def prefork_writer(cfg: Config) -> bool:
+    """At the start of a one-process replica that saves periodically with ``training.checkpoint_async``, before
+    it starts a thread: forks the writer process its saves will use (:func:`~recover.train.checkpoints.writer.
+    prefork`), so that none is started as a new interpreter at the first save. Returns whether one was forked."""
+    tc = cfg.training
+    if not (tc.checkpoint_async and tc.checkpoint_every != 0 and cfg.parallel.procs_per_replica == 1):
+        return False
+    return prefork()
+
+
 class Checkpointer:
     """Saves and resumes one replica's state under ``root``.
 
@@ -421,6 +431,7 @@ class Checkpointer:
         writer, self._writer = self._writer, None
         if writer is not None:
             writer.close()
+        close_spare()
 
     def resume(self) -> tuple[Path, dict[str, int]]:
         """Loads the newest intact checkpoint into the replica; returns its path and the counters

@@ -8,11 +8,18 @@ buffer, writes it with DCP and commits it with the on-disk protocol of
 :mod:`~recover.train.checkpoints.integrity`.
 
 Contract:
-- :meth:`Writer.start` starts the process (``python -m`` this module) and returns at once; it is ready once
-  it has imported what it writes with (seconds). The replica that saves starts it ahead of its first
-  periodic save (:meth:`~recover.train.checkpoints.checkpoint.Checkpointer.prepare`), so a job that never
-  saves periodically starts none. A process that dies before it is ready is not started again (one
-  warning line).
+- :func:`prefork`, called by a replica's process at its start while no other thread runs in it (a replica
+  that will save periodically: :func:`~recover.train.checkpoints.checkpoint.prefork_writer`), forks the
+  process from it: ready at once, no interpreter started, no import paid again on the training's cores. It
+  looks like one started anew: its own command line, default signal dispositions, no descriptor of its
+  parent's but the standard streams, and the kernel kills it with its parent (``PR_SET_PDEATHSIG``).
+  Where forking is not safe (:func:`recover.forking.unsafe`) it does nothing. :func:`close_spare` ends one
+  no :class:`Writer` took.
+- :meth:`Writer.start` takes the forked process if there is one, else starts one (``python -m`` this module)
+  and returns at once; that one is ready once it has imported what it writes with (seconds). The replica
+  that saves starts it ahead of its first periodic save
+  (:meth:`~recover.train.checkpoints.checkpoint.Checkpointer.prepare`), so a job that never saves
+  periodically starts none. A process that dies before it is ready is not started again (one warning line).
 - :meth:`Writer.takes` says whether the writer can take a state now: its process ready, every tensor a
   plain tensor, on a system with ``memfd_create``; when it cannot, the caller saves that state itself, in
   a thread (a due save never waits for a process to start), and a process that is not running is started.
@@ -32,10 +39,12 @@ Contract:
 
 from __future__ import annotations
 
+import ctypes
 import importlib
 import mmap
 import os
 import pickle
+import signal
 import socket
 import struct
 import subprocess
@@ -49,6 +58,7 @@ from typing import Any
 
 import torch
 
+from recover import forking
 from recover.errors import CheckpointError
 
 NICE = 19
@@ -56,6 +66,7 @@ NICE = 19
 ORPHAN_POLL_S = 0.2
 """How often the writer checks that the process it writes for is alive."""
 _ALIGN = 64
+_PR_SET_PDEATHSIG = 1
 _HEADER = struct.Struct("<Q")
 
 
@@ -191,11 +202,8 @@ def _exactly(sock: socket.socket, size: int) -> bytes:
 class _Child:
     """One writer process, the socket pair between us and the save it is writing."""
 
-    def __init__(self) -> None:
-        self.sock, theirs = socket.socketpair()
-        with theirs:
-            self.proc = subprocess.Popen([sys.executable, "-m", __name__, str(theirs.fileno()), str(os.getpid())],
-                                         pass_fds=(theirs.fileno(),))
+    def __init__(self, proc: subprocess.Popen[bytes] | forking.Forked, sock: socket.socket) -> None:
+        self.proc, self.sock = proc, sock
         self.ready = threading.Event()
         """Set once the process has imported what it writes with (a start takes seconds)."""
         self.mapped: _Buffer | None = None
@@ -203,6 +211,37 @@ class _Child:
         self.waiting: Future[Path] | None = None
         self.lock = threading.Lock()
         threading.Thread(target=self._read_replies, name="recover-ckpt-replies", daemon=True).start()
+
+    @classmethod
+    def started(cls) -> _Child:
+        """A writer process started as a new interpreter (ready once it has imported torch and DCP)."""
+        mine, theirs = socket.socketpair()
+        with theirs:
+            proc = subprocess.Popen([sys.executable, "-m", __name__, str(theirs.fileno()), str(os.getpid())],
+                                    pass_fds=(theirs.fileno(),))
+        return cls(proc, mine)
+
+    @classmethod
+    def forked(cls) -> _Child | None:
+        """A writer process forked from this one (ready at once), or None where forking is not safe now."""
+        importlib.import_module("torch.distributed.checkpoint")  # what the child writes with, imported once
+        from recover.train.checkpoints import integrity  # noqa: F401
+        if forking.unsafe() is not None:
+            return None
+        mine, theirs = socket.socketpair()
+        parent, args = os.getpid(), [sys.executable, "-m", __name__, str(theirs.fileno()), str(os.getpid())]
+        sys.stdout.flush()
+        sys.stderr.flush()
+        pid = os.fork()
+        if pid == 0:  # the writer: never returns into the code that forked it
+            code = 1
+            try:
+                mine.close()
+                code = _forked_main(theirs, parent, args)
+            finally:
+                os._exit(code)
+        theirs.close()
+        return cls(forking.Forked(args, pid), mine)
 
     def alive(self) -> bool:
         return self.proc.poll() is None
@@ -256,6 +295,37 @@ class _Child:
             done.set_exception(CheckpointError(f"the checkpoint writer process {what}"))
 
 
+_spare: _Child | None = None
+"""The writer forked ahead of the first save (:func:`prefork`), until a :class:`Writer` takes it."""
+
+
+def prefork() -> bool:
+    """Forks this process's writer now, while no other thread runs in it (at the start of a replica that will
+    save asynchronously), so that the :class:`Writer` that starts one later takes it ready instead of starting a
+    new interpreter (seconds of imports, on the training's cores). Returns whether it forked: not where forking
+    is not safe (:func:`recover.forking.unsafe`), not without ``memfd_create``, not twice."""
+    global _spare
+    if _spare is None and hasattr(os, "memfd_create") and hasattr(os, "fork"):
+        _spare = _Child.forked()
+    return _spare is not None
+
+
+def _take_spare() -> _Child | None:
+    global _spare
+    child, _spare = _spare, None
+    if child is not None and not child.alive():
+        child.close()
+        return None
+    return child
+
+
+def close_spare() -> None:
+    """Ends the forked writer no :class:`Writer` took (a replica that never saved asynchronously)."""
+    child = _take_spare()
+    if child is not None:
+        child.close()
+
+
 class Writer:
     """One replica's checkpoint writer (see the module docstring)."""
 
@@ -280,7 +350,7 @@ class Writer:
             self.close()
             return
         self.close()
-        self._child = _Child()
+        self._child = _take_spare() or _Child.started()
 
     def takes(self, state: Any) -> bool:
         """Whether :meth:`submit` can take ``state`` now: the process is ready and every tensor a plain one.
@@ -374,6 +444,34 @@ def _write(request: dict[str, Any], buffer: torch.Tensor) -> dict[str, Any]:
         return {"ok": False, "type": type(exc).__name__, "message": str(exc).strip().split("\n")[0][:300],
                 "errno": getattr(exc, "errno", None), "filename": getattr(exc, "filename", None)}
     return {"ok": True, "path": request["final"]}
+
+
+def _forked_main(sock: socket.socket, parent: int, args: list[str]) -> int:
+    """The writer forked from its replica's process: made to look like one started as a new interpreter (its
+    own command line, default signal dispositions, only its socket and standard streams open), then
+    :func:`main`."""
+    import gc
+
+    gc.freeze()  # the parent's objects, garbage included, are never collected here (one could close an fd)
+    _die_with(parent)
+    for sig in (signal.SIGTERM, signal.SIGHUP, signal.SIGUSR1, signal.SIGUSR2, signal.SIGQUIT):
+        signal.signal(sig, signal.SIG_DFL)
+    signal.signal(signal.SIGINT, signal.default_int_handler)
+    fd = sock.detach()
+    os.closerange(3, fd)
+    os.closerange(fd + 1, os.sysconf("SC_OPEN_MAX"))
+    forking.retitle(args)
+    return main([str(fd), str(parent)])
+
+
+def _die_with(parent: int) -> None:
+    """Asks the kernel to SIGKILL this process when ``parent`` ends (Linux), and exits if it already has."""
+    try:
+        ctypes.CDLL(None, use_errno=True).prctl(_PR_SET_PDEATHSIG, signal.SIGKILL)
+    except (OSError, AttributeError):
+        pass  # the watching thread of :func:`main` still ends it
+    if os.getppid() != parent:
+        os._exit(1)
 
 
 def main(argv: list[str]) -> int:
