@@ -181,6 +181,7 @@ class Event(str, Enum):
     SLOWED = "slowed"
     SLOW_LINK = "slow_link"
     SLOW_LINK_CLEARED = "slow_link_cleared"
+    SLOW_LINK_HELD = "slow_link_held"
     SLOW_LINK_PROBE = "slow_link_probe"
     SPARE_EXIT = "spare_exit"
     START_FAILED = "start_failed"

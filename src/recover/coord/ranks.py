@@ -359,11 +359,12 @@ class RankAggregator:
         self._log(Event.SLOW_LINK, generation=self.state.generation, replica=v.replica, fenced=v.fenced,
                   step_s=round(v.step_s, 6), without_s=round(v.without_s, 6), ratio=round(v.ratio, 3),
                   factor=self.state.slow.factor, links={str(r): round(t, 6) for r, t in sorted(v.links.items())})
-        slot = self._slots.get(v.replica) if v.fenced and v.replica is not None else None
-        if slot is not None:
-            self._kill(slot, "slow_link", f"slow link: replica {v.replica}'s link makes every step {v.step_s:.3f} s "
+        r = v.replica
+        slot = self._slots.get(r) if v.fenced and r is not None else None
+        if slot is not None and r is not None:
+            self._kill(slot, "slow_link", f"slow link: replica {r}'s link makes every step {v.step_s:.3f} s "
                                           f"against {v.without_s:.3f} s estimated without it ({v.ratio:.1f}x, above "
-                                          f"{self.state.slow.factor:g}x; its probe {v.links[v.replica]:.3f} s)", now)
+                                          f"{self.state.slow.factor:g}x; its probe {v.links[r]:.3f} s)", now)
 
     # ------------------------------------------------------------- requests
 

@@ -295,18 +295,18 @@ class MembershipState:
     def on_rates(self, replica: int, times: dict[int, float], now: float) -> list[Action]:
         """``replica``'s rate probe took ``times`` (peer -> seconds; :mod:`recover.coord.graylinks`): a member's
         goes to the probe in progress, a joiner held back for its slow link is admitted at the next commit once
-        its link recovered."""
+        its link recovered (``slow_link_cleared``; ``slow_link_held``: not yet)."""
         if self.current is not None and replica in self._members:
             self.slow.answered(replica, times)
             return []
         found = self.slow.probed_joiner(replica, times)
-        if found is None or not found[0]:
+        if found is None:
             return []
-        _, link_s, with_s = found
+        admitted, link_s, with_s = found
         step_s = self.slow.last.step if self.slow.last is not None else 0.0
-        return [Log(Event.SLOW_LINK_CLEARED, {"replica": replica, "generation": self.generation,
-                                              "link_s": round(link_s, 6), "step_with_s": round(with_s, 6),
-                                              "step_s": round(step_s, 6), "factor": self.slow.factor})]
+        return [Log(Event.SLOW_LINK_CLEARED if admitted else Event.SLOW_LINK_HELD, {
+            "replica": replica, "generation": self.generation, "link_s": round(link_s, 6),
+            "step_with_s": round(with_s, 6), "step_s": round(step_s, 6), "factor": self.slow.factor})]
 
     def settle_slow(self, now: float) -> SlowVerdict | None:
         """The slow-link rule's verdict once its probe is over (None: none due); its replica is not fenced here:
