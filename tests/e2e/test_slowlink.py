@@ -22,6 +22,7 @@ import os
 import shutil
 import statistics
 import subprocess
+import time
 from pathlib import Path
 
 import pytest
@@ -75,7 +76,7 @@ def test_a_slow_link_is_fenced_with_its_cause_named_and_readmitted_once_it_recov
             job.worker(r, *device)
         wait_until(lambda: job.committed() >= LIMIT_AT, 120, f"{LIMIT_AT} committed steps")
         limit(net, SLOW)
-        limited_at = job.committed()
+        t_limit, limited_at = time.time(), job.committed()
         wait_until(lambda: any(e["kind"] == "failure_detected" for e in job.events()), 90, "the slow link fenced")
         ev = job.events()
         fenced = next(e for e in ev if e["kind"] == "failure_detected")
@@ -93,9 +94,11 @@ def test_a_slow_link_is_fenced_with_its_cause_named_and_readmitted_once_it_recov
         wait_until(lambda: any(e["kind"] == "slow_link_held" for e in job.events()), 30, "its probe: still slow")
         assert not [e for e in job.events() if e["kind"] == "slow_link_cleared"]
         limit(net, SLOW, on=False)
+        t_lift = time.time()
         wait_until(lambda: any(e["kind"] == "slow_link_cleared" for e in job.events()), 30, "the probe healthy")
         wait_until(lambda: len(generations(job)[-1]["members"]) == REPLICAS, 30, "replica 3 admitted")
-        admitted_at = generations(job)[-1]["step"]
+        admitted = generations(job)[-1]
+        admitted_at = admitted["step"]
         for name in ("worker0", "worker1", "worker2", f"worker{SLOW}_again"):
             wait_until(lambda n=name: job.procs[n].poll() is not None, 180, f"{name} to finish")
             assert job.procs[name].returncode == 0, (job.run / f"{name}.err").read_text()[-2000:]
@@ -111,4 +114,5 @@ def test_a_slow_link_is_fenced_with_its_cause_named_and_readmitted_once_it_recov
     print(f"slow link (device {DEVICE_S} s/microbatch, load {os.getloadavg()[0]:.1f}): median step failure-free "
           f"{free:.3f} s, with the slow link {slow:.3f} s, after the fence {after:.3f} s ({after / free:.2f}x), "
           f"readmitted {back:.3f} s; limited at step {limited_at}, fenced by step {fenced_at}, readmitted at "
-          f"{admitted_at}; ratio {verdict['ratio']}, links {verdict['links']}")
+          f"{admitted_at}; detected {fenced['t'] - t_limit:.2f} s after the limit, admitted "
+          f"{admitted['t'] - t_lift:.2f} s after it was lifted; ratio {verdict['ratio']}, links {verdict['links']}")

@@ -18,7 +18,10 @@ collective failed), ``nonfinite`` (microbatches whose loss or gradient was not f
 a :class:`Ballot` built once by the voter and carried unchanged to the membership state,
 with ``mb_s``, the seconds per microbatch the voter measured in the step, ``stop`` when its process
 was asked to stop the job, ``leave`` when it was asked to leave it (a graceful leave), ``fp``, the
-fingerprint of its parameters, and ``audit``, that of the audited microbatch's gradient), ``bye``; from an
+fingerprint of its parameters, ``audit``, that of the audited microbatch's gradient, and ``comp_s`` and
+``comm_s``, its wall seconds of compute and of waiting in the reduction: the slow-link rule's measure,
+:mod:`recover.coord.graylinks`), ``rates`` (the answer to ``rate``: ``times`` maps each peer to the seconds
+of a round trip with it), ``bye``; from an
 operator's short-lived connection that is no member (:mod:`recover.coord.operator`): ``status`` (the job
 now, answered by ``job_status`` with its ``status`` object) and ``drain`` (replica ``replica`` leaves at
 the next commit, answered by ``drained`` with the ``step`` it left at and the ``generation`` formed
@@ -34,7 +37,8 @@ the pushes ``failing`` (generation g is being replaced), ``membership`` (a new g
 ``register``, so that a worker's read deadline tells a silence from a quiet stretch,
 :mod:`recover.coord.deadline`) and ``reach`` (to a joiner held back by a known cut, :mod:`recover.coord.links`:
 ``peers`` maps replica ids to their probe addresses, which each ``register`` may name as ``probe``; the
-joiner probes them and answers ``reached``, the ids it reached).
+joiner probes them and answers ``reached``, the ids it reached) and ``rate`` (the slow-link rule: time a
+round trip of ``bytes`` each way with each of ``peers``' probe listeners; answered by ``rates``).
 
 Replicas of several ranks: each rank (process) of a replica keeps its own connection and numbers
 its own requests 1, 2, 3...; ``re`` always names the id *that connection* sent. Every rank of a
