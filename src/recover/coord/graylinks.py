@@ -21,10 +21,12 @@ Rule (threshold ``factor``, default 1.5; ``steps`` K, default 3):
   3. *Verdict* (:func:`judge`, on the medians of the K commits): for each member r, the step without it is
      estimated as M microbatches over the others' measured rates (``M / sum(1 / mb_s[o])``) plus the
      reduction scaled by the slowest link left (``reduction x max(L[o], o != r) / max(L)``: a ring reduction
-     runs at its slowest link). The member whose removal gains most is fenced, cause ``slow_link``, when the
-     measured step exceeds ``factor`` x its estimate without it, never below ``min_members`` (nor the last
-     member). All links equally slow: nobody is better without any one, nobody is fenced. Two members: their
-     one pair cannot tell whose link it is, nobody is fenced.
+     runs at its slowest link). The member whose removal gains most is *named* when the measured step exceeds
+     ``factor`` x its estimate without it, never below ``min_members`` (nor the last member). All links
+     equally slow: nobody is better without any one, nobody is named. Two members: their one pair cannot tell
+     whose link it is, nobody is named. A member named by two probes in a row (the second at the next
+     communication-bound commit) is fenced, cause ``slow_link``: one probe's noise (a process descheduled
+     while it answered every peer) fences nobody.
   4. A verdict that fences nobody doubles the number of communication-bound commits before the next probe
      (at most 64 x K): a job whose every link is slow is not probed at every K commits.
   5. *Readmission*: a replica fenced for its link that registers again is held back (like a known cut) and
@@ -39,7 +41,7 @@ from __future__ import annotations
 import statistics
 from collections import deque
 from collections.abc import Mapping
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 
 FACTOR = 1.5
 """The default threshold: the step with the replica over the estimated step without it."""
@@ -111,6 +113,8 @@ class SlowVerdict:
     without_s: float
     fenced: bool
     links: dict[int, float] = field(default_factory=dict)
+    named: bool = False
+    """Over the threshold in this probe (``fenced``: in this one and the one before)."""
 
     @property
     def ratio(self) -> float:
@@ -137,7 +141,7 @@ def judge(members: list[int] | tuple[int, ...], split: Split, links: Mapping[int
         return SlowVerdict(None, step, 0.0, False, dict(links))
     ratio, r, without = best
     fenced = len(members) > 2 and len(members) - 1 >= max(1, min_members) and ratio > factor
-    return SlowVerdict(r, step, without, fenced, dict(links))
+    return SlowVerdict(r, step, without, fenced, dict(links), fenced)
 
 
 def readmit(joiner_link_s: float, fenced_link_s: float, fenced_reduction_s: float, joiner_mb_s: float | None,
@@ -181,6 +185,7 @@ class SlowLinks:
         self._answers: dict[int, dict[int, float]] = {}
         self._asked: tuple[int, ...] = ()
         self.fenced: dict[int, _Fenced] = {}  # replica -> what it was fenced with (held back until readmitted)
+        self._suspect: int | None = None  # named by the last probe: the next one confirms it
         self.last: Split | None = None  # the last commit's measurements (readmission compares with it)
 
     def observe(self, generation: int, step: int, members: tuple[int, ...], split: Split) -> bool:
@@ -195,7 +200,8 @@ class SlowLinks:
             return False
         self._bound += 1
         self._recent.append(split)
-        if self.probing is not None or self._bound < self.steps * self._backoff or len(members) < 3:
+        due = self._bound >= self.steps * self._backoff or self._suspect is not None
+        if self.probing is not None or not due or len(members) < 3:
             return False
         self._bound = 0
         self.probing = (generation, step)
@@ -221,16 +227,21 @@ class SlowLinks:
         self.probing = None
         alive = tuple(m for m in self._asked if m in members)
         if alive != self._asked or not self._recent:  # a member left meanwhile: the measurements are moot
+            self._suspect = None
             return None
         split = median_split(list(self._recent))
         verdict = judge(alive, split, link_times(alive, self._answers), self.factor, min_members)
-        if verdict.fenced and verdict.replica is not None:
-            r = verdict.replica
+        r = verdict.replica
+        if verdict.named and r is not None and r == self._suspect:
             self.fenced[r] = _Fenced(verdict.links[r], split.reduction, split.mb_s.get(r))
-            self._backoff = 1
+            self._suspect, self._backoff = None, 1
+            return verdict
+        if verdict.named:
+            self._suspect = r  # the next communication-bound commit probes again
         else:
+            self._suspect = None
             self._backoff = min(MAX_BACKOFF, self._backoff * 2)
-        return verdict
+        return replace(verdict, fenced=False)
 
     def held(self, replica: int) -> bool:
         """Whether ``replica`` was fenced for its link and has not been readmitted."""

@@ -356,7 +356,7 @@ class RankAggregator:
         v = self.state.settle_slow(now)
         if v is None:
             return
-        self._log(Event.SLOW_LINK, generation=self.state.generation, replica=v.replica, fenced=v.fenced,
+        self._log(Event.SLOW_LINK, generation=self.state.generation, replica=v.replica, named=v.named, fenced=v.fenced,
                   step_s=round(v.step_s, 6), without_s=round(v.without_s, 6), ratio=round(v.ratio, 3),
                   factor=self.state.slow.factor, links={str(r): round(t, 6) for r, t in sorted(v.links.items())})
         r = v.replica
