@@ -371,6 +371,15 @@ class FaultToleranceConfig:
     stop_grace_s: float = 20.0
     """After SIGTERM or SIGINT, how long ``recover launch`` waits for the job to reach a step boundary,
     save a complete checkpoint and exit (exit status 6) before it kills every process."""
+    slow_link_factor: float = 1.5
+    """The slow-link rule's threshold (:mod:`recover.coord.graylinks`): a replica is fenced for its link (cause
+    ``slow_link``) when the measured step exceeds this many times the step estimated without it (M microbatches
+    over the others' measured rates plus the reduction at the slowest link left), after
+    ``slow_link_steps`` communication-bound commits in a row and a timed probe of every pair of members; it is
+    readmitted once its probe shows the step with it within this factor. 0: off."""
+    slow_link_steps: int = 3
+    """Commits in a row whose reduction exceeds ``(slow_link_factor - 1)`` x their compute before the members'
+    links are probed (doubled after each probe that fences nobody, at most 64 x)."""
 
     def __post_init__(self) -> None:
         _check_choices(self)
@@ -388,6 +397,10 @@ class FaultToleranceConfig:
         require(isinstance(self.mtbf_s, (int, float)) and math.isfinite(self.mtbf_s) and self.mtbf_s >= 0,
                  "fault_tolerance.mtbf_s", self.mtbf_s, "a number of seconds >= 0 (0: from the job's size)")
         require(self.bucket_mb > 0, "fault_tolerance.bucket_mb", self.bucket_mb, "a positive number of MiB")
+        require(self.slow_link_factor == 0 or self.slow_link_factor > 1, "fault_tolerance.slow_link_factor",
+                self.slow_link_factor, "a number > 1 (0: off)")
+        require(isinstance(self.slow_link_steps, int) and self.slow_link_steps >= 1, "fault_tolerance.slow_link_steps",
+                self.slow_link_steps, "an integer >= 1")
         require(self.hang_timeout_s >= 0, "fault_tolerance.hang_timeout_s", self.hang_timeout_s,
                  "a number of seconds >= 0 (0: derived from the step time)")
         require(self.heartbeat_interval_s < self.heartbeat_timeout_s, "fault_tolerance.heartbeat_interval_s",

@@ -185,7 +185,8 @@ class FakeCoordinator:
 
     def vote_commit(self, generation: int, step: int, ids: list[int],
                     mb_s: float | None = None, fp: str | None = None,
-                    audit: dict | None = None) -> FakeMembership | None:
+                    audit: dict | None = None, comp_s: float | None = None,
+                    comm_s: float | None = None) -> FakeMembership | None:
         group = self.protocol[0].group
         group.seq += 1
         admitted, self.speeds = self.world.vote(generation, group.seq, self.me, tuple(ids), step, mb_s)

@@ -104,6 +104,12 @@ def register(subparsers: argparse._SubParsersAction) -> None:
                    help="the first generation waits at most S seconds after the first registration for the other "
                         "--replicas, then forms of those registered (at least --min-replicas; default: "
                         "fault_tolerance.start_timeout_s, else 60)")
+    p.add_argument("--slow-link-factor", type=float, default=None, metavar="F",
+                   help="fence a replica whose link makes the step more than F x the step estimated without it "
+                        "(recover.coord.graylinks; 0: off; default: fault_tolerance.slow_link_factor, else 1.5)")
+    p.add_argument("--slow-link-steps", type=int, default=None, metavar="K",
+                   help="communication-bound commits in a row before the links are probed (default: "
+                        "fault_tolerance.slow_link_steps, else 3)")
     p.add_argument("--metrics-port", type=int, default=0, metavar="P",
                    help="serve Prometheus metrics at http://HOST:P/metrics (HOST: --host); 0: off (default)")
     p.add_argument("--tensorboard", default=None, metavar="DIR",
@@ -140,6 +146,8 @@ class Settings:
     ranks_per_replica: int = 1
     connections: str = "rank"
     start_timeout_s: float = 60.0
+    slow_link_factor: float = 1.5
+    slow_link_steps: int = 3
 
     @classmethod
     def of(cls, args: argparse.Namespace) -> Settings:
@@ -152,11 +160,14 @@ class Settings:
             cfg = load_config(args.config)
             ft, p = cfg.fault_tolerance, cfg.parallel
             base = cls(p.replicas, None, ft.min_replicas, ft.heartbeat_interval_s, ft.heartbeat_timeout_s,
-                       ft.hang_timeout_s, p.procs_per_replica, ft.connections, ft.start_timeout_s)
+                       ft.hang_timeout_s, p.procs_per_replica, ft.connections, ft.start_timeout_s,
+                       ft.slow_link_factor, ft.slow_link_steps)
         flags = {"replicas": args.replicas, "max_replicas": args.max_replicas, "min_replicas": args.min_replicas,
                  "heartbeat_interval_s": args.heartbeat_interval, "heartbeat_timeout_s": args.heartbeat_timeout,
                  "hang_timeout_s": args.hang_timeout, "ranks_per_replica": args.ranks_per_replica,
-                 "connections": args.connections, "start_timeout_s": args.start_timeout}
+                 "connections": args.connections, "start_timeout_s": args.start_timeout,
+                 "slow_link_factor": getattr(args, "slow_link_factor", None),
+                 "slow_link_steps": getattr(args, "slow_link_steps", None)}
         settings = replace(base, **{k: v for k, v in flags.items() if v is not None})
         settings.check()
         return settings
@@ -172,6 +183,10 @@ class Settings:
             raise ConfigError(f"--hang-timeout must be >= 0 seconds (0: from the step time), got {self.hang_timeout_s}")
         if self.start_timeout_s <= 0:
             raise ConfigError(f"--start-timeout must be > 0 seconds, got {self.start_timeout_s}")
+        if not (self.slow_link_factor == 0 or self.slow_link_factor > 1):
+            raise ConfigError(f"--slow-link-factor must be > 1 (0: off), got {self.slow_link_factor}")
+        if self.slow_link_steps < 1:
+            raise ConfigError(f"--slow-link-steps must be >= 1, got {self.slow_link_steps}")
         if self.heartbeat_timeout_s <= self.heartbeat_interval_s:
             raise ConfigError(f"--heartbeat-timeout ({self.heartbeat_timeout_s}) must exceed "
                               f"--heartbeat-interval ({self.heartbeat_interval_s})")
@@ -293,7 +308,7 @@ def run(args: argparse.Namespace) -> int:
                         per_replica_connections=st.connections == "replica",
                         advertise_host=args.advertise_host, max_replicas=st.max_replicas,
                         tls=Tls.from_flags(args.tls_cert, args.tls_key, args.tls_ca), on_event=metrics.on_event,
-                        start_timeout_s=st.start_timeout_s)
+                        start_timeout_s=st.start_timeout_s, slow_link=(st.slow_link_factor, st.slow_link_steps))
     try:
         coord.start()
     except ConfigError:

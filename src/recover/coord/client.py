@@ -82,7 +82,8 @@ from typing import Any
 from recover.coord.conn import connect_patiently
 from recover.coord.deadline import DEADLINE_BEATS, AckClock, Verdict, host_answered, judge, read_deadline
 from recover.coord.generations import Generations
-from recover.coord.probe import PROBE_TIMEOUT_S, LinkProbe
+from recover.coord.graylinks import PROBE_TIMEOUT_S as RATE_PROBE_TIMEOUT_S
+from recover.coord.probe import MAX_RATE_BYTES, PROBE_TIMEOUT_S, LinkProbe
 from recover.coord.protocol import (
     RELEASE,
     SERVER_TYPES,
@@ -273,6 +274,15 @@ class CoordinatorClient:
         except OSError:
             pass  # the connection is gone: the reader marks it lost
 
+    def _answer_rate(self, peers: dict[int, str], nbytes: int) -> None:
+        """The coordinator asks how fast this replica's links to ``peers`` are (the slow-link rule,
+        :mod:`recover.coord.graylinks`): each round trip's seconds go back as ``rates``."""
+        times = self._probe.rates(peers, nbytes, RATE_PROBE_TIMEOUT_S)
+        try:
+            self._send({"type": "rates", "times": {str(r): round(t, 6) for r, t in times.items()}})
+        except OSError:
+            pass  # the connection's own loss is seen by the reader
+
     def advance(self) -> None:
         """The training loop passed a phase point (its progress, sent with the heartbeats)."""
         self._progress += 1
@@ -388,9 +398,11 @@ class CoordinatorClient:
 
     def vote_commit(self, generation: int, step: int, ids: list[int] | tuple[int, ...],
                     timeout: float | None = None, mb_s: float | None = None,
-                    fp: str | None = None, audit: dict[str, Any] | None = None) -> Membership | None:
+                    fp: str | None = None, audit: dict[str, Any] | None = None, comp_s: float | None = None,
+                    comm_s: float | None = None) -> Membership | None:
         """Commit vote for ``step`` of ``generation`` with the microbatch ``ids`` in the reduced gradient
-        and ``mb_s``, the seconds per microbatch this rank measured in the step (None: it computed none).
+        and ``mb_s``, the seconds per microbatch this rank measured in the step (None: it computed none);
+        ``comp_s`` and ``comm_s``, its wall seconds of compute and of waiting in the reduction.
         A commit sets :attr:`speeds` to the times the next step is planned with. ``fp``: the fingerprint
         of this rank's parameters (the coordinator fences a minority that differs from the majority);
         ``audit``: ``{id, fp, norm, exact}`` of the audited microbatch's gradient, when this replica took part.
@@ -404,7 +416,8 @@ class CoordinatorClient:
                 was committed.
             Diverged: the fingerprints disagree with no majority: the job ends.
         """
-        ballot = Ballot.make(generation, step, ids, mb_s, self.stop_requested, fp, audit, self.leave_requested)
+        ballot = Ballot.make(generation, step, ids, mb_s, self.stop_requested, fp, audit, self.leave_requested,
+                             comp_s, comm_s)
         try:
             reply = self._request(ballot.to_wire(), timeout)
         except Diverged:
@@ -635,6 +648,10 @@ class CoordinatorClient:
         elif kind == "reach":
             peers = {int(r): str(a) for r, a in (msg["peers"] or {}).items() if str(r).isdigit()}
             self._spawn(lambda: self._answer_reach(peers), "recover-reach")
+        elif kind == "rate" and self.rank == 0:  # rank 0's listener is the replica's probe address
+            peers = {int(r): str(a) for r, a in (msg["peers"] or {}).items() if str(r).isdigit()}
+            nbytes = max(0, min(int(msg["bytes"]), MAX_RATE_BYTES))
+            self._spawn(lambda: self._answer_rate(peers, nbytes), "recover-rate")
         elif kind == "error" and msg.get("re") is None:
             if msg["code"] == "fenced":  # otherwise a refused frame; a fatal one is followed by EOF
                 self._mark_lost(f"fenced by the coordinator: {msg['message']}")

@@ -18,7 +18,10 @@ collective failed), ``nonfinite`` (microbatches whose loss or gradient was not f
 a :class:`Ballot` built once by the voter and carried unchanged to the membership state,
 with ``mb_s``, the seconds per microbatch the voter measured in the step, ``stop`` when its process
 was asked to stop the job, ``leave`` when it was asked to leave it (a graceful leave), ``fp``, the
-fingerprint of its parameters, and ``audit``, that of the audited microbatch's gradient), ``bye``; from an
+fingerprint of its parameters, ``audit``, that of the audited microbatch's gradient, and ``comp_s`` and
+``comm_s``, its wall seconds of compute and of waiting in the reduction: the slow-link rule's measure,
+:mod:`recover.coord.graylinks`), ``rates`` (the answer to ``rate``: ``times`` maps each peer to the seconds
+of a round trip with it), ``bye``; from an
 operator's short-lived connection that is no member (:mod:`recover.coord.operator`): ``status`` (the job
 now, answered by ``job_status`` with its ``status`` object) and ``drain`` (replica ``replica`` leaves at
 the next commit, answered by ``drained`` with the ``step`` it left at and the ``generation`` formed
@@ -34,7 +37,8 @@ the pushes ``failing`` (generation g is being replaced), ``membership`` (a new g
 ``register``, so that a worker's read deadline tells a silence from a quiet stretch,
 :mod:`recover.coord.deadline`) and ``reach`` (to a joiner held back by a known cut, :mod:`recover.coord.links`:
 ``peers`` maps replica ids to their probe addresses, which each ``register`` may name as ``probe``; the
-joiner probes them and answers ``reached``, the ids it reached).
+joiner probes them and answers ``reached``, the ids it reached) and ``rate`` (the slow-link rule: time a
+round trip of ``bytes`` each way with each of ``peers``' probe listeners; answered by ``rates``).
 
 Replicas of several ranks: each rank (process) of a replica keeps its own connection and numbers
 its own requests 1, 2, 3...; ``re`` always names the id *that connection* sent. Every rank of a
@@ -87,7 +91,8 @@ SCHEMAS: dict[str, dict[str, str]] = {
     "report": {"id": _INT, "generation": _INT, "suspects": _INTS, "timeout": _ABSENT_BOOL, "rank": _ABSENT_INT},
     "nonfinite": {"id": _INT, "generation": _INT, "step": _INT, "ids": _INTS, "rank": _ABSENT_INT},
     "vote": {"id": _INT, "generation": _INT, "step": _INT, "ids": _INTS, "mb_s": _ABSENT_NUM, "rank": _ABSENT_INT,
-             "stop": _ABSENT_BOOL, "fp": _ABSENT_STR, "audit": _ABSENT_DICT, "leave": _ABSENT_BOOL},
+             "stop": _ABSENT_BOOL, "fp": _ABSENT_STR, "audit": _ABSENT_DICT, "leave": _ABSENT_BOOL,
+             "comp_s": _ABSENT_NUM, "comm_s": _ABSENT_NUM},
     "bye": {"rank": _ABSENT_INT},
     "status": {"id": _INT, "token": _STR},
     "job_status": {"re": _INT, "status": _OPT_DICT},
@@ -105,9 +110,11 @@ SCHEMAS: dict[str, dict[str, str]] = {
     "beat": {},
     "reach": {"peers": _OPT_DICT},
     "reached": {"reached": _INTS, "rank": _ABSENT_INT},
+    "rate": {"peers": _OPT_DICT, "bytes": _INT},
+    "rates": {"times": _OPT_DICT, "rank": _ABSENT_INT},
 }
 CLIENT_TYPES = frozenset({"register", "hb", "hbs", "ack", "report", "nonfinite", "vote", "bye", "status", "drain",
-                          "died", "reached"})
+                          "died", "reached", "rates"})
 SERVER_TYPES = frozenset(SCHEMAS) - CLIENT_TYPES
 OPERATOR_TYPES = frozenset({"status", "drain", "died"})
 """The requests of an operator's connection (no member): the first message may be one of these."""
@@ -258,19 +265,24 @@ class Ballot(NamedTuple):
     fp: str | None = None
     audit: Mapping[str, Any] | None = None
     leave: bool = False
+    comp_s: float | None = None
+    comm_s: float | None = None
 
     @classmethod
     def make(cls, generation: int, step: int, ids: Any, mb_s: float | None = None, stop: bool = False,
-             fp: str | None = None, audit: Mapping[str, Any] | None = None, leave: bool = False) -> Ballot:
-        """A ballot with ``ids`` sorted and ``mb_s`` kept only when it is a positive, finite time."""
+             fp: str | None = None, audit: Mapping[str, Any] | None = None, leave: bool = False,
+             comp_s: float | None = None, comm_s: float | None = None) -> Ballot:
+        """A ballot with ``ids`` sorted and ``mb_s`` kept only when it is a positive, finite time (``comp_s`` and
+        ``comm_s`` likewise, ``comm_s`` also when 0)."""
         return cls(int(generation), int(step), tuple(sorted(map(int, ids))), _speed(mb_s), bool(stop), fp, audit,
-                   bool(leave))
+                   bool(leave), _speed(comp_s), _seconds(comm_s))
 
     @classmethod
     def from_wire(cls, msg: Mapping[str, Any]) -> Ballot:
         """The ballot of a schema-valid ``vote`` message (its numbers are ints already)."""
         return cls(msg["generation"], msg["step"], tuple(sorted(msg["ids"])), _speed(msg.get("mb_s")),
-                   msg.get("stop") is True, msg.get("fp"), msg.get("audit"), msg.get("leave") is True)
+                   msg.get("stop") is True, msg.get("fp"), msg.get("audit"), msg.get("leave") is True,
+                   _speed(msg.get("comp_s")), _seconds(msg.get("comm_s")))
 
     def to_wire(self) -> dict[str, Any]:
         """The ``vote`` message of this ballot (without its request id)."""
@@ -286,6 +298,10 @@ class Ballot(NamedTuple):
             vote["audit"] = dict(self.audit)
         if self.leave:
             vote["leave"] = True
+        if self.comp_s is not None:
+            vote["comp_s"] = self.comp_s
+        if self.comm_s is not None:
+            vote["comm_s"] = self.comm_s
         return vote
 
     @property
@@ -304,14 +320,21 @@ class Ballot(NamedTuple):
             return first
         speeds = [b.mb_s for b in ballots if b.mb_s is not None]
         fps = [b.fp for b in ballots if b.fp is not None]
+        comp = [b.comp_s for b in ballots if b.comp_s is not None]
+        comm = [b.comm_s for b in ballots if b.comm_s is not None]
         return cls(first.generation, first.step, first.ids, max(speeds) if speeds else None,
                    any(b.stop for b in ballots), "|".join(fps) if len(fps) == len(ballots) else None, None,
-                   any(b.leave for b in ballots))
+                   any(b.leave for b in ballots), max(comp) if comp else None, max(comm) if comm else None)
 
 
 def _speed(mb_s: float | None) -> float | None:
     """Seconds per microbatch kept only when a positive, finite time."""
     return float(mb_s) if mb_s is not None and math.isfinite(mb_s) and mb_s > 0 else None
+
+
+def _seconds(s: float | None) -> float | None:
+    """Seconds kept only when a finite time >= 0."""
+    return float(s) if s is not None and math.isfinite(s) and s >= 0 else None
 
 
 def _is_int(x: Any) -> bool:

@@ -50,6 +50,7 @@ from types import MappingProxyType
 from typing import Any
 
 from recover.coord.actions import Action, Fence, Log, Refused, Send
+from recover.coord.graylinks import PROBE_BYTES
 from recover.coord.links import LinkJudge
 from recover.coord.liveness import Liveness
 from recover.coord.member import Agreed, Disagreed
@@ -212,6 +213,7 @@ class RankAggregator:
         if self._isolated_since is None:  # cut off: no deadline of the state is judged either (see _isolated)
             self._settle_links(now)
             self._apply(self.state.on_tick(now), now)
+            self._settle_slow(now)
         if self.beat_s and now >= self._next_beat:
             self._next_beat = now + self.beat_s
             self._beat()
@@ -306,16 +308,63 @@ class RankAggregator:
 
     def _ask_reach(self) -> None:
         """Each joiner held back by a known cut is asked to probe the replicas it was cut from
-        (:mod:`recover.coord.links`): a pair it reaches again is cleared, and it joins at the next commit."""
+        (:mod:`recover.coord.links`): a pair it reaches again is cleared, and it joins at the next commit. One
+        held back for a slow link is asked to time its links to the members (:mod:`recover.coord.graylinks`)."""
         for j in sorted(self.state.held_joiners):
             slot = self._slots.get(j)
             if slot is None or slot.probe is None:
+                continue
+            if self.state.slow.held(j):
+                self._ask_rates(slot, self.state.current.members if self.state.current else ())
                 continue
             peers = {str(b): self._slots[b].probe for b in self.state.cuts.blocked(j, set(self._slots))
                      if self._slots[b].probe is not None}
             if peers:
                 for link in slot.conns:
                     self._send(link, {"type": "reach", "peers": peers})
+
+    def _ask_rates(self, slot: Slot, peers: tuple[int, ...] | list[int]) -> None:
+        """``slot`` is asked to time a round trip with each of ``peers``' probe listeners (a ``rate`` push)."""
+        addresses = {str(b): self._slots[b].probe for b in peers
+                     if b != slot.replica and b in self._slots and self._slots[b].probe is not None}
+        if addresses:
+            for link in slot.conns:
+                self._send(link, {"type": "rate", "peers": addresses, "bytes": PROBE_BYTES})
+
+    def _probe_rates(self, now: float) -> None:
+        """The slow-link rule asks for a probe (:mod:`recover.coord.graylinks`): every member times its links to
+        the others."""
+        self.state.slow.started(now)
+        members = self.state.current.members if self.state.current else ()
+        for r in members:
+            slot = self._slots.get(r)
+            if slot is not None:
+                self._ask_rates(slot, members)
+
+    def _rates(self, slot: Slot, times: dict[str, Any], now: float) -> None:
+        """A ``rates`` answer: to the state (a member's goes to the probe, a held joiner's may readmit it)."""
+        got = {int(r): float(t) for r, t in times.items()
+               if str(r).isdigit() and isinstance(t, (int, float)) and not isinstance(t, bool) and t >= 0}
+        self._apply(self.state.on_rates(slot.replica, got, now), now)
+        self._settle_slow(now)
+
+    def _settle_slow(self, now: float) -> None:
+        """The slow-link rule's verdict, once its probe is over: logged (``slow_link``), and the replica it names
+        fenced with the cause ``slow_link``."""
+        if self.state.slow.probing is None:
+            return
+        v = self.state.settle_slow(now)
+        if v is None:
+            return
+        self._log(Event.SLOW_LINK, generation=self.state.generation, replica=v.replica, named=v.named, fenced=v.fenced,
+                  step_s=round(v.step_s, 6), without_s=round(v.without_s, 6), ratio=round(v.ratio, 3),
+                  factor=self.state.slow.factor, links={str(r): round(t, 6) for r, t in sorted(v.links.items())})
+        r = v.replica
+        slot = self._slots.get(r) if v.fenced and r is not None else None
+        if slot is not None and r is not None:
+            self._kill(slot, "slow_link", f"slow link: replica {r}'s link makes every step {v.step_s:.3f} s "
+                                          f"against {v.without_s:.3f} s estimated without it ({v.ratio:.1f}x, above "
+                                          f"{self.state.slow.factor:g}x; its probe {v.links[r]:.3f} s)", now)
 
     # ------------------------------------------------------------- requests
 
@@ -415,6 +464,9 @@ class RankAggregator:
                     slot.replica, i, msg["generation"], msg["step"], msg["ids"], now))
             elif kind == "reached":
                 self._reached(slot, msg["reached"], now)
+            elif kind == "rates":
+                if msg.get("rank") in (None, 0):
+                    self._rates(slot, msg["times"] or {}, now)
             elif kind == "report":
                 if self._judged(msg) and not (msg.get("timeout") and self._fence_unreached(slot.replica, now)):
                     first = not self.link_rule.holds(msg["generation"])
@@ -589,6 +641,8 @@ class RankAggregator:
                     self._kill(slot, "fenced", act.reason, now)
             elif isinstance(act, Log):
                 self._out.append(act)
+                if act.kind is Event.SLOW_LINK_PROBE:
+                    self._probe_rates(now)
 
     def _deliver(self, slot: Slot, msg: dict[str, Any]) -> None:
         """A reply to the connection(s) whose request it answers (with their own ids); anything

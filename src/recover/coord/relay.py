@@ -278,6 +278,8 @@ class Relay:
             self._send_up({"type": "bye", "rank": loc.rank})
         elif kind == "reached":  # a rank's answer to the coordinator's ``reach`` (recover.coord.links)
             self._send_up({"type": "reached", "reached": msg["reached"], "rank": loc.rank})
+        elif kind == "rates":  # a rank's answer to the coordinator's ``rate`` (recover.coord.graylinks)
+            self._send_up({"type": "rates", "times": msg["times"], "rank": loc.rank})
         elif kind == "register":
             self._reply_error(loc, msg.get("id"), "already_registered", f"rank {loc.rank} is already registered")
         else:

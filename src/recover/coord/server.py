@@ -56,6 +56,7 @@ from recover.coord import scale
 from recover.coord.admission import JOIN_READY_S, JoinWatch
 from recover.coord.conn import FramedConn
 from recover.coord.deadline import beat_interval
+from recover.coord.graylinks import FACTOR, STEPS, SlowLinks
 from recover.coord.liveness import Liveness
 from recover.coord.protocol import CLIENT_TYPES, ProtocolError, encode
 from recover.coord.ranks import Close, Out, RankAggregator, SendTo
@@ -131,7 +132,8 @@ class Coordinator:
                  ranks_per_replica: int = 1, per_replica_connections: bool = False,
                  advertise_host: str | None = None, max_replicas: int | None = None,
                  join_ready_s: float = JOIN_READY_S, tls: Tls | None = None, start_timeout_s: float = 60.0,
-                 on_event: Callable[[str, dict[str, Any]], None] | None = None) -> None:
+                 on_event: Callable[[str, dict[str, Any]], None] | None = None,
+                 slow_link: tuple[float, int] = (FACTOR, STEPS)) -> None:
         if not token:
             raise ValueError("token must be a non-empty string")
         if heartbeat_timeout_s <= heartbeat_interval_s:
@@ -156,6 +158,8 @@ class Coordinator:
         self._tls_ctx = tls.server() if tls is not None else None
         self.register_timeout_s = register_timeout_s
         self.start_timeout_s = start_timeout_s
+        self.slow_link = slow_link
+        """The slow-link rule's (factor, steps) (:mod:`recover.coord.graylinks`)."""
         self.hang_timeout_s = hang_timeout_s
         self.die_at_commit = die_at_commit
         self._replies_sent = 0  # committed replies of the die_at_commit step sent so far
@@ -205,7 +209,7 @@ class Coordinator:
         self.state = MembershipState(expected=self.expected_replicas, min_members=self.min_members,
                                      store_host=self.advertise_host, store_port=self.store_port,
                                      ack_timeout_s=self.heartbeat_timeout_s, max_replicas=self.max_replicas,
-                                     start_timeout_s=self.start_timeout_s)
+                                     start_timeout_s=self.start_timeout_s, slow=SlowLinks(*self.slow_link))
         self.aggregator = RankAggregator(
             self.state, token=self._token, heartbeat_timeout_s=self.heartbeat_timeout_s,
             register_timeout_s=self.register_timeout_s, liveness=Liveness(self.hang_timeout_s),

@@ -76,6 +76,7 @@ from typing import Any
 from recover.coord import integrity
 from recover.coord.actions import Action, Fence, Log, Refused, Send
 from recover.coord.barren import BarrenReports
+from recover.coord.graylinks import SlowLinks, SlowVerdict, Split
 from recover.coord.links import KnownCuts
 from recover.coord.protocol import Ballot, Membership, Resume, speeds_to_wire
 from recover.names import Event
@@ -106,7 +107,8 @@ class MembershipState:
 
     def __init__(self, *, expected: int, min_members: int, store_host: str, store_port: int,
                  ack_timeout_s: float, speeds: SpeedTracker | None = None, rebuild_window_s: float = 3.0,
-                 max_replicas: int | None = None, start_timeout_s: float = START_TIMEOUT_S) -> None:
+                 max_replicas: int | None = None, start_timeout_s: float = START_TIMEOUT_S,
+                 slow: SlowLinks | None = None) -> None:
         if expected < 1:
             raise ValueError(f"expected replicas must be >= 1, got {expected}")
         if max_replicas is not None and max_replicas < expected:
@@ -149,8 +151,11 @@ class MembershipState:
         """Failure rounds in a row started by reports that found nobody (:mod:`recover.coord.barren`)."""
         self._members: frozenset[int] = frozenset()  # the current generation's, for O(1) lookups
         self.cuts = KnownCuts()
-        self.held_joiners: set[int] = set()  # joiners held back by a known cut (logged once each)
+        self.held_joiners: set[int] = set()  # joiners held back by a known cut or a slow link (logged once each)
         """Pairs of replicas known not to connect (:mod:`recover.coord.links`): never in one generation."""
+        self.slow = slow or SlowLinks()
+        """The slow-link rule (:mod:`recover.coord.graylinks`): fed at every commit; a replica it fenced is held
+        back as a joiner until its probe shows its link recovered."""
 
     @property
     def generation(self) -> int:
@@ -287,6 +292,28 @@ class MembershipState:
             acts += self._check_round(now)
         return acts
 
+    def on_rates(self, replica: int, times: dict[int, float], now: float) -> list[Action]:
+        """``replica``'s rate probe took ``times`` (peer -> seconds; :mod:`recover.coord.graylinks`): a member's
+        goes to the probe in progress, a joiner held back for its slow link is admitted at the next commit once
+        its link recovered (``slow_link_cleared``; ``slow_link_held``: not yet)."""
+        if self.current is not None and replica in self._members:
+            self.slow.answered(replica, times)
+            return []
+        found = self.slow.probed_joiner(replica, times)
+        if found is None:
+            return []
+        admitted, link_s, with_s = found
+        step_s = self.slow.last.step if self.slow.last is not None else 0.0
+        return [Log(Event.SLOW_LINK_CLEARED if admitted else Event.SLOW_LINK_HELD, {
+            "replica": replica, "generation": self.generation, "link_s": round(link_s, 6),
+            "step_with_s": round(with_s, 6), "step_s": round(step_s, 6), "factor": self.slow.factor})]
+
+    def settle_slow(self, now: float) -> SlowVerdict | None:
+        """The slow-link rule's verdict once its probe is over (None: none due); its replica is not fenced here:
+        the caller fences it with the cause ``slow_link``."""
+        members = self.current.members if self.current is not None and self.round is None else ()
+        return self.slow.settle(now, members, self.min_members)
+
     def on_reached(self, replica: int, reached: list[int], now: float) -> list[Action]:
         """``replica``'s probe reached ``reached``: the known cuts between them are cleared
         (:mod:`recover.coord.links`); a joiner held back by them joins at the next commit."""
@@ -342,6 +369,12 @@ class MembershipState:
         acts: list[Action] = [Log(Event.COMMIT, {"generation": generation, "step": step, "ids": len(ids)})]
         measured = {r: b.mb_s for r, (_, b) in votes.items() if b.mb_s is not None}
         acts += self._observe_speeds(step, len(ids), self.current.members, measured)
+        split = Split(len(ids), measured, {r: b.comp_s for r, (_, b) in votes.items() if b.comp_s is not None},
+                      {r: b.comm_s for r, (_, b) in votes.items() if b.comm_s is not None})
+        if self.slow.observe(generation, step, self.current.members, split):
+            acts.append(Log(Event.SLOW_LINK_PROBE, {"generation": generation, "step": step,
+                                                    "compute_s": round(split.compute, 6),
+                                                    "reduction_s": round(split.reduction, 6)}))
         drained = self.draining & set(votes)
         leavers = {r for r, (_, b) in votes.items() if b.leave} | drained
         if leavers and leavers >= set(self.current.members) and not self.stop_requested:
@@ -554,7 +587,8 @@ class MembershipState:
         joiners, held = self._joinable(sorted(self.pending_join & self.live), stay)
         self.pending_join = set(held)
         acts: list[Action] = [Log(Event.JOIN_HELD, {"replica": j, "generation": self.generation,
-                                               "cannot_reach": self.cuts.blocked(j, stay)})
+                                                    "cannot_reach": self.cuts.blocked(j, stay),
+                                                    **({"cause": "slow_link"} if self.slow.held(j) else {})})
                               for j in held if j not in self.held_joiners]
         self.held_joiners = set(held)
         if not joiners and not leavers:
@@ -568,11 +602,14 @@ class MembershipState:
 
     def _joinable(self, joiners: list[int], stay: set[int]) -> tuple[list[int], list[int]]:
         """``joiners`` split into those admitted beside ``stay`` and those held back: a joiner known not to
-        connect to a member (or to an earlier joiner) waits until a probe shows the pair connects."""
+        connect to a member (or to an earlier joiner) waits until a probe shows the pair connects; one fenced for
+        a slow link waits until its probe shows the link recovered (:mod:`recover.coord.graylinks`; at once when
+        no member is left to compare it with)."""
         admitted: list[int] = []
         held: list[int] = []
         for j in joiners:
-            (held if self.cuts.blocked(j, stay | set(admitted)) else admitted).append(j)
+            slow = self.slow.held(j) and bool(stay)
+            (held if slow or self.cuts.blocked(j, stay | set(admitted)) else admitted).append(j)
         return admitted, held
 
     def _form(self, members: list[int], reason: str, now: float, *, detail: str = "",

@@ -130,8 +130,11 @@ class Coordinator(Protocol):
 
     def vote_commit(self, generation: int, step: int, ids: list[int] | tuple[int, ...], *,
                     mb_s: float | None = None, fp: str | None = None,
-                    audit: dict[str, Any] | None = None) -> Membership | None:
+                    audit: dict[str, Any] | None = None, comp_s: float | None = None,
+                    comm_s: float | None = None) -> Membership | None:
         """``mb_s``: the seconds per microbatch this replica measured in the step (None: it computed none);
+        ``comp_s`` and ``comm_s``: its wall seconds of compute and of waiting in the reduction (the slow-link
+        rule, :mod:`recover.coord.graylinks`);
         ``fp``: the fingerprint of its parameters (None: not this step); ``audit``: its value of the
         step's audited microbatch, when it computed it.
         Returns None: committed. A membership: committed, and joiners are admitted in that new generation.

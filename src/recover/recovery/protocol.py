@@ -110,6 +110,10 @@ class StepOutcome:
     cpu: dict[str, float] = field(default_factory=dict)
     """The training thread's CPU seconds in the step's ``compute``, ``reduce`` (the wait on the reduction)
     and ``update`` (:mod:`recover.observe.cpu`: the rest of the step is recover's own work)."""
+    wall: dict[str, float] = field(default_factory=dict)
+    """The step's wall seconds in ``compute`` (this replica's microbatches) and ``reduce`` (its wait in the
+    committed reduction: the slowest peer's compute beyond its own, then the reduction itself), as voted
+    (the slow-link rule, :mod:`recover.coord.graylinks`)."""
 
     @property
     def loss(self) -> float:
@@ -182,6 +186,7 @@ class ResilientStep:
         self._audit: dict[str, Any] | None = None  # this replica's audit value of the step, if it takes part
         self.speeds = group.membership.speeds  # a joiner's: those of the commit that admitted it
         self._compute_s = 0.0  # this step's compute time so far
+        self._comm_s = 0.0  # this step's wait in its last reduction (wall seconds)
         self._cpu: dict[str, float] = {}  # this step's thread CPU seconds by part (StepOutcome.cpu)
         replica.upcoming = self.share  # a replica that reads its data ahead asks for its coming shares
 
@@ -289,11 +294,12 @@ class ResilientStep:
     def _reduce_and_vote(self, step: int, plan: dict[int, list[int]], recoveries: list[dict[str, Any]],
                          computed: int, reduction: Reduction) -> Committed:
         self.hook(step, Phase.REDUCE)
-        c0 = time.thread_time()
+        c0, w0 = time.thread_time(), time.perf_counter()
         try:
             reduced = reduction.result()  # launches the stats (and any bucket not launched yet), waits
         finally:
             self._cpu["reduce"] += time.thread_time() - c0
+            self._comm_s = time.perf_counter() - w0  # the committed reduction's (a failed one's is recovery)
         return self.vote(step, plan, reduced, recoveries, computed)
 
     def vote(self, step: int, plan: dict[int, list[int]], reduced: list[torch.Tensor],
@@ -313,7 +319,7 @@ class ResilientStep:
         if audit is None and self.replica.audit_value is not None:  # the owner's
             audit = {"id": self.replica.audit_id, **self.replica.audit_value}
         admitted = self.coordinator.vote_commit(self.group.generation, step, ids, mb_s=mb_s, fp=t.fingerprint,
-                                                audit=audit)
+                                                audit=audit, comp_s=self._compute_s, comm_s=self._comm_s)
         self.speeds = self.coordinator.speeds
         quotas = {r: len(share) for r, share in sorted(plan.items())}
         return Committed(reduced, t, ids, self.group.generation, tuple(self.group.members), computed, quotas,
@@ -332,7 +338,8 @@ class ResilientStep:
         slow = {r: round(s, 2) for r, s in slowdowns(self.speeds or {}).items()
                 if s >= STRAGGLER_RATIO and r in c.live}
         outcome = StepOutcome(step, self.progress.data_step, loss_sum, count, tokens, grad_norm, c.generation,
-                              c.live, c.computed, c.recoveries, c.quotas, slow, c.stop, c.left, dict(self._cpu))
+                              c.live, c.computed, c.recoveries, c.quotas, slow, c.stop, c.left, dict(self._cpu),
+                              {"compute": self._compute_s, "reduce": self._comm_s})
         self.progress.step += 1
         self.progress.data_step += 1
         self.progress.tokens += tokens

@@ -150,6 +150,8 @@ class Loop:
             record["data_wait_ms"] = round(self.replica.reads.take().wait_s * 1000, 3)  # reads not hidden
             record["total_tokens"] = self.step.progress.tokens
             record["cpu_ms"] = record_cpu
+            if outcome.wall:  # the step split into compute and communication (the slow-link rule's measure)
+                record["wall_ms"] = {k: round(v * 1000, 3) for k, v in outcome.wall.items()}
             mixture = getattr(self.replica.data, "source_tokens", None)
             if mixture is not None and len(self.cfg.data.sources) > 1:
                 record["source_tokens"] = mixture(outcome.step)  # committed steps 0..step, per source

@@ -180,7 +180,8 @@ class CommitAll:
         self.committed_step = -1
 
     def vote_commit(self, generation: int, step: int, ids: list[int] | tuple[int, ...],
-                    mb_s: float | None = None, fp: str | None = None, audit: dict[str, Any] | None = None) -> None:
+                    mb_s: float | None = None, fp: str | None = None, audit: dict[str, Any] | None = None,
+                    comp_s: float | None = None, comm_s: float | None = None) -> None:
         self.stopping = self.stop_requested
         if dist.is_initialized() and dist.get_world_size() > 1:
             flag = torch.tensor([1.0 if self.stop_requested else 0.0])
