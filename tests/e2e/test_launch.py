@@ -738,7 +738,9 @@ def test_a_fifth_replica_started_by_hand_joins_and_a_drained_one_leaves_both_bit
     makes replica 2 leave at the next commit: it exits 0, is not restarted, and no failure is detected.
     Every step holds M microbatches, bitwise equal to the failure-free run, and the launcher exits 0."""
     run = tmp_path / "run"
-    proc = _start_launch(run, corpus, "--max-replicas", "5", "--device-time-s", "0.2")
+    # 0.4 s of emulated device per microbatch (changes no number): after the fifth joins, the steps left must
+    # outlast a `recover status` and a `recover drain` started as new interpreters on a loaded machine
+    proc = _start_launch(run, corpus, "--max-replicas", "5", "--device-time-s", "0.4")
     fifth = None
     try:
         at = f"127.0.0.1:{_coordinator_start(run, proc)['port']}"
