@@ -364,14 +364,28 @@ _CHECKS: dict[str, Any] = {
 
 
 def _check_fields(msg: dict[str, Any], spec: dict[str, str], what: str) -> None:
-    for name, kind in spec.items():
-        if name not in msg:
-            if kind.endswith("?"):
+    _check_compiled(msg, _compile(spec), what)
+
+
+def _compile(spec: dict[str, str]) -> tuple[tuple[str, str, Any, bool], ...]:
+    """``(name, kind, check, optional)`` of each field of ``spec``: what :func:`_check_compiled` walks."""
+    return tuple((name, kind, _CHECKS[kind], kind.endswith("?")) for name, kind in spec.items())
+
+
+def _check_compiled(msg: dict[str, Any], fields: tuple[tuple[str, str, Any, bool], ...], what: str) -> None:
+    for name, kind, check, optional in fields:
+        val = msg.get(name, _ABSENT)
+        if val is _ABSENT:
+            if optional:
                 continue
             raise ProtocolError("malformed", f"{what} message lacks field {name!r}")
-        val = msg[name]
-        if not _CHECKS[kind](val):
+        if not check(val):
             raise ProtocolError("malformed", f"{what} field {name!r} must be {kind}, got {type(val).__name__}")
+
+
+_ABSENT = object()
+_COMPILED = {kind: _compile(spec) for kind, spec in SCHEMAS.items()}
+"""Each message type's field checks, compiled once (:func:`validate` runs them on every message)."""
 
 
 def _release(release: Any) -> str:
@@ -402,7 +416,7 @@ def validate(msg: Any, allowed: frozenset[str] | None = None) -> dict[str, Any]:
     kind = msg.get("type")
     if not isinstance(kind, str) or kind not in SCHEMAS or (allowed is not None and kind not in allowed):
         raise ProtocolError("unknown_type", f"unknown message type {kind!r}")
-    _check_fields(msg, SCHEMAS[kind], kind)
+    _check_compiled(msg, _COMPILED[kind], kind)
     return msg
 
 
@@ -425,21 +439,37 @@ def batch_beats(msg: dict[str, Any]) -> list[tuple[int, int, str, int]]:
     Raises ProtocolError ``malformed`` unless the lists are equally long and every activity letter
     is one of :data:`ACTIVITY_LETTERS`.
     """
+    ranks, progress, acts, gens = batch_lists(msg)
+    return list(zip(ranks, progress, acts, gens, strict=True))
+
+
+def batch_lists(msg: dict[str, Any]) -> tuple[list[int], list[int], list[str], list[int]]:
+    """``(ranks, progress, activities, generations)`` of a validated ``hbs`` message: the parallel lists of
+    :func:`batch_beats` as they are (``activities`` by name), checked the same way, in C rather than per entry
+    (at 131k GPUs a coordinator reads 100,000 entries a second).
+
+    Raises ProtocolError ``malformed`` as :func:`batch_beats` does.
+    """
     ranks, progress, activity, gens = msg["ranks"], msg["progress"], msg["activity"], msg["generation"]
     if not len(ranks) == len(progress) == len(activity) == len(gens):
         raise ProtocolError("malformed", f"hbs lists differ in length: ranks {len(ranks)}, progress "
                                          f"{len(progress)}, activity {len(activity)}, generation {len(gens)}")
-    try:
-        acts = [ACTIVITY_LETTERS[a] for a in activity]
-    except KeyError as exc:
-        raise ProtocolError("malformed", f"hbs activity letter {exc.args[0]!r} is not one of "
-                                         f"{''.join(ACTIVITY_LETTERS)}") from None
-    return list(zip(ranks, progress, acts, gens, strict=True))
+    if not _LETTERS.issuperset(activity):
+        bad = next(a for a in activity if a not in _LETTERS)
+        raise ProtocolError("malformed", f"hbs activity letter {bad!r} is not one of {''.join(ACTIVITY_LETTERS)}")
+    return ranks, progress, list(map(ACTIVITY_LETTERS.__getitem__, activity)), gens
+
+
+_LETTERS = frozenset(ACTIVITY_LETTERS)
+
+
+_ENCODER = json.JSONEncoder(separators=(",", ":"), allow_nan=False)
+"""``json.dumps(..., separators=(",", ":"), allow_nan=False)`` made once, not at every frame."""
 
 
 def encode(msg: dict[str, Any]) -> bytes:
     """One frame for ``msg`` (``v`` is added). Raises ProtocolError if the body is too large."""
-    body = json.dumps({"v": PROTOCOL_VERSION, **msg}, separators=(",", ":"), allow_nan=False).encode()
+    body = _ENCODER.encode({"v": PROTOCOL_VERSION, **msg}).encode()
     if len(body) > MAX_FRAME_BYTES:
         raise ProtocolError("oversized", f"message of {len(body)} bytes exceeds {MAX_FRAME_BYTES}")
     return HEADER.pack(MAGIC, len(body)) + body
@@ -447,6 +477,10 @@ def encode(msg: dict[str, Any]) -> bytes:
 
 def _reject_constant(name: str) -> None:
     raise ValueError(f"non-finite number {name}")
+
+
+_DECODER = json.JSONDecoder(parse_constant=_reject_constant)
+"""``json.loads(..., parse_constant=_reject_constant)`` made once, not at every frame."""
 
 
 class FrameDecoder:
@@ -463,26 +497,33 @@ class FrameDecoder:
         self._max = max_bytes
 
     def feed(self, data: bytes) -> list[dict[str, Any] | ProtocolError]:
-        self._buf += data
+        if self._buf:  # the rest of a frame begun earlier: decoded from one buffer
+            self._buf += data
+            data, self._buf = bytes(self._buf), bytearray()
         out: list[dict[str, Any] | ProtocolError] = []
-        while len(self._buf) >= HEADER.size:
-            magic, length = HEADER.unpack_from(self._buf)
+        pos, size = 0, len(data)
+        while size - pos >= HEADER.size:
+            magic, length = HEADER.unpack_from(data, pos)
             if magic != MAGIC:
+                self._buf = bytearray(data[pos:])
                 raise ProtocolError("bad_magic", "stream does not start with the RCVR frame magic")
             if length > self._max:
+                self._buf = bytearray(data[pos:])
                 raise ProtocolError("oversized", f"frame of {length} bytes exceeds {self._max}")
-            if len(self._buf) < HEADER.size + length:
+            end = pos + HEADER.size + length
+            if end > size:
                 break
-            body = bytes(self._buf[HEADER.size:HEADER.size + length])
-            del self._buf[:HEADER.size + length]
-            out.append(decode_body(body, self._allowed))
+            out.append(decode_body(data[pos + HEADER.size:end], self._allowed))
+            pos = end
+        if pos < size:
+            self._buf = bytearray(data[pos:])
         return out
 
 
 def decode_body(body: bytes, allowed: frozenset[str] | None = None) -> dict[str, Any] | ProtocolError:
     """A validated message, or the ProtocolError saying why the body is refused."""
     try:
-        msg = json.loads(body.decode("utf-8"), parse_constant=_reject_constant)
+        msg = _DECODER.decode(body.decode("utf-8"))
         return validate(msg, allowed)
     except ProtocolError as exc:
         return exc
