@@ -102,8 +102,19 @@ class FramedConn:
 
     def send(self, frame: bytes) -> bool:
         """Queues ``frame`` and writes what the socket takes; False when the write failed."""
-        self.out += frame
-        return self.flush()
+        if self.out or self._writing:
+            self.out += frame
+            return self.flush()
+        try:  # nothing pending: one write from the frame itself, nothing copied unless the socket leaves some
+            sent = self.sock.send(frame)
+        except (BlockingIOError, InterruptedError, ssl.SSLWantReadError, ssl.SSLWantWriteError):
+            sent = 0
+        except OSError:
+            return False
+        if sent < len(frame):
+            self.out += memoryview(frame)[sent:]
+            self.watch()
+        return True
 
     def flush(self) -> bool:
         """Writes the pending output the socket takes now; False (output dropped) when it failed."""

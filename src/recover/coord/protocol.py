@@ -44,7 +44,10 @@ replica declares the same ``ranks`` and ``join``; :func:`register_ranks` checks 
 One connection per replica (a *relay*, :mod:`recover.coord.relay`): ``register`` with ``relay=true``
 registers all ``ranks`` ranks of the replica on that one connection. On it, ``hbs`` (a batched
 heartbeat: parallel lists ``ranks``, ``progress``, ``generation`` and an ``activity`` string of one
-letter per rank, :data:`ACTIVITY_LETTERS`) replaces ``hb``; ``ack``, ``vote``, ``report`` and
+letter per rank, :data:`ACTIVITY_LETTERS`; without ``ranks`` it names every rank of the replica in
+rank order, and a ``generation`` that is one int is every named rank's: the usual batch, which
+:func:`batch_message` writes so and the coordinator reads a list at a time, wire protocol 2) replaces
+``hb``; ``ack``, ``vote``, ``report`` and
 ``bye`` carry the ``rank`` they speak for, and without one they speak for every rank of the
 replica (one ``ack`` once all ranks acked, one ``vote`` when all ranks cast the same ballot).
 Pushes go once per connection. The ``ok`` reply to a ``register`` may name ``heartbeat_s``, the
@@ -62,7 +65,8 @@ from typing import Any, NamedTuple
 
 from recover import __version__
 
-PROTOCOL_VERSION = 1
+PROTOCOL_VERSION = 2
+"""2: an ``hbs`` may leave out ``ranks`` (every rank) and name one ``generation`` for all (1: lists)."""
 RELEASE = __version__
 """This recover release: every ``register`` carries it (``release``), and the coordinator admits only its own."""
 MAGIC = b"RCVR"
@@ -77,12 +81,14 @@ _ABSENT_STR = "str|absent?"
 _ABSENT_BOOL = "bool|absent?"
 _ABSENT_NUM = "num|absent?"
 _ABSENT_DICT = "dict|absent?"
+_ABSENT_INTS = "ints|absent?"
+_INT_OR_INTS = "int|ints"
 MAX_RANKS = 1 << 16
 SCHEMAS: dict[str, dict[str, str]] = {
     "register": {"id": _INT, "token": _STR, "replica": _INT, "join": _BOOL, "rank": _ABSENT_INT,
                  "ranks": _ABSENT_INT, "relay": _ABSENT_BOOL, "resume": _ABSENT_DICT, "release": _ABSENT_STR},
     "hb": {"progress": _ABSENT_INT, "activity": _ABSENT_STR, "generation": _ABSENT_INT},
-    "hbs": {"ranks": _INTS, "progress": _INTS, "activity": _STR, "generation": _INTS},
+    "hbs": {"ranks": _ABSENT_INTS, "progress": _INTS, "activity": _STR, "generation": _INT_OR_INTS},
     "ack": {"generation": _INT, "rank": _ABSENT_INT},
     "report": {"id": _INT, "generation": _INT, "suspects": _INTS, "timeout": _ABSENT_BOOL, "rank": _ABSENT_INT},
     "nonfinite": {"id": _INT, "generation": _INT, "step": _INT, "ids": _INTS, "rank": _ABSENT_INT},
@@ -358,6 +364,8 @@ _CHECKS: dict[str, Any] = {
     _ABSENT_BOOL: lambda v: isinstance(v, bool),
     _ABSENT_NUM: _is_num,
     _ABSENT_DICT: lambda v: isinstance(v, dict),
+    _ABSENT_INTS: _is_ints,
+    _INT_OR_INTS: lambda v: _is_int(v) or _is_ints(v),
     _OPT_DICT: lambda v: v is None or isinstance(v, dict),
 }
 """Each field kind's check (a kind of :data:`SCHEMAS`)."""
@@ -433,27 +441,47 @@ def register_ranks(msg: dict[str, Any]) -> tuple[int, int]:
     return rank, ranks
 
 
-def batch_beats(msg: dict[str, Any]) -> list[tuple[int, int, str, int]]:
-    """``(rank, progress, activity, generation)`` per rank of a validated ``hbs`` message.
+def batch_message(ranks: list[int], progress: list[int], activity: str, generations: list[int],
+                  every: int) -> dict[str, Any]:
+    """The ``hbs`` of a replica of ``every`` ranks whose ranks ``ranks`` (sorted) reported ``progress``,
+    ``activity`` (one letter each, :data:`ACTIVITY_LETTERS`) and ``generations``: without ``ranks`` when they
+    are every rank, with one ``generation`` when all named ranks report the same (what a relay sends)."""
+    msg: dict[str, Any] = {"type": "hbs"}
+    if ranks != list(range(every)):
+        msg["ranks"] = ranks
+    msg["progress"], msg["activity"] = progress, activity
+    same = bool(generations) and generations.count(generations[0]) == len(generations)
+    msg["generation"] = generations[0] if same else generations
+    return msg
 
-    Raises ProtocolError ``malformed`` unless the lists are equally long and every activity letter
-    is one of :data:`ACTIVITY_LETTERS`.
+
+def batch_beats(msg: dict[str, Any], every: int) -> list[tuple[int, int, str, int]]:
+    """``(rank, progress, activity, generation)`` per rank of a validated ``hbs`` message of a replica of
+    ``every`` ranks.
+
+    Raises ProtocolError ``malformed`` as :func:`batch_lists` does.
     """
-    ranks, progress, acts, gens = batch_lists(msg)
-    return list(zip(ranks, progress, acts, gens, strict=True))
+    ranks, progress, acts, gens = batch_lists(msg, every)
+    return list(zip(range(every) if ranks is None else ranks, progress, acts, gens, strict=True))
 
 
-def batch_lists(msg: dict[str, Any]) -> tuple[list[int], list[int], list[str], list[int]]:
-    """``(ranks, progress, activities, generations)`` of a validated ``hbs`` message: the parallel lists of
-    :func:`batch_beats` as they are (``activities`` by name), checked the same way, in C rather than per entry
-    (at 131k GPUs a coordinator reads 100,000 entries a second).
+def batch_lists(msg: dict[str, Any], every: int) -> tuple[list[int] | None, list[int], list[str], list[int]]:
+    """``(ranks, progress, activities, generations)`` of a validated ``hbs`` message of a replica of ``every``
+    ranks: its parallel lists as they are (``ranks`` None: every rank, in rank order; ``activities`` by name;
+    ``generations`` one per entry), checked in C rather than per entry (at 131k GPUs a coordinator reads
+    100,000 entries a second).
 
-    Raises ProtocolError ``malformed`` as :func:`batch_beats` does.
+    Raises ProtocolError ``malformed`` unless the lists are equally long (as long as ``every`` without
+    ``ranks``) and every activity letter is one of :data:`ACTIVITY_LETTERS`.
     """
-    ranks, progress, activity, gens = msg["ranks"], msg["progress"], msg["activity"], msg["generation"]
-    if not len(ranks) == len(progress) == len(activity) == len(gens):
-        raise ProtocolError("malformed", f"hbs lists differ in length: ranks {len(ranks)}, progress "
-                                         f"{len(progress)}, activity {len(activity)}, generation {len(gens)}")
+    ranks, progress, activity, gens = msg.get("ranks"), msg["progress"], msg["activity"], msg["generation"]
+    n = every if ranks is None else len(ranks)
+    if isinstance(gens, int):
+        gens = [gens] * n
+    if not n == len(progress) == len(activity) == len(gens):
+        named = f"ranks {n}" if ranks is not None else f"every rank ({n})"
+        raise ProtocolError("malformed", f"hbs lists differ in length: {named}, progress {len(progress)}, "
+                                         f"activity {len(activity)}, generation {len(gens)}")
     if not _LETTERS.issuperset(activity):
         bad = next(a for a in activity if a not in _LETTERS)
         raise ProtocolError("malformed", f"hbs activity letter {bad!r} is not one of {''.join(ACTIVITY_LETTERS)}")

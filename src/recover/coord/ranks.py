@@ -433,10 +433,10 @@ class RankAggregator:
         """A relay's batched heartbeat: each rank named in it is heard; the connection is as silent as
         its most silent rank."""
         try:
-            ranks, progress, activity, generation = batch_lists(msg)
+            ranks, progress, activity, generation = batch_lists(msg, slot.ranks)
         except ProtocolError as exc:
             raise Refused(exc.code, exc.message) from None
-        if ranks == slot.order:  # every rank, in rank order (a relay's usual batch): a list at a time
+        if ranks is None or ranks == slot.order:  # every rank, in rank order (a relay's usual batch): at once
             slot.seen[:] = [now] * slot.ranks
             self.liveness.beats(slot.replica, progress, activity, now, generation)
             link.last_seen = now

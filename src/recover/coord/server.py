@@ -142,7 +142,7 @@ class Coordinator:
         self._req_port = port
         self._req_store_port = store_port
         self._token = token
-        self._events = EventLog(events_path) if events_path else None
+        self._events = EventLog(events_path, deferred_sync=True) if events_path else None  # synced between turns
         self._on_event = on_event
         self.connections, ranks = scale.job_connections(expected_replicas, ranks_per_replica, per_replica_connections)
         self.heartbeat_interval_s, self.heartbeat_timeout_s = scale.cadence(
@@ -336,6 +336,8 @@ class Coordinator:
                     if agg.state.current is not None:
                         self._joins.formed(agg.state.current, self._lanes_of, now)
                     gc.freeze()
+            if self._events is not None:  # the records of this turn reach the disk after its frames went out
+                self._events.sync_due()
 
     def _lanes_of(self, replica: int) -> int | None:
         assert self.aggregator is not None
@@ -443,6 +445,9 @@ class Coordinator:
 
     def _send(self, conn: FramedConn, frame: bytes) -> None:
         if conn.closed:
+            return
+        if not conn.out:  # nothing queued: straight to the socket (what it does not take is queued)
+            conn.send(frame)
             return
         conn.out += frame
         if len(conn.out) > MAX_OUTBUF:
