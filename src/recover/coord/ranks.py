@@ -384,6 +384,9 @@ class RankAggregator:
         kind = msg["type"]
         try:
             ranks = slot.ranks_of(link, msg)
+            if kind == "ack" and slot.registered:  # (the common case of a failure round first)
+                self._ack(slot, ranks, msg["generation"], now)
+                return
             if kind == "hb":
                 if link.relay:
                     raise Refused("not_batched", "a relay connection heartbeats with hbs (one entry per rank)")

@@ -415,7 +415,9 @@ class Coordinator:
             if isinstance(item, ProtocolError):
                 self._run(agg.on_bad_frame(conn, item, now))
             else:
-                self._run(agg.on_message(conn, item, now))
+                out = agg.on_message(conn, item, now)
+                if out:  # most messages (heartbeats, acks of a round still open) ask for nothing
+                    self._run(out)
 
     # ------------------------------------------------------------- actions
 
