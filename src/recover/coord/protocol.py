@@ -528,6 +528,8 @@ class FrameDecoder:
         if self._buf:  # the rest of a frame begun earlier: decoded from one buffer
             self._buf += data
             data, self._buf = bytes(self._buf), bytearray()
+        elif not isinstance(data, bytes):
+            data = bytes(data)  # (frames are sliced out of it and decoded as bytes)
         out: list[dict[str, Any] | ProtocolError] = []
         pos, size = 0, len(data)
         while size - pos >= HEADER.size:
