@@ -100,7 +100,7 @@ class _Ranks(Mapping[int, _Rank]):
     def beat_all(self, progress: list[int], activity: list[str], now: float, generation: list[int]) -> None:
         """A heartbeat of every rank at once, in rank order: the rule of :meth:`beat` for each, a list at a
         time (``activity`` holds names of :data:`ACTIVITIES` only)."""
-        # (the lists are updated in place: the garbage collector never sees new ones, see gc.freeze in the server)
+        # (updated in place: lists that the server's gc.freeze took out of the collector's reach stay out of it)
         old = self.progress
         if activity == self.activity:  # no rank changed activity: a clock restarts where progress changed
             if progress != old:
