@@ -125,12 +125,14 @@ def test_a_replica_of_another_release_is_refused_naming_both_versions_and_the_jo
     done = launch(out, env=plan(1, "start", how))
     rows = finished_bitwise(done, out, reference)
     assert all(r["live_replicas"] == 2 for r in rows)
+    from recover.coord.protocol import PROTOCOL_VERSION as V
+
     if how == "release":
-        line = ("coordinator refused the request: bad_release: replica 1 runs recover 0.0.0-other (wire protocol 1), "
-                "the coordinator recover 0.1.0 (wire protocol 1): run one recover release on every host")
+        line = (f"coordinator refused the request: bad_release: replica 1 runs recover 0.0.0-other (wire protocol "
+                f"{V}), the coordinator recover 0.1.0 (wire protocol {V}): run one recover release on every host")
     else:
-        line = ("coordinator refused the request: bad_version: the coordinator speaks wire protocol 1 (recover 0.1.0), "
-                "replica 1 wire protocol 2 (recover 0.1.0): run one recover release on every host")
+        line = (f"coordinator refused the request: bad_version: the coordinator speaks wire protocol {V} (recover "
+                f"0.1.0), replica 1 wire protocol {V + 1} (recover 0.1.0): run one recover release on every host")
     assert line in done.stderr  # the launcher shows the replica's log's last lines
     assert "lost the coordinator" not in done.stderr
     (refused,) = [e for e in events(out) if e["kind"] == "refused"]

@@ -9,7 +9,7 @@ import threading
 import pytest
 
 from recover.coord.conn import FramedConn, connect_patiently
-from recover.coord.protocol import CLIENT_TYPES, ProtocolError, encode
+from recover.coord.protocol import CLIENT_TYPES, PROTOCOL_VERSION, ProtocolError, encode
 
 
 def pair() -> tuple[FramedConn, socket.socket]:
@@ -27,7 +27,7 @@ def test_frames_arrive_whole_however_the_bytes_are_cut() -> None:
     assert conn.receive() == []  # bytes, but no whole frame
     peer.sendall(frame[5:] + encode({"type": "bogus"}))
     got = conn.receive()
-    assert got is not None and got[0] == {"v": 1, "type": "ack", "generation": 3}
+    assert got is not None and got[0] == {"v": PROTOCOL_VERSION, "type": "ack", "generation": 3}
     assert isinstance(got[1], ProtocolError) and got[1].code == "unknown_type"
     peer.close()
     with pytest.raises(EOFError):

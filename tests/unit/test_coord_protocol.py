@@ -11,11 +11,14 @@ from recover.coord.protocol import (
     CLIENT_TYPES,
     MAGIC,
     MAX_FRAME_BYTES,
+    PROTOCOL_VERSION,
     FrameDecoder,
     Membership,
     ProtocolError,
     encode,
 )
+
+V = PROTOCOL_VERSION
 
 
 def frame(body: bytes) -> bytes:
@@ -30,7 +33,7 @@ def test_roundtrip_in_pieces() -> None:
     for i in range(len(data)):  # byte by byte: frames split anywhere still decode
         got += dec.feed(data[i:i + 1])
     assert [g["type"] for g in got] == ["vote", "hb"]
-    assert got[0]["ids"] == [0, 1, 2] and got[0]["v"] == 1
+    assert got[0]["ids"] == [0, 1, 2] and got[0]["v"] == V
 
 
 def test_garbage_and_oversized_are_fatal() -> None:
@@ -48,12 +51,13 @@ def test_garbage_and_oversized_are_fatal() -> None:
     (b"\xff\xfe not json", "malformed"),
     (b"[1, 2]", "malformed"),
     (json.dumps({"v": 99, "type": "hb"}).encode(), "bad_version"),
-    (json.dumps({"v": 1, "type": "launch_missiles"}).encode(), "unknown_type"),
-    (json.dumps({"v": 1, "type": "ok", "re": 1}).encode(), "unknown_type"),  # server-only type
-    (json.dumps({"v": 1, "type": "vote", "id": 1, "generation": True, "step": 1, "ids": []}).encode(), "malformed"),
-    (json.dumps({"v": 1, "type": "vote", "id": 1, "generation": 1, "step": 1, "ids": ["x"]}).encode(), "malformed"),
-    (json.dumps({"v": 1, "type": "register", "id": 1, "replica": 0, "join": False}).encode(), "malformed"),
-    (b'{"v": 1, "type": "ack", "generation": NaN}', "malformed"),
+    (json.dumps({"v": 1, "type": "hb"}).encode(), "bad_version"),  # wire protocol 1: its hbs were lists only
+    (json.dumps({"v": V, "type": "launch_missiles"}).encode(), "unknown_type"),
+    (json.dumps({"v": V, "type": "ok", "re": 1}).encode(), "unknown_type"),  # server-only type
+    (json.dumps({"v": V, "type": "vote", "id": 1, "generation": True, "step": 1, "ids": []}).encode(), "malformed"),
+    (json.dumps({"v": V, "type": "vote", "id": 1, "generation": 1, "step": 1, "ids": ["x"]}).encode(), "malformed"),
+    (json.dumps({"v": V, "type": "register", "id": 1, "replica": 0, "join": False}).encode(), "malformed"),
+    (b'{"v": %d, "type": "ack", "generation": NaN}' % V, "malformed"),
 ])
 def test_bad_bodies_are_refused_without_losing_sync(body: bytes, code: str) -> None:
     dec = FrameDecoder(CLIENT_TYPES)

@@ -10,7 +10,7 @@ from typing import Any
 
 from test_coord_ranks_logic import TOKEN, closed, logs, msg, register, sent
 
-from recover.coord.protocol import ProtocolError, batch_beats
+from recover.coord.protocol import CLIENT_TYPES, FrameDecoder, ProtocolError, batch_beats, batch_message, encode
 from recover.coord.ranks import Out, RankAggregator
 from recover.coord.state import MembershipState
 
@@ -164,12 +164,44 @@ def test_timeouts_are_judged_on_the_scan_clock() -> None:
 
 
 def test_batch_beats_checks_lengths_and_letters() -> None:
-    assert batch_beats(beats([0, 1], progress=3, activity="i")) == [(0, 3, "io", 1), (1, 3, "io", 1)]
+    assert batch_beats(beats([0, 1], progress=3, activity="i"), P) == [(0, 3, "io", 1), (1, 3, "io", 1)]
     for bad in (msg("hbs", ranks=[0], progress=[], activity="c", generation=[1]),
-                msg("hbs", ranks=[0], progress=[1], activity="x", generation=[1])):
+                msg("hbs", ranks=[0], progress=[1], activity="x", generation=[1]),
+                msg("hbs", ranks=[0, 1], progress=[1, 1], activity="cc", generation=[1]),
+                msg("hbs", progress=[1, 1], activity="cc", generation=1)):  # every rank is P = 3 of them
         try:
-            batch_beats(bad)
+            batch_beats(bad, P)
         except ProtocolError as exc:
             assert exc.code == "malformed"
         else:
             raise AssertionError(f"{bad} was accepted")
+
+
+def test_a_batch_of_every_rank_leaves_out_the_ranks_and_a_common_generation() -> None:
+    """What a relay writes (wire protocol 2): the usual batch names no ranks and one generation; any other
+    keeps its lists. Both read back as the same entries."""
+    every = batch_message([0, 1, 2], [4, 4, 5], "cwi", [2, 2, 2], P)
+    assert every == {"type": "hbs", "progress": [4, 4, 5], "activity": "cwi", "generation": 2}
+    some = batch_message([0, 2], [4, 5], "ci", [2, 1], P)
+    assert some == {"type": "hbs", "ranks": [0, 2], "progress": [4, 5], "activity": "ci", "generation": [2, 1]}
+    assert batch_beats(every, P) == [(0, 4, "compute", 2), (1, 4, "wait", 2), (2, 5, "io", 2)]
+    assert batch_beats(some, P) == [(0, 4, "compute", 2), (2, 5, "io", 1)]
+    for m in (every, some):
+        (item,) = FrameDecoder(CLIENT_TYPES).feed(encode(m))
+        assert not isinstance(item, ProtocolError) and batch_beats(item, P) == batch_beats(m, P)
+    for bad in ({**every, "generation": True}, {**every, "generation": [1, "x", 2]}, {**every, "ranks": None}):
+        (item,) = FrameDecoder(CLIENT_TYPES).feed(encode(bad))
+        assert isinstance(item, ProtocolError) and item.code == "malformed", bad
+
+
+def test_a_batch_of_every_rank_keeps_each_rank_alive_and_a_short_one_is_refused() -> None:
+    agg = make(hb=1.0)
+    formed(agg)
+    for i, t in enumerate((0.5, 1.0, 1.5, 2.0, 2.5)):
+        out = agg.on_message("R", batch_message([0, 1, 2], [i] * P, "w" * P, [1] * P, P), t)
+        agg.on_heard("b0", t)
+        assert closed(out) == [] and closed(agg.on_tick(t)) == []
+    assert agg.liveness.waiting() == {0} and agg.liveness.activities(0) == ("wait",) * P
+    out = agg.on_message("R", msg("hbs", progress=[9, 9], activity="cc", generation=1), 2.6)
+    assert sent(out, "error")["R"]["code"] == "malformed" and closed(out) == []
+    assert agg.liveness.activities(0) == ("wait",) * P  # a refused batch changes nothing

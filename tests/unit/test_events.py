@@ -118,3 +118,33 @@ def test_a_file_removed_under_its_writer_is_created_again_and_records_are_synced
     writer.write({"kind": "b"})
     writer.close()
     assert [r["kind"] for r in read_jsonl(path)] == ["b"] and len(synced) >= 3  # every record, and the close
+
+
+def test_a_deferred_writer_syncs_between_its_owners_turns_not_inside_a_write(
+        tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """The coordinator's event log: a record written in a failure round must not wait for the disk before the
+    round's notices go out; the loop syncs it between two turns (at most ``sync_s`` after the last fsync)."""
+    import os
+
+    from recover.observe.events import JsonlWriter, read_jsonl
+
+    synced: list[int] = []
+    real_fsync = os.fsync
+    monkeypatch.setattr(os, "fsync", lambda fd: (synced.append(fd), real_fsync(fd)))
+    writer = JsonlWriter(tmp_path / "events.jsonl", sync_s=0.0, deferred_sync=True)
+    writer.sync_due()
+    assert synced == []  # nothing written: nothing to sync
+    writer.write({"kind": "a"})
+    writer.write({"kind": "b"})
+    assert synced == [] and [r["kind"] for r in read_jsonl(tmp_path / "events.jsonl")] == ["a", "b"]
+    writer.sync_due()
+    assert len(synced) == 1
+    writer.sync_due()
+    assert len(synced) == 1  # nothing written since
+    late = JsonlWriter(tmp_path / "late.jsonl", sync_s=3600.0, deferred_sync=True)
+    late.write({"kind": "c"})
+    late.sync_due()
+    assert len(synced) == 1  # not due: the last fsync (its opening) is less than sync_s ago
+    late.close()
+    writer.close()
+    assert len(synced) >= 3  # and at close, as ever

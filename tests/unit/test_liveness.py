@@ -252,3 +252,47 @@ def test_the_scan_by_replica_summaries_judges_exactly_as_a_visit_of_every_rank()
             assert live.hung(now) == expected, (trial, now)
             verdicts += bool(expected)
     assert verdicts > 100, "the random runs must reach hangs for the comparison to mean anything"
+
+
+def test_a_batched_heartbeat_of_every_rank_is_a_heartbeat_of_each_rank() -> None:
+    """:meth:`Liveness.beats` (a relay's ``hbs``, a list at a time) leaves every rank, and so every verdict,
+    exactly as one :meth:`Liveness.heartbeat` per rank in rank order would."""
+    import random
+
+    rng = random.Random(11)
+    for trial in range(60):
+        replicas, ranks = rng.randint(1, 4), rng.randint(1, 6)
+        kwargs = {"hang_timeout_s": rng.choice([1.0, 2.5])}
+        batched, each = started(replicas, ranks, **kwargs), started(replicas, ranks, **kwargs)
+        now = 0.0
+        for _ in range(200):
+            now += rng.uniform(0.0, 0.6)
+            r = rng.randrange(replicas)
+            if rng.random() < 0.2:  # a lone rank's own heartbeat (a connection per rank), on both
+                k = rng.randrange(ranks)
+                args = (rng.randint(0, 4), rng.choice(["compute", "wait", "io", "bogus", None]), now,
+                        rng.choice([None, 1, 2]))
+                batched.heartbeat(r, k, *args)
+                each.heartbeat(r, k, *args)
+                continue
+            same = rng.random() < 0.5  # often every rank alike, as a replica's ranks mostly are
+            progress = [rng.randint(0, 4)] * ranks if same else [rng.randint(0, 4) for _ in range(ranks)]
+            acts = rng.choice([["compute"] * ranks, [rng.choice(["compute", "wait", "io"]) for _ in range(ranks)]])
+            gens = [rng.choice([1, 2]) for _ in range(ranks)]
+            batched.beats(r, progress, acts, now, gens)
+            for k in range(ranks):
+                each.heartbeat(r, k, progress[k], acts[k], now, gens[k])
+            if rng.random() < 0.1:
+                for live in (batched, each):
+                    live.voted(r, None, now)
+            if rng.random() < 0.05:
+                for live in (batched, each):
+                    live.formed(int(now) + 2, list(range(replicas)), now)
+            if rng.random() < 0.05:
+                for live in (batched, each):
+                    live.pause(0.5)
+            assert {r: dict(v) for r, v in batched._replicas.items()} == \
+                {r: dict(v) for r, v in each._replicas.items()}, (trial, now)
+            assert batched.hung(now) == each.hung(now), (trial, now)
+    with pytest.raises(ValueError, match="names 2 ranks"):
+        started(1, 3).beats(0, [1, 1], ["compute"] * 2, 1.0, [1, 1])

@@ -15,8 +15,10 @@ from typing import Any
 import pytest
 
 from recover.coord.deadline import AckClock
-from recover.coord.protocol import CLIENT_TYPES, SERVER_TYPES, FrameDecoder, encode
+from recover.coord.protocol import CLIENT_TYPES, PROTOCOL_VERSION, SERVER_TYPES, FrameDecoder, encode
 from recover.coord.relay import Relay
+
+V = PROTOCOL_VERSION
 
 TOKEN = "t0ken"
 P = 3
@@ -65,7 +67,7 @@ def relay_of(reconnect_s: float = 0.0, **ok: Any) -> Iterator[tuple[Relay, Peer,
         assert {k: reg[k] for k in ("type", "replica", "ranks", "relay", "join")} == \
             {"type": "register", "replica": 5, "ranks": P, "relay": True, "join": False}
         up.send(type="ok", re=reg["id"], heartbeat_s=0.5, **ok)
-        assert [r.next() for r in ranks] == [{"v": 1, "type": "ok", "re": 100 + k, **ok} for k in range(P)]
+        assert [r.next() for r in ranks] == [{"v": V, "type": "ok", "re": 100 + k, **ok} for k in range(P)]
         yield relay, up, ranks
     finally:
         relay.stop()
@@ -98,7 +100,7 @@ def test_ranks_that_vote_differently_go_up_one_by_one_with_their_rank(relayed: A
     first, second = up.next(), up.next()
     assert (first["rank"], first["ids"], second["rank"], second["ids"]) == (0, [0, 1], 2, [0])
     up.send(type="aborted", re=second["id"], generation=1, reason="x")
-    assert ranks[2].next() == {"v": 1, "type": "aborted", "re": 12, "generation": 1, "reason": "x"}
+    assert ranks[2].next() == {"v": V, "type": "aborted", "re": 12, "generation": 1, "reason": "x"}
 
 
 def settled(up: Peer, ranks: list[Peer]) -> None:
@@ -117,7 +119,7 @@ def test_an_ack_goes_up_once_every_rank_acked(relayed: Any) -> None:
         ranks[k].send(type="ack", generation=1)
     settled(up, ranks[:P - 1])  # no ack went up before them
     ranks[P - 1].send(type="ack", generation=1)
-    assert up.next() == {"v": 1, "type": "ack", "generation": 1}
+    assert up.next() == {"v": V, "type": "ack", "generation": 1}
 
 
 def test_a_failing_push_answers_the_held_votes_aborted_here(relayed: Any) -> None:
@@ -128,7 +130,7 @@ def test_a_failing_push_answers_the_held_votes_aborted_here(relayed: Any) -> Non
     up.send(type="failing", generation=1, dead=[3], reason="died")
     assert ranks[0].next()["type"] == "failing" and ranks[1].next()["type"] == "failing"
     assert [ranks[k].next() for k in (0, 1)] == [
-        {"v": 1, "type": "aborted", "re": 10 + k, "generation": 1, "reason": "generation is failing"} for k in (0, 1)]
+        {"v": V, "type": "aborted", "re": 10 + k, "generation": 1, "reason": "generation is failing"} for k in (0, 1)]
 
 
 def test_a_second_vote_of_a_rank_is_refused_to_that_rank(relayed: Any) -> None:
@@ -167,7 +169,7 @@ def test_a_local_peer_of_another_replica_is_refused_and_ends_the_relay() -> None
 def test_a_beat_reaches_every_rank_and_the_ok_carries_beat_s() -> None:
     with relay_of(beat_s=30.0) as (_, up, ranks):
         up.send(type="beat")
-        assert [r.next() for r in ranks] == [{"v": 1, "type": "beat"}] * P
+        assert [r.next() for r in ranks] == [{"v": V, "type": "beat"}] * P
 
 
 def test_a_relay_whose_coordinators_host_answers_nothing_tells_its_ranks_they_are_cut_off(

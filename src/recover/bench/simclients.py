@@ -35,7 +35,7 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from recover.coord.conn import FramedConn
-from recover.coord.protocol import SERVER_TYPES, ProtocolError, encode
+from recover.coord.protocol import SERVER_TYPES, ProtocolError, batch_message, encode
 
 CONNECT_CHUNK = 64
 """Connections opened between two turns of serving those already open."""
@@ -146,10 +146,9 @@ class Sim:
             if c.dead:
                 continue
             c.progress += 1
-            if c.relay:
-                ranks = list(range(c.ranks))
-                self._send(c, {"type": "hbs", "ranks": ranks, "progress": [c.progress] * c.ranks,
-                               "activity": "c" * c.ranks, "generation": [c.newest] * c.ranks})
+            if c.relay:  # every rank heard since the last batch, as the relay writes it (recover.coord.relay)
+                self._send(c, batch_message(list(range(c.ranks)), [c.progress] * c.ranks, "c" * c.ranks,
+                                            [c.newest] * c.ranks, c.ranks))
             else:
                 self._send(c, {"type": "hb", "progress": c.progress, "activity": "compute", "generation": c.newest})
             heapq.heappush(self._due, (now + (c.hb_s or self.hb_s), next(self._tie), c))

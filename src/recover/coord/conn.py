@@ -62,7 +62,7 @@ class FramedConn:
             or :data:`~recover.coord.protocol.SERVER_TYPES`).
     """
 
-    __slots__ = ("sock", "decoder", "out", "closed", "sel", "data", "_writing", "error")
+    __slots__ = ("sock", "decoder", "out", "closed", "sel", "data", "_writing", "error", "_tls")
 
     def __init__(self, sock: socket.socket, allowed: frozenset[str] | None) -> None:
         sock.setblocking(False)
@@ -75,6 +75,7 @@ class FramedConn:
         self.data: Any = self
         self._writing = False  # the selector watches for writability
         self.error: ssl.SSLError | None = None  # the refused TLS handshake that ended it, if any
+        self._tls = isinstance(sock, ssl.SSLSocket)
 
     def register(self, sel: selectors.BaseSelector, data: Any = None) -> FramedConn:
         """Watches the socket for reading with ``sel`` (``data``: what the selector hands back)."""
@@ -88,8 +89,11 @@ class FramedConn:
         ProtocolError when the stream is out of sync."""
         try:
             data = self.sock.recv(1 << 16)
-            while isinstance(self.sock, ssl.SSLSocket) and data and self.sock.pending():
-                data += self.sock.recv(self.sock.pending())
+            if self._tls:  # what TLS decrypted already is read now: the selector cannot see it
+                tls = self.sock
+                assert isinstance(tls, ssl.SSLSocket)
+                while data and tls.pending():
+                    data += tls.recv(tls.pending())
         except (BlockingIOError, InterruptedError, ssl.SSLWantReadError, ssl.SSLWantWriteError):
             return None
         except ssl.SSLError as exc:
@@ -102,8 +106,19 @@ class FramedConn:
 
     def send(self, frame: bytes) -> bool:
         """Queues ``frame`` and writes what the socket takes; False when the write failed."""
-        self.out += frame
-        return self.flush()
+        if self.out or self._writing:
+            self.out += frame
+            return self.flush()
+        try:  # nothing pending: one write from the frame itself, nothing copied unless the socket leaves some
+            sent = self.sock.send(frame)
+        except (BlockingIOError, InterruptedError, ssl.SSLWantReadError, ssl.SSLWantWriteError):
+            sent = 0
+        except OSError:
+            return False
+        if sent < len(frame):
+            self.out += memoryview(frame)[sent:]
+            self.watch()
+        return True
 
     def flush(self) -> bool:
         """Writes the pending output the socket takes now; False (output dropped) when it failed."""

@@ -36,7 +36,10 @@ from __future__ import annotations
 
 import statistics
 from collections import deque
+from collections.abc import Iterator, Mapping
 from dataclasses import dataclass
+from itertools import compress, repeat
+from operator import eq, ne
 
 ACTIVITIES = ("compute", "wait", "io")
 DEFAULT_MIN_S = 60.0
@@ -46,12 +49,81 @@ IO_FACTOR = 10.0
 
 @dataclass
 class _Rank:
+    """One rank's record, as :class:`_Ranks` hands it out (a copy: reading it changes nothing)."""
+
     progress: int
     activity: str
     since: float
     """When ``progress`` last changed (or the rank entered ``compute``)."""
     generation: int | None = None
     """The newest generation its training thread moved on to (None: not reported)."""
+
+
+class _Ranks(Mapping[int, _Rank]):
+    """The ranks of one replica as parallel lists, indexed by rank (0..P-1): what each rank's heartbeat
+    reported (``progress``, ``activity``, ``generation``) and ``since`` (when its progress last changed, or
+    it entered ``compute``). A relay's batched heartbeat of all P ranks updates them a list at a time, in C
+    (:meth:`Liveness.beats`); read as a mapping, rank -> :class:`_Rank`."""
+
+    __slots__ = ("progress", "activity", "since", "generation")
+
+    def __init__(self, ranks: int, now: float) -> None:
+        self.progress: list[int] = [-1] * ranks
+        self.activity: list[str] = ["compute"] * ranks
+        self.since: list[float] = [now] * ranks
+        self.generation: list[int | None] = [None] * ranks
+
+    def __getitem__(self, rank: int) -> _Rank:
+        if not 0 <= rank < len(self.progress):
+            raise KeyError(rank)
+        return _Rank(self.progress[rank], self.activity[rank], self.since[rank], self.generation[rank])
+
+    def __iter__(self) -> Iterator[int]:
+        return iter(range(len(self.progress)))
+
+    def __len__(self) -> int:
+        return len(self.progress)
+
+    def beat(self, rank: int, progress: int | None, activity: str | None, now: float,
+             generation: int | None) -> None:
+        """One rank's heartbeat (see :meth:`Liveness.heartbeat`)."""
+        if generation is not None:
+            self.generation[rank] = generation
+        if progress is None:
+            self.activity[rank] = "legacy"  # never judged
+            return
+        activity = activity if activity in ACTIVITIES else "compute"
+        if progress != self.progress[rank] or (activity != "wait" and self.activity[rank] != activity):
+            self.since[rank] = now
+        self.progress[rank], self.activity[rank] = progress, activity
+
+    def beat_all(self, progress: list[int], activity: list[str], now: float, generation: list[int]) -> None:
+        """A heartbeat of every rank at once, in rank order: the rule of :meth:`beat` for each, a list at a
+        time (``activity`` holds names of :data:`ACTIVITIES` only)."""
+        # (updated in place: lists that the server's gc.freeze took out of the collector's reach stay out of it)
+        old = self.progress
+        if activity == self.activity:  # no rank changed activity: a clock restarts where progress changed
+            if progress != old:
+                if all(map(ne, progress, old)):
+                    self.since[:] = [now] * len(old)
+                else:
+                    moved = map(ne, progress, old)
+                    self.since[:] = [now if m else s for m, s in zip(moved, self.since, strict=True)]
+        else:
+            both = zip(progress, old, activity, self.activity, self.since, strict=True)
+            self.since[:] = [now if p != o or (a != "wait" and a != was) else s for p, o, a, was, s in both]
+            self.activity[:] = activity
+        old[:] = progress
+        self.generation[:] = generation
+
+    def earliest(self, activity: str) -> float | None:
+        """The earliest ``since`` of the ranks in ``activity`` (None: no rank is)."""
+        n = self.activity.count(activity)
+        if n == 0:
+            return None
+        if n == len(self.activity):
+            return min(self.since)
+        return min(compress(self.since, map(eq, self.activity, repeat(activity))))
 
 
 @dataclass
@@ -66,12 +138,13 @@ class _Summary:
     oldest_wait: int | None
 
     @classmethod
-    def of(cls, ranks: dict[int, _Rank]) -> _Summary:
-        compute = [r.since for r in ranks.values() if r.activity == "compute"]
-        io = [r.since for r in ranks.values() if r.activity == "io"]
-        waits = [r for r in ranks.values() if r.activity == "wait"]
-        generations = [r.generation for r in waits if r.generation is not None]
-        return cls(min(compute, default=None), min(io, default=None), bool(waits), min(generations, default=None))
+    def of(cls, ranks: _Ranks) -> _Summary:
+        waits = "wait" in ranks.activity
+        oldest = None
+        if waits:
+            both = zip(ranks.generation, ranks.activity, strict=True)
+            oldest = min((g for g, a in both if a == "wait" and g is not None), default=None)
+        return cls(ranks.earliest("compute"), ranks.earliest("io"), waits, oldest)
 
 
 class Liveness:
@@ -83,7 +156,7 @@ class Liveness:
             raise ValueError(f"hang_timeout_s = {hang_timeout_s} must be >= 0, min_s = {min_s} and "
                              f"factor = {factor} > 0")
         self.hang_timeout_s, self.min_s, self.factor = hang_timeout_s, min_s, factor
-        self._replicas: dict[int, dict[int, _Rank]] = {}
+        self._replicas: dict[int, _Ranks] = {}
         self._summaries: dict[int, _Summary] = {}  # replica -> its ranks summed up, dropped when a rank changes
         self._commits: deque[tuple[int, float]] = deque(maxlen=21)
         self._formed: tuple[int, tuple[int, ...], float] | None = None  # (generation, members, when)
@@ -92,7 +165,7 @@ class Liveness:
 
     def start(self, replica: int, ranks: int, now: float) -> None:
         """Replica ``replica`` of ``ranks`` ranks is registered: its clocks start now."""
-        self._replicas[replica] = {k: _Rank(-1, "compute", now) for k in range(ranks)}
+        self._replicas[replica] = _Ranks(ranks, now)
         self._summaries.pop(replica, None)
         self._warm.discard(replica)
 
@@ -106,8 +179,7 @@ class Liveness:
         """The coordinator did not run for ``stall_s``: every clock moves on by it (nobody is judged
         for a silence the coordinator itself caused)."""
         for ranks in self._replicas.values():
-            for r in ranks.values():
-                r.since += stall_s
+            ranks.since[:] = [s + stall_s for s in ranks.since]
         self._summaries.clear()
         if self._formed is not None:
             g, members, when = self._formed
@@ -132,19 +204,25 @@ class Liveness:
     def heartbeat(self, replica: int, rank: int, progress: int | None, activity: str | None, now: float,
                   generation: int | None = None) -> None:
         """A heartbeat of rank ``rank`` of ``replica`` (older clients send neither field: never judged)."""
-        r = self._replicas.get(replica, {}).get(rank)
-        if r is None:
+        ranks = self._replicas.get(replica)
+        if ranks is None or not 0 <= rank < len(ranks):
             return
         self._summaries.pop(replica, None)
-        if generation is not None:
-            r.generation = generation
-        if progress is None:
-            r.activity = "legacy"  # never judged
+        ranks.beat(rank, progress, activity, now, generation)
+
+    def beats(self, replica: int, progress: list[int], activity: list[str], now: float,
+              generation: list[int]) -> None:
+        """A batched heartbeat of every rank of ``replica``, in rank order (a relay's ``hbs``): the same as a
+        :meth:`heartbeat` of each rank, in C rather than per rank. ``activity`` names activities of
+        :data:`ACTIVITIES` only; the lists are as long as the replica has ranks."""
+        ranks = self._replicas.get(replica)
+        if ranks is None:
             return
-        activity = activity if activity in ACTIVITIES else "compute"
-        if progress != r.progress or (activity != "wait" and r.activity != activity):
-            r.since = now
-        r.progress, r.activity = progress, activity
+        if not len(progress) == len(activity) == len(generation) == len(ranks):
+            raise ValueError(f"a batched heartbeat of replica {replica} names {len(progress)} ranks, not its "
+                             f"{len(ranks)}")
+        self._summaries.pop(replica, None)
+        ranks.beat_all(progress, activity, now, generation)
 
     def committed(self, step: int, now: float) -> None:
         """A step was committed (called once per step or more: repeats of a step are ignored)."""
@@ -170,25 +248,32 @@ class Liveness:
     def hung(self, now: float) -> list[tuple[int, str]]:
         """``(replica, detail)`` of every replica hung at ``now``, by replica id. A replica's ranks are visited
         only when its summary says one may be judged (a scan of 1,024 x 128 ranks costs 1,024 looks)."""
-        waiting = self.waiting()
         limit = self.timeout()
+        io_limit = IO_FACTOR * limit
+        summaries = [(replica, self._summary(replica)) for replica in sorted(self._replicas)]
+        waiting = {replica for replica, s in summaries if s.waits}
+        ballot = self._ballot is not None and self._formed is not None and now - self._ballot[0] > limit
         out = []
-        for replica, ranks in sorted(self._replicas.items()):
-            s = self._summary(replica)
+        for replica, s in summaries:
+            compute = s.compute_since is not None and now - s.compute_since > limit
+            io = s.io_since is not None and now - s.io_since > io_limit
+            if not (compute or io or s.oldest_wait is not None or ballot):
+                continue  # no rank of it can be stale, behind or late to vote: nothing to judge
+            ranks = self._replicas[replica]
             stale: list[tuple[int, float]] = []
-            if (s.compute_since is not None and now - s.compute_since > limit) or \
-                    (s.io_since is not None and now - s.io_since > IO_FACTOR * limit):
-                stale = [(k, now - r.since) for k, r in ranks.items()
-                         if (r.activity == "compute" and now - r.since > limit)
-                         or (r.activity == "io" and now - r.since > IO_FACTOR * limit)]
+            if compute or io:
+                stale = [(k, now - since) for k, (activity, since) in enumerate(zip(ranks.activity, ranks.since,
+                                                                                   strict=True))
+                         if (activity == "compute" and now - since > limit)
+                         or (activity == "io" and now - since > io_limit)]
             behind = self._behind(replica, ranks, now, limit) if s.oldest_wait is not None else None
             others = sorted(waiting - {replica}) if stale else []
             if stale and (others or replica in self._warm):
                 # the rank behind the others (least progress, longest still) is the stuck one; those of its
                 # replica blocked in a collective with it report ``wait`` and are not stale
-                rank, silent = min(stale, key=lambda ks: (ranks[ks[0]].progress, -ks[1], ks[0]))
-                io = ranks[rank].activity == "io"
-                where, allowed = ("in a save or evaluation, ", IO_FACTOR * limit) if io else ("", limit)
+                rank, silent = min(stale, key=lambda ks: (ranks.progress[ks[0]], -ks[1], ks[0]))
+                in_io = ranks.activity[rank] == "io"
+                where, allowed = ("in a save or evaluation, ", io_limit) if in_io else ("", limit)
                 why = f"while replicas {others} waited for it" if others else "with no other replica waiting"
                 out.append((replica, f"rank {rank} made no progress for {silent:.1f} s ({where}hang timeout "
                                      f"{allowed:.1f} s) {why}"))
@@ -198,40 +283,41 @@ class Liveness:
                 out.append((replica, stuck))
         return out
 
-    def _not_voting(self, replica: int, ranks: dict[int, _Rank], now: float, limit: float) -> str | None:
+    def _not_voting(self, replica: int, ranks: _Ranks, now: float, limit: float) -> str | None:
         """Why a rank of ``replica`` counts as stuck before its vote, or None."""
         if self._ballot is None or self._formed is None or replica not in self._formed[1]:
             return None
         first, voted = self._ballot
-        if now - first <= limit:
+        if now - first <= limit or (replica, None) in voted:
             return None
-        for k, r in ranks.items():
-            if (replica, k) not in voted and (replica, None) not in voted and r.progress >= 0 \
-                    and now - r.since > limit:
+        for k, (progress, since) in enumerate(zip(ranks.progress, ranks.since, strict=True)):
+            if (replica, k) not in voted and progress >= 0 and now - since > limit:
                 return (f"rank {k} has not voted {now - first:.1f} s after the others began to (hang timeout "
                         f"{limit:.1f} s) and made no progress since: its training thread is stuck")
         return None
 
-    def _behind(self, replica: int, ranks: dict[int, _Rank], now: float, limit: float) -> str | None:
+    def _behind(self, replica: int, ranks: _Ranks, now: float, limit: float) -> str | None:
         """Why a rank of ``replica`` is stuck in a wait of a generation older than the current one, or None."""
         if self._formed is None:
             return None
         generation, members, when = self._formed
         if replica not in members or now - when <= limit:
             return None
-        for k, r in ranks.items():
-            if r.activity == "wait" and r.generation is not None and r.generation < generation:
-                return (f"rank {k} is still waiting in generation {r.generation} {now - when:.1f} s after "
+        for k, (activity, reported) in enumerate(zip(ranks.activity, ranks.generation, strict=True)):
+            if activity == "wait" and reported is not None and reported < generation:
+                return (f"rank {k} is still waiting in generation {reported} {now - when:.1f} s after "
                         f"generation {generation} formed (hang timeout {limit:.1f} s): its training thread is stuck")
         return None
 
     def activities(self, replica: int) -> tuple[str, ...]:
         """The activity of each rank of ``replica`` in its last heartbeat, in rank order (none: unknown)."""
-        return tuple(r.activity for _, r in sorted(self._replicas.get(replica, {}).items()))
+        ranks = self._replicas.get(replica)
+        return tuple(ranks.activity) if ranks is not None else ()
 
     def away(self, replica: int) -> bool:
         """Whether a rank of ``replica`` is in ``compute`` or ``io``: not at a collective of the others."""
-        return any(r.activity in ("compute", "io") for r in self._replicas.get(replica, {}).values())
+        ranks = self._replicas.get(replica)
+        return ranks is not None and ("compute" in ranks.activity or "io" in ranks.activity)
 
     def waiting(self) -> set[int]:
         """Replicas with a rank blocked for the others (in a collective, a vote, ...)."""

@@ -103,8 +103,9 @@ class Member(Generic[H]):
             got.update(ranks)
             if len(got) < self.ranks:
                 return False
-        for g in [g for g in self._acks if g <= generation]:
-            del self._acks[g]
+        if self._acks:
+            for g in [g for g in self._acks if g <= generation]:
+                del self._acks[g]
         return True
 
     # ------------------------------------------------------------- vote

@@ -61,7 +61,7 @@ from recover.coord.protocol import (
     Ballot,
     ProtocolError,
     Resume,
-    batch_beats,
+    batch_lists,
     check_release,
 )
 from recover.coord.slots import Close, Link, Out, SendTo, Slot, check_register, replica_resume
@@ -185,8 +185,7 @@ class RankAggregator:
             link.last_seen = max(link.last_seen, now)
             link.opened += stall_s
         for slot in self._slots.values():
-            for k in slot.seen:
-                slot.seen[k] = max(slot.seen[k], now)
+            slot.seen[:] = [max(seen, now) for seen in slot.seen]
         self.liveness.pause(stall_s)
         self.state.pause(stall_s)
         self.link_rule.pause(stall_s)
@@ -434,6 +433,9 @@ class RankAggregator:
         kind = msg["type"]
         try:
             ranks = slot.ranks_of(link, msg)
+            if kind == "ack" and slot.registered:  # (the common case of a failure round first)
+                self._ack(slot, ranks, msg["generation"], now)
+                return
             if kind == "hb":
                 if link.relay:
                     raise Refused("not_batched", "a relay connection heartbeats with hbs (one entry per rank)")
@@ -486,14 +488,20 @@ class RankAggregator:
         """A relay's batched heartbeat: each rank named in it is heard; the connection is as silent as
         its most silent rank."""
         try:
-            beats = batch_beats(msg)
+            ranks, progress, activity, generation = batch_lists(msg, slot.ranks)
         except ProtocolError as exc:
             raise Refused(exc.code, exc.message) from None
-        for k, progress, activity, generation in beats:
+        if ranks is None or ranks == slot.order:  # every rank, in rank order (a relay's usual batch): at once
+            slot.seen[:] = [now] * slot.ranks
+            self.liveness.beats(slot.replica, progress, activity, now, generation)
+            link.last_seen = now
+            return
+        # some ranks, in any order (a rank fell silent): one by one
+        for k, p, a, g in zip(ranks, progress, activity, generation, strict=True):
             if 0 <= k < slot.ranks:
                 slot.seen[k] = now
-                self.liveness.heartbeat(slot.replica, k, progress, activity, now, generation)
-        link.last_seen = min(slot.seen.values())
+                self.liveness.heartbeat(slot.replica, k, p, a, now, g)
+        link.last_seen = min(slot.seen)
 
     def _register(self, link: Link, msg: dict[str, Any], now: float) -> None:
         """Rank ``rank`` of replica ``r`` registers; the state hears of ``r`` once all its ranks did."""
@@ -526,7 +534,7 @@ class RankAggregator:
         for other in slot.links.values():
             other.last_seen = now  # the heartbeats start with the ok reply
         if relay:
-            slot.seen = dict.fromkeys(range(ranks), now)
+            slot.seen = [now] * ranks
         self.liveness.start(r, ranks, now)
         held = replica_resume(slot.resume.values())
         self._forward(slot, asked, True, now, lambda i: self.state.on_register(r, join, i, now, held))

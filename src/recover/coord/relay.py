@@ -70,6 +70,7 @@ from recover.coord.protocol import (
     RELEASE,
     SERVER_TYPES,
     ProtocolError,
+    batch_message,
     encode,
     register_ranks,
 )
@@ -368,8 +369,8 @@ class Relay:
             return
         beats, self._beats = self._beats, {}
         ranks = sorted(beats)
-        self._send_up({"type": "hbs", "ranks": ranks, "progress": [beats[k][0] for k in ranks],
-                       "activity": "".join(beats[k][1] for k in ranks), "generation": [beats[k][2] for k in ranks]})
+        self._send_up(batch_message(ranks, [beats[k][0] for k in ranks], "".join(beats[k][1] for k in ranks),
+                                    [beats[k][2] for k in ranks], self.ranks))
 
     def _read_up(self) -> None:
         try:

@@ -36,7 +36,9 @@ encoded once, whatever the number of connections; the open-files limit is raised
 at start, and a job that needs more connections than it allows is refused before anything binds.
 Long-lived objects (torch's modules, every registered rank's records) are moved out of the garbage
 collector's reach (``gc.freeze``) at start and whenever a generation forms, so that a full collection
-over them (tens to hundreds of ms) never lands inside a failure round.
+over them (tens to hundreds of ms) never lands inside a failure round; the event log reaches the disk
+(``fsync``) between two turns of the loop, after their frames went out, and not while a failure round
+waits for its acks.
 """
 
 from __future__ import annotations
@@ -144,7 +146,7 @@ class Coordinator:
         self._req_port = port
         self._req_store_port = store_port
         self._token = token
-        self._events = EventLog(events_path) if events_path else None
+        self._events = EventLog(events_path, deferred_sync=True) if events_path else None  # synced between turns
         self._on_event = on_event
         self.connections, ranks = scale.job_connections(expected_replicas, ranks_per_replica, per_replica_connections)
         self.heartbeat_interval_s, self.heartbeat_timeout_s = scale.cadence(
@@ -340,6 +342,8 @@ class Coordinator:
                     if agg.state.current is not None:
                         self._joins.formed(agg.state.current, self._lanes_of, now)
                     gc.freeze()
+            if self._events is not None and not agg.state.failing:  # after the turn's frames went out, and never
+                self._events.sync_due()  # while a failure round waits for acks (fsync: 0.3-12 ms on a VM disk)
 
     def _lanes_of(self, replica: int) -> int | None:
         assert self.aggregator is not None
@@ -415,21 +419,26 @@ class Coordinator:
             if isinstance(item, ProtocolError):
                 self._run(agg.on_bad_frame(conn, item, now))
             else:
-                self._run(agg.on_message(conn, item, now))
+                out = agg.on_message(conn, item, now)
+                if out:  # most messages (heartbeats, acks of a round still open) ask for nothing
+                    self._run(out)
 
     # ------------------------------------------------------------- actions
 
     def _run(self, actions: list[Out]) -> None:
         frames: dict[int, bytes] = {}  # a notice to every member is one dict: encoded once (ids stay valid
-        for act in actions:            # while ``actions`` holds the messages)
+        dying = self.die_at_commit is not None  # while ``actions`` holds the messages)
+        for act in actions:
             if isinstance(act, SendTo):
-                self._maybe_die(act.msg, before=True)
+                if dying:
+                    self._maybe_die(act.msg, before=True)
                 frame = frames.get(id(act.msg))
                 if frame is None:
                     frame = frames[id(act.msg)] = encode(act.msg)
                 assert isinstance(act.conn, FramedConn)  # the logic's connections are this server's
                 self._send(act.conn, frame)
-                self._maybe_die(act.msg, before=False)
+                if dying:
+                    self._maybe_die(act.msg, before=False)
             elif isinstance(act, Close):
                 assert isinstance(act.conn, FramedConn)
                 self._close(act.conn)
@@ -447,6 +456,9 @@ class Coordinator:
 
     def _send(self, conn: FramedConn, frame: bytes) -> None:
         if conn.closed:
+            return
+        if not conn.out:  # nothing queued: straight to the socket (what it does not take is queued)
+            conn.send(frame)
             return
         conn.out += frame
         if len(conn.out) > MAX_OUTBUF:

@@ -69,14 +69,16 @@ class Slot:
     registered: bool = False
     resume: dict[int, Resume] = field(default_factory=dict)  # rank -> what it holds (a restarted coordinator)
     routes: dict[int, list[Asked]] = field(default_factory=dict)  # forwarded id -> who asked
-    seen: dict[int, float] = field(default_factory=dict)  # relay: rank -> its newest entry in a batched heartbeat
+    seen: list[float] = field(default_factory=list)  # relay: by rank, its newest entry in a batched heartbeat
     conns: list[Link] = field(default_factory=list)  # its distinct connections (a relay: one), for pushes
     probe: str | None = None  # rank 0's link probe listener, host:port (its register's ``probe``)
     pids: set[int] = field(default_factory=set)  # its registered processes' PIDs (a relay's: its rank 0's)
     member: Member[Asked] = field(init=False)
+    order: list[int] = field(init=False)  # its ranks in rank order: a batched heartbeat of every rank names these
 
     def __post_init__(self) -> None:
         self.member = Member(self.replica, self.ranks, self.join)
+        self.order = list(range(self.ranks))
 
     def who(self, rank: int) -> str:
         return self.member.who(rank)

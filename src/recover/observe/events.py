@@ -10,7 +10,10 @@ counted) that every later write tries again, in order, after one warning line on
 short by a full disk is completed, never duplicated. A file that a killed writer left torn is closed
 with a newline before the first new record. A file removed under its writer (the run directory deleted
 while the job runs) is created again at its path with the next record. Records reach the storage
-(``fsync``) at most :data:`SYNC_S` after they are written, and at ``close``.
+(``fsync``) at most :data:`SYNC_S` after they are written, and at ``close``: with the first record written
+that long after the last ``fsync``, or, for a writer made with ``deferred_sync`` (the coordinator's, whose
+loop must not wait for the disk in the middle of a failure round), at the first :meth:`JsonlWriter.sync_due`
+that long after it (its owner calls it between two turns of its loop).
 """
 
 from __future__ import annotations
@@ -38,10 +41,12 @@ it closes: a power loss takes the records since (about the last second's of a bu
 class JsonlWriter:
     """Appends JSON objects to ``path``, one per line (see the module docstring)."""
 
-    def __init__(self, path: str | os.PathLike[str], sync_s: float = SYNC_S) -> None:
+    def __init__(self, path: str | os.PathLike[str], sync_s: float = SYNC_S, deferred_sync: bool = False) -> None:
         self.path = Path(path)
         self.sync_s = sync_s
         self._synced = time.monotonic()
+        self._deferred = deferred_sync
+        self._dirty = False  # written since the last fsync (a deferred writer's sync_due syncs it)
         self.path.parent.mkdir(parents=True, exist_ok=True)
         self._lock = threading.Lock()
         self._file = open(self.path, "ab", buffering=0)  # noqa: SIM115 - closed in close()
@@ -95,7 +100,18 @@ class JsonlWriter:
             self._backlog.popleft()
             self._sent = 0
         self._failing = None
-        if time.monotonic() - self._synced >= self.sync_s:
+        if self._deferred:
+            self._dirty = True
+        elif time.monotonic() - self._synced >= self.sync_s:
+            self._sync()
+
+    def sync_due(self) -> None:
+        """A ``deferred_sync`` writer: fsyncs what was written since the last fsync, if that was ``sync_s`` or
+        more ago (cheap when nothing was written)."""
+        if not self._dirty or time.monotonic() - self._synced < self.sync_s:
+            return
+        with self._lock:
+            self._dirty = False
             self._sync()
 
     def _sync(self) -> None:
