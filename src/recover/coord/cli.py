@@ -323,12 +323,6 @@ def run(args: argparse.Namespace) -> int:
                                        "--store-port" if store_failed else "--port", exc)) from None
     if endpoint is not None:
         endpoint.start(lambda: render(metrics.families(coord.snapshot())))
-    print(json.dumps({"ready": True, "host": args.host, "advertise_host": coord.advertise_host, "port": coord.port,
-                      "store_port": coord.store_port,
-                      **({"metrics_port": endpoint.port} if endpoint is not None else {}),
-                      "heartbeat_s": coord.heartbeat_interval_s, "heartbeat_timeout_s": coord.heartbeat_timeout_s}),
-          flush=True)
-
     asked: list[float] = []  # when a signal asked for the stop
 
     def stop_job(signum: int, frame: Any) -> None:
@@ -340,9 +334,14 @@ def run(args: argparse.Namespace) -> int:
         asked.append(now)
         coord.request_stop()
 
-    signal.signal(signal.SIGTERM, stop_job)
+    signal.signal(signal.SIGTERM, stop_job)  # before the ready line: whoever read it may signal at once
     signal.signal(signal.SIGINT, stop_job)
-    try:
+    try:  # a signal from whoever read the ready line ends in the lease's release too
+        print(json.dumps({"ready": True, "host": args.host, "advertise_host": coord.advertise_host,
+                          "port": coord.port, "store_port": coord.store_port,
+                          **({"metrics_port": endpoint.port} if endpoint is not None else {}),
+                          "heartbeat_s": coord.heartbeat_interval_s,
+                          "heartbeat_timeout_s": coord.heartbeat_timeout_s}), flush=True)
         coord.serve_forever()
     except KeyboardInterrupt:
         pass
