@@ -215,6 +215,7 @@ def test_a_partial_partition_fences_one_side_within_the_bound_and_training_stays
     assert losses(job.run) == losses(reference)  # bitwise, every step
 
 
+@pytest.mark.long  # started first: among the suite's longest
 def test_a_replica_fenced_for_a_cut_joins_again_only_once_its_link_is_mended(
         net: Routed, reference: Path, tmp_path: Path) -> None:
     """Replica 2, fenced for its cut with 1, is started again by hand (``--join``) while the cut lasts: it is

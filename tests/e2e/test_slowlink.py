@@ -65,6 +65,7 @@ def step_times(run: Path) -> dict[int, float]:
     return {rec["step"]: rec["time_s"] for rec in map(json.loads, (run / "metrics.jsonl").read_text().splitlines())}
 
 
+@pytest.mark.long  # started first: among the suite's longest
 def test_a_slow_link_is_fenced_with_its_cause_named_and_readmitted_once_it_recovered(
         net: Routed, reference: Path, tmp_path: Path) -> None:  # noqa: F811 (the imported fixture)
     if shutil.which("tc") is None:
