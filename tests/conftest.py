@@ -56,6 +56,12 @@ def unit_tier_is_in_process(request: pytest.FixtureRequest, monkeypatch: pytest.
             monkeypatch.setattr(owner, name, _no_process)
 
 
+NO_PLOTS = "--observe.plots=false"
+"""What a test's `recover launch` passes unless the test is about the plots: matplotlib's second of CPU at each
+job's end is the suite's to spare (tests/e2e/test_launch.py's reference run draws them and checks them, and
+checks that a run asked for none draws none)."""
+
+
 def subprocess_env() -> dict[str, str]:
     env = dict(os.environ)
     env["PYTHONPATH"] = str(SRC) + os.pathsep + env.get("PYTHONPATH", "")

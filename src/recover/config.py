@@ -443,6 +443,9 @@ class ObserveConfig:
     'recover-llm[wandb]'``); ``offline`` keeps them under ``WANDB_DIR`` for ``wandb sync``."""
     wandb_project: str = "recover"
     """The W&B project of those runs."""
+    plots: bool = True
+    """``loss.png``, ``throughput.png`` and ``goodput.png`` drawn into the run directory when the job ends (about
+    a second of CPU for matplotlib); false: none drawn then (``recover report RUN`` draws them any time)."""
 
     def __post_init__(self) -> None:
         _check_choices(self)

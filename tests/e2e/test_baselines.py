@@ -13,13 +13,14 @@ from __future__ import annotations
 import json
 from pathlib import Path
 
-from conftest import run_recover
+from conftest import NO_PLOTS, run_recover
 
 STEPS = 10
 
 
 def test_shrink_drops_only_a_step_whose_all_reduce_broke(corpus: Path, tmp_path: Path) -> None:
-    run_recover(["launch", "--config", "debug", "--replicas", "4", "--steps", str(STEPS), "--out", str(tmp_path),
+    run_recover(["launch", NO_PLOTS,
+                 "--config", "debug", "--replicas", "4", "--steps", str(STEPS), "--out", str(tmp_path),
                  "--no-progress", "--data.path", str(corpus), "--training.eval_every=100", "--baseline", "shrink",
                  "--fail", "1@2:commit", "--fail", "2@4:backward", "--fail", "3@6:idle"], timeout=300)
     rows = [json.loads(line) for line in (tmp_path / "metrics.jsonl").read_text().splitlines()]

@@ -15,14 +15,14 @@ from pathlib import Path
 import pytest
 from test_storage import FULL_AT_SUMMARY  # a launcher whose summary.json the disk refuses
 
-from conftest import ROOT, STOP_GRACE_S, kill_group, subprocess_env
+from conftest import NO_PLOTS, ROOT, STOP_GRACE_S, kill_group, subprocess_env
 from recover.observe.events import read_jsonl
 from recover.train.checkpoints.integrity import list_checkpoints
 
 
 def start(out: Path, corpus: Path, *flags: str) -> subprocess.Popen[str]:
     """``recover launch`` of the debug model in the background (its own session: killed by group at the end)."""
-    cmd = [sys.executable, "-m", "recover", "launch", "--config", "debug", "--out", str(out), "--no-progress",
+    cmd = [sys.executable, "-m", "recover", "launch", NO_PLOTS, "--config", "debug", "--out", str(out), "--no-progress",
            "--data.path", str(corpus), "--device-time-s", "0.05", *flags]
     return subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, env=subprocess_env(),
                             cwd=ROOT, start_new_session=True)
@@ -170,7 +170,8 @@ def test_a_torn_metrics_file_then_resume_recovers_the_committed_steps_from_the_r
     from conftest import run_recover
 
     def launch(out: Path, steps: int, *flags: str) -> subprocess.CompletedProcess[str]:
-        return run_recover(["launch", "--config", "debug", "--replicas", "2", "--steps", str(steps), "--out", str(out),
+        return run_recover(["launch", NO_PLOTS,
+                            "--config", "debug", "--replicas", "2", "--steps", str(steps), "--out", str(out),
                             "--no-progress", "--data.path", str(corpus), "--deterministic",
                             "--training.checkpoint_every=3", *flags], timeout=300, check=False)
 
@@ -299,7 +300,7 @@ def test_every_documented_exit_status_is_provoked_for_real_and_ends_with_its_lin
     pre = [sys.executable, "-c", FULL_AT_SUMMARY] if status == 12 else [sys.executable, "-m", "recover"]
     script = list(flags[flags.index("--"):]) if "--" in flags else []
     flags = flags[:len(flags) - len(script)]
-    cmd = [*pre, "launch", "--config", "debug", "--out", str(out), "--no-progress", "--data.path", str(data),
+    cmd = [*pre, "launch", NO_PLOTS, "--config", "debug", "--out", str(out), "--no-progress", "--data.path", str(data),
            "--device-time-s", "0.02", *flags, *script]
     proc = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, env=subprocess_env(),
                             cwd=ROOT, start_new_session=True)
@@ -326,7 +327,7 @@ def test_a_learning_rate_that_sends_every_replica_to_infinity_is_a_divergence_st
     from conftest import run_recover
 
     out = tmp_path / "run"
-    res = run_recover(["launch", "--config", "debug", "--replicas", "3", "--steps", "6", "--out", str(out),
+    res = run_recover(["launch", NO_PLOTS, "--config", "debug", "--replicas", "3", "--steps", "6", "--out", str(out),
                        "--no-progress", "--data.path", str(corpus), "--training.lr", "1e30",
                        "--training.warmup_steps", "0"], timeout=300, check=False)
     assert res.returncode == 9, res.stderr[-3000:]

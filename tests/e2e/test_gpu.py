@@ -14,7 +14,7 @@ from pathlib import Path
 import pytest
 import torch
 
-from conftest import losses, run_recover
+from conftest import NO_PLOTS, losses, run_recover
 from recover.launch.placement import visible_gpus
 
 GPUS = torch.cuda.device_count() if torch.cuda.is_available() else 0
@@ -30,7 +30,7 @@ def rows(run: Path) -> list[dict]:
 
 
 def launch(out: Path, corpus: Path, *extra: str) -> list[dict]:
-    run_recover(["launch", "--config", "debug", "--replicas", "2", "--steps", str(STEPS), "--out", str(out),
+    run_recover(["launch", NO_PLOTS, "--config", "debug", "--replicas", "2", "--steps", str(STEPS), "--out", str(out),
                  "--no-progress", "--data.path", str(corpus), "--deterministic", *extra], timeout=600)
     recs = rows(out)
     assert [r["step"] for r in recs] == list(range(STEPS)) and all(r["microbatches"] == M for r in recs)

@@ -21,7 +21,7 @@ from pathlib import Path
 
 import pytest
 
-from conftest import losses, max_rel_diff, refusal, run_recover, subprocess_env
+from conftest import NO_PLOTS, losses, max_rel_diff, refusal, run_recover, subprocess_env
 
 STEPS = 24
 M = 8
@@ -45,10 +45,10 @@ def second_source(corpus: Path) -> Path:
     return out
 
 
-def launch(out: Path, corpus: Path, *extra: str, check: bool = True):
-    return run_recover(["launch", "--config", "debug", "--replicas", "4", "--steps", str(STEPS), "--out", str(out),
-                        "--no-progress", *mixture(corpus), "--training.eval_every=20", *extra],
-                       timeout=300, check=check)
+def launch(out: Path, corpus: Path, *extra: str, check: bool = True, plots: bool = False):
+    return run_recover(["launch", *(() if plots else (NO_PLOTS,)), "--config", "debug", "--replicas", "4", "--steps",
+                        str(STEPS), "--out", str(out), "--no-progress", *mixture(corpus), "--training.eval_every=20",
+                        *extra], timeout=300, check=check)
 
 
 def rows(run: Path) -> list[dict]:
@@ -71,7 +71,7 @@ def events(run: Path) -> list[dict]:
 @pytest.fixture(scope="module")
 def reference_det(tmp_path_factory: pytest.TempPathFactory, corpus: Path) -> Path:
     out = tmp_path_factory.mktemp("launch-ref-det")
-    launch(out, corpus, "--deterministic")
+    launch(out, corpus, "--deterministic", plots=True)
     return out
 
 
@@ -89,13 +89,14 @@ def check_run(run: Path, ref: Path, bitwise: bool, kills: int) -> dict:
     summary = json.loads((run / "summary.json").read_text())
     assert summary["committed_steps"] == STEPS and summary["min_microbatches"] == M
     assert len(summary["recoveries"]) >= 1
-    assert (run / "loss.png").is_file() and (run / "throughput.png").is_file()
+    assert not list(run.glob("*.png"))  # observe.plots = false: none drawn
     return summary
 
 
 def test_reference_is_failure_free_and_matches_plain_training(reference_det: Path, corpus: Path,
                                                                tmp_path: Path) -> None:
     assert all(r["live_replicas"] == 4 and r["microbatches"] == M for r in rows(reference_det))
+    assert all((reference_det / name).stat().st_size > 10_000 for name in ("loss.png", "throughput.png", "goodput.png"))
     forks = [e for e in events(reference_det) if e["kind"] == "fork_server"]  # its processes were forked:
     assert [(e["forks"], e["forked"]) for e in forks] == [(True, 5)]  # the coordinator and the 4 workers
     run_recover(["train", "--config", "debug", "--out", str(tmp_path), "--no-progress", *mixture(corpus),
@@ -178,7 +179,7 @@ def test_bad_shards_are_refused_before_anything_starts(corpus: Path, tmp_path: P
         res = run_recover(["prepare", "--verify", str(data), "--quiet"])
         assert "largest token id 256" in res.stdout and (data / ".recover-verified.json").is_file()
     t0 = time.monotonic()
-    res = run_recover(["launch", "--config", "debug", "--replicas", "2", "--out", str(tmp_path / "run"),
+    res = run_recover(["launch", NO_PLOTS, "--config", "debug", "--replicas", "2", "--out", str(tmp_path / "run"),
                        "--no-progress", "--data.path", str(data),
                        *(["--model.vocab_size=256"] if damage == "vocabulary" else [])], check=False)
     assert time.monotonic() - t0 < 5 and res.returncode == 2
@@ -404,7 +405,8 @@ def test_random_hangs_sent_from_outside_are_fenced_reaped_and_rejoined(reference
 def test_a_replica_stuck_after_the_last_step_is_stopped_after_the_grace(corpus: Path, tmp_path: Path) -> None:
     """Replica 1's training thread hangs after the last commit (no peer is left to notice): every step
     is committed, so the launcher gives it fault_tolerance.stop_grace_s to exit, then kills it; exit 0."""
-    res = run_recover(["launch", "--config", "debug", "--replicas", "2", "--steps", "3", "--out", str(tmp_path),
+    res = run_recover(["launch", NO_PLOTS,
+                       "--config", "debug", "--replicas", "2", "--steps", "3", "--out", str(tmp_path),
                        "--no-progress", "--data.path", str(corpus), "--hang", "1@2:idle",
                        "--fault_tolerance.stop_grace_s=1"], timeout=120)
     assert res.returncode == 0 and [r["step"] for r in rows(tmp_path)] == [0, 1, 2]
@@ -451,7 +453,8 @@ def test_every_process_dies_with_a_sigkilled_launcher(corpus: Path, tmp_path: Pa
     """SIGKILL of `recover launch` (no cleanup possible: the kernel ends its children) leaves nothing running."""
     sig = signal.SIGKILL
     run = tmp_path / "run"
-    proc = subprocess.Popen([sys.executable, "-m", "recover", "launch", "--config", "debug", "--replicas", "3",
+    proc = subprocess.Popen([sys.executable, "-m", "recover", "launch", NO_PLOTS,
+                             "--config", "debug", "--replicas", "3",
                              "--steps", "500", "--out", str(run), "--no-progress", "--data.path", str(corpus),
                              "--device-time-s", "0.05", "--rejoin-after", "0"],
                             env=subprocess_env(), start_new_session=True, stdout=subprocess.DEVNULL,
@@ -493,7 +496,8 @@ def _coordinator_pid(run: Path) -> int:
 
 
 def _start_launch(run: Path, corpus: Path, *extra: str) -> subprocess.Popen[bytes]:
-    return subprocess.Popen([sys.executable, "-m", "recover", "launch", "--config", "debug", "--replicas", "4",
+    return subprocess.Popen([sys.executable, "-m", "recover", "launch", NO_PLOTS,
+                             "--config", "debug", "--replicas", "4",
                              "--steps", str(STEPS), "--out", str(run), "--no-progress", *mixture(corpus),
                              "--training.eval_every=20", "--deterministic", "--device-time-s", "0.05", *extra],
                             env=subprocess_env(), start_new_session=True, stdout=subprocess.PIPE,
@@ -657,7 +661,8 @@ def test_nan_everywhere_and_a_two_replica_split_stop_the_job_with_their_state_sa
     assert [p.name for p in (nan / "checkpoints").iterdir()] == ["step_000006"]
 
     split = tmp_path / "split"
-    res = run_recover(["launch", "--config", "debug", "--replicas", "2", "--steps", str(STEPS), "--out", str(split),
+    res = run_recover(["launch", NO_PLOTS,
+                       "--config", "debug", "--replicas", "2", "--steps", str(STEPS), "--out", str(split),
                        "--no-progress", "--data.path", str(corpus), "--deterministic", "--corrupt", "1@5",
                        "--training.checkpoint_every=2", "--training.eval_every=0"], timeout=300, check=False)
     assert res.returncode == 8, res.stderr[-2000:]
@@ -698,7 +703,7 @@ def test_a_token_id_beyond_the_vocabulary_met_in_training_stops_the_job_with_its
     tokens.flush()
     del tokens
     run = tmp_path / "run"
-    res = run_recover(["launch", "--config", "debug", "--replicas", "2", "--steps", "8", "--out", str(run),
+    res = run_recover(["launch", NO_PLOTS, "--config", "debug", "--replicas", "2", "--steps", "8", "--out", str(run),
                        "--no-progress", "--data.path", str(data), "--deterministic"], timeout=300, check=False)
     assert res.returncode == 10, res.stderr[-2000:]
     assert f"{shard.name}: token id 1000 at position {offset} (byte {1024 + 2 * offset}) is out of range for " \

@@ -14,13 +14,13 @@ from pathlib import Path
 
 import pytest
 
-from conftest import losses, run_recover
+from conftest import NO_PLOTS, losses, run_recover
 
 STEPS, M, MUTED, AT = 4, 8, 1, 2
 
 
 def launch(out: Path, corpus: Path, *extra: str) -> None:
-    run_recover(["launch", "--config", "debug", "--replicas", "3", "--steps", str(STEPS), "--out", str(out),
+    run_recover(["launch", NO_PLOTS, "--config", "debug", "--replicas", "3", "--steps", str(STEPS), "--out", str(out),
                  "--no-progress", "--data.path", str(corpus), "--deterministic", "--training.eval_every=0", *extra],
                 timeout=300)
 

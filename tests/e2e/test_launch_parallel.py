@@ -22,7 +22,7 @@ from pathlib import Path
 
 import pytest
 
-from conftest import losses, max_rel_diff, run_recover
+from conftest import NO_PLOTS, losses, max_rel_diff, run_recover
 
 STEPS = 12
 M = 8
@@ -33,7 +33,8 @@ MODEL = ["--model.n_layers=2", "--model.tie_embeddings=false", "--training.eval_
 
 
 def launch(out: Path, corpus: Path, *extra: str, replicas: int = 2) -> None:
-    run_recover(["launch", "--config", "debug", "--replicas", str(replicas), "--steps", str(STEPS), "--out", str(out),
+    run_recover(["launch", NO_PLOTS,
+                 "--config", "debug", "--replicas", str(replicas), "--steps", str(STEPS), "--out", str(out),
                  "--no-progress", "--data.path", str(corpus), *MODEL, *extra], timeout=300)
 
 
@@ -155,7 +156,7 @@ def test_a_killed_a_corrupted_and_a_hung_fsdp_replica_leave_the_run_bitwise_unaf
     bitwise equal to the failure-free run of one replica: the same ids in other pairs inside each replica's
     reduce-scatters change nothing."""
     run = tmp_path / "corrupt"
-    run_recover(["launch", "--config", "debug", "--replicas", "3", "--steps", str(STEPS), "--out", str(run),
+    run_recover(["launch", NO_PLOTS, "--config", "debug", "--replicas", "3", "--steps", str(STEPS), "--out", str(run),
                  "--no-progress", "--data.path", str(corpus), *MODEL, "--fsdp", "2", "--fail", "2@1:backward",
                  "--corrupt", "1@7", "--hang", "0@9:backward", "--fail-rank", "1", "--rejoin-after", "0.2",
                  f"--fault_tolerance.hang_timeout_s={HANG_S}", "--deterministic"], timeout=300)
@@ -184,7 +185,7 @@ def test_a_killed_coordinator_a_corrupted_and_a_hung_pipeline_replica_leave_the_
     replica: other splits of the same ids (3 replicas, then 2, then 1, under the weighted policy) change
     nothing."""
     run = tmp_path / "restart"
-    run_recover(["launch", "--config", "debug", "--replicas", "3", "--steps", str(STEPS), "--out", str(run),
+    run_recover(["launch", NO_PLOTS, "--config", "debug", "--replicas", "3", "--steps", str(STEPS), "--out", str(run),
                  "--no-progress", "--data.path", str(corpus), *MODEL, "--pp", "2", "--kill-coordinator", "4:1",
                  "--corrupt", "2@8", "--hang", "0@10:backward", f"--fault_tolerance.hang_timeout_s={HANG_S}",
                  "--deterministic"], timeout=300)
@@ -213,7 +214,7 @@ def test_a_corrupted_and_a_hung_pipeline_x_tensor_parallel_replica_leave_the_run
     backward (fenced as hung; replica 2 finishes alone). Every step holds M microbatches, bitwise equal to the
     failure-free run of one replica."""
     run = tmp_path / "pp2xtp2"
-    run_recover(["launch", "--config", "debug", "--replicas", "3", "--steps", str(STEPS), "--out", str(run),
+    run_recover(["launch", NO_PLOTS, "--config", "debug", "--replicas", "3", "--steps", str(STEPS), "--out", str(run),
                  "--no-progress", "--data.path", str(corpus), *MODEL, *CONFIGS["pp2xtp2"], "--corrupt", "1@4",
                  "--hang", "0@8:backward", f"--fault_tolerance.hang_timeout_s={HANG_S}",
                  "--deterministic"], timeout=300)

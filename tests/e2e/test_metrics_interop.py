@@ -19,7 +19,7 @@ from pathlib import Path
 
 import pytest
 
-from conftest import run_recover
+from conftest import NO_PLOTS, run_recover
 
 pytestmark = pytest.mark.interop
 event_accumulator = pytest.importorskip("tensorboard.backend.event_processing.event_accumulator",
@@ -35,7 +35,8 @@ def run(tmp_path_factory: pytest.TempPathFactory, corpus: Path) -> Path:
     out = tmp_path_factory.mktemp("metrics") / "job"
     with pytest.MonkeyPatch.context() as mp:
         mp.setenv("WANDB_DIR", str(out.parent / "wandb-dir"))  # the launch's processes inherit it
-        run_recover(["launch", "--config", "debug", "--replicas", "2", "--steps", str(STEPS), "--out", str(out),
+        run_recover(["launch", NO_PLOTS,
+                     "--config", "debug", "--replicas", "2", "--steps", str(STEPS), "--out", str(out),
                      "--no-progress", "--data.path", str(corpus), "--deterministic", "--fail", "1@5:backward",
                      "--rejoin-after", "0", "--device-time-s", "0.1", "--observe.tensorboard", "true",
                      "--observe.wandb", "offline"],

@@ -12,14 +12,15 @@ from pathlib import Path
 
 import pytest
 
-from conftest import ROOT, losses, run_recover
+from conftest import NO_PLOTS, ROOT, losses, run_recover
 
 EXAMPLE = ROOT / "examples" / "train_own.py"
 STEPS, M = 12, 6  # the example's
 
 
 def launch(out: Path, *extra: str, replicas: int = 5) -> list[dict]:
-    run_recover(["launch", "--config", "debug", "--replicas", str(replicas), "--steps", str(STEPS), "--out", str(out),
+    run_recover(["launch", NO_PLOTS,
+                 "--config", "debug", "--replicas", str(replicas), "--steps", str(STEPS), "--out", str(out),
                  "--no-progress", "--deterministic", "--fault_tolerance.hang_timeout_s=3",
                  "--workload.policy=even",  # every replica computes in every step, so each fault lands in its step
                  *extra, "--",
@@ -66,7 +67,8 @@ def test_a_users_fsdp2_inside_each_replica_survives_the_loss_of_a_rank(tmp_path:
     assert alone.returncode == 0, alone.stderr[-2000:]
     expected = [float(line.split()[-1]) for line in alone.stdout.splitlines() if line.startswith("loss")]
     out = tmp_path / "fsdp"
-    run_recover(["launch", "--config", "debug", "--replicas", "2", "--fsdp", "2", "--steps", "8", "--out", str(out),
+    run_recover(["launch", NO_PLOTS,
+                 "--config", "debug", "--replicas", "2", "--fsdp", "2", "--steps", "8", "--out", str(out),
                  "--no-progress", "--deterministic", "--workload.policy=even", "--training.threads=1",
                  "--fail", "1@3:backward", "--fail-rank", "0", "--", sys.executable, str(FSDP_SCRIPT)], timeout=300)
     rows = [json.loads(line) for line in (out / "metrics.jsonl").read_text().splitlines()]
@@ -89,7 +91,8 @@ def test_a_launched_own_loop_saved_and_resumed_through_the_writers_death_is_bitw
     run = tmp_path / "run"
 
     def go(out: Path, steps: int, *extra: str) -> None:
-        run_recover(["launch", "--config", "debug", "--replicas", "3", "--steps", str(steps), "--out", str(out),
+        run_recover(["launch", NO_PLOTS,
+                     "--config", "debug", "--replicas", "3", "--steps", str(steps), "--out", str(out),
                      "--no-progress", "--deterministic", "--workload.policy=even", *extra, "--",
                      sys.executable, str(script)], timeout=300)
 

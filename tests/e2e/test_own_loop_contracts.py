@@ -10,7 +10,7 @@ from pathlib import Path
 
 import pytest
 
-from conftest import ROOT, run_recover
+from conftest import NO_PLOTS, ROOT, run_recover
 
 SCRIPT = ROOT / "tests" / "e2e" / "scripts" / "train_contracts.py"
 
@@ -22,7 +22,8 @@ SCRIPT = ROOT / "tests" / "e2e" / "scripts" / "train_contracts.py"
 def test_a_contract_broken_across_replicas_ends_the_job_at_step_0_naming_the_fix(
         tmp_path: Path, monkeypatch: pytest.MonkeyPatch, broken: str, says: str) -> None:
     monkeypatch.setenv("BREAK", broken)
-    res = run_recover(["launch", "--config", "debug", "--replicas", "2", "--steps", "6", "--out", str(tmp_path),
+    res = run_recover(["launch", NO_PLOTS,
+                       "--config", "debug", "--replicas", "2", "--steps", "6", "--out", str(tmp_path),
                        "--no-progress", "--", sys.executable, str(SCRIPT)], timeout=300, check=False)
     assert res.returncode == 8, res.stderr[-3000:]
     assert says in res.stderr

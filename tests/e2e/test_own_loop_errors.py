@@ -12,7 +12,7 @@ import subprocess
 import sys
 from pathlib import Path
 
-from conftest import ROOT, subprocess_env
+from conftest import NO_PLOTS, ROOT, subprocess_env
 from recover.bench.common import STOP_GRACE_S, kill_group
 
 SCRIPT = ROOT / "tests" / "e2e" / "scripts" / "train_raises.py"
@@ -20,7 +20,8 @@ STEPS, M = 12, 6
 
 
 def launch(out: Path, env: dict[str, str], *extra: str) -> subprocess.CompletedProcess[str]:
-    cmd = [sys.executable, "-m", "recover", "launch", "--config", "debug", "--replicas", "3", "--steps", str(STEPS),
+    cmd = [sys.executable, "-m", "recover", "launch", NO_PLOTS,
+           "--config", "debug", "--replicas", "3", "--steps", str(STEPS),
            "--out", str(out), "--no-progress", "--deterministic", "--workload.policy=even", *extra, "--",
            sys.executable, str(SCRIPT)]
     proc = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, cwd=ROOT,

@@ -12,7 +12,7 @@ from pathlib import Path
 
 import pytest
 
-from conftest import ROOT, losses, run_recover
+from conftest import NO_PLOTS, ROOT, losses, run_recover
 
 pytest.importorskip("transformers", reason="the export extra (transformers) is not installed")
 SCRIPT = ROOT / "tests" / "e2e" / "scripts" / "train_hf.py"
@@ -20,7 +20,7 @@ STEPS, M = 8, 6  # the script's
 
 
 def launch(out: Path, arch: str, *extra: str) -> list[dict]:
-    run_recover(["launch", "--config", "debug", "--replicas", "5", "--steps", str(STEPS), "--out", str(out),
+    run_recover(["launch", NO_PLOTS, "--config", "debug", "--replicas", "5", "--steps", str(STEPS), "--out", str(out),
                  "--no-progress", "--deterministic", "--fault_tolerance.hang_timeout_s=3",
                  "--workload.policy=even",  # every replica computes in every step, so each fault lands in its step
                  *extra, "--",

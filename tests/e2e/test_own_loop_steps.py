@@ -12,13 +12,14 @@ from pathlib import Path
 
 import pytest
 
-from conftest import ROOT, run_recover
+from conftest import NO_PLOTS, ROOT, run_recover
 
 EXAMPLE = ROOT / "examples" / "train_own.py"
 
 
 def test_a_scripts_job_steps_is_the_jobs_step_count(tmp_path: Path) -> None:
-    res = run_recover(["launch", "--config", "debug", "--replicas", "2", "--out", str(tmp_path), "--no-progress",
+    res = run_recover(["launch", NO_PLOTS,
+                       "--config", "debug", "--replicas", "2", "--out", str(tmp_path), "--no-progress",
                        "--", sys.executable, str(EXAMPLE)], timeout=300)  # exits 0 (run_recover checks)
     assert "the script commits 12 steps (its job.steps(12)); the launch said 20: the job is 12 steps" in res.stderr
     rows = [json.loads(line) for line in (tmp_path / "metrics.jsonl").read_text().splitlines()]
@@ -31,7 +32,7 @@ def test_a_scripts_metrics_evaluation_and_lr_scheduler_are_in_the_jobs_records(t
     and 7), a torch LR scheduler given as `lr` is the records' `lr`, through a kill and a rejoin (the joiner
     takes the scheduler's state)."""
     script = ROOT / "tests" / "e2e" / "scripts" / "train_logged.py"
-    run_recover(["launch", "--config", "debug", "--replicas", "2", "--steps", "8", "--out", str(tmp_path),
+    run_recover(["launch", NO_PLOTS, "--config", "debug", "--replicas", "2", "--steps", "8", "--out", str(tmp_path),
                  "--no-progress", "--fail", "1@2:backward", "--rejoin-after", "0", "--", sys.executable,
                  str(script)], timeout=300)
     rows = [json.loads(line) for line in (tmp_path / "metrics.jsonl").read_text().splitlines()]
@@ -52,7 +53,7 @@ def test_loss_scaling_with_an_overflow_is_bitwise_the_failure_free_run_through_a
     for name, extra in (("ref", ["--replicas", "1"]),
                         ("kill", ["--replicas", "3", "--fail", "1@2:backward"])):
         out = tmp_path / name
-        run_recover(["launch", "--config", "debug", "--steps", "8", "--out", str(out), "--no-progress",
+        run_recover(["launch", NO_PLOTS, "--config", "debug", "--steps", "8", "--out", str(out), "--no-progress",
                      "--deterministic", "--workload.policy=even", *extra, "--", sys.executable, str(script)],
                     timeout=300)
         runs[name] = [json.loads(line) for line in (out / "metrics.jsonl").read_text().splitlines()]

@@ -21,7 +21,7 @@ from pathlib import Path
 import pytest
 import torch
 
-from conftest import ROOT, losses, run_recover
+from conftest import NO_PLOTS, ROOT, losses, run_recover
 
 pytest.importorskip("torchtitan", reason="torchtitan is not installed (make test-interop installs it)")
 SCRIPT = ROOT / "tests" / "e2e" / "scripts" / "train_titan.py"
@@ -29,7 +29,8 @@ STEPS, M = 5, 4  # the script's
 
 
 def launch(out: Path, replicas: int, *faults: str) -> list[dict]:
-    run_recover(["launch", "--config", "debug", "--replicas", str(replicas), "--steps", str(STEPS), "--out", str(out),
+    run_recover(["launch", NO_PLOTS,
+                 "--config", "debug", "--replicas", str(replicas), "--steps", str(STEPS), "--out", str(out),
                  "--no-progress", "--deterministic", "--fault_tolerance.hang_timeout_s=3",
                  "--workload.policy=even",  # every replica computes in every step, so each fault lands in its step
                  *faults, "--", sys.executable, str(SCRIPT)], timeout=300)

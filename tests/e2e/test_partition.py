@@ -27,7 +27,7 @@ from pathlib import Path
 
 import pytest
 
-from conftest import losses, run_recover, subprocess_env
+from conftest import NO_PLOTS, losses, run_recover, subprocess_env
 from recover.bench.common import kill_group
 from recover.train.processes.exits import EXIT_FENCED
 
@@ -118,7 +118,8 @@ def net() -> Iterator[Routed]:
 @pytest.fixture(scope="module")
 def reference(tmp_path_factory: pytest.TempPathFactory, corpus: Path) -> Path:
     out = tmp_path_factory.mktemp("partition-ref")
-    run_recover(["launch", "--config", "debug", "--replicas", str(REPLICAS), "--steps", str(STEPS), "--out", str(out),
+    run_recover(["launch", NO_PLOTS,
+                 "--config", "debug", "--replicas", str(REPLICAS), "--steps", str(STEPS), "--out", str(out),
                  "--no-progress", "--data.path", str(corpus), "--deterministic", "--training.eval_every=0"],
                 timeout=300)
     return out

@@ -20,7 +20,7 @@ from pathlib import Path
 
 import pytest
 
-from conftest import ROOT, losses, subprocess_env
+from conftest import NO_PLOTS, ROOT, losses, subprocess_env
 
 SCRIPT = ROOT / "tests" / "e2e" / "scripts" / "train_exits.py"
 STEPS, M = 12, 6  # the script's
@@ -28,7 +28,8 @@ STEPS, M = 12, 6  # the script's
 
 def launch(out: Path, *extra: str, replicas: int = 3, env: dict[str, str] | None = None,
            timeout: float = 240, start_timeout_s: float = 4) -> subprocess.CompletedProcess[str]:
-    cmd = [sys.executable, "-m", "recover", "launch", "--config", "debug", "--replicas", str(replicas), "--steps",
+    cmd = [sys.executable, "-m", "recover", "launch", NO_PLOTS,
+           "--config", "debug", "--replicas", str(replicas), "--steps",
            str(STEPS), "--out", str(out), "--no-progress", "--deterministic", "--workload.policy=even",
            f"--fault_tolerance.start_timeout_s={start_timeout_s}", *extra, "--", sys.executable, str(SCRIPT)]
     return subprocess.run(cmd, capture_output=True, text=True, timeout=timeout, cwd=ROOT,

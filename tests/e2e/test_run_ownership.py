@@ -22,7 +22,7 @@ from pathlib import Path
 
 import pytest
 
-from conftest import losses, run_recover, subprocess_env
+from conftest import NO_PLOTS, losses, run_recover, subprocess_env
 
 STEPS = 16
 M = 8
@@ -31,7 +31,7 @@ BASE = ("--config", "debug", "--replicas", "3", "--steps", str(STEPS), "--no-pro
 
 
 def _args(run: Path, corpus: Path, *extra: str) -> list[str]:
-    return ["launch", *BASE, "--out", str(run), "--data.path", str(corpus), *extra]
+    return ["launch", NO_PLOTS, *BASE, "--out", str(run), "--data.path", str(corpus), *extra]
 
 
 @pytest.fixture(scope="module")

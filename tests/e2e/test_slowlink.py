@@ -28,7 +28,7 @@ from pathlib import Path
 import pytest
 from test_partition import REPLICAS, Job, Routed, generations, net, wait_until  # noqa: F401 (net: the fixture)
 
-from conftest import losses, run_recover
+from conftest import NO_PLOTS, losses, run_recover
 from recover.train.processes.exits import EXIT_FENCED
 
 STEPS = 160
@@ -55,7 +55,8 @@ def limit(routed: Routed, r: int, on: bool = True) -> None:
 @pytest.fixture(scope="module")
 def reference(tmp_path_factory: pytest.TempPathFactory, corpus: Path) -> Path:
     out = tmp_path_factory.mktemp("slowlink-ref")
-    run_recover(["launch", "--config", "debug", "--replicas", str(REPLICAS), "--steps", str(STEPS), "--out", str(out),
+    run_recover(["launch", NO_PLOTS,
+                 "--config", "debug", "--replicas", str(REPLICAS), "--steps", str(STEPS), "--out", str(out),
                  "--no-progress", "--data.path", str(corpus), "--deterministic", "--training.eval_every=0"],
                 timeout=300)
     return out

@@ -15,7 +15,7 @@ from pathlib import Path
 
 import pytest
 
-from conftest import ROOT, losses, run_recover, subprocess_env
+from conftest import NO_PLOTS, ROOT, losses, run_recover, subprocess_env
 from recover.observe.events import read_jsonl
 
 STEPS = 6
@@ -35,7 +35,8 @@ def small_disk(tmp_path: Path) -> Iterator[Path]:
 
 
 def launch(out: Path, corpus: Path, every: str = "2") -> subprocess.CompletedProcess[str]:
-    return run_recover(["launch", "--config", "debug", "--replicas", "2", "--steps", str(STEPS), "--out", str(out),
+    return run_recover(["launch", NO_PLOTS,
+                        "--config", "debug", "--replicas", "2", "--steps", str(STEPS), "--out", str(out),
                         "--no-progress", "--data.path", str(corpus), "--deterministic", "--overwrite",
                         f"--training.checkpoint_every={every}", "--training.checkpoint_async=false"], timeout=300,
                        check=False)
@@ -83,7 +84,8 @@ def test_the_launchers_own_records_refused_by_the_storage_end_with_status_12_and
     # issue 41: the launcher died with an OSError traceback writing summary.json, status 1 and no line
 
     run = tmp_path / "run"
-    res = subprocess.run([sys.executable, "-c", FULL_AT_SUMMARY, "launch", "--config", "debug", "--replicas", "2",
+    res = subprocess.run([sys.executable, "-c", FULL_AT_SUMMARY, "launch", NO_PLOTS,
+                          "--config", "debug", "--replicas", "2",
                           "--steps", "3", "--out", str(run), "--no-progress", "--data.path", str(corpus)],
                          capture_output=True, text=True, timeout=300, env=subprocess_env(), cwd=ROOT)
     assert res.returncode == 12, res.stderr[-3000:]
@@ -118,7 +120,8 @@ def test_the_runs_whole_disk_filling_under_the_job_ends_it_with_status_12_and_it
     import time
 
     run = small_run_disk
-    proc = subprocess.Popen([sys.executable, "-m", "recover", "launch", "--config", "debug", "--replicas", "2",
+    proc = subprocess.Popen([sys.executable, "-m", "recover", "launch", NO_PLOTS,
+                             "--config", "debug", "--replicas", "2",
                              "--steps", "40", "--out", str(run), "--no-progress", "--data.path", str(corpus),
                              "--device-time-s", "0.05", "--training.checkpoint_every=5"],
                             stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, env=subprocess_env(), cwd=ROOT,

@@ -215,9 +215,10 @@ def committed(run_dir: Path, steps: int) -> Callable[[], bool]:
 
 def launch_run(out: Path, config: str, replicas: int, steps: int, fails: Iterable[str] = (),
                baseline: str | None = None, overrides: Sequence[str] = (), timeout_s: float = 1800.0) -> int:
-    """``recover launch`` of one system into ``out`` (its console output in ``out.log``)."""
+    """``recover launch`` of one system into ``out`` (its console output in ``out.log``); the run draws no plots
+    of its own (the bench draws its comparisons; ``recover report OUT`` draws a run's)."""
     cmd = recover_cmd("launch", "--config", config, "--replicas", str(replicas), "--steps", str(steps),
-                      "--out", str(out), "--no-progress")
+                      "--out", str(out), "--no-progress", "--observe.plots=false")
     for spec in fails:
         cmd += ["--fail", str(spec)]
     if baseline:

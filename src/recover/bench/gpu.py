@@ -259,7 +259,7 @@ def run_system(system: str, preset: str, out: Path, args: argparse.Namespace, vo
             raise RuntimeError(f"the plain loop of {preset} exited {code}: see {log}")
         return json.loads(result.read_text())
     run = out / system
-    common = ("--config", preset, "--out", str(run), "--no-progress", "--overwrite")
+    common = ("--config", preset, "--out", str(run), "--no-progress", "--overwrite", "--observe.plots=false")
     cmd = recover_cmd("train", *common, *extra) if system == "train" else \
         recover_cmd("launch", *common, "--replicas", "1", *one_gpu(args.device), *extra)
     code = run_child(cmd, log, args.timeout)
@@ -308,7 +308,8 @@ def kill_run(preset: str, out: Path, args: argparse.Namespace, vocab_size: int, 
     run = out / "kill"
     extra = [o for o in overrides(args, vocab_size, steps=total) if not o.startswith("--parallel.replicas")]
     cmd = recover_cmd("launch", "--config", preset, "--replicas", "2", "--out", str(run), "--no-progress",
-                      "--overwrite", "--fail", f"1@{step}:backward", "--rejoin-after", "0", *extra)
+                      "--overwrite", "--observe.plots=false", "--fail", f"1@{step}:backward", "--rejoin-after", "0",
+                      *extra)
     if args.device == "cuda":
         cmd += [*one_gpu(args.device), "--share-gpus"]
     code = run_child(cmd, out / "kill.log", args.timeout)

@@ -578,7 +578,8 @@ def _report(launcher: Launcher, opts: LaunchOptions, reference: Path | None) -> 
             for rec in summary["recoveries"]:
                 events.event(Event.RECOVERY, **rec)
     try:
-        plot_run(out, reference)
+        if opts.config.observe.plots:
+            plot_run(out, reference)
     except Exception as exc:  # a plot never fails a run
         print(f"warning: plots not written: {exc}", file=sys.stderr)
     with contextlib.suppress(OSError):

@@ -158,9 +158,10 @@ def train(cfg: Config, out: str | os.PathLike[str], ctx: DistContext | None = No
         summary["goodput"] = goodput(load_metrics(out), []).to_dict()  # no launch events: first step to last
         (out / "summary.json").write_text(json.dumps(summary, indent=1))
         try:
-            from recover.observe.plots import plot_loss
+            if cfg.observe.plots:
+                from recover.observe.plots import plot_loss
 
-            plot_loss(out)
+                plot_loss(out)
         except Exception as exc:  # a plot must never fail a run
             print(f"warning: loss plot not written: {exc}", flush=True)
     return summary
