@@ -31,12 +31,19 @@ def child_env(env: dict[str, str] | None = None) -> dict[str, str]:
 def die_with_launcher() -> None:
     """In a child of ``recover launch``: die when the launcher dies (see the module docstring)."""
     launcher = os.environ.get(ENV)
-    if not launcher or not sys.platform.startswith("linux"):
+    if launcher:
+        die_with(int(launcher))
+
+
+def die_with(parent: int) -> None:
+    """Asks the kernel to SIGKILL this process when its parent ``parent`` dies (Linux; elsewhere nothing), and
+    exits at once if it already has."""
+    if not sys.platform.startswith("linux"):
         return
     try:
         libc = ctypes.CDLL(None, use_errno=True)
         libc.prctl(_PR_SET_PDEATHSIG, signal.SIGKILL)
     except (OSError, AttributeError):
         return
-    if os.getppid() != int(launcher):  # it died before the request took effect
+    if os.getppid() != parent:  # it died before the request took effect
         os._exit(1)

@@ -39,7 +39,6 @@ Contract:
 
 from __future__ import annotations
 
-import ctypes
 import importlib
 import mmap
 import os
@@ -60,13 +59,13 @@ import torch
 
 from recover import forking
 from recover.errors import CheckpointError
+from recover.lifeline import die_with
 
 NICE = 19
 """How much lower the writer's CPU priority is than training's where the idle class is not available."""
 ORPHAN_POLL_S = 0.2
 """How often the writer checks that the process it writes for is alive."""
 _ALIGN = 64
-_PR_SET_PDEATHSIG = 1
 _HEADER = struct.Struct("<Q")
 
 
@@ -229,7 +228,8 @@ class _Child:
         if forking.unsafe() is not None:
             return None
         mine, theirs = socket.socketpair()
-        parent, args = os.getpid(), [sys.executable, "-m", __name__, str(theirs.fileno()), str(os.getpid())]
+        parent = os.getpid()
+        args = [sys.executable, "-m", __name__, str(theirs.fileno()), str(parent)]
         sys.stdout.flush()
         sys.stderr.flush()
         pid = os.fork()
@@ -453,7 +453,7 @@ def _forked_main(sock: socket.socket, parent: int, args: list[str]) -> int:
     import gc
 
     gc.freeze()  # the parent's objects, garbage included, are never collected here (one could close an fd)
-    _die_with(parent)
+    die_with(parent)  # else the watching thread of :func:`main` still ends it
     for sig in (signal.SIGTERM, signal.SIGHUP, signal.SIGUSR1, signal.SIGUSR2, signal.SIGQUIT):
         signal.signal(sig, signal.SIG_DFL)
     signal.signal(signal.SIGINT, signal.default_int_handler)
@@ -462,16 +462,6 @@ def _forked_main(sock: socket.socket, parent: int, args: list[str]) -> int:
     os.closerange(fd + 1, os.sysconf("SC_OPEN_MAX"))
     forking.retitle(args)
     return main([str(fd), str(parent)])
-
-
-def _die_with(parent: int) -> None:
-    """Asks the kernel to SIGKILL this process when ``parent`` ends (Linux), and exits if it already has."""
-    try:
-        ctypes.CDLL(None, use_errno=True).prctl(_PR_SET_PDEATHSIG, signal.SIGKILL)
-    except (OSError, AttributeError):
-        pass  # the watching thread of :func:`main` still ends it
-    if os.getppid() != parent:
-        os._exit(1)
 
 
 def main(argv: list[str]) -> int:
