@@ -1,10 +1,10 @@
-"""The README's example loop, whose replica EXIT_REPLICA ends itself: EXIT_WHEN `start` (before it registers:
-before the first generation) or a step number (as that step begins), EXIT_HOW `2`, `1` or `segv`; only
-EXIT_TIMES times (counted in the file EXIT_COUNT; default: every time). EXIT_HOW `release` or
-`wire` instead makes it register as another recover release, or speak another wire protocol; `clock` steps its
-wall clock an hour forward (as NTP may); `oom` moves it into the memory cgroup OOM_CGROUP at the start and
-allocates far beyond that cgroup's limit at EXIT_WHEN (the kernel's OOM killer ends it). Run by
-tests/e2e/test_replica_exits.py under `recover launch -- python THIS`."""
+"""The README's example loop, whose replicas named in EXITS end themselves. EXITS is a JSON object, replica id
+-> {"when", "how", "times"}: `when` is `start` (before it registers: before the first generation) or a step
+number (as that step begins), `how` is `2`, `1` or `segv`; only `times` times (counted in the file
+EXIT_COUNT.R; default: every time). `how` `release` or `wire` instead makes it register as another recover
+release, or speak another wire protocol; `clock` steps its wall clock an hour forward (as NTP may); `oom` moves
+it into the memory cgroup OOM_CGROUP at the start and allocates far beyond that cgroup's limit at `when` (the
+kernel's OOM killer ends it). Run by tests/e2e/test_replica_exits.py under `recover launch -- python THIS`."""
 import json
 import os
 import signal
@@ -18,19 +18,20 @@ import recover
 
 V, T, B, M, STEPS = 96, 32, 4, 6, 12
 me = json.loads(os.environ["RECOVER_WORKER"])["replica"]
-doomed = me == int(os.environ["EXIT_REPLICA"])
+mine = json.loads(os.environ.get("EXITS", "{}")).get(str(me))
+doomed = mine is not None
 
 
 def maybe_exit(now: str) -> None:
-    if not doomed or os.environ["EXIT_WHEN"] != now:
+    if not doomed or mine["when"] != now:
         return
-    count = Path(os.environ["EXIT_COUNT"])
+    count = Path(f"{os.environ['EXIT_COUNT']}.{me}")
     times = int(count.read_text()) if count.exists() else 0
-    if times >= int(os.environ.get("EXIT_TIMES", "1000")):
+    if times >= int(mine.get("times", 1000)):
         return
     count.write_text(str(times + 1))
-    print(f"replica {me}: ending itself ({os.environ['EXIT_HOW']}) at {now}, time {times + 1}", flush=True)
-    how = os.environ["EXIT_HOW"]
+    how = mine["how"]
+    print(f"replica {me}: ending itself ({how}) at {now}, time {times + 1}", flush=True)
     if how == "oom":  # the kernel ends it
         print(f"replica {me}: allocating beyond its cgroup's limit", flush=True)
         hog = bytearray(8 << 30)  # zero-filled: every page touched
@@ -72,7 +73,7 @@ def sample(step: int, i: int) -> tuple[torch.Tensor, torch.Tensor]:
     return tokens[:, :-1], tokens[:, 1:]
 
 
-if doomed and os.environ["EXIT_HOW"] == "oom":
+if doomed and mine["how"] == "oom":
     Path(os.environ["OOM_CGROUP"], "cgroup.procs").write_text(str(os.getpid()))
 maybe_exit("start")
 rt = recover.init()
