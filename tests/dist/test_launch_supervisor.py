@@ -79,3 +79,26 @@ def test_rejoins_go_on_with_every_replica_lost_but_not_once_one_ended_the_job(tm
     finally:
         sup.kill_all()
     events.close()
+
+
+def test_a_fence_of_a_replaced_process_never_reaps_its_replacement(tmp_path: Path) -> None:
+    """Replica 0 is fenced while its process runs; the process exits and a new one takes replica 0 before the
+    next reap: the old fence is not the new process's (it was SIGKILLed fence_exit_s + 1 s after its start)."""
+    cfg = load_config("debug", ["--parallel.replicas=2"])
+    events = EventLog(tmp_path / "events.jsonl")
+    sup = Supervisor(LaunchOptions(config=cfg, out=tmp_path, rejoin_after_s=0.0, script=("sleep", "60")), events,
+                     say=print)
+    sup.replicas = {rid: sleeper(tmp_path, rid) for rid in range(2)}
+    try:
+        now, grace = time.time(), cfg.fault_tolerance.fence_exit_s + 1.0
+        sup.on_event({"t": now, "kind": "failure_detected", "replica": 0, "cause": "hang"}, now)
+        old = sup.replicas[0]
+        old.kill()
+        sup._start_replica(0, join=True)  # what poll does at once with --rejoin-after 0
+        assert sup.replicas[0] is not old and sup.replicas[0].running()
+        sup.reap_fenced(now + grace)
+        assert sup.replicas[0].running(), "the replacement was reaped for its predecessor's fence"
+    finally:
+        sup.kill_all()
+    events.close()
+    assert "reaped" not in [e["kind"] for e in read_jsonl(tmp_path / "events.jsonl")]

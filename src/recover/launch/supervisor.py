@@ -269,6 +269,7 @@ class Supervisor:
             ranks = self._spawn(self.cmds.replica(self.addr, self.resume, rid, join), f"replica_{rid}",
                                 self.devices_of(rid))
         self.replicas[rid] = ReplicaProcesses(rid, ranks, time.time(), join)
+        self.fenced_at.pop(rid, None)  # a fence of the process this one replaces: never this one's to reap
         for rank in ranks:
             self.memory.see(rank.proc.pid)
         if join or (again and not self.formed):
