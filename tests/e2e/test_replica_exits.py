@@ -87,7 +87,10 @@ def test_replicas_that_exit_once_are_replaced(reference: Path, tmp_path: Path) -
     """Five replicas, four of which exit once (``ONCE``), with --rejoin-after 0: each is restarted, the one that
     exited before the first generation as one of its members, the others to join after their exits."""
     out = tmp_path / "run"
-    done = launch(out, "--rejoin-after", "0", replicas=5, env=plan(*((*e, 1) for e in ONCE)), start_timeout_s=120)
+    # each step 0.15 s longer (changes no number): the steps after the last exit outlast the launcher's seeing it
+    # and starting its replacement
+    done = launch(out, "--rejoin-after", "0", replicas=5, start_timeout_s=120,
+                  env={**plan(*((*e, 1) for e in ONCE)), "STEP_PAUSE_S": "0.15"})
     rows = finished_bitwise(done, out, reference)
     ev = events(out)
     for replica, when, how in ONCE:

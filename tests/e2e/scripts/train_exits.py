@@ -4,11 +4,13 @@ number (as that step begins), `how` is `2`, `1` or `segv`; only `times` times (c
 EXIT_COUNT.R; default: every time). `how` `release` or `wire` instead makes it register as another recover
 release, or speak another wire protocol; `clock` steps its wall clock an hour forward (as NTP may); `oom` moves
 it into the memory cgroup OOM_CGROUP at the start and allocates far beyond that cgroup's limit at `when` (the
-kernel's OOM killer ends it). Run by tests/e2e/test_replica_exits.py under `recover launch -- python THIS`."""
+kernel's OOM killer ends it). STEP_PAUSE_S makes each step that much longer. Run by
+tests/e2e/test_replica_exits.py under `recover launch -- python THIS`."""
 import json
 import os
 import signal
 import sys
+import time
 from pathlib import Path
 
 import torch
@@ -82,8 +84,10 @@ model = TinyLM().to(rt.device)
 optimizer = torch.optim.AdamW(model.parameters(), lr=3e-3)
 job = recover.Job(model, optimizer, samples=sample, microbatches=M, lr=lambda s: 3e-3 * min(1.0, (s + 1) / 4),
                   clip=1.0, tokens_per_microbatch=B * T)
+pause = float(os.environ.get("STEP_PAUSE_S", "0"))  # a slower step (changes no number)
 for step in job.steps(STEPS):
     maybe_exit(str(step.index))
+    time.sleep(pause)
     for mb in step:
         x, y = mb.batch
         mb.backward(nn.functional.cross_entropy(model(x).flatten(0, 1), y.flatten()))
