@@ -13,6 +13,7 @@ from pathlib import Path
 import pytest
 
 from conftest import SRC
+from recover import forking
 from recover.launch import forkserver
 from recover.launch.processes import spawn
 
@@ -61,7 +62,7 @@ def test_a_forked_command_is_our_child_set_up_as_asked_and_outlives_the_server(s
 
 
 def _check_forked(server, proc, cmd: list[str], tmp_path: Path, work: Path, extra) -> None:
-    assert isinstance(proc, forkserver.Forked) and server.forked == 1
+    assert isinstance(proc, forking.Forked) and server.forked == 1
     _wait_for(lambda: b'"port"' in (tmp_path / "out.log").read_bytes())  # its ready record, on the stdout given
     pid = proc.pid
     stat = Path(f"/proc/{pid}/stat").read_text().rpartition(")")[2].split()
