@@ -306,6 +306,20 @@ def test_a_killed_writer_process_fails_its_save_and_the_next_state_starts_anothe
     writer.close()
 
 
+def gone_within(pid: int, seconds: float) -> bool:
+    """Whether process ``pid`` has ended (gone, or a zombie nobody reaped yet) within ``seconds``."""
+    deadline = time.monotonic() + seconds
+    while True:
+        try:
+            if "Z" in Path(f"/proc/{pid}/stat").read_text().rpartition(")")[2].split()[0]:
+                return True
+        except FileNotFoundError:
+            return True
+        if time.monotonic() >= deadline:
+            return False
+        time.sleep(0.01)
+
+
 WRITER_PARENT = """
 import sys, time, torch
 from torch import nn
@@ -330,11 +344,7 @@ def test_the_writer_process_ends_with_the_process_it_writes_for(tmp_path: Path) 
         child = int(proc.stdout.readline())
         os.kill(proc.pid, signal.SIGKILL)
         proc.wait(30)
-        deadline = time.monotonic() + 10
-        while Path(f"/proc/{child}").exists() and time.monotonic() < deadline:
-            time.sleep(0.05)
-        gone = not Path(f"/proc/{child}").exists() or "Z" in Path(f"/proc/{child}/stat").read_text().split()[2]
-        assert gone, f"the writer process {child} outlived its parent by 10 s"
+        assert gone_within(child, 10), f"the writer process {child} outlived its parent by 10 s"
     finally:
         try:
             os.killpg(proc.pid, signal.SIGKILL)
@@ -403,13 +413,7 @@ def test_a_writer_forked_at_the_start_is_taken_ready_writes_and_dies_with_its_pa
         assert fresh[0].weight[0, 0].item() == got["value"]
         os.kill(proc.pid, signal.SIGKILL)
         proc.wait(30)
-        deadline = time.monotonic() + 2
-        while Path(f"/proc/{got['pid']}").exists() and time.monotonic() < deadline:
-            if "Z" in Path(f"/proc/{got['pid']}/stat").read_text().split()[2]:
-                break
-            time.sleep(0.01)
-        else:
-            assert not Path(f"/proc/{got['pid']}").exists(), "the forked writer outlived its parent by 2 s"
+        assert gone_within(got["pid"], 2), "the forked writer outlived its parent by 2 s"
     finally:
         try:
             os.killpg(proc.pid, signal.SIGKILL)

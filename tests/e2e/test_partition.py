@@ -115,14 +115,18 @@ def net() -> Iterator[Routed]:
         assert not [ns for ns in routed.made if Path(f"/run/netns/{ns}").exists()]
 
 
-@pytest.fixture(scope="module")
-def reference(tmp_path_factory: pytest.TempPathFactory, corpus: Path) -> Path:
-    out = tmp_path_factory.mktemp("partition-ref")
+def failure_free(out: Path, corpus: Path, steps: int) -> Path:
+    """The failure-free run (``recover launch``) the namespaced jobs of ``steps`` steps are compared with."""
     run_recover(["launch", NO_PLOTS,
-                 "--config", "debug", "--replicas", str(REPLICAS), "--steps", str(STEPS), "--out", str(out),
+                 "--config", "debug", "--replicas", str(REPLICAS), "--steps", str(steps), "--out", str(out),
                  "--no-progress", "--data.path", str(corpus), "--deterministic", "--training.eval_every=0"],
                 timeout=300)
     return out
+
+
+@pytest.fixture(scope="module")
+def reference(tmp_path_factory: pytest.TempPathFactory, corpus: Path) -> Path:
+    return failure_free(tmp_path_factory.mktemp("partition-ref"), corpus, STEPS)
 
 
 class Job:

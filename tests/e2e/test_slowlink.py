@@ -26,9 +26,9 @@ import time
 from pathlib import Path
 
 import pytest
-from test_partition import REPLICAS, Job, Routed, generations, net, wait_until  # noqa: F401 (net: the fixture)
+from test_partition import REPLICAS, Job, Routed, failure_free, generations, net, wait_until  # noqa: F401 (net: the fixture)
 
-from conftest import NO_PLOTS, losses, run_recover
+from conftest import losses, run_recover
 from recover.train.processes.exits import EXIT_FENCED
 
 STEPS = 160
@@ -54,12 +54,7 @@ def limit(routed: Routed, r: int, on: bool = True) -> None:
 
 @pytest.fixture(scope="module")
 def reference(tmp_path_factory: pytest.TempPathFactory, corpus: Path) -> Path:
-    out = tmp_path_factory.mktemp("slowlink-ref")
-    run_recover(["launch", NO_PLOTS,
-                 "--config", "debug", "--replicas", str(REPLICAS), "--steps", str(STEPS), "--out", str(out),
-                 "--no-progress", "--data.path", str(corpus), "--deterministic", "--training.eval_every=0"],
-                timeout=300)
-    return out
+    return failure_free(tmp_path_factory.mktemp("slowlink-ref"), corpus, STEPS)
 
 
 def step_times(run: Path) -> dict[int, float]:
