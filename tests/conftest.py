@@ -28,6 +28,7 @@ from typing import Any
 
 import pytest
 
+import warmstart
 from recover.bench.common import STOP_GRACE_S, kill_group
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -69,16 +70,17 @@ def subprocess_env() -> dict[str, str]:
     return env
 
 
-def run_recover(args: list[str], nproc: int | None = None, timeout: float = 240,
-                check: bool = True) -> subprocess.CompletedProcess[str]:
-    """Runs ``recover ARGS`` (under torchrun with ``nproc`` ranks when given) and returns the result."""
+def run_recover(args: list[str], nproc: int | None = None, timeout: float = 240, check: bool = True,
+                fresh: bool = False) -> subprocess.CompletedProcess[str]:
+    """Runs ``recover ARGS`` (under torchrun with ``nproc`` ranks when given) and returns the result; forked from
+    the warm interpreter of :mod:`warmstart` unless ``fresh``."""
     if nproc:
         cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", f"--nproc-per-node={nproc}",
                "-m", "recover", *args]
     else:
         cmd = [sys.executable, "-m", "recover", *args]
-    proc = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, env=subprocess_env(),
-                            cwd=ROOT, start_new_session=True)
+    proc = warmstart.popen(cmd, fresh=fresh, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
+                           env=subprocess_env(), cwd=ROOT, start_new_session=True)
     try:
         out, err = proc.communicate(timeout=timeout)
     except subprocess.TimeoutExpired:
@@ -163,3 +165,7 @@ def pki(tmp_path_factory: pytest.TempPathFactory) -> dict[str, Any]:
     make_ca(d, "ca")
     make_ca(d, "other-ca")
     return {"job": make_leaf(d, "node", "ca"), "stranger": make_leaf(d, "stranger", "other-ca")}
+
+
+def pytest_sessionfinish(session: pytest.Session, exitstatus: int) -> None:
+    warmstart.ZYGOTE.close()

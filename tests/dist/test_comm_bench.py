@@ -9,6 +9,7 @@ import sys
 from pathlib import Path
 
 import pytest
+import warmstart
 
 ROOT = Path(__file__).resolve().parents[2]
 pytestmark = pytest.mark.slow
@@ -18,7 +19,7 @@ def test_bench_collectives_smoke(tmp_path: Path) -> None:
     env = dict(os.environ)
     env["PYTHONPATH"] = str(ROOT / "src") + os.pathsep + env.get("PYTHONPATH", "")
     out = tmp_path / "bench.json"
-    r = subprocess.run([sys.executable, "-m", "recover", "bench", "collectives", "--kills", "1", "--replicas", "2",
+    r = warmstart.run([sys.executable, "-m", "recover", "bench", "collectives", "--kills", "1", "--replicas", "2",
                         "--floats", "1000", "--kill-floats", "1000", "--iters", "2", "--json", str(out)],
                        capture_output=True, text=True, env=env, timeout=180, start_new_session=True)
     assert r.returncode == 0, r.stderr

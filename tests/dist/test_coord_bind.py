@@ -9,6 +9,7 @@ import sys
 from pathlib import Path
 
 import pytest
+import warmstart
 
 from conftest import subprocess_env
 
@@ -21,7 +22,7 @@ def test_a_taken_port_is_refused_naming_it_and_the_fix(tmp_path: Path, flag: str
     with socket.create_server(("127.0.0.1", 0)) as taken:
         port = taken.getsockname()[1]
         ports = {"--port": "0", "--store-port": "0", flag: str(port)}
-        done = subprocess.run([sys.executable, "-m", "recover", "coordinator", "--token-file", str(token),
+        done = warmstart.run([sys.executable, "-m", "recover", "coordinator", "--token-file", str(token),
                                *(x for kv in ports.items() for x in kv)],
                               capture_output=True, text=True, timeout=120, env=subprocess_env())
     lines = done.stderr.strip().splitlines()

@@ -13,6 +13,7 @@ from pathlib import Path
 from typing import Any
 
 import pytest
+import warmstart
 
 from recover.coord import CoordinatorClient, CoordinatorRefused
 from recover.coord.client import CoordinatorLost
@@ -33,7 +34,7 @@ def start_coordinator(tmp_path: Path, token: str, events: Path, port: int = 0,
     stdout line is the ready record."""
     token_file = tmp_path / "token"
     token_file.write_text(token + "\n")
-    return subprocess.Popen([sys.executable, "-m", "recover", "coordinator", "--port", str(port), "--store-port",
+    return warmstart.popen([sys.executable, "-m", "recover", "coordinator", "--port", str(port), "--store-port",
                              str(store_port), "--token-file", str(token_file), "--events", str(events), "--replicas",
                              "2", "--heartbeat-timeout", "1.0"], stdout=subprocess.PIPE, stderr=subprocess.PIPE,
                             text=True, env=env(), start_new_session=True)
@@ -101,7 +102,7 @@ def test_coordinator_command_serves_and_survives_bad_peers(tmp_path: Path) -> No
 
 
 def test_coordinator_command_rejects_a_missing_token_file(tmp_path: Path) -> None:
-    r = subprocess.run([sys.executable, "-m", "recover", "coordinator", "--port", "0", "--token-file",
+    r = warmstart.run([sys.executable, "-m", "recover", "coordinator", "--port", "0", "--token-file",
                         str(tmp_path / "nope")], capture_output=True, text=True, env=env(), timeout=60)
     assert r.returncode == 2
     assert r.stderr.strip().startswith("recover: error: --token-file") and "\n" not in r.stderr.strip()

@@ -10,6 +10,7 @@ import sys
 import time
 from pathlib import Path
 
+import warmstart
 from conftest import subprocess_env
 
 
@@ -22,7 +23,7 @@ def test_a_second_coordinator_on_a_held_run_directory_is_refused_and_a_dead_ones
         tmp_path: Path) -> None:
     run, token = tmp_path / "run", tmp_path / "token"
     token.write_text("t" * 32)
-    first = subprocess.Popen(_coordinator(run, token), stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
+    first = warmstart.popen(_coordinator(run, token), stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
                              env=subprocess_env())
     try:
         assert first.stdout is not None and json.loads(first.stdout.readline())["ready"]
@@ -34,7 +35,7 @@ def test_a_second_coordinator_on_a_held_run_directory_is_refused_and_a_dead_ones
         assert f"belongs to a running job: recover coordinator (PID {first.pid} on " in lines[0]
         os.kill(first.pid, signal.SIGKILL)  # its lease stays behind
         first.wait(10)
-        third = subprocess.Popen(_coordinator(run, token), stdout=subprocess.PIPE, stderr=subprocess.PIPE,
+        third = warmstart.popen(_coordinator(run, token), stdout=subprocess.PIPE, stderr=subprocess.PIPE,
                                  text=True, env=subprocess_env())
         try:
             assert third.stdout is not None and json.loads(third.stdout.readline())["ready"]

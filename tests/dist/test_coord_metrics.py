@@ -17,6 +17,7 @@ import urllib.request
 from pathlib import Path
 
 import pytest
+import warmstart
 from prometheus_client.parser import text_string_to_metric_families
 
 from recover.coord import CoordinatorClient
@@ -33,7 +34,7 @@ def free_port() -> int:
 
 def start(tmp_path: Path, metrics_port: int) -> subprocess.Popen[str]:
     (tmp_path / "token").write_text("tok\n")
-    return subprocess.Popen([sys.executable, "-m", "recover", "coordinator", "--port", "0", "--token-file",
+    return warmstart.popen([sys.executable, "-m", "recover", "coordinator", "--port", "0", "--token-file",
                              str(tmp_path / "token"), "--events", str(tmp_path / "events.jsonl"), "--replicas", "2",
                              "--metrics-port", str(metrics_port), "--tensorboard", str(tmp_path / "tb" / "job")],
                             stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, env=env(),
@@ -84,7 +85,7 @@ def test_the_endpoint_follows_the_job_and_a_taken_port_is_one_line(tmp_path: Pat
         with pytest.raises(urllib.error.HTTPError, match="404"):
             urllib.request.urlopen(f"http://127.0.0.1:{port}/", timeout=10)
         assert any((tmp_path / "tb" / "job").glob("events.out.tfevents.*"))
-        taken = subprocess.run([sys.executable, "-m", "recover", "coordinator", "--port", "0", "--token-file",
+        taken = warmstart.run([sys.executable, "-m", "recover", "coordinator", "--port", "0", "--token-file",
                                 str(tmp_path / "token"), "--metrics-port", str(port)],
                                capture_output=True, text=True, env=env(), timeout=60)
         assert taken.returncode == 2 and taken.stdout == ""

@@ -15,6 +15,7 @@ from pathlib import Path
 import pytest
 from test_storage import FULL_AT_SUMMARY  # a launcher whose summary.json the disk refuses
 
+import warmstart
 from conftest import NO_PLOTS, ROOT, STOP_GRACE_S, kill_group, subprocess_env
 from recover.observe.events import read_jsonl
 from recover.train.checkpoints.integrity import list_checkpoints
@@ -24,7 +25,7 @@ def start(out: Path, corpus: Path, *flags: str) -> subprocess.Popen[str]:
     """``recover launch`` of the debug model in the background (its own session: killed by group at the end)."""
     cmd = [sys.executable, "-m", "recover", "launch", NO_PLOTS, "--config", "debug", "--out", str(out), "--no-progress",
            "--data.path", str(corpus), "--device-time-s", "0.05", *flags]
-    return subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, env=subprocess_env(),
+    return warmstart.popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, env=subprocess_env(),
                             cwd=ROOT, start_new_session=True)
 
 
@@ -302,7 +303,7 @@ def test_every_documented_exit_status_is_provoked_for_real_and_ends_with_its_lin
     flags = flags[:len(flags) - len(script)]
     cmd = [*pre, "launch", NO_PLOTS, "--config", "debug", "--out", str(out), "--no-progress", "--data.path", str(data),
            "--device-time-s", "0.02", *flags, *script]
-    proc = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, env=subprocess_env(),
+    proc = warmstart.popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, env=subprocess_env(),
                             cwd=ROOT, start_new_session=True)
     try:
         if act is not None:

@@ -21,6 +21,7 @@ from pathlib import Path
 
 import pytest
 
+import warmstart
 from conftest import NO_PLOTS, losses, max_rel_diff, refusal, run_recover, subprocess_env
 
 STEPS = 24
@@ -46,9 +47,11 @@ def second_source(corpus: Path) -> Path:
 
 
 def launch(out: Path, corpus: Path, *extra: str, check: bool = True, plots: bool = False):
+    """``recover launch`` of this file's job; the run that draws its plots (the reference) is a new interpreter, as
+    a user's (the others are forked warm: :mod:`warmstart`)."""
     return run_recover(["launch", *(() if plots else (NO_PLOTS,)), "--config", "debug", "--replicas", "4", "--steps",
                         str(STEPS), "--out", str(out), "--no-progress", *mixture(corpus), "--training.eval_every=20",
-                        *extra], timeout=300, check=check)
+                        *extra], timeout=300, check=check, fresh=plots)
 
 
 def rows(run: Path) -> list[dict]:
@@ -323,7 +326,7 @@ def test_intruders_and_every_replica_killed_at_once_leave_the_run_bitwise_unaffe
     try:
         start = _coordinator_start(run, proc)
         assert start["max_replicas"] == 4
-        extra = subprocess.Popen([sys.executable, "-m", "recover", "worker", "--config", str(run / "config.json"),
+        extra = warmstart.popen([sys.executable, "-m", "recover", "worker", "--config", str(run / "config.json"),
                                   "--out", str(tmp_path / "extra"), "--coordinator", f"127.0.0.1:{start['port']}",
                                   "--token-file", str(run / "token"), "--replica", "4", "--join"],
                                  env=subprocess_env(), stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
@@ -450,7 +453,8 @@ def _processes_of(run: Path) -> dict[int, str]:
 
 
 def test_every_process_dies_with_a_sigkilled_launcher(corpus: Path, tmp_path: Path) -> None:
-    """SIGKILL of `recover launch` (no cleanup possible: the kernel ends its children) leaves nothing running."""
+    """SIGKILL of `recover launch` (no cleanup possible: the kernel ends its children) leaves nothing running.
+    The launcher is a new interpreter, its fork server too (the one started as in a user's job)."""
     sig = signal.SIGKILL
     run = tmp_path / "run"
     proc = subprocess.Popen([sys.executable, "-m", "recover", "launch", NO_PLOTS,
@@ -496,7 +500,7 @@ def _coordinator_pid(run: Path) -> int:
 
 
 def _start_launch(run: Path, corpus: Path, *extra: str) -> subprocess.Popen[bytes]:
-    return subprocess.Popen([sys.executable, "-m", "recover", "launch", NO_PLOTS,
+    return warmstart.popen([sys.executable, "-m", "recover", "launch", NO_PLOTS,
                              "--config", "debug", "--replicas", "4",
                              "--steps", str(STEPS), "--out", str(run), "--no-progress", *mixture(corpus),
                              "--training.eval_every=20", "--deterministic", "--device-time-s", "0.05", *extra],
@@ -750,7 +754,7 @@ def test_a_fifth_replica_started_by_hand_joins_and_a_drained_one_leaves_both_bit
     try:
         at = f"127.0.0.1:{_coordinator_start(run, proc)['port']}"
         with open(tmp_path / "fifth.log", "wb") as log:
-            fifth = subprocess.Popen([sys.executable, "-m", "recover", "worker", "--config", str(run / "config.json"),
+            fifth = warmstart.popen([sys.executable, "-m", "recover", "worker", "--config", str(run / "config.json"),
                                       "--out", str(run), "--coordinator", at, "--token-file", str(run / "token"),
                                       "--procs", "4", "--spare"], env=subprocess_env(), start_new_session=True,
                                      stdin=subprocess.PIPE, stdout=log, stderr=subprocess.STDOUT)

@@ -12,6 +12,7 @@ import subprocess
 import sys
 from pathlib import Path
 
+import warmstart
 from conftest import NO_PLOTS, ROOT, subprocess_env
 from recover.bench.common import STOP_GRACE_S, kill_group
 
@@ -24,7 +25,7 @@ def launch(out: Path, env: dict[str, str], *extra: str) -> subprocess.CompletedP
            "--config", "debug", "--replicas", "3", "--steps", str(STEPS),
            "--out", str(out), "--no-progress", "--deterministic", "--workload.policy=even", *extra, "--",
            sys.executable, str(SCRIPT)]
-    proc = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, cwd=ROOT,
+    proc = warmstart.popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, cwd=ROOT,
                             env={**subprocess_env(), **env}, start_new_session=True)
     try:
         text, err = proc.communicate(timeout=300)

@@ -20,6 +20,7 @@ from pathlib import Path
 
 import pytest
 
+import warmstart
 from conftest import NO_PLOTS, ROOT, losses, subprocess_env
 
 SCRIPT = ROOT / "tests" / "e2e" / "scripts" / "train_exits.py"
@@ -32,7 +33,7 @@ def launch(out: Path, *extra: str, replicas: int = 3, env: dict[str, str] | None
            "--config", "debug", "--replicas", str(replicas), "--steps",
            str(STEPS), "--out", str(out), "--no-progress", "--deterministic", "--workload.policy=even",
            f"--fault_tolerance.start_timeout_s={start_timeout_s}", *extra, "--", sys.executable, str(SCRIPT)]
-    return subprocess.run(cmd, capture_output=True, text=True, timeout=timeout, cwd=ROOT,
+    return warmstart.run(cmd, capture_output=True, text=True, timeout=timeout, cwd=ROOT,
                           env={**subprocess_env(), "EXIT_COUNT": str(out.parent / f"{out.name}.count"), **(env or {})})
 
 

@@ -22,6 +22,7 @@ from pathlib import Path
 
 import pytest
 
+import warmstart
 from conftest import NO_PLOTS, losses, run_recover, subprocess_env
 
 STEPS = 16
@@ -42,7 +43,7 @@ def reference(tmp_path_factory: pytest.TempPathFactory, corpus: Path) -> Path:
 
 
 def _start(run: Path, corpus: Path, *extra: str) -> subprocess.Popen[bytes]:
-    return subprocess.Popen([sys.executable, "-m", "recover", *_args(run, corpus, "--device-time-s", "0.1", *extra)],
+    return warmstart.popen([sys.executable, "-m", "recover", *_args(run, corpus, "--device-time-s", "0.1", *extra)],
                             env=subprocess_env(), start_new_session=True, stdout=subprocess.PIPE,
                             stderr=subprocess.PIPE)
 

@@ -20,6 +20,7 @@ from pathlib import Path
 
 import pytest
 
+import warmstart
 from conftest import NO_PLOTS, ROOT, losses, subprocess_env
 
 STEPS = 16
@@ -30,7 +31,7 @@ def launch(out: Path, corpus: Path, *extra: str, slow_s: float = 0.0, match: str
            timeout: float = 300) -> subprocess.CompletedProcess[str]:
     env = subprocess_env()
     env.update(PYTHONPATH=f"{SLOW}{os.pathsep}{env['PYTHONPATH']}", SLOW_STORE_S=str(slow_s), SLOW_STORE_MATCH=match)
-    return subprocess.run([sys.executable, "-m", "recover", "launch", NO_PLOTS, "--config", "debug", "--replicas", "2",
+    return warmstart.run([sys.executable, "-m", "recover", "launch", NO_PLOTS, "--config", "debug", "--replicas", "2",
                            "--steps", str(STEPS), "--out", str(out), "--no-progress", "--deterministic",
                            "--data.path", str(corpus), "--training.eval_every=0", "--device-time-s", "0.1", *extra],
                           capture_output=True, text=True, timeout=timeout, env=env, cwd=ROOT)

@@ -15,6 +15,7 @@ from pathlib import Path
 
 import pytest
 
+import warmstart
 from conftest import NO_PLOTS, ROOT, losses, run_recover, subprocess_env
 from recover.observe.events import read_jsonl
 
@@ -120,7 +121,7 @@ def test_the_runs_whole_disk_filling_under_the_job_ends_it_with_status_12_and_it
     import time
 
     run = small_run_disk
-    proc = subprocess.Popen([sys.executable, "-m", "recover", "launch", NO_PLOTS,
+    proc = warmstart.popen([sys.executable, "-m", "recover", "launch", NO_PLOTS,
                              "--config", "debug", "--replicas", "2",
                              "--steps", "40", "--out", str(run), "--no-progress", "--data.path", str(corpus),
                              "--device-time-s", "0.05", "--training.checkpoint_every=5"],

@@ -20,6 +20,9 @@ Contract (Linux; :func:`start` returns None elsewhere, and callers then start wo
   ``/proc/PID/environ`` shows the server's, the block a process is born with), working directory and standard
   streams, and each descriptor of ``pass_fds`` at its own number; ``/proc/PID/cmdline`` (``ps``) shows its own
   command (written over the room the server's command line keeps for it: :data:`ROOM` bytes).
+- A launcher whose environment names a fork server (``RECOVER_FORK_SERVER=FD:PID``: a server already serving
+  on socket FD, the launcher's own child PID, forked by the warm interpreter that forked the launcher, as the
+  test suite's does) adopts it instead of starting one; the variable is taken out of its environment.
 - The server imports before it serves and forks only while it is single-threaded apart from threads whose
   libraries re-make them after a fork (OpenBLAS's, as every ``DataLoader`` worker relies on) and while no
   CUDA context exists in it (torch's import creates none); a worker initialises its devices itself.
@@ -29,6 +32,7 @@ from __future__ import annotations
 
 import ctypes
 import fcntl
+import gc
 import json
 import os
 import socket
@@ -54,6 +58,10 @@ _PRELOAD = ("recover.train.processes.worker", "torch._dynamo", "torch.distribute
 ``torch.distributed.checkpoint`` with the first save."""
 
 
+HANDED_ENV = "RECOVER_FORK_SERVER"
+"""``FD:PID`` of a fork server handed to the launcher (see the module docstring)."""
+
+
 class Unavailable(RuntimeError):
     """The fork server cannot start this process: start it as a new interpreter."""
 
@@ -76,7 +84,7 @@ def _prctl(option: int, value: int) -> bool:
 class ForkServer:
     """The launcher's handle on its fork server (see the module docstring)."""
 
-    def __init__(self, proc: subprocess.Popen[bytes], sock: socket.socket) -> None:
+    def __init__(self, proc: subprocess.Popen[bytes] | Forked, sock: socket.socket) -> None:
         self.proc, self._sock = proc, sock
         self._lock = threading.Lock()  # one request at a time: the subreaper window is per request
         self.ready: dict[str, Any] | None = None
@@ -159,6 +167,11 @@ def start(log_path: Path) -> ForkServer | None:
     the first :meth:`ForkServer.popen` waits for it. Its output goes to ``log_path``."""
     if not supported():
         return None
+    handed = os.environ.pop(HANDED_ENV, "")
+    if handed:
+        fd, pid = (int(x) for x in handed.split(":"))
+        return ForkServer(Forked([sys.executable, "-m", "recover", "forkserver", "--fd", str(fd)], pid),
+                          socket.socket(fileno=fd))
     mine, theirs = socket.socketpair(socket.AF_UNIX, socket.SOCK_SEQPACKET)
     with open(log_path, "ab") as log:
         proc = subprocess.Popen([sys.executable, "-m", "recover", "forkserver", "--fd", str(theirs.fileno()),
@@ -188,6 +201,7 @@ def serve(fd: int) -> list[str] | None:
     except Exception as exc:  # noqa: BLE001 - any failure: the workers start as new interpreters
         why = f"importing failed ({type(exc).__name__}: {exc})"
     why = why or unsafe()
+    gc.freeze()  # the imports' objects live as long as the workers: none of their collections walks (copies) them
     sock.send(json.dumps({"forks": why is None, "why": why, "threads": threads(),
                           "cpu_s": round(time.process_time(), 3)}).encode())
     if why is not None:
