@@ -10,7 +10,8 @@ Contract:
 - :func:`popen` (and :func:`run`, as :func:`subprocess.run`) takes :class:`subprocess.Popen`'s arguments. For
   ``[sys.executable, "-m", "recover", ...]`` it returns a :class:`Warm` (a ``Popen`` whose child the zygote
   forked: ``pid``, pipes in text or bytes, ``communicate``, ``wait``, ``poll``, signals and timeouts as Popen's);
-  for anything else, or with ``fresh=True``, or where ``RECOVER_TEST_FRESH=1`` is set, a plain ``Popen``.
+  for anything else, for an environment that changes what an interpreter reads as it starts (:data:`AT_START`),
+  with ``fresh=True``, or where ``RECOVER_TEST_FRESH=1`` is set, a plain ``Popen``.
 - The forked command runs with exactly the request's argument list, environment (``os.environ``; ``/proc/PID/
   environ`` shows the zygote's), working directory, standard streams and session (``start_new_session``), the
   Python generators reseeded, default signal dispositions, no descriptor of the zygote's, and its own command
@@ -161,15 +162,28 @@ class Warm(subprocess.Popen):  # type: ignore[type-arg]
 _EXECUTE_CHILD = subprocess.Popen._execute_child
 
 
-def warm(cmd: list[Any], fresh: bool = False) -> bool:
-    """Whether :func:`popen` forks ``cmd`` from the zygote."""
+AT_START = ("PYTHON", "LD_", "OMP_", "MKL_", "KMP_", "OPENBLAS_", "MALLOC_", "TORCH", "CUDA", "NCCL", "GLOO")
+"""Prefixes of the variables an interpreter, torch or a native library reads as it starts or imports (a
+``sitecustomize`` on ``PYTHONPATH``, thread pools, allocators): a fork of the zygote would not see a change to
+one of them, so a command whose environment changes one starts afresh."""
+
+
+def _started_with(env: dict[str, str]) -> dict[str, str]:
+    return {k: v for k, v in env.items() if k.startswith(AT_START)}
+
+
+def warm(cmd: list[Any], env: dict[str, str] | None = None, fresh: bool = False) -> bool:
+    """Whether :func:`popen` forks ``cmd`` (with environment ``env``, None: this process's) from the zygote."""
+    from conftest import subprocess_env
+
     return (not fresh and os.environ.get(FRESH_ENV, "") in ("", "0") and sys.platform.startswith("linux")
-            and [str(c) for c in cmd[:3]] == [sys.executable, "-m", "recover"])
+            and [str(c) for c in cmd[:3]] == [sys.executable, "-m", "recover"]
+            and _started_with(dict(os.environ if env is None else env)) == _started_with(subprocess_env()))
 
 
 def popen(cmd: list[Any], fresh: bool = False, **kwargs: Any) -> subprocess.Popen[Any]:
     """``subprocess.Popen(cmd, **kwargs)``, forked from the zygote where :func:`warm` says so."""
-    return Warm(cmd, **kwargs) if warm(cmd, fresh) else subprocess.Popen(cmd, **kwargs)
+    return Warm(cmd, **kwargs) if warm(cmd, kwargs.get("env"), fresh) else subprocess.Popen(cmd, **kwargs)
 
 
 def run(cmd: list[Any], fresh: bool = False, timeout: float | None = None, check: bool = False,
