@@ -43,6 +43,24 @@ def _no_process(*_args: object, **_kwargs: object) -> None:
                   "(tests/e2e for a `recover launch` run)")
 
 
+PYCACHE = ROOT / ".pytest_cache" / "pyc"
+"""Where the suite's processes find recover's compiled modules (``PYTHONPYCACHEPREFIX``): compiled once per
+session (:func:`pytest_configure`), also where the environment says not to write bytecode beside the sources
+(``PYTHONDONTWRITEBYTECODE``), so that no new interpreter of the suite compiles recover anew (~0.4 CPU-s each)."""
+
+
+def pytest_configure(config: pytest.Config) -> None:
+    if hasattr(config, "workerinput"):  # an xdist worker: the controller compiled them
+        return
+    import compileall
+
+    before, sys.pycache_prefix = sys.pycache_prefix, str(PYCACHE)
+    try:
+        compileall.compile_dir(SRC / "recover", quiet=1)
+    finally:
+        sys.pycache_prefix = before
+
+
 def pytest_collection_modifyitems(items: list[pytest.Item]) -> None:
     """The longest runs (marked ``long``) first: with the tiers spread over the cores (`make test`'s ``-n auto``),
     one that started last would run alone at the end."""
@@ -66,6 +84,7 @@ checks that a run asked for none draws none)."""
 def subprocess_env() -> dict[str, str]:
     env = dict(os.environ)
     env["PYTHONPATH"] = str(SRC) + os.pathsep + env.get("PYTHONPATH", "")
+    env["PYTHONPYCACHEPREFIX"] = str(PYCACHE)
     env.setdefault("OMP_NUM_THREADS", "1")
     return env
 
