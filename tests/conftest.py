@@ -43,22 +43,15 @@ def _no_process(*_args: object, **_kwargs: object) -> None:
                   "(tests/e2e for a `recover launch` run)")
 
 
-PYCACHE = ROOT / ".pytest_cache" / "pyc"
-"""Where the suite's processes find recover's compiled modules (``PYTHONPYCACHEPREFIX``): compiled once per
-session (:func:`pytest_configure`), also where the environment says not to write bytecode beside the sources
-(``PYTHONDONTWRITEBYTECODE``), so that no new interpreter of the suite compiles recover anew (~0.4 CPU-s each)."""
-
-
 def pytest_configure(config: pytest.Config) -> None:
+    """Compiles recover's modules once per session, beside their sources (``__pycache__``, as any import that may
+    write bytecode does): where the environment says not to write bytecode (``PYTHONDONTWRITEBYTECODE``) every new
+    interpreter of the suite would otherwise compile them anew (~0.4 CPU-s each); it still reads them."""
     if hasattr(config, "workerinput"):  # an xdist worker: the controller compiled them
         return
     import compileall
 
-    before, sys.pycache_prefix = sys.pycache_prefix, str(PYCACHE)
-    try:
-        compileall.compile_dir(SRC / "recover", quiet=1)
-    finally:
-        sys.pycache_prefix = before
+    compileall.compile_dir(SRC / "recover", quiet=1)
 
 
 def pytest_collection_modifyitems(items: list[pytest.Item]) -> None:
@@ -84,7 +77,6 @@ checks that a run asked for none draws none)."""
 def subprocess_env() -> dict[str, str]:
     env = dict(os.environ)
     env["PYTHONPATH"] = str(SRC) + os.pathsep + env.get("PYTHONPATH", "")
-    env["PYTHONPYCACHEPREFIX"] = str(PYCACHE)
     env.setdefault("OMP_NUM_THREADS", "1")
     return env
 
