@@ -109,9 +109,9 @@ def test_replicas_that_exit_once_are_replaced(reference: Path, tmp_path: Path) -
 def test_a_replica_that_fails_the_same_way_each_time_is_given_up_and_the_job_goes_on(
         reference: Path, tmp_path: Path) -> None:
     out = tmp_path / "run"
-    # 0.4 s of emulated device per microbatch (changes no number): the job outlasts three new interpreters'
+    # steps of 0.5 s (the script's own pause; changes no number): the job outlasts three new interpreters'
     # starts on a loaded machine (else it may end before the third exit, and nothing is left to give up)
-    done = launch(out, "--rejoin-after", "0", "--device-time-s", "0.4", env=plan((2, "start", "1")))
+    done = launch(out, "--rejoin-after", "0", env={**plan((2, "start", "1")), "STEP_PAUSE_S": "0.5"})
     rows = finished_bitwise(done, out, reference)
     assert all(r["live_replicas"] == 2 for r in rows)
     ev = events(out)
