@@ -200,7 +200,7 @@ class TrainingConfig:
     """Complete checkpoints kept: after each save the older ones beyond this many are deleted (a resume
     falls back to an older one when the newest is damaged). 0 keeps them all."""
     threads: int = 0
-    """torch intra-op threads per process; 0 means cores / local processes."""
+    """torch intra-op threads per process; 0 means ``OMP_NUM_THREADS`` where set, else cores / local processes."""
     deterministic: bool = False
     """Accumulate and reduce gradients in float64 so a step does not depend on who computed what, and use
     deterministic kernels (``torch.use_deterministic_algorithms``; on CUDA also

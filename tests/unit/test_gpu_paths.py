@@ -186,3 +186,27 @@ def test_deterministic_mode_switches_on_deterministic_kernels(monkeypatch: pytes
     finally:
         torch.use_deterministic_algorithms(False)
         torch.set_num_threads(threads)
+
+
+def test_threads_per_process_follow_the_config_then_omp_num_threads_then_the_cores(
+        monkeypatch: pytest.MonkeyPatch) -> None:
+    from recover.config import load_config
+    from recover.train.processes.loop import configure_torch
+
+    threads = torch.get_num_threads()
+    cores = os.cpu_count() or 1
+    try:
+        monkeypatch.setenv("OMP_NUM_THREADS", "1")  # what torchrun sets, and what a shared machine's user sets
+        configure_torch(load_config("debug", []), 1)
+        assert torch.get_num_threads() == 1
+        configure_torch(load_config("debug", ["--training.threads=2"]), 1)
+        assert torch.get_num_threads() == 2  # the config's own count wins
+        for unset in ("", "many"):
+            monkeypatch.setenv("OMP_NUM_THREADS", unset)
+            configure_torch(load_config("debug", []), 1)
+            assert torch.get_num_threads() == cores  # one local process: every core
+        monkeypatch.delenv("OMP_NUM_THREADS")
+        configure_torch(load_config("debug", []), 2 * cores)
+        assert torch.get_num_threads() == 1
+    finally:
+        torch.set_num_threads(threads)

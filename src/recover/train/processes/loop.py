@@ -43,15 +43,26 @@ from recover.train.replicas.replica import Replica
 from recover.train.replicas.steps import Steps  # the committed-step iterator of the library API, the one there is
 
 
+def _env_threads() -> int:
+    """``OMP_NUM_THREADS`` as a positive count (0: unset or not one): a process told how many threads to use
+    keeps to it (more OpenMP threads than free cores spin in their barriers, several times the CPU for the
+    same work)."""
+    try:
+        return max(0, int(os.environ.get("OMP_NUM_THREADS", "")))
+    except ValueError:
+        return 0
+
+
 def configure_torch(cfg: Config, local_procs: int) -> None:
-    """Threads per process (``training.threads``, else cores / local processes), denormal flushing, and
-    deterministic kernels in deterministic mode (:func:`use_deterministic_kernels`).
+    """Threads per process (``training.threads``, else ``OMP_NUM_THREADS`` where set, as torch itself and torchrun
+    read it, else cores / local processes), denormal flushing, and deterministic kernels in deterministic mode
+    (:func:`use_deterministic_kernels`).
 
     Unseen vocabulary rows get ~1e-20 gradients whose squares are subnormal in AdamW's state: on CPUs
     subnormal arithmetic is ~100x slower, so they are flushed to zero (no effect on GPUs).
     Call it before the first matrix multiplication on a GPU (cuBLAS reads its workspace setting then).
     """
-    threads = cfg.training.threads or max(1, (os.cpu_count() or 1) // max(1, local_procs))
+    threads = cfg.training.threads or _env_threads() or max(1, (os.cpu_count() or 1) // max(1, local_procs))
     torch.set_num_threads(threads)
     torch.set_flush_denormal(True)
     if cfg.training.deterministic:
