@@ -4,7 +4,9 @@ subprocesses.
 Every subprocess is started in its own session and, if it outlives its timeout, stopped by PID
 (never by name): SIGINT to its process group first (a launcher then stops the coordinator and the
 workers it started, each in a session of its own), SIGKILL after a grace, so no test leaves
-processes behind.
+processes behind. ``run_recover`` (and the tests' own ``warmstart.popen``) fork a ``recover`` command from one
+warm interpreter per test process instead of starting a new one (:mod:`warmstart`; ``RECOVER_TEST_FRESH=1``: new
+ones).
 
 The unit tier is pure and in-process: under tests/unit no process starts. Every way the standard library
 starts one ends in ``subprocess.Popen._execute_child`` (subprocess, ``os.popen``), ``multiprocessing``'s
@@ -179,4 +181,5 @@ def pki(tmp_path_factory: pytest.TempPathFactory) -> dict[str, Any]:
 
 
 def pytest_sessionfinish(session: pytest.Session, exitstatus: int) -> None:
+    """Ends this test process's warm interpreter (:mod:`warmstart`), if it started one."""
     warmstart.ZYGOTE.close()

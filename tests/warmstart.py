@@ -110,8 +110,8 @@ class Warm(subprocess.Popen):  # type: ignore[type-arg]
     def _execute_child(self, args: Any, executable: Any, preexec_fn: Any, close_fds: Any, pass_fds: Any, cwd: Any,
                        env: Any, startupinfo: Any, creationflags: Any, shell: Any, p2cread: int, p2cwrite: int,
                        c2pread: int, c2pwrite: int, errread: int, errwrite: int, *rest: Any) -> None:
-        if subprocess.Popen._execute_child is not _EXECUTE_CHILD:  # the unit tier's guard: no process there
-            subprocess.Popen._execute_child(self, args, executable, preexec_fn, close_fds, pass_fds, cwd, env,
+        if subprocess.Popen._execute_child is not _EXECUTE_CHILD:  # the unit tier's guard (it raises): no process
+            return subprocess.Popen._execute_child(self, args, executable, preexec_fn, close_fds, pass_fds, cwd, env,
                                             startupinfo, creationflags, shell, p2cread, p2cwrite, c2pread, c2pwrite,
                                             errread, errwrite, *rest)
         assert not shell and preexec_fn is None and not pass_fds, "a warm start takes none of these"
