@@ -41,7 +41,7 @@ test: $(STAMP)
 	$(PY) -m pytest -q --durations=15 -m "not interop" -n auto --dist worksteal
 
 # test-interop: other projects' model code (transformers' Llama and GPT-2, torchtitan's Llama 3) trained through
-# recover.api under recover launch with a kill, a hang and a corruption (~3 min; CI runs it after make test).
+# recover.api under recover launch with a kill, a hang and a corruption (2.0 min measured with its installs; CI runs it after make test).
 # torchtitan and the few modules its model code imports go in --no-deps, once (~16 MB, ~5-7 s): its declared
 # dependencies would replace the CPU torch with a CUDA build and add datasets, wandb, tensorboard (GBs), none of
 # which the model needs. It needs Python >= 3.11; with an older one its test is skipped.
