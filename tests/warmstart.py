@@ -63,6 +63,7 @@ class _Zygote:
         zygote answers its PID, then its exit status."""
         with self._lock:
             if self._sock is None or (self._proc is not None and self._proc.poll() is not None):
+                self.close()  # a zygote that died is replaced
                 self._start()
             assert self._sock is not None
             mine, theirs = socket.socketpair(socket.AF_UNIX, socket.SOCK_SEQPACKET)
