@@ -2,7 +2,7 @@
 
 Two places fork: the job's fork server (:mod:`recover.launch.forkserver`: the coordinator and every worker)
 and a replica's checkpoint writer (:mod:`recover.train.checkpoints.writer`, forked by its worker before the
-worker starts a thread). Both ask the same three things of this module.
+worker starts a thread). They ask the same things of this module (the fork server all four).
 
 Contract (Linux; stdlib only, below every package):
 - :func:`unsafe` says why forking this process now would not be safe (a Python thread runs besides the
@@ -14,6 +14,9 @@ Contract (Linux; stdlib only, below every package):
   parent may hold one (it reaps it).
 - :func:`retitle` writes a command line over the process's own (``/proc/PID/cmdline``, what ``ps`` shows),
   cut to the room the original one had.
+- :func:`reseed` gives a forked child fresh seeds for the global generators a new interpreter seeds from the
+  system's entropy (Python's ``random``, numpy's); torch's default generator starts from the same fixed seed in
+  any process and is left alone.
 """
 
 from __future__ import annotations
@@ -70,6 +73,16 @@ def retitle(args: list[str]) -> None:
         return
     text = b"\0".join(a.encode(errors="replace") for a in args)[:size - 1]
     ctypes.memmove(start, text.ljust(size, b"\0"), size)
+
+
+def reseed() -> None:
+    """Fresh seeds for Python's and numpy's global generators (see the module docstring)."""
+    import random
+
+    random.seed()
+    numpy = sys.modules.get("numpy")
+    if numpy is not None:
+        numpy.random.seed()
 
 
 class Forked:

@@ -43,7 +43,7 @@ import time
 from pathlib import Path
 from typing import Any
 
-from recover.forking import Forked, retitle, threads, unsafe
+from recover.forking import Forked, reseed, retitle, threads, unsafe
 from recover.lifeline import child_env
 
 ROOM = 8192
@@ -275,23 +275,11 @@ def _become(sock: socket.socket, request: dict[str, Any], fds: list[int]) -> lis
     deadline = time.monotonic() + 10
     while os.getppid() != request["parent"] and time.monotonic() < deadline:  # adopted by the launcher
         time.sleep(0.001)
-    _reseed()
+    reseed()
     argv = list(request["argv"])
     retitle([sys.executable, "-m", "recover", *argv])
     sys.argv = [sys.argv[0], *argv]
     return argv
-
-
-def _reseed() -> None:
-    """Fresh seeds for the global generators a new interpreter would seed from the system's entropy (the
-    server's state is every worker's after a fork); torch's default generator starts from the same fixed seed
-    in any process and is left alone."""
-    import random
-
-    random.seed()
-    numpy = sys.modules.get("numpy")
-    if numpy is not None:
-        numpy.random.seed()
 
 
 def run(args: Any) -> list[str] | None:
