@@ -31,6 +31,7 @@ from __future__ import annotations
 
 import json
 import os
+import select
 import selectors
 import socket
 import subprocess
@@ -57,6 +58,16 @@ class _Zygote:
         self._lock = threading.Lock()
         self._sock: socket.socket | None = None
         self._proc: subprocess.Popen[bytes] | None = None
+        self._env: dict[str, str] | None = None
+
+    def env(self) -> dict[str, str]:
+        """The environment the zygote starts (or started) with: the suite's (``subprocess_env``) as it was at the
+        first request, whatever a test changed in its own since."""
+        if self._env is None:
+            from conftest import subprocess_env
+
+            self._env = subprocess_env()
+        return self._env
 
     def request(self, msg: dict[str, Any], fds: list[int]) -> socket.socket:
         """Sends one request (with the child's standard streams ``fds``); returns the socket on which the
@@ -74,12 +85,10 @@ class _Zygote:
             return mine
 
     def _start(self) -> None:
-        from conftest import subprocess_env
-
         mine, theirs = socket.socketpair(socket.AF_UNIX, socket.SOCK_SEQPACKET)
         self._proc = subprocess.Popen([sys.executable, str(HERE), str(theirs.fileno()), "--room", " " * ROOM],
                                       pass_fds=(theirs.fileno(),), stdin=subprocess.DEVNULL,
-                                      stdout=subprocess.DEVNULL, env=subprocess_env(), start_new_session=True)
+                                      stdout=subprocess.DEVNULL, env=self.env(), start_new_session=True)
         theirs.close()
         mine.settimeout(120)
         ready = mine.recv(4096)
@@ -135,11 +144,8 @@ class Warm(subprocess.Popen):  # type: ignore[type-arg]
 
     def _status_now(self, timeout: float | None) -> int | None:
         """The exit status if the zygote has sent it within ``timeout`` seconds (0: now)."""
-        ready = selectors.DefaultSelector()
-        with ready:
-            ready.register(self._status, selectors.EVENT_READ)
-            if not ready.select(timeout):
-                return None
+        if not select.select([self._status], [], [], timeout)[0]:
+            return None
         msg = self._status.recv(4096)
         self._status.close()
         if not msg:
@@ -175,11 +181,9 @@ def _started_with(env: dict[str, str]) -> dict[str, str]:
 
 def warm(cmd: list[Any], env: dict[str, str] | None = None, fresh: bool = False) -> bool:
     """Whether :func:`popen` forks ``cmd`` (with environment ``env``, None: this process's) from the zygote."""
-    from conftest import subprocess_env
-
     return (not fresh and os.environ.get(FRESH_ENV, "") in ("", "0") and sys.platform.startswith("linux")
             and [str(c) for c in cmd[:3]] == [sys.executable, "-m", "recover"]
-            and _started_with(dict(os.environ if env is None else env)) == _started_with(subprocess_env()))
+            and _started_with(dict(os.environ if env is None else env)) == _started_with(ZYGOTE.env()))
 
 
 def popen(cmd: list[Any], fresh: bool = False, **kwargs: Any) -> subprocess.Popen[Any]:
@@ -212,15 +216,13 @@ def _serve(sock: socket.socket) -> dict[str, Any] | None:
     """Forks a child per request and reports each child's end; returns the request in a child (None here once
     the test process is gone)."""
     sel = selectors.DefaultSelector()
-    sel.register(sock, selectors.EVENT_READ, None)
-    kids: dict[int, tuple[int, socket.socket]] = {}  # pidfd -> (pid, status socket)
+    sel.register(sock, selectors.EVENT_READ, None)  # and each child's pidfd, with (pid, its status socket)
     while True:
         for key, _ in sel.select():
             if key.data is not None:  # a child ended
                 pid, status = key.data
                 sel.unregister(key.fd)
                 os.close(key.fd)
-                del kids[key.fd]
                 _, code = os.waitpid(pid, 0)
                 try:
                     status.send(json.dumps({"rc": os.waitstatus_to_exitcode(code)}).encode())
@@ -235,9 +237,10 @@ def _serve(sock: socket.socket) -> dict[str, Any] | None:
             status = socket.socket(fileno=fds[0])
             pid = os.fork()
             if pid == 0:
-                for pidfd, (_, other) in kids.items():
-                    os.close(pidfd)
-                    other.close()
+                for other in sel.get_map().values():
+                    if other.data is not None:
+                        os.close(other.fd)
+                        other.data[1].close()
                 sel.close()
                 sock.close()
                 status.close()
@@ -246,16 +249,12 @@ def _serve(sock: socket.socket) -> dict[str, Any] | None:
             for fd in fds[1:]:
                 os.close(fd)
             status.send(json.dumps({"pid": pid}).encode())
-            pidfd = os.pidfd_open(pid)
-            kids[pidfd] = (pid, status)
-            sel.register(pidfd, selectors.EVENT_READ, (pid, status))
+            sel.register(os.pidfd_open(pid), selectors.EVENT_READ, (pid, status))
 
 
 def _become(request: dict[str, Any], streams: list[int]) -> None:
     """In the forked child: the request's session, streams, environment, directory, seeds and command line."""
-    import random
-
-    from recover.forking import retitle
+    from recover.forking import reseed, retitle
 
     if request["session"]:
         os.setsid()
@@ -267,10 +266,7 @@ def _become(request: dict[str, Any], streams: list[int]) -> None:
     os.environ.clear()
     os.environ.update(request["env"])
     os.chdir(request["cwd"])
-    random.seed()
-    numpy = sys.modules.get("numpy")
-    if numpy is not None:
-        numpy.random.seed()
+    reseed()
     import recover
 
     sys.argv = [str(Path(recover.__file__).parent / "__main__.py"), *request["argv"]]  # as `python -m recover`

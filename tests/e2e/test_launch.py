@@ -132,8 +132,8 @@ def test_commit_optimizer_idle_failures(reference_det: Path, corpus: Path, tmp_p
     assert live[STEPS - 1] == 1
     (forks,) = [e for e in events(tmp_path) if e["kind"] == "fork_server"]
     assert forks["forks"] and forks["forked"] == 5  # the coordinator and the 4 workers
-    if warmstart.warm([sys.executable, "-m", "recover"]):  # forked warm: it adopted the server handed to it,
-        assert forks["cpu_s"] < 1.0  # which imported nothing (a server started anew spends ~3 s importing)
+    if warmstart.warm([sys.executable, "-m", "recover"], subprocess_env()):  # forked warm: it adopted the server
+        assert forks["cpu_s"] < 1.0  # handed to it, which imported nothing (one started anew spends ~3 s)
 
 
 def test_two_at_once_then_a_failure_during_recovery(reference_det: Path, corpus: Path, tmp_path: Path) -> None:

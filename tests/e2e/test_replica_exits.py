@@ -34,7 +34,7 @@ def launch(out: Path, *extra: str, replicas: int = 3, env: dict[str, str] | None
            str(STEPS), "--out", str(out), "--no-progress", "--deterministic", "--workload.policy=even",
            f"--fault_tolerance.start_timeout_s={start_timeout_s}", *extra, "--", sys.executable, str(SCRIPT)]
     return warmstart.run(cmd, capture_output=True, text=True, timeout=timeout, cwd=ROOT,
-                          env={**subprocess_env(), "EXIT_COUNT": str(out.parent / f"{out.name}.count"), **(env or {})})
+                         env={**subprocess_env(), "EXIT_COUNT": str(out.parent / f"{out.name}.count"), **(env or {})})
 
 
 def plan(*exits: tuple[int, str, str] | tuple[int, str, str, int]) -> dict[str, str]:
