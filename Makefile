@@ -1,7 +1,7 @@
 # Two commands do all the set-up on a fresh machine with Python >= 3.10:
 #   make demo   the main job: a small multi-replica run on the embedded stdlib corpus
 #   make test   the whole test suite: tests/unit, tests/dist (multi-process gloo), tests/e2e (launch runs),
-#               all but the interop tests, spread over every core (12.2-13.6 min on 2 idle cores: over
+#               all but the interop tests, spread over every core (11.9-13.6 min on 2 idle cores: over
 #               the 8-minute budget, to be cut back)
 #   make test-unit   the unit tier alone (about 60 s)
 #   make test-interop   Hugging Face models and torchtitan's Llama 3 trained through recover.api, and the metrics
